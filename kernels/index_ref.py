@@ -1,0 +1,285 @@
+"""Physical tiles of sparse-attention indexes, in plain PyTorch (no Triton; runs on CPU or GPU).
+
+A sparse prefill kernel walks, for every (batch, head, query row block m of `block` rows), a list of
+key *pieces* (`block`-wide key ranges, start positions in `block_offset`) and a list of single key
+*columns* (`column_index`, gathered `block` at a time). `VSTiles` holds both for every pattern:
+
+- Vertical-Slash: slash offset s covers, for row block m, the key range [m*b - s, (m+1)*b - s). The
+  ranges of all offsets are merged (overlapping or adjacent) and each merged range is chopped into
+  `block`-wide pieces **from its end**, so the lowest piece may stick out below the range (and below
+  key 0: starts lie in (-block, n)). Chopping from the end makes every piece's distance from the row
+  block independent of m, which is what lets `vs_to_tiles` run vectorised with no host sync.
+  Columns inside any piece of a row block, or >= m*b, are dropped from its column list, so every
+  remaining column is < m*b (strictly causal). Offset 0 is always present.
+- Block-sparse: the pieces are the selected key blocks (`block_sparse_to_tiles`).
+- A-shape: the pieces cover the window band, the sink tokens are columns (`ashape_to_tiles`); the
+  kernel additionally applies the exact per-token sink/window mask.
+
+Piece semantics (what kernels and `tiles_to_mask` compute): pieces of a row block are ascending; piece
+t covers keys [p_t, min(p_t + b, p_{t+1})) intersected with [0, n) and j <= i. The cut at the next
+piece's start means overlapping pieces never count a key twice. Padding (past the counts) is -1.
+
+Shapes: columns Long `[B, H, Kv]` (absolute key positions), offsets Long `[B, H, Ks]` (i - j),
+block_index Int `[B, H, M, K]` (key-block ids, -1 padded). -1 entries are ignored everywhere,
+duplicates count once, offsets >= n and columns >= n are ignored.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 64
+
+
+@dataclass
+class VSTiles:
+    """Per (batch, head, row block) key pieces and columns; M = ceil(n / block).
+
+    block_count Int32 `[B, H, M]`, block_offset Int32 `[B, H, M, NS]` (piece starts, ascending),
+    column_count Int32 `[B, H, M]`, column_index Int32 `[B, H, M, NC]` (ascending, all < m*block).
+    """
+
+    block_count: torch.Tensor
+    block_offset: torch.Tensor
+    column_count: torch.Tensor
+    column_index: torch.Tensor
+    block: int = BLOCK
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.block_count.shape)
+
+    def to(self, device: torch.device | str) -> "VSTiles":
+        return VSTiles(*(t.to(device) for t in (self.block_count, self.block_offset,
+                                                self.column_count, self.column_index)), block=self.block)
+
+
+def _check_bh(name: str, t: torch.Tensor, ndim: int = 3) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims ([B, H, ...]); got shape {tuple(t.shape)}")
+
+
+def _compact(values: torch.Tensor, keep: torch.Tensor, width: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move kept entries (last dim) to the front in order, pad with -1. Returns (Int32 packed, Int32 counts)."""
+    count = keep.sum(-1)
+    if width is None:
+        width = max(int(count.max()) if count.numel() else 0, 1)
+    pos = torch.where(keep, keep.cumsum(-1) - 1, width)
+    pos = pos.clamp_max(width)  # entries beyond a too-small static width fall into the dump slot
+    out = torch.full((*values.shape[:-1], width + 1), -1, dtype=torch.int32, device=values.device)
+    out.scatter_(-1, pos, values.to(torch.int32))
+    return out[..., :width], count.clamp_max(width).to(torch.int32)
+
+
+def vs_to_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int = BLOCK,
+                max_pieces: int | None = None, max_columns: int | None = None) -> VSTiles:
+    """Vertical-Slash index -> physical tiles (see module docstring).
+
+    columns Long `[B, H, Kv]`, offsets Long `[B, H, Ks]`; n = sequence length. With `max_pieces` and
+    `max_columns` given (static bounds, e.g. `vs_tile_bounds`) nothing syncs with the host; without
+    them the widths are the exact maxima (one sync).
+    """
+    _check_bh("columns", columns)
+    _check_bh("offsets", offsets)
+    if columns.shape[:2] != offsets.shape[:2]:
+        raise ValueError(f"columns {tuple(columns.shape)} and offsets {tuple(offsets.shape)} must share [B, H]")
+    B, H, _ = offsets.shape
+    dev = offsets.device
+    M = -(-n // block)
+    # Offset bitmap over [0, n); offset 0 always in.
+    off = offsets.long()
+    valid = (off >= 0) & (off < n)
+    bitmap = torch.zeros(B, H, n + 1, dtype=torch.int32, device=dev)
+    bitmap.scatter_(-1, torch.where(valid, off, n), 1)
+    bitmap[..., 0] = 1
+    bitmap[..., n] = 0
+    # d-space: a key j of row block m sits at d = m*block - j. Key j is in some slash range of block m
+    # iff an offset lies in [d, d + block - 1]; d runs over [-(block-1), n-1] (index d + block - 1).
+    cnt = torch.nn.functional.pad(bitmap[..., :n].cumsum(-1), (1, 0))  # cnt[x] = #offsets < x
+    d = torch.arange(-(block - 1), n, device=dev)
+    hit = (cnt[..., (d + block).clamp(max=n)] - cnt[..., d.clamp(min=0)]) > 0  # [B, H, n + block - 1]
+    # Runs of `hit`; pieces start (in d) at run_start + k*block, i.e. chopped from the key-range end.
+    idx = torch.arange(hit.shape[-1], device=dev)
+    prev = torch.nn.functional.pad(hit[..., :-1], (1, 0), value=False)
+    run_start = torch.where(hit & ~prev, idx, -1).cummax(-1).values
+    piece = hit & ((idx - run_start) % block == 0)
+    # Piece d-start d0 covers d in [d0, d0 + block - 1]; for row block m its key start is m*b - d0 - (b-1).
+    piece_end = (d + block - 1).expand(B, H, -1)  # d of the piece's lowest key
+    if max_pieces is None:
+        ends, n_pieces = _compact(piece_end, piece, None)
+    else:
+        ends, n_pieces = _compact(piece_end, piece, max_pieces_total(n, offsets.shape[-1], block))
+    big = torch.iinfo(torch.int32).max
+    ends_sorted = torch.where(ends >= 0, ends, big)  # ascending, padding last
+    # Row block m uses every piece whose lowest key m*b - end is > -b.
+    m_top = torch.arange(M, device=dev, dtype=torch.int32) * block + (block - 1)
+    block_count = torch.searchsorted(ends_sorted, m_top.expand(B, H, M).contiguous(), right=True).to(torch.int32)
+    ns = max_pieces if max_pieces is not None else max(int(block_count.max()), 1)
+    t = torch.arange(ns, device=dev)
+    src = (block_count.unsqueeze(-1).long() - 1 - t).clamp(min=0)  # ascending key order
+    starts = (m_top - (block - 1)).view(1, 1, M, 1) - torch.gather(
+        ends_sorted.unsqueeze(2).expand(B, H, M, -1), 3, src.clamp(max=ends_sorted.shape[-1] - 1))
+    block_offset = torch.where(t < block_count.unsqueeze(-1), starts, -1).to(torch.int32)
+    block_count = block_count.clamp(max=ns)
+    # Coverage in d-space (any piece spans d) for dropping columns.
+    pc = torch.nn.functional.pad(piece.int().cumsum(-1), (1, 0))
+    cov_hi = (idx + 1).clamp(max=hit.shape[-1])
+    covered_d = (pc[..., cov_hi] - pc[..., (idx + 1 - block).clamp(min=0)]) > 0  # index d + b - 1
+    # Columns: sorted unique valid, then per row block keep those < m*b and not covered.
+    cols = torch.where((columns >= 0) & (columns < n), columns.long(), n).sort(-1).values
+    dup = torch.nn.functional.pad(cols[..., 1:] == cols[..., :-1], (1, 0), value=False)
+    cols = torch.where(dup, n, cols)
+    m0 = (torch.arange(M, device=dev) * block).view(1, 1, M, 1)
+    c = cols.unsqueeze(2)  # [B, H, 1, Kv]
+    dc = (m0 - c).clamp(min=1, max=n - 1) + block - 1
+    keep = (c < m0) & ~torch.gather(covered_d.unsqueeze(2).expand(B, H, M, -1), 3, dc.expand(B, H, M, -1))
+    column_index, column_count = _compact(c.expand(B, H, M, -1), keep, max_columns)
+    return VSTiles(block_count, block_offset, column_count, column_index, block)
+
+
+def max_pieces_total(n: int, n_offsets: int, block: int = BLOCK) -> int:
+    """Upper bound on the number of distinct pieces of one head (over all row blocks)."""
+    return min(n + block, n_offsets + 1 + -(-(n + block) // block))
+
+
+def vs_tile_bounds(n: int, n_columns: int, n_offsets: int, block: int = BLOCK) -> tuple[int, int]:
+    """Static (max_pieces, max_columns) for `vs_to_tiles` without a host sync."""
+    M = -(-n // block)
+    return min(2 * M + 4, max_pieces_total(n, n_offsets, block)), max(n_columns, 1)
+
+
+def ashape_to_tiles(sink: torch.Tensor | list[int], window: torch.Tensor | list[int], n: int, batch: int = 1,
+                    block: int = BLOCK, device: torch.device | str | None = None) -> VSTiles:
+    """A-shape heads (sink tokens `[H]`, window `[H]`, both in tokens) -> tiles: window band as pieces,
+    sinks as columns. The kernel applies the exact per-token mask (j < sink or i - j < window) on top."""
+    sink = torch.as_tensor(sink, dtype=torch.long, device=device).reshape(-1)
+    window = torch.as_tensor(window, dtype=torch.long, device=device).reshape(-1)
+    if sink.shape != window.shape:
+        raise ValueError(f"sink {tuple(sink.shape)} and window {tuple(window.shape)} must both be [H]")
+    if bool((window < 1).any()) or bool((sink < 0).any()):
+        raise ValueError("window must be >= 1 and sink >= 0 tokens per head")
+    H = sink.numel()
+    wmax, smax = int(window.clamp(max=n).max()), int(sink.clamp(max=n).max())
+    cols = torch.arange(max(smax, 1), device=sink.device)
+    cols = torch.where(cols < sink.view(H, 1), cols, -1)
+    offs = torch.arange(max(wmax, 1), device=sink.device)
+    offs = torch.where(offs < window.view(H, 1), offs, -1)
+    return vs_to_tiles(cols.expand(batch, H, -1), offs.expand(batch, H, -1), n, block)
+
+
+def block_sparse_to_tiles(block_index: torch.Tensor, n: int, block: int = BLOCK) -> VSTiles:
+    """Block-sparse index Int `[B, H, M, K]` (key-block ids of 64 tokens, -1 padded) -> tiles.
+
+    Blocks above the diagonal are dropped, the diagonal is added, duplicates count once. With
+    `block` = 128 the 64-blocks of each pair of row blocks are merged into 128-wide pieces."""
+    if block_index.dim() != 4:
+        raise ValueError(f"block_index must be [B, H, M, K]; got {tuple(block_index.shape)}")
+    B, H, M64, K = block_index.shape
+    if M64 != -(-n // BLOCK):
+        raise ValueError(f"block_index has M={M64} row blocks but n={n} needs {-(-n // BLOCK)}")
+    r = block // BLOCK
+    M = -(-n // block)
+    dev = block_index.device
+    bi = block_index.long()
+    m64 = torch.arange(M64, device=dev).view(1, 1, M64, 1)
+    bi = torch.where((bi >= 0) & (bi <= m64), bi // r, -1)
+    bi = torch.cat([bi, (m64 // r).expand(B, H, M64, 1)], -1)  # diagonal always in
+    if M * r != M64:
+        bi = torch.nn.functional.pad(bi, (0, 0, 0, M * r - M64), value=-1)
+    bi = bi.view(B, H, M, r * (K + 1))
+    srt = torch.where(bi >= 0, bi, M).sort(-1).values
+    keep = (srt < M) & torch.nn.functional.pad(srt[..., 1:] != srt[..., :-1], (1, 0), value=True)
+    block_offset, block_count = _compact(srt * block, keep, None)
+    empty = torch.full((B, H, M, 1), -1, dtype=torch.int32, device=dev)
+    return VSTiles(block_count, block_offset, torch.zeros_like(block_count), empty, block)
+
+
+def cat_tiles(tiles: list[VSTiles]) -> VSTiles:
+    """Concatenate tiles of head groups along H (padding the piece/column widths), e.g. for one
+    launch over a layer whose heads use different patterns."""
+    if len({t.block for t in tiles}) != 1:
+        raise ValueError("all tiles must use the same block size")
+    ns = max(t.block_offset.shape[-1] for t in tiles)
+    nc = max(t.column_index.shape[-1] for t in tiles)
+    pad = lambda x, w: torch.nn.functional.pad(x, (0, w - x.shape[-1]), value=-1)  # noqa: E731
+    return VSTiles(torch.cat([t.block_count for t in tiles], 1),
+                   torch.cat([pad(t.block_offset, ns) for t in tiles], 1),
+                   torch.cat([t.column_count for t in tiles], 1),
+                   torch.cat([pad(t.column_index, nc) for t in tiles], 1), tiles[0].block)
+
+
+def tiles_to_mask(tiles: VSTiles, n: int, sink: torch.Tensor | None = None,
+                  window: torch.Tensor | None = None) -> torch.Tensor:
+    """Bool `[B, H, n, n]` of the keys a kernel computes (small n only). Optional per-head `sink` and
+    `window` (tokens, `[H]`) add the A-shape token mask."""
+    B, H, M = tiles.shape
+    b = tiles.block
+    dev = tiles.block_count.device
+    j = torch.arange(n, device=dev)
+    ns = tiles.block_offset.shape[-1]
+    t = torch.arange(ns, device=dev)
+    start = tiles.block_offset.long()
+    live = t < tiles.block_count.unsqueeze(-1).long()
+    nxt = torch.cat([start[..., 1:], torch.full_like(start[..., :1], 1 << 40)], -1)
+    nxt = torch.where(t + 1 < tiles.block_count.unsqueeze(-1).long(), nxt, 1 << 40)
+    end = torch.minimum(start + b, nxt)
+    inside = live.unsqueeze(-1) & (j >= start.unsqueeze(-1)) & (j < end.unsqueeze(-1))  # [B,H,M,NS,n]
+    blk = inside.any(3)
+    nc = tiles.column_index.shape[-1]
+    cl = torch.arange(nc, device=dev) < tiles.column_count.unsqueeze(-1).long()
+    col = torch.zeros(B, H, M, n + 1, dtype=torch.bool, device=dev)
+    col.scatter_(-1, torch.where(cl, tiles.column_index.long(), n), True)
+    blk = blk | col[..., :n]
+    mask = blk.repeat_interleave(b, 2)[:, :, :n]  # [B, H, n, n]
+    i = torch.arange(n, device=dev)
+    mask &= j.view(1, -1) <= i.view(-1, 1)
+    if window is not None:
+        sink = torch.as_tensor(sink, device=dev).view(1, H, 1, 1)
+        window = torch.as_tensor(window, device=dev).view(1, H, 1, 1)
+        mask &= ((i.view(-1, 1) - j.view(1, -1)) < window) | (j.view(1, -1) < sink)
+    return mask
+
+
+def vs_mask(columns: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical Vertical-Slash mask Bool `[B, H, n, n]` (small n): j in columns, or i - j in offsets or 0."""
+    B, H, _ = columns.shape
+    dev = columns.device
+    cm = torch.zeros(B, H, n + 1, dtype=torch.bool, device=dev)
+    cm.scatter_(-1, torch.where((columns >= 0) & (columns < n), columns.long(), n), True)
+    om = torch.zeros(B, H, n + 1, dtype=torch.bool, device=dev)
+    om.scatter_(-1, torch.where((offsets >= 0) & (offsets < n), offsets.long(), n), True)
+    om[..., 0] = True
+    i = torch.arange(n, device=dev)
+    diff = i.view(-1, 1) - i.view(1, -1)
+    causal = diff >= 0
+    return causal & (cm[..., :n].unsqueeze(2) | om[..., diff.clamp(min=0)])
+
+
+def ashape_mask(sink: torch.Tensor, window: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical A-shape mask Bool `[H, n, n]`: j <= i and (j < sink or i - j < window)."""
+    i = torch.arange(n)
+    diff = i.view(-1, 1) - i.view(1, -1)
+    sink = torch.as_tensor(sink).view(-1, 1, 1)
+    window = torch.as_tensor(window).view(-1, 1, 1)
+    return (diff >= 0) & ((diff < window) | (i.view(1, -1) < sink))
+
+
+def block_sparse_mask(block_index: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical block-sparse mask Bool `[B, H, n, n]` (small n): causal, diagonal block always in."""
+    B, H, M, _ = block_index.shape
+    sel = torch.zeros(B, H, M, M + 1, dtype=torch.bool, device=block_index.device)
+    sel.scatter_(-1, torch.where(block_index >= 0, block_index.long(), M).clamp(max=M), True)
+    sel[..., torch.arange(M), torch.arange(M)] = True
+    mask = sel[..., :M].repeat_interleave(BLOCK, 2).repeat_interleave(BLOCK, 3)[:, :, :n, :n]
+    return mask & torch.ones(n, n, dtype=torch.bool, device=block_index.device).tril()
+
+
+def tile_area(tiles: VSTiles, n: int) -> torch.Tensor:
+    """Physical (query, key) pairs computed per head, Long `[B, H]` (piece rows x piece width + column
+    strips, before causal masking; what the kernel's tensor cores do)."""
+    M = tiles.shape[-1]
+    rows = torch.full((M,), tiles.block, device=tiles.block_count.device)
+    rows[-1] = n - (M - 1) * tiles.block
+    per_block = tiles.block_count.long() * tiles.block + tiles.column_count.long()
+    return (per_block * rows).sum(-1)
