@@ -1,0 +1,152 @@
+"""Online proxy indexes: pick each head's VS or block-sparse index from cheap statistics of the prompt.
+
+Both builders take all heads of a layer at once (no loop over heads), on any device:
+q `[..., Hq, N, D]`, k `[..., Hkv, N, D]` (query head h reads KV head h // (Hq // Hkv)); a leading
+batch dim is optional. They are the reference the Triton index builder in `workbench_kernels` is tested
+against.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import BLOCK
+
+AGGREGATES = ("sum", "max", "logits")
+DIAG_NORMS = ("sum", "mean", "prior")
+
+
+def _grouped_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q `[..., Hq, R, D]` . k `[..., Hkv, N, D]` -> `[..., Hq, R, N]` without repeating k per query head."""
+    hq, r, d = q.shape[-3:]
+    hkv, n = k.shape[-3], k.shape[-2]
+    if hq % hkv:
+        raise ValueError(f"q has {hq} heads and k {hkv}: the query heads must be a multiple of the KV heads")
+    qg = q.reshape(*q.shape[:-3], hkv, (hq // hkv) * r, d)
+    return (qg @ k.transpose(-1, -2)).reshape(*q.shape[:-3], hq, r, n)
+
+
+def _budget(size: int | torch.Tensor, hq: int, name: str) -> tuple[int, torch.Tensor | None]:
+    """(the largest budget, per-head budgets `[Hq]` or None when all heads share one)."""
+    t = torch.as_tensor(size, dtype=torch.long).reshape(-1)
+    if t.numel() not in (1, hq) or (t < 0).any():
+        raise ValueError(f"{name} must be an int >= 0 or one per query head ({hq}), got {t.tolist()}")
+    return int(t.max()), (t if t.numel() == hq and t.numel() > 1 else None)
+
+
+def top_positions(score: torch.Tensor, forced: int, size: int, per_head: torch.Tensor | None) -> torch.Tensor:
+    """Positions 0..forced-1, then the best-scoring others: Long `[..., H, size]` ascending, -1 padded.
+
+    score `[..., H, n]`; `per_head` Long `[H]` keeps only each head's first choices (in preference order).
+    """
+    n = score.shape[-1]
+    forced = min(forced, size, n)
+    free = min(size - forced, n - forced)
+    best = score[..., forced:].topk(free, dim=-1).indices + forced
+    head = torch.arange(forced, device=score.device).expand(*score.shape[:-1], forced)
+    pad = torch.full((*score.shape[:-1], size - forced - free), -1, dtype=torch.long, device=score.device)
+    idx = torch.cat([head, best, pad], -1)  # in order of preference
+    if per_head is not None:
+        keep = torch.arange(size, device=score.device) < per_head.to(score.device)[:, None]
+        idx = torch.where(keep, idx, -1)
+    return _ascending(idx, n)
+
+
+def _ascending(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """Sort ascending with the -1 padding moved to the end."""
+    s = torch.where(idx < 0, n, idx).sort(-1).values
+    return torch.where(s >= n, -1, s)
+
+
+@torch.no_grad()
+def vs_proxy(q: torch.Tensor, k: torch.Tensor, scale: float, vertical: int | torch.Tensor,
+             slash: int | torch.Tensor, *, last_rows: int = 64, aggregate: str = "sum",
+             diag_norm: str = "sum", sink: int = 30, local: int = 100,
+             prior: float = 16.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vertical-slash index from the last `last_rows` query rows -> (columns, offsets).
+
+    The last r rows score all keys (causal inside the r x r corner). `aggregate`: "sum" of softmax
+    probabilities over rows, "max" probability, or "logits" (mean scaled logit). Columns rank by that
+    score; offsets rank by the same values gathered along diagonals, normalised per `diag_norm`:
+    "sum" (raw), "mean" (divided by the entries on that diagonal: min(r, n - d)) or "prior" (mean
+    smoothed toward the strip's overall mean with `prior` pseudo-entries). The first `sink` columns
+    and the `local` smallest offsets (offset 0 always) are forced in and count toward the budgets.
+    `vertical`, `slash`: budgets (int, or Long `[Hq]` per head).
+    Returns columns Long `[..., Hq, vertical]`, offsets Long `[..., Hq, slash]`, ascending, -1 padded.
+    """
+    if aggregate not in AGGREGATES:
+        raise ValueError(f"aggregate={aggregate!r} is unknown: use one of {AGGREGATES}")
+    if diag_norm not in DIAG_NORMS:
+        raise ValueError(f"diag_norm={diag_norm!r} is unknown: use one of {DIAG_NORMS}")
+    if last_rows < 1:
+        raise ValueError(f"last_rows={last_rows}: use at least 1 query row")
+    hq, n = q.shape[-3], q.shape[-2]
+    v_max, v_head = _budget(vertical, hq, "vertical")
+    s_max, s_head = _budget(slash, hq, "slash")
+    r = min(last_rows, n)
+    s = _grouped_scores(q[..., n - r:, :].float(), k.float()) * scale  # [..., Hq, r, n]
+    i = torch.arange(n - r, n, device=q.device)[:, None]
+    j = torch.arange(n, device=q.device)[None, :]
+    causal = j <= i  # [r, n]
+    s = s.masked_fill(~causal, float("-inf"))
+    if aggregate == "logits":
+        value = s.masked_fill(~causal, 0.0)
+        col = value.sum(-2) / causal.sum(0).clamp(min=1)
+    else:
+        value = torch.softmax(s, -1)
+        col = value.sum(-2) if aggregate == "sum" else value.amax(-2)
+    # gather the same values along diagonals: offset d = i - j; non-causal entries go to a spare slot n
+    d = torch.where(causal, i - j, n).reshape(-1).expand(*value.shape[:-2], -1)
+    flat = value.reshape(*value.shape[:-2], -1)
+    diag = torch.zeros(*value.shape[:-2], n + 1, dtype=value.dtype, device=q.device)
+    if aggregate == "max":
+        diag = diag.scatter_reduce(-1, d, flat, "amax", include_self=False)[..., :n]
+    else:
+        diag = diag.scatter_add(-1, d, flat)[..., :n]
+        count = torch.clamp(n - torch.arange(n, device=q.device), max=r).to(diag.dtype)
+        if diag_norm == "mean":
+            diag = diag / count
+        elif diag_norm == "prior":
+            mean = diag.sum(-1, keepdim=True) / count.sum()
+            diag = (diag + prior * mean) / (count + prior)
+    columns = top_positions(col, sink, v_max, v_head)
+    offsets = top_positions(diag, max(local, 1), s_max, s_head)
+    return columns, offsets
+
+
+@torch.no_grad()
+def block_proxy(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """Block-sparse index from 64-token mean-pooled q and k -> Int `[..., Hq, M, topk]`.
+
+    Pooled scores q~.k~ (no softmax), block-causal; the diagonal block is always kept; rows with fewer
+    causal blocks than `topk` are -1 padded. Key-block ids ascending. `topk`: int or Long `[Hq]`.
+    """
+    hq, n = q.shape[-3], q.shape[-2]
+    k_max, k_head = _budget(topk, hq, "topk")
+    m = -(-n // block)
+    pad = m * block - n
+    size = torch.clamp(n - torch.arange(m, device=q.device) * block, max=block).to(torch.float32)
+
+    def pool(x: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.pad(x.float(), (0, 0, 0, pad))
+        return x.reshape(*x.shape[:-2], m, block, x.shape[-1]).sum(-2) / size[:, None]
+
+    return top_blocks(_grouped_scores(pool(q), pool(k)), k_max, k_head)
+
+
+def top_blocks(score: torch.Tensor, topk: int, per_head: torch.Tensor | None = None) -> torch.Tensor:
+    """Block table from block scores `[..., H, M, M]`: per query block the diagonal plus the best
+    causal key blocks, `topk` in all -> Int `[..., H, M, topk]` ascending, -1 padded."""
+    m = score.shape[-1]
+    causal = torch.ones(m, m, dtype=torch.bool, device=score.device).tril()
+    score = score.float().masked_fill(~causal, float("-inf"))
+    score.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))
+    kk = min(topk, m)
+    top = score.topk(kk, dim=-1)
+    idx = torch.where(top.values > float("-inf"), top.indices, -1)
+    if per_head is not None:
+        keep = torch.arange(kk, device=score.device) < per_head.to(score.device)[:, None, None].clamp(min=1)
+        idx = torch.where(keep, idx, -1)
+    idx = _ascending(idx, m)
+    if kk < topk:
+        idx = torch.nn.functional.pad(idx, (0, topk - kk), value=-1)
+    return idx.to(torch.int32)
