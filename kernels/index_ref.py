@@ -195,18 +195,33 @@ def block_sparse_to_tiles(block_index: torch.Tensor, n: int, block: int = BLOCK)
     return VSTiles(block_count, block_offset, torch.zeros_like(block_count), empty, block)
 
 
-def cat_tiles(tiles: list[VSTiles]) -> VSTiles:
-    """Concatenate tiles of head groups along H (padding the piece/column widths), e.g. for one
-    launch over a layer whose heads use different patterns."""
-    if len({t.block for t in tiles}) != 1:
+def merge_tiles(parts: list[tuple[list[int] | torch.Tensor, VSTiles]], num_heads: int) -> VSTiles:
+    """Tiles of head groups -> one `VSTiles` over all `num_heads` heads, for one launch over a layer
+    whose heads use different patterns. parts: (head ids `[h]`, tiles with H = h) per group; every
+    head must appear exactly once. Piece/column widths are padded to the widest group."""
+    if len({t.block for _, t in parts}) != 1:
         raise ValueError("all tiles must use the same block size")
-    ns = max(t.block_offset.shape[-1] for t in tiles)
-    nc = max(t.column_index.shape[-1] for t in tiles)
-    pad = lambda x, w: torch.nn.functional.pad(x, (0, w - x.shape[-1]), value=-1)  # noqa: E731
-    return VSTiles(torch.cat([t.block_count for t in tiles], 1),
-                   torch.cat([pad(t.block_offset, ns) for t in tiles], 1),
-                   torch.cat([t.column_count for t in tiles], 1),
-                   torch.cat([pad(t.column_index, nc) for t in tiles], 1), tiles[0].block)
+    heads = torch.cat([torch.as_tensor(h, dtype=torch.long).reshape(-1) for h, _ in parts])
+    if sorted(heads.tolist()) != list(range(num_heads)):
+        raise ValueError(f"head ids must cover 0..{num_heads - 1} exactly once; got {sorted(heads.tolist())}")
+    t0 = parts[0][1]
+    B, _, M = t0.shape
+    ns = max(t.block_offset.shape[-1] for _, t in parts)
+    nc = max(t.column_index.shape[-1] for _, t in parts)
+    dev = t0.block_count.device
+    out = VSTiles(torch.zeros(B, num_heads, M, dtype=torch.int32, device=dev),
+                  torch.full((B, num_heads, M, ns), -1, dtype=torch.int32, device=dev),
+                  torch.zeros(B, num_heads, M, dtype=torch.int32, device=dev),
+                  torch.full((B, num_heads, M, nc), -1, dtype=torch.int32, device=dev), t0.block)
+    for h, t in parts:
+        h = torch.as_tensor(h, dtype=torch.long, device=dev).reshape(-1)
+        if t.shape != (B, h.numel(), M):
+            raise ValueError(f"tiles for heads {h.tolist()} have shape {t.shape}, expected {(B, h.numel(), M)}")
+        out.block_count[:, h] = t.block_count
+        out.block_offset[:, h, :, : t.block_offset.shape[-1]] = t.block_offset
+        out.column_count[:, h] = t.column_count
+        out.column_index[:, h, :, : t.column_index.shape[-1]] = t.column_index
+    return out
 
 
 def tiles_to_mask(tiles: VSTiles, n: int, sink: torch.Tensor | None = None,

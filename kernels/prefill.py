@@ -1,0 +1,169 @@
+"""Triton sparse prefill attention over `VSTiles` (one launch per layer, any mix of patterns).
+
+Every pattern is first turned into the same per-(batch, head, row block) format (`index_ref`):
+Vertical-Slash (pieces along the merged slash ranges + packed vertical columns), Block-Sparse (pieces =
+selected key blocks) and A-shape (window pieces + sink columns, plus the exact per-token mask from
+`sink` / `window`). One program computes one row block of one query head: it first walks the column
+strips (`block` gathered keys at a time, all strictly causal, no mask but padding), then the pieces
+(masked only where needed: the causal edge, key range edges, overlap with the next piece, A-shape
+window edge). Online softmax in fp32 with exp2; the masks go in as -inf before the max.
+
+Query head h reads KV head h // (Hq // Hkv) straight from k/v (no repeat_kv). Programs are ordered
+longest-first (late row blocks first) to reduce the tail of the launch.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .index_ref import VSTiles, ashape_to_tiles, block_sparse_to_tiles, vs_to_tiles
+from .prefill_ref import check_prefill_args
+
+LOG2E = 1.4426950408889634
+NO_WINDOW = 1 << 30
+
+
+@triton.jit
+def _online_update(s, v, m_i, l_i, acc):
+    """One online-softmax step on scores `s` (log2 units, -inf = masked) and values `v`."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet stays at zero
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount, ColumnIndex, Sink, Window,
+                           qk_scale, N, H, G, M, NS, NC,
+                           sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
+                           D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           HAS_WINDOW: tl.constexpr):
+    bh = tl.program_id(0)
+    m = M - 1 - tl.program_id(1)  # longest first
+    b = bh // H
+    h = bh % H
+    kvh = h // G
+    row0 = m * BLOCK_M
+    rows = row0 + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, D)
+    lanes = tl.arange(0, BLOCK_N)
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :], mask=rows[:, None] < N, other=0.0)
+    Kbase = K + b * skb + kvh * skh
+    Vbase = V + b * svb + kvh * svh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    tile = bh * M + m
+    # Vertical columns: packed strips, every column < row0 (strictly causal).
+    n_col = tl.load(ColumnCount + tile)
+    for c0 in range(0, n_col, BLOCK_N):
+        ok = c0 + lanes < n_col
+        col = tl.load(ColumnIndex + tile.to(tl.int64) * NC + c0 + lanes, mask=ok, other=0)
+        k = tl.load(Kbase + col[:, None] * skn + dims[None, :], mask=ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(ok[None, :], s, float("-inf"))
+        v = tl.load(Vbase + col[:, None] * svn + dims[None, :], mask=ok[:, None], other=0.0)
+        m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc)
+    if HAS_WINDOW:
+        sink = tl.load(Sink + h)
+        window = tl.load(Window + h)
+    # Pieces: piece t covers [p_t, min(p_t + BLOCK_N, p_{t+1})), causal.
+    n_blk = tl.load(BlockCount + tile)
+    base = tile.to(tl.int64) * NS
+    for t in range(0, n_blk):
+        p = tl.load(BlockOffset + base + t)
+        nxt = tl.load(BlockOffset + base + t + 1, mask=t + 1 < n_blk, other=1 << 30)
+        keys = p + lanes
+        in_seq = (keys >= 0) & (keys < N)
+        k = tl.load(Kbase + keys[:, None] * skn + dims[None, :], mask=in_seq[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        edge = (p < 0) | (p + BLOCK_N > nxt) | (p + BLOCK_N > N) | (p + BLOCK_N - 1 > row0)
+        if HAS_WINDOW:
+            edge = edge | ((p <= row0 + BLOCK_M - 1 - window) & (p + BLOCK_N > sink))
+        if edge:
+            keep = in_seq[None, :] & (keys[None, :] < nxt) & (keys[None, :] <= rows[:, None])
+            if HAS_WINDOW:
+                keep = keep & ((rows[:, None] - keys[None, :] < window) | (keys[None, :] < sink))
+            s = tl.where(keep, s, float("-inf"))
+        v = tl.load(Vbase + keys[:, None] * svn + dims[None, :], mask=in_seq[:, None], other=0.0)
+        m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc)
+    out = acc / l_i[:, None]
+    row_ok = rows < N
+    tl.store(O + b * sob + h * soh + rows[:, None] * son + dims[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(LSE + bh * N + rows, (m_i + tl.math.log2(l_i)) / 1.4426950408889634, mask=row_ok)
+
+
+def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles,
+                   sink: torch.Tensor | None = None, window: torch.Tensor | None = None,
+                   scale: float | None = None, num_warps: int | None = None,
+                   num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention over the keys of `tiles` (H = Hq, M = ceil(N / tiles.block)).
+
+    q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` (last dim contiguous; fp16/bf16/fp32). Optional per-head
+    A-shape token mask: `sink`, `window` Int `[Hq]` (tokens; use `NO_WINDOW` / 0 for heads without).
+    Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
+    """
+    B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
+    M = -(-N // tiles.block)
+    if tuple(tiles.shape) != (B, Hq, M):
+        raise ValueError(f"tiles are for [B, H, M] = {tuple(tiles.shape)} but q needs ({B}, {Hq}, {M}) "
+                         f"(block {tiles.block}); rebuild the tiles for this input")
+    if D & (D - 1) or D < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16 for the Triton kernel, got {D}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("q, k and v must be contiguous in the last (head_dim) dimension")
+    if (sink is None) != (window is None):
+        raise ValueError("give both sink and window (per-head A-shape mask) or neither")
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    dev = q.device
+    tiles = tiles.to(dev)
+    has_window = window is not None
+    if has_window:
+        sink = torch.as_tensor(sink, device=dev).to(torch.int32).reshape(Hq)
+        window = torch.as_tensor(window, device=dev).to(torch.int32).reshape(Hq)
+    else:
+        sink = window = torch.zeros(1, dtype=torch.int32, device=dev)
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(B, Hq, N, dtype=torch.float32, device=dev)
+    bc, bo = tiles.block_count.contiguous(), tiles.block_offset.contiguous()
+    cc, ci = tiles.column_count.contiguous(), tiles.column_index.contiguous()
+    block = tiles.block
+    if num_warps is None:
+        num_warps = 4 if block == 64 else 8
+    if num_stages is None:
+        num_stages = 2
+    _sparse_prefill_kernel[(B * Hq, M)](
+        q, k, v, o, lse, bc, bo, cc, ci, sink, window,
+        scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1], ci.shape[-1],
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        D=D, BLOCK_M=block, BLOCK_N=block, HAS_WINDOW=has_window, num_warps=num_warps, num_stages=num_stages)
+    return o, lse
+
+
+def vertical_slash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns: torch.Tensor,
+                           offsets: torch.Tensor, scale: float | None = None,
+                           block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vertical-Slash prefill: columns Long `[B, Hq, Kv]`, offsets Long `[B, Hq, Ks]` -> (o, lse)."""
+    return sparse_prefill(q, k, v, vs_to_tiles(columns, offsets, q.shape[2], block), scale=scale)
+
+
+def block_sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_index: torch.Tensor,
+                         scale: float | None = None, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse prefill: block_index Int `[B, Hq, M, K]` (64-token key blocks, -1 padded) -> (o, lse)."""
+    return sparse_prefill(q, k, v, block_sparse_to_tiles(block_index, q.shape[2], block), scale=scale)
+
+
+def ashape_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | list[int],
+                   window: torch.Tensor | list[int], scale: float | None = None,
+                   block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """A-shape prefill: per-head sink and window in tokens (`[Hq]`) -> (o, lse). No index tensor."""
+    tiles = ashape_to_tiles(sink, window, q.shape[2], q.shape[0], block, device=q.device)
+    return sparse_prefill(q, k, v, tiles, sink=sink, window=window, scale=scale)

@@ -1,0 +1,49 @@
+"""PyTorch reference for sparse prefill: exact causal attention under an explicit Bool mask (no Triton).
+
+Query head h reads KV head h // (Hq // Hkv) through a grouped view (repeat_kv is never materialised).
+Rows are processed in chunks so small tests stay fast and memory stays bounded.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def check_prefill_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """Validate q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]`; returns (B, Hq, Hkv, N, D)."""
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q must be [B, Hq, N, D] and k, v [B, Hkv, N, D]; got {tuple(q.shape)}, {tuple(k.shape)}")
+    B, Hq, N, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (N, D):
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [B={B}, Hkv, N={N}, D={D}]")
+    Hkv = k.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
+    return B, Hq, Hkv, N, D
+
+
+def masked_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                         scale: float | None = None, chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention restricted to `mask` Bool `[B or 1, Hq, N, N]` (True = key attended), fp32 math.
+
+    Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]` natural-log sum of exp of the
+    scaled scores). Every row must keep at least one key.
+    """
+    B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
+    G = Hq // Hkv
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    kf, vf = k.float(), v.float()
+    out = torch.empty(B, Hq, N, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
+    for r0 in range(0, N, chunk):
+        r1 = min(r0 + chunk, N)
+        qc = q[:, :, r0:r1].float().view(B, Hkv, G, r1 - r0, D)
+        s = torch.einsum("bhgrd,bhnd->bhgrn", qc, kf) * scale
+        mc = mask[:, :, r0:r1].reshape(mask.shape[0], Hkv, G, r1 - r0, N)
+        s = s.masked_fill(~mc, float("-inf"))
+        lse_c = torch.logsumexp(s, -1)
+        p = torch.exp(s - lse_c.unsqueeze(-1))
+        out[:, :, r0:r1] = torch.einsum("bhgrn,bhnd->bhgrd", p, vf).reshape(B, Hq, r1 - r0, D)
+        lse[:, :, r0:r1] = lse_c.reshape(B, Hq, r1 - r0)
+    return out.to(q.dtype), lse

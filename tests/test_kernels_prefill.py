@@ -1,0 +1,186 @@
+"""Sparse prefill kernels against exact masked attention (CPU: Triton interpreter, fp32/fp16; GPU: bf16)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from workbench_kernels.index_ref import (ashape_mask, ashape_to_tiles, block_sparse_mask, block_sparse_to_tiles,  # noqa: E402
+                                         merge_tiles, tiles_to_mask, vs_mask, vs_tile_bounds, vs_to_tiles)
+from workbench_kernels.prefill import (NO_WINDOW, ashape_prefill, block_sparse_prefill, sparse_prefill,  # noqa: E402
+                                       vertical_slash_prefill)
+from workbench_kernels.prefill_ref import masked_attention_ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.bfloat16, torch.float16] if DEV == "cuda" else [torch.float32, torch.float16]
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def qkv(B, Hq, Hkv, n, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, h, n, D, generator=g).to(DEV, dtype) for h in (Hq, Hkv, Hkv)]
+
+
+def check(out, ref, dtype):
+    (o, lse), (ro, rlse) = out, ref
+    assert torch.isfinite(o).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(o.float(), ro.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(lse, rlse, atol=TOL[dtype] * 4, rtol=TOL[dtype])
+
+
+def coverage_counts(tiles, n):
+    """How many times each (row block, key) is computed: pieces with the next-piece cut, plus columns."""
+    B, H, M = tiles.shape
+    cnt = torch.zeros(B, H, M, n + 2 * tiles.block, dtype=torch.int32)
+    for b in range(B):
+        for h in range(H):
+            for m in range(M):
+                k = int(tiles.block_count[b, h, m])
+                st = tiles.block_offset[b, h, m, :k].tolist()
+                assert st == sorted(st) and len(set(st)) == k and all(-tiles.block < p < n for p in st)
+                for t, p in enumerate(st):
+                    end = min(p + tiles.block, st[t + 1] if t + 1 < k else 1 << 30)
+                    cnt[b, h, m, max(p, 0):end] += 1
+                cols = tiles.column_index[b, h, m, : int(tiles.column_count[b, h, m])]
+                assert (cols < m * tiles.block).all() and (cols >= 0).all()
+                cnt[b, h, m, cols.long()] += 1
+    return cnt[..., :n]
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 200, 333])
+def test_vs_tiles_cover_logical_keys_exactly_once(n):
+    g = torch.Generator().manual_seed(n)
+    B, H = 2, 3
+    cols = torch.randint(-1, n + 5, (B, H, 9), generator=g)
+    offs = torch.cat([torch.randint(-1, n + 5, (B, H, 6), generator=g),
+                      torch.randint(0, 100, (B, H, 6), generator=g)], -1)
+    tiles = vs_to_tiles(cols, offs, n)
+    assert coverage_counts(tiles, n).max() <= 1  # no key counted twice
+    phys = tiles_to_mask(tiles, n)
+    assert not (vs_mask(cols, offs, n) & ~phys).any()  # every logical edge is computed
+    ns, nc = vs_tile_bounds(n, cols.shape[-1], offs.shape[-1])
+    static = vs_to_tiles(cols, offs, n, max_pieces=ns, max_columns=nc)
+    assert torch.equal(tiles_to_mask(static, n), phys)
+
+
+def test_vs_tiles_drop_covered_and_duplicate_columns():
+    n = 256
+    cols = torch.tensor([[[5, 5, 5, 130, 190, -1, 999]]])  # 130 and 190 lie under slash ranges of block 3
+    offs = torch.tensor([[[0, 60, 60, 70, 5000]]])  # duplicate, and an offset >= n
+    tiles = vs_to_tiles(cols, offs, n)
+    # block 3 (rows 192..255): offsets {0, 60, 70} give key ranges merging into [122, 256), chopped from
+    # the end into pieces 192, 128, 64; 130 and 190 are covered, 5 stays a column.
+    assert tiles.block_offset[0, 0, 3, : tiles.block_count[0, 0, 3]].tolist() == [64, 128, 192]
+    assert tiles.column_index[0, 0, 3, : tiles.column_count[0, 0, 3]].tolist() == [5]
+    # blocks 1 and 2: the merged ranges reach key 0, so column 5 is covered too
+    assert tiles.column_count[0, 0, :3].tolist() == [0, 0, 0]
+    assert coverage_counts(tiles, n).max() <= 1
+
+
+def test_seed_worked_example_reference():
+    # DIGEST: n=8, d=2, C={1}, D={0,2}, query 6 -> weights over keys {1,4,6} give o6 = (1.266, 0.732).
+    n = 8
+    q = torch.zeros(1, 1, n, 2)
+    k = torch.zeros(1, 1, n, 2)
+    v = torch.zeros(1, 1, n, 2)
+    q[0, 0, 6] = torch.tensor([1.0, 1.0])
+    k[0, 0, 1], k[0, 0, 4], k[0, 0, 6] = torch.tensor([2.0, 0]), torch.tensor([0, 1.0]), torch.tensor([1.0, 1])
+    v[0, 0, 1], v[0, 0, 4], v[0, 0, 6] = torch.tensor([1.0, 0]), torch.tensor([0, 2.0]), torch.tensor([2.0, 1])
+    mask = vs_mask(torch.tensor([[[1]]]), torch.tensor([[[0, 2]]]), n)
+    assert mask[0, 0, 6].nonzero().flatten().tolist() == [1, 4, 6]
+    assert mask[0, 0, 1].nonzero().flatten().tolist() == [1]  # 1 - 2 < 0 is dropped
+    o, _ = masked_attention_ref(q, k, v, mask, scale=1.0)
+    torch.testing.assert_close(o[0, 0, 6], torch.tensor([1.266, 0.732]), atol=2e-3, rtol=0)
+
+
+CASES = [  # (n, Hq, Hkv, D)
+    (1, 3, 1, 64), (63, 3, 1, 64), (64, 4, 1, 64), (65, 3, 1, 128), (200, 4, 1, 64), (200, 6, 2, 128),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,Hq,Hkv,D", CASES)
+def test_vertical_slash_matches_reference(n, Hq, Hkv, D, dtype):
+    B = 2
+    q, k, v = qkv(B, Hq, Hkv, n, D, dtype, seed=n + D)
+    g = torch.Generator().manual_seed(n)
+    cols = torch.randint(-1, n + 3, (B, Hq, 12), generator=g)
+    cols[:, 0, :4] = 3  # duplicates
+    offs = torch.randint(-1, 2 * n + 3, (B, Hq, 6), generator=g)  # some larger than any row
+    tiles = vs_to_tiles(cols, offs, n)
+    out = vertical_slash_prefill(q, k, v, cols.to(DEV), offs.to(DEV))
+    check(out, masked_attention_ref(q, k, v, tiles_to_mask(tiles, n).to(DEV)), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_vertical_slash_empty_columns_and_covered_columns(dtype):
+    n, B, Hq, Hkv, D = 200, 1, 3, 1, 64
+    q, k, v = qkv(B, Hq, Hkv, n, D, dtype)
+    offs = torch.tensor([0, 1, 2, 3, 64, 130]).expand(B, Hq, -1)
+    for cols in (torch.zeros(B, Hq, 0, dtype=torch.long), torch.tensor([0, 70, 131, 135]).expand(B, Hq, -1)):
+        tiles = vs_to_tiles(cols, offs, n)
+        out = vertical_slash_prefill(q, k, v, cols.to(DEV), offs.to(DEV))
+        check(out, masked_attention_ref(q, k, v, tiles_to_mask(tiles, n).to(DEV)), dtype)
+    # pure local band: physical keys of row i are exactly its row block's causal band plus the pieces
+    assert not (vs_mask(cols, offs, n) & ~tiles_to_mask(tiles, n)).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,Hq,Hkv,D", [(1, 3, 1, 64), (65, 4, 1, 128), (200, 3, 1, 64)])
+def test_block_sparse_matches_reference(n, Hq, Hkv, D, dtype):
+    B = 2
+    q, k, v = qkv(B, Hq, Hkv, n, D, dtype, seed=7)
+    M = -(-n // 64)
+    g = torch.Generator().manual_seed(1)
+    index = torch.randint(-1, M + 1, (B, Hq, M, 3), generator=g, dtype=torch.int32)  # above-diagonal ids dropped
+    out = block_sparse_prefill(q, k, v, index.to(DEV))
+    check(out, masked_attention_ref(q, k, v, block_sparse_mask(index, n).to(DEV)), dtype)
+    assert torch.equal(tiles_to_mask(block_sparse_to_tiles(index, n), n), block_sparse_mask(index, n))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 65, 200])
+def test_ashape_matches_reference(n, dtype):
+    B, Hq, Hkv, D = 2, 4, 1, 64
+    q, k, v = qkv(B, Hq, Hkv, n, D, dtype, seed=3)
+    sink, window = torch.tensor([4, 0, 70, 1]), torch.tensor([10, 64, 30, 129])
+    out = ashape_prefill(q, k, v, sink, window)
+    check(out, masked_attention_ref(q, k, v, ashape_mask(sink, window, n).unsqueeze(0).to(DEV)), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mixed_pattern_layer_in_one_launch(dtype):
+    n, B, Hq, Hkv, D = 200, 2, 6, 2, 64
+    M = -(-n // 64)
+    q, k, v = qkv(B, Hq, Hkv, n, D, dtype, seed=11)
+    g = torch.Generator().manual_seed(2)
+    vs_heads, bs_heads, a_heads = [0, 4], [1, 5], [2, 3]
+    cols = torch.randint(0, n, (B, 2, 8), generator=g)
+    offs = torch.randint(0, n, (B, 2, 5), generator=g)
+    index = torch.randint(-1, M, (B, 2, M, 2), generator=g)
+    sink, window = torch.tensor([3, 0]), torch.tensor([20, 70])
+    tiles = merge_tiles([(vs_heads, vs_to_tiles(cols, offs, n)), (bs_heads, block_sparse_to_tiles(index, n)),
+                         (a_heads, ashape_to_tiles(sink, window, n, B))], Hq)
+    sinks = torch.zeros(Hq, dtype=torch.long)
+    windows = torch.full((Hq,), NO_WINDOW)
+    sinks[a_heads], windows[a_heads] = sink, window
+    out = sparse_prefill(q, k, v, tiles, sink=sinks, window=windows)
+    mask = torch.zeros(B, Hq, n, n, dtype=torch.bool)
+    mask[:, vs_heads] = vs_mask(cols, offs, n)
+    mask[:, bs_heads] = block_sparse_mask(index, n)
+    mask[:, a_heads] = ashape_mask(sink, window, n)
+    mask[:, vs_heads] = tiles_to_mask(vs_to_tiles(cols, offs, n), n)  # VS computes its physical tiles
+    check(out, masked_attention_ref(q, k, v, mask.to(DEV)), dtype)
+
+
+def test_bad_tiles_name_the_problem():
+    q, k, v = qkv(1, 3, 1, 100, 64, torch.float32)
+    tiles = vs_to_tiles(torch.zeros(1, 3, 1, dtype=torch.long), torch.zeros(1, 3, 1, dtype=torch.long), 300)
+    with pytest.raises(ValueError, match="rebuild the tiles"):
+        sparse_prefill(q, k, v, tiles)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        sparse_prefill(q, k.expand(1, 2, 100, 64), v.expand(1, 2, 100, 64), tiles)
