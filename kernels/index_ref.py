@@ -87,55 +87,63 @@ def vs_to_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int
     B, H, _ = offsets.shape
     dev = offsets.device
     M = -(-n // block)
-    # Offset bitmap over [0, n); offset 0 always in.
+    ends, covered = vs_pieces(offsets, n, block, static=max_pieces is not None)
+    # Row block m uses every piece whose lowest key m*b - end is > -b (ends ascending, padding INT_MAX).
+    m_top = torch.arange(M, device=dev, dtype=torch.int32) * block + (block - 1)
+    block_count = torch.searchsorted(ends, m_top.expand(B, H, M).contiguous(), right=True).to(torch.int32)
+    ns = max_pieces if max_pieces is not None else max(int(block_count.max()), 1)
+    t = torch.arange(ns, device=dev)
+    src = (block_count.unsqueeze(-1).long() - 1 - t).clamp(min=0, max=ends.shape[-1] - 1)  # ascending keys
+    starts = (m_top - (block - 1)).view(1, 1, M, 1) - torch.gather(ends.unsqueeze(2).expand(B, H, M, -1), 3, src)
+    block_offset = torch.where(t < block_count.unsqueeze(-1), starts, -1).to(torch.int32)
+    block_count = block_count.clamp(max=ns)
+    # Columns: per row block keep those < m*b and not under any piece.
+    c = unique_columns(columns, n).unsqueeze(2)  # [B, H, 1, Kv]
+    m0 = (torch.arange(M, device=dev) * block).view(1, 1, M, 1)
+    dc = (m0 - c).clamp(min=1, max=n - 1) + block - 1
+    keep = (c < m0) & ~torch.gather(covered.unsqueeze(2).expand(B, H, M, -1), 3, dc.expand(B, H, M, -1))
+    column_index, column_count = _compact(c.expand(B, H, M, -1), keep, max_columns)
+    return VSTiles(block_count, block_offset, column_count, column_index, block)
+
+
+def unique_columns(columns: torch.Tensor, n: int) -> torch.Tensor:
+    """Columns `[..., Kv]` sorted ascending with -1, out-of-range and repeated entries replaced by n."""
+    cols = torch.where((columns >= 0) & (columns < n), columns.long(), n).sort(-1).values
+    dup = torch.nn.functional.pad(cols[..., 1:] == cols[..., :-1], (1, 0), value=False)
+    return torch.where(dup, n, cols)
+
+
+def vs_pieces(offsets: torch.Tensor, n: int, block: int = BLOCK, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row-block-independent part of the VS tiles of each head.
+
+    In d-space (key j of row block m sits at d = m*block - j) the merged slash ranges and their pieces
+    are the same for every row block. Returns (ends Int32 `[B, H, P]`: each piece's d of its lowest key,
+    ascending, padded with INT32_MAX; row block m uses the pieces with end <= m*block + block - 1 and
+    piece start m*block - end), covered Bool `[B, H, n + block - 1]` (index d + block - 1: d lies under
+    some piece). `static`: P = `max_pieces_total` (no host sync) instead of the exact maximum.
+    """
+    B, H, _ = offsets.shape
+    dev = offsets.device
     off = offsets.long()
     valid = (off >= 0) & (off < n)
     bitmap = torch.zeros(B, H, n + 1, dtype=torch.int32, device=dev)
     bitmap.scatter_(-1, torch.where(valid, off, n), 1)
-    bitmap[..., 0] = 1
-    bitmap[..., n] = 0
-    # d-space: a key j of row block m sits at d = m*block - j. Key j is in some slash range of block m
-    # iff an offset lies in [d, d + block - 1]; d runs over [-(block-1), n-1] (index d + block - 1).
+    bitmap[..., 0] = 1  # offset 0 always in
+    # Key j is in some slash range of block m iff an offset lies in [d, d + block - 1], d in [-(block-1), n-1].
     cnt = torch.nn.functional.pad(bitmap[..., :n].cumsum(-1), (1, 0))  # cnt[x] = #offsets < x
     d = torch.arange(-(block - 1), n, device=dev)
     hit = (cnt[..., (d + block).clamp(max=n)] - cnt[..., d.clamp(min=0)]) > 0  # [B, H, n + block - 1]
-    # Runs of `hit`; pieces start (in d) at run_start + k*block, i.e. chopped from the key-range end.
+    # Runs of `hit` (merged ranges); pieces start at run_start + k*block in d (chopped from the key end).
     idx = torch.arange(hit.shape[-1], device=dev)
     prev = torch.nn.functional.pad(hit[..., :-1], (1, 0), value=False)
     run_start = torch.where(hit & ~prev, idx, -1).cummax(-1).values
     piece = hit & ((idx - run_start) % block == 0)
-    # Piece d-start d0 covers d in [d0, d0 + block - 1]; for row block m its key start is m*b - d0 - (b-1).
-    piece_end = (d + block - 1).expand(B, H, -1)  # d of the piece's lowest key
-    if max_pieces is None:
-        ends, n_pieces = _compact(piece_end, piece, None)
-    else:
-        ends, n_pieces = _compact(piece_end, piece, max_pieces_total(n, offsets.shape[-1], block))
-    big = torch.iinfo(torch.int32).max
-    ends_sorted = torch.where(ends >= 0, ends, big)  # ascending, padding last
-    # Row block m uses every piece whose lowest key m*b - end is > -b.
-    m_top = torch.arange(M, device=dev, dtype=torch.int32) * block + (block - 1)
-    block_count = torch.searchsorted(ends_sorted, m_top.expand(B, H, M).contiguous(), right=True).to(torch.int32)
-    ns = max_pieces if max_pieces is not None else max(int(block_count.max()), 1)
-    t = torch.arange(ns, device=dev)
-    src = (block_count.unsqueeze(-1).long() - 1 - t).clamp(min=0)  # ascending key order
-    starts = (m_top - (block - 1)).view(1, 1, M, 1) - torch.gather(
-        ends_sorted.unsqueeze(2).expand(B, H, M, -1), 3, src.clamp(max=ends_sorted.shape[-1] - 1))
-    block_offset = torch.where(t < block_count.unsqueeze(-1), starts, -1).to(torch.int32)
-    block_count = block_count.clamp(max=ns)
-    # Coverage in d-space (any piece spans d) for dropping columns.
+    width = max_pieces_total(n, offsets.shape[-1], block) if static else None
+    ends, _ = _compact((d + block - 1).expand(B, H, -1), piece, width)
+    ends = torch.where(ends >= 0, ends, torch.iinfo(torch.int32).max)
     pc = torch.nn.functional.pad(piece.int().cumsum(-1), (1, 0))
-    cov_hi = (idx + 1).clamp(max=hit.shape[-1])
-    covered_d = (pc[..., cov_hi] - pc[..., (idx + 1 - block).clamp(min=0)]) > 0  # index d + b - 1
-    # Columns: sorted unique valid, then per row block keep those < m*b and not covered.
-    cols = torch.where((columns >= 0) & (columns < n), columns.long(), n).sort(-1).values
-    dup = torch.nn.functional.pad(cols[..., 1:] == cols[..., :-1], (1, 0), value=False)
-    cols = torch.where(dup, n, cols)
-    m0 = (torch.arange(M, device=dev) * block).view(1, 1, M, 1)
-    c = cols.unsqueeze(2)  # [B, H, 1, Kv]
-    dc = (m0 - c).clamp(min=1, max=n - 1) + block - 1
-    keep = (c < m0) & ~torch.gather(covered_d.unsqueeze(2).expand(B, H, M, -1), 3, dc.expand(B, H, M, -1))
-    column_index, column_count = _compact(c.expand(B, H, M, -1), keep, max_columns)
-    return VSTiles(block_count, block_offset, column_count, column_index, block)
+    covered = (pc[..., (idx + 1)] - pc[..., (idx + 1 - block).clamp(min=0)]) > 0
+    return ends.contiguous(), covered
 
 
 def max_pieces_total(n: int, n_offsets: int, block: int = BLOCK) -> int:

@@ -1,0 +1,163 @@
+"""Vertical-Slash index building on the GPU for all heads of a layer, with no host synchronisation.
+
+The fast path of `workbench.patterns.vs_proxy` at its defaults (probability-sum aggregation, plain
+diagonal sums, first 30 columns and 100 smallest offsets forced): the last r = 64 query rows score all
+keys; column sums and diagonal sums of the softmax probabilities pick the columns and slash offsets.
+
+Two Triton passes over 64-key blocks counted from the end of the sequence (block u = keys
+[n - 64(u+1), n - 64u)): pass 1 writes each block's row max and row sum of exp (combined into the
+rows' log-sum-exp in torch); pass 2 recomputes the scores of blocks u+1 and u side by side as a
+64 x 128 tile X, sums the probabilities of block u over rows (column sums) and reads X along its
+diagonals with one `tl.gather` (row r, offset 64u + t sits at column 64 + r - t), so each program
+owns the diagonal sums of offsets [64u, 64u + 64) without atomics. Top-k selection reuses the
+patterns helper's `top_positions`; the tile conversion is `vs_pieces` (torch) plus one Triton pass that
+expands pieces and packs surviving columns per row block.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .index_ref import VSTiles, max_pieces_total, unique_columns, vs_pieces
+
+LOG2E = 1.4426950408889634
+ROWS = 64
+
+
+@triton.jit
+def _row_stats_kernel(Q, K, Mpart, Lpart, qk_scale, N, H, G, U,
+                      sqb, sqh, sqn, skb, skh, skn, D: tl.constexpr, R: tl.constexpr, BN: tl.constexpr):
+    bh = tl.program_id(0)
+    u = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = N - R + tl.arange(0, R)
+    dims = tl.arange(0, D)
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :], mask=rows[:, None] >= 0, other=0.0)
+    keys = N - BN * (u + 1) + tl.arange(0, BN)
+    k = tl.load(K + b * skb + (h // G) * skh + keys[:, None] * skn + dims[None, :], mask=keys[:, None] >= 0,
+                other=0.0)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = tl.where((keys[None, :] >= 0) & (keys[None, :] <= rows[:, None]), s, float("-inf"))
+    m = tl.max(s, 1)
+    l = tl.sum(tl.math.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None]), 1)
+    out = (bh * U + u) * R + tl.arange(0, R)
+    tl.store(Mpart + out, m)
+    tl.store(Lpart + out, l)
+
+
+@triton.jit
+def _col_diag_kernel(Q, K, Lse, Col, Diag, qk_scale, N, H, G,
+                     sqb, sqh, sqn, skb, skh, skn, D: tl.constexpr, R: tl.constexpr):
+    bh = tl.program_id(0)
+    u = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    r = tl.arange(0, R)
+    rows = N - R + r
+    dims = tl.arange(0, D)
+    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :], mask=rows[:, None] >= 0, other=0.0)
+    lse = tl.load(Lse + bh * R + r)
+    kbase = K + b * skb + (h // G) * skh
+    keys = N - R * (u + 2) + tl.arange(0, 2 * R)  # block u+1 then block u
+    k = tl.load(kbase + keys[:, None] * skn + dims[None, :], mask=keys[:, None] >= 0, other=0.0)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    ok = (keys[None, :] >= 0) & (keys[None, :] <= rows[:, None]) & (rows[:, None] >= 0)
+    p = tl.where(ok, tl.math.exp2(s - lse[:, None]), 0.0)  # [R, 2R]
+    # column sums of block u (the right half)
+    col = tl.sum(tl.where(tl.arange(0, 2 * R)[None, :] >= R, p, 0.0), 0)
+    cpos = keys
+    tl.store(Col + bh * N + cpos, col, mask=(tl.arange(0, 2 * R) >= R) & (cpos >= 0))
+    # diagonal sums of offsets 64u + t: row r reads column R + r - t
+    t = tl.arange(0, R)
+    diag = tl.sum(tl.gather(p, (R + r[:, None] - t[None, :]).to(tl.int32), 1), 0)
+    off = R * u + t
+    tl.store(Diag + bh * N + off, diag, mask=off < N)
+
+
+@torch.no_grad()
+def vs_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column and diagonal sums of the last 64 rows' softmax probabilities, Float32 `[B, Hq, N]` each
+    (column j; offset d = i - j). q `[B, Hq, N, D]`, k `[B, Hkv, N, D]`."""
+    B, Hq, N, D = q.shape
+    Hkv = k.shape[1]
+    U = -(-N // ROWS)
+    mpart = torch.empty(B * Hq, U, ROWS, dtype=torch.float32, device=q.device)
+    lpart = torch.empty_like(mpart)
+    args = (scale * LOG2E, N, Hq, Hq // Hkv)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
+    _row_stats_kernel[(B * Hq, U)](q, k, mpart, lpart, *args, U, *strides, D=D, R=ROWS, BN=ROWS, num_warps=4)
+    m = mpart.amax(1, keepdim=True)
+    m = torch.where(m == float("-inf"), 0.0, m)
+    lse = (m[:, 0] + torch.log2((lpart * torch.exp2(mpart - m)).sum(1))).contiguous()  # [B*Hq, R], log2 units
+    col = torch.zeros(B, Hq, N, dtype=torch.float32, device=q.device)
+    diag = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
+    _col_diag_kernel[(B * Hq, U)](q, k, lse, col, diag, *args, *strides, D=D, R=ROWS, num_warps=4)
+    return col, diag
+
+
+@torch.no_grad()
+def vs_index(q: torch.Tensor, k: torch.Tensor, scale: float, vertical: int = 1000, slash: int = 6096,
+             sink: int = 30, local: int = 100) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vertical-Slash index of every head of a layer -> (columns Long `[B, Hq, vertical]`, offsets Long
+    `[B, Hq, slash]`), ascending, -1 padded; same selection as `vs_proxy` at its defaults."""
+    from workbench.patterns.proxy import top_positions
+
+    if q.dim() != 4 or k.dim() != 4 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q must be [B, Hq, N, D] and k [B, Hkv, N, D] with Hq a multiple of Hkv; "
+                         f"got {tuple(q.shape)} and {tuple(k.shape)}")
+    col, diag = vs_scores(q, k, scale)
+    return top_positions(col, sink, vertical, None), top_positions(diag, max(local, 1), slash, None)
+
+
+@triton.jit
+def _expand_tiles_kernel(Ends, Covered, Cols, BlockCount, BlockOffset, ColumnCount, ColumnIndex,
+                         P, L, KV, NS, NC, M, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    bh = tl.program_id(0)
+    m = tl.program_id(1)
+    row0 = m * BLOCK
+    lanes = tl.arange(0, CHUNK)
+    tile = bh * M + m
+    # pieces: the `count` smallest ends, written in ascending key order (start = row0 - end)
+    count = tl.load(BlockCount + tile)
+    for t0 in range(0, count, CHUNK):
+        t = t0 + lanes
+        e = tl.load(Ends + bh * P + count - 1 - t, mask=t < count, other=0)
+        tl.store(BlockOffset + tile.to(tl.int64) * NS + t, row0 - e, mask=t < count)
+    # columns: keep those < row0 and not under a piece, packed in order
+    kept = 0
+    for c0 in range(0, KV, CHUNK):
+        c = tl.load(Cols + bh * KV + c0 + lanes, mask=c0 + lanes < KV, other=2147483647)
+        d = tl.minimum(tl.maximum(row0 - c, 1), L - BLOCK)
+        cov = tl.load(Covered + bh * L + d + BLOCK - 1, mask=c < row0, other=1)
+        keep = (c < row0) & (cov == 0)
+        pos = kept + tl.cumsum(keep.to(tl.int32), 0) - 1
+        tl.store(ColumnIndex + tile.to(tl.int64) * NC + pos, c, mask=keep & (pos < NC))
+        kept += tl.sum(keep.to(tl.int32), 0)
+    tl.store(ColumnCount + tile, tl.minimum(kept, NC))
+
+
+@torch.no_grad()
+def vs_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int = 64) -> VSTiles:
+    """Same tiles as `index_ref.vs_to_tiles` (static widths), without the `[B, H, M, width]` torch
+    intermediates and without host sync. Entries past the counts are left unwritten."""
+    B, H, KV = columns.shape
+    M = -(-n // block)
+    ends, covered = vs_pieces(offsets, n, block, static=True)
+    cols = unique_columns(columns, n).to(torch.int32).contiguous()
+    P = ends.shape[-1]
+    NS = min(2 * M + 4, max_pieces_total(n, offsets.shape[-1], block))
+    NC = max(KV, 1)
+    dev = columns.device
+    m_top = torch.arange(M, device=dev, dtype=torch.int32) * block + (block - 1)
+    count = torch.searchsorted(ends, m_top.expand(B, H, M).contiguous(), right=True).to(torch.int32)
+    tiles = VSTiles(count.clamp(max=NS).contiguous(),
+                    torch.empty(B, H, M, NS, dtype=torch.int32, device=dev),
+                    torch.empty(B, H, M, dtype=torch.int32, device=dev),
+                    torch.empty(B, H, M, NC, dtype=torch.int32, device=dev), block)
+    cov = covered.to(torch.int8).contiguous()
+    _expand_tiles_kernel[(B * H, M)](ends, cov, cols, tiles.block_count, tiles.block_offset, tiles.column_count,
+                                     tiles.column_index, P, cov.shape[-1], KV, NS, NC, M, BLOCK=block,
+                                     CHUNK=256, num_warps=4)
+    return tiles
