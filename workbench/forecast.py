@@ -87,6 +87,13 @@ class ForecastHeads(nn.Module):
         f = f.unflatten(-1, (self.shape.n_kv_heads, self.shape.head_dim)).transpose(-3, -2)
         return apply_rope(f, cos.float(), sin.float())
 
+    def query_all(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Every target at once: x `[L, T, hidden]` (x[t] = input of layer source(t)), cos/sin `[T, D]`
+        -> `[L, Hkv, T, D]`."""
+        f = torch.einsum("ltx,lfx->ltf", x.float(), self.weight)
+        f = f.unflatten(-1, (self.shape.n_kv_heads, self.shape.head_dim)).transpose(1, 2)
+        return apply_rope(f, cos.float(), sin.float())
+
     @torch.no_grad()
     def forecast_blocks(self, target: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         ck: CompressedKeys, budget: Budget = Budget()) -> torch.Tensor:
@@ -175,18 +182,24 @@ def candidate_positions(positions: torch.Tensor, nc: int, budget: Budget) -> tor
     return hit & (ends[None, :] <= positions[:, None])
 
 
-def teacher_keep(teacher: torch.Tensor, positions: torch.Tensor, supervised: torch.Tensor,
-                 budget: Budget) -> torch.Tensor:
-    """Bool `[Hkv, R, Nc]`: compressed positions of the teacher's top-k dynamic blocks (the separate bins)."""
-    nc = teacher.shape[-1]
-    nb = math.ceil((int(positions.max()) + 1) / budget.block)
+def teacher_blocks(teacher: torch.Tensor, positions: torch.Tensor, supervised: torch.Tensor,
+                   budget: Budget, n_blocks: int | None = None) -> torch.Tensor:
+    """Bool `[Hkv, R, nb]`: the teacher's top-k dynamic blocks (block score = max of the supervised
+    compressed scores overlapping the block); nb defaults to the blocks up to the last row."""
+    nb = n_blocks or math.ceil((int(positions.max()) + 1) / budget.block)
     scores = pool_to_blocks(teacher.masked_fill(~supervised, NEG), nb, block=budget.block,
                             window=budget.window, stride=budget.stride)
     forced, future = forced_and_future(positions // budget.block, nb, budget.init, budget.local)
     scores = scores.masked_fill(forced | future, NEG)
-    k = min(budget.topk, nb)
-    val, idx = scores.topk(k, -1)
-    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, idx, val > NEG)  # [Hkv, R, nb]
+    val, idx = scores.topk(min(budget.topk, nb), -1)
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, idx, val > NEG)
+
+
+def teacher_keep(teacher: torch.Tensor, positions: torch.Tensor, supervised: torch.Tensor,
+                 budget: Budget) -> torch.Tensor:
+    """Bool `[Hkv, R, Nc]`: compressed positions of the teacher's top-k dynamic blocks (the separate bins)."""
+    chosen = teacher_blocks(teacher, positions, supervised, budget)
+    nc, nb = teacher.shape[-1], chosen.shape[-1]
     j = torch.arange(nc, device=teacher.device)
     first = ((j * budget.stride) // budget.block).clamp(max=nb - 1)
     last = ((j * budget.stride + budget.window - 1) // budget.block).clamp(max=nb - 1)
