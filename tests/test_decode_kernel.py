@@ -1,0 +1,115 @@
+"""Triton decode kernels against their PyTorch references (TRITON_INTERPRET=1 on the CPU; bf16 on a GPU)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from workbench_kernels.decode import sparse_decode  # noqa: E402
+from workbench_kernels.decode_ref import sparse_decode_ref  # noqa: E402
+from workbench_kernels.gather import gather_blocks, write_rows  # noqa: E402
+from workbench_kernels.gather_ref import gather_blocks_ref, write_rows_ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(B, Hq, Hkv, D, K, S, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, D, generator=g).to(DEV, dtype)
+    kp = torch.randn(S, 64, D, generator=g).to(DEV, dtype)
+    vp = torch.randn(S, 64, D, generator=g).to(DEV, dtype)
+    lengths = torch.randint(64, 64 * (K + 2), (B,), generator=g)
+    blocks = torch.full((B, Hkv, K), -1, dtype=torch.long)
+    for b in range(B):
+        last = int(lengths[b] - 1) // 64
+        for h in range(Hkv):
+            n = int(torch.randint(1, min(K, last + 1) + 1, (1,), generator=g))
+            pick = torch.randperm(last, generator=g)[:n - 1] if last else torch.empty(0, dtype=torch.long)
+            ids = torch.cat([pick, torch.tensor([last])]).sort().values  # the current block always selected
+            blocks[b, h, :n] = ids
+    slots = torch.randint(0, S, (B, Hkv, K), generator=g)
+    return q, kp, vp, blocks.to(DEV), slots.to(DEV), lengths.to(DEV)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("B,Hq,Hkv,D,K", [(2, 6, 2, 64, 5), (3, 8, 2, 32, 7), (1, 9, 3, 64, 4)])
+def test_sparse_decode_matches_reference(dtype, B, Hq, Hkv, D, K):
+    q, kp, vp, blocks, slots, lengths = _case(B, Hq, Hkv, D, K, 40, dtype, seed=B * 100 + K)
+    ref = sparse_decode_ref(q.double(), kp.double(), vp.double(), blocks, slots, lengths, D ** -0.5)
+    for splits in (1, 2, K):
+        out = sparse_decode(q, kp, vp, blocks, slots, lengths, D ** -0.5, splits=splits)
+        assert out.shape == (B, Hq, D) and out.dtype == dtype and torch.isfinite(out).all()
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        assert err < (1e-5 if dtype == torch.float32 else 3e-3), (splits, err)
+
+
+def test_sparse_decode_masks_positions_past_length():
+    """Garbage in keys/values past a sequence's length (inside its selected last block) changes nothing."""
+    q, kp, vp, blocks, _, lengths = _case(2, 4, 2, 32, 3, 12, torch.float32, seed=7)
+    slots = torch.randperm(12).view(2, 2, 3).to(DEV)  # every (sequence, head, entry) owns its slot
+    out = sparse_decode(q, kp, vp, blocks, slots, lengths, 0.2)
+    kp2, vp2 = kp.clone(), vp.clone()
+    for b in range(2):
+        n, last = int(lengths[b]), (int(lengths[b]) - 1) // 64
+        for h in range(2):
+            s = slots[b, h][blocks[b, h] == last]
+            kp2[s, n - last * 64:] = 1e4
+            vp2[s, n - last * 64:] = float("nan")
+            kp2[slots[b, h][blocks[b, h] < 0]] = float("nan")  # unused entries are never read
+    torch.testing.assert_close(sparse_decode(q, kp2, vp2, blocks, slots, lengths, 0.2), out, rtol=0, atol=1e-6)
+
+
+def test_sparse_decode_rejects_bad_shapes():
+    q, kp, vp, blocks, slots, lengths = _case(2, 6, 2, 64, 5, 40, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        sparse_decode(q[:, :5], kp, vp, blocks, slots, lengths, 0.1)
+    with pytest.raises(ValueError, match="k_pool and v_pool"):
+        sparse_decode(q, kp[:, :32], vp, blocks, slots, lengths, 0.1)
+
+
+@pytest.mark.parametrize("ctas", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gather_blocks_matches_reference(ctas, dtype):
+    g = torch.Generator().manual_seed(ctas)
+    src_k, src_v = torch.randn(50, 2048, generator=g).to(dtype), torch.randn(50, 2048, generator=g).to(dtype)
+    if DEV == "cuda":
+        src_k, src_v = src_k.pin_memory(), src_v.pin_memory()  # read through UVA by the kernel
+    M, n = 12, 9
+    src_idx = torch.randperm(50, generator=g)[:M].to(DEV)
+    dst_idx = torch.randperm(20, generator=g)[:M].to(DEV)
+    count = torch.tensor([n], dtype=torch.int32, device=DEV)
+    poison = torch.full((20, 2048), float("nan"), dtype=dtype, device=DEV)
+    dk, dv, rk, rv = poison.clone(), poison.clone(), poison.clone(), poison.clone()
+    gather_blocks(src_k, src_v, dk, dv, src_idx, dst_idx, count, ctas=ctas)
+    gather_blocks_ref(src_k, src_v, rk, rv, src_idx, dst_idx, count)
+    assert torch.equal(dk.nan_to_num(7.0), rk.nan_to_num(7.0)) and torch.equal(dv.nan_to_num(7.0), rv.nan_to_num(7.0))
+    written = dst_idx[:n].cpu()
+    assert not torch.isnan(dk.cpu()[written]).any()
+    assert torch.isnan(dk.cpu()[dst_idx[n:].cpu()]).all()  # entries past count untouched
+
+
+def test_write_rows_matches_reference():
+    g = torch.Generator().manual_seed(3)
+    dst_k, dst_v = torch.zeros(30, 64), torch.zeros(30, 64)
+    if DEV == "cuda":
+        dst_k, dst_v = dst_k.pin_memory(), dst_v.pin_memory()
+    k, v = torch.randn(5, 64, generator=g).to(DEV), torch.randn(5, 64, generator=g).to(DEV)
+    rows = torch.tensor([3, 17, 0, 29, 8], device=DEV)
+    rk, rv = dst_k.clone(), dst_v.clone()
+    write_rows(dst_k, dst_v, k, v, rows)
+    write_rows_ref(rk, rv, k, v, rows)
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(dst_k, rk) and torch.equal(dst_v, rv) and dst_k[17].abs().sum() > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 Triton needs a GPU")
+def test_sparse_decode_bf16_gpu():
+    q, kp, vp, blocks, slots, lengths = _case(4, 32, 8, 128, 96, 4000, torch.bfloat16, seed=11)
+    ref = sparse_decode_ref(q.double(), kp.double(), vp.double(), blocks, slots, lengths, 128 ** -0.5)
+    out = sparse_decode(q, kp, vp, blocks, slots, lengths, 128 ** -0.5)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
