@@ -43,10 +43,12 @@ def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount
                            qk_scale, N, H, G, M, NS, NC,
                            sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
                            D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           HAS_WINDOW: tl.constexpr):
+                           HAS_WINDOW: tl.constexpr, LONGEST_FIRST: tl.constexpr):
     bh = tl.program_id(0)
-    m = M - 1 - tl.program_id(1)  # longest first
-    b = bh // H
+    m = tl.program_id(1)
+    if LONGEST_FIRST:  # late row blocks (the most keys) start first
+        m = M - 1 - m
+    b = (bh // H).to(tl.int64)
     h = bh % H
     kvh = h // G
     row0 = m * BLOCK_M
@@ -97,13 +99,13 @@ def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount
     row_ok = rows < N
     tl.store(O + b * sob + h * soh + rows[:, None] * son + dims[None, :], out.to(O.dtype.element_ty),
              mask=row_ok[:, None])
-    tl.store(LSE + bh * N + rows, (m_i + tl.math.log2(l_i)) / 1.4426950408889634, mask=row_ok)
+    tl.store(LSE + bh.to(tl.int64) * N + rows, (m_i + tl.math.log2(l_i)) / 1.4426950408889634, mask=row_ok)
 
 
 def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles,
                    sink: torch.Tensor | None = None, window: torch.Tensor | None = None,
                    scale: float | None = None, num_warps: int | None = None,
-                   num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   num_stages: int | None = None, longest_first: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over the keys of `tiles` (H = Hq, M = ceil(N / tiles.block)).
 
     q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` (last dim contiguous; fp16/bf16/fp32). Optional per-head
@@ -144,7 +146,7 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
         scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1], ci.shape[-1],
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        D=D, BLOCK_M=block, BLOCK_N=block, HAS_WINDOW=has_window, num_warps=num_warps, num_stages=num_stages)
+        D=D, BLOCK_M=block, BLOCK_N=block, HAS_WINDOW=has_window, LONGEST_FIRST=longest_first, num_warps=num_warps, num_stages=num_stages)
     return o, lse
 
 
