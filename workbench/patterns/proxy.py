@@ -33,10 +33,12 @@ def _budget(size: int | torch.Tensor, hq: int, name: str) -> tuple[int, torch.Te
     return int(t.max()), (t if t.numel() == hq and t.numel() > 1 else None)
 
 
-def top_positions(score: torch.Tensor, forced: int, size: int, per_head: torch.Tensor | None) -> torch.Tensor:
+def top_positions(score: torch.Tensor, forced: int, size: int, per_head: torch.Tensor | None = None,
+                  ranked: bool = False) -> torch.Tensor:
     """Positions 0..forced-1, then the best-scoring others: Long `[..., H, size]` ascending, -1 padded.
 
-    score `[..., H, n]`; `per_head` Long `[H]` keeps only each head's first choices (in preference order).
+    score `[..., H, n]`; `per_head` Long `[H]` keeps only each head's first choices. `ranked=True`
+    keeps preference order instead of ascending: the first v entries are then the choice of budget v.
     """
     n = score.shape[-1]
     forced = min(forced, size, n)
@@ -48,7 +50,7 @@ def top_positions(score: torch.Tensor, forced: int, size: int, per_head: torch.T
     if per_head is not None:
         keep = torch.arange(size, device=score.device) < per_head.to(score.device)[:, None]
         idx = torch.where(keep, idx, -1)
-    return _ascending(idx, n)
+    return idx if ranked else _ascending(idx, n)
 
 
 def _ascending(idx: torch.Tensor, n: int) -> torch.Tensor:
@@ -61,7 +63,7 @@ def _ascending(idx: torch.Tensor, n: int) -> torch.Tensor:
 def vs_proxy(q: torch.Tensor, k: torch.Tensor, scale: float, vertical: int | torch.Tensor,
              slash: int | torch.Tensor, *, last_rows: int = 64, aggregate: str = "sum",
              diag_norm: str = "sum", sink: int = 30, local: int = 100,
-             prior: float = 16.0) -> tuple[torch.Tensor, torch.Tensor]:
+             prior: float = 16.0, ranked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Vertical-slash index from the last `last_rows` query rows -> (columns, offsets).
 
     The last r rows score all keys (causal inside the r x r corner). `aggregate`: "sum" of softmax
@@ -71,7 +73,8 @@ def vs_proxy(q: torch.Tensor, k: torch.Tensor, scale: float, vertical: int | tor
     smoothed toward the strip's overall mean with `prior` pseudo-entries). The first `sink` columns
     and the `local` smallest offsets (offset 0 always) are forced in and count toward the budgets.
     `vertical`, `slash`: budgets (int, or Long `[Hq]` per head).
-    Returns columns Long `[..., Hq, vertical]`, offsets Long `[..., Hq, slash]`, ascending, -1 padded.
+    Returns columns Long `[..., Hq, vertical]`, offsets Long `[..., Hq, slash]`, ascending, -1 padded
+    (`ranked=True`: in preference order, so the first v columns are exactly the index of budget v).
     """
     if aggregate not in AGGREGATES:
         raise ValueError(f"aggregate={aggregate!r} is unknown: use one of {AGGREGATES}")
@@ -108,8 +111,8 @@ def vs_proxy(q: torch.Tensor, k: torch.Tensor, scale: float, vertical: int | tor
         elif diag_norm == "prior":
             mean = diag.sum(-1, keepdim=True) / count.sum()
             diag = (diag + prior * mean) / (count + prior)
-    columns = top_positions(col, sink, v_max, v_head)
-    offsets = top_positions(diag, max(local, 1), s_max, s_head)
+    columns = top_positions(col, sink, v_max, v_head, ranked)
+    offsets = top_positions(diag, max(local, 1), s_max, s_head, ranked)
     return columns, offsets
 
 
