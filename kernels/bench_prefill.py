@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     p.add_argument("--sweep", action="store_true", help="sweep num_warps/num_stages/block/order at the first "
                    "length and shape instead of the full benchmark")
+    p.add_argument("--tuned", default=None, help="a --sweep JSON: use its fastest (num_warps, num_stages, order) "
+                   "per (pattern, block) instead of the kernel defaults")
     p.add_argument("--time-limit", type=float, default=480.0, help="seconds; later FlexAttention runs are skipped")
     p.add_argument("--device", default="cuda", help="cuda (benchmark) or cpu (a dry run of the code path under "
                    "TRITON_INTERPRET=1 at tiny lengths; timings meaningless)")
@@ -216,6 +218,17 @@ def run(args: argparse.Namespace) -> int:
     flex = torch.compile(flex_attention, dynamic=False)
     flex_jobs = []  # deferred: (row, q, k, v, touched, full, mask_mod, reference output)
 
+    tuned = {}
+    if args.tuned:
+        import json
+
+        for r in json.load(open(args.tuned))["rows"]:
+            key = (r["kernel"], r.get("block"))
+            if r.get("num_warps") and r.get("time_ms") and (key not in tuned or r["time_ms"] < tuned[key]["time_ms"]):
+                tuned[key] = r
+        tuned = {k: {"num_warps": r["num_warps"], "num_stages": r["num_stages"], "longest_first": r["longest_first"]}
+                 for k, r in tuned.items()}
+        result["tuned"] = {f"{k[0]}/{k[1]}": v for k, v in tuned.items()}
     todo = [(s, n) for s in shapes for n in lengths]
     if args.sweep:
         todo = todo[:1]
@@ -280,11 +293,13 @@ def run(args: argparse.Namespace) -> int:
 
         for (pattern, blk), (tiles, t_index, aw) in indexes.items():
             sink, window = (aw if aw else (None, None))
-            fn = lambda: sparse_prefill(q, k, v, tiles, sink=sink, window=window, scale=scale)  # noqa: E731
+            cfg = tuned.get((pattern, blk), tuned.get(("block_sparse", blk), {})) if pattern == "a_shape" \
+                else tuned.get((pattern, blk), {})
+            fn = lambda: sparse_prefill(q, k, v, tiles, sink=sink, window=window, scale=scale, **cfg)  # noqa: E731
             ms = time_ms(fn)
             area = tile_area(tiles, n).sum().item()
             tf = 4 * d * area / ms / 1e9
-            row = {**base, "kernel": pattern, "block": blk, "time_ms": ms, "index_ms": t_index,
+            row = {**base, "kernel": pattern, "block": blk, **cfg, "time_ms": ms, "index_ms": t_index,
                    "index_share_of_kernel": t_index / ms,
                    "logical_density": logical[pattern] / (hq * causal_pairs),
                    "physical_density": area / (hq * causal_pairs),
@@ -328,7 +343,8 @@ def run(args: argparse.Namespace) -> int:
         sinks = torch.zeros(hq, dtype=torch.int32)
         windows = torch.full((hq,), NO_WINDOW, dtype=torch.int32)
         sinks[thirds[2]], windows[thirds[2]] = args.sink, args.window
-        ms = time_ms(lambda: sparse_prefill(q, k, v, mixed, sink=sinks, window=windows, scale=scale))
+        cfg = tuned.get(("vertical_slash", 64), {})
+        ms = time_ms(lambda: sparse_prefill(q, k, v, mixed, sink=sinks, window=windows, scale=scale, **cfg))
         area = tile_area(mixed, n).sum().item()
         tf = 4 * d * area / ms / 1e9
         rows.append({**base, "kernel": "mixed_layer_one_launch", "block": 64, "time_ms": ms,
@@ -337,6 +353,7 @@ def run(args: argparse.Namespace) -> int:
         print(rows[-1], flush=True)
         save()
 
+    flex_jobs.sort(key=lambda job: (job[1] != "llama3-8b", -job[2]))  # the long Llama rows first
     for row, shape, n, q, k, v, touched, full, mask_mod, ref, scale in tqdm(flex_jobs, desc="flex"):
         if time.time() - t_start > args.time_limit:
             row["flex_skipped"] = "time limit"
