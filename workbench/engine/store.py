@@ -1,0 +1,114 @@
+"""Block store: every offloaded layer's KV in 64-token blocks in pinned host memory.
+
+Per layer one flat K buffer and one flat V buffer; `view(batch, n_blocks)` lays them out as
+`[batch, Hkv, n_blocks, 64, D]` (any layout whose size fits reuses the same memory), so a store
+allocated once serves several batch sizes and contexts. Capacity is checked before anything is
+allocated: a request that does not fit is refused with the numbers and the fix, and a failed
+allocation frees whatever it had taken.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 64
+GiB = 1024 ** 3
+
+
+class StoreCapacityError(ValueError):
+    """The store cannot hold what was asked; the message says how much is needed and what to change."""
+
+
+def host_memory_available() -> int:
+    """Bytes the kernel reports as available (MemAvailable in /proc/meminfo)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("MemAvailable missing from /proc/meminfo: pass an explicit host memory limit")
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """Size of a block store: `layers` offloaded layers, each holding `batch` sequences of `n_blocks`
+    64-token blocks for `kv_heads` heads of `head_dim` (K and V)."""
+
+    layers: int
+    batch: int
+    kv_heads: int
+    n_blocks: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def layer_elements(self) -> int:
+        """Elements of one layer's K (or V) buffer."""
+        return self.batch * self.kv_heads * self.n_blocks * BLOCK * self.head_dim
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.layers * self.layer_elements * torch.tensor([], dtype=self.dtype).element_size()
+
+    @property
+    def tokens(self) -> int:
+        """Token capacity per sequence."""
+        return self.n_blocks * BLOCK
+
+
+def _register(t: torch.Tensor) -> torch.Tensor:
+    """Page-lock an ordinary CPU tensor (cudaHostRegister, portable + mapped): exact size, unlike the
+    caching pinned allocator, which rounds each buffer up to a power of two."""
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 3)
+    if int(err) != 0:
+        raise StoreCapacityError(f"cudaHostRegister of {t.numel() * t.element_size() / GiB:.1f} GiB failed "
+                                 f"(error {int(err)}): the host cannot pin that much; use a smaller store")
+    return t
+
+
+class BlockStore:
+    """Pinned host KV of `spec.layers` layers. `k[i]`, `v[i]`: flat buffers of layer slot i.
+
+    `pinned=None` pins when CUDA is available. `limit_bytes` caps the store (default: 90% of the host's
+    available memory); a spec above it raises StoreCapacityError before any allocation.
+    """
+
+    def __init__(self, spec: StoreSpec, *, pinned: bool | None = None, limit_bytes: int | None = None) -> None:
+        if min(spec.layers, spec.batch, spec.kv_heads, spec.n_blocks, spec.head_dim) <= 0:
+            raise StoreCapacityError(f"every store dimension must be positive, got {spec}")
+        limit = int(0.9 * host_memory_available()) if limit_bytes is None else int(limit_bytes)
+        if spec.nbytes > limit:
+            raise StoreCapacityError(
+                f"the KV store needs {spec.nbytes / GiB:.2f} GiB of pinned host memory ({spec.layers} layers x "
+                f"batch {spec.batch} x {spec.tokens} tokens) but only {limit / GiB:.2f} GiB may be pinned: "
+                f"reduce --batch or --context (or offload fewer layers)")
+        self.spec = spec
+        self.pinned = torch.cuda.is_available() if pinned is None else pinned
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        try:
+            for _ in range(spec.layers):
+                for bufs in (self.k, self.v):
+                    t = torch.empty(spec.layer_elements, dtype=spec.dtype)
+                    bufs.append(_register(t) if self.pinned else t)
+        except (RuntimeError, StoreCapacityError) as e:
+            self.close()
+            raise StoreCapacityError(f"allocating the {spec.nbytes / GiB:.2f} GiB KV store failed ({e}); "
+                                     "nothing was kept: reduce --batch or --context") from e
+
+    def view(self, layer: int, batch: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of layer slot `layer` as `[batch, Hkv, n_blocks, 64, D]` views of the same memory."""
+        s = self.spec
+        need = batch * s.kv_heads * n_blocks * BLOCK * s.head_dim
+        if need > s.layer_elements:
+            raise StoreCapacityError(f"batch {batch} x {n_blocks * BLOCK} tokens does not fit a store made for "
+                                     f"batch {s.batch} x {s.tokens} tokens: make a larger store")
+        shape = (batch, s.kv_heads, n_blocks, BLOCK, s.head_dim)
+        return self.k[layer][:need].view(shape), self.v[layer][:need].view(shape)
+
+    def close(self) -> None:
+        """Unpin and drop the buffers."""
+        if self.pinned:
+            for t in self.k + self.v:
+                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        self.k, self.v = [], []
