@@ -88,6 +88,8 @@ class LayerStats:
 
 def _pool(p: torch.Tensor, size: int, op: str) -> torch.Tensor:
     """Pool `[H, C, W]` (C, W multiples of size) over size x size squares -> `[H, C/size, W/size]`."""
+    if size == 1:
+        return p
     H, c, w = p.shape
     reduce = torch.amax if op == "max" else torch.sum
     rows = reduce(p.reshape(H, c // size, size, w), dim=2)
