@@ -44,7 +44,8 @@ def test_sparse_decode_matches_reference(dtype, B, Hq, Hkv, D, K):
         out = sparse_decode(q, kp, vp, blocks, slots, lengths, D ** -0.5, splits=splits)
         assert out.shape == (B, Hq, D) and out.dtype == dtype and torch.isfinite(out).all()
         err = ((out.double() - ref).norm() / ref.norm()).item()
-        assert err < (1e-5 if dtype == torch.float32 else 3e-3), (splits, err)
+        tol = 3e-3 if dtype == torch.float16 or DEV == "cuda" else 1e-5  # fp32 tl.dot is tf32 on a GPU
+        assert err < tol, (splits, err)
 
 
 def test_sparse_decode_masks_positions_past_length():

@@ -109,17 +109,31 @@ def copy_rates(store: BlockStore, ctas_list: list[int]) -> dict[str, Any]:
 
 def run_one(model, store, mode: str, context: int, batch: int, *, steps: int, warmup: int, ctas: int,
             reuse: float | None, budget: Budget) -> dict[str, Any]:
-    max_tokens = context + warmup + steps + 1
+    max_tokens = context + warmup + 2 * steps + 2
     hook = ImposedReuse(budget, reuse, -(-max_tokens // BLOCK)) if reuse is not None and mode != "dense-resident" else None
     cfg = EngineConfig(mode=mode, budget=budget, ctas=ctas, selector="same-layer")
     eng = DecodeEngine(model, cfg, batch=batch, max_tokens=max_tokens, store=store, select_hook=hook)
     lengths = [context - (i * 997) % 4096 for i in range(batch)]  # different lengths in one batch
     eng.fill_synthetic(lengths, fill_host=False)
     first = torch.randint(0, 1000, (batch,), device="cuda")
-    eng.run(first, warmup, progress=False)
-    _, _, stats = eng.run(first, steps, timing=True, progress=False)
+    graph_error = None
+    try:
+        eng.run(first, warmup, graph=True, progress=False)  # compiles, then captures the step as a CUDA graph
+        _, _, stats = eng.run(first, steps, graph=True, progress=False)
+    except RuntimeError as e:  # report it and time the eager loop instead
+        graph_error = str(e)[:300]
+        eng._graph = None
+        torch.cuda.synchronize()
+        _, _, stats = eng.run(first, steps, progress=False)
+    _, _, eager = eng.run(first, steps, timing=True, progress=False)  # events around every copy and wait
     out = stats.to_dict()
-    out.update(context=context, ctas=ctas, reuse_imposed=reuse, lengths=[min(lengths), max(lengths)])
+    for k in ("copy_seconds", "stall_seconds"):
+        out.pop(k)
+        out[f"eager_{k}_per_step"] = None if getattr(eager, k) is None else getattr(eager, k) / eager.steps
+    out.update(eager_tokens_per_s=eager.tokens_per_s, eager_hit_rate=eager.hit_rate, eager_hidden_fraction=eager.hidden_fraction,
+               eager_copy_gbps=eager.copy_gbps, hidden_fraction=None, copy_gbps=None)
+    out.update(context=context, ctas=ctas, reuse_imposed=reuse, lengths=[min(lengths), max(lengths)],
+               cuda_graph=graph_error is None, graph_error=graph_error)
     del eng
     gc.collect()
     torch.cuda.empty_cache()
@@ -145,11 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "what": "decode engine modes on a RANDOM-WEIGHT Llama-3-8B-shaped model (synthetic KV), "
                 f"{a.layers} of 32 layers (layer 0 resident, {a.layers - 1} offloaded), bf16",
-        "budget": budget.to_dict(), "environment": environment(argv), "runs": []}
+        "layers": a.layers, "budget": budget.to_dict(), "environment": environment(argv), "runs": []}
     out = Path(a.out)
     # One store for every run: batch x blocks per sequence of the largest run (other layouts view it).
-    blocks = max(b * -(-(c + a.warmup + a.steps + 1) // BLOCK) for c, bs in plan for b in bs)
+    blocks = max(b * -(-(c + a.warmup + 2 * a.steps + 2) // BLOCK) for c, bs in plan for b in bs)
     spec = StoreSpec(a.layers - 1, 1, LLAMA3_8B["num_key_value_heads"], blocks, LLAMA3_8B["head_dim"], torch.bfloat16)
+    torch.manual_seed(0)
     t0 = time.perf_counter()
     store = BlockStore(spec, limit_bytes=int(a.host_gib * GiB))
     for t in store.k + store.v:  # random content once: every later layout views the same memory
@@ -182,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
                 result["runs"].append(r)
                 write_json(out, result)
                 print(f"{context:>7} b{batch:<3} {mode:<26} reuse={reuse} ctas={ctas:<3} "
-                      + (f"{r['tokens_per_s']:9.1f} tok/s hit={r['hit_rate']} hidden={r['hidden_fraction']} "
-                         f"copy={r['copy_gbps']} MB/step={r['bytes_moved_per_step'] / 1e6:.1f}"
+                      + (f"{r['tokens_per_s']:9.1f} tok/s (eager {r['eager_tokens_per_s']:7.1f}) hit={r['hit_rate']} "
+                         f"hidden(eager)={r['eager_hidden_fraction']} copy={r['eager_copy_gbps']} "
+                         f"MB/step={r['bytes_moved_per_step'] / 1e6:.1f}"
                          if "tokens_per_s" in r else "refused: " + r["refused"][:80]), flush=True)
     store.close()
     result["summary"] = summarize(result)
@@ -192,16 +208,35 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def summarize(result: dict[str, Any], gpu_gib: float | None = None, host_gib: float = 128.0) -> dict[str, Any]:
-    """Ratios the issue asks for, from the runs: forecast vs sync and vs sparse-resident per (context,
-    batch, reuse); copy rate vs pinned memcpy; best CTA count per batch; largest feasible batch per mode
-    from the measured per-sequence GPU and host bytes (for these layers and scaled to 32 layers)."""
+def capacity(context: int, layers: int, budget: Budget, weights_gib: float, gpu_gib: float, host_gib: float
+             ) -> dict[str, dict[str, float]]:
+    """Largest batch per mode at `context` tokens for a Llama-3-8B-shaped model of `layers` layers, from the
+    bytes each sequence needs (bf16 KV and compressed keys) against 92% of GPU memory after weights and
+    85% of host memory (pinned store)."""
+    hkv, d = LLAMA3_8B["num_key_value_heads"], LLAMA3_8B["head_dim"]
+    full = context * hkv * d * 2 * 2 / GiB
+    cache = budget.total * BLOCK * hkv * d * 2 * 2 / GiB
+    ck = context / budget.stride * hkv * d * 2 / GiB
+    per_seq = {"dense-resident": (layers * full, 0.0), "sparse-resident": (layers * (full + ck), 0.0),
+               "offload (any)": (full + (layers - 1) * cache + layers * ck, (layers - 1) * full)}
+    out = {}
+    for mode, (g, h) in per_seq.items():
+        by_gpu = int((0.92 * gpu_gib - weights_gib) // g)
+        by_host = int(0.85 * host_gib // h) if h else None
+        out[mode] = {"gpu_gib_per_seq": g, "host_gib_per_seq": h, "max_batch_gpu": by_gpu, "max_batch_host": by_host,
+                     "max_batch": min(by_gpu, by_host) if by_host is not None else by_gpu}
+    return out
+
+
+def summarize(result: dict[str, Any], host_gib: float = 128.0) -> dict[str, Any]:
+    """Ratios the issue asks for, from the runs: forecast vs sync, no-prefetch and sparse-resident per
+    (context, batch, reuse); hidden fraction derived from graph step times and the eager copy time;
+    copy rate vs pinned memcpy; best CTA count per batch; largest feasible batch per mode."""
     runs = [r for r in result["runs"] if "tokens_per_s" in r]
-    env = result["environment"]
-    gpu_gib = gpu_gib or env["gpu_memory_gib"]
+    gpu_gib = result["environment"]["gpu_memory_gib"]
     memcpy = result["copy"]["pinned_memcpy_gbps"]
 
-    def tps(mode, context, batch, reuse, ctas=16):
+    def find(mode, context, batch, reuse, ctas=16):
         for r in runs:
             if (r["mode"], r["context"], r["batch"], r["reuse_imposed"], r["ctas"]) == (mode, context, batch, reuse, ctas):
                 return r
@@ -212,10 +247,14 @@ def summarize(result: dict[str, Any], gpu_gib: float | None = None, host_gib: fl
         if r["mode"] != "sparse-offload-forecast" or r["ctas"] != 16:
             continue
         key = (r["context"], r["batch"])
-        sync = tps("sparse-offload-sync", *key, r["reuse_imposed"])
-        nopf = tps("forecast-without-prefetch", *key, r["reuse_imposed"])
-        res = tps("sparse-resident", *key, None)
-        dense = tps("dense-resident", *key, None)
+        sync = find("sparse-offload-sync", *key, r["reuse_imposed"])
+        nopf = find("forecast-without-prefetch", *key, r["reuse_imposed"])
+        res = find("sparse-resident", *key, None)
+        dense = find("dense-resident", *key, None)
+        hidden = None
+        if nopf and nopf["eager_copy_seconds_per_step"]:
+            t_fc, t_nopf = r["seconds"] / r["steps"], nopf["seconds"] / nopf["steps"]
+            hidden = min(1.0, max(0.0, (t_nopf - t_fc) / nopf["eager_copy_seconds_per_step"]))
         ratios.append({
             "context": key[0], "batch": key[1], "reuse_imposed": r["reuse_imposed"], "hit_rate": r["hit_rate"],
             "forecast_tok_s": r["tokens_per_s"],
@@ -223,8 +262,8 @@ def summarize(result: dict[str, Any], gpu_gib: float | None = None, host_gib: fl
             "forecast_over_no_prefetch": r["tokens_per_s"] / nopf["tokens_per_s"] if nopf else None,
             "forecast_over_sparse_resident": r["tokens_per_s"] / res["tokens_per_s"] if res else None,
             "forecast_over_dense_resident": r["tokens_per_s"] / dense["tokens_per_s"] if dense else None,
-            "hidden_fraction": r["hidden_fraction"],
-            "copy_rate_over_pinned_memcpy": r["copy_gbps"] / memcpy if r["copy_gbps"] else None})
+            "hidden_fraction_graph_derived": hidden, "hidden_fraction_eager_events": r["eager_hidden_fraction"],
+            "copy_rate_over_pinned_memcpy": r["eager_copy_gbps"] / memcpy if r["eager_copy_gbps"] else None})
     best_ctas = {}
     for r in runs:
         if r["reuse_imposed"] is None or r["mode"] not in ("sparse-offload-sync", "sparse-offload-forecast"):
@@ -232,26 +271,10 @@ def summarize(result: dict[str, Any], gpu_gib: float | None = None, host_gib: fl
         k = f"{r['mode']} ctx={r['context']} b={r['batch']}"
         if k not in best_ctas or r["tokens_per_s"] > best_ctas[k]["tokens_per_s"]:
             best_ctas[k] = {"ctas": r["ctas"], "tokens_per_s": r["tokens_per_s"]}
-    layers = int(result["what"].split(" of 32 layers")[0].split()[-1])
-    feasible = {}
-    for r in runs:
-        k = f"{r['mode']} ctx={r['context']}"
-        if k in feasible:
-            continue
-        gpu_seq = r["gpu_kv_bytes"] / r["batch"] / GiB
-        host_seq = r["host_kv_bytes"] / r["batch"] / GiB
-        row = {}
-        for n_layers, scale in ((layers, 1.0), (32, 32 / layers)):
-            weights = result["weights_gib"] * (scale if n_layers == 32 else 1.0)
-            g = int((0.92 * gpu_gib - weights) // (gpu_seq * scale))
-            h = int(0.85 * host_gib // (host_seq * scale)) if host_seq else None
-            row[f"{n_layers}_layers"] = {"gpu_gib_per_seq": gpu_seq * scale, "host_gib_per_seq": host_seq * scale,
-                                         "max_batch_gpu": g, "max_batch_host": h,
-                                         "max_batch": min(g, h) if h is not None else g}
-        feasible[k] = row
-    return {"ratios": ratios, "best_ctas": best_ctas, "feasible_batch": feasible,
-            "pinned_memcpy_gbps": memcpy}
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    layers = result["layers"]
+    budget = Budget(**result["budget"])
+    contexts = sorted({r["context"] for r in runs})
+    feasible = {str(c): {f"{layers}_layers": capacity(c, layers, budget, result["weights_gib"], gpu_gib, host_gib),
+                         "32_layers": capacity(c, 32, budget, result["weights_gib"] * 32 / layers, gpu_gib, host_gib)}
+                for c in contexts}
+    return {"ratios": ratios, "best_ctas": best_ctas, "feasible_batch": feasible, "pinned_memcpy_gbps": memcpy}

@@ -141,7 +141,7 @@ class DecodeEngine:
         if self.offload:
             gpu_need += (L - 1) * batch * Hkv * self.capacity * block_bytes
         if self.sparse:
-            gpu_need += L * batch * Hkv * (max_tokens // config.budget.stride + 33) * D * 4
+            gpu_need += L * batch * Hkv * ((max_tokens // config.budget.stride + 2) * esize + 32 * 4) * D
         self.gpu_kv_bytes = gpu_need
         spec = StoreSpec(L - 1, batch, Hkv, nb, D, self.dtype) if self.offload else None
         self.host_kv_bytes = spec.nbytes if spec else 0
@@ -173,7 +173,7 @@ class DecodeEngine:
                    for _ in range(resident_layers)]
         self.caches = [BlockCache(batch, Hkv, self.capacity, nb, D, self.dtype, dev) for _ in range(L - 1)] \
             if self.offload else []
-        self.ck = [CompressedKeyBuffer(batch, Hkv, D, self.max_tokens, config.budget, dev) for _ in range(L)] \
+        self.ck = [CompressedKeyBuffer(batch, Hkv, D, self.max_tokens, config.budget, dev, self.dtype) for _ in range(L)] \
             if self.sparse else []
         self.heads = None
         if config.uses_forecast:
@@ -191,6 +191,8 @@ class DecodeEngine:
         self.copy_done = [torch.cuda.Event() for _ in range(L)] if self.cuda else []
         self.timing = False
         self._events: list[tuple[str, Any, Any]] = []
+        self._graph: Any = None  # CUDA graph of one step (captured by `run(graph=True)`)
+        self._graph_io: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ filling the cache
     def _host_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -374,13 +376,36 @@ class DecodeEngine:
             return 0, 0
         return int(sum(c.hits for c in self.caches)), int(sum(c.misses for c in self.caches))
 
+    def _capture(self) -> None:
+        """Record one whole step (both streams) as a CUDA graph; replays then cost no Python or launch time.
+        Everything a step touches lives in fixed buffers and is updated in place, so a replay is a step."""
+        tok = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self.step(tok)
+        self._graph, self._graph_io = graph, (tok, logits)
+
+    def _graph_step(self, tokens: torch.Tensor) -> torch.Tensor:
+        tok, logits = self._graph_io
+        tok.copy_(tokens)
+        self._graph.replay()
+        return logits
+
     @torch.no_grad()
     def run(self, first: torch.Tensor, steps: int, *, force: torch.Tensor | None = None, keep_logits: bool = False,
-            timing: bool = False, progress: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, DecodeStats]:
+            timing: bool = False, graph: bool = False, progress: bool = True
+            ) -> tuple[torch.Tensor, torch.Tensor | None, DecodeStats]:
         """Greedy decode `steps` tokens starting from `first` `[B]` (or feed `force` `[B, steps]`, teacher
-        forcing) -> tokens `[B, steps]`, logits `[B, steps, V]` (if keep_logits, on the CPU), stats."""
+        forcing) -> tokens `[B, steps]`, logits `[B, steps, V]` (if keep_logits, on the CPU), stats.
+
+        `timing` records CUDA events around every copy and every wait (copy time, stall, hidden fraction).
+        `graph` (CUDA only, not with timing) runs the first step eagerly, captures the next as a CUDA graph
+        and replays it from then on.
+        """
         if int(self.positions.max()) + steps > self.max_tokens:
             raise StoreCapacityError(f"{steps} more steps would pass the capacity of {self.max_tokens} tokens")
+        if graph and (timing or not self.cuda):
+            raise ValueError("graph=True needs CUDA and cannot be combined with timing=True")
         self.timing, self._events = timing, []
         h0, m0 = self._counters()
         if self.cuda:
@@ -391,7 +416,12 @@ class DecodeEngine:
         t0 = time.perf_counter()
         tok = first
         for s in tqdm(range(steps), desc=self.config.mode, unit="step", disable=not progress, leave=False):
-            logits = self.step(tok)
+            if graph and self._graph is not None:
+                logits = self._graph_step(tok)
+            else:
+                logits = self.step(tok)
+                if graph:
+                    self._capture()
             tokens[:, s] = logits.argmax(-1)
             if keep_logits:
                 kept.append(logits.float().cpu())

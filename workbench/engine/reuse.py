@@ -51,36 +51,36 @@ class ImposedReuse:
 
     For benchmarks on random weights, where the real selector's reuse is not realistic. The engine still
     runs the real selector (its cost stays in the timing); only its output is replaced. Needs contexts
-    of more than init + local + 2 * topk blocks.
+    of more than init + local + 2 * topk blocks. Draws from the default generator and updates its state
+    in place, so it can be captured in a CUDA graph.
     """
 
-    def __init__(self, budget: Budget, rate: float, n_blocks: int, seed: int = 0) -> None:
+    def __init__(self, budget: Budget, rate: float, n_blocks: int) -> None:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"reuse rate must be in [0, 1], got {rate}")
         self.budget, self.rate, self.n_blocks = budget, rate, n_blocks
         self.replace = round((1.0 - rate) * budget.topk)
-        self.seed = seed
         self.dynamic: dict[int, torch.Tensor] = {}
-        self._gen: torch.Generator | None = None
 
     def __call__(self, layer: int, blocks: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         B, H, K = blocks.shape
         dev = blocks.device
-        if self._gen is None:
-            self._gen = torch.Generator(device=dev).manual_seed(self.seed)
         ids = torch.arange(self.n_blocks, device=dev).view(1, 1, -1)
         forced = forced_mask(positions, self.n_blocks, self.budget)
         invalid = forced | (ids > (positions // BLOCK).view(-1, 1, 1))
-        scores = torch.rand(B, H, self.n_blocks, generator=self._gen, device=dev)
+        scores = torch.rand(B, H, self.n_blocks, device=dev)
         dyn = self.dynamic.get(layer)
         if dyn is None or dyn.shape[:2] != (B, H):
             dyn = scores.masked_fill(invalid, -1.0).topk(self.budget.topk, -1).indices
         elif self.replace:
             taken = torch.zeros(B, H, self.n_blocks, dtype=torch.bool, device=dev).scatter_(2, dyn, True)
             fresh = scores.masked_fill(invalid | taken, -1.0).topk(self.replace, -1).indices
-            where = torch.rand(B, H, self.budget.topk, generator=self._gen, device=dev).argsort(-1)[..., :self.replace]
+            where = torch.rand(B, H, self.budget.topk, device=dev).argsort(-1)[..., :self.replace]
             dyn = dyn.scatter(2, where, fresh)
-        self.dynamic[layer] = dyn
+        if layer in self.dynamic and self.dynamic[layer].shape == dyn.shape:
+            self.dynamic[layer].copy_(dyn)
+        else:
+            self.dynamic[layer] = dyn
         mask = forced.expand(B, H, -1).clone().scatter_(2, dyn, True)
         sel = torch.where(mask, ids, self.n_blocks).sort(-1).values[..., :K]
         return sel.masked_fill(sel == self.n_blocks, -1)

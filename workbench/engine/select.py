@@ -16,27 +16,27 @@ from ..patterns.infllm import Budget, compress_keys, group_scores, pool_to_block
 class CompressedKeyBuffer:
     """Compressed keys (mean of `window` keys every `stride` tokens) of one layer, batch-first.
 
-    keys `[B, Hkv, capacity + 1, D]` float32 (the last column is a sink for sequences that complete no
-    window at a step); tail `[B, Hkv, window, D]` holds the last `window` raw keys, token t at t % window.
-    Entry j is valid once token j*stride + window - 1 has been appended.
+    keys `[B, Hkv, capacity + 1, D]` in `dtype` (means are taken in float32; the last column is a sink for
+    sequences that complete no window at a step); tail `[B, Hkv, window, D]` float32 holds the last
+    `window` raw keys, token t at t % window. Entry j is valid once token j*stride + window - 1 is appended.
     """
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, max_tokens: int, budget: Budget,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
         self.budget = budget
         self.capacity = max(0, (max_tokens - budget.window) // budget.stride + 1)
-        self.keys = torch.zeros(batch, kv_heads, self.capacity + 1, head_dim, device=device)
+        self.keys = torch.zeros(batch, kv_heads, self.capacity + 1, head_dim, device=device, dtype=dtype)
         self.tail = torch.zeros(batch, kv_heads, budget.window, head_dim, device=device)
 
     @property
     def nbytes(self) -> int:
-        return (self.keys.numel() + self.tail.numel()) * 4
+        return self.keys.numel() * self.keys.element_size() + self.tail.numel() * 4
 
     def fill(self, b: int, k: torch.Tensor) -> None:
         """Prefill of sequence b: k `[Hkv, N, D]` (positions 0..N-1)."""
         w, n = self.budget.window, k.shape[1]
         ck = compress_keys(k.float(), w, self.budget.stride)
-        self.keys[b, :, :ck.shape[1]] = ck
+        self.keys[b, :, :ck.shape[1]] = ck.to(self.keys.dtype)
         last = torch.arange(max(0, n - w), n, device=k.device)
         self.tail[b, :, last % w] = k[:, last].float()
 
@@ -51,7 +51,7 @@ class CompressedKeyBuffer:
         j = torch.where(done, (positions - (w - 1)) // s, self.capacity)
         order = (positions[:, None] - (w - 1) + torch.arange(w, device=k.device)) % w  # token order
         window = self.tail.gather(2, order[:, None, :, None].expand(-1, self.tail.shape[1], -1, self.tail.shape[3]))
-        self.keys[batch, :, j] = window.mean(2)
+        self.keys[batch, :, j] = window.mean(2).to(self.keys.dtype)
 
 
 def select_decode(q_group: torch.Tensor, ck: CompressedKeyBuffer, positions: torch.Tensor,
