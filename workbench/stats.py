@@ -36,11 +36,13 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
 
 
 def attention_rows(q: torch.Tensor, k: torch.Tensor, scale: float, chunk: int = 256, entropy: bool = False,
-                   left_pad: bool = False) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
+                   left_pad: bool = False, rows: tuple[int, int] | None = None
+                   ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
     """Yield (r0, r1, p, h) for query rows [r0, r1): p `[Hq, r1 - r0, r1]` fp32 causal softmax over
     keys 0..r1-1 (zeros where j > i); h `[Hq, r1 - r0]` row entropy in nats when `entropy`.
 
     q `[Hq, N, D]`, k `[Hkv, N, D]`; query head h reads KV head h // (Hq // Hkv).
+    `rows=(start, stop)` walks only query rows [start, stop) (exact: each row still sees all its keys).
     `left_pad=True` makes p a view into a buffer with r1 - r0 zero columns before key 0 (see
     `_diagonal_sums`); the values are the same.
     """
@@ -48,9 +50,12 @@ def attention_rows(q: torch.Tensor, k: torch.Tensor, scale: float, chunk: int = 
     Hq, n, d = q.shape
     Hkv = k.shape[0]
     g = Hq // Hkv
+    start, stop = (0, n) if rows is None else rows
+    if not 0 <= start < stop <= n:
+        raise ValueError(f"rows={rows} must satisfy 0 <= start < stop <= N = {n}: pick query rows inside the capture")
     kt = k.float().transpose(1, 2)
-    for r0 in range(0, n, chunk):
-        r1 = min(n, r0 + chunk)
+    for r0 in range(start, stop, chunk):
+        r1 = min(stop, r0 + chunk)
         c = r1 - r0
         qc = (q[:, r0:r1].float() * scale).reshape(Hkv, g * c, d)
         s = torch.matmul(qc, kt[:, :, :r1]).view(Hq, c, r1)
