@@ -26,7 +26,7 @@ from ..io import write_json
 from ..patterns.infllm import Budget
 from .decoder import MODES, DecodeEngine, EngineConfig
 from .reuse import ImposedReuse
-from .store import BLOCK, GiB, BlockStore, StoreCapacityError, StoreSpec
+from .store import BLOCK, GiB, BlockStore, StoreSpec
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                  head_dim=128, vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5)
@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
+    p.add_argument("--merge", nargs="+", default=None,
+                   help="instead of running: merge result files of several runs (same model) into --out")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--reuse", type=float, required=True, help="dynamic-block reuse rate measured on the embedded model")
     p.add_argument("--plan", default="32768:1,8,32,64;65536:1,8,32;131072:1,4,8,16",
@@ -153,6 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--host-gib", type=float, default=100.0, help="pinned host memory the store may take")
     a = p.parse_args(argv)
+    if a.merge:
+        parts = [json.loads(Path(f).read_text()) for f in a.merge]
+        merged = dict(parts[0])
+        merged["runs"] = [r for part in parts for r in part["runs"]]
+        merged["parts"] = [{"command": part["environment"]["command"], "store": part.get("store"),
+                            "copy": part.get("copy")} for part in parts]
+        merged["summary"] = summarize(merged)
+        write_json(a.out, merged)
+        return 0
     plan = [(int(c), [int(b) for b in bs.split(",")]) for c, bs in (x.split(":") for x in a.plan.split(";"))]
     ctas_list = [int(c) for c in a.sweep_ctas.split(",")]
     budget = PAPER_BUDGET
@@ -166,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = StoreSpec(a.layers - 1, 1, LLAMA3_8B["num_key_value_heads"], blocks, LLAMA3_8B["head_dim"], torch.bfloat16)
     torch.manual_seed(0)
     t0 = time.perf_counter()
+    print(f"pinning a {spec.nbytes / GiB:.1f} GiB store", flush=True)
     store = BlockStore(spec, limit_bytes=int(a.host_gib * GiB))
     for t in store.k + store.v:  # random content once: every later layout views the same memory
         for chunk in t.split(256 * 1024 ** 2):
@@ -189,9 +201,9 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     r = run_one(model, store, mode, context, batch, steps=a.steps, warmup=a.warmup, ctas=ctas,
                                 reuse=reuse, budget=budget)
-                except (StoreCapacityError, torch.OutOfMemoryError) as e:
+                except Exception as e:  # a refusal (capacity, OOM) or a failure: record it, go on
                     r = {"mode": mode, "context": context, "batch": batch, "ctas": ctas, "reuse_imposed": reuse,
-                         "refused": str(e)[:300]}
+                         "refused": f"{type(e).__name__}: {str(e)[:300]}"}
                     gc.collect()
                     torch.cuda.empty_cache()
                 result["runs"].append(r)
@@ -278,3 +290,7 @@ def summarize(result: dict[str, Any], host_gib: float = 128.0) -> dict[str, Any]
                          "32_layers": capacity(c, 32, budget, result["weights_gib"] * 32 / layers, gpu_gib, host_gib)}
                 for c in contexts}
     return {"ratios": ratios, "best_ctas": best_ctas, "feasible_batch": feasible, "pinned_memcpy_gbps": memcpy}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
