@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .index_ref import VSTiles, max_pieces_total, unique_columns, vs_pieces
+from .index_ref import VSTiles, max_pieces_total, piece_ranges, unique_columns, vs_pieces
 
 LOG2E = 1.4426950408889634
 ROWS = 64
@@ -112,18 +112,19 @@ def vs_index(q: torch.Tensor, k: torch.Tensor, scale: float, vertical: int = 100
 
 
 @triton.jit
-def _expand_tiles_kernel(Ends, Covered, Cols, BlockCount, BlockOffset, ColumnCount, ColumnIndex,
+def _expand_tiles_kernel(Ends, Hi, Covered, Cols, BlockCount, BlockOffset, ColumnCount, ColumnIndex,
                          P, L, KV, NS, NC, M, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     bh = tl.program_id(0)
     m = tl.program_id(1)
     row0 = m * BLOCK
     lanes = tl.arange(0, CHUNK)
     tile = bh * M + m
-    # pieces: the `count` smallest ends, written in ascending key order (start = row0 - end)
+    # pieces: ends[hi - count : hi], written in ascending key order (start = row0 - end)
     count = tl.load(BlockCount + tile)
+    hi = tl.load(Hi + tile)
     for t0 in range(0, count, CHUNK):
         t = t0 + lanes
-        e = tl.load(Ends + bh * P + count - 1 - t, mask=t < count, other=0)
+        e = tl.load(Ends + bh * P + hi - 1 - t, mask=t < count, other=0)
         tl.store(BlockOffset + tile.to(tl.int64) * NS + t, row0 - e, mask=t < count)
     # columns: keep those < row0 and not under a piece, packed in order
     kept = 0
@@ -139,25 +140,25 @@ def _expand_tiles_kernel(Ends, Covered, Cols, BlockCount, BlockOffset, ColumnCou
 
 
 @torch.no_grad()
-def vs_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int = 64) -> VSTiles:
+def vs_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int = 64, width: int = 0) -> VSTiles:
     """Same tiles as `index_ref.vs_to_tiles` (static widths), without the `[B, H, M, width]` torch
     intermediates and without host sync. Entries past the counts are left unwritten."""
     B, H, KV = columns.shape
     M = -(-n // block)
-    ends, covered = vs_pieces(offsets, n, block, static=True)
+    w = width or block
+    ends, covered = vs_pieces(offsets, n, block, static=True, width=w)
     cols = unique_columns(columns, n).to(torch.int32).contiguous()
     P = ends.shape[-1]
-    NS = min(2 * M + 4, max_pieces_total(n, offsets.shape[-1], block))
+    NS = min(2 * (-(-n // w)) + 4, max_pieces_total(n, offsets.shape[-1], block, w))
     NC = max(KV, 1)
     dev = columns.device
-    m_top = torch.arange(M, device=dev, dtype=torch.int32) * block + (block - 1)
-    count = torch.searchsorted(ends, m_top.expand(B, H, M).contiguous(), right=True).to(torch.int32)
+    hi, count = piece_ranges(ends, n, block, w)
     tiles = VSTiles(count.clamp(max=NS).contiguous(),
                     torch.empty(B, H, M, NS, dtype=torch.int32, device=dev),
                     torch.empty(B, H, M, dtype=torch.int32, device=dev),
-                    torch.empty(B, H, M, NC, dtype=torch.int32, device=dev), block)
+                    torch.empty(B, H, M, NC, dtype=torch.int32, device=dev), block, width)
     cov = covered.to(torch.int8).contiguous()
-    _expand_tiles_kernel[(B * H, M)](ends, cov, cols, tiles.block_count, tiles.block_offset, tiles.column_count,
+    _expand_tiles_kernel[(B * H, M)](ends, hi.contiguous(), cov, cols, tiles.block_count, tiles.block_offset, tiles.column_count,
                                      tiles.column_index, P, cov.shape[-1], KV, NS, NC, M, BLOCK=block,
                                      CHUNK=256, num_warps=4)
     return tiles

@@ -34,7 +34,8 @@ BLOCK = 64
 
 @dataclass
 class VSTiles:
-    """Per (batch, head, row block) key pieces and columns; M = ceil(n / block).
+    """Per (batch, head, row block) key pieces and columns; M = ceil(n / block). Pieces are `piece`
+    (= width or block) keys wide; width 64 with block 128 gives 128-row tiles over 64-wide pieces.
 
     block_count Int32 `[B, H, M]`, block_offset Int32 `[B, H, M, NS]` (piece starts, ascending),
     column_count Int32 `[B, H, M]`, column_index Int32 `[B, H, M, NC]` (ascending, all < m*block).
@@ -45,14 +46,19 @@ class VSTiles:
     column_count: torch.Tensor
     column_index: torch.Tensor
     block: int = BLOCK
+    width: int = 0  # piece width (and column strip width) in keys; 0 = `block`
 
     @property
     def shape(self) -> tuple[int, int, int]:
         return tuple(self.block_count.shape)
 
+    @property
+    def piece(self) -> int:
+        return self.width or self.block
+
     def to(self, device: torch.device | str) -> "VSTiles":
-        return VSTiles(*(t.to(device) for t in (self.block_count, self.block_offset,
-                                                self.column_count, self.column_index)), block=self.block)
+        return VSTiles(*(t.to(device) for t in (self.block_count, self.block_offset, self.column_count,
+                                                self.column_index)), block=self.block, width=self.width)
 
 
 def _check_bh(name: str, t: torch.Tensor, ndim: int = 3) -> None:
@@ -73,12 +79,12 @@ def _compact(values: torch.Tensor, keep: torch.Tensor, width: int | None) -> tup
 
 
 def vs_to_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int = BLOCK,
-                max_pieces: int | None = None, max_columns: int | None = None) -> VSTiles:
+                max_pieces: int | None = None, max_columns: int | None = None, width: int = 0) -> VSTiles:
     """Vertical-Slash index -> physical tiles (see module docstring).
 
     columns Long `[B, H, Kv]`, offsets Long `[B, H, Ks]`; n = sequence length. With `max_pieces` and
     `max_columns` given (static bounds, e.g. `vs_tile_bounds`) nothing syncs with the host; without
-    them the widths are the exact maxima (one sync).
+    them the widths are the exact maxima (one sync). `width`: piece width (0 = block).
     """
     _check_bh("columns", columns)
     _check_bh("offsets", offsets)
@@ -87,14 +93,15 @@ def vs_to_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int
     B, H, _ = offsets.shape
     dev = offsets.device
     M = -(-n // block)
-    ends, covered = vs_pieces(offsets, n, block, static=max_pieces is not None)
-    # Row block m uses every piece whose lowest key m*b - end is > -b (ends ascending, padding INT_MAX).
-    m_top = torch.arange(M, device=dev, dtype=torch.int32) * block + (block - 1)
-    block_count = torch.searchsorted(ends, m_top.expand(B, H, M).contiguous(), right=True).to(torch.int32)
+    w = width or block
+    ends, covered = vs_pieces(offsets, n, block, static=max_pieces is not None, width=w)
+    # Row block m uses every piece whose lowest key m*b - end is > -w (ends ascending, padding INT_MAX).
+    hi, block_count = piece_ranges(ends, n, block, w)
+    m_top = torch.arange(M, device=dev, dtype=torch.int32) * block + (w - 1)
     ns = max_pieces if max_pieces is not None else max(int(block_count.max()), 1)
     t = torch.arange(ns, device=dev)
-    src = (block_count.unsqueeze(-1).long() - 1 - t).clamp(min=0, max=ends.shape[-1] - 1)  # ascending keys
-    starts = (m_top - (block - 1)).view(1, 1, M, 1) - torch.gather(ends.unsqueeze(2).expand(B, H, M, -1), 3, src)
+    src = (hi.unsqueeze(-1).long() - 1 - t).clamp(min=0, max=ends.shape[-1] - 1)  # ascending keys
+    starts = (m_top - (w - 1)).view(1, 1, M, 1) - torch.gather(ends.unsqueeze(2).expand(B, H, M, -1), 3, src)
     block_offset = torch.where(t < block_count.unsqueeze(-1), starts, -1).to(torch.int32)
     block_count = block_count.clamp(max=ns)
     # Columns: per row block keep those < m*b and not under any piece.
@@ -103,7 +110,17 @@ def vs_to_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int
     dc = (m0 - c).clamp(min=1, max=n - 1) + block - 1
     keep = (c < m0) & ~torch.gather(covered.unsqueeze(2).expand(B, H, M, -1), 3, dc.expand(B, H, M, -1))
     column_index, column_count = _compact(c.expand(B, H, M, -1), keep, max_columns)
-    return VSTiles(block_count, block_offset, column_count, column_index, block)
+    return VSTiles(block_count, block_offset, column_count, column_index, block, width)
+
+
+def piece_ranges(ends: torch.Tensor, n: int, block: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which of a head's pieces each row block uses: (hi, count) Int32 `[B, H, M]`; row block m uses
+    ends[hi - count : hi] (start m*block - end > -width, and < n)."""
+    B, H, _ = ends.shape
+    m0 = torch.arange(-(-n // block), device=ends.device, dtype=torch.int32) * block
+    hi = torch.searchsorted(ends, (m0 + width - 1).expand(B, H, -1).contiguous(), right=True)
+    lo = torch.searchsorted(ends, (m0 - n).expand(B, H, -1).contiguous(), right=True)
+    return hi.to(torch.int32), (hi - lo).to(torch.int32)
 
 
 def unique_columns(columns: torch.Tensor, n: int) -> torch.Tensor:
@@ -113,15 +130,18 @@ def unique_columns(columns: torch.Tensor, n: int) -> torch.Tensor:
     return torch.where(dup, n, cols)
 
 
-def vs_pieces(offsets: torch.Tensor, n: int, block: int = BLOCK, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def vs_pieces(offsets: torch.Tensor, n: int, block: int = BLOCK, static: bool = False,
+              width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The row-block-independent part of the VS tiles of each head.
 
     In d-space (key j of row block m sits at d = m*block - j) the merged slash ranges and their pieces
     are the same for every row block. Returns (ends Int32 `[B, H, P]`: each piece's d of its lowest key,
-    ascending, padded with INT32_MAX; row block m uses the pieces with end <= m*block + block - 1 and
+    ascending, padded with INT32_MAX; row block m uses the pieces with end <= m*block + width - 1 and
     piece start m*block - end), covered Bool `[B, H, n + block - 1]` (index d + block - 1: d lies under
     some piece). `static`: P = `max_pieces_total` (no host sync) instead of the exact maximum.
+    `width`: piece width (0 = block).
     """
+    w = width or block
     B, H, _ = offsets.shape
     dev = offsets.device
     off = offsets.long()
@@ -133,32 +153,34 @@ def vs_pieces(offsets: torch.Tensor, n: int, block: int = BLOCK, static: bool = 
     cnt = torch.nn.functional.pad(bitmap[..., :n].cumsum(-1), (1, 0))  # cnt[x] = #offsets < x
     d = torch.arange(-(block - 1), n, device=dev)
     hit = (cnt[..., (d + block).clamp(max=n)] - cnt[..., d.clamp(min=0)]) > 0  # [B, H, n + block - 1]
-    # Runs of `hit` (merged ranges); pieces start at run_start + k*block in d (chopped from the key end).
+    # Runs of `hit` (merged ranges); pieces start at run_start + k*w in d (chopped from the key end).
     idx = torch.arange(hit.shape[-1], device=dev)
     prev = torch.nn.functional.pad(hit[..., :-1], (1, 0), value=False)
     run_start = torch.where(hit & ~prev, idx, -1).cummax(-1).values
-    piece = hit & ((idx - run_start) % block == 0)
-    width = max_pieces_total(n, offsets.shape[-1], block) if static else None
-    ends, _ = _compact((d + block - 1).expand(B, H, -1), piece, width)
-    ends = torch.where(ends >= 0, ends, torch.iinfo(torch.int32).max)
+    piece = hit & ((idx - run_start) % w == 0)
+    size = max_pieces_total(n, offsets.shape[-1], block, w) if static else None
+    ends, count = _compact((d + w - 1).expand(B, H, -1), piece, size)  # ends may be < 0 when w < block
+    live = torch.arange(ends.shape[-1], device=dev) < count.unsqueeze(-1)
+    ends = torch.where(live, ends, torch.iinfo(torch.int32).max)
     pc = torch.nn.functional.pad(piece.int().cumsum(-1), (1, 0))
-    covered = (pc[..., (idx + 1)] - pc[..., (idx + 1 - block).clamp(min=0)]) > 0
+    covered = (pc[..., (idx + 1)] - pc[..., (idx + 1 - w).clamp(min=0)]) > 0
     return ends.contiguous(), covered
 
 
-def max_pieces_total(n: int, n_offsets: int, block: int = BLOCK) -> int:
+def max_pieces_total(n: int, n_offsets: int, block: int = BLOCK, width: int = 0) -> int:
     """Upper bound on the number of distinct pieces of one head (over all row blocks)."""
-    return min(n + block, n_offsets + 1 + -(-(n + block) // block))
+    w = width or block
+    return min(n + block, n_offsets + 1 + -(-(n + block) // w))
 
 
-def vs_tile_bounds(n: int, n_columns: int, n_offsets: int, block: int = BLOCK) -> tuple[int, int]:
+def vs_tile_bounds(n: int, n_columns: int, n_offsets: int, block: int = BLOCK, width: int = 0) -> tuple[int, int]:
     """Static (max_pieces, max_columns) for `vs_to_tiles` without a host sync."""
-    M = -(-n // block)
-    return min(2 * M + 4, max_pieces_total(n, n_offsets, block)), max(n_columns, 1)
+    w = width or block
+    return min(2 * (-(-n // w)) + 4, max_pieces_total(n, n_offsets, block, w)), max(n_columns, 1)
 
 
 def ashape_to_tiles(sink: torch.Tensor | list[int], window: torch.Tensor | list[int], n: int, batch: int = 1,
-                    block: int = BLOCK, device: torch.device | str | None = None) -> VSTiles:
+                    block: int = BLOCK, device: torch.device | str | None = None, width: int = 0) -> VSTiles:
     """A-shape heads (sink tokens `[H]`, window `[H]`, both in tokens) -> tiles: window band as pieces,
     sinks as columns. The kernel applies the exact per-token mask (j < sink or i - j < window) on top."""
     sink = torch.as_tensor(sink, dtype=torch.long, device=device).reshape(-1)
@@ -173,42 +195,45 @@ def ashape_to_tiles(sink: torch.Tensor | list[int], window: torch.Tensor | list[
     cols = torch.where(cols < sink.view(H, 1), cols, -1)
     offs = torch.arange(max(wmax, 1), device=sink.device)
     offs = torch.where(offs < window.view(H, 1), offs, -1)
-    return vs_to_tiles(cols.expand(batch, H, -1), offs.expand(batch, H, -1), n, block)
+    return vs_to_tiles(cols.expand(batch, H, -1), offs.expand(batch, H, -1), n, block, width=width)
 
 
-def block_sparse_to_tiles(block_index: torch.Tensor, n: int, block: int = BLOCK) -> VSTiles:
+def block_sparse_to_tiles(block_index: torch.Tensor, n: int, block: int = BLOCK, width: int = 0) -> VSTiles:
     """Block-sparse index Int `[B, H, M, K]` (key-block ids of 64 tokens, -1 padded) -> tiles.
 
     Blocks above the diagonal are dropped, the diagonal is added, duplicates count once. With
-    `block` = 128 the 64-blocks of each pair of row blocks are merged into 128-wide pieces."""
+    `block` = 128 the key blocks of each pair of row blocks are merged: into 128-wide pieces, or with
+    `width` = 64 into the union of their 64-wide blocks."""
     if block_index.dim() != 4:
         raise ValueError(f"block_index must be [B, H, M, K]; got {tuple(block_index.shape)}")
     B, H, M64, K = block_index.shape
     if M64 != -(-n // BLOCK):
         raise ValueError(f"block_index has M={M64} row blocks but n={n} needs {-(-n // BLOCK)}")
     r = block // BLOCK
+    w = width or block
     M = -(-n // block)
     dev = block_index.device
     bi = block_index.long()
     m64 = torch.arange(M64, device=dev).view(1, 1, M64, 1)
-    bi = torch.where((bi >= 0) & (bi <= m64), bi // r, -1)
-    bi = torch.cat([bi, (m64 // r).expand(B, H, M64, 1)], -1)  # diagonal always in
+    bi = torch.where((bi >= 0) & (bi <= m64), bi // (w // BLOCK), -1)
+    bi = torch.cat([bi, (m64 // (w // BLOCK)).expand(B, H, M64, 1)], -1)  # diagonal always in
     if M * r != M64:
         bi = torch.nn.functional.pad(bi, (0, 0, 0, M * r - M64), value=-1)
     bi = bi.view(B, H, M, r * (K + 1))
-    srt = torch.where(bi >= 0, bi, M).sort(-1).values
-    keep = (srt < M) & torch.nn.functional.pad(srt[..., 1:] != srt[..., :-1], (1, 0), value=True)
-    block_offset, block_count = _compact(srt * block, keep, None)
+    big = M * r
+    srt = torch.where(bi >= 0, bi, big).sort(-1).values
+    keep = (srt < big) & torch.nn.functional.pad(srt[..., 1:] != srt[..., :-1], (1, 0), value=True)
+    block_offset, block_count = _compact(srt * w, keep, None)
     empty = torch.full((B, H, M, 1), -1, dtype=torch.int32, device=dev)
-    return VSTiles(block_count, block_offset, torch.zeros_like(block_count), empty, block)
+    return VSTiles(block_count, block_offset, torch.zeros_like(block_count), empty, block, width)
 
 
 def merge_tiles(parts: list[tuple[list[int] | torch.Tensor, VSTiles]], num_heads: int) -> VSTiles:
     """Tiles of head groups -> one `VSTiles` over all `num_heads` heads, for one launch over a layer
     whose heads use different patterns. parts: (head ids `[h]`, tiles with H = h) per group; every
     head must appear exactly once. Piece/column widths are padded to the widest group."""
-    if len({t.block for _, t in parts}) != 1:
-        raise ValueError("all tiles must use the same block size")
+    if len({(t.block, t.piece) for _, t in parts}) != 1:
+        raise ValueError("all tiles must use the same block size and piece width")
     heads = torch.cat([torch.as_tensor(h, dtype=torch.long).reshape(-1) for h, _ in parts])
     if sorted(heads.tolist()) != list(range(num_heads)):
         raise ValueError(f"head ids must cover 0..{num_heads - 1} exactly once; got {sorted(heads.tolist())}")
@@ -220,7 +245,7 @@ def merge_tiles(parts: list[tuple[list[int] | torch.Tensor, VSTiles]], num_heads
     out = VSTiles(torch.zeros(B, num_heads, M, dtype=torch.int32, device=dev),
                   torch.full((B, num_heads, M, ns), -1, dtype=torch.int32, device=dev),
                   torch.zeros(B, num_heads, M, dtype=torch.int32, device=dev),
-                  torch.full((B, num_heads, M, nc), -1, dtype=torch.int32, device=dev), t0.block)
+                  torch.full((B, num_heads, M, nc), -1, dtype=torch.int32, device=dev), t0.block, t0.width)
     for h, t in parts:
         h = torch.as_tensor(h, dtype=torch.long, device=dev).reshape(-1)
         if t.shape != (B, h.numel(), M):
@@ -246,7 +271,7 @@ def tiles_to_mask(tiles: VSTiles, n: int, sink: torch.Tensor | None = None,
     live = t < tiles.block_count.unsqueeze(-1).long()
     nxt = torch.cat([start[..., 1:], torch.full_like(start[..., :1], 1 << 40)], -1)
     nxt = torch.where(t + 1 < tiles.block_count.unsqueeze(-1).long(), nxt, 1 << 40)
-    end = torch.minimum(start + b, nxt)
+    end = torch.minimum(start + tiles.piece, nxt)
     inside = live.unsqueeze(-1) & (j >= start.unsqueeze(-1)) & (j < end.unsqueeze(-1))  # [B,H,M,NS,n]
     blk = inside.any(3)
     nc = tiles.column_index.shape[-1]
@@ -304,5 +329,5 @@ def tile_area(tiles: VSTiles, n: int) -> torch.Tensor:
     M = tiles.shape[-1]
     rows = torch.full((M,), tiles.block, device=tiles.block_count.device)
     rows[-1] = n - (M - 1) * tiles.block
-    per_block = tiles.block_count.long() * tiles.block + tiles.column_count.long()
+    per_block = tiles.block_count.long() * tiles.piece + tiles.column_count.long()
     return (per_block * rows).sum(-1)

@@ -63,13 +63,13 @@ def test_vs_index_selects_what_the_torch_proxy_selects(n, Hq, Hkv):
             assert same >= 0.9 * b.numel()
 
 
-@pytest.mark.parametrize("n", [65, 333])
-def test_vs_tiles_kernel_equals_reference_conversion(n):
+@pytest.mark.parametrize("n,block,width", [(65, 64, 0), (333, 64, 0), (333, 128, 64)])
+def test_vs_tiles_kernel_equals_reference_conversion(n, block, width):
     g = torch.Generator().manual_seed(n)
     cols = torch.randint(-1, n, (2, 3, 17), generator=g)
     offs = torch.cat([torch.randint(0, 130, (2, 3, 9), generator=g), torch.randint(-1, n + 9, (2, 3, 5), generator=g)], -1)
-    fast = vs_tiles(cols.to(DEV), offs.to(DEV), n)
-    ref = vs_to_tiles(cols, offs, n)
+    fast = vs_tiles(cols.to(DEV), offs.to(DEV), n, block, width)
+    ref = vs_to_tiles(cols, offs, n, block, width=width)
     assert torch.equal(fast.block_count.cpu(), ref.block_count)
     assert torch.equal(fast.column_count.cpu(), ref.column_count)
     assert torch.equal(tiles_to_mask(fast, n).cpu(), tiles_to_mask(ref, n))

@@ -35,15 +35,16 @@ def check(out, ref, dtype):
 def coverage_counts(tiles, n):
     """How many times each (row block, key) is computed: pieces with the next-piece cut, plus columns."""
     B, H, M = tiles.shape
+    w = tiles.piece
     cnt = torch.zeros(B, H, M, n + 2 * tiles.block, dtype=torch.int32)
     for b in range(B):
         for h in range(H):
             for m in range(M):
                 k = int(tiles.block_count[b, h, m])
                 st = tiles.block_offset[b, h, m, :k].tolist()
-                assert st == sorted(st) and len(set(st)) == k and all(-tiles.block < p < n for p in st)
+                assert st == sorted(st) and len(set(st)) == k and all(-w < p < n for p in st)
                 for t, p in enumerate(st):
-                    end = min(p + tiles.block, st[t + 1] if t + 1 < k else 1 << 30)
+                    end = min(p + w, st[t + 1] if t + 1 < k else 1 << 30)
                     cnt[b, h, m, max(p, 0):end] += 1
                 cols = tiles.column_index[b, h, m, : int(tiles.column_count[b, h, m])]
                 assert (cols < m * tiles.block).all() and (cols >= 0).all()
@@ -51,19 +52,20 @@ def coverage_counts(tiles, n):
     return cnt[..., :n]
 
 
+@pytest.mark.parametrize("block,width", [(64, 0), (128, 0), (128, 64)])
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 200, 333])
-def test_vs_tiles_cover_logical_keys_exactly_once(n):
+def test_vs_tiles_cover_logical_keys_exactly_once(n, block, width):
     g = torch.Generator().manual_seed(n)
     B, H = 2, 3
     cols = torch.randint(-1, n + 5, (B, H, 9), generator=g)
     offs = torch.cat([torch.randint(-1, n + 5, (B, H, 6), generator=g),
                       torch.randint(0, 100, (B, H, 6), generator=g)], -1)
-    tiles = vs_to_tiles(cols, offs, n)
+    tiles = vs_to_tiles(cols, offs, n, block, width=width)
     assert coverage_counts(tiles, n).max() <= 1  # no key counted twice
     phys = tiles_to_mask(tiles, n)
     assert not (vs_mask(cols, offs, n) & ~phys).any()  # every logical edge is computed
-    ns, nc = vs_tile_bounds(n, cols.shape[-1], offs.shape[-1])
-    static = vs_to_tiles(cols, offs, n, max_pieces=ns, max_columns=nc)
+    ns, nc = vs_tile_bounds(n, cols.shape[-1], offs.shape[-1], block, width)
+    static = vs_to_tiles(cols, offs, n, block, max_pieces=ns, max_columns=nc, width=width)
     assert torch.equal(tiles_to_mask(static, n), phys)
 
 
@@ -175,6 +177,26 @@ def test_mixed_pattern_layer_in_one_launch(dtype):
     mask[:, a_heads] = ashape_mask(sink, window, n)
     mask[:, vs_heads] = tiles_to_mask(vs_to_tiles(cols, offs, n), n)  # VS computes its physical tiles
     check(out, masked_attention_ref(q, k, v, mask.to(DEV)), dtype)
+
+
+@pytest.mark.parametrize("block,width", [(128, 0), (128, 64)])
+def test_128_row_tiles_match_reference(block, width):
+    n, B, Hq, Hkv, D, dtype = 200, 1, 3, 1, 64, DTYPES[0]
+    M64 = -(-n // 64)
+    q, k, v = qkv(B, Hq, Hkv, n, D, dtype, seed=5)
+    g = torch.Generator().manual_seed(3)
+    cols, offs = torch.randint(0, n, (B, Hq, 10), generator=g), torch.randint(0, n, (B, Hq, 7), generator=g)
+    tiles = vs_to_tiles(cols, offs, n, block, width=width)
+    check(vertical_slash_prefill(q, k, v, cols.to(DEV), offs.to(DEV), block=block, width=width),
+          masked_attention_ref(q, k, v, tiles_to_mask(tiles, n).to(DEV)), dtype)
+    index = torch.randint(-1, M64, (B, Hq, M64, 2), generator=g)
+    bs = block_sparse_to_tiles(index, n, block, width)
+    assert not (block_sparse_mask(index, n) & ~tiles_to_mask(bs, n)).any()
+    check(block_sparse_prefill(q, k, v, index.to(DEV), block=block, width=width),
+          masked_attention_ref(q, k, v, tiles_to_mask(bs, n).to(DEV)), dtype)
+    sink, window = torch.tensor([4, 0, 70]), torch.tensor([10, 64, 130])
+    check(ashape_prefill(q, k, v, sink, window, block=block, width=width),
+          masked_attention_ref(q, k, v, ashape_mask(sink, window, n).unsqueeze(0).to(DEV)), dtype)
 
 
 def test_bad_tiles_name_the_problem():
