@@ -168,3 +168,20 @@ def test_engine_refuses_context_beyond_capacity(embedded, prompts):
     with pytest.raises(StoreCapacityError, match="pinned host memory"):
         DecodeEngine(embedded[0], EngineConfig(mode="sparse-offload-sync"), batch=64, max_tokens=8192,
                      host_limit_bytes=GiB)
+
+
+@pytest.mark.model
+def test_decode_cli_prints_summary_and_writes_json(embedded, one_thread, tmp_path, capsys):
+    import json
+
+    from workbench.cli import main
+
+    out = tmp_path / "decode.json"
+    assert main(["decode", "--mode", "sparse-offload-sync", "--batch", "2", "--context", "300", "--steps", "4",
+                 "--budget", "1,1,2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "tok/s" in text and "sparse-offload-sync" in text
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["steps"] == 4 and run["bytes_moved_per_step"] > 0 and run["hit_rate"] is not None
+    assert main(["decode", "--budget", "1,2"]) == 2
+    assert "--budget" in capsys.readouterr().err

@@ -96,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
             t, _, row = decode(mode, sel)
             tokens[f"{mode}/{row['selector']}"] = t
             rows.append(row)
-    result: dict[str, Any] = {"model": shape.name, "device": device, "batch": args.batch, "lengths": lengths,
+    import sys
+
+    result: dict[str, Any] = {"command": "workbench " + " ".join(sys.argv[1:]), "model": shape.name, "device": device, "batch": args.batch, "lengths": lengths,
                               "steps": args.steps, "budget": budget.to_dict(), "task": args.task, "runs": rows}
     if args.mode == "all":
         same = tokens["sparse-resident/same-layer"]
