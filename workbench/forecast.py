@@ -25,7 +25,7 @@ from torch import nn
 
 from .model import ModelError, ModelShape
 from .patterns.infllm import (NEG, Budget, CompressedKeys, compress_keys, fine_to_coarse, forced_and_future,
-                              group_scores, pool_to_blocks, select_blocks, topk_blocks)
+                              group_scores, pool_to_blocks, select_blocks, topk_blocks, visible)
 
 FORMAT = "workbench.forecast/1"
 
@@ -163,7 +163,8 @@ def teacher_scores(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, bu
     s = group_scores(q.reshape(hkv, hq // hkv, r, d), fk, positions, window=fw, stride=fs, scale=scale)
     if fine == (budget.window, budget.stride):
         return s
-    return fine_to_coarse(s, nc, fine_window=fw, fine_stride=fs, window=budget.window, stride=budget.stride)
+    coarse = fine_to_coarse(s, nc, fine_window=fw, fine_stride=fs, window=budget.window, stride=budget.stride)
+    return coarse * visible(positions, nc, budget.window, budget.stride)  # the student sees whole windows only
 
 
 def candidate_positions(positions: torch.Tensor, nc: int, budget: Budget) -> torch.Tensor:

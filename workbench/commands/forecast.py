@@ -104,8 +104,8 @@ def _train(args, model, tok, shape, budget, tasks, argv, t0) -> int:
     for n in lengths:
         lengths_ok(n, budget)
         shape.check_length(n)
-    if args.seeds < 1:
-        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+    if args.seeds < 1 or args.held_out < 0:
+        raise ValueError(f"--seeds must be >= 1 and --held-out >= 0, got {args.seeds} and {args.held_out}")
     cfg = TrainConfig()
     cfg = replace(cfg, **{k: v for k, v in {"steps": args.steps, "lr": args.lr, "batch_rows": args.batch_rows}.items()
                           if v is not None})
@@ -126,9 +126,9 @@ def _train(args, model, tok, shape, budget, tasks, argv, t0) -> int:
         "prepare_seconds": round(prep, 1), "total_seconds": round(time.perf_counter() - t0, 1), **_env(argv),
     }
     path = heads.save(args.out)
-    mean = (lambda xs: sum(xs) / len(xs))
-    print(f"wrote {path}: {cfg.steps} steps in {hist['train_seconds']} s (total {heads.meta['total_seconds']} s); "
-          f"held-out partition KL {mean(kl0):.4f} -> {mean(kl1):.4f} (mean over {len(kl0)} target layers)")
+    kl = "" if kl0 is None else (f"; held-out partition KL {sum(kl0) / len(kl0):.4f} -> {sum(kl1) / len(kl1):.4f} "
+                                 f"(mean over {len(kl0)} target layers)")
+    print(f"wrote {path}: {cfg.steps} steps in {hist['train_seconds']} s (total {heads.meta['total_seconds']} s){kl}")
     return 0
 
 
