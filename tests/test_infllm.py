@@ -95,6 +95,22 @@ def test_prefill_selection_never_picks_future_blocks():
     _check_ids(ids, [b for _ in range(2) for b in range(m)], budget)
 
 
+def test_infllm_blocks_is_a_causal_block_sparse_index_over_query_heads():
+    from workbench.patterns import BlockSparse
+    from workbench.patterns.infllm import infllm_blocks
+
+    torch.manual_seed(5)
+    n = 400
+    q, k = torch.randn(6, n, 16), torch.randn(2, n, 16)
+    index = infllm_blocks(q, k, Budget(init=1, local=1, topk=1))
+    assert isinstance(index, BlockSparse) and index.n_heads == 6
+    mask = index.to_mask(n)
+    assert not mask.triu(1).any()  # causal
+    assert mask[:, torch.arange(n), torch.arange(n)].all()  # the diagonal is always read
+    assert torch.equal(mask[0], mask[2]) and torch.equal(mask[3], mask[5])  # one selection per GQA group
+    assert mask[:, 64:, :64].all(-1).all()  # the init block is forced for every later row
+
+
 def test_prefill_selection_finds_a_planted_block():
     torch.manual_seed(3)
     n, d = 1024, 16

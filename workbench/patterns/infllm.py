@@ -19,8 +19,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .block_sparse import BlockSparse
 
 NEG = float("-inf")
 
@@ -200,6 +204,16 @@ def select_prefill(q: torch.Tensor, k: torch.Tensor, budget: Budget = Budget(), 
     per_block = torch.cat(sums, 1)  # [Hkv, M, Nc]
     scores = pool_to_blocks(per_block, m, block=budget.block, window=budget.window, stride=budget.stride)
     return topk_blocks(scores, torch.arange(m, device=q.device), budget)
+
+
+def infllm_blocks(q: torch.Tensor, k: torch.Tensor, budget: Budget = Budget(), *,
+                  scale: float | None = None) -> "BlockSparse":
+    """The prefill selection as a `BlockSparse` index over the *query* heads (each query head reads its KV
+    group's blocks), so that `workbench.stats` and the kernels can use it: q `[Hq, N, D]`, k `[Hkv, N, D]`."""
+    from .block_sparse import BlockSparse
+
+    ids = select_prefill(q, k, budget, scale=scale)
+    return BlockSparse(ids.repeat_interleave(q.shape[0] // k.shape[0], 0), block=budget.block)
 
 
 class CompressedKeys:
