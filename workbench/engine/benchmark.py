@@ -140,6 +140,35 @@ def run_one(model, store, mode: str, context: int, batch: int, *, steps: int, wa
     return out
 
 
+def check_lossless(model, store, budget: Budget, context: int = 16384, batch: int = 4, steps: int = 24) -> dict[str, Any]:
+    """On the GPU: offload modes must give exactly the tokens of sparse-resident with the same selector,
+    eagerly and under CUDA-graph replay (same synthetic KV in the resident cache and the host store)."""
+    lengths = [context - (i * 997) % 4096 for i in range(batch)]
+    first = torch.randint(0, 1000, (batch,), device="cuda")
+    out: dict[str, Any] = {"context": context, "batch": batch, "steps": steps}
+    for graph in (False, True):
+        tokens = {}
+        for mode, selector in (("sparse-resident", "same-layer"), ("sparse-offload-sync", "same-layer"),
+                               ("sparse-resident", "forecast"), ("sparse-offload-forecast", "forecast"),
+                               ("forecast-without-prefetch", "forecast")):
+            eng = DecodeEngine(model, EngineConfig(mode=mode, budget=budget, selector=selector), batch=batch,
+                               max_tokens=context + steps + 1, store=store)
+            eng.fill_synthetic(lengths, seed=1, fill_host=True)
+            tokens[(mode, selector)] = eng.run(first, steps, graph=graph, progress=False)[0].cpu()
+            del eng
+        key = "graph" if graph else "eager"
+        out[key] = {
+            "sync == resident(same-layer)": torch.equal(tokens[("sparse-offload-sync", "same-layer")],
+                                                        tokens[("sparse-resident", "same-layer")]),
+            "forecast == resident(forecast)": torch.equal(tokens[("sparse-offload-forecast", "forecast")],
+                                                          tokens[("sparse-resident", "forecast")]),
+            "no-prefetch == resident(forecast)": torch.equal(tokens[("forecast-without-prefetch", "forecast")],
+                                                             tokens[("sparse-resident", "forecast")])}
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -154,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--host-gib", type=float, default=100.0, help="pinned host memory the store may take")
+    p.add_argument("--check", action="store_true", help="first check on the GPU that offload modes are lossless")
+    p.add_argument("--quick", action="store_true", help="imposed reuse only, no CTA sweep, no no-prefetch natural run")
     a = p.parse_args(argv)
     if a.merge:
         parts = [json.loads(Path(f).read_text()) for f in a.merge]
@@ -190,11 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     write_json(out, result)
     model = random_llama(a.layers, max(c for c, _ in plan) + 4096)
     result["weights_gib"] = sum(p.numel() * p.element_size() for p in model.parameters()) / GiB
+    if a.check:
+        result["lossless_gpu"] = check_lossless(model, store, budget)
+        print("lossless", json.dumps(result["lossless_gpu"]), flush=True)
+        write_json(out, result)
     for context, batches in plan:
         for batch in batches:
             jobs = [(m, None, 16) for m in MODES[:2]]
-            jobs += [(m, r, 16) for m in MODES[2:] for r in (None, a.reuse)]
-            if context == max(c for c, _ in plan):
+            jobs += [(m, r, 16) for m in MODES[2:] for r in ((a.reuse,) if a.quick else (None, a.reuse))]
+            if context == max(c for c, _ in plan) and not a.quick:
                 jobs += [(m, a.reuse, c) for m in ("sparse-offload-sync", "sparse-offload-forecast")
                          for c in ctas_list if c != 16]
             for mode, reuse, ctas in jobs:
