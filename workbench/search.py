@@ -402,3 +402,63 @@ def rescore_head(cache: HeadCache, candidate: Candidate, proxy: dict[str, Any] |
         out["tiles"].append(tiles)
         out["physical_density"].append(tiles / causal_tiles(n))
     return {**out, "worst": min(out["mass"]), "mean": sum(out["mass"]) / len(out["mass"])}
+
+
+@torch.no_grad()
+def pattern_fits(capture: Any, config: HeadConfig | None = None, target: float = TARGET,
+                 budget: int | None = None, progress: bool = False) -> dict[str, Any]:
+    """Pattern fit and proxy-vs-oracle recall of every head of a capture (the `workbench analyze` section).
+
+    Per head: the cheapest default candidate reaching `target` on this prompt ("fit"), and at one
+    equal budget b (default n/16 keys per query) the captured mass of A-shape(64, b), of the VS and
+    block-sparse proxies, and of their same-budget oracles. With `config`, also the exact recall of
+    the config's own indexes (overall and per segment). Returns {"heads": [...], "layers": [...],
+    "summary": {...}}, all plain JSON."""
+    n = capture.n
+    b = budget or max(64, n // 16)
+    fixed = [Candidate("ashape", (64, b)), Candidate("vs", (max(30, b // 2), max(50, b))),
+             Candidate("block", (max(2, b // BLOCK),))]
+    grid = default_candidates(n)
+    cands = grid + [c for c in fixed if c not in grid]
+    at = {c.pattern: cands.index(c) for c in fixed}
+    applied = evaluate_config(config, capture) if config is not None else None
+    heads, layers = [], []
+    for layer in tqdm(capture.layers, desc="pattern fits", unit="layer", disable=not progress, leave=False):
+        q, k, _ = capture.layer_qkv(layer)
+        sc = layer_scores(q, k, capture.scale, cands, config.proxy if config else None)
+        ev = Evidence.empty(cands, [{}], [n], 1, q.shape[0])
+        ev.fill(0, 0, sc)
+        fit = choose(ev, target)[0]
+        density = ev.density()[1][0, 0]
+        rows = []
+        for h in range(q.shape[0]):
+            row = {"layer": layer, "head": h, "fit": cands[int(fit[h])].label(),
+                   "fit_density": round(float(density[h, fit[h]]), 4),
+                   "ashape": round(float(sc["mass"][h, at["ashape"]]), 4),
+                   "vs_proxy": round(float(sc["mass"][h, at["vs"]]), 4),
+                   "vs_oracle": round(float(sc["oracle"][h, at["vs"]]), 4),
+                   "block_proxy": round(float(sc["mass"][h, at["block"]]), 4),
+                   "block_oracle": round(float(sc["oracle"][h, at["block"]]), 4)}
+            if applied is not None:
+                e = config.entry(layer, h)
+                row.update(config=e.label(), config_mass=round(float(applied["mass"][layer, h]), 4),
+                           **{f"config_{s}": round(float(v[layer, h]), 4) for s, v in applied["segments"].items()
+                              if s != "all"})
+            rows.append(row)
+        heads += rows
+        numeric = [key for key, value in rows[0].items() if isinstance(value, float)]
+        layers.append({"layer": layer, **{key: round(sum(r[key] for r in rows) / len(rows), 4) for key in numeric}})
+    mean = lambda key: round(sum(r[key] for r in heads) / len(heads), 4)  # noqa: E731
+    fits: dict[str, int] = {}
+    for r in heads:
+        family = r["fit"].split("(")[0]
+        fits[family] = fits.get(family, 0) + 1
+    summary = {"budget": b, "target": target, "fits": fits, "mean_fit_density": mean("fit_density"),
+               "vs_proxy": mean("vs_proxy"), "vs_oracle": mean("vs_oracle"),
+               "vs_gap": round(mean("vs_oracle") - mean("vs_proxy"), 4),
+               "block_proxy": mean("block_proxy"), "block_oracle": mean("block_oracle"),
+               "block_gap": round(mean("block_oracle") - mean("block_proxy"), 4), "ashape": mean("ashape")}
+    if applied is not None:
+        summary.update(config_mass_mean=round(float(applied["mass"].mean()), 4),
+                       config_mass_worst=round(float(applied["mass"].min()), 4))
+    return {"heads": heads, "layers": layers, "summary": summary}

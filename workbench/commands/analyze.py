@@ -15,6 +15,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", default=None, help="comma-separated layer indices (default: all)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", default="reports/analyze", help="report folder")
+    p.add_argument("--config", default=None, help="a head config: also report the recall of its indexes")
+    p.add_argument("--no-fits", action="store_true", help="skip pattern fits and proxy-vs-oracle recall")
     p.set_defaults(func=run)
 
 
@@ -75,6 +77,24 @@ def run(args: argparse.Namespace) -> int:
                                          for m in ("sink", "local", "vertical", "slash", "block", "entropy")},
                      "kinds": ", ".join(sorted({p.kind for p in ps}))})
     rep.table(rows)
+    if not args.no_fits:
+        from ..config import HeadConfig
+        from ..search import pattern_fits
+
+        config = HeadConfig.load(args.config, shape) if args.config else None
+        fits = pattern_fits(cap, config=config, progress=True)
+        summary["pattern_fits"] = fits
+        write_json(out / "summary.json", summary)
+        s = fits["summary"]
+        rep.heading("Pattern fits and proxy vs oracle")
+        rep.text(f"Cheapest pattern reaching {s['target']} captured mass on this prompt: "
+                 + ", ".join(f"{k} {v}" for k, v in sorted(s["fits"].items()))
+                 + f" heads (mean physical density {s['mean_fit_density']}). At {s['budget']} keys per query: "
+                 f"VS proxy {s['vs_proxy']} vs oracle {s['vs_oracle']} (gap {s['vs_gap']}), block proxy "
+                 f"{s['block_proxy']} vs oracle {s['block_oracle']} (gap {s['block_gap']}), A-shape {s['ashape']}."
+                 + (f" Config {args.config}: mean {s['config_mass_mean']}, worst head {s['config_mass_worst']}."
+                    if config is not None else ""))
+        rep.table(fits["layers"])
     rep.write(out / "index.html")
     print(f"wrote {out / 'index.html'} and {out / 'summary.json'} ({len(profiles)} heads; "
           f"capture {t2 - t1:.1f}s, statistics {t3 - t2:.1f}s)")

@@ -1,0 +1,117 @@
+"""`workbench search`: pick a sparse pattern per (layer, head) on calibration samples, write a HeadConfig."""
+from __future__ import annotations
+
+import argparse
+import re
+import time
+
+TASKS = "passkey,code,vartrack"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("search", help="fit a sparse pattern per head and write configs/<model>.json",
+                       description=__doc__)
+    p.add_argument("--model", default=None, help="model folder or hub id (default: the embedded SmolLM2-135M)")
+    p.add_argument("--tasks", default=TASKS, help=f"comma-separated calibration tasks or text files (default {TASKS})")
+    p.add_argument("--length", default="4096", help="prompt length(s) in tokens, comma-separated (default 4096)")
+    p.add_argument("--seed", type=int, default=0, help="sample seed (default 0); the search itself is deterministic")
+    p.add_argument("--target", type=float, default=0.95,
+                   help="captured attention mass each head must reach on its worst calibration sample (default 0.95)")
+    p.add_argument("--candidates", default=None,
+                   help="JSON file: a list of {\"pattern\": ..., \"params\": {...}} (default: a grid scaled to the length)")
+    p.add_argument("--holdout", default="multikey",
+                   help="task scored with the chosen config but not used to choose it ('' to skip; default multikey)")
+    p.add_argument("--last-rows", type=int, default=64, help="query rows the VS proxy samples (default 64)")
+    p.add_argument("--aggregate", choices=("sum", "max", "logits"), default="sum", help="VS proxy aggregation")
+    p.add_argument("--diag-norm", choices=("sum", "mean", "prior"), default="sum", help="VS proxy diagonal normalisation")
+    p.add_argument("--out", default=None, help="output path (default configs/<model name>.json)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 is faster on a busy shared machine)")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.set_defaults(func=run)
+
+
+def _split(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from ..capture import capture_attention
+    from ..corpus import make_sample
+    from ..model import load_model
+    from ..search import Candidate, evaluate_config, search_heads
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not 0 < args.target <= 1:
+        raise ValueError(f"--target {args.target} must be a captured-mass fraction in (0, 1], e.g. 0.95")
+    try:
+        lengths = [int(x) for x in _split(args.length)]
+    except ValueError:
+        raise ValueError(f"--length {args.length!r} must be comma-separated integers, e.g. 4096 or 2048,4096") from None
+    tasks = _split(args.tasks)
+    if not tasks or not lengths:
+        raise ValueError("give at least one calibration task (--tasks) and one length (--length)")
+    if args.holdout and args.holdout in tasks:
+        raise ValueError(f"--holdout {args.holdout} is also a calibration task: hold out a task not in --tasks")
+    candidates = None
+    if args.candidates:
+        data = json.loads(Path(args.candidates).read_text())
+        if not isinstance(data, list) or not data:
+            raise ValueError(f"--candidates {args.candidates}: expected a non-empty JSON list of "
+                             "{\"pattern\": ..., \"params\": {...}}")
+        candidates = [Candidate.from_dict(d) for d in data]
+        if not any(c.pattern == "dense" for c in candidates):
+            candidates.append(Candidate("dense"))
+    proxy = {"last_rows": args.last_rows, "aggregate": args.aggregate, "diag_norm": args.diag_norm}
+    t0 = time.perf_counter()
+    model, tok, shape = load_model(args.model)
+    for n in lengths:
+        shape.check_length(n)
+    samples = [make_sample(t, tok, n, seed=args.seed) for t in tasks for n in lengths]
+    command = (f"workbench search --tasks {','.join(tasks)} --length {','.join(map(str, lengths))} --seed {args.seed} "
+               f"--target {args.target} --holdout '{args.holdout}'" + (f" --model {args.model}" if args.model else ""))
+    cfg, ev = search_heads(model, tok, shape, samples, candidates=candidates, target=args.target, proxy=proxy,
+                           progress=not args.no_progress,
+                           provenance={"command": command, "seed": args.seed, "threads": torch.get_num_threads()})
+    seconds = time.perf_counter() - t0
+    cfg.provenance["search_seconds"] = round(seconds, 1)
+    if args.holdout:
+        hold = make_sample(args.holdout, tok, max(lengths), seed=args.seed)
+        cap = capture_attention(model, shape, hold.input_ids, progress=False)
+        cfg.provenance["holdout"] = holdout_summary(evaluate_config(cfg, cap, progress=not args.no_progress), cfg,
+                                                    hold.describe())
+    out = Path(args.out or f"configs/{re.sub(r'[^A-Za-z0-9_.-]+', '-', shape.name)}.json")
+    cfg.save(out)
+    print(f"wrote {out}: {cfg.summary()} heads; search {seconds:.0f} s")
+    if "holdout" in cfg.provenance:
+        h = cfg.provenance["holdout"]
+        print(f"held-out {h['sample']['task']}: captured mass mean {h['mass_mean']:.4f}, worst head "
+              f"{h['mass_worst']:.4f}; proxy-vs-oracle gap mean {h['proxy_oracle_gap_mean']:.4f}")
+    return 0
+
+
+def holdout_summary(result: dict, cfg, sample: dict) -> dict:
+    """Condense `evaluate_config` output for provenance: means, worst head, segment means, oracle gap."""
+    import torch
+
+    mass, oracle = result["mass"], result["oracle"]
+    dynamic = torch.tensor([[e.pattern in ("vs", "block") for e in cfg.layer(l)] for l in range(mass.shape[0])])
+    gap = (oracle - mass).clamp(min=0)
+    worst = divmod(int(mass.argmin()), mass.shape[1])
+    return {
+        "sample": sample,
+        "mass_mean": round(float(mass.mean()), 6),
+        "mass_worst": round(float(mass.min()), 6),
+        "worst_head": {"layer": worst[0], "head": worst[1]},
+        "heads_below_target": int((mass < cfg.provenance.get("target", 0.95)).sum()),
+        "segments_mean": {k: round(float(v.mean()), 6) for k, v in result["segments"].items()},
+        "segments_worst": {k: round(float(v.min()), 6) for k, v in result["segments"].items()},
+        "proxy_oracle_gap_mean": round(float(gap[dynamic].mean()) if dynamic.any() else 0.0, 6),
+        "proxy_oracle_gap_mean_all_heads": round(float(gap.mean()), 6),
+    }
