@@ -198,15 +198,19 @@ def thumbnail(max_map: Any, size: int = 24) -> torch.Tensor:
 
 
 def head_thumbnails(thumbs: Any, patterns: Any = None, recall: Any = None, title: str | None = None,
-                    floor_db: int = FLOOR_DB):
+                    floor_db: int = FLOOR_DB, layers: Sequence[int] | None = None):
     """A mosaic of every head's attention map: thumbs `[L, H, t, t]` probabilities (e.g. `thumbnail` of
-    each `LayerStats.max_map[h]`). With `patterns` (HeadConfig or names `[L][H]`) and `recall`, each
-    thumbnail gets a frame in its pattern's colour and its recall printed below it."""
+    each `LayerStats.max_map[h]`); `layers` labels the rows (default 0..L-1). With `patterns`
+    (HeadConfig or names `[L][H]`, same rows) and `recall`, each thumbnail gets a frame in its
+    pattern's colour and its recall printed in its empty upper-right corner."""
     go = _go()
     t = as_array(thumbs, "thumbs", 4)
     L, H, s, s2 = t.shape
     if s != s2:
         raise ValueError(f"thumbs must be square per head [L, H, t, t], got {t.shape}")
+    layers = list(range(L)) if layers is None else list(layers)
+    if len(layers) != L:
+        raise ValueError(f"layers has {len(layers)} labels for {L} rows of thumbnails")
     pitch = s + 2
     mosaic = np.zeros((L * pitch, H * pitch))
     for l in range(L):
@@ -218,7 +222,7 @@ def head_thumbnails(thumbs: Any, patterns: Any = None, recall: Any = None, title
                                colorbar=dict(title="10·log10 p", tickvals=ticks, ticktext=[str(t) for t in ticks])))
     centers_x = [h * pitch + pitch / 2 - 0.5 for l in range(L) for h in range(H)]
     centers_y = [l * pitch + pitch / 2 - 0.5 for l in range(L) for h in range(H)]
-    hover = [f"L{l} H{h}" for l in range(L) for h in range(H)]
+    hover = [f"L{layers[l]} H{h}" for l in range(L) for h in range(H)]
     if patterns is not None:
         names, r, labels = _patterns_and_recall(patterns, recall)
         if r.shape != (L, H):
@@ -227,7 +231,7 @@ def head_thumbnails(thumbs: Any, patterns: Any = None, recall: Any = None, title
             for h in range(H):
                 fig.add_shape(type="rect", x0=h * pitch - 0.5, x1=(h + 1) * pitch - 1.5, y0=l * pitch - 0.5,
                               y1=(l + 1) * pitch - 1.5, line=dict(color=PATTERN_COLORS[names[l][h]], width=2))
-        hover = [f"L{l} H{h}: {labels[l][h]}<br>recall {r[l, h]:.3f}" for l in range(L) for h in range(H)]
+        hover = [f"L{layers[l]} H{h}: {labels[l][h]}<br>recall {r[l, h]:.3f}" for l in range(L) for h in range(H)]
         # recall printed in each map's empty (non-causal) upper-right corner
         fig.add_trace(go.Scatter(x=[h * pitch + 0.72 * pitch for l in range(L) for h in range(H)],
                                  y=[l * pitch + 0.22 * pitch for l in range(L) for h in range(H)], mode="text",
@@ -241,7 +245,7 @@ def head_thumbnails(thumbs: Any, patterns: Any = None, recall: Any = None, title
                              text=hover, hoverinfo="text", showlegend=False, name="heads"))
     fig.update_xaxes(tickvals=[h * pitch + pitch / 2 - 0.5 for h in range(H)], ticktext=[str(h) for h in range(H)],
                      title="query head", showgrid=False)
-    fig.update_yaxes(tickvals=[l * pitch + pitch / 2 - 0.5 for l in range(L)], ticktext=[str(l) for l in range(L)],
+    fig.update_yaxes(tickvals=[l * pitch + pitch / 2 - 0.5 for l in range(L)], ticktext=[str(x) for x in layers],
                      title="layer", autorange="reversed", scaleanchor="x", showgrid=False)
     fig.update_layout(title=title or "every head's attention map", plot_bgcolor="white",
                       width=max(420, 3 * H * pitch + 200), height=max(360, 3 * L * pitch + 120),
@@ -408,18 +412,24 @@ def add_pattern(fig: Any, pattern: Any, head: int, n: int, opacity: float = 0.18
 
 def mass_budget(budgets: Any, curves: Mapping[str, Any], target: float | None = None, x_title: str = "budget",
                 title: str | None = None, log_x: bool = False):
-    """Captured mass vs budget: one line per name in `curves` (each `[B]`, aligned with `budgets` `[B]`);
-    `target` draws the quality bar."""
+    """Captured mass vs budget: one line per name in `curves`, each `[B]` aligned with `budgets` `[B]`, or,
+    with `budgets=None`, each its own pair (x `[B]`, y `[B]`); `target` draws the quality bar."""
     go = _go()
-    x = as_array(budgets, "budgets", 1)
     if not curves:
         raise ValueError("curves is empty: give {name: captured mass per budget}")
+    shared = None if budgets is None else as_array(budgets, "budgets", 1)
     fig = go.Figure()
     for name, ys in curves.items():
-        y = as_array(ys, f"curves[{name!r}]", 1)
+        if shared is None:
+            if not (isinstance(ys, (tuple, list)) and len(ys) == 2):
+                raise ValueError(f"curves[{name!r}] must be a pair (x, y) when budgets is None")
+            x, y = as_array(ys[0], f"curves[{name!r}] x", 1), as_array(ys[1], f"curves[{name!r}] y", 1)
+        else:
+            x, y = shared, as_array(ys, f"curves[{name!r}]", 1)
         if y.shape != x.shape:
             raise ValueError(f"curves[{name!r}] has {y.size} values for {x.size} budgets: give one per budget")
-        fig.add_trace(go.Scatter(x=x.round(6), y=y.round(4), mode="lines+markers", name=str(name)))
+        order = np.argsort(x, kind="stable")
+        fig.add_trace(go.Scatter(x=x[order].round(6), y=y[order].round(4), mode="lines+markers", name=str(name)))
     if target is not None:
         fig.add_hline(y=target, line=dict(dash="dash", color="#e45756"), annotation_text=f"target {target}")
     fig.update_layout(title=title or "captured attention mass vs budget", xaxis_title=x_title,
@@ -427,6 +437,23 @@ def mass_budget(budgets: Any, curves: Mapping[str, Any], target: float | None = 
     if log_x:
         fig.update_xaxes(type="log")
     return fig
+
+
+def head_tradeoff(evidence: Any, layer: int, head: int, target: float | None = None, title: str | None = None):
+    """One head's search evidence (`search.Evidence`): worst-sample captured mass vs physical density
+    (64x64 tiles / causal tiles) of every candidate, one line per pattern family."""
+    L, H = evidence.mass.shape[1:3]
+    if not (0 <= layer < L and 0 <= head < H):
+        raise ValueError(f"(layer {layer}, head {head}) is outside the evidence's {L} layers x {H} heads")
+    physical = evidence.density()[1][:, layer, head].mean(0)
+    worst = evidence.mass[:, layer, head].amin(0)
+    curves = {}
+    for pat in PATTERN_COLORS:
+        idx = [c for c, cand in enumerate(evidence.candidates) if cand.pattern == pat]
+        if idx:
+            curves[PATTERN_NAMES[pat]] = (physical[idx], worst[idx])
+    return mass_budget(None, curves, target=target, x_title="physical density (tiles / causal tiles)",
+                       title=title or f"L{layer} H{head}: captured mass (worst sample) vs cost")
 
 
 def oracle_vs_proxy(labels: Sequence[str], proxy: Any, oracle: Any, title: str | None = None, sort: bool = True,
@@ -469,6 +496,52 @@ def segment_recall(segments: Mapping[str, Any], labels: Sequence[str] | None = N
     return fig
 
 
+def mass_and_time(x: Any, mass: Any, ms: Any, x_title: str, title: str | None = None, time_label: str = "index time"):
+    """A trade-off: captured mass (left axis) and a time in ms (right axis) against one knob `x` `[K]`
+    (e.g. the proxy's sampled query rows)."""
+    go = _go()
+    xs, m, t = as_array(x, "x", 1), as_array(mass, "mass", 1), as_array(ms, "ms", 1)
+    if not xs.size == m.size == t.size:
+        raise ValueError(f"x ({xs.size}), mass ({m.size}) and ms ({t.size}) must have the same length")
+    fig = go.Figure([go.Scatter(x=xs, y=m.round(4), name="captured mass", mode="lines+markers"),
+                     go.Scatter(x=xs, y=t.round(4), name=f"{time_label} (ms)", mode="lines+markers", yaxis="y2",
+                                line=dict(dash="dot"))])
+    fig.update_layout(title=title or f"captured mass and {time_label} vs {x_title}", xaxis_title=x_title,
+                      yaxis=dict(title="captured mass"), yaxis2=dict(title=f"{time_label} (ms)", overlaying="y", side="right",
+                                                                     rangemode="tozero"),
+                      width=640, height=420, legend=dict(orientation="h", y=-0.2))
+    return fig
+
+
+def grouped_bars(groups: Mapping[str, Mapping[str, float]], y_title: str, title: str | None = None):
+    """Grouped bars: {series: {label: value}} (e.g. churn with and without EMA per selector, or
+    tokens/s per decode mode)."""
+    go = _go()
+    if not groups:
+        raise ValueError("groups is empty: give {series: {label: value}}")
+    fig = go.Figure()
+    for name, values in groups.items():
+        if not values:
+            raise ValueError(f"groups[{name!r}] is empty")
+        ys = [None if v is None else round(float(v), 4) for v in values.values()]
+        fig.add_trace(go.Bar(x=[str(k) for k in values], y=ys, name=str(name)))
+    fig.update_layout(barmode="group", title=title, yaxis_title=y_title, width=640, height=400)
+    return fig
+
+
+def loss_curve(losses: Sequence[float], evals: Sequence[Mapping[str, float]] = (), title: str | None = None):
+    """Training loss per step, with optional held-out points [{"step", "held_out_kl"}]
+    (`forecast_train.train` history)."""
+    go = _go()
+    y = as_array(losses, "losses", 1)
+    fig = go.Figure(go.Scatter(x=np.arange(1, y.size + 1), y=y.round(5), mode="lines", name="train (per step)"))
+    if evals:
+        fig.add_trace(go.Scatter(x=[e["step"] for e in evals], y=[round(e["held_out_kl"], 5) for e in evals],
+                                 mode="markers+lines", name="held out"))
+    fig.update_layout(title=title or "training loss", xaxis_title="step", yaxis_title="partition KL", width=620, height=380)
+    return fig
+
+
 # ----------------------------------------------------------------------------- forecast
 
 def iou_heatmap(matrix: Any, title: str | None = None, labels: Sequence[Any] | None = None):
@@ -485,9 +558,15 @@ def iou_heatmap(matrix: Any, title: str | None = None, labels: Sequence[Any] | N
     return fig
 
 
-def forecast_recall(recall: Mapping[str, Any], title: str | None = None):
-    """Recall per target layer for each selector: {selector: `[L]`} (NaN/None where it does not apply)."""
+def forecast_recall(recall: Mapping[str, Any], title: str | None = None, key: str = "recall"):
+    """Recall per target layer for each selector: {selector: `[L]`} (NaN/None where it does not apply),
+    or a `forecast_report.build_report` dict (its per-layer `key`: "recall" or "iou_teacher")."""
     go = _go()
+    if isinstance(recall, Mapping) and isinstance(recall.get("layers"), list):
+        rows = recall["layers"]
+        if not rows or key not in rows[0]:
+            raise ValueError(f"the report has no per-layer {key!r}: give build_report's output")
+        recall = {name: [row[key][name] for row in rows] for name in rows[0][key]}
     if not recall:
         raise ValueError("recall is empty: give {selector: recall per layer}")
     fig = go.Figure()
