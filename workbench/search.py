@@ -299,9 +299,11 @@ def collect_evidence(captures: Iterable[Any], samples: Sequence[dict[str, Any]],
 def search_heads(model: torch.nn.Module, tokenizer: Any, shape: Any, samples: Sequence[Any], *,
                  candidates: Sequence[Candidate] | None = None, target: float = TARGET,
                  proxy: dict[str, Any] | None = None, progress: bool = True,
+                 latency: dict[str, dict[str, float]] | None = None,
                  provenance: dict[str, Any] | None = None) -> tuple[HeadConfig, Evidence]:
-    """Capture each calibration sample (`workbench.corpus.Sample`), score all heads, choose, and
-    return (HeadConfig, Evidence). Default candidates scale with the longest sample."""
+    """Capture each calibration sample (`workbench.corpus.Sample`), score all heads, choose (cost:
+    physical tiles, or `latency` rates as in `choose`), and return (HeadConfig, Evidence). Default
+    candidates scale with the longest sample."""
     from .capture import capture_attention
 
     if not samples:
@@ -311,7 +313,7 @@ def search_heads(model: torch.nn.Module, tokenizer: Any, shape: Any, samples: Se
     captures = (capture_attention(model, shape, s.input_ids, progress=False) for s in samples)
     ev = collect_evidence(captures, [s.describe() for s in samples], lengths, candidates,
                           shape.n_layers, shape.n_heads, proxy, progress)
-    cfg = build_config(ev, choose(ev, target), shape.to_dict(), target=target, proxy=proxy, provenance=provenance)
+    cfg = build_config(ev, choose(ev, target, latency), shape.to_dict(), target=target, proxy=proxy, provenance=provenance)
     return cfg, ev
 
 
