@@ -30,7 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int, default=100, help="block-sparse key blocks per query block")
     p.add_argument("--sink", type=int, default=128, help="A-shape sink tokens")
     p.add_argument("--window", type=int, default=4096, help="A-shape window tokens")
-    p.add_argument("--blocks", default="64,128", help="tile sizes to run (64 = the index's native block)")
+    p.add_argument("--slash-small", type=int, default=512, help="a second, smaller VS slash budget (0: none)")
+    p.add_argument("--blocks", default="64,128,128x64", help="tile shapes to run: ROWS or ROWSxPIECE_WIDTH "
+                   "(64 = the index's native block)")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     p.add_argument("--sweep", action="store_true", help="sweep num_warps/num_stages/block/order at the first "
                    "length and shape instead of the full benchmark")
@@ -63,8 +65,8 @@ def environment() -> dict:
 def planted_inputs(hq: int, hkv: int, d: int, n: int, theta: float, seed: int = 0, dev: str = "cuda",
                    dtype=None):
     """Synthetic post-RoPE q `[1, Hq, n, d]`, k/v `[1, Hkv, n, d]` (bf16, cuda) with planted structure.
-    Logit boosts: local band ~6 (RoPE decay), sinks (keys 0-3) 10, 48 vertical keys 6, 12 slashes 5,
-    topical blocks 3."""
+    Logit boosts: local band 8 (decaying to ~1 at 16K tokens), sinks (keys 0-3) 10, 48 vertical keys
+    6, 12 slashes 5, topical blocks 3."""
     import torch
 
     g = torch.Generator(device=dev).manual_seed(seed)
@@ -72,8 +74,15 @@ def planted_inputs(hq: int, hkv: int, d: int, n: int, theta: float, seed: int = 
     unit = lambda *s: torch.nn.functional.normalize(rnd(*s), dim=-1)  # noqa: E731
     G = hq // hkv
     rd = math.sqrt(d)
-    shared = unit(hkv, 1, d) * math.sqrt(6 * rd)  # q.k = 6 logits at offset 0, decaying under RoPE
-    k = 0.7 * rnd(1, hkv, n, d) + shared
+    # Locality: a component shared by q and k, equal on every RoPE pair with a wavelength >= 64 tokens
+    # (log-uniformly spaced; unit length per pair, random phase): q_i.k_j = 8 logits at i = j, decaying
+    # to ~1 logit at 16K tokens.
+    inv = theta ** (-torch.arange(0, d, 2, device=dev, dtype=torch.float32) / d)
+    phase = rnd(hkv, 1, d // 2)
+    shared = torch.cat([phase.cos(), phase.sin()], -1) * (2 * math.pi / inv >= 64).repeat(2)
+    shared = torch.nn.functional.normalize(shared, dim=-1) * math.sqrt(8 * rd)
+    k_own = 0.7 * rnd(1, hkv, n, d)  # each key's private part (the slashes are planted on it)
+    k = k_own + shared
     q = 0.7 * rnd(1, hq, n, d) + shared.repeat_interleave(G, 0)
     # topical blocks: 3% of key blocks carry one of 32 topics; every query block asks for one topic
     m = -(-n // 64)
@@ -84,11 +93,10 @@ def planted_inputs(hq: int, hkv: int, d: int, n: int, theta: float, seed: int = 
     qt = topics[torch.randint(0, 32, (hq, m), generator=g, device=dev)].repeat_interleave(64, 1)[:, :n]
     k, q = k + kt, q + qt
     # RoPE
-    inv = theta ** (-torch.arange(0, d, 2, device=dev, dtype=torch.float32) / d)
     ang = torch.arange(n, device=dev, dtype=torch.float32)[:, None] * inv[None, :]
     cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
     rot = lambda x: x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin  # noqa: E731
-    q, k = rot(q), rot(k)
+    q, k, k_own = rot(q), rot(k), rot(k_own)
     # sinks and verticals (position-free, after RoPE)
     u_sink = unit(hkv, d)
     k[0, :, :4] += 10 * rd * u_sink[:, None]
@@ -99,7 +107,7 @@ def planted_inputs(hq: int, hkv: int, d: int, n: int, theta: float, seed: int = 
         k[0, h, cols[h]] += 6 * rd * u_vert[h]
     q[0] += u_vert.repeat_interleave(G, 0)[:, None]
     # slashes: q_i leans towards k_{i - delta}
-    kn = k * (rd / k.pow(2).sum(-1, keepdim=True))
+    kn = k_own * (rd / k_own.pow(2).sum(-1, keepdim=True))
     for h in range(hkv):
         for delta in torch.randint(256, max(257, n // 2), (12,), generator=g, device=dev).tolist():
             if delta < n:
@@ -178,9 +186,9 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from workbench.io import write_json
-    from workbench.patterns import AShape, BlockSparse, VerticalSlash, block_proxy
+    from workbench.patterns import AShape, BlockSparse, VerticalSlash
     from workbench.patterns.vertical_slash import membership
-    from workbench_kernels.index_build import vs_index, vs_tiles
+    from workbench_kernels.index_build import block_index, vs_index, vs_tiles
     from workbench_kernels.index_ref import ashape_to_tiles, block_sparse_to_tiles, merge_tiles, tile_area
     from workbench_kernels.prefill import NO_WINDOW, sparse_prefill
 
@@ -193,9 +201,10 @@ def run(args: argparse.Namespace) -> int:
         if s not in SHAPES:
             raise ValueError(f"--shapes: unknown shape {s!r}; use some of {sorted(SHAPES)}")
     lengths = [int(x) for x in args.lengths.split(",") if x]
-    blocks = [int(x) for x in args.blocks.split(",") if x]
-    if any(b not in (64, 128) for b in blocks):
-        raise ValueError(f"--blocks: use 64 and/or 128, got {blocks}")
+    blocks = [x.strip() for x in args.blocks.split(",") if x.strip()]
+    shape_of = {"64": (64, 0), "128": (128, 0), "128x64": (128, 64)}
+    if any(b not in shape_of for b in blocks):
+        raise ValueError(f"--blocks: use some of {sorted(shape_of)}, got {blocks}")
     t_start = time.time()
     env = environment()
     result = {"environment": env, "settings": {k: v for k, v in vars(args).items() if k != "func"}, "rows": []}
@@ -247,59 +256,71 @@ def run(args: argparse.Namespace) -> int:
         save()
 
         # indexes (timed: all heads of the layer, no host sync inside)
-        (vs_cols, vs_offs), t_vs_idx = sync_ms(lambda: vs_index(q, k, scale, args.vertical, min(args.slash, n)))
-        _, t_vs_idx = sync_ms(lambda: vs_index(q, k, scale, args.vertical, min(args.slash, n)))  # warm
         indexes = {}
+        vs_budgets = {"vertical_slash": (args.vertical, min(args.slash, n))}
+        if args.slash_small:
+            vs_budgets[f"vertical_slash@{args.slash_small}"] = (args.vertical, min(args.slash_small, n))
+        vs_sets = {}
+        for name, (nv, ns) in vs_budgets.items():
+            (vs_cols, vs_offs), t_vs_idx = sync_ms(lambda: vs_index(q, k, scale, nv, ns))
+            _, t_vs_idx = sync_ms(lambda: vs_index(q, k, scale, nv, ns))  # warm
+            vs_sets[name] = (vs_cols, vs_offs)
+            for blk in blocks:
+                rb, pw = shape_of[blk]
+                tiles, t_vs_tiles = sync_ms(lambda: vs_tiles(vs_cols, vs_offs, n, rb, pw))
+                _, t_vs_tiles = sync_ms(lambda: vs_tiles(vs_cols, vs_offs, n, rb, pw))
+                indexes[(name, blk)] = (tiles, t_vs_idx + t_vs_tiles, None)
+        vs_cols, vs_offs = vs_sets["vertical_slash"]
+        bidx, t_bs_idx = sync_ms(lambda: block_index(q, k, args.topk))
+        bidx, t_bs_idx = sync_ms(lambda: block_index(q, k, args.topk))
         for blk in blocks:
-            tiles, t_vs_tiles = sync_ms(lambda: vs_tiles(vs_cols, vs_offs, n, blk))
-            _, t_vs_tiles = sync_ms(lambda: vs_tiles(vs_cols, vs_offs, n, blk))
-            indexes[("vertical_slash", blk)] = (tiles, t_vs_idx + t_vs_tiles, None)
-        bidx, t_bs_idx = sync_ms(lambda: block_proxy(q, k, args.topk))
-        bidx, t_bs_idx = sync_ms(lambda: block_proxy(q, k, args.topk))
-        for blk in blocks:
-            tiles, t_bs_tiles = sync_ms(lambda: block_sparse_to_tiles(bidx, n, blk))
-            _, t_bs_tiles = sync_ms(lambda: block_sparse_to_tiles(bidx, n, blk))
+            rb, pw = shape_of[blk]
+            tiles, t_bs_tiles = sync_ms(lambda: block_sparse_to_tiles(bidx, n, rb, pw))
+            _, t_bs_tiles = sync_ms(lambda: block_sparse_to_tiles(bidx, n, rb, pw))
             indexes[("block_sparse", blk)] = (tiles, t_bs_idx + t_bs_tiles, None)
-            tiles, t_a = sync_ms(lambda: ashape_to_tiles([args.sink] * hq, [args.window] * hq, n, 1, blk, dev))
+            tiles, t_a = sync_ms(lambda: ashape_to_tiles([args.sink] * hq, [args.window] * hq, n, 1, rb, dev, pw))
             indexes[("a_shape", blk)] = (tiles, t_a, ([args.sink] * hq, [args.window] * hq))
         logical = {
-            "vertical_slash": VerticalSlash(vs_cols[0], vs_offs[0]).edges(n).sum().item(),
+            **{name: VerticalSlash(c[0], o[0]).edges(n).sum().item() for name, (c, o) in vs_sets.items()},
             "block_sparse": BlockSparse(bidx[0]).edges(n).sum().item(),
             "a_shape": AShape(args.sink, args.window, hq).edges(n).sum().item(),
         }
 
         if args.sweep:
+            sweep = {"64": [(4, 2), (4, 3), (4, 4), (4, 5)], "128": [(8, 2), (8, 3)],
+                     "128x64": [(4, 2), (4, 3), (8, 2), (8, 3), (8, 4)]}
             for (pattern, blk), (tiles, _, aw) in indexes.items():
-                if pattern == "a_shape":
+                if pattern not in ("vertical_slash", "block_sparse"):
                     continue
                 area = tile_area(tiles, n).sum().item()
-                for warps in (4, 8):
-                    for stages in (1, 2, 3):
-                        for lf in ((True, False) if (warps, stages) == (4, 2) else (True,)):
-                            try:
-                                ms = time_ms(lambda: sparse_prefill(q, k, v, tiles, scale=scale, num_warps=warps,
-                                                                    num_stages=stages, longest_first=lf))
-                                tf = 4 * d * area / ms / 1e9
-                                err = None
-                            except Exception as e:  # noqa: BLE001 - record the failing config and go on
-                                ms, tf, err = None, None, f"{type(e).__name__}: {e}"[:300]
-                            rows.append({**base, "kernel": pattern, "block": blk, "num_warps": warps,
-                                         "num_stages": stages, "longest_first": lf, "time_ms": ms,
-                                         "effective_tflops": tf, "ratio_to_dense_tflops":
-                                         tf / dense_tflops if tf else None, "error": err})
-                            print(rows[-1], flush=True)
-                            save()
+                for warps, stages in sweep[blk]:
+                    for lf in ((True, False) if (blk, stages) == ("64", 3) else (True,)):
+                        try:
+                            ms = time_ms(lambda: sparse_prefill(q, k, v, tiles, scale=scale, num_warps=warps,
+                                                                num_stages=stages, longest_first=lf))
+                            tf = 4 * d * area / ms / 1e9
+                            err = None
+                        except Exception as e:  # noqa: BLE001 - record the failing config and go on
+                            ms, tf, err = None, None, f"{type(e).__name__}: {e}"[:300]
+                        rows.append({**base, "kernel": pattern, "block": blk, "num_warps": warps,
+                                     "num_stages": stages, "longest_first": lf, "time_ms": ms,
+                                     "effective_tflops": tf, "ratio_to_dense_tflops":
+                                     tf / dense_tflops if tf else None, "error": err})
+                        print(rows[-1], flush=True)
+                        save()
             continue
 
         for (pattern, blk), (tiles, t_index, aw) in indexes.items():
             sink, window = (aw if aw else (None, None))
-            cfg = tuned.get((pattern, blk), tuned.get(("block_sparse", blk), {})) if pattern == "a_shape" \
-                else tuned.get((pattern, blk), {})
+            family = "vertical_slash" if pattern.startswith("vertical_slash") else "block_sparse"
+            cfg = tuned.get((pattern, blk), tuned.get((family, blk), {}))
             fn = lambda: sparse_prefill(q, k, v, tiles, sink=sink, window=window, scale=scale, **cfg)  # noqa: E731
             ms = time_ms(fn)
             area = tile_area(tiles, n).sum().item()
             tf = 4 * d * area / ms / 1e9
-            row = {**base, "kernel": pattern, "block": blk, **cfg, "time_ms": ms, "index_ms": t_index,
+            budget = vs_budgets.get(pattern) or ((args.topk,) if pattern == "block_sparse" else (args.sink, args.window))
+            row = {**base, "kernel": pattern, "block": blk, "budget": list(budget), **cfg, "time_ms": ms,
+                   "index_ms": t_index,
                    "index_share_of_kernel": t_index / ms,
                    "logical_density": logical[pattern] / (hq * causal_pairs),
                    "physical_density": area / (hq * causal_pairs),
@@ -308,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append(row)
             print(row, flush=True)
             save()
-            if blk == 64 and not args.no_flex:
+            if blk == "64" and pattern in ("vertical_slash", "block_sparse", "a_shape") and not args.no_flex:
                 touched = touched_blocks(tiles, n)
                 M = touched.shape[-1]
                 eye = torch.eye(M, dtype=torch.bool, device=dev)
@@ -333,21 +354,21 @@ def run(args: argparse.Namespace) -> int:
                 flex_jobs.append((row, shape, n, q, k, v, touched, full, mask_mod, ref, scale))
         # one mixed layer (a third of the heads per pattern) in a single launch
         thirds = [list(range(i, hq, 3)) for i in range(3)]
-        vs_t = indexes[("vertical_slash", 64)][0]
-        bs_t = indexes[("block_sparse", 64)][0]
-        a_t = indexes[("a_shape", 64)][0]
+        vs_t = indexes[("vertical_slash", "64")][0]
+        bs_t = indexes[("block_sparse", "64")][0]
+        a_t = indexes[("a_shape", "64")][0]
         pick = lambda t, h: type(t)(t.block_count[:, h], t.block_offset[:, h], t.column_count[:, h],  # noqa: E731
-                                    t.column_index[:, h], t.block)
+                                    t.column_index[:, h], t.block, t.width)
         mixed = merge_tiles([(thirds[0], pick(vs_t, thirds[0])), (thirds[1], pick(bs_t, thirds[1])),
                              (thirds[2], pick(a_t, thirds[2]))], hq)
         sinks = torch.zeros(hq, dtype=torch.int32)
         windows = torch.full((hq,), NO_WINDOW, dtype=torch.int32)
         sinks[thirds[2]], windows[thirds[2]] = args.sink, args.window
-        cfg = tuned.get(("vertical_slash", 64), {})
+        cfg = tuned.get(("vertical_slash", "64"), {})
         ms = time_ms(lambda: sparse_prefill(q, k, v, mixed, sink=sinks, window=windows, scale=scale, **cfg))
         area = tile_area(mixed, n).sum().item()
         tf = 4 * d * area / ms / 1e9
-        rows.append({**base, "kernel": "mixed_layer_one_launch", "block": 64, "time_ms": ms,
+        rows.append({**base, "kernel": "mixed_layer_one_launch", "block": "64", "time_ms": ms,
                      "physical_density": area / (hq * causal_pairs), "effective_tflops": tf,
                      "ratio_to_dense_tflops": tf / dense_tflops, "speedup_vs_dense": dense_ms / ms})
         print(rows[-1], flush=True)

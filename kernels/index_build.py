@@ -162,3 +162,31 @@ def vs_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int = 
                                      tiles.column_index, P, cov.shape[-1], KV, NS, NC, M, BLOCK=block,
                                      CHUNK=256, num_warps=4)
     return tiles
+
+
+@torch.no_grad()
+def block_index(q: torch.Tensor, k: torch.Tensor, topk: int = 100, block: int = 64) -> torch.Tensor:
+    """Block-sparse index of every head of a layer: the selection of `workbench.patterns.block_proxy`
+    (64-token mean-pooled q.k, block-causal, diagonal forced, top-k) -> Int32 `[B, Hq, M, topk]`.
+
+    The fast path pools bf16/fp16 inputs with fp32 accumulation (no fp32 copy of q and k) and scores
+    all heads with one grouped matmul; no host sync."""
+    from workbench.patterns.proxy import top_blocks
+
+    if q.dim() != 4 or k.dim() != 4 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q must be [B, Hq, N, D] and k [B, Hkv, N, D] with Hq a multiple of Hkv; "
+                         f"got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, Hq, n, D = q.shape
+    Hkv = k.shape[1]
+    full = n // block
+
+    def pool(x: torch.Tensor) -> torch.Tensor:
+        parts = [x[:, :, : full * block].unflatten(2, (full, block)).sum(3, dtype=torch.float32) / block]
+        if n % block:
+            parts.append(x[:, :, full * block:].sum(2, keepdim=True, dtype=torch.float32) / (n % block))
+        return torch.cat(parts, 2)
+
+    qp, kp = pool(q), pool(k)  # [B, H, M, D]
+    M = qp.shape[2]
+    score = (qp.view(B, Hkv, (Hq // Hkv) * M, D) @ kp.transpose(-1, -2)).view(B, Hq, M, M)
+    return top_blocks(score, topk)

@@ -73,3 +73,18 @@ def test_vs_tiles_kernel_equals_reference_conversion(n, block, width):
     assert torch.equal(fast.block_count.cpu(), ref.block_count)
     assert torch.equal(fast.column_count.cpu(), ref.column_count)
     assert torch.equal(tiles_to_mask(fast, n).cpu(), tiles_to_mask(ref, n))
+
+
+@pytest.mark.parametrize("n", [1, 130, 256])
+def test_block_index_selects_what_the_torch_proxy_selects(n):
+    from workbench.patterns.proxy import block_proxy
+    from workbench_kernels.index_build import block_index
+
+    g = torch.Generator().manual_seed(n)
+    q, k = torch.randn(2, 6, n, 64, generator=g), torch.randn(2, 2, n, 64, generator=g)
+    fast = block_index(q.to(DEV), k.to(DEV), 3)
+    ref = block_proxy(q, k, 3)
+    if DEV == "cpu":
+        assert torch.equal(fast, ref)
+    else:
+        assert (fast.cpu() == ref).float().mean() > 0.95
