@@ -209,3 +209,19 @@ def test_block_proxy():
             assert set(got) == {row, *others}
     per_head = block_proxy(q, k, torch.tensor([1, 2, 3, 1, 2, 3]))
     assert ((per_head >= 0).sum(-1)[:, -1]).tolist() == [1, 2, 3, 1, 2, 3]
+
+
+def test_tile_counts_agree_with_the_kernel_tiling():
+    """A-shape and block-sparse tile counts equal what the kernels' tile conversion emits."""
+    from workbench_kernels.index_ref import ashape_to_tiles, block_sparse_to_tiles
+
+    gen = torch.Generator().manual_seed(3)
+    for n in (100, 1000, 4096):
+        for g, w in ((64, 64), (0, 64), (30, 100), (100, 500), (64, 1024)):
+            t = ashape_to_tiles([g], [w], n)
+            kernel = int(t.block_count.long().sum() + (-(-t.column_count.long() // B)).sum())
+            assert AShape(g, w).tiles(n).item() == kernel
+        m = -(-n // B)
+        table = torch.randint(-1, m, (2, m, 4), generator=gen).int()
+        t = block_sparse_to_tiles(table[None], n)
+        assert BlockSparse(table).tiles(n).tolist() == t.block_count.long().sum(-1)[0].tolist()
