@@ -24,6 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heads", default=None, help="trained Forecast heads (.safetensors); default: q_proj warm start")
     p.add_argument("--ctas", type=int, default=16, help="programs of the UVA gather kernel")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--graph", action="store_true",
+                   help="CUDA only: replay each step as a CUDA graph (faster; no per-copy event timings)")
     p.add_argument("--quality", action="store_true",
                    help="also compare each sparse mode with dense-resident (teacher-forced top-1 agreement, KL)")
     p.add_argument("--measure-reuse", action="store_true",
@@ -81,8 +83,10 @@ def run(args: argparse.Namespace) -> int:
         eng = DecodeEngine(model, cfg, batch=args.batch, max_tokens=args.context + args.steps, heads=heads,
                            select_hook=meter)
         first = eng.prefill(prompts, args.steps, prefilled=prefilled)
+        graph = args.graph and eng.cuda
         tokens, logits, stats = eng.run(first, args.steps, force=force, keep_logits=keep_logits,
-                                        timing=eng.cuda)
+                                        timing=eng.cuda and not graph, graph=graph)
+        eng.close()
         row = stats.to_dict()
         row["selector"] = selector if mode == "sparse-resident" else ("same-layer" if mode in MODES[:3] else "forecast")
         row["dynamic_reuse"] = meter.rate if meter else None

@@ -158,6 +158,7 @@ class DecodeEngine:
                 raise StoreCapacityError(f"{config.mode} needs {gpu_need / GiB:.2f} GiB for KV but only "
                                          f"{limit / GiB:.2f} GiB of host memory may be used: reduce --batch or --context")
         if self.offload:
+            self._own_store = store is None
             if store is None:
                 store = BlockStore(spec, limit_bytes=host_limit_bytes)
             elif store.spec.layers < L - 1 or store.spec.kv_heads != Hkv or store.spec.head_dim != D \
@@ -449,5 +450,7 @@ class DecodeEngine:
         return tokens, (torch.stack(kept, 1) if keep_logits else None), stats
 
     def close(self) -> None:
-        """Release the host store (if this engine made it, the caller may still hold it)."""
-        self.kv, self.caches, self.ck = [], [], []
+        """Drop the GPU buffers and the CUDA graph, and unpin the host store if this engine made it."""
+        self.kv, self.caches, self.ck, self._graph, self._graph_io = [], [], [], None, None
+        if self.offload and self._own_store:
+            self.store.close()
