@@ -33,8 +33,9 @@ from .attention import attention_override, dense_attention
 from .config import PROXY_DEFAULTS, ConfigError, HeadConfig
 from .model import ModelShape
 
-# Prefill length below which the dense model is faster end to end on the H200 (Llama-3-8B shape,
-# bf16): the crossover of assets/benchmarks/prefill_e2e_h200.json (`workbench prefill bench`).
+# Prefill length below which prompts run dense: the first measured length at which the sparse model
+# (block-sparse top-100 and A-shape configs, Llama-3-8B shape, bf16, H200) beats dense SDPA end to end;
+# interpolated crossovers are 22K-25K tokens (assets/benchmarks/prefill_e2e_h200.json).
 DEFAULT_MIN_LENGTH = 32768
 NO_WINDOW = 1 << 30  # the Triton kernel's "no window" value (workbench_kernels.prefill.NO_WINDOW)
 ROW_CHUNK = 256
