@@ -27,12 +27,12 @@ NO_WINDOW = 1 << 30
 
 
 @triton.jit
-def _online_update(s, v, m_i, l_i, acc):
-    """One online-softmax step on scores `s` (log2 units, -inf = masked) and values `v`."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+def _online_update(qk, qk_scale, v, m_i, l_i, acc):
+    """One online-softmax step on raw scores `qk` (-inf = masked; times qk_scale = log2 units) and `v`."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet stays at zero
     alpha = tl.math.exp2(m_i - m_use)
-    p = tl.math.exp2(s - m_use[:, None])
+    p = tl.math.exp2(qk * qk_scale - m_use[:, None])  # one FMA per score
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
@@ -68,10 +68,10 @@ def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount
         ok = c0 + lanes < n_col
         col = tl.load(ColumnIndex + tile.to(tl.int64) * NC + c0 + lanes, mask=ok, other=0)
         k = tl.load(Kbase + col[:, None] * skn + dims[None, :], mask=ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k))
         s = tl.where(ok[None, :], s, float("-inf"))
         v = tl.load(Vbase + col[:, None] * svn + dims[None, :], mask=ok[:, None], other=0.0)
-        m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc)
+        m_i, l_i, acc = _online_update(s, qk_scale, v, m_i, l_i, acc)
     if HAS_WINDOW:
         sink = tl.load(Sink + h)
         window = tl.load(Window + h)
@@ -84,7 +84,7 @@ def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount
         keys = p + lanes
         in_seq = (keys >= 0) & (keys < N)
         k = tl.load(Kbase + keys[:, None] * skn + dims[None, :], mask=in_seq[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k))
         edge = (p < 0) | (p + BLOCK_N > nxt) | (p + BLOCK_N > N) | (p + BLOCK_N - 1 > row0)
         if HAS_WINDOW:
             edge = edge | ((p <= row0 + BLOCK_M - 1 - window) & (p + BLOCK_N > sink))
@@ -94,7 +94,7 @@ def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount
                 keep = keep & ((rows[:, None] - keys[None, :] < window) | (keys[None, :] < sink))
             s = tl.where(keep, s, float("-inf"))
         v = tl.load(Vbase + keys[:, None] * svn + dims[None, :], mask=in_seq[:, None], other=0.0)
-        m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc)
+        m_i, l_i, acc = _online_update(s, qk_scale, v, m_i, l_i, acc)
     out = acc / l_i[:, None]
     row_ok = rows < N
     tl.store(O + b * sob + h * soh + rows[:, None] * son + dims[None, :], out.to(O.dtype.element_ty),
