@@ -163,8 +163,15 @@ def _patterns_and_recall(patterns: Any, recall: Any) -> tuple[list[list[str]], n
     return names, r, labels
 
 
+def _tint(color: str, white: float) -> str:
+    """`color` (#rrggbb) mixed with a share `white` of white."""
+    rgb = [int(color[i:i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(c + (255 - c) * white):02x}" for c in rgb)
+
+
 def pattern_grid(patterns: Any, recall: Any = None, title: str | None = None, floor: float | None = None):
-    """Layers x heads grid: hue = the head's pattern, shade = its recall (captured mass; darker = higher).
+    """Layers x heads grid: hue = the head's pattern, shade = its recall (captured mass; lightest = the
+    lowest recall in the grid or `floor`, full colour = 1).
 
     `patterns`: a HeadConfig (recall defaults to each head's calibration mean) or names `[L][H]` from
     {"vs", "ashape", "block", "dense"} with `recall` `[L, H]`. Click data: x = head, y = layer."""
@@ -182,7 +189,7 @@ def pattern_grid(patterns: Any, recall: Any = None, title: str | None = None, fl
         text = [[f"L{l} H{h}: {labels[l][h]}<br>recall {r[l, h]:.3f}" if mask[l, h] else "" for h in range(H)]
                 for l in range(L)]
         fig.add_trace(go.Heatmap(z=z, x=list(range(H)), y=list(range(L)), zmin=lo, zmax=1, showscale=False,
-                                 colorscale=[[0, "#f4f4f4"], [1, color]], text=text, hoverinfo="text",
+                                 colorscale=[[0, _tint(color, 0.75)], [1, color]], text=text, hoverinfo="text",
                                  xgap=1, ygap=1, name=PATTERN_NAMES[pat]))
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", marker=dict(size=10, color=color, symbol="square"),
                                  name=f"{PATTERN_NAMES[pat]} ({int(mask.sum())})", showlegend=True))

@@ -1,0 +1,122 @@
+"""Render the README figures into assets/ with the same `workbench.viz` functions the notebooks use.
+
+    python scripts/render_assets.py [--length 2048] [--out assets] [--html]
+
+Attention figures come from the embedded model on the CPU (a passkey prompt of --length tokens); the
+head grid from the shipped config; the latency figures from the committed H200 benchmark JSON. PNGs are
+written by plotly's static export (kaleido, which drives the system Chromium: `pip install kaleido`,
+`apt-get install chromium`); `--html` writes self-contained HTML instead (no browser needed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def save(fig, out: Path, name: str, html: bool, scale: float = 2.0) -> Path:
+    from workbench.io import atomic_path, write_text
+
+    if html:
+        return write_text(out / f"{name}.html", fig.to_html(include_plotlyjs=True, full_html=True))
+    path = out / f"{name}.png"
+    with atomic_path(path) as tmp:
+        fig.write_image(str(tmp), format="png", scale=scale)
+    return path
+
+
+def attention_figures(length: int) -> dict:
+    import torch
+
+    from workbench import viz
+    from workbench.capture import capture_attention
+    from workbench.corpus import make_sample
+    from workbench.model import load_model
+    from workbench.patterns import VerticalSlash, vs_proxy
+    from workbench.profile import profile_layer
+    from workbench.stats import layer_stats
+
+    model, tok, shape = load_model()
+    sample = make_sample("passkey", tok, length, seed=0)
+    cap = capture_attention(model, shape, sample.input_ids)
+    stats = {layer: layer_stats(*cap.layer_qkv(layer)[:2], cap.scale) for layer in cap.layers}
+    profiles = [p for layer in cap.layers for p in profile_layer(stats[layer], layer)]
+    thumbs = torch.stack([torch.stack([viz.thumbnail(stats[l].max_map[h], 32) for h in range(shape.n_heads)])
+                          for l in cap.layers])
+    figs = {"head_thumbnails": viz.head_thumbnails(
+        thumbs, title=f"{shape.name}: all {len(profiles)} heads, passkey prompt of {length} tokens")}
+    top = max(profiles, key=lambda p: p.vertical)
+    q, k, _ = cap.layer_qkv(top.layer)
+    cols, offs = vs_proxy(q, k, cap.scale, max(30, length // 32), max(50, length // 16))
+    figs["attention_vs_overlay"] = viz.attention_map(
+        stats[top.layer], top.head, pattern=VerticalSlash(cols, offs),
+        title=f"L{top.layer} H{top.head}: max-pooled map + online Vertical-Slash index")
+    r0 = max(0, length - 256)
+    figs["attention_zoom"] = viz.attention_zoom(q, k, cap.scale, top.head, rows=(r0, length), cols=(0, 256),
+                                                title=f"L{top.layer} H{top.head}: exact zoom, last 256 queries x first 256 keys")
+    return figs
+
+
+def benchmark_figures() -> dict:
+    from workbench import viz
+    from workbench.config import HeadConfig
+
+    figs = {}
+    cfg_path = ROOT / "configs" / "SmolLM2-135M-Instruct.json"
+    if cfg_path.exists():
+        cfg = HeadConfig.load(cfg_path)
+        figs["pattern_grid"] = viz.pattern_grid(cfg, title="shipped config: pattern per head (shade = calibration recall)")
+    e2e = ROOT / "assets" / "benchmarks" / "prefill_e2e_h200.json"
+    if e2e.exists():
+        bench = json.loads(e2e.read_text())
+        n = max(r["n"] for r in bench["rows"])
+        rows = {r["config"]: {"T_proj": r["per_layer_mean"]["proj_ms"], "T_index": r["per_layer_mean"]["index_ms"],
+                              "T_sparse": r["per_layer_mean"]["sparse_ms"], "T_other": r["per_layer_mean"]["other_ms"]}
+                for r in bench["rows"] if r["n"] == n}
+        figs["prefill_breakdown_h200"] = viz.latency_breakdown(
+            rows, reference="dense", title=f"{bench['environment']['gpu']}: one layer at {n // 1024}K tokens "
+                                           "(random-weight Llama-3-8B shape)")
+    dec = ROOT / "assets" / "benchmarks" / "decode_h200.json"
+    if dec.exists():
+        bench = json.loads(dec.read_text())
+        context = max(r["context"] for r in bench["runs"])
+        groups: dict = {}
+        for r in bench["runs"]:
+            if r["context"] == context and r["ctas"] == 16 and r["reuse_imposed"] in (None, 0.79) and \
+                    not (r["mode"].startswith(("sparse-offload", "forecast")) and r["reuse_imposed"] is None):
+                groups.setdefault(r["mode"], {})[f"batch {r['batch']}"] = r["tokens_per_s"]
+        figs["decode_h200"] = viz.grouped_bars(groups, "tokens/s", title=f"{bench['environment']['gpu']}: decode at "
+                                               f"{context // 1024}K tokens, {bench['layers']} layers of a random-weight Llama-3-8B shape (offload: 0.79 block reuse)")
+    return figs
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--length", type=int, default=2048, help="prompt tokens for the attention figures (default 2048)")
+    p.add_argument("--out", default=str(ROOT / "assets"), help="output folder (default assets/)")
+    p.add_argument("--html", action="store_true", help="write HTML instead of PNG (no kaleido/Chromium needed)")
+    p.add_argument("--skip-model", action="store_true", help="only the figures from committed JSON and configs")
+    args = p.parse_args(argv)
+    if not args.html:
+        try:
+            import kaleido  # noqa: F401
+        except ImportError:
+            sys.exit("PNG export needs kaleido (pip install kaleido) and a Chromium (apt-get install chromium); "
+                     "or pass --html")
+    t0 = time.perf_counter()
+    figs = benchmark_figures()
+    if not args.skip_model:
+        figs.update(attention_figures(args.length))
+    out = Path(args.out)
+    for name, fig in figs.items():
+        print("wrote", save(fig, out, name, args.html))
+    print(f"{len(figs)} figures in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
