@@ -92,6 +92,28 @@ def test_teacher_keep_marks_positions_of_the_top_blocks_only():
     assert not (keep & ~sup[0]).any()
 
 
+def test_forecast_blocks_decode_form_is_causal_and_matches_the_row_form():
+    from workbench.model import ModelShape
+    from workbench.patterns.infllm import CompressedKeys, select_rows
+
+    shape = ModelShape("tiny", "llama", 3, 4, 2, 8, 16, "default", 1e4, 4096, "f" * 16)
+    torch.manual_seed(6)
+    heads = ForecastHeads(shape)
+    n, b = 900, 2
+    k = torch.randn(b, 2, n, 8)
+    ck = CompressedKeys.from_keys(k)
+    x = torch.randn(b, 16)
+    angle = torch.rand(8)
+    cos, sin = angle.cos(), angle.sin()
+    ids = heads.forecast_blocks(2, x, cos, sin, ck, Budget())
+    assert ids.shape == (b, 2, Budget().total)
+    assert ids.max() <= (n - 1) // 64 and ((ids >= 0).sum(-1) == Budget().total).all()
+    for i in range(b):
+        f = heads.query(2, x[i, None], cos[None], sin[None])  # [Hkv, 1, D]
+        rows = select_rows(f[:, None], compress_keys(k[i]), torch.tensor([n - 1]), math.ceil(n / 64), Budget())
+        assert torch.equal(ids[i], rows[:, 0])
+
+
 @pytest.mark.model
 def test_forecast_query_uses_the_models_rope(embedded, capture_256):
     model, _, shape = embedded

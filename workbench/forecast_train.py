@@ -95,8 +95,8 @@ class TrainConfig:
     """AdamW as in SparDA (constant lr, wd 0.01, betas 0.9/0.95, eps 1e-6, grad-norm clip 0.5); lr and
     steps scaled to the small model; `batch_rows` query rows of one prompt per step."""
 
-    steps: int = 600
-    lr: float = 2e-3
+    steps: int = 300
+    lr: float = 1e-3
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-6

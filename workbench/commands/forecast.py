@@ -65,7 +65,8 @@ def _env(argv: list[str]) -> dict:
 
     return {"command": "workbench " + " ".join(argv), "machine": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "device": "cpu"}
+            "python": platform.python_version(), "device": "cpu",
+            "load_average_1_5_15min": [round(x, 2) for x in os.getloadavg()]}  # the CPU may be shared
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,7 +112,7 @@ def _train(args, model, tok, shape, budget, tasks, argv, t0) -> int:
                           if v is not None})
     fine = (2, 1) if args.teacher == "fine" else (budget.window, budget.stride)
     specs = [(task, n, seed) for n in lengths for task in tasks for seed in range(1, args.seeds + 1)]
-    held = [(tasks[i % len(tasks)], max(lengths), 1000 + i) for i in range(args.held_out)]
+    held = [(tasks[i % len(tasks)], min(lengths), 1000 + i) for i in range(args.held_out)]
     train_set = make_prompts(model, tok, shape, specs, budget, rows=args.rows, fine=fine)
     held_out = make_prompts(model, tok, shape, held, budget, rows=args.rows, fine=fine)
     prep = time.perf_counter() - t0
