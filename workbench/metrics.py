@@ -128,7 +128,7 @@ def layer_sums(q: torch.Tensor, k: torch.Tensor, scale: float, block: int = BLOC
 @torch.no_grad()
 def column_offset_mass(q: torch.Tensor, k: torch.Tensor, scale: float, lse: torch.Tensor,
                        column_sets: list[torch.Tensor], prefixes: list[list[int]] | None = None,
-                       rows: int | None = None, chunk: int = 1024) -> list[torch.Tensor]:
+                       rows: int | None = None, chunk: int | None = None) -> list[torch.Tensor]:
     """Mass that sets of columns hold at each offset: for columns `[Hq, V]` (-1 padded, no duplicates)
     `[Hq, N]` = sum over j in the set of p[j + d, j] (units: rows), with p recomputed only at those
     columns from the row log-normalisers `lse` `[Hq, N]` (`layer_sums`). `rows` limits the sum to rows < rows.
@@ -153,8 +153,9 @@ def column_offset_mass(q: torch.Tensor, k: torch.Tensor, scale: float, lse: torc
         level_offset = (level * (n + 1))[None, None, :]
         keys = kf.repeat_interleave(g, 0).gather(1, safe[..., None].expand(-1, -1, kf.shape[-1]))  # [Hq, V, D]
         acc = torch.zeros(hq, levels * (n + 1))
-        for r0 in range(0, rows, chunk):
-            r1 = min(rows, r0 + chunk)
+        step = chunk or max(64, (1 << 22) // max(1, hq * cols.shape[-1]))  # ~4M probabilities at a time
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
             i = torch.arange(r0, r1)[None, :, None]
             s = (q[:, r0:r1].float() @ keys.transpose(1, 2)).mul_(scale).sub_(lse[:, r0:r1, None])  # [Hq, C, V]
             d = i - safe[:, None, :]

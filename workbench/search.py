@@ -396,8 +396,10 @@ def rescore_head(cache: HeadCache, candidate: Candidate, proxy: dict[str, Any] |
             cols, offs = vs_proxy(q1, k1, cache.scale, v, s, **proxy)
             tiles = int(vs_tile_count(cols[None], offs[None], n))
             best_cols = top_positions(colm, 0, v)
-            overlaps = column_offset_mass(q1, k1, cache.scale, st.lse, [cols, best_cols])
-            m, o = _vs_scores(colm, diagm, overlaps, cols, offs, best_cols, s)
+            # one pass for both column sets: prefix v is the proxy's, prefix 2v adds the best columns
+            both = column_offset_mass(q1, k1, cache.scale, st.lse, [torch.cat([cols, best_cols], -1)],
+                                      prefixes=[[v, 2 * v]])[0]
+            m, o = _vs_scores(colm, diagm, (both[0], both[1] - both[0]), cols, offs, best_cols, s)
             mass, oracle = float(m), float(o)
         out["mass"].append(min(mass, 1.0))
         out["oracle"].append(min(oracle, 1.0))
