@@ -35,8 +35,8 @@ def tile_rates(bench: dict[str, Any], shape: str = "embedded", block: int = 64) 
     head}} from the benchmark rows of `shape` at `block` (median over lengths)."""
     rates: dict[str, dict[str, list[float]]] = {}
     for row in bench.get("rows", []):
-        pattern = KERNELS.get(row.get("kernel"))
-        if pattern is None or row.get("shape") != shape or row.get("block", block) != block:
+        pattern = KERNELS.get(str(row.get("kernel")).split("@")[0])  # "vertical_slash@512": a second budget
+        if pattern is None or row.get("shape") != shape or str(row.get("block", block)) != str(block):
             continue
         heads = row["q_heads"]
         tiles = causal_tiles(row["n"], block) * heads * row.get("physical_density", 1.0)

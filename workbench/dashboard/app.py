@@ -77,6 +77,7 @@ class HeadView(_View):
         self.segments = pn.pane.Plotly(None, config={"displayModeBar": False})
         self.map = pn.pane.Plotly(None, config={"displayModeBar": False})
         self._syncing = False
+        self.pattern.param.watch(lambda _: self._show_sizes(), "value")
         for w in (self.pattern, *self.sizes.values()):
             w.param.watch(self._edited, "value")
         self.session.param.watch(lambda _: self._show(), "head_version")
@@ -91,8 +92,7 @@ class HeadView(_View):
                 self.sizes[k].value = v
         finally:
             self._syncing = False
-        for k, w in self.sizes.items():
-            w.visible = k in PARAMS[self.pattern.value]
+        self._show_sizes()
         seg = r["segments"]
         est = r["estimate_ms"]
         self.numbers.object = _table([
@@ -106,13 +106,18 @@ class HeadView(_View):
             ("64x64 tiles", str(r["tiles"])),
             ("estimated latency", "-" if est is None else
              f"{est * 1e3:.2f} us vs dense {r['dense_estimate_ms'] * 1e3:.2f} us (H200 per-tile model)"),
-            ("edit time", f"{s.last_edit_ms:.0f} ms (server)" if s.last_edit_ms == s.last_edit_ms else "-"),
+            ("edit time", f"{s.last_edit_ms:.0f} ms numbers, {s.last_edit_total_ms:.0f} ms with views (server)"
+             if s.last_edit_ms == s.last_edit_ms else "-"),
         ], "wb-head")
         self.proxy.object = "VS proxy: " + ", ".join(f"{k}={v}" for k, v in s.config.proxy.items())
         self.segments.object = viz.segment_recall({k: [v] for k, v in seg.items() if k != "all"}, labels=[f"L{s.layer} H{s.head}"],
                                                   title="captured mass per query segment")
         self.map.object = viz.attention_map(s.head_stats, 0, max_cells=256, pattern=r["index"],
                                             title=f"layer {s.layer} head {s.head}: {e.label()}")
+
+    def _show_sizes(self) -> None:
+        for k, w in self.sizes.items():
+            w.visible = k in PARAMS[self.pattern.value]
 
     def _edited(self, _event) -> None:
         if self._syncing or self.session.head_view is None:
@@ -224,7 +229,7 @@ class ExportView(_View):
         self.download = pn.widgets.FileDownload(callback=lambda: io.StringIO(self.session.export_text()),
                                                 filename="head_config.json", label="Download edited config (JSON)",
                                                 button_type="primary", css_classes=["wb-download"])
-        self.name = pn.widgets.TextInput(name="config name", placeholder="my-edit", css_classes=["wb-name"])
+        self.config_name = pn.widgets.TextInput(name="config name", placeholder="my-edit", css_classes=["wb-name"])
         self.save = pn.widgets.Button(name="Save into configs/", css_classes=["wb-save"])
         self.upload = pn.widgets.FileInput(accept=".json", css_classes=["wb-upload"])
         self.message = pn.pane.Alert("", alert_type="light", css_classes=["wb-message"], visible=False)
@@ -236,7 +241,7 @@ class ExportView(_View):
 
     def _save(self, _event) -> None:
         try:
-            path = self.session.save(self.name.value)
+            path = self.session.save(self.config_name.value)
             self._say(f"saved {path}", "success")
         except Exception as e:
             self._say(f"not saved: {e}", "danger")
@@ -255,7 +260,7 @@ class ExportView(_View):
             else self.session.error, "danger" if self.session.error else "success"))
 
     def __panel__(self):
-        return pn.Column(self.download, pn.Row(self.name, self.save), "Import a HeadConfig or MInference JSON:",
+        return pn.Column(self.download, pn.Row(self.config_name, self.save), "Import a HeadConfig or MInference JSON:",
                          self.upload, self.message)
 
 

@@ -171,7 +171,7 @@ class Session(param.Parameterized):
         self.mass = self.oracle = None  # [L, H] float64: captured mass of each head's online index, its oracle
         self.head_cache = self.head_view = self.head_stats = None
         self.head_result: dict[str, Any] = {}
-        self.last_edit_ms = float("nan")
+        self.last_edit_ms = self.last_edit_total_ms = float("nan")
         self.forecast: dict[str, Any] | None = None
         self.latency: dict[str, Any] | None = None
         self._job: Future | None = None
@@ -324,13 +324,19 @@ class Session(param.Parameterized):
         except ConfigError:
             self.config.heads[i] = old
             raise
-        result = self._score_head()
+        result = self._score_head(publish=False)
         self.config.provenance.setdefault("edits", []).append(
             {"layer": self.layer, "head": self.head, "pattern": pattern, "params": params, "sample": self.sample.describe()})
-        self.last_edit_ms = (time.perf_counter() - t0) * 1e3
+        self.last_edit_ms = (time.perf_counter() - t0) * 1e3  # the numbers; then the views redraw
+        self._publish()
+        self.last_edit_total_ms = (time.perf_counter() - t0) * 1e3
         return result
 
-    def _score_head(self) -> dict[str, Any]:
+    def _publish(self) -> None:
+        self.grid_version += 1
+        self.head_version += 1
+
+    def _score_head(self, publish: bool = True) -> dict[str, Any]:
         """Numbers of the selected head under its current entry; updates the grid row too."""
         from ..latency import BENCH, estimate_ms, load_bench, tile_rates
         from ..patterns import causal_tiles
@@ -353,11 +359,11 @@ class Session(param.Parameterized):
             "entry": self.entry(), "index": index, "mass": mass, "oracle": oracle, "tiles": tiles,
             "segments": view["segments"], "rel_l2": view["rel_l2"], "cosine": view["cosine"],
             "logical": view["logical"], "physical": view["physical"],
-            "estimate_ms": None if rates is None else estimate_ms(rates, e.pattern, tiles),
-            "dense_estimate_ms": None if rates is None else estimate_ms(rates, "dense", causal_tiles(cap.n)),
+            "estimate_ms": estimate_ms(rates, e.pattern, tiles) if rates and e.pattern in rates and "dense" in rates else None,
+            "dense_estimate_ms": estimate_ms(rates, "dense", causal_tiles(cap.n)) if rates and "dense" in rates else None,
         }
-        self.grid_version += 1
-        self.head_version += 1
+        if publish:
+            self._publish()
         return self.head_result
 
     # ---- export / import -----------------------------------------------------------------------------
