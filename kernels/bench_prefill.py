@@ -6,6 +6,13 @@ topical key blocks) so that the online indexes find realistic patterns instead o
 Per (shape, length) it times dense causal SDPA, then for each pattern (Vertical-Slash from the Triton
 online index, Block-Sparse from pooled top-k, A-shape) the index build, our kernel and FlexAttention
 with a BlockMask over the same 64x64 tiles. Rows go to a JSON file as they are measured.
+
+Row fields: logical_density = attended (query, key) pairs / causal pairs; physical_density = computed
+tile area (pieces x width + packed columns, per row block) / causal pairs; effective_tflops =
+4 * head_dim * tile area / time; ratio_to_dense_tflops divides by dense SDPA's causal TFLOP/s of the
+same run; index_ms = building the index and its tiles for all heads of the layer (no host sync);
+flex_* = FlexAttention on a BlockMask of the 64-aligned blocks our tiles touch (VS: exact logical
+mask via mask_mod, since Flex cannot gather columns), compile time reported separately.
 """
 from __future__ import annotations
 
@@ -54,7 +61,8 @@ def environment() -> dict:
                                 capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
     except (OSError, IndexError, subprocess.SubprocessError):
         pass
-    return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu dry run)", "driver": driver, "torch": torch.__version__,
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu dry run)"
+    return {"gpu": gpu, "driver": driver, "torch": torch.__version__,
             "triton": triton.__version__, "python": platform.python_version(),
             "command": " ".join(["workbench", "bench", "prefill", *sys.argv[sys.argv.index("prefill") + 1:]])
             if "prefill" in sys.argv else " ".join(sys.argv),
@@ -318,7 +326,8 @@ def run(args: argparse.Namespace) -> int:
             ms = time_ms(fn)
             area = tile_area(tiles, n).sum().item()
             tf = 4 * d * area / ms / 1e9
-            budget = vs_budgets.get(pattern) or ((args.topk,) if pattern == "block_sparse" else (args.sink, args.window))
+            budget = vs_budgets.get(pattern) or ((args.topk,) if pattern == "block_sparse"
+                                                 else (args.sink, args.window))
             row = {**base, "kernel": pattern, "block": blk, "budget": list(budget), **cfg, "time_ms": ms,
                    "index_ms": t_index,
                    "index_share_of_kernel": t_index / ms,
@@ -349,7 +358,8 @@ def run(args: argparse.Namespace) -> int:
                         return (ki <= qi) & ((qi - ki < w) | (ki < g))
                     mb = torch.arange(M, device=dev)
                     kb_hi = mb[None, :] * 64 + 63
-                    full = touched & ~eye & ((kb_hi < args.sink) | (mb[None, :] * 64 >= mb[:, None] * 64 + 63 - args.window + 1))
+                    in_window = mb[None, :] * 64 >= mb[:, None] * 64 + 63 - args.window + 1
+                    full = touched & ~eye & ((kb_hi < args.sink) | in_window)
                 ref = fn()[0] if pattern != "vertical_slash" else None
                 flex_jobs.append((row, shape, n, q, k, v, touched, full, mask_mod, ref, scale))
         # one mixed layer (a third of the heads per pattern) in a single launch

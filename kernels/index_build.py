@@ -158,7 +158,8 @@ def vs_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int = 
                     torch.empty(B, H, M, dtype=torch.int32, device=dev),
                     torch.empty(B, H, M, NC, dtype=torch.int32, device=dev), block, width)
     cov = covered.to(torch.int8).contiguous()
-    _expand_tiles_kernel[(B * H, M)](ends, hi.contiguous(), cov, cols, tiles.block_count, tiles.block_offset, tiles.column_count,
+    _expand_tiles_kernel[(B * H, M)](ends, hi.contiguous(), cov, cols, tiles.block_count, tiles.block_offset,
+                                     tiles.column_count,
                                      tiles.column_index, P, cov.shape[-1], KV, NS, NC, M, BLOCK=block,
                                      CHUNK=256, num_warps=4)
     return tiles

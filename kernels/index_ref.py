@@ -16,8 +16,10 @@ key *pieces* (`block`-wide key ranges, start positions in `block_offset`) and a 
   kernel additionally applies the exact per-token sink/window mask.
 
 Piece semantics (what kernels and `tiles_to_mask` compute): pieces of a row block are ascending; piece
-t covers keys [p_t, min(p_t + b, p_{t+1})) intersected with [0, n) and j <= i. The cut at the next
-piece's start means overlapping pieces never count a key twice. Padding (past the counts) is -1.
+t covers keys [p_t, min(p_t + w, p_{t+1})) intersected with [0, n) and j <= i (w = piece width, by
+default the row block size; `width=64` with `block=128` gives 128-row tiles over 64-wide pieces). The
+cut at the next piece's start means overlapping pieces never count a key twice. Padding (past the
+counts) is -1 (`index_build.vs_tiles` leaves it unwritten).
 
 Shapes: columns Long `[B, H, Kv]` (absolute key positions), offsets Long `[B, H, Ks]` (i - j),
 block_index Int `[B, H, M, K]` (key-block ids, -1 padded). -1 entries are ignored everywhere,

@@ -146,7 +146,8 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
         scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1], ci.shape[-1],
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        D=D, BLOCK_M=block, BLOCK_N=tiles.piece, HAS_WINDOW=has_window, LONGEST_FIRST=longest_first, num_warps=num_warps, num_stages=num_stages)
+        D=D, BLOCK_M=block, BLOCK_N=tiles.piece, HAS_WINDOW=has_window, LONGEST_FIRST=longest_first,
+        num_warps=num_warps, num_stages=num_stages)
     return o, lse
 
 
@@ -159,7 +160,8 @@ def vertical_slash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, co
 
 
 def block_sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_index: torch.Tensor,
-                         scale: float | None = None, block: int = 64, width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                         scale: float | None = None, block: int = 64,
+                         width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse prefill: block_index Int `[B, Hq, M, K]` (64-token key blocks, -1 padded) -> (o, lse)."""
     return sparse_prefill(q, k, v, block_sparse_to_tiles(block_index, q.shape[2], block, width), scale=scale)
 
