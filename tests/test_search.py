@@ -26,6 +26,7 @@ def one_thread():
 
 CANDS = [Candidate("ashape", (16, 40)), Candidate("ashape", (4, 100)), Candidate("vs", (8, 20)),
          Candidate("vs", (20, 60)), Candidate("block", (2,)), Candidate("block", (3,)), Candidate("dense")]
+OVERSIZED = [Candidate("vs", (400, 500)), Candidate("ashape", (500, 600)), Candidate("block", (9,))]  # > n = 300
 
 
 def structured_qk(n: int = 300, seed: int = 0):
@@ -61,14 +62,15 @@ def explicit_mass(q, k, scale, mask):
 def test_layer_scores_are_exact():
     q, k = structured_qk()
     scale = 0.3
-    sc = layer_scores(q, k, scale, CANDS)
-    for c, cand in enumerate(CANDS):
+    sc = layer_scores(q, k, scale, CANDS + OVERSIZED)
+    for c, cand in enumerate(CANDS + OVERSIZED):
         index = index_of(cand, q, k, scale)
         torch.testing.assert_close(sc["mass"][:, c], explicit_mass(q, k, scale, index.to_mask(300)), atol=1e-5, rtol=0)
         torch.testing.assert_close(sc["mass"][:, c], captured_mass(q, k, scale, index).mean(-1).double(), atol=1e-5, rtol=0)
         assert torch.equal(sc["tiles"][:, c], index.tiles(300).double())
         assert torch.equal(sc["edges"][:, c], index.edges(300).double())
     assert (sc["oracle"] >= sc["mass"] - 1e-9).all()
+    torch.testing.assert_close(sc["mass"][:, len(CANDS):], torch.ones(6, 3, dtype=torch.float64))  # every key
 
 
 def test_layer_sums_match_stats():
