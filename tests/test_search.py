@@ -226,3 +226,20 @@ def test_pattern_fits_report(embedded, tmp_path):
     json.dumps(fits)  # plain JSON
     s = fits["summary"]
     assert s["vs_gap"] >= 0 and sum(s["fits"].values()) == 2 * shape.n_heads
+
+
+def test_sharded_collection_sums_to_the_whole(capture_256):
+    """Two ranks score disjoint (sample, layer) slices; their sum is the single-process evidence."""
+    from workbench.search import collect_evidence
+
+    cands = [Candidate("ashape", (64, 64)), Candidate("dense")]
+    capture = type(capture_256)(**{**capture_256.__dict__, "layers": (0, 1, 2),
+                                   "q": capture_256.q[:3], "k": capture_256.k[:3], "v": capture_256.v[:3]})
+    args = ([{"s": 0}, {"s": 1}], [256, 256], cands, 3, 9)
+    whole = collect_evidence([capture, capture], *args, progress=False)
+    parts = [collect_evidence([capture, capture], *args, progress=False, shard=(r, 2)) for r in range(2)]
+    assert parts[0].done.sum() == 3 and parts[1].done.sum() == 3
+    merged = parts[0] + parts[1]
+    assert torch.equal(merged.mass, whole.mass) and torch.equal(choose(merged), choose(whole))
+    with pytest.raises(ValueError, match="rank"):
+        collect_evidence([capture], *args, shard=(2, 2))

@@ -199,6 +199,14 @@ class Evidence:
         return Evidence(self.candidates, self.samples, self.lengths,
                         *(getattr(self, n) + getattr(other, n) for n in (*METRICS, "done")))
 
+    def all_reduce(self) -> "Evidence":
+        """Sum every rank's evidence in place (torch.distributed must be initialised)."""
+        import torch.distributed as dist
+
+        for name in (*METRICS, "done"):
+            dist.all_reduce(getattr(self, name))
+        return self
+
     def density(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(logical, physical) density `[S, L, H, C]`: edges and tiles over their causal totals."""
         e = torch.tensor([causal_edges(n) for n in self.lengths], dtype=torch.float64).view(-1, 1, 1, 1)
@@ -283,12 +291,22 @@ def build_config(evidence: Evidence, choice: torch.Tensor, model: dict[str, Any]
 
 def collect_evidence(captures: Iterable[Any], samples: Sequence[dict[str, Any]], lengths: Sequence[int],
                      candidates: Sequence[Candidate], n_layers: int, n_heads: int,
-                     proxy: dict[str, Any] | None = None, progress: bool = True) -> Evidence:
-    """Score every layer of every capture (an iterable, so each can be made and freed in turn)."""
+                     proxy: dict[str, Any] | None = None, progress: bool = True,
+                     shard: tuple[int, int] = (0, 1)) -> Evidence:
+    """Score every layer of every capture (an iterable, so each can be made and freed in turn).
+
+    `shard=(rank, world)` scores only the (sample, layer) slices with (sample * L + layer) % world ==
+    rank; summing the evidence of all ranks (`+`, or `all_reduce`) gives the full evidence."""
+    rank, world = shard
+    if not 0 <= rank < world:
+        raise ValueError(f"shard {shard} is not (rank, world) with 0 <= rank < world")
     ev = Evidence.empty(candidates, samples, lengths, n_layers, n_heads)
-    bar = tqdm(total=len(samples) * n_layers, desc="search", unit="layer", disable=not progress)
+    mine = [(s, l) for s in range(len(samples)) for l in range(n_layers) if (s * n_layers + l) % world == rank]
+    bar = tqdm(total=len(mine), desc="search", unit="layer", disable=not progress)
     for s, cap in enumerate(captures):
         for layer in cap.layers:
+            if (s * n_layers + layer) % world != rank:
+                continue
             q, k, _ = cap.layer_qkv(layer)
             ev.fill(s, layer, layer_scores(q, k, cap.scale, candidates, proxy))
             bar.update(1)
