@@ -108,6 +108,8 @@ def test_candidates():
     assert Candidate.from_dict(Candidate("vs", (3, 4)).to_dict()) == Candidate("vs", (3, 4))
     with pytest.raises(ValueError, match=r"vs\('vertical', 'slash'\)"):
         Candidate("vs", (3,))
+    with pytest.raises(ValueError, match="topk = 0 must be >= 1"):
+        Candidate("block", (0,))
     with pytest.raises(ValueError, match="missing \\['window'\\]"):
         Candidate.from_dict({"pattern": "ashape", "params": {"sink": 4}})
 

@@ -51,6 +51,10 @@ class Candidate:
         if self.pattern not in PARAMS or len(self.sizes) != len(PARAMS[self.pattern]):
             raise ValueError(f"candidate {self.pattern}{self.sizes} is not valid: use one of "
                              + ", ".join(f"{p}{PARAMS[p]}" for p in PARAMS))
+        for name, size in zip(PARAMS[self.pattern], self.sizes):
+            low = 0 if name in ("sink", "vertical") else 1
+            if size < low:
+                raise ValueError(f"candidate {self.label()}: {name} = {size} must be >= {low}")
 
     @property
     def params(self) -> dict[str, int]:
@@ -484,3 +488,38 @@ def pattern_fits(capture: Any, config: HeadConfig | None = None, target: float =
         summary.update(config_mass_mean=round(float(applied["mass"].mean()), 4),
                        config_mass_worst=round(float(applied["mass"].min()), 4))
     return {"heads": heads, "layers": layers, "summary": summary}
+
+
+@torch.no_grad()
+def compare_proxies(capture: Any, vertical: int, slash: int, variants: Sequence[dict[str, Any]] | None = None,
+                    progress: bool = False) -> list[dict[str, Any]]:
+    """Captured mass of the VS proxy under several settings (aggregation x diagonal normalisation by
+    default) at one budget, against the same-budget oracle, averaged over all heads of the capture.
+
+    Returns one row per variant: its settings, mean and worst head mass, and the mean gap to the oracle."""
+    variants = list(variants or [{"aggregate": a, "diag_norm": d} for a in ("sum", "max", "logits")
+                                 for d in ("sum", "mean", "prior")])
+    masses: list[list[torch.Tensor]] = [[] for _ in variants]
+    oracles: list[torch.Tensor] = []
+    for layer in tqdm(capture.layers, desc="proxies", unit="layer", disable=not progress, leave=False):
+        q, k, _ = capture.layer_qkv(layer)
+        st = layer_sums(q, k, capture.scale)
+        indexes = [vs_proxy(q, k, capture.scale, vertical, slash, **{**PROXY_DEFAULTS, **v}) for v in variants]
+        best_cols = top_positions(st.column_mass, 0, vertical)
+        overlaps = column_offset_mass(q, k, capture.scale, st.lse, [cols for cols, _ in indexes] + [best_cols])
+        oracle = vs_mass(st.column_mass, st.diag_mass, overlaps[-1], best_cols,
+                         best_offsets(st.diag_mass, overlaps[-1], slash))
+        for i, ((cols, offs), ov) in enumerate(zip(indexes, overlaps)):
+            mass = vs_mass(st.column_mass, st.diag_mass, ov, cols, offs)
+            masses[i].append(mass)
+            oracle = torch.maximum(oracle, vs_mass(st.column_mass, st.diag_mass, ov, cols,
+                                                   best_offsets(st.diag_mass, ov, slash)))
+        oracles.append(oracle)
+    oracle = torch.cat(oracles).double()
+    rows = []
+    for v, m in zip(variants, masses):
+        m = torch.cat(m).double()
+        rows.append({**v, "vertical": vertical, "slash": slash, "mass_mean": round(float(m.mean()), 5),
+                     "mass_worst_head": round(float(m.min()), 5),
+                     "oracle_gap_mean": round(float((oracle - m).mean()), 5)})
+    return rows

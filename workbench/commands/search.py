@@ -96,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     cfg.provenance["search_seconds"] = round(seconds, 1)
     cfg.provenance["search_cpu_seconds"] = round(cpu_seconds, 1)
+    cap = None
     if args.holdout:
         hold = make_sample(args.holdout, tok, max(lengths), seed=args.seed)
         cap = capture_attention(model, shape, hold.input_ids, progress=False)
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"configs/{re.sub(r'[^A-Za-z0-9_.-]+', '-', shape.name)}.json")
     cfg.save(out)
     if args.bench_json:
-        write_benchmark(args.bench_json, cfg, model, shape, samples, command, seconds)
+        write_benchmark(args.bench_json, cfg, model, shape, samples, command, seconds, holdout=cap)
     print(f"wrote {out}: {cfg.summary()} heads; search {seconds:.0f} s")
     if "holdout" in cfg.provenance:
         h = cfg.provenance["holdout"]
@@ -135,9 +136,10 @@ def holdout_summary(result: dict, cfg, sample: dict) -> dict:
 
 
 def write_benchmark(path: str, cfg, model, shape, samples, command: str, search_seconds: float,
-                    layer: int = 5, head: int = 4, repeats: int = 5) -> None:
+                    holdout=None, layer: int = 5, head: int = 4, repeats: int = 5) -> None:
     """Time `rescore_head` for one head (cache built once from the calibration samples) and write the
-    benchmark JSON: search time, re-score times, held-out recall and proxy-vs-oracle gap."""
+    benchmark JSON: search time, re-score times, held-out recall and proxy-vs-oracle gap, and (with the
+    held-out capture) the VS proxy's settings compared at one budget."""
     import os
     import platform
     import statistics
@@ -147,14 +149,15 @@ def write_benchmark(path: str, cfg, model, shape, samples, command: str, search_
 
     from ..capture import capture_attention
     from ..io import write_json
-    from ..search import Candidate, HeadCache, rescore_head
+    from ..search import Candidate, HeadCache, compare_proxies, rescore_head
 
     t0 = time.perf_counter()
     caps = [capture_attention(model, shape, s.input_ids, layers=[layer], progress=False) for s in samples]
     cache = HeadCache.from_captures(caps, layer, head)
     cache_seconds = time.perf_counter() - t0
     n = max(s.input_ids.numel() for s in samples)
-    edits = [Candidate("vs", (n // 32, n // 16)), Candidate("ashape", (64, n // 16)), Candidate("block", (n // 1024,))]
+    edits = [Candidate("vs", (max(30, n // 32), max(50, n // 16))), Candidate("ashape", (64, max(64, n // 16))),
+             Candidate("block", (max(2, n // 1024),))]
     rescore = {}
     for cand in edits:
         times = []
@@ -166,6 +169,12 @@ def write_benchmark(path: str, cfg, model, shape, samples, command: str, search_
                                  "min_ms_all_samples": round(1000 * min(times), 1),
                                  "median_ms_per_sample": round(1000 * statistics.median(times) / len(samples), 1),
                                  "worst_mass": round(result["worst"], 5)}
+    proxies = None
+    if holdout is not None:
+        vertical, slash = n // 32, n // 8
+        proxies = {"sample": cfg.provenance.get("holdout", {}).get("sample"),
+                   "note": "VS proxy at one budget on the held-out prompt, all heads; forced sink/local per proxy defaults",
+                   "rows": compare_proxies(holdout, vertical, slash, progress=True)}
     data = {
         "what": "per-head pattern search of the embedded model on the CPU, and re-scoring one edited head",
         "command": command,
@@ -182,6 +191,7 @@ def write_benchmark(path: str, cfg, model, shape, samples, command: str, search_
         "rescore_one_head": {"layer": layer, "head": head, "samples": len(samples), "tokens": n,
                              "cache_build_seconds": round(cache_seconds, 2), "bar_ms": 300, "edits": rescore},
         "holdout": cfg.provenance.get("holdout"),
+        "proxy_variants": proxies,
         "calibration_recall": {
             "mean_of_head_means": round(sum(e.recall["mean"] for e in cfg.heads) / len(cfg.heads), 5),
             "worst_head_worst_sample": round(min(e.recall["worst"] for e in cfg.heads), 5),
