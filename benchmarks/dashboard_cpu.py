@@ -1,0 +1,123 @@
+"""Dashboard timings on the CPU -> assets/benchmarks/dashboard_cpu.json.
+
+1. Time to first paint: spawn `workbench dashboard`, open it in headless Chromium (Playwright), and
+   record when the server answers, when the browser paints the page (first-contentful-paint), and
+   when the first session is ready (sample captured, config evaluated, first head open).
+2. One head edit at N tokens, server side: a `Session` in this process, the shipped config, edits of
+   one head cycling through patterns; the time of the numbers (rescore_head + headview + index) and
+   the time including the views' redraws (a `Dashboard` attached to the same session).
+
+    python benchmarks/dashboard_cpu.py [--length 4096] [--layers 0-3] [--out assets/benchmarks/dashboard_cpu.json]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+EDITS = [("vs", {"vertical": 1000, "slash": 2048}), ("ashape", {"sink": 64, "window": 512}), ("block", {"topk": 16}),
+         ("vs", {"vertical": 500, "slash": 1000}), ("ashape", {"sink": 4, "window": 128}), ("block", {"topk": 8})]
+
+
+def first_paint(length: int, layers: str, timeout: float) -> dict:
+    from playwright.sync_api import sync_playwright
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "workbench", "dashboard", "--port", str(port), "--length", str(length), "--layers", layers]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=5)
+                break
+            except OSError:
+                time.sleep(0.1)
+        http = time.perf_counter() - t0
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=ARGS)
+            page = browser.new_page()
+            nav = time.perf_counter()
+            page.goto(url)
+            page.wait_for_selector(".bk-tab", timeout=timeout * 1000)
+            tabs = time.perf_counter() - t0
+            fcp = page.evaluate("performance.getEntriesByName('first-contentful-paint')[0]?.startTime ?? null")
+            page.wait_for_selector(".wb-state[data-state='ready']", timeout=timeout * 1000)
+            ready = time.perf_counter() - t0
+            browser.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return {"command": " ".join(["workbench", *cmd[3:]]),
+            "server_answers_s": round(http, 2),
+            "first_contentful_paint_s": round(nav - t0 + fcp / 1e3, 2) if fcp is not None else None,
+            "tabs_rendered_s": round(tabs, 2),
+            "first_session_ready_s": round(ready, 2)}
+
+
+def head_edits(length: int, layers: str, reps: int) -> dict:
+    import torch
+
+    from workbench.dashboard.app import Dashboard
+    from workbench.dashboard.state import Settings
+
+    settings = Settings(length=length, layers=Settings.parse_layers(layers))
+    dash = Dashboard(settings)  # starts loading in the background, like a browser session
+    s = dash.session
+    s.wait()
+    if s.error:
+        raise RuntimeError(s.error)
+    layer = s.capture.layers[-1]
+    s.select(layer, 3).result()
+    numbers, total = [], []
+    for i in range(reps):
+        pattern, params = EDITS[i % len(EDITS)]
+        s.edit(pattern, params)
+        numbers.append(s.last_edit_ms)
+        total.append(s.last_edit_total_ms)
+    return {"length": length, "layer": layer, "head": 3, "edits": reps, "torch_threads": torch.get_num_threads(),
+            "numbers_ms": {"median": round(statistics.median(numbers), 1), "max": round(max(numbers), 1)},
+            "with_views_ms": {"median": round(statistics.median(total), 1), "max": round(max(total), 1)},
+            "patterns": [f"{p}{tuple(v.values())}" for p, v in EDITS]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--length", type=int, default=4096)
+    ap.add_argument("--layers", default="0-3", help="captured layers (the edit cost does not depend on them)")
+    ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--out", default="assets/benchmarks/dashboard_cpu.json")
+    args = ap.parse_args()
+    import torch
+
+    from workbench.io import write_json
+
+    load = os.getloadavg()
+    result = {
+        "machine": {"processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+                    "load_average_at_start": [round(x, 2) for x in load], "python": platform.python_version(),
+                    "torch": torch.__version__, "device": "cpu"},
+        "command": "python benchmarks/dashboard_cpu.py " + " ".join(sys.argv[1:]),
+        "note": "shared 2-core machine; other jobs were running (see load average): times are upper bounds",
+        "first_paint": first_paint(args.length, args.layers, args.timeout),
+        "head_edit": head_edits(args.length, args.layers, args.reps),
+    }
+    write_json(args.out, result)
+    print(result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
