@@ -79,6 +79,7 @@ def head_edits(length: int, layers: str, reps: int) -> dict:
     if s.error:
         raise RuntimeError(s.error)
     layer = s.capture.layers[-1]
+    dash.tabs.active = 1  # the Head tab is open while editing (hidden tabs redraw when opened)
     s.select(layer, 3).result()
     numbers, total = [], []
     for i in range(reps):

@@ -35,7 +35,28 @@ def _fmt(x: Any, digits: int = 4) -> str:
 
 
 class _View(pn.viewable.Viewer):
+    """A tab. `shown` is True while its tab is open; changes that arrive while hidden redraw on opening."""
+
     session = param.ClassSelector(class_=Session)
+    shown = param.Boolean(default=True)
+
+    def __init__(self, **params):
+        super().__init__(**params)
+        self._stale = False
+        self.param.watch(lambda e: e.new and self._stale and self.refresh(), "shown")
+
+    def changed(self, _event=None) -> None:
+        if self.shown:
+            self.refresh()
+        else:
+            self._stale = True
+
+    def refresh(self) -> None:
+        self._stale = False
+        self._draw()
+
+    def _draw(self) -> None:
+        raise NotImplementedError
 
 
 class HeadsView(_View):
@@ -45,7 +66,7 @@ class HeadsView(_View):
         super().__init__(**params)
         self.plot = pn.pane.Plotly(None, css_classes=["wb-grid"], config={"displayModeBar": False})
         self.plot.param.watch(self._clicked, "click_data")
-        self.session.param.watch(lambda _: self._draw(), "grid_version")
+        self.session.param.watch(self.changed, "grid_version")
 
     def _draw(self) -> None:
         s = self.session
@@ -80,9 +101,9 @@ class HeadView(_View):
         self.pattern.param.watch(lambda _: self._show_sizes(), "value")
         for w in (self.pattern, *self.sizes.values()):
             w.param.watch(self._edited, "value")
-        self.session.param.watch(lambda _: self._show(), "head_version")
+        self.session.param.watch(self.changed, "head_version")
 
-    def _show(self) -> None:
+    def _draw(self) -> None:
         s, r = self.session, self.session.head_result
         e = r["entry"]
         self._syncing = True
@@ -141,7 +162,7 @@ class ProxyView(_View):
         self.table = pn.widgets.Tabulator(pd.DataFrame(), pagination="remote", page_size=20, disabled=True,
                                           show_index=False, css_classes=["wb-proxy"], sizing_mode="stretch_width")
         self.bars = pn.pane.Plotly(None, config={"displayModeBar": False})
-        self.session.param.watch(lambda _: self._draw(), "grid_version")
+        self.session.param.watch(self.changed, "grid_version")
 
     def _draw(self) -> None:
         rows = self.session.proxy_rows()
@@ -284,16 +305,22 @@ class Dashboard(pn.viewable.Viewer):
         self.reload.on_click(lambda _: self._start(s.load))
         self.open.on_click(lambda _: self._start(lambda: s.select(self.layer.value, self.head.value)))
         s.param.watch(self._progress, ["progress", "status", "busy", "error", "head_version"])
-        self.tabs = pn.Tabs(("Heads", HeadsView(session=s)), ("Head", HeadView(session=s)),
-                            ("Proxy", ProxyView(session=s)), ("Forecast", ForecastView(session=s)),
-                            ("Latency", LatencyView(session=s)), ("Export/Import", ExportView(session=s)),
-                            dynamic=False, css_classes=["wb-tabs"])
+        self.views = {"Heads": HeadsView(session=s), "Head": HeadView(session=s), "Proxy": ProxyView(session=s),
+                      "Forecast": ForecastView(session=s), "Latency": LatencyView(session=s),
+                      "Export/Import": ExportView(session=s)}
+        self.tabs = pn.Tabs(*self.views.items(), dynamic=False, css_classes=["wb-tabs"])
+        self.tabs.param.watch(lambda e: self._shown(e.new), "active")
+        self._shown(0)
         self.template = pn.template.FastListTemplate(
             title="Sparse Attention Workbench", sidebar=[
                 self.model, self.task, self.length, self.seed, self.reload, pn.layout.Divider(),
                 self.layer, self.head, self.open, pn.layout.Divider(), self.progress, self.status, self.error],
             main=[self.tabs])
         self._start(s.load)
+
+    def _shown(self, active: int) -> None:
+        for i, view in enumerate(self.views.values()):
+            view.shown = i == active
 
     def _start(self, job) -> None:
         try:
