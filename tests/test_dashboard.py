@@ -175,9 +175,16 @@ def test_export_save_and_reimport(server, browser):
     other.close()
 
 
-def test_malformed_config_shows_the_field(server, browser, tmp_path):
+def test_malformed_config_shows_the_field_and_other_tabs_fill(server, browser, tmp_path):
     url, _ = server
     page = _open(browser, url)
+    _tab(page, "Proxy")  # every captured head's proxy vs oracle, worst gap first
+    page.locator(".wb-proxy .tabulator-row").first.wait_for(timeout=60_000)
+    gaps = [float(x) for x in page.locator(".wb-proxy .tabulator-cell[tabulator-field='gap']").all_inner_texts()]
+    assert len(gaps) >= 10 and gaps == sorted(gaps, reverse=True)
+    _tab(page, "Latency")
+    page.get_by_role("button", name="Time the selected layer").click()
+    page.locator(".wb-lat-path", has_text="CPU reference path").wait_for(timeout=LOAD_S * 1000)
     data = _download(page)
     del data["heads"][5]["params"]
     bad = tmp_path / "bad.json"

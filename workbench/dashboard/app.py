@@ -15,11 +15,11 @@ import pandas as pd
 import panel as pn
 import param
 
-from .. import viz
-from ..config import PARAMS
-from .state import Session, Settings
+from workbench import viz  # absolute imports: `panel serve` runs this file as a script
+from workbench.config import PARAMS
+from workbench.dashboard.state import Session, Settings
 
-pn.extension("plotly", "tabulator", notifications=True)
+pn.extension("plotly", "tabulator")
 
 _DEFAULTS = {"vertical": 1000, "slash": 6096, "sink": 64, "window": 512, "topk": 16}
 
