@@ -241,15 +241,11 @@ def choose(evidence: Evidence, target: float = TARGET, latency: dict[str, dict[s
         cost = (evidence.tiles * rate[:, 0] + rate[:, 1]).mean(0)
     ok = worst >= target - 1e-12
     ok[..., [c.pattern == "dense" for c in evidence.candidates]] = True  # dense is the fallback
-    c_count = len(evidence.candidates)
-    order = torch.arange(c_count, dtype=torch.float64)
-    # lexicographic: feasible first, then cost, then -worst, then candidate order
-    key = torch.where(ok, cost, math.inf)
-    best = torch.full(worst.shape[:2], -1, dtype=torch.long)
+    key = torch.where(ok, cost, math.inf)  # infeasible candidates cost infinitely much
+    best = torch.empty(worst.shape[:2], dtype=torch.long)
     for l in range(worst.shape[0]):
-        for h in range(worst.shape[1]):
-            ranked = sorted(range(c_count), key=lambda c: (float(key[l, h, c]), -float(worst[l, h, c]), float(order[c])))
-            best[l, h] = ranked[0]
+        for h in range(worst.shape[1]):  # lexicographic: cost, then higher worst mass, then grid order
+            best[l, h] = min(range(len(evidence.candidates)), key=lambda c: (float(key[l, h, c]), -float(worst[l, h, c]), c))
     return best
 
 
