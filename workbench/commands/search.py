@@ -31,6 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is faster on a busy shared machine)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--distributed", action="store_true",
+                   help="spread calibration over the ranks of a torchrun job (implied under torchrun with WORLD_SIZE > 1): "
+                        "torchrun --nproc_per_node N -m workbench search --distributed ...; rank 0 writes the config")
     p.add_argument("--bench-json", default=None,
                    help="also time the search and the re-scoring of one edited head, and write them with the "
                         "held-out recall as benchmark JSON (e.g. assets/benchmarks/search_cpu.json)")
@@ -43,10 +46,12 @@ def _split(text: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     import json
+    import os
     from pathlib import Path
 
     import torch
 
+    from .. import distributed
     from ..capture import capture_attention
     from ..corpus import make_sample
     from ..model import load_model
@@ -82,17 +87,28 @@ def run(args: argparse.Namespace) -> int:
         latency = tile_rates(load_bench(args.latency))
     t0, c0 = time.perf_counter(), time.process_time()
     model, tok, shape = load_model(args.model)
+    d = None
+    if args.distributed or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        d = distributed.init()
+        model.to(d.device)
     for n in lengths:
         shape.check_length(n)
     samples = [make_sample(t, tok, n, seed=args.seed) for t in tasks for n in lengths]
     command = (f"workbench search --tasks {','.join(tasks)} --length {','.join(map(str, lengths))} --seed {args.seed} "
                f"--target {args.target} --holdout '{args.holdout}'" + (f" --model {args.model}" if args.model else ""))
-    cfg, ev = search_heads(model, tok, shape, samples, candidates=candidates, target=args.target, proxy=proxy,
-                           progress=not args.no_progress, latency=latency,
-                           provenance={"command": command, "seed": args.seed, "threads": torch.get_num_threads(),
-                                       **({"latency": {"bench": args.latency, "rates": latency},
-                                          "cost": "estimated time: measured ms per 64x64 tile x tiles + index ms"}
-                                         if latency else {})})
+    settings = dict(candidates=candidates, target=args.target, proxy=proxy, progress=not args.no_progress,
+                    latency=latency, provenance={"command": command, "seed": args.seed, "threads": torch.get_num_threads(),
+                                                 **({"latency": {"bench": args.latency, "rates": latency},
+                                                    "cost": "estimated time: measured ms per 64x64 tile x tiles + index ms"}
+                                                   if latency else {})})
+    if d is None:
+        cfg, ev = search_heads(model, tok, shape, samples, **settings)
+    else:
+        cfg, ev = distributed.search_heads_distributed(model, shape, samples, d, **settings)
+        if cfg is None:  # ranks > 0 are done: rank 0 writes the config
+            distributed.close()
+            return 0
+    distributed.add_fingerprints(cfg, model, shape, samples[0].input_ids)  # per-head q fingerprints for tensor-parallel checks
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     cfg.provenance["search_seconds"] = round(seconds, 1)
     cfg.provenance["search_cpu_seconds"] = round(cpu_seconds, 1)
@@ -111,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
         h = cfg.provenance["holdout"]
         print(f"held-out {h['sample']['task']}: captured mass mean {h['mass_mean']:.4f}, worst head "
               f"{h['mass_worst']:.4f}; proxy-vs-oracle gap mean {h['proxy_oracle_gap_mean']:.4f}")
+    if d is not None:
+        distributed.close()
     return 0
 
 
