@@ -11,6 +11,8 @@ import importlib
 BENCHMARKS = {  # what: (module, one-line help)
     "prefill": ("workbench_kernels.bench_prefill",
                 "sparse prefill kernels vs dense SDPA and FlexAttention (H200; synthetic inputs)"),
+    "search": ("workbench.distributed_bench",
+               "per-head search over torchrun ranks (random Llama-3-8B shape): N GPUs vs one"),
 }
 
 
