@@ -102,3 +102,18 @@ def test_time_layer_on_the_cpu_reports_the_reference_path():
     if not torch.cuda.is_available():
         assert "reference" in out["path"] and out["device"] == "cpu"
     assert out["dense_ms"] > 0 and out["sparse_ms"] > 0 and out["n"] == 128
+
+
+def test_head_index_is_the_configs_index_for_that_head():
+    from workbench.config import PROXY_DEFAULTS, HeadConfig, HeadEntry
+    from workbench.headview import head_index
+
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(4, 256, 16, generator=g), torch.randn(2, 256, 16, generator=g)
+    model = {"n_layers": 1, "n_heads": 4}
+    heads = [HeadEntry(0, 0, "vs", {"vertical": 40, "slash": 60}), HeadEntry(0, 1, "block", {"topk": 2}),
+             HeadEntry(0, 2, "ashape", {"sink": 3, "window": 17}), HeadEntry(0, 3, "vs", {"vertical": 31, "slash": 101})]
+    stack = HeadConfig(model=model, heads=heads).layer_index(0, q, k, 0.25)
+    for h, e in enumerate(heads):
+        one = head_index(e, q[h], k[h // 2], 0.25, PROXY_DEFAULTS)
+        assert torch.equal(one.row_mask(0, 256, 256), stack.parts[h].row_mask(0, 256, 256))

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .metrics import density, segment_mass
-from .patterns import AShape, BlockSparse, Dense, VerticalSlash
+from .patterns import AShape, BlockSparse, Dense, VerticalSlash, block_proxy, vs_proxy
 from .stats import attention_rows
 
 MAX_N = 8192
@@ -25,12 +25,12 @@ def _toeplitz(offsets: torch.Tensor, n: int) -> torch.Tensor:
     return g.as_strided((n, n), (1, 1)).flip(0)  # row r of the strided view is row n - 1 - r of the mask
 
 
-def full_mask(index: Any, n: int) -> torch.Tensor:
+def full_mask(index: Any, n: int, causal: torch.Tensor | None = None) -> torch.Tensor:
     """Bool `[n, n]` of a one-head index (the same pairs as `index.row_mask(0, n, n)[0]`, built faster
     for the built-in patterns: a Toeplitz band for slashes and windows, block expansion for tiles)."""
     if index.n_heads != 1:
         raise ValueError(f"full_mask takes a one-head index, got {index.n_heads} heads: pick the head first")
-    causal = torch.ones(n, n, dtype=torch.bool).tril_()
+    causal = torch.ones(n, n, dtype=torch.bool).tril_() if causal is None else causal
     if isinstance(index, VerticalSlash):
         return (_toeplitz(index.offset_set(n)[0], n) | index.column_set(n)[0][None, :]) & causal
     if isinstance(index, AShape):
@@ -45,6 +45,20 @@ def full_mask(index: Any, n: int) -> torch.Tensor:
     return index.row_mask(0, n, n)[0]
 
 
+@torch.no_grad()
+def head_index(entry: Any, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any], block: int = 64):
+    """The one-head index a `HeadEntry` prescribes for this prompt (q, k `[N, D]`): what
+    `HeadConfig.layer_index` builds for that head, without running the proxies of the other heads."""
+    p = entry.params
+    if entry.pattern == "vs":
+        return VerticalSlash(*vs_proxy(q[None], k[None], scale, p["vertical"], p["slash"], **proxy))
+    if entry.pattern == "block":
+        return BlockSparse(block_proxy(q[None], k[None], p["topk"], block), block)
+    if entry.pattern == "ashape":
+        return AShape(p["sink"], p["window"])
+    return Dense(1)
+
+
 class HeadView:
     """One head's dense attention held in memory. q `[N, D]`, k and v `[N, D]` (its KV head)."""
 
@@ -54,6 +68,7 @@ class HeadView:
             raise ValueError(f"HeadView keeps an N x N matrix: N = {n} is above {MAX_N}; use metrics.captured_mass "
                              "and metrics.output_error (row-chunked) for longer prompts")
         self.n = n
+        self.causal = torch.ones(n, n, dtype=torch.bool).tril_()
         self.v = v.float()
         self.p = torch.zeros(n, n)
         for r0, r1, p, _ in attention_rows(q[None], k[None], scale, chunk=512):
@@ -66,7 +81,7 @@ class HeadView:
 
         Returns {"rows": `[N]` captured mass per query row, "segments": {name: float} (all, first, middle,
         last third, last64), "rel_l2": float, "cosine": float, "logical": float, "physical": float}."""
-        kept = torch.where(full_mask(index, self.n), self.p, 0.0)
+        kept = self.p * full_mask(index, self.n, self.causal)
         rows = kept.sum(-1)
         sparse = (kept @ self.v) / rows[:, None]
         err2 = (sparse - self.dense).square().sum().double()

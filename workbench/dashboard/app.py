@@ -55,6 +55,16 @@ class _View(pn.viewable.Viewer):
         self._stale = False
         self._draw()
 
+    def run(self, start, then=None) -> None:
+        """Start a session job from a button; `then` redraws when it is done. Refusals show in the sidebar."""
+        try:
+            job = start()
+        except Exception as e:  # busy, or a bad request: say why
+            self.session.error = str(e)
+            return
+        if then is not None:
+            job.add_done_callback(lambda _: then())
+
     def _draw(self) -> None:
         raise NotImplementedError
 
@@ -75,11 +85,8 @@ class HeadsView(_View):
 
     def _clicked(self, event) -> None:
         point = (event.new or {}).get("points", [{}])[0]
-        if "x" in point and "y" in point and not self.session.busy:
-            try:
-                self.session.select(int(point["y"]), int(point["x"]))
-            except Exception as e:  # e.g. a layer that was not captured
-                self.session.error = str(e)
+        if "x" in point and "y" in point:
+            self.run(lambda: self.session.select(int(point["y"]), int(point["x"])))
 
     def __panel__(self):
         return pn.Column("Click a head to open it in the Head tab.", self.plot)
@@ -188,7 +195,7 @@ class ForecastView(_View):
         self.iou = pn.pane.Plotly(None, config={"displayModeBar": False})
         self.recall = pn.pane.Plotly(None, config={"displayModeBar": False})
         self.load.on_click(self._load)
-        self.compute.on_click(lambda _: self.session.compute_forecast().add_done_callback(lambda _: self._draw()))
+        self.compute.on_click(lambda _: self.run(self.session.compute_forecast, self._draw))
 
     def _load(self, _event) -> None:
         try:
@@ -221,7 +228,7 @@ class LatencyView(_View):
         self.button = pn.widgets.Button(name="Time the selected layer", button_type="primary")
         self.text = pn.pane.HTML("", css_classes=["wb-latency"])
         self.plot = pn.pane.Plotly(None, config={"displayModeBar": False})
-        self.button.on_click(lambda _: self.session.time_latency().add_done_callback(lambda _: self._draw()))
+        self.button.on_click(lambda _: self.run(self.session.time_latency, self._draw))
 
     def _draw(self) -> None:
         r = self.session.latency

@@ -338,6 +338,7 @@ class Session(param.Parameterized):
 
     def _score_head(self, publish: bool = True) -> dict[str, Any]:
         """Numbers of the selected head under its current entry; updates the grid row too."""
+        from ..headview import head_index
         from ..latency import BENCH, estimate_ms, load_bench, tile_rates
         from ..patterns import causal_tiles
         from ..search import Candidate, rescore_head
@@ -345,8 +346,8 @@ class Session(param.Parameterized):
         e, cap = self.entry(), self.capture
         cand = Candidate(e.pattern, tuple(e.params[p] for p in PARAMS[e.pattern]))
         scores = rescore_head(self.head_cache, cand, self.config.proxy)
-        q, k, _ = cap.layer_qkv(self.layer)
-        index = self.config.layer_index(self.layer, q, k, cap.scale).parts[self.head]
+        q, k, _ = cap.head_qkv(self.layer, self.head)
+        index = head_index(e, q, k, cap.scale, self.config.proxy, self.config.block)
         view = self.head_view.evaluate(index)
         rates = SHARED.memo(("rates",), lambda: tile_rates(load_bench(BENCH)) if BENCH.exists() else None)
         mass, oracle, tiles = scores["mass"][0], scores["oracle"][0], scores["tiles"][0]
