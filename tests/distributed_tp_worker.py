@@ -52,10 +52,10 @@ def main(config_path: str, out_dir: str) -> None:
 
     distributed.shard_attention(model, rank, tp)
     local = distributed.local_shape(shape, tp)
+    view = cfg.for_rank(rank, tp)
+    worst = distributed.check_rank(model, local, view, rank, tp)
     cap = capture_attention(model, local, ids, progress=False)
     q = {layer: cap.layer_qkv(layer)[0] for layer in cap.layers}
-    view = cfg.for_rank(rank, tp)
-    worst = distributed.check_local_heads(view, q, rank, tp)
     with SparsePrefill(model, local, view, min_length=0, backend="torch"):
         sharded = model(ids[None], use_cache=False).logits
 

@@ -7,13 +7,15 @@ the additive evidence tensors `[S, L, H, C]` are summed over ranks (a slice is n
 rank, so the float64 sum is exact). Rank 0 makes the same deterministic choice as one process would, so
 the HeadConfig is the single-process one; only provenance (date, hardware, ranks) differs. Backend:
 gloo on the CPU; on GPUs NCCL for CUDA tensors (one GPU per rank, `LOCAL_RANK`) with gloo for the
-small CPU evidence tensors.
+small CPU evidence tensors. Every rank holds the whole model: the split saves time and capture memory
+(a rank keeps q/k/v of its layers only), not weight memory.
 
 Tensor parallelism: rank r of a TP group of size T holds query heads r * H_local .. r * H_local +
 H_local - 1 (H_local = H / T) and reads their entries through `HeadConfig.for_rank(r, T)`. A wrong
 mapping raises nothing by itself, it silently runs another head's pattern; `check_local_heads` catches it
 by comparing each local head's captured q against the q fingerprint the search recorded for the global
-head the view claims it is (`add_fingerprints`), after checking the view's rank metadata.
+head the view claims it is (`add_fingerprints`), after checking the view's rank metadata; `check_rank`
+captures the probe on a rank's shard and runs that check.
 `shard_attention` turns a loaded model into one real TP rank (heads split, all-reduce after o_proj).
 """
 from __future__ import annotations
@@ -248,6 +250,23 @@ def check_local_heads(view: HeadConfig, q_by_layer: dict[int, torch.Tensor], ran
                     f"{[round(x, 4) for x in have[h].tolist()]} differs from that entry's {recorded} by {dev:.1%}: "
                     "build the rank's view with config.for_rank(rank, tp_size) and shard heads in the same order")
     return worst
+
+
+@torch.no_grad()
+def check_rank(model: torch.nn.Module, shape: ModelShape, view: HeadConfig, rank: int, tp_size: int,
+               rtol: float = FINGERPRINT_RTOL) -> float:
+    """On a tensor-parallel rank before serving: capture this rank's q on the view's probe tokens
+    (`provenance.head_probe`) with `model` (this rank's shard; `shape` = `local_shape(full, tp_size)`)
+    and `check_local_heads`. Every rank of the TP group must call it (the shard's forward communicates)."""
+    from .capture import capture_attention
+
+    probe = view.provenance.get("head_probe")
+    if not probe:
+        raise ConfigError("head config has no provenance.head_probe: re-run `workbench search` (it records the probe "
+                          "tokens and per-head q fingerprints) to check tensor-parallel head mapping")
+    ids = torch.tensor(probe["input_ids"])
+    cap = capture_attention(model, shape, ids, progress=False)
+    return check_local_heads(view, {layer: cap.layer_qkv(layer)[0] for layer in cap.layers}, rank, tp_size, rtol)
 
 
 def shard_attention(model: torch.nn.Module, rank: int, tp_size: int) -> torch.nn.Module:
