@@ -255,7 +255,7 @@ def head_thumbnails(thumbs: Any, patterns: Any = None, recall: Any = None, title
     fig.update_yaxes(tickvals=[l * pitch + pitch / 2 - 0.5 for l in range(L)], ticktext=[str(x) for x in layers],
                      title="layer", autorange="reversed", scaleanchor="x", showgrid=False)
     fig.update_layout(title=title or "every head's attention map", plot_bgcolor="white",
-                      width=max(420, 3 * H * pitch + 200), height=max(360, 3 * L * pitch + 120),
+                      width=max(420, 2 * H * pitch + 200), height=max(360, 2 * L * pitch + 140),
                       legend=dict(orientation="h", y=-0.05))
     return fig
 
