@@ -188,7 +188,7 @@ def test_cli_train_and_report(tmp_path):
                  "--steps", "3", "--local", "1", "--topk", "2", "--out", str(ckpt)]) == 0
     out = tmp_path / "rep"
     assert main(["forecast", "report", "--heads", str(ckpt), "--samples", "passkey", "--length", "512",
-                 "--rows", "32", "--steps", "4", "--local", "1", "--topk", "2", "--shallow", "3",
+                 "--rows", "32", "--steps", "4", "--local", "1", "--topk", "2", "--shallow", "3", "--calib", "1",
                  "--out", str(out)]) == 0
     rep = json.loads((out / "forecast.json").read_text())
     assert rep["heads"]["steps"] == 3 and "<table>" in (out / "forecast.html").read_text()

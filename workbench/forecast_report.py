@@ -183,6 +183,15 @@ def _round(x: float) -> float | None:
     return round(float(x), 4) if x == x else None
 
 
+def _training_line(h: dict[str, Any] | None) -> str:
+    if not h or h.get("total_train_seconds") is None:
+        return ""
+    return (f"<p>Heads: {h.get('path')} ({h.get('teacher')} teacher), {h.get('steps')} steps on {h.get('train_prompts')} "
+            f"prompts; training took {h.get('total_train_seconds')} s in all ({h.get('prepare_seconds')} s capture + "
+            f"teacher, {h.get('train_seconds')} s optimisation) with {h.get('train_threads')} thread(s), load average "
+            f"{h.get('train_load_average_1_5_15min')}; held-out partition KL before/after {h.get('held_out_kl_mean_before_after')}.</p>")
+
+
 def report_html(report: dict[str, Any]) -> str:
     """A self-contained HTML page of the report (tables only; the numbers come from `build_report`)."""
     import html
@@ -211,6 +220,7 @@ td,th{{border:1px solid #ccc;padding:2px 5px;text-align:right}}</style></head><b
 {report['rows_per_prompt']} random rows each. Forecast recall / same-layer recall (mean over layers):
 <b>{s['forecast_over_same_layer']}</b> (cross-layer targets only: {s['forecast_over_same_layer_cross_layer_only']}).
 Layers where Forecast falls short: {s['short_layers']}.</p>
+{_training_line(report.get("heads"))}
 <h2>Mean over layers</h2><table><tr><th></th>{head}</tr>
 <tr><td>recall</td>{''.join(cell(s['mean_recall'][n]) for n in names)}</tr>
 <tr><td>IoU with teacher</td>{''.join(cell(s['mean_iou_teacher'][n]) for n in names)}</tr></table>

@@ -45,8 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--seeds", type=int, default=1, help="held-out prompts per task (default 1)")
     r.add_argument("--steps", type=int, default=64, help="consecutive decode steps for churn (default 64)")
     r.add_argument("--shallow", type=int, default=6, help="reuse calibration tries layers 0..N-1 (default 6)")
+    r.add_argument("--calib", type=int, default=2, help="calibration prompts for the reuse layer (default 2)")
     r.add_argument("--out", default="reports/forecast", help="folder for forecast.json and forecast.html")
-    r.add_argument("--json", default=None, help="also write the JSON here (e.g. assets/benchmarks/forecast_cpu.json)")
+    r.add_argument("--json", default=None, help="also write the JSON (and the HTML beside it) here, e.g. assets/benchmarks/forecast_cpu.json")
     r.set_defaults(func=run)
 
 
@@ -151,14 +152,19 @@ def _report(args, model, tok, shape, budget, tasks, argv, t0) -> int:
             print(f"note: {name} were trained with budget {h.meta.get('budget')}, reporting at {budget.to_dict()}",
                   file=sys.stderr)
     evals = [(task, args.length, 2000 + s) for task in tasks for s in range(args.seeds)]
-    calib = [(task, args.length, 3000) for task in tasks]
+    calib = [(tasks[i % len(tasks)], args.length, 3000 + i) for i in range(args.calib)]
     rep = build_report(model, tok, shape, heads, budget, eval_specs=evals, calib_specs=calib,
                        shallow_candidates=range(0, min(args.shallow, shape.n_layers - 1)), rows=args.rows,
                        steps=args.steps, coarse_heads=coarse)
-    rep = {"heads": {"path": args.heads, "train_seconds": heads.meta.get("train_seconds"),
-                     "total_train_seconds": heads.meta.get("total_seconds"),
-                     "train_command": heads.meta.get("command"), "steps": heads.meta.get("train_config", {}).get("steps"),
-                     "teacher": heads.meta.get("teacher")},
+    m = heads.meta
+    kl0, kl1 = m.get("held_out_kl_before"), m.get("held_out_kl_after")
+    rep = {"heads": {"path": args.heads, "teacher": m.get("teacher"), "steps": m.get("train_config", {}).get("steps"),
+                     "train_command": m.get("command"), "train_prompts": len(m.get("train_prompts", [])),
+                     "prepare_seconds": m.get("prepare_seconds"), "train_seconds": m.get("train_seconds"),
+                     "total_train_seconds": m.get("total_seconds"), "train_threads": m.get("torch_threads"),
+                     "train_load_average_1_5_15min": m.get("load_average_1_5_15min"),
+                     "held_out_kl_mean_before_after": None if not kl0 else
+                     [round(sum(kl0) / len(kl0), 4), round(sum(kl1) / len(kl1), 4)]},
            "coarse_heads": None if coarse is None else {"path": args.coarse_heads, "teacher": coarse.meta.get("teacher")},
            "model": shape.to_dict(), **rep, "report_seconds": round(time.perf_counter() - t0, 1), **_env(argv)}
     out = Path(args.out)
@@ -166,6 +172,7 @@ def _report(args, model, tok, shape, budget, tasks, argv, t0) -> int:
     write_text(out / "forecast.html", report_html(rep))
     if args.json:
         write_json(args.json, rep)
+        write_text(Path(args.json).with_suffix(".html"), report_html(rep))
     s = rep["summary"]
     print(f"wrote {out}/forecast.json and forecast.html: Forecast recall / same-layer recall = "
           f"{s['forecast_over_same_layer']} (mean over {shape.n_layers} layers); short layers: {s['short_layers']}")
