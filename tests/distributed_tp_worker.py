@@ -8,7 +8,6 @@ Writes OUT_DIR/rank<r>.json.
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -25,8 +24,7 @@ from workbench.prefill import SparsePrefill
 def remapped_view(cfg: HeadConfig, rank: int, tp: int, to_global) -> HeadConfig:
     """A rank view whose metadata is right but whose local head h reads global head `to_global(h)`."""
     right = cfg.for_rank(rank, tp)
-    h_local = right.model["n_heads"]
-    heads = [HeadEntry.from_dict({**cfg.entry(e.layer, to_global(e.head, h_local)).to_dict(), "head": e.head})
+    heads = [HeadEntry.from_dict({**cfg.entry(e.layer, to_global(e.head)).to_dict(), "head": e.head})
              for e in right.heads]
     return HeadConfig(model=right.model, heads=heads, provenance=right.provenance, proxy=right.proxy)
 
@@ -59,11 +57,12 @@ def main(config_path: str, out_dir: str) -> None:
     with SparsePrefill(model, local, view, min_length=0, backend="torch"):
         sharded = model(ids[None], use_cache=False).logits
 
+    check = lambda v: distributed.check_local_heads(v, q, rank, tp)  # noqa: E731
     wrong = {
-        "other_rank_view": lambda: distributed.check_local_heads(cfg.for_rank((rank + 1) % tp, tp), q, rank, tp),
-        "full_config": lambda: distributed.check_local_heads(cfg, q, rank, tp),
-        "strided": lambda: distributed.check_local_heads(remapped_view(cfg, rank, tp, lambda h, n: h * tp + rank), q, rank, tp),
-        "no_offset": lambda: distributed.check_local_heads(remapped_view(cfg, rank, tp, lambda h, n: h), q, rank, tp),
+        "other_rank_view": lambda: check(cfg.for_rank((rank + 1) % tp, tp)),
+        "full_config": lambda: check(cfg),
+        "strided": lambda: check(remapped_view(cfg, rank, tp, lambda h: h * tp + rank)),  # local h -> global h*T + r
+        "no_offset": lambda: check(remapped_view(cfg, rank, tp, lambda h: h)),  # local index used as global
     }
     write_json(Path(out_dir) / f"rank{rank}.json", {
         "rank": rank, "tp": tp, "heads": [global_head(rank, h, tp, shape.n_heads) for h in range(local.n_heads)],

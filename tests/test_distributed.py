@@ -104,3 +104,16 @@ def test_q_fingerprint_ignores_rope_rotation():
     rotated = torch.cat([x1 * angle.cos() - x2 * angle.sin(), x1 * angle.sin() + x2 * angle.cos()], -1)
     torch.testing.assert_close(q_fingerprint(rotated), q_fingerprint(q))
     assert not torch.allclose(q_fingerprint(q * 1.1), q_fingerprint(q))
+
+
+def test_distributed_flag_without_torchrun_names_the_fix(monkeypatch, capsys):
+    from workbench.cli import main
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    before = torch.get_num_threads()
+    try:
+        assert main([*SEARCH, "--distributed", "--out", "unused.json"]) == 2
+    finally:
+        torch.set_num_threads(before)
+    assert "torchrun --nproc_per_node" in capsys.readouterr().err

@@ -205,7 +205,8 @@ def check_rank_view(view: HeadConfig, rank: int, tp_size: int, full_heads: int |
     tp = view.provenance.get("tensor_parallel")
     if not tp:
         raise ConfigError("head config has no provenance.tensor_parallel: a tensor-parallel rank must load "
-                          "config.for_rank(rank, tp_size) (or `workbench export --format workbench --tp T --rank r`), not the full config")
+                          "config.for_rank(rank, tp_size) (or `workbench export --format workbench --tp T --rank r`), "
+                          "not the full config")
     if (tp.get("rank"), tp.get("size")) != (rank, tp_size):
         raise ConfigError(f"head config is the view of rank {tp.get('rank')} of {tp.get('size')}, but this process is "
                           f"rank {rank} of {tp_size}: load the view made for rank {rank}")

@@ -86,11 +86,8 @@ def run(args: argparse.Namespace) -> int:
 
         latency = tile_rates(load_bench(args.latency))
     t0, c0 = time.perf_counter(), time.process_time()
-    model, tok, shape = load_model(args.model)
-    d = None
-    if args.distributed or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        d = distributed.init()
-        model.to(d.device)
+    d = distributed.init() if args.distributed or int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    model, tok, shape = load_model(args.model, device=d.device if d else "cpu")
     for n in lengths:
         shape.check_length(n)
     samples = [make_sample(t, tok, n, seed=args.seed) for t in tasks for n in lengths]
