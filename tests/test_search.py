@@ -228,6 +228,7 @@ def test_pattern_fits_report(embedded, tmp_path):
     json.dumps(fits)  # plain JSON
     s = fits["summary"]
     assert s["vs_gap"] >= 0 and sum(s["fits"].values()) == 2 * shape.n_heads
+    assert s["config_mass_worst"] == min(r["config_mass"] for r in fits["heads"]) > 0
 
 
 def test_sharded_collection_sums_to_the_whole(capture_256):

@@ -342,7 +342,8 @@ def evaluate_config(config: HeadConfig, capture: Any, progress: bool = False) ->
     """Recall of the config's indexes on one capture (e.g. a task held out of calibration).
 
     Returns {"mass": `[L, H]`, "segments": {name: `[L, H]`}, "oracle": `[L, H]`} where mass is the
-    exact captured fraction of what the config runs online and oracle the same-budget oracle's mass."""
+    exact captured fraction of what the config runs online and oracle the same-budget oracle's mass
+    (rows of model layers the capture does not hold stay 0)."""
     n_layers, n_heads = config.model["n_layers"], config.model["n_heads"]
     mass = torch.zeros(n_layers, n_heads, dtype=torch.float64)
     oracle = torch.zeros_like(mass)
@@ -481,8 +482,8 @@ def pattern_fits(capture: Any, config: HeadConfig | None = None, target: float =
                "block_proxy": mean("block_proxy"), "block_oracle": mean("block_oracle"),
                "block_gap": round(mean("block_oracle") - mean("block_proxy"), 4), "ashape": mean("ashape")}
     if applied is not None:
-        summary.update(config_mass_mean=round(float(applied["mass"].mean()), 4),
-                       config_mass_worst=round(float(applied["mass"].min()), 4))
+        mass = applied["mass"][list(capture.layers)]  # rows of layers the capture holds
+        summary.update(config_mass_mean=round(float(mass.mean()), 4), config_mass_worst=round(float(mass.min()), 4))
     return {"heads": heads, "layers": layers, "summary": summary}
 
 
