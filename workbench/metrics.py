@@ -12,7 +12,7 @@ import torch
 
 from .patterns import BLOCK, Pattern, causal_edges, causal_tiles, membership
 from .patterns.proxy import top_blocks, top_positions
-from .stats import _diagonal_sums, attention_rows, captured_mass
+from .stats import diagonal_sums, attention_rows, captured_mass
 
 SEGMENTS = ("all", "first", "middle", "last", "last64")
 
@@ -114,7 +114,7 @@ def layer_sums(q: torch.Tensor, k: torch.Tensor, scale: float, block: int = BLOC
     kq = k.float().repeat_interleave(g, 0)  # [Hq, N, D]
     for r0, r1, p, _ in attention_rows(q, k, scale, chunk=chunk, left_pad=True):
         col[:, :r1] += p.sum(1)
-        diag[:, :r1] += _diagonal_sums(p)
+        diag[:, :r1] += diagonal_sums(p)
         pad_r, pad_c = -(r1 - r0) % block, -r1 % block
         tiles[:, r0 // block:-(-r1 // block), :-(-r1 // block)] = torch.nn.functional.pad(p, (0, pad_c, 0, pad_r)).reshape(
             hq, (r1 - r0 + pad_r) // block, block, (r1 + pad_c) // block, block).sum((2, 4))

@@ -44,7 +44,7 @@ def attention_rows(q: torch.Tensor, k: torch.Tensor, scale: float, chunk: int = 
     q `[Hq, N, D]`, k `[Hkv, N, D]`; query head h reads KV head h // (Hq // Hkv).
     `rows=(start, stop)` walks only query rows [start, stop) (exact: each row still sees all its keys).
     `left_pad=True` makes p a view into a buffer with r1 - r0 zero columns before key 0 (see
-    `_diagonal_sums`); the values are the same.
+    `diagonal_sums`); the values are the same.
     """
     _check_qk(q, k)
     Hq, n, d = q.shape
@@ -101,7 +101,7 @@ def _pool(p: torch.Tensor, size: int, op: str) -> torch.Tensor:
     return reduce(rows.view(H, c // size, w // size, size), dim=3)
 
 
-def _diagonal_sums(p: torch.Tensor) -> torch.Tensor:
+def diagonal_sums(p: torch.Tensor) -> torch.Tensor:
     """The last C rows of a causal probability chunk `[H, C, W]` -> `[H, W]` sums by offset d = i - j.
 
     `p` must come from `attention_rows(..., left_pad=True)`: C zero columns precede each row in
@@ -139,7 +139,7 @@ def layer_stats(q: torch.Tensor, k: torch.Tensor, scale: float, resolution: int 
     for r0, r1, p, h in tqdm(rows, total=math.ceil(n / chunk), desc="stats", leave=False, disable=not progress):
         out.row_entropy[:, r0:r1] = h
         out.column_mass[:, :r1] += p.sum(1)
-        out.diag_mass[:, :r1] += _diagonal_sums(p)
+        out.diag_mass[:, :r1] += diagonal_sums(p)
         if r1 % unit:  # only the last chunk is ragged: pad it to whole cells and blocks
             c, w = math.ceil((r1 - r0) / unit) * unit, math.ceil(r1 / unit) * unit
             p = torch.nn.functional.pad(p, (0, w - r1, 0, c - (r1 - r0)))
