@@ -135,21 +135,25 @@ def test_timing_breakdown_cpu(embedded, prompt):
         assert r["proj_ms"] > 0 and r["sparse_ms"] > 0 and r["layer_ms"] >= r["proj_ms"] + r["sparse_ms"]
 
 
-def test_tile_rows_match_the_kernel_mask():
-    """The CPU reference's row masks equal `tiles_to_mask` (what the Triton kernel computes) on a mixed layer."""
-    from workbench_kernels.index_ref import (ashape_to_tiles, block_sparse_to_tiles, merge_tiles, tiles_to_mask,
-                                             vs_to_tiles)
+def test_row_masks_match_the_kernel_mask():
+    """The CPU reference's row masks equal `tiles_to_mask` (what the Triton kernel computes): VS and
+    block tiles through `tile_rows`, A-shape heads through `band_rows`."""
+    from workbench_kernels.index_ref import ashape_to_tiles, block_sparse_to_tiles, merge_tiles, tiles_to_mask, vs_to_tiles
     from workbench.patterns import block_proxy
-    from workbench.prefill import NO_WINDOW, tile_rows
+    from workbench.prefill import band_rows, tile_rows
 
     n, g = 300, torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 4, n, 16, generator=g), torch.randn(1, 2, n, 16, generator=g)
     vs = vs_to_tiles(torch.tensor([[[3, 77, 150, -1]]]), torch.tensor([[[5, 90, 200]]]), n)
     bs = block_sparse_to_tiles(block_proxy(q, k, 2)[:, 1:2], n)
-    ash = ashape_to_tiles([4, 0], [40, n], n)
-    tiles = merge_tiles([([0], vs), ([1], bs), ([2, 3], ash)], 4)
-    sink = torch.tensor([0, 0, 4, 0])
-    window = torch.tensor([NO_WINDOW, NO_WINDOW, 40, n])
-    want = tiles_to_mask(tiles, n, sink, window)
+    tiles = merge_tiles([([0], vs), ([1], bs)], 2)
+    sink, window = torch.tensor([4, 0, 100]), torch.tensor([40, n, 1])
+    want = tiles_to_mask(tiles, n)
+    want_band = tiles_to_mask(ashape_to_tiles(sink, window, n), n, sink, window)[0]
     for r0, r1 in ((0, 128), (128, 256), (256, 300)):
-        assert torch.equal(tile_rows(tiles, r0, r1, sink, window), want[:, :, r0:r1, :r1])
+        for (keys, mask), full in ((tile_rows(tiles, r0, r1), want[..., r0:r1, :r1]),
+                                   (band_rows(sink, window, r0, r1), want_band[:, r0:r1, :r1])):
+            assert torch.equal(mask, full[..., keys])
+            outside = torch.ones(r1, dtype=torch.bool)
+            outside[keys] = False
+            assert not full[..., outside].any()

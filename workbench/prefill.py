@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .attention import attention_override, dense_attention
-from .config import PROXY_DEFAULTS, ConfigError, HeadConfig
+from .config import PROXY_DEFAULTS, HeadConfig
 from .model import ModelShape
 
 # Prefill length below which prompts run dense: the first measured length at which the sparse model
@@ -161,23 +161,26 @@ class SparsePrefill:
         if timer:
             timer.mark(layer, "attn_start")
         backend = self.backend if self.backend != "auto" else ("triton" if query.is_cuda else "torch")
-        tiles, sink, window = self.tiles(layer, query, key, scale, triton=backend == "triton")
-        if timer:
-            timer.mark(layer, "index_end")
+        groups = self.group_tiles(layer, query, key, scale, triton=backend == "triton")
         if backend == "triton":
+            tiles, sink, window = self.merge(layer, groups, query)
+            if timer:
+                timer.mark(layer, "index_end")
             from workbench_kernels.prefill import sparse_prefill
 
             o, _ = sparse_prefill(query, key, value, tiles, sink=sink, window=window, scale=scale,
                                   num_stages=self.num_stages)
+            if self.record_density:
+                from workbench_kernels.index_ref import tile_area
+
+                n = query.shape[2]
+                self.density[layer] = float(tile_area(tiles, n).sum()) / (query.shape[0] * query.shape[1] * n * (n + 1) / 2)
         else:
-            o = masked_prefill(query, key, value, lambda r0, r1: tile_rows(tiles, r0, r1, sink, window), scale)
+            if timer:
+                timer.mark(layer, "index_end")
+            o = self.reference(layer, groups, query, key, value, scale)
         if timer:
             timer.mark(layer, "attn_end", mode="sparse", reason=backend)
-        if self.record_density:
-            from workbench_kernels.index_ref import tile_area
-
-            n = query.shape[2]
-            self.density[layer] = float(tile_area(tiles, n).sum()) / (query.shape[0] * query.shape[1] * n * (n + 1) / 2)
         if self.compare:
             ref = dense_attention(module, query, key, value, attention_mask, **kwargs)[0].transpose(1, 2)
             self.cosine[layer] = torch.nn.functional.cosine_similarity(
@@ -186,22 +189,21 @@ class SparsePrefill:
 
     # ---- the index: physical tiles of one layer ---------------------------------------------------
     @torch.no_grad()
-    def tiles(self, layer: int, q: torch.Tensor, k: torch.Tensor, scale: float, triton: bool = True):
-        """(VSTiles over all Hq heads, sink `[Hq]` | None, window `[Hq]` | None) for one layer, on q's
-        device: VS heads from the last-rows proxy (Triton builder when `triton` and the proxy settings
-        allow, else `vs_proxy`), block heads from pooled top-k, A-shape and dense heads from their band.
-        These are the keys the kernel computes: the logical index plus its tile expansion.
+    def group_tiles(self, layer: int, q: torch.Tensor, k: torch.Tensor, scale: float,
+                    triton: bool = True) -> dict[str, Any]:
+        """Tiles of one layer's VS and block heads: {"vs": VSTiles over plan.vs, "block": over plan.block}
+        (only the groups present), on q's device. VS from the last-rows proxy (the Triton builder when
+        `triton` and the proxy settings allow, else `vs_proxy`), block from pooled top-k. Tiles are the
+        keys the kernel computes (for VS: the logical index plus its tile expansion).
         q `[B, Hq, N, D]`, k `[B, Hkv, N, D]`."""
-        from workbench_kernels.index_ref import ashape_to_tiles, block_sparse_to_tiles, merge_tiles, vs_to_tiles
+        from workbench_kernels.index_ref import block_sparse_to_tiles, vs_to_tiles
 
         from .patterns import block_proxy, vs_proxy
         from .patterns.proxy import top_positions
 
         plan, proxy = self.plans[layer], self.config.proxy
-        B, Hq, n, _ = q.shape
-        dev = q.device
-        block = self.config.block
-        parts = []
+        n, dev, block = q.shape[2], q.device, self.config.block
+        out: dict[str, Any] = {}
         if plan.vs:
             if triton and all(proxy.get(key, PROXY_DEFAULTS[key]) == value for key, value in TRITON_PROXY.items()):
                 from workbench_kernels.index_build import vs_scores
@@ -216,29 +218,73 @@ class SparsePrefill:
             if triton:
                 from workbench_kernels.index_build import vs_tiles
 
-                parts.append((plan.vs, vs_tiles(cols, offs, n, block)))
+                out["vs"] = vs_tiles(cols, offs, n, block)
             else:
-                parts.append((plan.vs, vs_to_tiles(cols, offs, n, block)))
+                out["vs"] = vs_to_tiles(cols, offs, n, block)
         if plan.block:
             table = block_proxy(q, k, plan.topk, block)
-            h = torch.tensor(plan.block, device=dev)
-            parts.append((plan.block, block_sparse_to_tiles(table[:, h], n, block)))
+            out["block"] = block_sparse_to_tiles(table[:, torch.tensor(plan.block, device=dev)], n, block)
+        return out
+
+    def merge(self, layer: int, groups: dict[str, Any], q: torch.Tensor):
+        """One launch's (VSTiles over all Hq heads, sink `[Hq]` | None, window `[Hq]` | None): the groups'
+        tiles plus the A-shape and dense heads as bands (dense = no window)."""
+        from workbench_kernels.index_ref import ashape_to_tiles, merge_tiles
+
+        plan = self.plans[layer]
+        B, Hq, n, _ = q.shape
+        parts = [(getattr(plan, name), tiles) for name, tiles in groups.items()]
         banded = plan.ashape + plan.dense
         if banded:
             h = torch.tensor(banded)
             parts.append((banded, ashape_to_tiles(plan.sink[h].clamp(max=n), plan.window[h].clamp(max=n), n, B,
-                                                  block, device=dev)))
+                                                  self.config.block, device=q.device)))
         tiles = parts[0][1] if len(parts) == 1 else merge_tiles(parts, Hq)
         if not banded:
             return tiles, None, None
-        return tiles, plan.sink.to(dev), plan.window.to(dev)
+        return tiles, plan.sink.to(q.device), plan.window.to(q.device)
+
+    @torch.no_grad()
+    def reference(self, layer: int, groups: dict[str, Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+        """The kernel's result in PyTorch, one head group at a time: dense heads by causal SDPA, A-shape
+        heads under their token mask, VS and block heads under their tiles' row masks. -> o `[B, Hq, N, D]`."""
+        plan = self.plans[layer]
+        G = q.shape[1] // k.shape[1]
+        o = torch.empty_like(q, memory_format=torch.contiguous_format)
+        for heads, rows in ((plan.vs, lambda t: lambda r0, r1: tile_rows(t, r0, r1)),
+                            (plan.block, lambda t: lambda r0, r1: tile_rows(t, r0, r1)),
+                            (plan.ashape, None), (plan.dense, None)):
+            if not heads:
+                continue
+            h = torch.tensor(heads, device=q.device)
+            qh, kh, vh = q[:, h], k[:, h // G], v[:, h // G]
+            if heads is plan.dense:
+                o[:, h] = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+                continue
+            if heads is plan.ashape:
+                sink, window = plan.sink[h.cpu()], plan.window[h.cpu()]
+                fn = lambda r0, r1, g=sink, w=window: band_rows(g, w, r0, r1)  # noqa: E731
+            else:
+                fn = rows(groups["vs" if heads is plan.vs else "block"])
+            o[:, h] = masked_prefill(qh, kh, vh, fn, scale)
+        return o
 
 
-def tile_rows(tiles: Any, r0: int, r1: int, sink: torch.Tensor | None = None,
-              window: torch.Tensor | None = None) -> torch.Tensor:
-    """Bool `[B, H, r1 - r0, r1]`: the keys the sparse kernel computes for query rows r0..r1-1 (r0 a
-    multiple of tiles.block): its pieces (each cut at the next piece's start) and columns, causal, and
-    the per-head A-shape token mask (j < sink or i - j < window) where `sink`/`window` `[H]` are given."""
+def band_rows(sink: torch.Tensor, window: torch.Tensor, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The A-shape mask of rows r0..r1-1 (j <= i and (j < sink or i - j < window)) over the keys some
+    head reads: (keys Long `[K]`, mask Bool `[H, r1 - r0, K]`)."""
+    lo = max(0, r0 - int(window.max()) + 1)
+    keys = torch.cat([torch.arange(min(int(sink.max()), lo)), torch.arange(lo, r1)])
+    d = (torch.arange(r0, r1)[:, None] - keys[None, :]).int()
+    return keys, (d >= 0) & ((d < window.view(-1, 1, 1)) | (keys < sink.view(-1, 1, 1)))
+
+
+def tile_rows(tiles: Any, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys the sparse kernel computes for query rows r0..r1-1 (r0 a multiple of tiles.block), from
+    its pieces (each cut at the next piece's start) and columns, causal: (keys Long `[K]`: the key
+    positions any head reads, mask Bool `[B, H, r1 - r0, K]` over those keys).
+    (A-shape heads add a token mask on top: `band_rows`.)"""
     b = tiles.block
     m0, m1 = r0 // b, -(-r1 // b)
     start = tiles.block_offset[:, :, m0:m1].long()
@@ -255,31 +301,31 @@ def tile_rows(tiles: Any, r0: int, r1: int, sink: torch.Tensor | None = None,
     c_live = torch.arange(cols.shape[-1], device=cols.device) < tiles.column_count[:, :, m0:m1].long().unsqueeze(-1)
     hit = torch.zeros(*cols.shape[:-1], r1 + 1, dtype=torch.bool, device=cols.device)
     hit.scatter_(-1, torch.where(c_live, cols, r1).clamp(0, r1), True)
-    mask = (keys | hit[..., :r1]).repeat_interleave(b, 2)[:, :, : r1 - r0]
-    i = torch.arange(r0, r1, device=mask.device)[:, None]
-    j = torch.arange(r1, device=mask.device)[None, :]
-    mask &= j <= i
-    if window is not None:
-        mask &= ((i - j) < window.view(1, -1, 1, 1)) | (j < sink.view(1, -1, 1, 1))
-    return mask
+    blk = keys | hit[..., :r1]
+    used = blk.flatten(0, -2).any(0).nonzero().squeeze(1)  # keys any head of these rows reads
+    blk = blk[..., used]
+    B, H, mc, k = blk.shape
+    rows = blk.unsqueeze(3).expand(B, H, mc, b, k).reshape(B, H, mc * b, k)[:, :, : r1 - r0]
+    return used, rows & (used[None, :] <= torch.arange(r0, r1, device=blk.device)[:, None])
 
 
 @torch.no_grad()
-def masked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Callable[[int, int], torch.Tensor],
-                   scale: float, chunk: int = ROW_CHUNK) -> torch.Tensor:
+def masked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   rows: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], scale: float,
+                   chunk: int = ROW_CHUNK) -> torch.Tensor:
     """Exact attention under a row mask, in PyTorch (the CPU reference of the sparse kernel).
 
-    q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]`; `rows(r0, r1)` -> Bool `[B, Hq, r1 - r0, r1]` (causal keys
-    of rows r0..r1-1). Returns o `[B, Hq, N, D]`. Rows go `chunk` at a time; each chunk reads only the
-    keys some head of it attends to (SDPA under the mask, GQA without repeating k/v)."""
-    B, Hq, n, D = q.shape
+    q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]`; `rows(r0, r1)` -> (keys Long `[K]`, mask Bool `[B or 1, Hq,
+    r1 - r0, K]` or `[Hq, r1 - r0, K]`): the keys rows r0..r1-1 may read and which of them each head
+    reads. Returns o `[B, Hq, N, D]`; rows go `chunk` at a time (SDPA under the mask over the gathered
+    keys, GQA without repeating k/v)."""
+    n = q.shape[2]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     for r0 in range(0, n, chunk):
         r1 = min(r0 + chunk, n)
-        mask = rows(r0, r1)
-        keys = mask.flatten(0, 2).any(0).nonzero().squeeze(1)
+        keys, mask = rows(r0, r1)
         out[:, :, r0:r1] = torch.nn.functional.scaled_dot_product_attention(
-            q[:, :, r0:r1], k[:, :, keys], v[:, :, keys], attn_mask=mask[..., keys], scale=scale, enable_gqa=True)
+            q[:, :, r0:r1], k[:, :, keys], v[:, :, keys], attn_mask=mask, scale=scale, enable_gqa=True)
     return out
 
 

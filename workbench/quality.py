@@ -13,7 +13,9 @@ Per prompt length and sample (a passkey / needle at depths spread over the conte
   before the sparse one are computed once: the run resumes from the stored input of that layer.
 
 The report is rewritten (atomically) after every sample and resumes from an existing file made with
-the same config and settings, so a long CPU run can be stopped and continued.
+the same config and settings, so a long CPU run can be stopped and continued (the sensitivity table
+runs first, then the samples, interleaved over the lengths). `merge_reports` joins reports of the
+same config run in parallel (e.g. one process per length).
 """
 from __future__ import annotations
 
@@ -191,6 +193,15 @@ def quality_report(model: torch.nn.Module, tok: Any, shape: ModelShape, config: 
             write_json(out, report)
             write_html(report, Path(out).with_suffix(".html"))
 
+    sens_spread = depths(sensitivity_samples)
+    for j in range(sensitivity_samples):
+        if j in report["sensitivity_prompts"]:
+            continue
+        sample = make_sample(task, tok, sens_n, seed=1000 + j, depth=sens_spread[j])
+        for row in sensitivity(model, shape, config, sample.input_ids, progress):
+            report["sensitivity"].append({**row, "prompt": j, "n": sens_n, "depth": sample.depth})
+        report["sensitivity_prompts"].append(j)
+        save()
     done = {(r["n"], r["seed"]) for r in report["records"]}
     spread = depths(samples)
     todo = [(i, n) for i in range(samples) for n in lengths]  # interleaved: partial runs cover every length
@@ -204,17 +215,25 @@ def quality_report(model: torch.nn.Module, tok: Any, shape: ModelShape, config: 
         report["records"].append(rec)
         save()
     bar.close()
-    sens_spread = depths(sensitivity_samples)
-    for j in range(sensitivity_samples):
-        if j in report["sensitivity_prompts"]:
-            continue
-        sample = make_sample(task, tok, sens_n, seed=1000 + j, depth=sens_spread[j])
-        for row in sensitivity(model, shape, config, sample.input_ids, progress):
-            report["sensitivity"].append({**row, "prompt": j, "n": sens_n, "depth": sample.depth})
-        report["sensitivity_prompts"].append(j)
-        save()
     save()
     return report
+
+
+def merge_reports(paths: Sequence[str | Path], out: str | Path) -> dict[str, Any]:
+    """Join quality reports of the same config (records and sensitivity rows), recompute the summary,
+    write JSON + HTML to `out`."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    if len({r["settings"]["config_sha"] for r in reports}) != 1:
+        raise ValueError("these reports were made with different head configs: merge reports of one config only")
+    merged = {**reports[0], "records": [x for r in reports for x in r["records"]],
+              "sensitivity": [x for r in reports for x in r["sensitivity"]],
+              "command": " ; ".join(r["command"] for r in reports),
+              "settings": {**reports[0]["settings"], "lengths": sorted({n for r in reports for n in r["settings"]["lengths"]}),
+                           "merged_from": [r["settings"] for r in reports]}}
+    merged["summary"] = summarize(merged["records"], merged["sensitivity"], merged["model"]["n_layers"])
+    write_json(out, merged)
+    write_html(merged, Path(out).with_suffix(".html"))
+    return merged
 
 
 def write_html(report: dict[str, Any], path: str | Path) -> Path:
