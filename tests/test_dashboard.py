@@ -23,6 +23,7 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-f
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 READY = ".wb-state[data-state='ready']"
 LOAD_S = 600  # the first session captures and searches the sample on a busy 2-core machine
+STEP_MS = 300_000  # any one click's effect; generous because CI shares 2 cores with other tests
 
 
 def _free_port() -> int:
@@ -70,6 +71,7 @@ def browser():
 
 def _open(browser, url):
     page = browser.new_context(accept_downloads=True).new_page()
+    page.set_default_timeout(STEP_MS)
     page.goto(url)
     page.wait_for_selector(READY, timeout=LOAD_S * 1000)
     return page
@@ -106,7 +108,7 @@ def _edit(page, pattern, **sizes):
         page.locator(f".wb-{k} input").fill(str(v))
         page.locator(f".wb-{k} input").press("Enter")
     want = ", ".join(f"{k}={v}" for k, v in sizes.items())
-    page.locator(".wb-head-head", has_text=f"{pattern}({want})").wait_for(timeout=60_000)
+    page.locator(".wb-head-head", has_text=f"{pattern}({want})").wait_for(timeout=STEP_MS)
     assert page.locator(".wb-head-head").inner_text() != before
     return _number(page, "captured")
 
@@ -151,11 +153,11 @@ def test_export_save_and_reimport(server, browser):
 
     page.locator(".wb-name input").fill("ui-edit")
     page.locator(".wb-save button").click()
-    page.locator(".wb-message", has_text="saved").wait_for(timeout=30_000)
+    page.locator(".wb-message", has_text="saved").wait_for(timeout=STEP_MS)
     assert json.loads((configs / "ui-edit.json").read_text())["heads"] == data["heads"]
     page.locator(".wb-name input").fill("../escape")
     page.locator(".wb-save button").click()
-    page.locator(".wb-message", has_text="not allowed").wait_for(timeout=30_000)
+    page.locator(".wb-message", has_text="not allowed").wait_for(timeout=STEP_MS)
     assert not (configs.parent / "escape.json").exists()
     page.close()
 
@@ -170,7 +172,7 @@ def test_export_save_and_reimport(server, browser):
     other.locator(".wb-message", has_text="imported").wait_for(timeout=LOAD_S * 1000)
     _wait_ready(other)
     _tab(other, "Head")
-    other.locator(".wb-head-head", has_text="ashape(sink=2, window=16)").wait_for(timeout=60_000)
+    other.locator(".wb-head-head", has_text="ashape(sink=2, window=16)").wait_for(timeout=STEP_MS)
     assert _number(other, "captured") == pytest.approx(mass, abs=1e-4)
     other.close()
 
@@ -179,7 +181,7 @@ def test_malformed_config_shows_the_field_and_other_tabs_fill(server, browser, t
     url, _ = server
     page = _open(browser, url)
     _tab(page, "Proxy")  # every captured head's proxy vs oracle, worst gap first
-    page.locator(".wb-proxy .tabulator-row").first.wait_for(timeout=60_000)
+    page.locator(".wb-proxy .tabulator-row").first.wait_for(timeout=STEP_MS)
     gaps = [float(x) for x in page.locator(".wb-proxy .tabulator-cell[tabulator-field='gap']").all_inner_texts()]
     assert len(gaps) >= 10 and gaps == sorted(gaps, reverse=True)
     _tab(page, "Latency")
@@ -191,10 +193,10 @@ def test_malformed_config_shows_the_field_and_other_tabs_fill(server, browser, t
     bad.write_text(json.dumps(data))
     page.locator(".wb-upload input[type=file]").set_input_files(str(bad))
     # the message names the field: "import refused: ...: field heads[5]: 'params' is a required property ..."
-    page.locator(".wb-message", has_text=re.compile(r"import refused.*field heads\[5\].*'params'")).wait_for(timeout=30_000)
+    page.locator(".wb-message", has_text=re.compile(r"import refused.*field heads\[5\].*'params'")).wait_for(timeout=STEP_MS)
     (tmp_path / "junk.json").write_text("{not json")
     page.locator(".wb-upload input[type=file]").set_input_files(str(tmp_path / "junk.json"))
-    page.locator(".wb-message", has_text="not valid JSON").wait_for(timeout=30_000)
+    page.locator(".wb-message", has_text="not valid JSON").wait_for(timeout=STEP_MS)
     page.close()
 
 
