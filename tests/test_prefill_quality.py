@@ -67,3 +67,24 @@ def test_report_and_merge(embedded, tmp_path):
     (tmp_path / "o.json").write_text(json.dumps(other))
     with pytest.raises(ValueError, match="different head configs"):
         merge_reports([out, tmp_path / "o.json"], tmp_path / "x.json")
+
+
+def test_config_fixes_from_stored_evidence():
+    """Re-choosing at the shipped target reproduces the shipped config; a higher target only moves heads to
+    costlier candidates; dense fallback makes exactly the given layers dense."""
+    from pathlib import Path
+
+    from workbench.config import HeadConfig
+    from workbench.quality import dense_fallback, rechoose
+
+    shipped = HeadConfig.load(Path(__file__).parents[1] / "configs" / "SmolLM2-135M-Instruct.json")
+    same = rechoose(shipped, shipped.provenance["target"])
+    assert [(e.pattern, e.params) for e in same.heads] == [(e.pattern, e.params) for e in shipped.heads]
+    higher = rechoose(shipped, 0.99)
+    density = lambda e: e.density["physical"] if e.pattern != "dense" else 1.0  # noqa: E731
+    assert all(density(b) >= density(a) - 1e-9 for a, b in zip(shipped.heads, higher.heads))
+    assert higher.summary()["dense"] > shipped.summary()["dense"]
+    fixed = dense_fallback(shipped, [3, 16])
+    assert {e.layer for e in fixed.heads if e.pattern == "dense" and shipped.entry(e.layer, e.head).pattern != "dense"} == {3, 16}
+    assert fixed.provenance["dense_fallback"]["layers"] == [3, 16]
+    fixed.check()

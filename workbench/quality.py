@@ -260,3 +260,39 @@ def write_html(report: dict[str, Any], path: str | Path) -> Path:
     page.table([{k: v for k, v in r.items() if k != "cosine"} for r in report["records"]], digits=5)
     return page.write(path)
 
+
+
+# ---- fixing a config the report flags ----------------------------------------------------------------
+
+def dense_fallback(config: HeadConfig, layers: Sequence[int], note: str = "") -> HeadConfig:
+    """A copy of `config` whose `layers` run dense (every head), with the change in its provenance."""
+    from .config import HeadEntry
+
+    layers = sorted(set(layers))
+    heads = [HeadEntry(e.layer, e.head, "dense", {}, recall={"mean": 1.0, "worst": 1.0}) if e.layer in layers
+             else HeadEntry.from_dict(e.to_dict()) for e in config.heads]
+    prov = dict(config.provenance, dense_fallback={"layers": layers, "reason": note})
+    return HeadConfig(model=dict(config.model), heads=heads, provenance=prov, proxy=dict(config.proxy), block=config.block)
+
+
+def rechoose(config: HeadConfig, target: float) -> HeadConfig:
+    """Re-run the search's choice (`search.choose`, `search.build_config`) at another captured-mass
+    `target` from the per-head evidence stored in `config` (worst-sample mass and mean physical density
+    of every candidate), without capturing the calibration prompts again."""
+    from .patterns import causal_tiles
+    from .search import Candidate, Evidence, build_config, choose
+
+    cands = [Candidate.from_dict(c) for c in config.provenance["candidates"]]
+    n_layers, n_heads = config.model["n_layers"], config.model["n_heads"]
+    n = max(s["length"] for s in config.provenance["calibration"])
+    grid = lambda key: torch.tensor([[e.evidence[key] for e in config.layer(l)] for l in range(n_layers)],  # noqa: E731
+                                    dtype=torch.float64)[None]
+    mass = grid("mass_worst")
+    ev = Evidence(cands, [{"stored_evidence": "worst calibration sample per head"}], [n], mass, grid("oracle_mean"),
+                  grid("physical_density") * causal_tiles(n), torch.zeros_like(mass), torch.ones(1, n_layers,
+                                                                                                 dtype=torch.float64))
+    prov = {k: v for k, v in config.provenance.items() if k not in ("target", "created", "tool", "hardware")}
+    prov["rechosen"] = {"from_target": config.provenance.get("target"), "target": target,
+                        "evidence": "per-head worst-sample mass and mean density stored in the config"}
+    return build_config(ev, choose(ev, target), dict(config.model), target=target, proxy=config.proxy,
+                        provenance=prov)
