@@ -46,9 +46,10 @@ def sparse_decode_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     valid = blocks >= 0
     idx = torch.where(valid, slots, 0).long()
     k = k_pool[idx].float()  # [B, Hkv, K, 64, D]
-    v = v_pool[idx].float()
     pos = blocks.long().unsqueeze(-1) * BLOCK + torch.arange(BLOCK, device=q.device)  # [B, Hkv, K, 64]
     keep = valid.unsqueeze(-1) & (pos < lengths.view(B, 1, 1, 1).to(q.device))
+    # slots past the length may hold uninitialised memory: zero them, since 0 * NaN = NaN
+    v = v_pool[idx].float().masked_fill(~keep.unsqueeze(-1), 0.0)
     qg = q.float().view(B, Hkv, G, D)
     s = torch.einsum("bhgd,bhktd->bhgkt", qg, k) * scale  # [B, Hkv, G, K, 64]
     s = s.masked_fill(~keep.unsqueeze(2), float("-inf")).flatten(3)

@@ -114,3 +114,16 @@ def test_sparse_decode_bf16_gpu():
     ref = sparse_decode_ref(q.double(), kp.double(), vp.double(), blocks, slots, lengths, 128 ** -0.5)
     out = sparse_decode(q, kp, vp, blocks, slots, lengths, 128 ** -0.5)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_reference_ignores_garbage_past_the_length():
+    """Uninitialised pool memory (NaN) past a sequence's length must not reach the output."""
+    from workbench_kernels.decode_ref import sparse_decode_ref
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 16)
+    k_pool, v_pool = torch.randn(2, 64, 16), torch.randn(2, 64, 16)
+    k_pool[0, 10:], v_pool[0, 10:] = float("nan"), float("nan")
+    blocks = torch.tensor([[[0], [0]]])
+    out = sparse_decode_ref(q, k_pool, v_pool, blocks, blocks.clone(), torch.tensor([10]), 0.25)
+    assert torch.isfinite(out).all()
