@@ -7,7 +7,8 @@ config prescribes and runs sparse attention; everything else runs the model's de
 - decode steps (query length 1) and chunked prefill over a cached prefix (query length < key length);
 - prompts shorter than `min_length` (dense wins below the crossover measured on the H200);
 - layers outside `layers` (diagnostic mode: sparsity on a chosen set of layers only);
-- layers whose heads are all "dense" in the config.
+- layers whose heads are all "dense" in the config;
+- calls that carry an explicit attention mask (padding): the sparse kernels are causal-only.
 
 The model's own projections, RoPE and KV cache are untouched, so the full KV cache is still written.
 Backends: on CUDA the Triton kernel over physical tiles (one launch per layer, any mix of patterns:
@@ -84,7 +85,9 @@ class SparsePrefill:
     compare: also run dense attention on every sparse layer and record the cosine of the two outputs
     (`cosine[layer]`, one value per query head; costs a dense attention per layer).
     timing: record the per-layer time breakdown of each prefill (`breakdown()`).
-    record_density: keep each sparse layer's physical density (tile area / causal pairs, `density[layer]`).
+    record_density: keep each sparse layer's physical density (tile area / causal pairs, `density[layer]`;
+    Triton backend). num_stages: the kernel's pipeline stages (3 was fastest for 64-row tiles in
+    assets/benchmarks/prefill_sweep_h200.json).
     After use, `calls` counts attention calls per (mode, reason).
     """
 

@@ -248,6 +248,8 @@ def write_html(report: dict[str, Any], path: str | Path) -> Path:
               f"over 0.05-0.95), greedy decoding of {s['max_new_tokens']} tokens; sparse at every length.")
     if report.get("command"):
         page.text("Command: " + report["command"])
+    for note in report.get("notes", []):
+        page.text(note)
     summary = report.get("summary") or {}
     page.heading("Per length")
     page.table([{"length": n, **v} for n, v in summary.get("per_length", {}).items()], digits=4)
