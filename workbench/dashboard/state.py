@@ -361,6 +361,7 @@ class Session(param.Parameterized):
             "segments": view["segments"], "rel_l2": view["rel_l2"], "cosine": view["cosine"],
             "logical": view["logical"], "physical": view["physical"],
             "estimate_ms": estimate_ms(rates, e.pattern, tiles) if rates and e.pattern in rates and "dense" in rates else None,
+            "estimate_index_ms": rates[e.pattern]["index_ms"] if rates and e.pattern in rates else None,
             "dense_estimate_ms": estimate_ms(rates, "dense", causal_tiles(cap.n)) if rates and "dense" in rates else None,
         }
         if publish:
