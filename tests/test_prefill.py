@@ -55,8 +55,8 @@ def test_full_budgets_equal_dense(embedded, prompt):
     dense = logits(model, prompt)
     with SparsePrefill(model, shape, make_config(shape, covering(N)), min_length=0) as sp:
         sparse = logits(model, prompt)
-    assert sp.calls[("sparse", "prefill")] == shape.n_layers - shape.n_layers // 5 * 0 - sum(
-        1 for l in range(shape.n_layers) if all(covering(N)(l, h)[0] == "dense" for h in range(shape.n_heads)))
+    sparse_layers = [l for l in range(shape.n_layers) if any(covering(N)(l, h)[0] != "dense" for h in range(shape.n_heads))]
+    assert sp.calls[("sparse", "prefill")] == len(sparse_layers) > 0
     assert (sparse - dense).abs().max().item() <= 1e-4
 
 
