@@ -9,8 +9,8 @@ import torch
 from workbench.config import HeadConfig
 from workbench.metrics import layer_sums, vs_oracle
 from workbench.patterns import AShape, BlockSparse, Dense, VerticalSlash, block_proxy, vs_proxy
-from workbench.search import (Candidate, Evidence, HeadCache, choose, default_candidates, evaluate_config,
-                              layer_scores, pattern_fits, rescore_head, search_heads)
+from workbench.search import (TAIL_ROWS, Candidate, Evidence, HeadCache, choose, default_candidates,
+                              evaluate_config, layer_scores, pattern_fits, rescore_head, search_heads)
 from workbench.stats import captured_mass
 
 
@@ -48,14 +48,14 @@ def index_of(cand: Candidate, q, k, scale) -> object:
     return Dense(q.shape[0])
 
 
-def explicit_mass(q, k, scale, mask):
-    """Dense softmax, then the masked sum, one head at a time: [H]."""
+def explicit_mass(q, k, scale, mask, rows=slice(None)):
+    """Dense softmax, then the masked sum over `rows`, one head at a time: [H]."""
     g = q.shape[0] // k.shape[0]
     out = []
     for h in range(q.shape[0]):
         s = (q[h] @ k[h // g].T) * scale
         s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
-        out.append((torch.softmax(s, -1) * mask[h]).sum(-1).mean())
+        out.append((torch.softmax(s, -1) * mask[h]).sum(-1)[rows].mean())
     return torch.stack(out).double()
 
 
@@ -67,10 +67,16 @@ def test_layer_scores_are_exact():
         index = index_of(cand, q, k, scale)
         torch.testing.assert_close(sc["mass"][:, c], explicit_mass(q, k, scale, index.to_mask(300)), atol=1e-5, rtol=0)
         torch.testing.assert_close(sc["mass"][:, c], captured_mass(q, k, scale, index).mean(-1).double(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(sc["tail"][:, c], explicit_mass(q, k, scale, index.to_mask(300), slice(-TAIL_ROWS, None)),
+                                   atol=1e-5, rtol=0)
         assert torch.equal(sc["tiles"][:, c], index.tiles(300).double())
         assert torch.equal(sc["edges"][:, c], index.edges(300).double())
     assert (sc["oracle"] >= sc["mass"] - 1e-9).all()
     torch.testing.assert_close(sc["mass"][:, len(CANDS):], torch.ones(6, 3, dtype=torch.float64))  # every key
+    # the planted heavy key at 57 is far from the last rows: a short window keeps most of all rows' mass
+    # but loses more of the answer rows' mass
+    short = CANDS.index(Candidate("ashape", (16, 40)))
+    assert (sc["tail"][:, short] < sc["mass"][:, short]).any()
 
 
 def test_layer_sums_match_stats():
@@ -114,13 +120,13 @@ def test_candidates():
         Candidate.from_dict({"pattern": "ashape", "params": {"sink": 4}})
 
 
-def fake_evidence(mass: list[list[float]], tiles: list[float]) -> Evidence:
-    """One layer, one head; mass[s][c] per sample and candidate."""
+def fake_evidence(mass: list[list[float]], tiles: list[float], tail: list[list[float]] | None = None) -> Evidence:
+    """One layer, one head; mass[s][c] (and answer-row mass tail[s][c], default = mass) per sample and candidate."""
     cands = [Candidate("ashape", (1, 1)), Candidate("vs", (1, 1)), Candidate("block", (1,)), Candidate("dense")]
     ev = Evidence.empty(cands, [{"task": "x"}] * len(mass), [128] * len(mass), 1, 1)
     for s, row in enumerate(mass):
-        ev.fill(s, 0, {"mass": torch.tensor([row]), "oracle": torch.tensor([row]),
-                       "tiles": torch.tensor([tiles]), "edges": torch.tensor([tiles])})
+        ev.fill(s, 0, {"mass": torch.tensor([row]), "tail": torch.tensor([tail[s] if tail else row]),
+                       "oracle": torch.tensor([row]), "tiles": torch.tensor([tiles]), "edges": torch.tensor([tiles])})
     return ev
 
 
@@ -134,6 +140,13 @@ def test_choose_cheapest_that_meets_target_on_worst_sample():
     assert choose(tie, 0.95).tolist() == [[1]]  # equal cost: the higher worst-sample mass wins
     with pytest.raises(ValueError, match="target"):
         choose(ev, 1.5)
+    # candidate 2 keeps the mass of all rows but loses the answer rows of sample 0: the next cheapest wins
+    tailed = fake_evidence([[0.99, 0.97, 0.96, 1.0], [0.90, 0.96, 0.951, 1.0]], [2, 6, 4, 10],
+                           tail=[[0.99, 0.97, 0.80, 1.0], [0.90, 0.96, 0.951, 1.0]])
+    assert choose(tailed, 0.95).tolist() == [[1]]
+    assert choose(tailed, 0.95, tail_target=0.8).tolist() == [[2]]
+    with pytest.raises(ValueError, match="tail_target"):
+        choose(ev, 0.95, tail_target=-0.1)
     assert choose(ev, 0.95, latency={"ashape": {"per_tile_ms": 1.0}, "vs": {"per_tile_ms": 0.1},
                                       "block": {"per_tile_ms": 1.0}, "dense": {"per_tile_ms": 1.0}}).tolist() == [[1]]
 
@@ -150,7 +163,7 @@ def test_evidence_is_additive_across_workers():
     with pytest.raises(ValueError, match="incomplete"):
         choose(parts[0])
     merged = parts[0] + parts[1]
-    for name in ("mass", "oracle", "tiles", "edges", "done"):
+    for name in ("mass", "tail", "oracle", "tiles", "edges", "done"):
         assert torch.equal(getattr(merged, name), getattr(whole, name))
     assert torch.equal(choose(merged), choose(whole))
 

@@ -135,7 +135,8 @@ def search_heads_distributed(model: torch.nn.Module, shape: ModelShape, samples:
                              candidates: Sequence[Candidate] | None = None, target: float = TARGET,
                              proxy: dict[str, Any] | None = None, progress: bool = True,
                              latency: dict[str, dict[str, float]] | None = None,
-                             provenance: dict[str, Any] | None = None) -> tuple[HeadConfig | None, Evidence]:
+                             provenance: dict[str, Any] | None = None,
+                             tail_target: float | None = None) -> tuple[HeadConfig | None, Evidence]:
     """`search.search_heads` over all ranks of `d`. Every rank must call it with the same arguments.
 
     Returns (HeadConfig, full Evidence) on rank 0 and (None, this rank's partial Evidence) elsewhere.
@@ -147,7 +148,8 @@ def search_heads_distributed(model: torch.nn.Module, shape: ModelShape, samples:
     lengths = [int(s.input_ids.numel()) for s in samples]
     candidates = list(candidates or default_candidates(max(lengths)))
     _agree(d, {"model": shape.fingerprint, "samples": [s.describe() for s in samples],
-               "candidates": [c.label() for c in candidates], "proxy": proxy, "target": target, "latency": latency})
+               "candidates": [c.label() for c in candidates], "proxy": proxy, "target": target, "tail_target": tail_target,
+               "latency": latency})
     ev = merge_evidence(score_shard(model, shape, samples, candidates, d, proxy, progress))
     items = sum(len(_layers_of(s, shape.n_layers, d.rank, d.world_size)) for s in range(len(samples)))
     me = {"rank": d.rank, "host": platform.node(), "device": _device_name(d.device), "items": items,
@@ -159,7 +161,8 @@ def search_heads_distributed(model: torch.nn.Module, shape: ModelShape, samples:
     prov = {**(provenance or {}),
             "distributed": {"backend": d.backend, "world_size": d.world_size, "launcher": "torchrun",
                             "split": "(sample * layers + layer) % world_size == rank", "ranks": ranks}}
-    cfg = build_config(ev, choose(ev, target, latency), shape.to_dict(), target=target, proxy=proxy, provenance=prov)
+    cfg = build_config(ev, choose(ev, target, latency, tail_target), shape.to_dict(), target=target,
+                       tail_target=tail_target, proxy=proxy, provenance=prov)
     return cfg, ev
 
 

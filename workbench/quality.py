@@ -277,7 +277,7 @@ def dense_fallback(config: HeadConfig, layers: Sequence[int], note: str = "") ->
     return HeadConfig(model=dict(config.model), heads=heads, provenance=prov, proxy=dict(config.proxy), block=config.block)
 
 
-def rechoose(config: HeadConfig, target: float) -> HeadConfig:
+def rechoose(config: HeadConfig, target: float, tail_target: float | None = None) -> HeadConfig:
     """Re-run the search's choice (`search.choose`, `search.build_config`) at another captured-mass
     `target` from the per-head evidence stored in `config` (worst-sample mass and mean physical density
     of every candidate), without capturing the calibration prompts again."""
@@ -290,11 +290,13 @@ def rechoose(config: HeadConfig, target: float) -> HeadConfig:
     grid = lambda key: torch.tensor([[e.evidence[key] for e in config.layer(l)] for l in range(n_layers)],  # noqa: E731
                                     dtype=torch.float64)[None]
     mass = grid("mass_worst")
-    ev = Evidence(cands, [{"stored_evidence": "worst calibration sample per head"}], [n], mass, grid("oracle_mean"),
-                  grid("physical_density") * causal_tiles(n), torch.zeros_like(mass), torch.ones(1, n_layers,
-                                                                                                 dtype=torch.float64))
+    tail = grid("tail_worst") if all("tail_worst" in e.evidence for e in config.heads) else mass
+    ev = Evidence(cands, [{"stored_evidence": "worst calibration sample per head"}], [n], mass, tail,
+                  grid("oracle_mean"), grid("physical_density") * causal_tiles(n), torch.zeros_like(mass),
+                  torch.ones(1, n_layers, dtype=torch.float64))
     prov = {k: v for k, v in config.provenance.items() if k not in ("target", "created", "tool", "hardware")}
-    prov["rechosen"] = {"from_target": config.provenance.get("target"), "target": target,
+    prov["rechosen"] = {"from_target": config.provenance.get("target"), "target": target, "tail_target": tail_target,
                         "evidence": "per-head worst-sample mass and mean density stored in the config"}
-    return build_config(ev, choose(ev, target), dict(config.model), target=target, proxy=config.proxy,
+    return build_config(ev, choose(ev, target, tail_target=tail_target), dict(config.model), target=target,
+                        tail_target=tail_target, proxy=config.proxy,
                         provenance=prov)

@@ -12,6 +12,10 @@ sums the captured mass of every candidate is exact:
 - block(topk): the `block_proxy` table; its oracle is the exact best table of the same budget.
 - dense: mass 1, every causal tile.
 
+Besides the mass over all rows, every candidate is scored on the answer rows: the last `TAIL_ROWS`
+query rows, where a retrieval prompt asks its question. A head can hold 95% of its mass in a local
+window and still lose the one far-away needle those rows read; `choose` requires both.
+
 The evidence is a few plain tensors `[S, L, H, C]` (samples, layers, heads, candidates) that can be
 summed across workers (each fills its own (sample, layer) slices), and the choice is deterministic.
 """
@@ -33,10 +37,11 @@ from .metrics import (best_offsets, block_mass_of, block_oracle, column_offset_m
 from .patterns import (BLOCK, AShape, BlockSparse, VerticalSlash, block_proxy, causal_edges, causal_tiles,
                        vs_proxy, vs_tile_count)
 from .patterns.proxy import top_positions
-from .stats import captured_mass
+from .stats import attention_rows, captured_mass
 
 TARGET = 0.95
-METRICS = ("mass", "oracle", "tiles", "edges")
+TAIL_ROWS = 64
+METRICS = ("mass", "tail", "oracle", "tiles", "edges")
 
 
 @dataclass(frozen=True)
@@ -115,56 +120,65 @@ def layer_scores(q: torch.Tensor, k: torch.Tensor, scale: float, candidates: Seq
                  proxy: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """Score every candidate on all heads of one layer of one prompt.
 
-    q `[Hq, N, D]`, k `[Hkv, N, D]`. Returns {"mass", "oracle", "tiles", "edges"}: `[Hq, C]` float64;
-    mass = exact captured fraction of the index the candidate would run, oracle = the same-budget
+    q `[Hq, N, D]`, k `[Hkv, N, D]`. Returns {"mass", "tail", "oracle", "tiles", "edges"}: `[Hq, C]` float64;
+    mass = exact captured fraction of the index the candidate would run, tail = the same over the
+    last `TAIL_ROWS` query rows only (the answer rows), oracle = the same-budget
     oracle's mass (`metrics.vs_oracle`, `metrics.block_oracle`; = mass where the pattern has no online
-    choice), tiles = physical 64x64 tiles, edges = logical edges.
+    choice), tiles = physical 64x64 tiles, edges = logical edges. Computed on q's device, returned on the CPU.
     """
-    proxy = {**PROXY_DEFAULTS, **(proxy or {})}
-    hq, n, _ = q.shape
-    st = layer_sums(q, k, scale)
-    colm, diagm = st.column_mass, st.diag_mass
-    out = {name: torch.zeros(hq, len(candidates), dtype=torch.float64) for name in METRICS}
-    vs_cands = [(c, cand.sizes) for c, cand in enumerate(candidates) if cand.pattern == "vs"]
-    for c, cand in enumerate(candidates):
-        if cand.pattern == "ashape":
-            p = AShape(*cand.sizes, n_heads=hq)
-            out["tiles"][:, c], out["edges"][:, c] = p.tiles(n), p.edges(n)
-        elif cand.pattern == "block":
-            table = block_proxy(q, k, cand.sizes[0])
-            p = BlockSparse(table)
-            out["tiles"][:, c], out["edges"][:, c] = p.tiles(n), p.edges(n)
-            out["mass"][:, c] = block_mass_of(st.block_mass, table, n)
-            out["oracle"][:, c] = block_mass_of(st.block_mass, block_oracle(st.block_mass, cand.sizes[0]), n)
-        elif cand.pattern == "dense":
-            out["tiles"][:, c], out["edges"][:, c] = causal_tiles(n), causal_edges(n)
-            out["mass"][:, c] = out["oracle"][:, c] = 1.0
-    if vs_cands:
-        # budgets are nested: one ranked proxy (and one ranked column list for the oracle) at the largest
-        # budget serves every VS candidate as a prefix, and one pass gives all their overlaps
-        levels = sorted({v for _, (v, _) in vs_cands})
-        cols_all, offs_all = vs_proxy(q, k, scale, levels[-1], max(s for _, (_, s) in vs_cands), ranked=True, **proxy)
-        best_all = top_positions(colm, 0, levels[-1], None, ranked=True)
-        proxy_ov, best_ov = column_offset_mass(q, k, scale, st.lse, [cols_all, best_all], prefixes=[levels, levels])
-        pad = lambda t, size: torch.nn.functional.pad(t, (0, t.shape[-1] and size - t.shape[-1]), value=-1)  # noqa: E731
-        tiles = vs_tile_count(torch.stack([pad(cols_all[:, :v], levels[-1]) for _, (v, _) in vs_cands]),
-                              torch.stack([pad(offs_all[:, :s], offs_all.shape[-1]) for _, (_, s) in vs_cands]), n)
-        for (c, (v, s)), t in zip(vs_cands, tiles):
-            li = levels.index(v)
-            cols, offs, best = cols_all[:, :v], offs_all[:, :s], best_all[:, :v]
-            out["tiles"][:, c] = t
-            out["edges"][:, c] = VerticalSlash(cols, offs).edges(n)
-            out["mass"][:, c], out["oracle"][:, c] = _vs_scores(colm, diagm, (proxy_ov[li], best_ov[li]),
-                                                                cols, offs, best, s)
-    ashape_later = [(c, *cand.sizes) for c, cand in enumerate(candidates) if cand.pattern == "ashape"]
-    if ashape_later:
-        sinks = {g for _, g, _ in ashape_later}
-        rows = max(g + w for _, g, w in ashape_later)
-        by_sink = {g: _ashape_overlap(q, k, scale, st.lse, g, rows) for g in sinks}
-        for c, g, w in ashape_later:
-            mass = (colm[:, :g].sum(-1) + diagm[:, :w].sum(-1) - by_sink[g][:, :w].sum(-1)) / n
-            out["mass"][:, c] = out["oracle"][:, c] = mass
-    return {name: t.clamp(max=1.0) if name in ("mass", "oracle") else t for name, t in out.items()}
+    with torch.device(q.device):  # factories below follow the capture onto its device
+        proxy = {**PROXY_DEFAULTS, **(proxy or {})}
+        hq, n, _ = q.shape
+        st = layer_sums(q, k, scale)
+        colm, diagm = st.column_mass, st.diag_mass
+        out = {name: torch.zeros(hq, len(candidates), dtype=torch.float64) for name in METRICS}
+        vs_cands = [(c, cand.sizes) for c, cand in enumerate(candidates) if cand.pattern == "vs"]
+        indexes: dict[int, Any] = {}  # candidate -> the pattern it runs on this prompt (dense: none)
+        for c, cand in enumerate(candidates):
+            if cand.pattern == "ashape":
+                p = indexes[c] = AShape(*cand.sizes, n_heads=hq)
+                out["tiles"][:, c], out["edges"][:, c] = p.tiles(n), p.edges(n)
+            elif cand.pattern == "block":
+                table = block_proxy(q, k, cand.sizes[0])
+                p = indexes[c] = BlockSparse(table)
+                out["tiles"][:, c], out["edges"][:, c] = p.tiles(n), p.edges(n)
+                out["mass"][:, c] = block_mass_of(st.block_mass, table, n)
+                out["oracle"][:, c] = block_mass_of(st.block_mass, block_oracle(st.block_mass, cand.sizes[0]), n)
+            elif cand.pattern == "dense":
+                out["tiles"][:, c], out["edges"][:, c] = causal_tiles(n), causal_edges(n)
+                out["mass"][:, c] = out["oracle"][:, c] = 1.0
+        if vs_cands:
+            # budgets are nested: one ranked proxy (and one ranked column list for the oracle) at the largest
+            # budget serves every VS candidate as a prefix, and one pass gives all their overlaps
+            levels = sorted({v for _, (v, _) in vs_cands})
+            cols_all, offs_all = vs_proxy(q, k, scale, levels[-1], max(s for _, (_, s) in vs_cands), ranked=True, **proxy)
+            best_all = top_positions(colm, 0, levels[-1], None, ranked=True)
+            proxy_ov, best_ov = column_offset_mass(q, k, scale, st.lse, [cols_all, best_all], prefixes=[levels, levels])
+            pad = lambda t, size: torch.nn.functional.pad(t, (0, t.shape[-1] and size - t.shape[-1]), value=-1)  # noqa: E731
+            tiles = vs_tile_count(torch.stack([pad(cols_all[:, :v], levels[-1]) for _, (v, _) in vs_cands]),
+                                  torch.stack([pad(offs_all[:, :s], offs_all.shape[-1]) for _, (_, s) in vs_cands]), n)
+            for (c, (v, s)), t in zip(vs_cands, tiles):
+                li = levels.index(v)
+                cols, offs, best = cols_all[:, :v], offs_all[:, :s], best_all[:, :v]
+                indexes[c] = VerticalSlash(cols, offs)
+                out["tiles"][:, c] = t
+                out["edges"][:, c] = indexes[c].edges(n)
+                out["mass"][:, c], out["oracle"][:, c] = _vs_scores(colm, diagm, (proxy_ov[li], best_ov[li]),
+                                                                    cols, offs, best, s)
+        ashape_later = [(c, *cand.sizes) for c, cand in enumerate(candidates) if cand.pattern == "ashape"]
+        if ashape_later:
+            sinks = {g for _, g, _ in ashape_later}
+            rows = max(g + w for _, g, w in ashape_later)
+            by_sink = {g: _ashape_overlap(q, k, scale, st.lse, g, rows) for g in sinks}
+            for c, g, w in ashape_later:
+                mass = (colm[:, :g].sum(-1) + diagm[:, :w].sum(-1) - by_sink[g][:, :w].sum(-1)) / n
+                out["mass"][:, c] = out["oracle"][:, c] = mass
+        r0 = max(0, n - TAIL_ROWS)
+        p_tail = next(attention_rows(q, k, scale, chunk=n - r0, rows=(r0, n)))[2]  # [Hq, T, n] exact
+        for c in range(len(candidates)):
+            kept = p_tail * indexes[c].row_mask(r0, n, n) if c in indexes else p_tail
+            out["tail"][:, c] = kept.sum(-1).mean(-1)
+    return {name: (t.clamp(max=1.0) if name in ("mass", "tail", "oracle") else t).cpu() for name, t in out.items()}
 
 
 @dataclass
@@ -178,6 +192,7 @@ class Evidence:
     samples: list[dict[str, Any]]
     lengths: list[int]
     mass: torch.Tensor
+    tail: torch.Tensor
     oracle: torch.Tensor
     tiles: torch.Tensor
     edges: torch.Tensor
@@ -188,7 +203,7 @@ class Evidence:
               n_layers: int, n_heads: int) -> "Evidence":
         shape = (len(samples), n_layers, n_heads, len(candidates))
         z = lambda: torch.zeros(shape, dtype=torch.float64)  # noqa: E731
-        return cls(list(candidates), list(samples), list(lengths), z(), z(), z(), z(),
+        return cls(list(candidates), list(samples), list(lengths), *(z() for _ in METRICS),
                    torch.zeros(len(samples), n_layers, dtype=torch.float64))
 
     def fill(self, sample: int, layer: int, scores: dict[str, torch.Tensor]) -> None:
@@ -218,14 +233,18 @@ class Evidence:
         return self.edges / e, self.tiles / t
 
 
-def choose(evidence: Evidence, target: float = TARGET, latency: dict[str, dict[str, float]] | None = None) -> torch.Tensor:
+def choose(evidence: Evidence, target: float = TARGET, latency: dict[str, dict[str, float]] | None = None,
+           tail_target: float | None = None) -> torch.Tensor:
     """Candidate index `[L, H]` per head: the cheapest candidate whose captured mass reaches `target`
-    on the worst sample; ties go to the higher worst-sample mass, then to the earlier candidate.
+    over all rows and `tail_target` (default `target`) over the answer rows, on the worst sample; ties
+    go to the higher worst-sample mass, then to the earlier candidate.
 
     Cost = mean physical density (64x64 tiles / causal tiles) or, with a measured `latency` table
     {pattern: {"per_tile_ms": a, "index_ms": b}}, a * tiles + b averaged over samples."""
-    if not 0 < target <= 1:
-        raise ValueError(f"target={target} must be a captured-mass fraction in (0, 1], e.g. 0.95")
+    tail_target = target if tail_target is None else tail_target
+    for name, value in (("target", target), ("tail_target", tail_target)):
+        if not 0 <= value <= 1 or (name == "target" and value == 0):
+            raise ValueError(f"{name}={value} must be a captured-mass fraction in (0, 1], e.g. 0.95")
     if not bool(evidence.done.all()):
         missing = (evidence.done == 0).nonzero().tolist()[:3]
         raise ValueError(f"evidence is incomplete: (sample, layer) {missing} were not scored; merge every worker's part")
@@ -239,7 +258,7 @@ def choose(evidence: Evidence, target: float = TARGET, latency: dict[str, dict[s
         if rate[:, 0].isnan().any():
             raise ValueError(f"latency table lacks per_tile_ms for some of {sorted({c.pattern for c in evidence.candidates})}")
         cost = (evidence.tiles * rate[:, 0] + rate[:, 1]).mean(0)
-    ok = worst >= target - 1e-12
+    ok = (worst >= target - 1e-12) & (evidence.tail.amin(0) >= tail_target - 1e-12)
     ok[..., [c.pattern == "dense" for c in evidence.candidates]] = True  # dense is the fallback
     key = torch.where(ok, cost, math.inf)  # infeasible candidates cost infinitely much
     best = torch.empty(worst.shape[:2], dtype=torch.long)
@@ -254,7 +273,8 @@ def _round(t: torch.Tensor, digits: int = 5) -> list[float]:
 
 
 def build_config(evidence: Evidence, choice: torch.Tensor, model: dict[str, Any], *, target: float,
-                 proxy: dict[str, Any] | None = None, provenance: dict[str, Any] | None = None) -> HeadConfig:
+                 tail_target: float | None = None, proxy: dict[str, Any] | None = None,
+                 provenance: dict[str, Any] | None = None) -> HeadConfig:
     """Turn evidence and a choice `[L, H]` into a HeadConfig with per-head recall, density and evidence."""
     logical, physical = evidence.density()
     heads = []
@@ -263,14 +283,16 @@ def build_config(evidence: Evidence, choice: torch.Tensor, model: dict[str, Any]
         for h in range(n_heads):
             c = int(choice[l, h])
             cand = evidence.candidates[c]
-            mass = evidence.mass[:, l, h]
+            mass, tail = evidence.mass[:, l, h], evidence.tail[:, l, h]
             heads.append(HeadEntry(
                 layer=l, head=h, pattern=cand.pattern, params=cand.params,
-                recall={"mean": round(float(mass[:, c].mean()), 6), "worst": round(float(mass[:, c].min()), 6)},
+                recall={"mean": round(float(mass[:, c].mean()), 6), "worst": round(float(mass[:, c].min()), 6),
+                        "tail_worst": round(float(tail[:, c].min()), 6)},
                 density={"logical": round(float(logical[:, l, h, c].mean()), 6),
                          "physical": round(float(physical[:, l, h, c].mean()), 6)},
                 oracle=round(float(evidence.oracle[:, l, h, c].mean()), 6),
                 evidence={"mass_mean": _round(mass.mean(0)), "mass_worst": _round(mass.amin(0)),
+                          "tail_worst": _round(tail.amin(0)),
                           "oracle_mean": _round(evidence.oracle[:, l, h].mean(0)),
                           "physical_density": _round(physical[:, l, h].mean(0))}))
     prov = {
@@ -279,9 +301,11 @@ def build_config(evidence: Evidence, choice: torch.Tensor, model: dict[str, Any]
         "hardware": {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
                      "system": platform.system(), "torch": torch.__version__,
                      "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"},
-        "metric": "captured attention mass (exact), worst calibration sample",
+        "metric": f"captured attention mass (exact), worst calibration sample, over all rows and over the last "
+                  f"{TAIL_ROWS} (answer) rows",
         "cost": "physical 64x64 tiles (mean density over samples)",
         "target": target,
+        "tail_target": target if tail_target is None else tail_target,
         "calibration": evidence.samples,
         "candidates": [c.to_dict() for c in evidence.candidates],
         **(provenance or {}),
@@ -318,10 +342,11 @@ def search_heads(model: torch.nn.Module, tokenizer: Any, shape: Any, samples: Se
                  candidates: Sequence[Candidate] | None = None, target: float = TARGET,
                  proxy: dict[str, Any] | None = None, progress: bool = True,
                  latency: dict[str, dict[str, float]] | None = None,
-                 provenance: dict[str, Any] | None = None) -> tuple[HeadConfig, Evidence]:
+                 provenance: dict[str, Any] | None = None,
+                 tail_target: float | None = None) -> tuple[HeadConfig, Evidence]:
     """Capture each calibration sample (`workbench.corpus.Sample`), score all heads, choose (cost:
-    physical tiles, or `latency` rates as in `choose`), and return (HeadConfig, Evidence). Default
-    candidates scale with the longest sample."""
+    physical tiles, or `latency` rates as in `choose`; `tail_target` as there), and return
+    (HeadConfig, Evidence). Default candidates scale with the longest sample."""
     from .capture import capture_attention
 
     if not samples:
@@ -331,7 +356,8 @@ def search_heads(model: torch.nn.Module, tokenizer: Any, shape: Any, samples: Se
     captures = (capture_attention(model, shape, s.input_ids, progress=False) for s in samples)
     ev = collect_evidence(captures, [s.describe() for s in samples], lengths, candidates,
                           shape.n_layers, shape.n_heads, proxy, progress)
-    cfg = build_config(ev, choose(ev, target, latency), shape.to_dict(), target=target, proxy=proxy, provenance=provenance)
+    cfg = build_config(ev, choose(ev, target, latency, tail_target), shape.to_dict(), target=target,
+                       tail_target=tail_target, proxy=proxy, provenance=provenance)
     return cfg, ev
 
 

@@ -12,11 +12,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("search", help="fit a sparse pattern per head and write configs/<model>.json",
                        description=__doc__)
     p.add_argument("--model", default=None, help="model folder or hub id (default: the embedded SmolLM2-135M)")
-    p.add_argument("--tasks", default=TASKS, help=f"comma-separated calibration tasks or text files (default {TASKS})")
+    p.add_argument("--tasks", default=TASKS, help=f"comma-separated calibration tasks or text files, a needle depth as task@0.1 "
+                        f"(default {TASKS})")
     p.add_argument("--length", default="4096", help="prompt length(s) in tokens, comma-separated (default 4096)")
     p.add_argument("--seed", type=int, default=0, help="sample seed (default 0); the search itself is deterministic")
     p.add_argument("--target", type=float, default=0.95,
                    help="captured attention mass each head must reach on its worst calibration sample (default 0.95)")
+    p.add_argument("--tail-target", type=float, default=None,
+                   help="captured mass each head must keep over the last 64 (answer) rows on the worst sample "
+                        "(default: --target)")
     p.add_argument("--candidates", default=None,
                    help="JSON file: a list of {\"pattern\": ..., \"params\": {...}} (default: a grid scaled to the length)")
     p.add_argument("--holdout", default="multikey",
@@ -44,6 +48,20 @@ def _split(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def task_depth(task: str) -> tuple[str, dict[str, float]]:
+    """"passkey@0.1" -> ("passkey", {"depth": 0.1}); a task without "@" keeps the sample's default depth."""
+    name, _, depth = task.partition("@")
+    if not depth:
+        return name, {}
+    try:
+        value = float(depth)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise ValueError(f"--tasks {task!r}: the depth after '@' must be a fraction in [0, 1], e.g. passkey@0.1")
+    return name, {"depth": value}
+
+
 def run(args: argparse.Namespace) -> int:
     import json
     import os
@@ -68,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     tasks = _split(args.tasks)
     if not tasks or not lengths:
         raise ValueError("give at least one calibration task (--tasks) and one length (--length)")
-    if args.holdout and args.holdout in tasks:
+    if args.holdout and args.holdout in [name for name, _ in map(task_depth, tasks)]:
         raise ValueError(f"--holdout {args.holdout} is also a calibration task: hold out a task not in --tasks")
     candidates = None
     if args.candidates:
@@ -90,10 +108,12 @@ def run(args: argparse.Namespace) -> int:
     model, tok, shape = load_model(args.model, device=d.device if d else "cpu")
     for n in lengths:
         shape.check_length(n)
-    samples = [make_sample(t, tok, n, seed=args.seed) for t in tasks for n in lengths]
+    samples = [make_sample(t, tok, n, seed=args.seed, **d) for t, d in map(task_depth, tasks) for n in lengths]
     command = (f"workbench search --tasks {','.join(tasks)} --length {','.join(map(str, lengths))} --seed {args.seed} "
-               f"--target {args.target} --holdout '{args.holdout}'" + (f" --model {args.model}" if args.model else ""))
-    settings = dict(candidates=candidates, target=args.target, proxy=proxy, progress=not args.no_progress,
+               f"--target {args.target}" + (f" --tail-target {args.tail_target}" if args.tail_target is not None else "")
+               + f" --holdout '{args.holdout}'" + (f" --model {args.model}" if args.model else ""))
+    settings = dict(candidates=candidates, target=args.target, tail_target=args.tail_target, proxy=proxy,
+                    progress=not args.no_progress,
                     latency=latency, provenance={"command": command, "seed": args.seed, "threads": torch.get_num_threads(),
                                                  **({"latency": {"bench": args.latency, "rates": latency},
                                                     "cost": "estimated time: measured ms per 64x64 tile x tiles + index ms"}
