@@ -166,13 +166,14 @@ def vs_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int = 
 
 
 @torch.no_grad()
-def block_index(q: torch.Tensor, k: torch.Tensor, topk: int = 100, block: int = 64) -> torch.Tensor:
+def block_index(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100, block: int = 64) -> torch.Tensor:
     """Block-sparse index of every head of a layer: the selection of `workbench.patterns.block_proxy`
-    (64-token mean-pooled q.k, block-causal, diagonal forced, top-k) -> Int32 `[B, Hq, M, topk]`.
+    (64-token mean-pooled q.k, block-causal, diagonal forced, top-k; `topk` an int or Long `[Hq]`)
+    -> Int32 `[B, Hq, M, max topk]`.
 
     The fast path pools bf16/fp16 inputs with fp32 accumulation (no fp32 copy of q and k) and scores
     all heads with one grouped matmul; no host sync."""
-    from workbench.patterns.proxy import top_blocks
+    from workbench.patterns.proxy import _budget, top_blocks
 
     if q.dim() != 4 or k.dim() != 4 or q.shape[1] % k.shape[1]:
         raise ValueError(f"q must be [B, Hq, N, D] and k [B, Hkv, N, D] with Hq a multiple of Hkv; "
@@ -190,4 +191,5 @@ def block_index(q: torch.Tensor, k: torch.Tensor, topk: int = 100, block: int = 
     qp, kp = pool(q), pool(k)  # [B, H, M, D]
     M = qp.shape[2]
     score = (qp.view(B, Hkv, (Hq // Hkv) * M, D) @ kp.transpose(-1, -2)).view(B, Hq, M, M)
-    return top_blocks(score, topk)
+    k_max, per_head = _budget(topk, Hq, "topk")
+    return top_blocks(score, k_max, per_head)

@@ -82,9 +82,11 @@ def test_block_index_selects_what_the_torch_proxy_selects(n):
 
     g = torch.Generator().manual_seed(n)
     q, k = torch.randn(2, 6, n, 64, generator=g), torch.randn(2, 2, n, 64, generator=g)
-    fast = block_index(q.to(DEV), k.to(DEV), 3)
-    ref = block_proxy(q, k, 3)
-    if DEV == "cpu":
-        assert torch.equal(fast, ref)
-    else:
-        assert (fast.cpu() == ref).float().mean() > 0.95
+    per_head = torch.tensor([1, 2, 3, 3, 2, 4])  # budgets per query head, as a mixed layer has them
+    for topk in (3, per_head):
+        fast = block_index(q.to(DEV), k.to(DEV), topk)
+        ref = block_proxy(q, k, topk)
+        if DEV == "cpu":
+            assert torch.equal(fast, ref)
+        else:
+            assert (fast.cpu() == ref).float().mean() > 0.95

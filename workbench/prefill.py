@@ -196,7 +196,8 @@ class SparsePrefill:
                     triton: bool = True) -> dict[str, Any]:
         """Tiles of one layer's VS and block heads: {"vs": VSTiles over plan.vs, "block": over plan.block}
         (only the groups present), on q's device. VS from the last-rows proxy (the Triton builder when
-        `triton` and the proxy settings allow, else `vs_proxy`), block from pooled top-k. Tiles are the
+        `triton` and the proxy settings allow, else `vs_proxy`), block from pooled top-k (`block_index`
+        with `triton`, else `block_proxy`: the same selection). Tiles are the
         keys the kernel computes (for VS: the logical index plus its tile expansion).
         q `[B, Hq, N, D]`, k `[B, Hkv, N, D]`."""
         from workbench_kernels.index_ref import block_sparse_to_tiles, vs_to_tiles
@@ -225,7 +226,12 @@ class SparsePrefill:
             else:
                 out["vs"] = vs_to_tiles(cols, offs, n, block)
         if plan.block:
-            table = block_proxy(q, k, plan.topk, block)
+            if triton:
+                from workbench_kernels.index_build import block_index
+
+                table = block_index(q, k, plan.topk, block)
+            else:
+                table = block_proxy(q, k, plan.topk, block)
             out["block"] = block_sparse_to_tiles(table[:, torch.tensor(plan.block, device=dev)], n, block)
         return out
 
