@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from workbench.quality import LayerInputs, depths, kl_top1, merge_reports, quality_report, sensitivity
+from workbench.quality import LayerInputs, dense_greedy, depths, kl_top1, merge_reports, quality_report, sensitivity
 
 from test_prefill import covering, make_config, tight
 
@@ -46,6 +46,24 @@ def test_sensitivity_zero_with_full_budgets(embedded, prompt):
     assert max(r["kl"] for r in rows) < 1e-6 and all(r["top1_agree"] for r in rows)
 
 
+def test_dense_side_is_cached_per_prompt(embedded, tmp_path, monkeypatch):
+    from workbench.corpus import make_sample
+    from workbench.prefill import generate_greedy
+
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
+    model, tok, shape = embedded
+    sample = make_sample("passkey", tok, N, seed=3, depth=0.3)
+    tokens, logits, _ = dense_greedy(model, tok, shape, sample, 3)
+    assert len(list((tmp_path / "dense").rglob("*.pt"))) == 1
+    fresh_tokens, fresh_logits = generate_greedy(model, sample.input_ids, 3, tok.eos_token_id)
+    assert torch.equal(fresh_tokens, tokens) and torch.equal(fresh_logits, logits)
+    again = dense_greedy(model, tok, shape, sample, 3)
+    assert torch.equal(again[0], tokens) and torch.equal(again[1], logits)
+    other = make_sample("passkey", tok, N, seed=4, depth=0.3)  # another prompt: another entry
+    assert not torch.equal(dense_greedy(model, tok, shape, other, 3)[1], logits)
+    assert len(list((tmp_path / "dense").rglob("*.pt"))) == 2
+
+
 def test_report_and_merge(embedded, tmp_path):
     model, tok, shape = embedded
     cfg = make_config(shape, tight)
@@ -78,7 +96,7 @@ def test_config_fixes_from_stored_evidence():
     from workbench.quality import dense_fallback, rechoose
 
     shipped = HeadConfig.load(Path(__file__).parents[1] / "configs" / "SmolLM2-135M-Instruct.json")
-    same = rechoose(shipped, shipped.provenance["target"])
+    same = rechoose(shipped, shipped.provenance["target"], shipped.provenance.get("tail_target"))
     assert [(e.pattern, e.params) for e in same.heads] == [(e.pattern, e.params) for e in shipped.heads]
     higher = rechoose(shipped, 0.99)
     density = lambda e: e.density["physical"] if e.pattern != "dense" else 1.0  # noqa: E731

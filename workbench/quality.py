@@ -12,6 +12,10 @@ Per prompt length and sample (a passkey / needle at depths spread over the conte
   position, on `sensitivity_samples` prompts (layers whose heads are all dense are skipped). Layers
   before the sparse one are computed once: the run resumes from the stored input of that layer.
 
+The dense side of each sample (greedy tokens and next-token logits) does not depend on the config:
+it is cached per model fingerprint and prompt (`dense_greedy`), so comparing several configs on the
+same prompts pays for dense once.
+
 The report is rewritten (atomically) after every sample and resumes from an existing file made with
 the same config and settings, so a long CPU run can be stopped and continued (the sensitivity table
 runs first, then the samples, interleaved over the lengths). `merge_reports` joins reports of the
@@ -83,10 +87,28 @@ class LayerInputs:
         return self.model.lm_head(self.model.model.norm(hidden[:, -1:]))[0, -1].float()
 
 
+def dense_greedy(model: torch.nn.Module, tok: Any, shape: ModelShape, sample: Any,
+                 max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """`generate_greedy` of the dense model on `sample`, cached on disk under the model's weights
+    fingerprint and the prompt's sha: (tokens `[T]`, next-token logits `[V]`, seconds it took to compute)."""
+    from .io import atomic_path
+    from .model import cache_dir
+
+    path = cache_dir() / "dense" / shape.fingerprint[:16] / f"{sample.sha}-{sample.length}-{max_new_tokens}.pt"
+    if path.exists():
+        hit = torch.load(path)
+        return hit["tokens"], hit["logits"], hit["seconds"]
+    t0 = time.perf_counter()
+    tokens, logits = generate_greedy(model, sample.input_ids, max_new_tokens, tok.eos_token_id)
+    seconds = round(time.perf_counter() - t0, 2)
+    with atomic_path(path) as tmp:
+        torch.save({"tokens": tokens, "logits": logits, "seconds": seconds}, tmp)
+    return tokens, logits, seconds
+
+
 def _sample_record(model, tok, shape, config, sample, max_new_tokens: int, cosine: bool) -> dict[str, Any]:
     ids = sample.input_ids
-    t0 = time.perf_counter()
-    dense_tokens, dense_logits = generate_greedy(model, ids, max_new_tokens, tok.eos_token_id)
+    dense_tokens, dense_logits, dense_seconds = dense_greedy(model, tok, shape, sample, max_new_tokens)
     t1 = time.perf_counter()
     with SparsePrefill(model, shape, config, min_length=0, compare=cosine) as sp:
         sparse_tokens, sparse_logits = generate_greedy(model, ids, max_new_tokens, tok.eos_token_id)
@@ -97,7 +119,7 @@ def _sample_record(model, tok, shape, config, sample, max_new_tokens: int, cosin
     rec = {"n": sample.length, "seed": sample.seed, "depth": sample.depth, "answer": sample.answer,
            "dense_text": dense_text, "sparse_text": sparse_text,
            "dense_correct": sample.answer in dense_text, "sparse_correct": sample.answer in sparse_text,
-           "kl": kl, "top1_agree": agree, "dense_seconds": round(t1 - t0, 2), "sparse_seconds": round(t2 - t1, 2),
+           "kl": kl, "top1_agree": agree, "dense_seconds": dense_seconds, "sparse_seconds": round(t2 - t1, 2),
            "sha": sample.sha}
     if cosine:
         rec["cosine"] = {str(l): [round(float(x), 6) for x in c] for l, c in sorted(sp.cosine.items())}
