@@ -280,10 +280,12 @@ def write_html(report: dict[str, Any], path: str | Path) -> Path:
     page.heading("Per layer: attention-output cosine (sparse vs dense, same inputs) and sensitivity")
     page.table([r for r in summary.get("per_layer", []) if r["cosine_mean"] is not None
                 or r["sensitivity_kl_mean"] is not None], digits=5)
+    if report.get("comparisons"):
+        page.heading("Other configs on the same kind of prompts")
+        page.table(report["comparisons"], digits=4)
     page.heading("Samples")
     page.table([{k: v for k, v in r.items() if k != "cosine"} for r in report["records"]], digits=5)
     return page.write(path)
-
 
 
 # ---- fixing a config the report flags ----------------------------------------------------------------
@@ -316,7 +318,8 @@ def rechoose(config: HeadConfig, target: float, tail_target: float | None = None
     ev = Evidence(cands, [{"stored_evidence": "worst calibration sample per head"}], [n], mass, tail,
                   grid("oracle_mean"), grid("physical_density") * causal_tiles(n), torch.zeros_like(mass),
                   torch.ones(1, n_layers, dtype=torch.float64))
-    prov = {k: v for k, v in config.provenance.items() if k not in ("target", "created", "tool", "hardware")}
+    prov = {k: v for k, v in config.provenance.items()
+            if k not in ("target", "tail_target", "created", "tool", "hardware")}
     prov["rechosen"] = {"from_target": config.provenance.get("target"), "target": target, "tail_target": tail_target,
                         "evidence": "per-head worst-sample mass and mean density stored in the config"}
     return build_config(ev, choose(ev, target, tail_target=tail_target), dict(config.model), target=target,
