@@ -211,10 +211,11 @@ def test_cli_search_and_export(embedded, tmp_path, capsys):
     out = tmp_path / "cfg.json"
     cands = tmp_path / "cands.json"
     cands.write_text(json.dumps([{"pattern": "ashape", "params": {"sink": 64, "window": 64}}]))
-    assert main(["search", "--length", "128", "--tasks", "passkey", "--holdout", "code", "--candidates", str(cands),
-                 "--out", str(out), "--no-progress"]) == 0
+    assert main(["search", "--length", "128", "--tasks", "passkey@0.3", "--holdout", "code", "--candidates", str(cands),
+                 "--tail-target", "0.9", "--out", str(out), "--no-progress"]) == 0
     cfg = HeadConfig.load(out, embedded[2])
     assert set(cfg.summary()) >= {"ashape", "dense"} and cfg.provenance["holdout"]["sample"]["task"] == "code"
+    assert cfg.provenance["calibration"][0]["depth"] == 0.3 and cfg.provenance["tail_target"] == 0.9
     mi = tmp_path / "mi.json"
     assert main(["export", str(out), "--format", "minference", "--out", str(mi)]) == 0
     data = json.loads(mi.read_text())
@@ -223,6 +224,8 @@ def test_cli_search_and_export(embedded, tmp_path, capsys):
     assert json.loads((tmp_path / "b.json").read_text()) == data
     assert main(["search", "--length", "64", "--tasks", "code", "--holdout", "code"]) == 2
     assert "also a calibration task" in capsys.readouterr().err
+    assert main(["search", "--length", "64", "--tasks", "passkey@1.5"]) == 2
+    assert "passkey@0.1" in capsys.readouterr().err  # the error shows the fix
 
 
 @pytest.mark.model
