@@ -217,7 +217,7 @@ def write_benchmark(path: str, cfg, model, shape, samples, command: str, search_
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "threads": torch.get_num_threads(), "torch": torch.__version__,
                     "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
-                    "note": "shared 2-core machine: other sessions ran at the same time, so times are upper bounds"},
+                    "note": "load_average_1_5_15 (read when the benchmark ends) shows what else ran on the machine"},
         "model": shape.to_dict(),
         "calibration": [s.describe() for s in samples],
         "search": {"seconds_incl_model_load": round(search_seconds, 1), "bar_seconds": 300,
