@@ -114,7 +114,7 @@ def main() -> int:
                     "load_average_at_start": [round(x, 2) for x in load], "python": platform.python_version(),
                     "torch": torch.__version__, "device": "cpu"},
         "command": "python benchmarks/dashboard_cpu.py " + " ".join(sys.argv[1:]),
-        "note": "shared 2-core machine; other jobs were running (see load average): times are upper bounds",
+        "note": "2-core machine; load_average_at_start shows what else ran (a loaded machine gives upper bounds)",
         "first_paint": first_paint(args.length, args.layers, args.timeout),
         "head_edit": head_edits(args.length, args.layers, args.reps),
     }
