@@ -69,8 +69,8 @@ def first_paint(length: int, layers: str, timeout: float) -> dict:
 def head_edits(length: int, layers: str, reps: int) -> dict:
     import torch
 
-    from workbench.dashboard.app import Dashboard
-    from workbench.dashboard.state import Settings
+    from workbench.views.dashboard.app import Dashboard
+    from workbench.views.dashboard.state import Settings
 
     settings = Settings(length=length, layers=Settings.parse_layers(layers))
     dash = Dashboard(settings)  # starts loading in the background, like a browser session
@@ -106,7 +106,7 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from workbench.io import write_json
+    from workbench.core.io import write_json
 
     load = os.getloadavg()
     result = {

@@ -14,11 +14,11 @@ import time
 
 import torch
 
-from workbench.capture import capture_attention
-from workbench.corpus import make_sample
-from workbench.io import write_json
-from workbench.model import load_model
-from workbench.stats import layer_stats
+from workbench.core.capture import capture_attention
+from workbench.core.corpus import make_sample
+from workbench.core.io import write_json
+from workbench.core.model import load_model
+from workbench.analysis.stats import layer_stats
 
 
 def peak_rss_mb() -> float:

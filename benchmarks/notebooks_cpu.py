@@ -21,7 +21,7 @@ def main() -> int:
     import torch
     from nbclient import NotebookClient
 
-    from workbench.io import write_json
+    from workbench.core.io import write_json
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--timeout", type=int, default=900, help="seconds per cell (default 900)")

@@ -1,4 +1,4 @@
-"""Render the README figures into assets/ with the same `workbench.viz` functions the notebooks use.
+"""Render the README figures into assets/ with the same `workbench.views.viz` functions the notebooks use.
 
     python scripts/render_assets.py [--length 2048] [--out assets] [--html]
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def save(fig, out: Path, name: str, html: bool, scale: float = 2.0) -> Path:
-    from workbench.io import atomic_path, write_text
+    from workbench.core.io import atomic_path, write_text
 
     if html:
         return write_text(out / f"{name}.html", fig.to_html(include_plotlyjs=True, full_html=True))
@@ -32,13 +32,13 @@ def save(fig, out: Path, name: str, html: bool, scale: float = 2.0) -> Path:
 def attention_figures(length: int) -> dict:
     import torch
 
-    from workbench import viz
-    from workbench.capture import capture_attention
-    from workbench.corpus import make_sample
-    from workbench.model import load_model
+    from workbench.views import viz
+    from workbench.core.capture import capture_attention
+    from workbench.core.corpus import make_sample
+    from workbench.core.model import load_model
     from workbench.patterns import VerticalSlash, vs_proxy
-    from workbench.profile import profile_layer
-    from workbench.stats import layer_stats
+    from workbench.analysis.head_kinds import profile_layer
+    from workbench.analysis.stats import layer_stats
 
     model, tok, shape = load_model()
     sample = make_sample("passkey", tok, length, seed=0)
@@ -62,8 +62,8 @@ def attention_figures(length: int) -> dict:
 
 
 def benchmark_figures() -> dict:
-    from workbench import viz
-    from workbench.config import HeadConfig
+    from workbench.views import viz
+    from workbench.search.config import HeadConfig
 
     figs = {}
     cfg_path = ROOT / "configs" / "SmolLM2-135M-Instruct.json"

@@ -8,7 +8,7 @@ import torch
 @pytest.fixture(scope="session")
 def embedded():
     """(model, tokenizer, ModelShape) of the embedded SmolLM2-135M-Instruct, fp32 on the CPU."""
-    from workbench.model import load_model
+    from workbench.core.model import load_model
 
     torch.manual_seed(0)
     return load_model()
@@ -17,8 +17,8 @@ def embedded():
 @pytest.fixture(scope="session")
 def capture_256(embedded):
     """A Capture of all 30 layers on a 256-token real-text prompt, with hidden states."""
-    from workbench.capture import capture_attention
-    from workbench.corpus import make_sample
+    from workbench.core.capture import capture_attention
+    from workbench.core.corpus import make_sample
 
     model, tok, shape = embedded
     sample = make_sample("passkey", tok, 256, seed=0)

@@ -5,11 +5,11 @@
 `to_mask(n)` (small n), `edges(n)` (logical) and `tiles(n)` (physical 64x64 tiles).
 `vs_proxy` / `block_proxy` build VS and block-sparse indexes from q and k online.
 """
-from .ashape import AShape
-from .base import BLOCK, Dense, Pattern, Stack, causal_edges, causal_tiles
-from .block_sparse import BlockSparse
-from .proxy import block_proxy, vs_proxy
-from .vertical_slash import VerticalSlash, membership, vs_tile_count
+from workbench.patterns.ashape import AShape
+from workbench.patterns.base import BLOCK, Dense, Pattern, Stack, causal_edges, causal_tiles
+from workbench.patterns.block_sparse import BlockSparse
+from workbench.patterns.proxy import block_proxy, vs_proxy
+from workbench.patterns.vertical_slash import VerticalSlash, membership, vs_tile_count
 
 __all__ = ["AShape", "BLOCK", "BlockSparse", "Dense", "Pattern", "Stack", "VerticalSlash", "block_proxy",
            "causal_edges", "causal_tiles", "membership", "vs_proxy", "vs_tile_count"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import BLOCK, check_rows, to_mask
+from workbench.patterns.base import BLOCK, check_rows, to_mask
 
 
 def _per_head(x: int | torch.Tensor, n_heads: int, name: str, low: int) -> torch.Tensor:

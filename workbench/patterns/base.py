@@ -2,7 +2,7 @@
 
 A pattern object holds the index of all H heads of one layer for one prompt. It never stores an
 n x n mask: `row_mask(r0, r1, n)` materialises only the rows the caller asks for (the exact statistics
-in `workbench.stats` walk the rows in chunks). All counts exclude non-causal entries (j > i).
+in `workbench.analysis.stats` walk the rows in chunks). All counts exclude non-causal entries (j > i).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def to_mask(pattern: Pattern, n: int) -> torch.Tensor:
     """Bool `[H, n, n]` of any pattern; small n only (tests and pictures)."""
     if n > MAX_MASK_N:
         raise ValueError(f"to_mask(n={n}) would build {n}x{n} per head: use n <= {MAX_MASK_N}, or "
-                         "row_mask(r0, r1, n) / workbench.stats for long prompts")
+                         "row_mask(r0, r1, n) / workbench.analysis.stats for long prompts")
     return pattern.row_mask(0, n, n)
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import BLOCK, check_rows, to_mask
-from .vertical_slash import membership
+from workbench.patterns.base import BLOCK, check_rows, to_mask
+from workbench.patterns.vertical_slash import membership
 
 
 class BlockSparse:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .block_sparse import BlockSparse
+    from workbench.patterns.block_sparse import BlockSparse
 
 NEG = float("-inf")
 
@@ -209,8 +209,8 @@ def select_prefill(q: torch.Tensor, k: torch.Tensor, budget: Budget = Budget(), 
 def infllm_blocks(q: torch.Tensor, k: torch.Tensor, budget: Budget = Budget(), *,
                   scale: float | None = None) -> "BlockSparse":
     """The prefill selection as a `BlockSparse` index over the *query* heads (each query head reads its KV
-    group's blocks), so that `workbench.stats` and the kernels can use it: q `[Hq, N, D]`, k `[Hkv, N, D]`."""
-    from .block_sparse import BlockSparse
+    group's blocks), so that `workbench.analysis.stats` and the kernels can use it: q `[Hq, N, D]`, k `[Hkv, N, D]`."""
+    from workbench.patterns.block_sparse import BlockSparse
 
     ids = select_prefill(q, k, budget, scale=scale)
     return BlockSparse(ids.repeat_interleave(q.shape[0] // k.shape[0], 0), block=budget.block)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import BLOCK
+from workbench.patterns.base import BLOCK
 
 AGGREGATES = ("sum", "max", "logits")
 DIAG_NORMS = ("sum", "mean", "prior")

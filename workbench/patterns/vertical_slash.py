@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import BLOCK, check_rows, to_mask
+from workbench.patterns.base import BLOCK, check_rows, to_mask
 
 
 def membership(positions: torch.Tensor, n: int) -> torch.Tensor:

@@ -1,0 +1,203 @@
+"""End-to-end prefill timing on a GPU: a random-weight Llama-3-8B-shaped model, dense SDPA vs sparse.
+
+The model is built from a `LlamaConfig` with Llama-3-8B dimensions (hidden 4096, 32 query / 8 KV heads,
+head_dim 128, intermediate 14336, vocab 128256, RoPE theta 5e5, 131072 positions) and random weights,
+in bf16, directly on the GPU, with `--layers` decoder layers (the per-layer numbers are extrapolated
+to 32 layers). Random weights make the attention of real prompts unrealistic, so the configs are
+named by their budgets: block-sparse top-100 (MInference's block_sparse default), A-shape, VS with
+MInference's default budget (1000 columns, 6096 slashes: on random weights its slashes scatter, the
+worst case for tiles) and a mixed layer. Per config and length: end-to-end prefill time (CUDA
+events around `model(ids)`, logits of the last position only), the per-layer breakdown T_proj /
+T_index / T_sparse / T_other (`SparsePrefill(timing=True)`), the physical density, and the
+crossover length below which dense wins.
+
+Transformers' eager RMSNorm and MLP run several unfused fp32 passes over [N, hidden] per layer, which
+inflates T_other for dense and sparse alike (and so shrinks the speed-up). `--compile-other` fuses
+them with torch.compile (each layer's MLP and norms; attention untouched), as a serving engine's
+fused kernels would; both settings are worth reporting.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from typing import Any
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                 head_dim=128, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                 rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+FULL_LAYERS = 32
+CONFIGS = {  # name: per-head (pattern, params) by head index
+    "block_top100": lambda h: ("block", {"topk": 100}),
+    "ashape_128_4096": lambda h: ("ashape", {"sink": 128, "window": 4096}),
+    "vs_1000_6096": lambda h: ("vs", {"vertical": 1000, "slash": 6096}),
+    "mixed_thirds": lambda h: [("vs", {"vertical": 1000, "slash": 6096}), ("block", {"topk": 100}),
+                               ("ashape", {"sink": 128, "window": 4096})][h % 3],
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lengths", default="8192,16384,32768,65536,131072", help="comma-separated prompt lengths")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers of the random model (default 4; "
+                   "per-layer times are extrapolated to 32)")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
+    p.add_argument("--reps", type=int, default=3, help="timed forwards per point (median; one warm-up first)")
+    p.add_argument("--compile-other", action="store_true",
+                   help="torch.compile each layer's MLP and RMSNorms (dense and sparse alike; attention untouched)")
+    p.add_argument("--out", default="assets/benchmarks/prefill_e2e_h200.json", help="JSON output path")
+
+
+def _model(n_layers: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from workbench.core.model import model_shape
+
+    cfg = LlamaConfig(num_hidden_layers=n_layers, attn_implementation="sdpa", **LLAMA3_8B)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    return model, model_shape(model, f"random Llama-3-8B shape ({n_layers} layers)", fp="random-seed0")
+
+
+def compile_other(model) -> None:
+    """Replace every decoder layer's MLP and RMSNorms by torch.compile'd versions (fused elementwise work)."""
+    import torch
+
+    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+    for layer in model.model.layers:
+        for name in ("mlp", "input_layernorm", "post_attention_layernorm"):
+            setattr(layer, name, torch.compile(getattr(layer, name)))
+
+
+def _config(shape, make):
+    from workbench.search.config import HeadConfig, HeadEntry
+
+    heads = [HeadEntry(l, h, *make(h)) for l in range(shape.n_layers) for h in range(shape.n_heads)]
+    return HeadConfig(model=shape.to_dict(), heads=heads, provenance={"source": "prefill bench (synthetic budgets)"})
+
+
+def _time_forward(model, ids, reps: int) -> float:
+    """Median ms of model(ids) (prefill, cache written, last-position logits) over `reps` after a warm-up."""
+    import torch
+
+    times = []
+    with torch.no_grad():
+        for i in range(reps + 1):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            model(ids, use_cache=True, logits_to_keep=1)
+            b.record()
+            b.synchronize()
+            if i:
+                times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from workbench.core.io import write_json
+    from workbench.prefill.sparse import SparsePrefill
+
+    if not torch.cuda.is_available():
+        raise ValueError("workbench prefill bench needs a CUDA GPU (none found): run it on the GPU machine")
+    from workbench_benchmarks.kernels_prefill import environment
+
+    names = [c for c in args.configs.split(",") if c]
+    for c in names:
+        if c not in CONFIGS:
+            raise ValueError(f"--configs: unknown config {c!r}; use some of {list(CONFIGS)}")
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    t0 = time.time()
+    env = environment()
+    env["command"] = (f"workbench prefill bench --lengths {args.lengths} --layers {args.layers} "
+                      f"--configs {args.configs} --reps {args.reps}" + (" --compile-other" if args.compile_other else "")
+                      + f" --out {args.out}")
+    env["inputs"] = ("random-weight model with Llama-3-8B dimensions (LlamaConfig: hidden 4096, 32 q / 8 KV heads, "
+                     f"head_dim 128, intermediate 14336, vocab 128256, RoPE theta 5e5), {args.layers} of 32 layers, "
+                     "bf16, batch 1, random token ids; per-layer times extrapolated to 32 layers"
+                     + ("; MLP and RMSNorms torch.compile'd (dense and sparse alike)" if args.compile_other else ""))
+    model, shape = _model(args.layers)
+    if args.compile_other:
+        compile_other(model)
+    configs = {c: _config(shape, CONFIGS[c]) for c in names}
+    result: dict[str, Any] = {"environment": env, "settings": {k: v for k, v in vars(args).items() if k != "func"},
+                              "full_layers": FULL_LAYERS, "rows": []}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n in lengths:
+        ids = torch.randint(0, LLAMA3_8B["vocab_size"], (1, n), device="cuda", generator=g)
+        points = {"dense": None, **configs}
+        for name, cfg in points.items():
+            if cfg is None:
+                total = _time_forward(model, ids, args.reps)
+                with torch.no_grad(), SparsePrefill(model, shape, configs[names[0]], min_length=n + 1,
+                                                    timing=True) as sp:
+                    model(ids, use_cache=True, logits_to_keep=1)
+                    layers = sp.breakdown()
+                density = 1.0
+            else:
+                with SparsePrefill(model, shape, cfg, min_length=0) as sp:
+                    total = _time_forward(model, ids, args.reps)
+                with torch.no_grad(), SparsePrefill(model, shape, cfg, min_length=0, timing=True,
+                                                    record_density=True) as sp:
+                    model(ids, use_cache=True, logits_to_keep=1)
+                    layers = sp.breakdown()
+                density = sum(sp.density.values()) / len(sp.density)
+            mean = {k: sum(r[k] for r in layers) / len(layers) for k in ("proj_ms", "index_ms", "sparse_ms",
+                                                                          "other_ms", "layer_ms")}
+            outside = total - sum(r["layer_ms"] for r in layers)  # embedding, final norm, last-position head
+            row = {"n": n, "config": name, "physical_density": density, "prefill_ms": total,
+                   "layers_measured": len(layers), "per_layer_mean": mean, "per_layer": layers,
+                   "outside_layers_ms": outside, "prefill_ms_32_layers": outside + FULL_LAYERS * mean["layer_ms"]}
+            result["rows"].append(row)
+            print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
+                   if k not in ("per_layer", "per_layer_mean")},
+                  {k: round(v, 2) for k, v in mean.items()}, flush=True)
+            write_json(args.out, result)
+        del ids
+        torch.cuda.empty_cache()
+    result["summary"] = summarize(result["rows"])
+    result["elapsed_s"] = time.time() - t0
+    write_json(args.out, result)
+    for line in result["summary"]["table"]:
+        print(line)
+    return 0
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Speed-ups over dense (measured layers and 32-layer extrapolation) and the crossover length per config:
+    the length where the 32-layer speed-up crosses 1, interpolated in log2(length) between measured points."""
+    dense = {r["n"]: r for r in rows if r["config"] == "dense"}
+    out: dict[str, Any] = {"speedup": {}, "crossover_length": {}, "table": []}
+    for name in sorted({r["config"] for r in rows} - {"dense"}):
+        pts = []
+        for r in sorted((r for r in rows if r["config"] == name), key=lambda r: r["n"]):
+            d = dense[r["n"]]
+            s_meas, s_32 = d["prefill_ms"] / r["prefill_ms"], d["prefill_ms_32_layers"] / r["prefill_ms_32_layers"]
+            s_attn = d["per_layer_mean"]["sparse_ms"] / (r["per_layer_mean"]["sparse_ms"] + r["per_layer_mean"]["index_ms"])
+            out["speedup"].setdefault(name, {})[r["n"]] = {"measured_layers": s_meas, "extrapolated_32_layers": s_32,
+                                                           "attention_with_index": s_attn}
+            pts.append((r["n"], s_32))
+            m = r["per_layer_mean"]
+            out["table"].append(f"{name:16s} n={r['n']:6d} density={r['physical_density']:.3f} "
+                                f"proj={m['proj_ms']:.2f} index={m['index_ms']:.2f} sparse={m['sparse_ms']:.2f} "
+                                f"other={m['other_ms']:.2f} | dense attn={d['per_layer_mean']['sparse_ms']:.2f} "
+                                f"| e2e x{s_meas:.2f} (32 layers x{s_32:.2f}, attention x{s_attn:.2f})")
+        cross = None
+        if pts and pts[0][1] >= 1:
+            cross = f"<= {pts[0][0]}"
+        for (n0, s0), (n1, s1) in zip(pts, pts[1:]):
+            if s0 < 1 <= s1:
+                f = (0 - math.log(s0)) / (math.log(s1) - math.log(s0))
+                cross = round(2 ** (math.log2(n0) + f * (math.log2(n1) - math.log2(n0))))
+                break
+        out["crossover_length"][name] = cross if cross is not None else f"> {pts[-1][0]}" if pts else None
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m workbench_benchmarks.prefill_e2e")
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))

@@ -1,0 +1,187 @@
+"""Offloaded decode engine on the CPU: block map, compressed keys, selection, capacity refusals, and
+losslessness on the embedded model (offload modes give exactly sparse-resident's tokens)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workbench.decode.engine import BlockCache, BlockStore, DecodeEngine, EngineConfig, StoreCapacityError, StoreSpec
+from workbench.decode.engine.reuse import ImposedReuse, ReuseMeter
+from workbench.decode.engine.select import CompressedKeyBuffer, select_decode
+from workbench.patterns.infllm import Budget, CompressedKeys, compress_keys, select_blocks
+from workbench_kernels.gather_ref import gather_blocks_ref
+
+GiB = 1024 ** 3
+
+
+def test_block_cache_keeps_selected_blocks_and_copies_only_misses():
+    g = torch.Generator().manual_seed(0)
+    B, H, NB, K, C, E = 2, 3, 40, 6, 8, 4
+    host = torch.randn(B * H * NB, E, generator=g)
+    cache = BlockCache(B, H, C, NB, 1, torch.float32, "cpu")
+    kpool, vpool = cache.k.view(B * H * C, -1)[:, :E], None
+    previous = None
+    for step in range(12):
+        sel = torch.stack([torch.randperm(NB, generator=g)[:K].sort().values for _ in range(B * H)]).view(B, H, K)
+        sel[0, 0, -2:] = -1  # padded entries
+        before = cache.slot_of.clone()
+        hits0, misses0 = int(cache.hits), int(cache.misses)
+        plan = cache.plan(sel)
+        n = int(plan.count)
+        valid = sel >= 0
+        was_cached = before.gather(2, sel.clamp(min=0)) >= 0
+        assert n == int((valid & ~was_cached).sum()) == int(cache.misses) - misses0
+        assert int(cache.hits) - hits0 == int((valid & was_cached).sum())
+        # hits keep their slot
+        assert torch.equal(plan.slots[valid & was_cached] % C, before.gather(2, sel.clamp(min=0))[valid & was_cached])
+        # distinct slots per (sequence, head), inside its own row
+        for b in range(B):
+            for h in range(H):
+                s = plan.slots[b, h][valid[b, h]]
+                assert s.unique().numel() == s.numel() and ((s // C) == b * H + h).all()
+        dst = torch.zeros(B * H * C, E)
+        dst[:] = kpool
+        gather_blocks_ref(host, host, dst, dst.clone(), plan.src, plan.dst, plan.count)
+        kpool = dst
+        want = host[(sel.clamp(min=0) + torch.arange(B * H).view(B, H, 1) * NB)[valid]]
+        assert torch.equal(kpool[plan.slots[valid]], want)  # every selected block is in its slot
+        previous = sel
+    assert previous is not None and int(cache.hits) > 0
+
+
+def test_compressed_key_buffer_matches_compress_keys_with_different_lengths():
+    g = torch.Generator().manual_seed(1)
+    budget = Budget()
+    k = torch.randn(2, 3, 300, 8, generator=g)
+    buf = CompressedKeyBuffer(2, 3, 8, 400, budget, "cpu")
+    start = [100, 37]
+    for b in range(2):
+        buf.fill(b, k[b, :, :start[b]])
+    pos = torch.tensor(start)
+    for _ in range(150):
+        buf.append(k[torch.arange(2), :, pos], pos)
+        pos = pos + 1
+    for b in range(2):
+        want = compress_keys(k[b, :, :int(pos[b])])
+        torch.testing.assert_close(buf.keys[b, :, :want.shape[1]], want, rtol=1e-5, atol=1e-6)
+
+
+def test_select_decode_equals_infllm_select_blocks():
+    g = torch.Generator().manual_seed(2)
+    budget = Budget(init=1, local=2, topk=3)
+    n, H, G, D = 700, 2, 3, 16
+    k = torch.randn(1, H, n, D, generator=g)
+    q = torch.randn(1, H, G, D, generator=g)
+    ck = CompressedKeys.from_keys(k)
+    buf = CompressedKeyBuffer(1, H, D, 1024, budget, "cpu")
+    buf.fill(0, k[0])
+    pos = torch.tensor([n - 1])
+    got = select_decode(q, buf, pos, pos, 16, budget)
+    assert torch.equal(got, select_blocks(q, ck, budget))
+
+
+def test_store_refuses_before_allocating():
+    huge = StoreSpec(layers=32, batch=64, kv_heads=8, n_blocks=2048, head_dim=128, dtype=torch.bfloat16)  # 2 TiB
+    with pytest.raises(StoreCapacityError, match="reduce --batch or --context"):
+        BlockStore(huge)
+    small = StoreSpec(layers=2, batch=1, kv_heads=1, n_blocks=4, head_dim=8, dtype=torch.float32)
+    with pytest.raises(StoreCapacityError, match="GiB of pinned host memory"):
+        BlockStore(small, limit_bytes=small.nbytes - 1)
+    store = BlockStore(small, limit_bytes=small.nbytes)
+    assert store.view(1, 1, 4)[0].shape == (1, 1, 4, 64, 8)
+    with pytest.raises(StoreCapacityError, match="does not fit"):
+        store.view(0, 2, 4)
+
+
+def test_imposed_reuse_gives_the_requested_rate():
+    budget = Budget(init=1, local=2, topk=20)
+    nb = 200
+    hook, meter = ImposedReuse(budget, 0.75, nb), ReuseMeter(budget, nb)
+    pos = torch.tensor([150 * 64, 120 * 64 + 5])
+    for _ in range(20):
+        sel = hook(3, torch.zeros(2, 4, budget.total, dtype=torch.long), pos)
+        assert ((sel >= 0).sum(-1) == budget.total).all()
+        meter(3, sel, pos)
+        pos = pos + 1
+    assert abs(meter.rate - 0.75) < 0.03
+
+
+# ----------------------------------------------------------------------------- the embedded model
+
+BUDGET = Budget(init=1, local=2, topk=5)
+STEPS = 64
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 shared cores: one thread per test process is several times faster
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def prompts(embedded, one_thread):
+    from workbench.core.corpus import make_sample
+    from workbench.decode.engine.llama import LlamaLayers
+
+    model, tok, _ = embedded
+    ids = [make_sample("passkey", tok, 1100, seed=0).input_ids, make_sample("vartrack", tok, 900, seed=1).input_ids]
+    lm = LlamaLayers(model)
+    return ids, [lm.prefill(p) for p in ids]
+
+
+def _decode(model, prompts, mode, selector="same-layer", **kw):
+    ids, done = prompts
+    cap = max(p.numel() for p in ids) + STEPS
+    eng = DecodeEngine(model, EngineConfig(mode=mode, budget=BUDGET, selector=selector, **kw), batch=2, max_tokens=cap)
+    first = eng.prefill(ids, STEPS, prefilled=done)
+    tokens, _, stats = eng.run(first, STEPS, progress=False)
+    return tokens, stats
+
+
+@pytest.mark.model
+def test_offload_modes_are_lossless(embedded, prompts):
+    model = embedded[0]
+    resident, _ = _decode(model, prompts, "sparse-resident", "same-layer")
+    sync, st = _decode(model, prompts, "sparse-offload-sync")
+    assert torch.equal(sync, resident)
+    assert 0 < st.hit_rate < 1 and st.bytes_moved_per_step > 0 and st.host_kv_bytes > 0
+    resident_f, _ = _decode(model, prompts, "sparse-resident", "forecast")
+    forecast, stf = _decode(model, prompts, "sparse-offload-forecast")
+    no_prefetch, _ = _decode(model, prompts, "forecast-without-prefetch")
+    assert torch.equal(forecast, resident_f) and torch.equal(no_prefetch, resident_f)
+    assert 0 < stf.hit_rate < 1
+    assert not torch.equal(resident_f, resident) or not torch.equal(sync, _decode(model, prompts, "dense-resident")[0])
+
+
+@pytest.mark.model
+def test_engine_refuses_context_beyond_capacity(embedded, prompts):
+    ids, done = prompts
+    eng = DecodeEngine(embedded[0], EngineConfig(mode="sparse-offload-sync", budget=BUDGET), batch=2, max_tokens=1100)
+    before = [t.clone() for t in eng.store.k]
+    with pytest.raises(StoreCapacityError, match="exceeds the engine's capacity"):
+        eng.prefill(ids, STEPS, prefilled=done)
+    assert all(torch.equal(a, b) for a, b in zip(before, eng.store.k)) and int(eng.positions.max()) == 0
+    with pytest.raises(StoreCapacityError, match="model's 8192 positions"):
+        DecodeEngine(embedded[0], EngineConfig(mode="sparse-offload-sync"), batch=1, max_tokens=9000)
+    with pytest.raises(StoreCapacityError, match="pinned host memory"):
+        DecodeEngine(embedded[0], EngineConfig(mode="sparse-offload-sync"), batch=64, max_tokens=8192,
+                     host_limit_bytes=GiB)
+
+
+@pytest.mark.model
+def test_decode_cli_prints_summary_and_writes_json(embedded, one_thread, tmp_path, capsys):
+    import json
+
+    from workbench.cli import main
+
+    out = tmp_path / "decode.json"
+    assert main(["decode", "--mode", "sparse-offload-sync", "--batch", "2", "--context", "300", "--steps", "4",
+                 "--budget", "1,1,2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "tok/s" in text and "sparse-offload-sync" in text
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["steps"] == 4 and run["bytes_moved_per_step"] > 0 and run["hit_rate"] is not None
+    assert main(["decode", "--budget", "1,2"]) == 2
+    assert "--budget" in capsys.readouterr().err

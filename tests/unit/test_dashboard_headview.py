@@ -1,0 +1,119 @@
+"""The Head tab's fast path (`workbench.views.headview`) against the row-chunked metrics, and the time model."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from workbench.views.headview import HeadView, full_mask
+from workbench.analysis.metrics import captured_mass, density, output_error, segment_mass
+from workbench.patterns import AShape, BlockSparse, Dense, VerticalSlash, block_proxy, vs_proxy
+
+
+def _qkv(n=300, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(n, d, generator=g) for _ in range(3))
+    k[5] += 3 * q.mean(0)  # a vertical key so the proxies have something to find
+    return q, k, v
+
+
+def _indexes(q, k, n):
+    return [VerticalSlash(*vs_proxy(q[None], k[None], 0.25, 7, 9, last_rows=32, sink=2, local=3)),
+            VerticalSlash(torch.tensor([[3, 5, 290]]), torch.tensor([[1, 64, 299, -1]])),
+            AShape(4, 37), AShape(0, 1), BlockSparse(block_proxy(q[None], k[None], 2)), Dense(1)]
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_full_mask_matches_row_mask(i):
+    q, k, _ = _qkv()
+    index = _indexes(q, k, 300)[i]
+    assert torch.equal(full_mask(index, 300), index.row_mask(0, 300, 300)[0])
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_evaluate_matches_chunked_metrics(i):
+    q, k, v = _qkv()
+    index = _indexes(q, k, 300)[i]
+    view = HeadView(q, k, v, 0.25)
+    got = view.evaluate(index)
+    rows = captured_mass(q[None], k[None], 0.25, index)[0]
+    assert torch.allclose(got["rows"], rows, atol=1e-5)
+    for name, value in segment_mass(rows[None]).items():
+        assert got["segments"][name] == pytest.approx(float(value[0]), abs=1e-5)
+    err = output_error(q[None], k[None], v[None], 0.25, index)
+    assert got["rel_l2"] == pytest.approx(float(err["rel_l2"][0]), abs=1e-4)
+    assert got["cosine"] == pytest.approx(float(err["cosine"][0]), abs=1e-5)
+    dens = density(index, 300)
+    assert got["physical"] == pytest.approx(float(dens["physical"][0]))
+    assert got["logical"] == pytest.approx(float(dens["logical"][0]))
+
+
+def test_evaluate_sees_a_smaller_index():
+    q, k, v = _qkv()
+    view = HeadView(q, k, v, 0.25)
+    wide, narrow = view.evaluate(AShape(4, 200)), view.evaluate(AShape(1, 2))
+    assert narrow["segments"]["all"] < wide["segments"]["all"] <= 1.0
+    assert narrow["rel_l2"] > wide["rel_l2"]
+    assert view.evaluate(Dense(1))["rel_l2"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_full_mask_refuses_many_heads():
+    with pytest.raises(ValueError, match="one-head"):
+        full_mask(AShape(1, 2, n_heads=2), 10)
+
+
+def test_tile_rates_from_the_committed_benchmark():
+    from workbench.prefill.latency import BENCH, estimate_ms, load_bench, tile_rates
+
+    rates = tile_rates(load_bench(BENCH))
+    assert set(rates) == {"vs", "block", "ashape", "dense"}
+    assert all(r["per_tile_ms"] > 0 for r in rates.values())
+    assert rates["dense"]["index_ms"] == 0
+    assert estimate_ms(rates, "block", 200) > estimate_ms(rates, "block", 100)
+    with pytest.raises(ValueError, match="no rows for shape"):
+        tile_rates(load_bench(BENCH), shape="nope")
+
+
+def test_layer_tiles_cover_exactly_the_stack():
+    """The kernel computes every pair the patterns keep; exactly those for A-shape, block and dense heads,
+    VS slashes expanded to whole 64-wide pieces (the physical tiles)."""
+    from workbench.prefill.latency import layer_tiles
+    from workbench.patterns import Stack
+    from workbench_kernels.index_ref import tiles_to_mask
+
+    q, k, _ = _qkv(n=200)
+    parts = [VerticalSlash(torch.tensor([[3, 5, 150]]), torch.tensor([[1, 64, -1]])), AShape(4, 37),
+             BlockSparse(block_proxy(q[None], k[None], 1)), Dense(1)]
+    tiles, sink, window = layer_tiles(parts, 200)
+    got = tiles_to_mask(tiles, 200, sink, window)[0]
+    want = Stack(parts).row_mask(0, 200, 200)
+    assert torch.equal(got[1:], want[1:])
+    assert bool((got[0] >= want[0]).all()) and got[0].sum() > want[0].sum()
+
+
+def test_time_layer_on_the_cpu_reports_the_reference_path():
+    from workbench.prefill.latency import time_layer
+    from workbench.patterns import Stack
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(4, 128, 16, generator=g), torch.randn(2, 128, 16, generator=g), torch.randn(2, 128, 16, generator=g)
+    out = time_layer(q, k, v, 0.25, Stack([AShape(1, 8), Dense(1), AShape(2, 4), Dense(1)]), reps=1)
+    if not torch.cuda.is_available():
+        assert "reference" in out["path"] and out["device"] == "cpu"
+    assert out["dense_ms"] > 0 and out["sparse_ms"] > 0 and out["n"] == 128
+
+
+def test_head_index_is_the_configs_index_for_that_head():
+    from workbench.search.config import PROXY_DEFAULTS, HeadConfig, HeadEntry
+    from workbench.views.headview import head_index
+
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(4, 256, 16, generator=g), torch.randn(2, 256, 16, generator=g)
+    model = {"n_layers": 1, "n_heads": 4}
+    heads = [HeadEntry(0, 0, "vs", {"vertical": 40, "slash": 60}), HeadEntry(0, 1, "block", {"topk": 2}),
+             HeadEntry(0, 2, "ashape", {"sink": 3, "window": 17}), HeadEntry(0, 3, "vs", {"vertical": 31, "slash": 101})]
+    stack = HeadConfig(model=model, heads=heads).layer_index(0, q, k, 0.25)
+    for h, e in enumerate(heads):
+        one = head_index(e, q[h], k[h // 2], 0.25, PROXY_DEFAULTS)
+        assert torch.equal(one.row_mask(0, 256, 256), stack.parts[h].row_mask(0, 256, 256))

@@ -1,0 +1,227 @@
+"""Pattern indexes: masks, logical edges, physical tiles, normalisation rules, online proxies."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workbench.analysis.metrics import sparse_attention
+from workbench.patterns import (AShape, BlockSparse, Dense, Stack, VerticalSlash, block_proxy, causal_tiles,
+                                vs_proxy)
+
+B = 64
+
+
+def mask_tiles(mask: torch.Tensor) -> torch.Tensor:
+    """Brute force: 64x64 tiles of a mask `[H, n, n]` holding at least one True."""
+    h, n, _ = mask.shape
+    m = -(-n // B)
+    p = torch.nn.functional.pad(mask, (0, m * B - n, 0, m * B - n))
+    return p.reshape(h, m, B, m, B).any(4).any(2).sum((1, 2))
+
+
+def vs_tiles_loop(cols: list[int], offs: list[int], n: int) -> int:
+    """Brute force of the VS tiling rule, one row block at a time, in plain Python."""
+    offs = sorted({d for d in offs if 0 <= d < n} | {0})
+    cols = sorted({c for c in cols if 0 <= c < n})
+    total = 0
+    for m in range(-(-n // B)):
+        ranges = sorted((max(m * B - d, 0), (m + 1) * B - d) for d in offs if (m + 1) * B - d > 0)
+        merged: list[list[int]] = []
+        for lo, hi in ranges:
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        pieces = []
+        for lo, hi in merged:  # chopped into 64-wide pieces from the range's end
+            count = -(-(hi - lo) // B)
+            pieces += [(hi - (t + 1) * B, hi - t * B) for t in range(count)]
+        left = [c for c in cols if c < m * B and not any(a <= c < b for a, b in pieces)]
+        total += len(pieces) + -(-len(left) // B)
+    return total
+
+
+def random_vs(h: int, n: int, gen: torch.Generator) -> VerticalSlash:
+    cols = torch.randint(-1, n + 3, (h, int(torch.randint(1, 12, (1,), generator=gen))), generator=gen)
+    offs = torch.randint(-1, n, (h, int(torch.randint(1, 9, (1,), generator=gen))), generator=gen)
+    if torch.rand(1, generator=gen) < 0.5:  # clustered offsets merge into long ranges
+        offs = torch.cat([offs, torch.randint(0, 90, (h, 20), generator=gen)], 1)
+    return VerticalSlash(cols, offs)
+
+
+def test_worked_example():
+    """Seed example: n=8, d=2, C={1}, D={0,2}: N(6)={1,4,6}, weights (0.422, 0.155, 0.422), o=(1.266, 0.732)."""
+    vs = VerticalSlash(torch.tensor([[1]]), torch.tensor([[0, 2]]))
+    mask = vs.to_mask(8)[0]
+    assert mask[6].nonzero().flatten().tolist() == [1, 4, 6]
+    assert mask[1].nonzero().flatten().tolist() == [1]  # 1 - 2 < 0 is dropped; column 1 and offset 0 coincide
+    q = torch.zeros(1, 8, 2)
+    k = torch.zeros(1, 8, 2)
+    v = torch.zeros(1, 8, 2)
+    q[0, 6] = torch.tensor([1.0, 1.0])
+    k[0, 1], k[0, 4], k[0, 6] = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 1.0]), torch.tensor([1.0, 1.0])
+    v[0, 1], v[0, 4], v[0, 6] = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0]), torch.tensor([2.0, 1.0])
+    weights = torch.softmax((q[0, 6] @ k[0].T).masked_fill(~mask[6], float("-inf")), -1)
+    assert weights[[1, 4, 6]].tolist() == pytest.approx([0.422, 0.155, 0.422], abs=1e-3)
+    out = sparse_attention(q, k, v, 1.0, vs)
+    # the seed rounds the weights first (0.422 + 2 * 0.422 = 1.266); unrounded it is (1.2670, 0.7330)
+    assert out[0, 6].tolist() == pytest.approx([1.266, 0.732], abs=2e-3)
+    assert vs.edges(8).item() == mask.sum().item()
+
+
+def test_edges_and_tiles_match_brute_force():
+    gen = torch.Generator().manual_seed(1)
+    for n in (1, 37, 64, 130, 257):
+        h = 3
+        sink = torch.randint(0, 80, (h,), generator=gen)
+        window = torch.randint(1, 150, (h,), generator=gen)
+        m = -(-n // B)
+        table = torch.randint(-1, m + 2, (h, m, 3), generator=gen).int()
+        vs = random_vs(h, n, gen)
+        patterns = [AShape(sink, window), BlockSparse(table), Dense(h), vs]
+        for p in patterns:
+            mask = p.to_mask(n)
+            assert torch.equal(p.edges(n), mask.sum((1, 2))), p
+            assert torch.equal(torch.cat([p.row_mask(r, min(n, r + 50), n) for r in range(0, n, 50)], 1), mask)
+            assert not torch.triu(mask, 1).any(), "a pattern kept a future key"
+        for p in patterns[:3]:
+            assert torch.equal(p.tiles(n), mask_tiles(p.to_mask(n))), p
+        expect = [vs_tiles_loop(vs.columns[i].tolist(), vs.offsets[i].tolist(), n) for i in range(h)]
+        assert vs.tiles(n).tolist() == expect
+        stack = Stack(patterns)
+        assert stack.n_heads == 4 * h and torch.equal(stack.to_mask(n), torch.cat([p.to_mask(n) for p in patterns]))
+        assert causal_tiles(n) == Dense(1).tiles(n).item()
+
+
+def test_vs_normalisation():
+    """Duplicates count once, -1 and out-of-range positions are ignored, offset 0 is always present."""
+    n = 100
+    a = VerticalSlash(torch.tensor([[5, 5, -1, 200, 40]]), torch.tensor([[3, 3, -1, -7]]))
+    b = VerticalSlash(torch.tensor([[5, 40]]), torch.tensor([[0, 3]]))
+    assert torch.equal(a.to_mask(n), b.to_mask(n))
+    assert torch.equal(a.edges(n), b.edges(n)) and torch.equal(a.tiles(n), b.tiles(n))
+    assert a.to_mask(n)[0].diagonal().all()
+
+
+def test_pattern_errors_name_the_field():
+    with pytest.raises(ValueError, match="window"):
+        AShape(4, 0)
+    with pytest.raises(ValueError, match="sink"):
+        AShape(-1, 8)
+    with pytest.raises(ValueError, match=r"columns \[H, Kv\]"):
+        VerticalSlash(torch.zeros(3, 2), torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="n=100 needs 2"):
+        BlockSparse(torch.zeros(1, 3, 1, dtype=torch.int32)).tiles(100)
+    with pytest.raises(ValueError, match="row_mask"):
+        Dense(1).to_mask(100_000)
+    with pytest.raises(ValueError, match="aggregate"):
+        vs_proxy(torch.randn(2, 8, 4), torch.randn(1, 8, 4), 1.0, 2, 2, aggregate="mean")
+
+
+def explicit_vs_scores(q, k, scale, r):
+    """Per-head loop: column sums and offset sums of softmax over the last r rows."""
+    hq, n, _ = q.shape
+    g = hq // k.shape[0]
+    cols, diags = [], []
+    for h in range(hq):
+        s = (q[h, n - r:] @ k[h // g].T) * scale
+        i = torch.arange(n - r, n)[:, None]
+        j = torch.arange(n)[None, :]
+        p = torch.softmax(s.masked_fill(j > i, float("-inf")), -1)
+        d = torch.zeros(n)
+        for a in range(r):
+            for jj in range(n - r + a + 1):
+                d[n - r + a - jj] += p[a, jj]
+        cols.append(p.sum(0))
+        diags.append(d)
+    return torch.stack(cols), torch.stack(diags)
+
+
+def test_vs_proxy_matches_per_head_reference():
+    torch.manual_seed(0)
+    q, k = torch.randn(6, 90, 8) * 2, torch.randn(2, 90, 8)
+    col, diag = explicit_vs_scores(q, k, 0.5, 16)
+    columns, offsets = vs_proxy(q, k, 0.5, 10, 12, last_rows=16, sink=3, local=4)
+    for h in range(6):
+        c = columns[h].tolist()
+        assert c[:3] == [0, 1, 2] and c == sorted(c)
+        free = col[h].clone()
+        free[:3] = -1
+        assert set(c[3:]) == set(free.topk(7).indices.tolist())
+        o = offsets[h].tolist()
+        assert o[:4] == [0, 1, 2, 3]
+        free = diag[h].clone()
+        free[:4] = -1
+        assert set(o[4:]) == set(free.topk(8).indices.tolist())
+    # batched input gives the same index; per-head budgets keep exactly that many entries
+    bc, bo = vs_proxy(q[None], k[None], 0.5, 10, 12, last_rows=16, sink=3, local=4)
+    assert torch.equal(bc[0], columns) and torch.equal(bo[0], offsets)
+    budget = torch.tensor([1, 2, 3, 4, 5, 200])
+    c2, o2 = vs_proxy(q, k, 0.5, budget, budget, last_rows=16, sink=3, local=4)
+    assert c2.shape == (6, 200)
+    assert (c2 >= 0).sum(1).tolist() == [1, 2, 3, 4, 5, 90]
+    assert (o2 >= 0).sum(1).tolist() == [1, 2, 3, 4, 5, 90]
+    assert (o2[:, 0] == 0).all()
+
+
+@pytest.mark.parametrize("aggregate", ["sum", "max", "logits"])
+@pytest.mark.parametrize("diag_norm", ["sum", "mean", "prior"])
+def test_vs_proxy_variants_are_valid_indexes(aggregate, diag_norm):
+    torch.manual_seed(1)
+    q, k = torch.randn(4, 150, 8), torch.randn(2, 150, 8)
+    c, o = vs_proxy(q, k, 0.3, 20, 30, aggregate=aggregate, diag_norm=diag_norm, sink=5, local=6)
+    for t, size in ((c, 20), (o, 30)):
+        assert t.shape == (4, size)
+        assert all(len(set(row.tolist())) == size and row.tolist() == sorted(row.tolist()) for row in t)
+    assert (c[:, :5] == torch.arange(5)).all() and (o[:, :6] == torch.arange(6)).all()
+
+
+def test_vs_proxy_aggregates_differ_where_they_should():
+    """A key hit hard by one row wins under max; a key hit moderately by every row wins under sum."""
+    n, r = 128, 8
+    q = torch.zeros(1, n, 4)
+    k = torch.zeros(1, n, 4)
+    q[0, n - r:, 0] = 1.0
+    q[0, n - 1, 1] = 1.0
+    k[0, 50, 0] = 5.0  # moderately preferred by all last rows
+    k[0, 70, 1] = 9.0  # strongly preferred by the last row only
+    top_sum, _ = vs_proxy(q, k, 1.0, 1, 1, last_rows=r, sink=0, local=1)
+    top_max, _ = vs_proxy(q, k, 1.0, 1, 1, last_rows=r, sink=0, local=1, aggregate="max")
+    assert top_sum.item() == 50 and top_max.item() == 70
+
+
+def test_block_proxy():
+    torch.manual_seed(2)
+    n = 300
+    q, k = torch.randn(6, n, 8), torch.randn(2, n, 8)
+    table = block_proxy(q, k, 3)
+    m = -(-n // B)
+    assert table.shape == (6, m, 3) and table.dtype == torch.int32
+    for h in range(6):
+        qp = torch.stack([q[h, i * B:(i + 1) * B].mean(0) for i in range(m)])
+        kp = torch.stack([k[h // 3, i * B:(i + 1) * B].mean(0) for i in range(m)])
+        score = qp @ kp.T
+        for row in range(m):
+            got = [b for b in table[h, row].tolist() if b >= 0]
+            assert got == sorted(got) and row in got and max(got) <= row, "future block or no diagonal"
+            assert len(got) == min(3, row + 1)
+            others = score[row, :row].topk(min(2, row)).indices.tolist() if row else []
+            assert set(got) == {row, *others}
+    per_head = block_proxy(q, k, torch.tensor([1, 2, 3, 1, 2, 3]))
+    assert ((per_head >= 0).sum(-1)[:, -1]).tolist() == [1, 2, 3, 1, 2, 3]
+
+
+def test_tile_counts_agree_with_the_kernel_tiling():
+    """A-shape and block-sparse tile counts equal what the kernels' tile conversion emits."""
+    from workbench_kernels.index_ref import ashape_to_tiles, block_sparse_to_tiles
+
+    gen = torch.Generator().manual_seed(3)
+    for n in (100, 1000, 4096):
+        for g, w in ((64, 64), (0, 64), (30, 100), (100, 500), (64, 1024)):
+            t = ashape_to_tiles([g], [w], n)
+            kernel = int(t.block_count.long().sum() + (-(-t.column_count.long() // B)).sum())
+            assert AShape(g, w).tiles(n).item() == kernel
+        m = -(-n // B)
+        table = torch.randint(-1, m, (2, m, 4), generator=gen).int()
+        t = block_sparse_to_tiles(table[None], n)
+        assert BlockSparse(table).tiles(n).tolist() == t.block_count.long().sum(-1)[0].tolist()

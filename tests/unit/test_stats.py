@@ -1,0 +1,84 @@
+"""Every blockwise statistic equals an explicit n x n computation at small n."""
+import math
+
+import pytest
+import torch
+
+from workbench.analysis.stats import attention_rows, captured_mass, layer_stats
+
+
+def dense_probs(q, k, scale):
+    g = q.shape[0] // k.shape[0]
+    kk = k.repeat_interleave(g, 0)
+    s = (q.double() @ kk.double().transpose(1, 2)) * scale
+    n = q.shape[1]
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return s.softmax(-1)
+
+
+@pytest.mark.parametrize("n,resolution,chunk,hq,hkv", [(100, 1024, 64, 3, 1), (200, 32, 64, 6, 2), (130, 7, 256, 4, 4)])
+def test_layer_stats_match_explicit(n, resolution, chunk, hq, hkv):
+    torch.manual_seed(n)
+    q, k = torch.randn(hq, n, 16) * 2, torch.randn(hkv, n, 16) * 2
+    p = dense_probs(q, k, 0.25)
+    st = layer_stats(q, k, 0.25, resolution=resolution, block=16, chunk=chunk)
+    assert torch.allclose(st.column_mass.double(), p.sum(1), atol=1e-5)
+    i, j = torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij")
+    diag = torch.zeros(hq, n, dtype=torch.float64)
+    for d in range(n):
+        diag[:, d] = p[:, (i - j) == d].sum(-1)
+    assert torch.allclose(st.diag_mass.double(), diag, atol=1e-5)
+    ent = -(p * p.clamp_min(1e-300).log()).sum(-1)
+    assert torch.allclose(st.row_entropy.double(), ent, atol=1e-4)
+    cell = math.ceil(n / resolution)
+    R = math.ceil(n / cell)
+    pad = torch.zeros(hq, R * cell, R * cell, dtype=torch.float64)
+    pad[:, :n, :n] = p
+    cells = pad.view(hq, R, cell, R, cell)
+    assert st.max_map.shape == (hq, R, R)
+    assert torch.allclose(st.max_map.double(), cells.amax((2, 4)), atol=1e-6)
+    cnt = torch.zeros(R * cell, R * cell, dtype=torch.float64)
+    cnt[:n, :n] = 1
+    counts = cnt.view(R, cell, R, cell).sum((1, 3))
+    assert torch.allclose(st.mean_map.double(), cells.sum((2, 4)) / counts, atol=1e-6)
+    M = math.ceil(n / 16)
+    bp = torch.zeros(hq, M * 16, M * 16, dtype=torch.float64)
+    bp[:, :n, :n] = p
+    assert torch.allclose(st.block_mass.double(), bp.view(hq, M, 16, M, 16).sum((2, 4)), atol=1e-5)
+    # every row is a distribution: the masses add up to n
+    assert torch.allclose(st.block_mass.sum((1, 2)), torch.full((hq,), float(n)), atol=1e-3)
+
+
+class ColumnIndex:
+    def __init__(self, cols, h):
+        self.cols, self.h = cols, h
+
+    def row_mask(self, r0, r1, n):
+        m = torch.zeros(self.h, r1 - r0, n, dtype=torch.bool)
+        m[:, :, self.cols] = True
+        return m
+
+
+def test_captured_mass_is_masked_sum_and_gqa():
+    torch.manual_seed(1)
+    q, k = torch.randn(6, 90, 8), torch.randn(2, 90, 8)
+    p = dense_probs(q, k, 0.5)
+    cols = [0, 3, 40, 89]
+    got = captured_mass(q, k, 0.5, ColumnIndex(cols, 6), chunk=32)
+    assert torch.allclose(got.double(), p[:, :, cols].sum(-1), atol=1e-5)
+    # GQA: head 4 reads KV head 1 (4 // 3), not KV head 0
+    p_wrong = dense_probs(q[4:5], k[0:1], 0.5)
+    assert not torch.allclose(got[4].double(), p_wrong[0][:, cols].sum(-1), atol=1e-3)
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="Hq a multiple of Hkv"):
+        next(attention_rows(torch.randn(5, 8, 4), torch.randn(2, 8, 4), 1.0))
+    with pytest.raises(ValueError, match="empty"):
+        layer_stats(torch.randn(2, 0, 4), torch.randn(2, 0, 4), 1.0)
+    q = torch.randn(2, 8, 4)
+    q[0, 3, 1] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        layer_stats(q, torch.randn(2, 8, 4), 1.0)
+    with pytest.raises(ValueError, match="expected"):
+        captured_mass(torch.randn(3, 8, 4), torch.randn(1, 8, 4), 1.0, ColumnIndex([0], 2))

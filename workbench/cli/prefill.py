@@ -1,0 +1,78 @@
+"""`workbench prefill quality|bench`: what a head config costs in quality, and what it saves in time.
+
+quality: sparse vs dense prefill on retrieval prompts (KL and top-1 at the answer position, greedy
+retrieval accuracy, per-layer cosine, one-layer-at-a-time sensitivity) -> JSON + HTML.
+bench: end-to-end prefill time and the per-layer T_proj / T_index / T_sparse / T_other breakdown of a
+random-weight Llama-3-8B-shaped model on a GPU, against dense SDPA (`workbench_benchmarks.prefill_e2e`).
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prefill", help="sparse prefill from a head config: quality vs dense, GPU time breakdown",
+                       description=__doc__)
+    what = p.add_subparsers(dest="what", metavar="WHAT", required=True)
+    q = what.add_parser("quality", help="quality of a head config's sparse prefill vs dense (JSON + HTML)")
+    q.add_argument("--config", default="configs/SmolLM2-135M-Instruct.json", help="head config (default: the shipped one)")
+    q.add_argument("--model", default=None, help="model folder or hub id (default: the embedded SmolLM2-135M)")
+    q.add_argument("--lengths", default="4096,8192", help="comma-separated prompt lengths (default 4096,8192)")
+    q.add_argument("--samples", type=int, default=20, help="samples per length, needle depths spread (default 20)")
+    q.add_argument("--task", default="passkey", help="passkey (default) or multikey")
+    q.add_argument("--max-new-tokens", type=int, default=8, help="greedy decoding length (default 8)")
+    q.add_argument("--cosine-samples", type=int, default=4, help="samples per length with per-layer cosine (default 4)")
+    q.add_argument("--sensitivity-length", type=int, default=None, help="prompt length of the sensitivity table "
+                   "(default: the shortest length)")
+    q.add_argument("--sensitivity-samples", type=int, default=2, help="prompts for the sensitivity table (default 2)")
+    q.add_argument("--out", default="assets/reports/prefill_quality_cpu.json", help="JSON path (HTML beside it)")
+    q.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    q.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    q.set_defaults(func=run_quality)
+    b = what.add_parser("bench", help="end-to-end prefill time breakdown on a GPU (random Llama-3-8B-shaped model)")
+    from workbench_benchmarks.prefill_e2e import add_arguments
+
+    add_arguments(b)
+    b.set_defaults(func=run_bench)
+
+
+def run_quality(args: argparse.Namespace) -> int:
+    import torch
+
+    from workbench.search.config import HeadConfig
+    from workbench.core.model import load_model
+    from workbench.prefill.quality import quality_report
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.task not in ("passkey", "multikey"):
+        raise ValueError(f"--task {args.task!r}: use passkey or multikey (tasks with one answer to retrieve)")
+    try:
+        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--lengths {args.lengths!r} must be comma-separated integers, e.g. 4096,8192") from None
+    model, tok, shape = load_model(args.model)
+    config = HeadConfig.load(args.config, shape)
+    command = (f"workbench prefill quality --config {args.config} --lengths {args.lengths} --samples {args.samples} "
+               f"--task {args.task} --max-new-tokens {args.max_new_tokens} --cosine-samples {args.cosine_samples} "
+               f"--sensitivity-samples {args.sensitivity_samples}"
+               + (f" --sensitivity-length {args.sensitivity_length}" if args.sensitivity_length else "")
+               + (f" --model {args.model}" if args.model else "") + f" --out {args.out}")
+    report = quality_report(model, tok, shape, config, lengths=lengths, samples=args.samples, task=args.task,
+                            max_new_tokens=args.max_new_tokens, cosine_samples=args.cosine_samples,
+                            sensitivity_length=args.sensitivity_length, sensitivity_samples=args.sensitivity_samples,
+                            out=args.out, command=command, progress=not args.no_progress)
+    for n, row in report["summary"].get("per_length", {}).items():
+        print(f"n={n}: samples {row['samples']}, accuracy dense {row['dense_accuracy']:.2f} sparse "
+              f"{row['sparse_accuracy']:.2f}, KL mean {row['kl_mean']:.4f} max {row['kl_max']:.4f}, "
+              f"top-1 agreement {row['top1_agreement']:.2f}")
+    for row in report["summary"].get("worst_layers", []):
+        print(f"worst layer {row['layer']}: sensitivity KL {row['sensitivity_kl_mean']:.5f}")
+    print(f"wrote {args.out} and {args.out.rsplit('.', 1)[0]}.html")
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from workbench_benchmarks.prefill_e2e import run
+
+    return run(args)

@@ -1,0 +1,238 @@
+"""`workbench search`: pick a sparse pattern per (layer, head) on calibration samples, write a HeadConfig."""
+from __future__ import annotations
+
+import argparse
+import re
+import time
+
+TASKS = "passkey,code,vartrack"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("search", help="fit a sparse pattern per head and write configs/<model>.json",
+                       description=__doc__)
+    p.add_argument("--model", default=None, help="model folder or hub id (default: the embedded SmolLM2-135M)")
+    p.add_argument("--tasks", default=TASKS, help=f"comma-separated calibration tasks or text files, a needle depth as task@0.1 "
+                        f"(default {TASKS})")
+    p.add_argument("--length", default="4096", help="prompt length(s) in tokens, comma-separated (default 4096); calibrate at the length "
+                        "you deploy at: A-shape windows and VS budgets are in tokens")
+    p.add_argument("--seed", type=int, default=0, help="sample seed (default 0); the search itself is deterministic")
+    p.add_argument("--target", type=float, default=0.95,
+                   help="captured attention mass each head must reach on its worst calibration sample (default 0.95)")
+    p.add_argument("--tail-target", type=float, default=None,
+                   help="captured mass each head must keep over the last 64 (answer) rows on the worst sample "
+                        "(default: --target)")
+    p.add_argument("--candidates", default=None,
+                   help="JSON file: a list of {\"pattern\": ..., \"params\": {...}} (default: a grid scaled to the length)")
+    p.add_argument("--holdout", default="multikey",
+                   help="task scored with the chosen config but not used to choose it ('' to skip; default multikey)")
+    p.add_argument("--last-rows", type=int, default=64, help="query rows the VS proxy samples (default 64)")
+    p.add_argument("--aggregate", choices=("sum", "max", "logits"), default="sum", help="VS proxy aggregation")
+    p.add_argument("--diag-norm", choices=("sum", "mean", "prior"), default="sum", help="VS proxy diagonal normalisation")
+    p.add_argument("--latency", default=None,
+                   help="`workbench bench prefill` JSON: cost = measured time per tile + index time "
+                        "(default cost: physical 64x64 tiles)")
+    p.add_argument("--out", default=None, help="output path (default configs/<model name>.json)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 is faster on a busy shared machine)")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--distributed", action="store_true",
+                   help="spread calibration over the ranks of a torchrun job (implied under torchrun with WORLD_SIZE > 1): "
+                        "torchrun --nproc_per_node N -m workbench search --distributed ...; rank 0 writes the config")
+    p.add_argument("--bench-json", default=None,
+                   help="also time the search and the re-scoring of one edited head, and write them with the "
+                        "held-out recall as benchmark JSON (e.g. assets/benchmarks/search_cpu.json)")
+    p.set_defaults(func=run)
+
+
+def _split(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def task_depth(task: str) -> tuple[str, dict[str, float]]:
+    """"passkey@0.1" -> ("passkey", {"depth": 0.1}); a task without "@" keeps the sample's default depth."""
+    name, _, depth = task.partition("@")
+    if not depth:
+        return name, {}
+    try:
+        value = float(depth)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise ValueError(f"--tasks {task!r}: the depth after '@' must be a fraction in [0, 1], e.g. passkey@0.1")
+    return name, {"depth": value}
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    import os
+    from pathlib import Path
+
+    import torch
+
+    from workbench.search import distributed
+    from workbench.core.capture import capture_attention
+    from workbench.core.corpus import make_sample
+    from workbench.core.model import load_model
+    from workbench.search.search import Candidate, evaluate_config, search_heads
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not 0 < args.target <= 1:
+        raise ValueError(f"--target {args.target} must be a captured-mass fraction in (0, 1], e.g. 0.95")
+    try:
+        lengths = [int(x) for x in _split(args.length)]
+    except ValueError:
+        raise ValueError(f"--length {args.length!r} must be comma-separated integers, e.g. 4096 or 2048,4096") from None
+    tasks = _split(args.tasks)
+    if not tasks or not lengths:
+        raise ValueError("give at least one calibration task (--tasks) and one length (--length)")
+    if args.holdout and args.holdout in [name for name, _ in map(task_depth, tasks)]:
+        raise ValueError(f"--holdout {args.holdout} is also a calibration task: hold out a task not in --tasks")
+    candidates = None
+    if args.candidates:
+        data = json.loads(Path(args.candidates).read_text())
+        if not isinstance(data, list) or not data:
+            raise ValueError(f"--candidates {args.candidates}: expected a non-empty JSON list of "
+                             "{\"pattern\": ..., \"params\": {...}}")
+        candidates = [Candidate.from_dict(d) for d in data]
+        if not any(c.pattern == "dense" for c in candidates):
+            candidates.append(Candidate("dense"))
+    proxy = {"last_rows": args.last_rows, "aggregate": args.aggregate, "diag_norm": args.diag_norm}
+    latency = None
+    if args.latency:
+        from workbench.prefill.latency import load_bench, tile_rates
+
+        latency = tile_rates(load_bench(args.latency))
+    t0, c0 = time.perf_counter(), time.process_time()
+    d = distributed.init() if args.distributed or int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    model, tok, shape = load_model(args.model, device=d.device if d else "cpu")
+    for n in lengths:
+        shape.check_length(n)
+    samples = [make_sample(t, tok, n, seed=args.seed, **d) for t, d in map(task_depth, tasks) for n in lengths]
+    command = (f"workbench search --tasks {','.join(tasks)} --length {','.join(map(str, lengths))} --seed {args.seed} "
+               f"--target {args.target}" + (f" --tail-target {args.tail_target}" if args.tail_target is not None else "")
+               + f" --holdout '{args.holdout}'" + (f" --model {args.model}" if args.model else ""))
+    settings = dict(candidates=candidates, target=args.target, tail_target=args.tail_target, proxy=proxy,
+                    progress=not args.no_progress,
+                    latency=latency, provenance={"command": command, "seed": args.seed, "threads": torch.get_num_threads(),
+                                                 **({"latency": {"bench": args.latency, "rates": latency},
+                                                    "cost": "estimated time: measured ms per 64x64 tile x tiles + index ms"}
+                                                   if latency else {})})
+    if d is None:
+        cfg, ev = search_heads(model, tok, shape, samples, **settings)
+    else:
+        cfg, ev = distributed.search_heads_distributed(model, shape, samples, d, **settings)
+        if cfg is None:  # ranks > 0 are done: rank 0 writes the config
+            distributed.close()
+            return 0
+    distributed.add_fingerprints(cfg, model, shape, samples[0].input_ids)  # per-head q fingerprints for tensor-parallel checks
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+    cfg.provenance["search_seconds"] = round(seconds, 1)
+    cfg.provenance["search_cpu_seconds"] = round(cpu_seconds, 1)
+    cap = None
+    if args.holdout:
+        hold = make_sample(args.holdout, tok, max(lengths), seed=args.seed)
+        cap = capture_attention(model, shape, hold.input_ids, progress=False)
+        cfg.provenance["holdout"] = holdout_summary(evaluate_config(cfg, cap, progress=not args.no_progress), cfg,
+                                                    hold.describe())
+    out = Path(args.out or f"configs/{re.sub(r'[^A-Za-z0-9_.-]+', '-', shape.name)}.json")
+    cfg.save(out)
+    if args.bench_json:
+        write_benchmark(args.bench_json, cfg, model, shape, samples, command, seconds, holdout=cap)
+    print(f"wrote {out}: {cfg.summary()} heads; search {seconds:.0f} s")
+    if "holdout" in cfg.provenance:
+        h = cfg.provenance["holdout"]
+        print(f"held-out {h['sample']['task']}: captured mass mean {h['mass_mean']:.4f}, worst head "
+              f"{h['mass_worst']:.4f}; proxy-vs-oracle gap mean {h['proxy_oracle_gap_mean']:.4f}")
+    if d is not None:
+        distributed.close()
+    return 0
+
+
+def holdout_summary(result: dict, cfg, sample: dict) -> dict:
+    """Condense `evaluate_config` output for provenance: means, worst head, segment means, oracle gap."""
+    import torch
+
+    mass, oracle = result["mass"], result["oracle"]
+    dynamic = torch.tensor([[e.pattern in ("vs", "block") for e in cfg.layer(l)] for l in range(mass.shape[0])])
+    gap = (oracle - mass).clamp(min=0)
+    worst = divmod(int(mass.argmin()), mass.shape[1])
+    return {
+        "sample": sample,
+        "mass_mean": round(float(mass.mean()), 6),
+        "mass_worst": round(float(mass.min()), 6),
+        "worst_head": {"layer": worst[0], "head": worst[1]},
+        "heads_below_target": int((mass < cfg.provenance.get("target", 0.95)).sum()),
+        "segments_mean": {k: round(float(v.mean()), 6) for k, v in result["segments"].items()},
+        "segments_worst": {k: round(float(v.min()), 6) for k, v in result["segments"].items()},
+        "proxy_oracle_gap_mean": round(float(gap[dynamic].mean()) if dynamic.any() else 0.0, 6),
+        "proxy_oracle_gap_mean_all_heads": round(float(gap.mean()), 6),
+    }
+
+
+def write_benchmark(path: str, cfg, model, shape, samples, command: str, search_seconds: float,
+                    holdout=None, layer: int = 5, head: int = 4, repeats: int = 5) -> None:
+    """Time `rescore_head` for one head (cache built once from the calibration samples) and write the
+    benchmark JSON: search time, re-score times, held-out recall and proxy-vs-oracle gap, and (with the
+    held-out capture) the VS proxy's settings compared at one budget."""
+    import os
+    import platform
+    import statistics
+    import time
+
+    import torch
+
+    from workbench.core.capture import capture_attention
+    from workbench.core.io import write_json
+    from workbench.search.search import Candidate, HeadCache, compare_proxies, rescore_head
+
+    t0 = time.perf_counter()
+    caps = [capture_attention(model, shape, s.input_ids, layers=[layer], progress=False) for s in samples]
+    cache = HeadCache.from_captures(caps, layer, head)
+    cache_seconds = time.perf_counter() - t0
+    n = max(s.input_ids.numel() for s in samples)
+    edits = [Candidate("vs", (max(30, n // 32), max(50, n // 16))), Candidate("ashape", (64, max(64, n // 16))),
+             Candidate("block", (max(2, n // 1024),))]
+    rescore = {}
+    for cand in edits:
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            result = rescore_head(cache, cand, cfg.proxy)
+            times.append(time.perf_counter() - t)
+        rescore[cand.label()] = {"median_ms_all_samples": round(1000 * statistics.median(times), 1),
+                                 "min_ms_all_samples": round(1000 * min(times), 1),
+                                 "median_ms_per_sample": round(1000 * statistics.median(times) / len(samples), 1),
+                                 "worst_mass": round(result["worst"], 5)}
+    proxies = None
+    if holdout is not None:
+        vertical, slash = n // 32, n // 8
+        proxies = {"sample": cfg.provenance.get("holdout", {}).get("sample"),
+                   "note": "VS proxy at one budget on the held-out prompt, all heads; forced sink/local per proxy defaults",
+                   "rows": compare_proxies(holdout, vertical, slash, progress=True)}
+    data = {
+        "what": "per-head pattern search of the embedded model on the CPU, and re-scoring one edited head",
+        "command": command,
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
+                    "note": "load_average_1_5_15 (read when the benchmark ends) shows what else ran on the machine"},
+        "model": shape.to_dict(),
+        "calibration": [s.describe() for s in samples],
+        "search": {"seconds_incl_model_load": round(search_seconds, 1), "bar_seconds": 300,
+                   "cpu_seconds_of_this_process": cfg.provenance.get("search_cpu_seconds"),
+                   "layers": shape.n_layers, "heads": shape.n_layers * shape.n_heads,
+                   "candidates": len(cfg.provenance["candidates"]), "patterns": cfg.summary()},
+        "rescore_one_head": {"layer": layer, "head": head, "samples": len(samples), "tokens": n,
+                             "cache_build_seconds": round(cache_seconds, 2), "bar_ms": 300, "edits": rescore},
+        "holdout": cfg.provenance.get("holdout"),
+        "proxy_variants": proxies,
+        "calibration_recall": {
+            "mean_of_head_means": round(sum(e.recall["mean"] for e in cfg.heads) / len(cfg.heads), 5),
+            "worst_head_worst_sample": round(min(e.recall["worst"] for e in cfg.heads), 5),
+            "mean_physical_density": round(sum(e.density["physical"] for e in cfg.heads) / len(cfg.heads), 5)},
+    }
+    write_json(path, data)
+    print(f"wrote {path}: search {search_seconds:.0f} s (bar 300 s); re-score one head "
+          + ", ".join(f"{k} {v['median_ms_all_samples']} ms" for k, v in rescore.items()) + " (bar 300 ms)")

@@ -1,0 +1,2 @@
+"""The model and what is read from it: load_model, prompts (corpus), capture of post-RoPE q/k/v, the
+attention hook, atomic file writes and timing."""

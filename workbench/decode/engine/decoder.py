@@ -1,0 +1,456 @@
+"""Decode loop for a Llama-family model with five KV placements (SparDA's decode schedule and its baselines).
+
+Modes:
+- `dense-resident`: all KV on the GPU, every block attended.
+- `sparse-resident`: all KV on the GPU, attention over the selected blocks (selector `same-layer` or
+  `forecast`).
+- `sparse-offload-sync`: layer 0 resident, other layers' KV in the pinned host store; each layer selects
+  with its own query (InfLLM-V2), copies its missing blocks into its GPU block cache, then attends.
+- `sparse-offload-forecast`: layer l's Forecast head picks layer l+1's blocks; their misses are copied on a
+  side stream while layer l computes; layer l+1 waits on an event for its copy.
+- `forecast-without-prefetch`: forecast selection, but each layer's copy runs on the main stream just
+  before its attention (the ablation: selection without overlap).
+
+The same code runs on the CPU (no streams; PyTorch reference kernels by default), which is how
+losslessness is tested: offload modes must produce exactly the tokens of sparse-resident with the same
+selector. Shapes: B sequences, Hq query heads, Hkv KV heads, D head_dim, 64-token blocks.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from workbench.patterns.infllm import Budget
+from workbench.decode.engine.cache import BlockCache
+from workbench.decode.engine.llama import LlamaLayers
+from workbench.decode.engine.select import CompressedKeyBuffer, all_blocks, select_decode
+from workbench.decode.engine.store import BLOCK, GiB, BlockStore, StoreCapacityError, StoreSpec, host_memory_available
+
+MODES = ("dense-resident", "sparse-resident", "sparse-offload-sync", "sparse-offload-forecast",
+         "forecast-without-prefetch")
+SELECTORS = ("same-layer", "forecast")
+OFFLOAD = MODES[2:]
+SelectHook = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to decode. `selector` only matters for sparse-resident (offload modes fix their own);
+    `cache_blocks` = GPU cache slots per (sequence, KV head), default budget.total; `ctas` = programs of
+    the gather kernel; `kernels` = "triton", "torch" (reference) or "auto" (Triton on CUDA)."""
+
+    mode: str = "sparse-offload-forecast"
+    budget: Budget = field(default_factory=Budget)
+    selector: str = "same-layer"
+    cache_blocks: int | None = None
+    ctas: int = 16
+    kernels: str = "auto"
+    splits: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r} is unknown: choose one of {', '.join(MODES)}")
+        if self.selector not in SELECTORS:
+            raise ValueError(f"selector {self.selector!r} is unknown: choose one of {', '.join(SELECTORS)}")
+        if self.budget.block != BLOCK:
+            raise ValueError(f"the engine moves {BLOCK}-token blocks: budget.block must be {BLOCK}")
+        if self.budget.local < 1:
+            raise ValueError("budget.local must be >= 1: the block being written must always be selected")
+        if self.cache_blocks is not None and self.cache_blocks < self.budget.total:
+            raise ValueError(f"cache_blocks={self.cache_blocks} is below the selection size {self.budget.total}")
+        if self.kernels not in ("auto", "triton", "torch"):
+            raise ValueError(f"kernels {self.kernels!r}: choose auto, triton or torch")
+
+    @property
+    def uses_forecast(self) -> bool:
+        return self.mode in ("sparse-offload-forecast", "forecast-without-prefetch") or (
+            self.mode == "sparse-resident" and self.selector == "forecast")
+
+
+@dataclass
+class DecodeStats:
+    """What one timed run measured. Bytes are host->GPU KV traffic; rates in GB/s (1e9)."""
+
+    mode: str
+    batch: int
+    steps: int
+    seconds: float
+    tokens_per_s: float
+    bytes_moved_per_step: float
+    hit_rate: float | None
+    copy_seconds: float | None = None
+    stall_seconds: float | None = None
+    hidden_fraction: float | None = None
+    copy_gbps: float | None = None
+    peak_gpu_bytes: int | None = None
+    gpu_kv_bytes: int = 0
+    host_kv_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _kernels(kind: str, device: torch.device):
+    use_triton = kind == "triton" or (kind == "auto" and device.type == "cuda")
+    if use_triton:
+        from workbench_kernels.decode import sparse_decode
+        from workbench_kernels.gather import gather_blocks, write_rows
+    else:
+        from workbench_kernels.decode_ref import sparse_decode_ref as sparse_decode
+        from workbench_kernels.gather_ref import gather_blocks_ref as gather_blocks, write_rows_ref as write_rows
+    return use_triton, sparse_decode, gather_blocks, write_rows
+
+
+class DecodeEngine:
+    """Batched greedy decoding of `model` under `config`, for sequences of up to `max_tokens` tokens.
+
+    Everything is sized and checked before it is allocated: host store (offload modes) against
+    `host_limit_bytes` (default 90% of available host memory), GPU KV/caches against free GPU memory.
+    `store` may be a larger existing BlockStore to reuse. `heads` are the Forecast heads (default: the
+    group-mean warm start from the model's query projections). `select_hook(layer, blocks, positions)`
+    may replace a selection (benchmarks use it to impose a block reuse rate).
+    """
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, *, batch: int, max_tokens: int,
+                 heads: Any = None, store: BlockStore | None = None, host_limit_bytes: int | None = None,
+                 select_hook: SelectHook | None = None) -> None:
+        self.lm = lm = LlamaLayers(model)
+        self.config, self.batch, self.select_hook = config, batch, select_hook
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        if max_tokens > lm.max_positions:
+            raise StoreCapacityError(f"{max_tokens} tokens exceed the model's {lm.max_positions} positions: "
+                                     "use a shorter --context or fewer --steps")
+        self.device, self.dtype = lm.device, lm.dtype
+        self.n_blocks = nb = math.ceil(max_tokens / BLOCK)
+        self.max_tokens = nb * BLOCK
+        L, Hkv, D = lm.n_layers, lm.n_kv_heads, lm.head_dim
+        self.offload = config.mode in OFFLOAD
+        self.sparse = config.mode != "dense-resident"
+        self.capacity = config.cache_blocks or config.budget.total
+        esize = torch.tensor([], dtype=self.dtype).element_size()
+        resident_layers = 1 if self.offload else L
+        block_bytes = 2 * BLOCK * D * esize
+        self.block_bytes = block_bytes
+        gpu_need = resident_layers * batch * Hkv * nb * block_bytes
+        if self.offload:
+            gpu_need += (L - 1) * batch * Hkv * self.capacity * block_bytes
+        if self.sparse:
+            gpu_need += L * batch * Hkv * ((max_tokens // config.budget.stride + 2) * esize + 32 * 4) * D
+        self.gpu_kv_bytes = gpu_need
+        spec = StoreSpec(L - 1, batch, Hkv, nb, D, self.dtype) if self.offload else None
+        self.host_kv_bytes = spec.nbytes if spec else 0
+        # --- refuse before allocating anything
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+            if gpu_need > free:
+                raise StoreCapacityError(f"{config.mode} needs {gpu_need / GiB:.2f} GiB of GPU memory for KV "
+                                         f"(batch {batch} x {self.max_tokens} tokens) but {free / GiB:.2f} GiB "
+                                         "are free: reduce --batch or --context, or use an offload mode")
+        elif not self.offload:
+            limit = int(0.9 * host_memory_available()) if host_limit_bytes is None else host_limit_bytes
+            if gpu_need > limit:
+                raise StoreCapacityError(f"{config.mode} needs {gpu_need / GiB:.2f} GiB for KV but only "
+                                         f"{limit / GiB:.2f} GiB of host memory may be used: reduce --batch or --context")
+        if self.offload:
+            self._own_store = store is None
+            if store is None:
+                store = BlockStore(spec, limit_bytes=host_limit_bytes)
+            elif store.spec.layers < L - 1 or store.spec.kv_heads != Hkv or store.spec.head_dim != D \
+                    or store.spec.dtype != self.dtype:
+                raise StoreCapacityError(f"the given store {store.spec} does not match {L - 1} layers, {Hkv} heads, "
+                                         f"head_dim {D}, {self.dtype}: make a store for this model")
+            self.store = store
+            self.host = [store.view(i, batch, nb) for i in range(L - 1)]  # checks the size
+        self.triton, self._decode, self._gather, self._write_rows = _kernels(config.kernels, self.device)
+        dev = self.device
+        # --- allocate
+        self.kv = [torch.zeros(2, batch, Hkv, nb, BLOCK, D, dtype=self.dtype, device=dev)
+                   for _ in range(resident_layers)]
+        self.caches = [BlockCache(batch, Hkv, self.capacity, nb, D, self.dtype, dev) for _ in range(L - 1)] \
+            if self.offload else []
+        self.ck = [CompressedKeyBuffer(batch, Hkv, D, self.max_tokens, config.budget, dev, self.dtype) for _ in range(L)] \
+            if self.sparse else []
+        self.heads = None
+        if config.uses_forecast:
+            if heads is None:
+                from workbench.decode.forecast.heads import ForecastHeads
+                from workbench.core.model import model_shape
+
+                heads = ForecastHeads.from_queries(model, model_shape(model, "engine", fp="-"))
+            self.heads = heads.to(dev)
+        self.positions = torch.zeros(batch, dtype=torch.long, device=dev)
+        row = torch.arange(batch * Hkv, device=dev).view(batch, Hkv, 1)
+        self._row_resident = row * nb
+        self.cuda = dev.type == "cuda"
+        self.side = torch.cuda.Stream(dev) if self.cuda else None
+        self.copy_done = [torch.cuda.Event() for _ in range(L)] if self.cuda else []
+        self.timing = False
+        self._events: list[tuple[str, Any, Any]] = []
+        self._graph: Any = None  # CUDA graph of one step (captured by `run(graph=True)`)
+        self._graph_io: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # ------------------------------------------------------------------ filling the cache
+    def _host_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.host[layer - 1]
+        return k.view(-1, self.lm.head_dim), v.view(-1, self.lm.head_dim)
+
+    def _kv_of(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[B, Hkv, n_blocks * 64, D]` K and V of a layer wherever it lives (resident or host store)."""
+        if not self.offload or layer == 0:
+            kv = self.kv[layer]
+            return kv[0].flatten(2, 3), kv[1].flatten(2, 3)
+        k, v = self.host[layer - 1]
+        return k.flatten(2, 3), v.flatten(2, 3)
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[torch.Tensor], steps: int, prefilled: list | None = None) -> torch.Tensor:
+        """Dense prefill of each prompt `[N_b]` (different lengths allowed) -> first tokens `[B]`.
+
+        Refuses (before writing anything) prompts whose length + `steps` exceeds the engine's capacity.
+        `prefilled[b]` may hold `LlamaLayers.prefill(prompts[b])` computed earlier (to compare modes).
+        """
+        if len(prompts) != self.batch:
+            raise ValueError(f"got {len(prompts)} prompts for an engine of batch {self.batch}")
+        longest = max(int(p.numel()) for p in prompts)
+        if min(int(p.numel()) for p in prompts) < 1:
+            raise ValueError("a prompt is empty: give at least one token per sequence")
+        if longest + steps > self.max_tokens:
+            raise StoreCapacityError(f"the longest prompt ({longest} tokens) + {steps} steps exceeds the engine's "
+                                     f"capacity of {self.max_tokens} tokens: make the engine with a larger "
+                                     "max_tokens (--context) or decode fewer --steps")
+        first = torch.empty(self.batch, dtype=torch.long, device=self.device)
+        for b, ids in enumerate(prompts):
+            ks, vs, logits = prefilled[b] if prefilled else self.lm.prefill(ids.reshape(-1))
+            n = ids.numel()
+            for layer, (k, v) in enumerate(zip(ks, vs)):
+                dk, dv = self._kv_of(layer)
+                dk[b, :, :n] = k.to(dk.device)
+                dv[b, :, :n] = v.to(dv.device)
+                if self.sparse:
+                    self.ck[layer].fill(b, k)
+            first[b] = logits.argmax()
+            self.positions[b] = n
+        return first
+
+    @torch.no_grad()
+    def fill_synthetic(self, lengths: list[int], seed: int = 0, fill_host: bool = True) -> None:
+        """Benchmark start: random KV and compressed keys as if prompts of `lengths` were prefilled.
+        `fill_host=False` leaves the host store as it is (a benchmark fills it once)."""
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        if len(lengths) != self.batch or max(lengths) > self.max_tokens:
+            raise StoreCapacityError(f"need {self.batch} lengths of at most {self.max_tokens} tokens, got {lengths}")
+        for layer in range(self.lm.n_layers):
+            if self.offload and layer > 0 and not fill_host:
+                continue
+            dk, dv = self._kv_of(layer)
+            for t in (dk, dv):
+                for b in range(self.batch):  # one sequence at a time bounds the staging buffer
+                    src = torch.randn(t.shape[1:], generator=g, device=self.device, dtype=torch.float32)
+                    t[b].copy_(src.to(self.dtype))
+        for ck in self.ck:
+            ck.keys.normal_(generator=g)
+            ck.tail.normal_(generator=g)
+        self.positions.copy_(torch.tensor(lengths, device=self.device))
+
+    # ------------------------------------------------------------------ one decode step
+    def _select_hooked(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
+        return self.select_hook(layer, blocks, self.positions) if self.select_hook else blocks
+
+    def _forecast(self, target: int, h: torch.Tensor, cosf: torch.Tensor, sinf: torch.Tensor,
+                  visible_upto: torch.Tensor) -> torch.Tensor:
+        f = self.heads.query(target, h, cosf, sinf)  # [B, Hkv, 1, D]
+        blocks = select_decode(f, self.ck[target], self.positions, visible_upto, self.n_blocks,
+                               self.config.budget)
+        return self._select_hooked(target, blocks)
+
+    def _copy(self, layer: int, plan, stream_events: tuple[Any, Any] | None) -> None:
+        cache = self.caches[layer - 1]
+        hk, hv = self.host[layer - 1]
+        src_k, src_v = hk.view(-1, BLOCK * self.lm.head_dim), hv.view(-1, BLOCK * self.lm.head_dim)
+        dst_k, dst_v = cache.k.view(cache.k.shape[0], -1), cache.v.view(cache.v.shape[0], -1)
+        if stream_events:
+            stream_events[0].record()
+        if self.triton:
+            self._gather(src_k, src_v, dst_k, dst_v, plan.src, plan.dst, plan.count, ctas=self.config.ctas)
+        else:
+            self._gather(src_k, src_v, dst_k, dst_v, plan.src, plan.dst, plan.count)
+        if stream_events:
+            stream_events[1].record()
+
+    def _event_pair(self, kind: str) -> tuple[Any, Any] | None:
+        if not (self.cuda and self.timing):
+            return None
+        pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        self._events.append((kind, *pair))
+        return pair
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per sequence `[B]` at the current positions -> next-token logits `[B, V]`."""
+        lm, cfg, pos = self.lm, self.config, self.positions
+        B, Hkv, D, L = self.batch, lm.n_kv_heads, lm.head_dim, lm.n_layers
+        G = lm.n_heads // Hkv
+        x = lm.embed(tokens.view(B, 1))
+        cos, sin = lm.rope(pos.view(B, 1))
+        cosf, sinf = lm.rope(pos.view(B, 1), torch.float32) if self.heads is not None else (None, None)
+        forecast: dict[int, torch.Tensor] = {}
+        plans: dict[int, Any] = {}
+        for layer in range(L):
+            h = lm.norm_in(layer, x)
+            q, k, v = lm.qkv(layer, h, cos, sin)
+            q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [B, H, D]
+            offloaded = self.offload and layer > 0
+            if self.heads is not None and layer + 1 < L:
+                # Layer l's head picks layer l+1's blocks before layer l+1 has seen this token. Selection and
+                # block-map update stay on the main stream; only the copy goes to the side stream (moving
+                # selection there too was measured slower on the H200: 678 vs 807 tok/s at 128K, batch 8).
+                blocks_next = self._forecast(layer + 1, h, cosf, sinf, pos - 1)
+                if cfg.mode == "sparse-offload-forecast":
+                    plan = self.caches[layer].plan(blocks_next)
+                    if self.cuda:
+                        self.side.wait_stream(torch.cuda.current_stream())  # selection and plan are ready
+                        with torch.cuda.stream(self.side):
+                            self._copy(layer + 1, plan, self._event_pair("copy"))
+                            self.copy_done[layer + 1].record(self.side)
+                    else:
+                        self._copy(layer + 1, plan, None)
+                    plans[layer + 1] = plan
+                forecast[layer + 1] = blocks_next
+            if self.sparse:
+                self.ck[layer].append(k, pos)
+            # ---- this layer's selection
+            if not self.sparse:
+                blocks = all_blocks(pos, Hkv, self.n_blocks)
+            elif cfg.uses_forecast:
+                blocks = forecast[layer] if layer > 0 else self._forecast(0, h, cosf, sinf, pos)
+            else:
+                blocks = self._select_hooked(layer, select_decode(q.view(B, Hkv, G, D), self.ck[layer], pos, pos,
+                                                                  self.n_blocks, cfg.budget))
+            # ---- KV in place, then attention
+            if offloaded:
+                cache = self.caches[layer - 1]
+                if cfg.mode == "sparse-offload-forecast":
+                    plan = plans[layer]
+                    if self.cuda:
+                        pair = self._event_pair("stall")
+                        if pair:
+                            pair[0].record()
+                        torch.cuda.current_stream().wait_event(self.copy_done[layer])
+                        if pair:
+                            pair[1].record()
+                else:
+                    plan = cache.plan(blocks)
+                    pair = self._event_pair("copy")
+                    self._copy(layer, plan, pair)
+                    if pair:
+                        self._events.append(("stall", *pair))  # on the main stream the copy is all stall
+                hk, hv = self._host_rows(layer)
+                rows = ((torch.arange(B * Hkv, device=pos.device).view(B, Hkv) * self.n_blocks * BLOCK)
+                        + pos.view(B, 1)).flatten()
+                self._write_rows(hk, hv, k.reshape(-1, D).contiguous(), v.reshape(-1, D).contiguous(), rows)
+                crow = cache.token_rows(pos).flatten()
+                cache.k.view(-1, D)[crow] = k.reshape(-1, D)
+                cache.v.view(-1, D)[crow] = v.reshape(-1, D)
+                k_pool, v_pool, slots = cache.k, cache.v, plan.slots
+            else:
+                kv = self.kv[layer]
+                bidx = torch.arange(B, device=pos.device)
+                kv[0].flatten(2, 3)[bidx, :, pos] = k
+                kv[1].flatten(2, 3)[bidx, :, pos] = v
+                k_pool, v_pool = kv[0].view(-1, BLOCK, D), kv[1].view(-1, BLOCK, D)
+                slots = torch.where(blocks >= 0, blocks + self._row_resident, -1)
+            if self.triton:
+                o = self._decode(q, k_pool, v_pool, blocks, slots, pos + 1, lm.scale, splits=cfg.splits)
+            else:
+                o = self._decode(q, k_pool, v_pool, blocks, slots, pos + 1, lm.scale)
+            x = lm.finish(layer, x, o.reshape(B, 1, -1))
+        self.positions += 1
+        return lm.logits(x)[:, 0]
+
+    # ------------------------------------------------------------------ generation and timing
+    def _counters(self) -> tuple[int, int]:
+        if not self.caches:
+            return 0, 0
+        return int(sum(c.hits for c in self.caches)), int(sum(c.misses for c in self.caches))
+
+    def _capture(self) -> None:
+        """Record one whole step (both streams) as a CUDA graph; replays then cost no Python or launch time.
+        Everything a step touches lives in fixed buffers and is updated in place, so a replay is a step."""
+        tok = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self.step(tok)
+        self._graph, self._graph_io = graph, (tok, logits)
+
+    def _graph_step(self, tokens: torch.Tensor) -> torch.Tensor:
+        tok, logits = self._graph_io
+        tok.copy_(tokens)
+        self._graph.replay()
+        return logits
+
+    @torch.no_grad()
+    def run(self, first: torch.Tensor, steps: int, *, force: torch.Tensor | None = None, keep_logits: bool = False,
+            timing: bool = False, graph: bool = False, progress: bool = True
+            ) -> tuple[torch.Tensor, torch.Tensor | None, DecodeStats]:
+        """Greedy decode `steps` tokens starting from `first` `[B]` (or feed `force` `[B, steps]`, teacher
+        forcing) -> tokens `[B, steps]`, logits `[B, steps, V]` (if keep_logits, on the CPU), stats.
+
+        `timing` records CUDA events around every copy and every wait (copy time, stall, hidden fraction).
+        `graph` (CUDA only, not with timing) runs the first step eagerly, captures the next as a CUDA graph
+        and replays it from then on.
+        """
+        if int(self.positions.max()) + steps > self.max_tokens:
+            raise StoreCapacityError(f"{steps} more steps would pass the capacity of {self.max_tokens} tokens")
+        if graph and (timing or not self.cuda):
+            raise ValueError("graph=True needs CUDA and cannot be combined with timing=True")
+        self.timing, self._events = timing, []
+        h0, m0 = self._counters()
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        tokens = torch.empty(self.batch, steps, dtype=torch.long, device=self.device)
+        kept = []
+        t0 = time.perf_counter()
+        tok = first
+        for s in tqdm(range(steps), desc=self.config.mode, unit="step", disable=not progress, leave=False):
+            if graph and self._graph is not None:
+                logits = self._graph_step(tok)
+            else:
+                logits = self.step(tok)
+                if graph:
+                    self._capture()
+            tokens[:, s] = logits.argmax(-1)
+            if keep_logits:
+                kept.append(logits.float().cpu())
+            tok = force[:, s].to(self.device) if force is not None else tokens[:, s]
+        if self.cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        h1, m1 = self._counters()
+        hits, misses = h1 - h0, m1 - m0
+        stats = DecodeStats(
+            mode=self.config.mode, batch=self.batch, steps=steps, seconds=seconds,
+            tokens_per_s=self.batch * steps / seconds, bytes_moved_per_step=misses * self.block_bytes / steps,
+            hit_rate=hits / (hits + misses) if hits + misses else None,
+            peak_gpu_bytes=torch.cuda.max_memory_allocated() if self.cuda else None,
+            gpu_kv_bytes=self.gpu_kv_bytes, host_kv_bytes=self.host_kv_bytes)
+        if self._events:
+            copy = sum(a.elapsed_time(b) for kind, a, b in self._events if kind == "copy") / 1e3
+            stall = sum(a.elapsed_time(b) for kind, a, b in self._events if kind == "stall") / 1e3
+            stats.copy_seconds, stats.stall_seconds = copy, stall
+            stats.hidden_fraction = max(0.0, 1 - stall / copy) if copy > 0 else None
+            stats.copy_gbps = misses * self.block_bytes / copy / 1e9 if copy > 0 else None
+        self.timing, self._events = False, []
+        return tokens, (torch.stack(kept, 1) if keep_logits else None), stats
+
+    def close(self) -> None:
+        """Drop the GPU buffers and the CUDA graph, and unpin the host store if this engine made it."""
+        self.kv, self.caches, self.ck, self._graph, self._graph_io = [], [], [], None, None
+        if self.offload and self._own_store:
+            self.store.close()

@@ -1,0 +1,80 @@
+"""Batched decode-time block selection for the engine, built on `workbench.patterns.infllm`.
+
+The selector itself (group softmax, max-pool to blocks, forced init/local blocks, top-k) is InfLLM-V2's
+from `patterns.infllm`; this module adds what a batched decoder needs around it: a fixed-capacity
+compressed-key buffer per layer that grows token by token with a different length per sequence (no
+reallocation, no host synchronisation), and per-sequence positions.
+"""
+from __future__ import annotations
+
+import torch
+
+from workbench.decode.engine.store import BLOCK
+from workbench.patterns.infllm import Budget, compress_keys, group_scores, pool_to_blocks, topk_blocks
+
+
+class CompressedKeyBuffer:
+    """Compressed keys (mean of `window` keys every `stride` tokens) of one layer, batch-first.
+
+    keys `[B, Hkv, capacity + 1, D]` in `dtype` (means are taken in float32; the last column is a sink for
+    sequences that complete no window at a step); tail `[B, Hkv, window, D]` float32 holds the last
+    `window` raw keys, token t at t % window. Entry j is valid once token j*stride + window - 1 is appended.
+    """
+
+    def __init__(self, batch: int, kv_heads: int, head_dim: int, max_tokens: int, budget: Budget,
+                 device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
+        self.budget = budget
+        self.capacity = max(0, (max_tokens - budget.window) // budget.stride + 1)
+        self.keys = torch.zeros(batch, kv_heads, self.capacity + 1, head_dim, device=device, dtype=dtype)
+        self.tail = torch.zeros(batch, kv_heads, budget.window, head_dim, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size() + self.tail.numel() * 4
+
+    def fill(self, b: int, k: torch.Tensor) -> None:
+        """Prefill of sequence b: k `[Hkv, N, D]` (positions 0..N-1)."""
+        w, n = self.budget.window, k.shape[1]
+        ck = compress_keys(k.float(), w, self.budget.stride)
+        self.keys[b, :, :ck.shape[1]] = ck.to(self.keys.dtype)
+        last = torch.arange(max(0, n - w), n, device=k.device)
+        self.tail[b, :, last % w] = k[:, last].float()
+
+    def append(self, k: torch.Tensor, positions: torch.Tensor) -> None:
+        """Add each sequence's new key: k `[B, Hkv, D]` at `positions` `[B]`; completes a window where
+        (position + 1) is a multiple of the stride and position >= window - 1."""
+        w, s = self.budget.window, self.budget.stride
+        B = k.shape[0]
+        batch = torch.arange(B, device=k.device)
+        self.tail[batch, :, positions % w] = k.float()
+        done = ((positions + 1) % s == 0) & (positions >= w - 1)
+        j = torch.where(done, (positions - (w - 1)) // s, self.capacity)
+        order = (positions[:, None] - (w - 1) + torch.arange(w, device=k.device)) % w  # token order
+        window = self.tail.gather(2, order[:, None, :, None].expand(-1, self.tail.shape[1], -1, self.tail.shape[3]))
+        self.keys[batch, :, j] = window.mean(2).to(self.keys.dtype)
+
+
+def select_decode(q_group: torch.Tensor, ck: CompressedKeyBuffer, positions: torch.Tensor,
+                  visible_upto: torch.Tensor, n_blocks: int, budget: Budget, scale: float | None = None
+                  ) -> torch.Tensor:
+    """InfLLM-V2 selection for one new token per sequence.
+
+    q_group `[B, Hkv, G, D]` (the G query heads of each group, or G = 1 for a Forecast head);
+    positions `[B]`: the token being decoded (its block and the `local` blocks before it are forced);
+    visible_upto `[B]`: the last token whose key is in `ck` (= positions for the same-layer selector;
+    positions - 1 for a forecast made before the target layer has seen the new token); n_blocks: blocks
+    per sequence the caller can address (> every position // block). -> block ids
+    `[B, Hkv, K]`, ascending, -1 padded, K = budget.total.
+    """
+    B = q_group.shape[0]
+    s = group_scores(q_group[:, :, :, None, :], ck.keys[:, :, :-1], visible_upto.view(B, 1, 1, 1),
+                     window=budget.window, stride=budget.stride, scale=scale)  # [B, Hkv, 1, Nc]
+    blocks = pool_to_blocks(s, n_blocks, block=budget.block, window=budget.window, stride=budget.stride)
+    return topk_blocks(blocks, (positions // budget.block).view(B, 1, 1), budget)[:, :, 0]
+
+
+def all_blocks(positions: torch.Tensor, kv_heads: int, n_blocks: int) -> torch.Tensor:
+    """Dense 'selection': every block up to the current one -> `[B, Hkv, n_blocks]`, -1 past the end."""
+    ids = torch.arange(n_blocks, device=positions.device).view(1, 1, -1)
+    ids = ids.expand(positions.shape[0], kv_heads, -1)
+    return torch.where(ids <= (positions // BLOCK).view(-1, 1, 1), ids, -1)

@@ -1,0 +1,1 @@
+"""SparDA Forecast heads: the heads and their targets, training, and the selector report."""

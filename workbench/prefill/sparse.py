@@ -1,0 +1,433 @@
+"""Sparse prefill of a whole transformers model from a HeadConfig, through `attention_override`.
+
+`SparsePrefill(model, shape, config)` is a context manager: inside it, every attention call of a
+prefill (query length = key length = n >= `min_length`) builds the online index of each head as the
+config prescribes and runs sparse attention; everything else runs the model's dense SDPA:
+
+- decode steps (query length 1) and chunked prefill over a cached prefix (query length < key length);
+- prompts shorter than `min_length` (dense wins below the crossover measured on the H200);
+- layers outside `layers` (diagnostic mode: sparsity on a chosen set of layers only);
+- layers whose heads are all "dense" in the config;
+- calls that carry an explicit attention mask (padding): the sparse kernels are causal-only.
+
+The model's own projections, RoPE and KV cache are untouched, so the full KV cache is still written.
+Backends: on CUDA the Triton kernel over physical tiles (one launch per layer, any mix of patterns:
+`workbench_kernels.prefill.sparse_prefill`, index from the Triton VS builder and the pooled block
+proxy); on CPU an exact PyTorch reference (SDPA under the config's row masks, row chunk by row chunk,
+over only the keys some head of the chunk reads).
+
+`timing=True` records, per layer of the last prefill, T_proj (q/k/v/o projections), T_index, T_sparse
+(the attention kernel; dense SDPA on dense layers) and T_other (the rest of the layer: norms, RoPE,
+cache update, MLP, residuals), with CUDA events on a GPU and wall time on the CPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+from workbench.core.attention import attention_override, dense_attention
+from workbench.search.config import PROXY_DEFAULTS, HeadConfig
+from workbench.core.model import ModelShape
+
+# Prefill length below which prompts run dense: the first measured length at which the sparse model
+# (block-sparse top-100 and A-shape configs, Llama-3-8B shape, bf16, H200) beats dense SDPA end to end;
+# interpolated crossovers are 22K-25K tokens (assets/benchmarks/prefill_e2e_h200.json).
+DEFAULT_MIN_LENGTH = 32768
+NO_WINDOW = 1 << 30  # the Triton kernel's "no window" value (workbench_kernels.prefill.NO_WINDOW)
+ROW_CHUNK = 256
+TRITON_PROXY = {"last_rows": 64, "aggregate": "sum", "diag_norm": "sum"}  # what the Triton VS builder computes
+
+
+@dataclass
+class LayerPlan:
+    """One layer's heads grouped by pattern, with per-head budgets `[Hq]` (0 where a head has another
+    pattern). Dense heads run as an A-shape with no window inside a mixed launch."""
+
+    vs: list[int]
+    block: list[int]
+    ashape: list[int]
+    dense: list[int]
+    vertical: torch.Tensor
+    slash: torch.Tensor
+    topk: torch.Tensor
+    sink: torch.Tensor  # Int `[Hq]`: A-shape sink tokens (0 elsewhere)
+    window: torch.Tensor  # Int `[Hq]`: A-shape window (NO_WINDOW elsewhere)
+
+    @property
+    def all_dense(self) -> bool:
+        return not (self.vs or self.block or self.ashape)
+
+    @classmethod
+    def from_config(cls, config: HeadConfig, layer: int) -> "LayerPlan":
+        entries = config.layer(layer)
+        groups: dict[str, list[int]] = {"vs": [], "block": [], "ashape": [], "dense": []}
+        for h, e in enumerate(entries):
+            groups[e.pattern].append(h)
+        param = lambda pattern, key, other: torch.tensor(  # noqa: E731
+            [e.params[key] if e.pattern == pattern else other for e in entries], dtype=torch.long)
+        return cls(**groups, vertical=param("vs", "vertical", 0), slash=param("vs", "slash", 0),
+                   topk=param("block", "topk", 1), sink=param("ashape", "sink", 0).int(),
+                   window=param("ashape", "window", NO_WINDOW).int())
+
+
+class SparsePrefill:
+    """Run `model` with the sparse prefill `config` prescribes (use as `with SparsePrefill(...) as sp:`).
+
+    config: a HeadConfig validated against `shape` (a mismatch raises ConfigError naming the field).
+    min_length: prompts shorter than this run dense (default `DEFAULT_MIN_LENGTH`; 0 = always sparse).
+    layers: the layers that run sparse (default all; diagnostic mode localises quality loss).
+    backend: "auto" (Triton on CUDA, PyTorch reference on CPU), "triton" or "torch".
+    compare: also run dense attention on every sparse layer and record the cosine of the two outputs
+    (`cosine[layer]`, one value per query head; costs a dense attention per layer).
+    timing: record the per-layer time breakdown of each prefill (`breakdown()`).
+    record_density: keep each sparse layer's physical density (tile area / causal pairs, `density[layer]`;
+    Triton backend). num_stages: the kernel's pipeline stages (3 was fastest for 64-row tiles in
+    assets/benchmarks/prefill_sweep_h200.json).
+    After use, `calls` counts attention calls per (mode, reason).
+    """
+
+    def __init__(self, model: torch.nn.Module, shape: ModelShape, config: HeadConfig, *,
+                 min_length: int = DEFAULT_MIN_LENGTH, layers: Iterable[int] | None = None,
+                 backend: str = "auto", compare: bool = False, timing: bool = False,
+                 record_density: bool = False, num_stages: int = 3, strict_weights: bool = False):
+        config.validate(shape, strict_weights=strict_weights)
+        if backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"backend={backend!r} is unknown: use 'auto', 'triton' or 'torch'")
+        if min_length < 0:
+            raise ValueError(f"min_length={min_length} must be >= 0 tokens (0 = sparse at every length)")
+        self.model, self.shape, self.config = model, shape, config
+        self.min_length, self.backend, self.compare, self.num_stages = min_length, backend, compare, num_stages
+        self.layers = set(range(shape.n_layers)) if layers is None else {shape.check_layer(l) for l in layers}
+        self.plans = [LayerPlan.from_config(config, l) for l in range(shape.n_layers)]
+        self.calls: Counter[tuple[str, str]] = Counter()
+        self.cosine: dict[int, torch.Tensor] = {}
+        self.record_density = record_density
+        self.density: dict[int, float] = {}
+        self.timer = LayerTimer(model) if timing else None
+        self._stack: contextlib.ExitStack | None = None
+
+    # ---- context manager -----------------------------------------------------------------------
+    def __enter__(self) -> "SparsePrefill":
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(attention_override(self.model, self.attention))
+        if self.timer is not None:
+            self._stack.enter_context(self.timer)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._stack is not None
+        self._stack.close()
+        self._stack = None
+
+    def breakdown(self) -> list[dict[str, Any]]:
+        """Per layer of the last prefill: proj/index/sparse/other/layer milliseconds and the mode."""
+        if self.timer is None:
+            raise ValueError("timing was off: create SparsePrefill(..., timing=True) to get a breakdown")
+        return self.timer.breakdown()
+
+    # ---- dispatch ------------------------------------------------------------------------------
+    def mode(self, layer: int, q_len: int, k_len: int) -> tuple[str, str]:
+        """("sparse" | "dense", reason) for one attention call."""
+        if q_len != k_len or q_len == 1:
+            return "dense", "decode" if q_len == 1 else "cached prefix"
+        if q_len < self.min_length:
+            return "dense", "short"
+        if layer not in self.layers:
+            return "dense", "layer off"
+        if self.plans[layer].all_dense:
+            return "dense", "dense layer"
+        return "sparse", "prefill"
+
+    def attention(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        """Same contract as `dense_attention`: q `[B, Hq, N, D]`, k/v `[B, Hkv, Nk, D]` -> `[B, N, Hq, D]`."""
+        layer = module.layer_idx
+        mode, reason = self.mode(layer, query.shape[2], key.shape[2])
+        if mode == "sparse" and attention_mask is not None:  # padding or a custom mask: the kernels are causal-only
+            mode, reason = "dense", "attention mask"
+        self.calls[(mode, reason)] += 1
+        timer = self.timer
+        if mode == "dense":
+            if timer:
+                timer.mark(layer, "attn_start")
+                timer.mark(layer, "index_end")
+            out = dense_attention(module, query, key, value, attention_mask, **kwargs)
+            if timer:
+                timer.mark(layer, "attn_end", mode="dense", reason=reason)
+            return out
+        scale = kwargs.get("scaling") or module.scaling
+        if timer:
+            timer.mark(layer, "attn_start")
+        backend = self.backend if self.backend != "auto" else ("triton" if query.is_cuda else "torch")
+        groups = self.group_tiles(layer, query, key, scale, triton=backend == "triton")
+        if backend == "triton":
+            tiles, sink, window = self.merge(layer, groups, query)
+            if timer:
+                timer.mark(layer, "index_end")
+            from workbench_kernels.prefill import sparse_prefill
+
+            o, _ = sparse_prefill(query, key, value, tiles, sink=sink, window=window, scale=scale,
+                                  num_stages=self.num_stages)
+            if self.record_density:
+                from workbench_kernels.index_ref import tile_area
+
+                n = query.shape[2]
+                self.density[layer] = float(tile_area(tiles, n).sum()) / (query.shape[0] * query.shape[1] * n * (n + 1) / 2)
+        else:
+            if timer:
+                timer.mark(layer, "index_end")
+            o = self.reference(layer, groups, query, key, value, scale)
+        if timer:
+            timer.mark(layer, "attn_end", mode="sparse", reason=backend)
+        if self.compare:
+            ref = dense_attention(module, query, key, value, attention_mask, **kwargs)[0].transpose(1, 2)
+            self.cosine[layer] = torch.nn.functional.cosine_similarity(
+                o.float().flatten(2), ref.float().flatten(2), dim=-1).mean(0).cpu()
+        return o.transpose(1, 2).contiguous(), None
+
+    # ---- the index: physical tiles of one layer ---------------------------------------------------
+    @torch.no_grad()
+    def group_tiles(self, layer: int, q: torch.Tensor, k: torch.Tensor, scale: float,
+                    triton: bool = True) -> dict[str, Any]:
+        """Tiles of one layer's VS and block heads: {"vs": VSTiles over plan.vs, "block": over plan.block}
+        (only the groups present), on q's device. VS from the last-rows proxy (the Triton builder when
+        `triton` and the proxy settings allow, else `vs_proxy`), block from pooled top-k (`block_index`
+        with `triton`, else `block_proxy`: the same selection). Tiles are the
+        keys the kernel computes (for VS: the logical index plus its tile expansion).
+        q `[B, Hq, N, D]`, k `[B, Hkv, N, D]`."""
+        from workbench_kernels.index_ref import block_sparse_to_tiles, vs_to_tiles
+
+        from workbench.patterns import block_proxy, vs_proxy
+        from workbench.patterns.proxy import top_positions
+
+        plan, proxy = self.plans[layer], self.config.proxy
+        n, dev, block = q.shape[2], q.device, self.config.block
+        out: dict[str, Any] = {}
+        if plan.vs:
+            if triton and all(proxy.get(key, PROXY_DEFAULTS[key]) == value for key, value in TRITON_PROXY.items()):
+                from workbench_kernels.index_build import vs_scores
+
+                col, diag = vs_scores(q, k, scale)
+                cols = top_positions(col, proxy["sink"], int(plan.vertical.max()), plan.vertical.to(dev))
+                offs = top_positions(diag, max(proxy["local"], 1), int(plan.slash.max()), plan.slash.to(dev))
+            else:
+                cols, offs = vs_proxy(q, k, scale, plan.vertical, plan.slash, **proxy)
+            h = torch.tensor(plan.vs, device=dev)
+            cols, offs = cols[:, h].contiguous(), offs[:, h].contiguous()
+            if triton:
+                from workbench_kernels.index_build import vs_tiles
+
+                out["vs"] = vs_tiles(cols, offs, n, block)
+            else:
+                out["vs"] = vs_to_tiles(cols, offs, n, block)
+        if plan.block:
+            if triton:
+                from workbench_kernels.index_build import block_index
+
+                table = block_index(q, k, plan.topk, block)
+            else:
+                table = block_proxy(q, k, plan.topk, block)
+            out["block"] = block_sparse_to_tiles(table[:, torch.tensor(plan.block, device=dev)], n, block)
+        return out
+
+    def merge(self, layer: int, groups: dict[str, Any], q: torch.Tensor):
+        """One launch's (VSTiles over all Hq heads, sink `[Hq]` | None, window `[Hq]` | None): the groups'
+        tiles plus the A-shape and dense heads as bands (dense = no window)."""
+        from workbench_kernels.index_ref import ashape_to_tiles, merge_tiles
+
+        plan = self.plans[layer]
+        B, Hq, n, _ = q.shape
+        parts = [(getattr(plan, name), tiles) for name, tiles in groups.items()]
+        banded = plan.ashape + plan.dense
+        if banded:
+            h = torch.tensor(banded)
+            parts.append((banded, ashape_to_tiles(plan.sink[h].clamp(max=n), plan.window[h].clamp(max=n), n, B,
+                                                  self.config.block, device=q.device)))
+        tiles = parts[0][1] if len(parts) == 1 else merge_tiles(parts, Hq)
+        if not banded:
+            return tiles, None, None
+        return tiles, plan.sink.to(q.device), plan.window.to(q.device)
+
+    @torch.no_grad()
+    def reference(self, layer: int, groups: dict[str, Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+        """The kernel's result in PyTorch, one head group at a time: dense heads by causal SDPA, A-shape
+        heads under their token mask, VS and block heads under their tiles' row masks. -> o `[B, Hq, N, D]`."""
+        plan = self.plans[layer]
+        G = q.shape[1] // k.shape[1]
+        o = torch.empty_like(q, memory_format=torch.contiguous_format)
+        for heads, rows in ((plan.vs, lambda t: lambda r0, r1: tile_rows(t, r0, r1)),
+                            (plan.block, lambda t: lambda r0, r1: tile_rows(t, r0, r1)),
+                            (plan.ashape, None), (plan.dense, None)):
+            if not heads:
+                continue
+            h = torch.tensor(heads, device=q.device)
+            qh, kh, vh = q[:, h], k[:, h // G], v[:, h // G]
+            if heads is plan.dense:
+                o[:, h] = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+                continue
+            if heads is plan.ashape:
+                sink, window = plan.sink[h.cpu()], plan.window[h.cpu()]
+                fn = lambda r0, r1, g=sink, w=window: band_rows(g, w, r0, r1)  # noqa: E731
+            else:
+                fn = rows(groups["vs" if heads is plan.vs else "block"])
+            o[:, h] = masked_prefill(qh, kh, vh, fn, scale)
+        return o
+
+
+def band_rows(sink: torch.Tensor, window: torch.Tensor, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The A-shape mask of rows r0..r1-1 (j <= i and (j < sink or i - j < window)) over the keys some
+    head reads: (keys Long `[K]`, mask Bool `[H, r1 - r0, K]`)."""
+    lo = max(0, r0 - int(window.max()) + 1)
+    keys = torch.cat([torch.arange(min(int(sink.max()), lo)), torch.arange(lo, r1)])
+    d = (torch.arange(r0, r1)[:, None] - keys[None, :]).int()
+    return keys, (d >= 0) & ((d < window.view(-1, 1, 1)) | (keys < sink.view(-1, 1, 1)))
+
+
+def tile_rows(tiles: Any, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys the sparse kernel computes for query rows r0..r1-1 (r0 a multiple of tiles.block), from
+    its pieces (each cut at the next piece's start) and columns, causal: (keys Long `[K]`: the key
+    positions any head reads, mask Bool `[B, H, r1 - r0, K]` over those keys).
+    (A-shape heads add a token mask on top: `band_rows`.)"""
+    b = tiles.block
+    m0, m1 = r0 // b, -(-r1 // b)
+    start = tiles.block_offset[:, :, m0:m1].long()
+    count = tiles.block_count[:, :, m0:m1].long().unsqueeze(-1)
+    t = torch.arange(start.shape[-1], device=start.device)
+    nxt = torch.cat([start[..., 1:], torch.full_like(start[..., :1], r1)], -1)
+    end = torch.minimum(start + tiles.piece, torch.where(t + 1 < count, nxt, r1))
+    live = (t < count).int()
+    edges = torch.zeros(*start.shape[:-1], r1 + 1, dtype=torch.int32, device=start.device)
+    edges.scatter_add_(-1, start.clamp(0, r1), live)
+    edges.scatter_add_(-1, end.clamp(0, r1), -live)
+    keys = edges.cumsum(-1)[..., :r1] > 0  # [B, H, m1 - m0, r1]
+    cols = tiles.column_index[:, :, m0:m1].long()
+    c_live = torch.arange(cols.shape[-1], device=cols.device) < tiles.column_count[:, :, m0:m1].long().unsqueeze(-1)
+    hit = torch.zeros(*cols.shape[:-1], r1 + 1, dtype=torch.bool, device=cols.device)
+    hit.scatter_(-1, torch.where(c_live, cols, r1).clamp(0, r1), True)
+    blk = keys | hit[..., :r1]
+    used = blk.flatten(0, -2).any(0).nonzero().squeeze(1)  # keys any head of these rows reads
+    blk = blk[..., used]
+    B, H, mc, k = blk.shape
+    rows = blk.unsqueeze(3).expand(B, H, mc, b, k).reshape(B, H, mc * b, k)[:, :, : r1 - r0]
+    return used, rows & (used[None, :] <= torch.arange(r0, r1, device=blk.device)[:, None])
+
+
+@torch.no_grad()
+def masked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   rows: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], scale: float,
+                   chunk: int = ROW_CHUNK) -> torch.Tensor:
+    """Exact attention under a row mask, in PyTorch (the CPU reference of the sparse kernel).
+
+    q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]`; `rows(r0, r1)` -> (keys Long `[K]`, mask Bool `[B or 1, Hq,
+    r1 - r0, K]` or `[Hq, r1 - r0, K]`): the keys rows r0..r1-1 may read and which of them each head
+    reads. Returns o `[B, Hq, N, D]`; rows go `chunk` at a time (SDPA under the mask over the gathered
+    keys, GQA without repeating k/v)."""
+    n = q.shape[2]
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    for r0 in range(0, n, chunk):
+        r1 = min(r0 + chunk, n)
+        keys, mask = rows(r0, r1)
+        out[:, :, r0:r1] = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, r0:r1], k[:, :, keys], v[:, :, keys], attn_mask=mask, scale=scale, enable_gqa=True)
+    return out
+
+
+class LayerTimer:
+    """Per-layer event marks of one forward: layer start/end (decoder layer hooks), the four projections
+    (hooks on q/k/v/o_proj), and attention start / index end / attention end (marked by the caller).
+    CUDA events on a GPU (no sync until `breakdown`), perf_counter on the CPU."""
+
+    PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    def __init__(self, model: torch.nn.Module):
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if layers is None or not all(hasattr(layers[0].self_attn, p) for p in self.PROJ):
+            raise ValueError(f"timing needs decoder layers with self_attn.{{q,k,v,o}}_proj; "
+                             f"{type(model).__name__} has other names: run without timing")
+        self.layers = layers
+        self.cuda = next(model.parameters()).is_cuda
+        self.marks: dict[int, dict[str, Any]] = {}
+        self.info: dict[int, dict[str, str]] = {}
+        self._handles: list[Any] = []
+
+    def _now(self) -> Any:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def mark(self, layer: int, name: str, **info: str) -> None:
+        self.marks.setdefault(layer, {}).setdefault(name, []).append(self._now())
+        if info:
+            self.info[layer] = info
+
+    def __enter__(self) -> "LayerTimer":
+        for i, layer in enumerate(self.layers):
+            def start(_m, _a, i=i):
+                if i == 0:
+                    self.marks.clear()
+                    self.info.clear()
+                self.mark(i, "layer_start")
+
+            self._handles.append(layer.register_forward_pre_hook(start))
+            self._handles.append(layer.register_forward_hook(lambda _m, _a, _o, i=i: self.mark(i, "layer_end")))
+            for p in self.PROJ:
+                mod = getattr(layer.self_attn, p)
+                self._handles.append(mod.register_forward_pre_hook(lambda _m, _a, i=i, p=p: self.mark(i, p + "_start")))
+                self._handles.append(mod.register_forward_hook(lambda _m, _a, _o, i=i, p=p: self.mark(i, p + "_end")))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _ms(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+    def breakdown(self) -> list[dict[str, Any]]:
+        """[{layer, mode, reason, proj_ms, index_ms, sparse_ms, other_ms, layer_ms}] of the last forward."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        rows = []
+        for layer in sorted(self.marks):
+            m = {name: v[-1] for name, v in self.marks[layer].items()}
+            if "layer_end" not in m or "attn_end" not in m:
+                continue
+            total = self._ms(m["layer_start"], m["layer_end"])
+            proj = sum(self._ms(m[p + "_start"], m[p + "_end"]) for p in self.PROJ)
+            index = self._ms(m["attn_start"], m["index_end"])
+            attn = self._ms(m["index_end"], m["attn_end"])
+            rows.append({"layer": layer, **self.info.get(layer, {}), "proj_ms": proj, "index_ms": index,
+                         "sparse_ms": attn, "other_ms": total - proj - index - attn, "layer_ms": total})
+        return rows
+
+
+def generate_greedy(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int,
+                    eos_token_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy decoding with the model's KV cache: prefill `input_ids` `[N]`, then one token at a time.
+    Returns (new token ids `[T]`, the prefill's next-token logits `[vocab]` in fp32)."""
+    import inspect
+
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        out = model(input_ids.reshape(1, -1).to(device), use_cache=True, logits_to_keep=1)
+        first = out.logits[0, -1].float()
+        cache = out.past_key_values
+        tokens = [int(first.argmax())]
+        for _ in range(max_new_tokens - 1):
+            if eos_token_id is not None and tokens[-1] == eos_token_id:
+                break
+            out = model(torch.tensor([[tokens[-1]]], device=device), use_cache=True, **{cache_kw: cache})
+            cache = out.past_key_values
+            tokens.append(int(out.logits[0, -1].argmax()))
+    return torch.tensor(tokens), first.cpu()
+

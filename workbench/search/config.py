@@ -1,0 +1,406 @@
+"""HeadConfig: the per-(layer, head) sparse pattern choice, as a versioned JSON file.
+
+One entry per (layer, query head): the pattern ("vs", "ashape", "block" or "dense"), its sizes (in
+tokens, or blocks for "block"), the captured mass measured on the calibration samples (mean and worst),
+the density, and the evidence behind the choice. The file also records the model it was made for
+(`validate(model_shape)` refuses another one), the online proxy settings, and provenance (weights
+fingerprint, calibration samples, candidates, target, tool version, date, hardware).
+
+`SCHEMA` is the JSON Schema of the file (also shipped as configs/head_config.schema.json).
+MInference's format (one dict per layer: head -> [pattern, vertical_size, slash_size, score]) is
+imported and exported; tensor-parallel helpers map global heads to (rank, local head).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workbench.core.io import write_json
+from workbench.core.model import ModelShape
+from workbench.patterns import AShape, BlockSparse, Dense, Stack, VerticalSlash, block_proxy, vs_proxy
+
+FORMAT = "workbench.head_config"
+VERSION = 1
+PARAMS = {"vs": ("vertical", "slash"), "ashape": ("sink", "window"), "block": ("topk",), "dense": ()}
+MINFERENCE_NAMES = {"vs": "vertical_and_slash", "ashape": "stream_llm", "block": "block_sparse"}
+MINFERENCE_DEFAULT = (1000, 6096)  # what MInference uses for a head its file does not list
+PROXY_DEFAULTS = {"last_rows": 64, "aggregate": "sum", "diag_norm": "sum", "sink": 30, "local": 100, "prior": 16.0}
+_SHAPE_FIELDS = {  # ModelShape field -> (what to call it, how to fix a mismatch)
+    "n_layers": "layers", "n_heads": "query heads", "n_kv_heads": "KV heads", "head_dim": "head_dim",
+    "rope_type": "RoPE type", "rope_theta": "RoPE theta", "max_positions": "max length (max_position_embeddings)",
+}
+
+_int = {"type": "integer"}
+_num = {"type": "number"}
+_nullable_num = {"type": ["number", "null"]}
+SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "$id": "https://github.com/sparse-attention-workbench/configs/head_config.schema.json",
+    "title": "Sparse Attention Workbench head config",
+    "type": "object",
+    "required": ["format", "version", "model", "block", "proxy", "provenance", "heads"],
+    "additionalProperties": False,
+    "properties": {
+        "format": {"const": FORMAT},
+        "version": {"const": VERSION},
+        "model": {
+            "type": "object",
+            "required": ["name", "architecture", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_size",
+                         "rope_type", "rope_theta", "max_positions", "fingerprint"],
+            "properties": {"name": {"type": "string"}, "architecture": {"type": "string"},
+                           "n_layers": {"type": "integer", "minimum": 1}, "n_heads": {"type": "integer", "minimum": 1},
+                           "n_kv_heads": {"type": "integer", "minimum": 1},
+                           "head_dim": {"type": "integer", "minimum": 1}, "hidden_size": {"type": "integer", "minimum": 1},
+                           "rope_type": {"type": "string"}, "rope_theta": _num,
+                           "max_positions": {"type": "integer", "minimum": 1}, "fingerprint": {"type": "string"}},
+        },
+        "block": {"const": 64},
+        "proxy": {
+            "type": "object",
+            "required": list(PROXY_DEFAULTS),
+            "additionalProperties": False,
+            "properties": {"last_rows": {"type": "integer", "minimum": 1},
+                           "aggregate": {"enum": ["sum", "max", "logits"]},
+                           "diag_norm": {"enum": ["sum", "mean", "prior"]},
+                           "sink": {"type": "integer", "minimum": 0}, "local": {"type": "integer", "minimum": 1},
+                           "prior": {"type": "number", "minimum": 0}},
+        },
+        "provenance": {"type": "object"},
+        "heads": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["layer", "head", "pattern", "params"],
+                "additionalProperties": False,
+                "properties": {
+                    "layer": {"type": "integer", "minimum": 0},
+                    "head": {"type": "integer", "minimum": 0},
+                    "pattern": {"enum": list(PARAMS)},
+                    "params": {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0}},
+                    "recall": {"type": "object", "properties": {"mean": _num, "worst": _num}},
+                    "density": {"type": "object", "properties": {"logical": _num, "physical": _num}},
+                    "oracle": _nullable_num,
+                    "evidence": {"type": "object"},
+                    "minference": {"type": "array", "minItems": 4, "maxItems": 4},
+                },
+            },
+        },
+    },
+}
+
+
+class ConfigError(ValueError):
+    """A head config that does not fit; the message names the field and the fix."""
+
+
+@dataclass
+class HeadEntry:
+    """The choice for one (layer, query head). `params` sizes are tokens ("block": topk in blocks).
+
+    recall: captured mass {"mean", "worst"} over calibration samples; density: {"logical",
+    "physical"}; oracle: mean captured mass of the best same-budget index; evidence: per-candidate
+    scores; minference: the raw MInference entry this head was imported from (exported verbatim).
+    """
+
+    layer: int
+    head: int
+    pattern: str
+    params: dict[str, int]
+    recall: dict[str, float] | None = None
+    density: dict[str, float] | None = None
+    oracle: float | None = None
+    evidence: dict[str, Any] | None = None
+    minference: list | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"layer": self.layer, "head": self.head, "pattern": self.pattern, "params": dict(self.params)}
+        for name in ("recall", "density", "oracle", "evidence", "minference"):
+            value = getattr(self, name)
+            if value is not None:
+                d[name] = copy.deepcopy(value)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "HeadEntry":
+        return cls(**copy.deepcopy(d))
+
+    def label(self) -> str:
+        return self.pattern + "(" + ", ".join(f"{k}={v}" for k, v in self.params.items()) + ")"
+
+
+@dataclass
+class HeadConfig:
+    """Per-head pattern choices for one model. `heads` is sorted by (layer, head)."""
+
+    model: dict[str, Any]
+    heads: list[HeadEntry]
+    provenance: dict[str, Any] = field(default_factory=dict)
+    proxy: dict[str, Any] = field(default_factory=lambda: dict(PROXY_DEFAULTS))
+    block: int = 64
+
+    # ---- serialisation -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": VERSION, "model": copy.deepcopy(self.model), "block": self.block,
+                "proxy": dict(self.proxy), "provenance": copy.deepcopy(self.provenance),
+                "heads": [h.to_dict() for h in self.heads]}
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str = "config") -> "HeadConfig":
+        """Check `d` against `SCHEMA` and the per-head rules, then build the config."""
+        check_schema(d, source)
+        cfg = cls(model=copy.deepcopy(d["model"]), heads=[HeadEntry.from_dict(h) for h in d["heads"]],
+                  provenance=copy.deepcopy(d["provenance"]), proxy=dict(d["proxy"]), block=d["block"])
+        cfg.check(source)
+        return cfg
+
+    def save(self, path: str | Path) -> Path:
+        """Write atomically (a reader sees the old file or the whole new one)."""
+        self.check("config")
+        return write_json(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | Path, model_shape: ModelShape | None = None) -> "HeadConfig":
+        """Read and check a config; with `model_shape`, also `validate` it against that model."""
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"head config {path} does not exist: run `workbench search` to make one")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON ({e}): restore it or run `workbench search` again") from e
+        if isinstance(data, list):
+            raise ConfigError(f"{path} is a list, which looks like a MInference config: load it with "
+                              "HeadConfig.from_minference(json, model_shape) or `workbench export --from-minference`")
+        cfg = cls.from_dict(data, source=str(path))
+        if model_shape is not None:
+            cfg.validate(model_shape)
+        return cfg
+
+    # ---- checks --------------------------------------------------------------------------------
+    def check(self, source: str = "config") -> None:
+        """Every (layer, head) of the model exactly once, in order, with the parameters its pattern needs."""
+        n_layers, n_heads = self.model["n_layers"], self.model["n_heads"]
+        expected = [(l, h) for l in range(n_layers) for h in range(n_heads)]
+        got = [(e.layer, e.head) for e in self.heads]
+        if got != expected:
+            missing = sorted(set(expected) - set(got))
+            extra = sorted(set(got) - set(expected))
+            dup = len(got) - len(set(got))
+            what = (f"missing (layer, head) {missing[:5]}" if missing else
+                    f"(layer, head) {extra[:5]} outside the model's {n_layers} layers x {n_heads} heads" if extra else
+                    f"{dup} duplicate entries" if dup else "entries out of (layer, head) order")
+            raise ConfigError(f"{source}: heads has {what}: list each of the {n_layers * n_heads} heads once, "
+                              "sorted by layer then head")
+        for i, e in enumerate(self.heads):
+            want = PARAMS[e.pattern]
+            if set(e.params) != set(want):
+                raise ConfigError(f"{source}: heads[{i}] (layer {e.layer}, head {e.head}) pattern {e.pattern!r} "
+                                  f"needs params {list(want)}, got {sorted(e.params)}: set exactly those")
+            for k, v in e.params.items():
+                low = 0 if k in ("sink", "vertical") else 1
+                if v < low:
+                    raise ConfigError(f"{source}: heads[{i}].params.{k} = {v} (layer {e.layer}, head {e.head}) "
+                                      f"must be >= {low}: use a size of at least {low}")
+
+    def validate(self, shape: ModelShape, strict_weights: bool = False) -> None:
+        """Raise ConfigError naming the first mismatch between this config and `shape` (layers, heads, KV
+        heads, head_dim, RoPE, max length). Different weights of the same shape only warn, unless
+        `strict_weights`."""
+        for key, what in _SHAPE_FIELDS.items():
+            mine, theirs = self.model.get(key), getattr(shape, key)
+            if mine != theirs:
+                raise ConfigError(
+                    f"head config does not match the model: model.{key} ({what}) is {mine!r} in the config but "
+                    f"{theirs!r} in {shape.name}: run `workbench search --model <this model>` to make a config "
+                    "for it, or load the config that was made for it")
+        if self.model.get("fingerprint") != shape.fingerprint:
+            msg = (f"model.fingerprint {self.model.get('fingerprint')!r} differs from {shape.name}'s "
+                   f"{shape.fingerprint!r}: the config was calibrated on other weights of the same shape")
+            if strict_weights:
+                raise ConfigError(msg + ": re-run `workbench search` for these weights")
+            warnings.warn(msg, stacklevel=2)
+
+    # ---- access --------------------------------------------------------------------------------
+    def entry(self, layer: int, head: int) -> HeadEntry:
+        n = self.model["n_heads"]
+        if not (0 <= layer < self.model["n_layers"] and 0 <= head < n):
+            raise ConfigError(f"(layer {layer}, head {head}) is outside the config's "
+                              f"{self.model['n_layers']} layers x {n} heads")
+        return self.heads[layer * n + head]
+
+    def layer(self, layer: int) -> list[HeadEntry]:
+        n = self.model["n_heads"]
+        self.entry(layer, 0)
+        return self.heads[layer * n:(layer + 1) * n]
+
+    def summary(self) -> dict[str, int]:
+        """How many heads use each pattern."""
+        out = {p: 0 for p in PARAMS}
+        for e in self.heads:
+            out[e.pattern] += 1
+        return out
+
+    @torch.no_grad()
+    def layer_index(self, layer: int, q: torch.Tensor, k: torch.Tensor, scale: float) -> Stack:
+        """Build the index this config prescribes for one layer of one prompt: q `[Hq, N, D]`,
+        k `[Hkv, N, D]` -> a Stack of one pattern per query head (proxies run once for all heads)."""
+        entries = self.layer(layer)
+        hq, n = q.shape[0], q.shape[1]
+        if hq != len(entries):
+            raise ConfigError(f"q has {hq} heads but the config's layer {layer} has {len(entries)}: "
+                              "use the config made for this model")
+        vs_heads = [e for e in entries if e.pattern == "vs"]
+        block_heads = [e for e in entries if e.pattern == "block"]
+        cols = offs = table = None
+        if vs_heads:
+            budget = lambda key: torch.tensor([e.params.get(key, 0) if e.pattern == "vs" else 0 for e in entries])  # noqa: E731
+            cols, offs = vs_proxy(q, k, scale, budget("vertical"), budget("slash"), **self.proxy)
+        if block_heads:
+            topk = torch.tensor([e.params["topk"] if e.pattern == "block" else 1 for e in entries])
+            table = block_proxy(q, k, topk, self.block)
+        parts = []
+        for h, e in enumerate(entries):
+            if e.pattern == "vs":
+                parts.append(VerticalSlash(cols[h:h + 1], offs[h:h + 1]))
+            elif e.pattern == "ashape":
+                parts.append(AShape(e.params["sink"], e.params["window"]))
+            elif e.pattern == "block":
+                parts.append(BlockSparse(table[h:h + 1], self.block))
+            else:
+                parts.append(Dense(1))
+        return Stack(parts)
+
+    # ---- MInference ----------------------------------------------------------------------------
+    def to_minference(self) -> list[dict[str, list]]:
+        """MInference's format: one dict per layer, head index (str) -> [pattern, vertical, slash, score].
+
+        A-shape -> stream_llm [sink, window]; block -> block_sparse [topk, 0] (MInference itself ignores
+        these sizes); dense -> vertical_and_slash with both sizes = max length. The score is the worst
+        calibration recall (MInference never reads it). Heads imported from MInference and unchanged
+        are written back verbatim.
+        """
+        out: list[dict[str, list]] = [{} for _ in range(self.model["n_layers"])]
+        for e in self.heads:
+            entry = _to_minference(e, self.model["max_positions"])
+            if e.minference is not None and _from_minference_entry(e.minference, self.model["max_positions"]) == (e.pattern, e.params):
+                entry = copy.deepcopy(e.minference)
+            out[e.layer][str(e.head)] = entry
+        return out
+
+    @classmethod
+    def from_minference(cls, data: Any, shape: ModelShape, source: str = "minference config",
+                        provenance: dict[str, Any] | None = None) -> "HeadConfig":
+        """Import a MInference config for `shape`. Heads it does not list get MInference's default
+        (vertical 1000, slash 6096); stream_llm sizes become (sink, window)."""
+        if not isinstance(data, list) or not all(isinstance(layer, dict) for layer in data):
+            raise ConfigError(f"{source}: a MInference config is a JSON list with one dict per layer")
+        if len(data) != shape.n_layers:
+            raise ConfigError(f"{source}: has {len(data)} layers but {shape.name} has {shape.n_layers}: "
+                              "use the MInference config made for this model")
+        heads = []
+        for l, layer in enumerate(data):
+            for key in layer:
+                if not (str(key).isdigit() and int(key) < shape.n_heads):
+                    raise ConfigError(f"{source}: layer {l} names head {key!r} but {shape.name} has heads "
+                                      f"0..{shape.n_heads - 1}: use the config made for this model")
+            for h in range(shape.n_heads):
+                raw = layer.get(str(h))
+                if raw is None:
+                    heads.append(HeadEntry(l, h, "vs", dict(zip(PARAMS["vs"], MINFERENCE_DEFAULT))))
+                    continue
+                try:
+                    pattern, params = _from_minference_entry(raw, shape.max_positions)
+                except (ValueError, TypeError) as e:
+                    raise ConfigError(f"{source}: layer {l} head {h}: {e}") from e
+                score = raw[3]
+                recall = {"worst": float(score)} if isinstance(score, (int, float)) and 0 <= score <= 1 else None
+                heads.append(HeadEntry(l, h, pattern, params, recall=recall, minference=list(raw)))
+        prov = {"source": "minference", **(provenance or {})}
+        cfg = cls(model=shape.to_dict(), heads=heads, provenance=prov)
+        cfg.check(source)
+        return cfg
+
+    # ---- tensor parallelism --------------------------------------------------------------------
+    def for_rank(self, rank: int, tp_size: int) -> "HeadConfig":
+        """The config one tensor-parallel rank sees: its H / tp query heads, numbered locally from 0
+        (global head = rank * H_local + local head), with the model shape of one rank."""
+        h_local, kv_local = tp_split(self.model["n_heads"], self.model["n_kv_heads"], tp_size)
+        if not 0 <= rank < tp_size:
+            raise ConfigError(f"rank {rank} is outside tensor-parallel size {tp_size}: use 0..{tp_size - 1}")
+        model = dict(self.model, n_heads=h_local, n_kv_heads=kv_local)
+        heads = []
+        for e in self.heads:
+            r, local = local_head(e.head, tp_size, self.model["n_heads"])
+            if r == rank:
+                heads.append(HeadEntry.from_dict({**e.to_dict(), "head": local}))
+        prov = dict(self.provenance, tensor_parallel={"size": tp_size, "rank": rank, "head_offset": rank * h_local})
+        return HeadConfig(model=model, heads=heads, provenance=prov, proxy=dict(self.proxy), block=self.block)
+
+
+def check_schema(d: Any, source: str = "config") -> None:
+    """Raise ConfigError naming the first field that breaks `SCHEMA`."""
+    import jsonschema
+
+    errors = sorted(jsonschema.Draft202012Validator(SCHEMA).iter_errors(d), key=lambda e: list(e.absolute_path))
+    if errors:
+        e = errors[0]
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path).lstrip(".") or "top level"
+        raise ConfigError(f"{source}: field {where}: {e.message}: fix that field (see configs/head_config.schema.json)")
+
+
+def tp_split(n_heads: int, n_kv_heads: int, tp_size: int) -> tuple[int, int]:
+    """(query heads, KV heads) per rank; both must divide evenly."""
+    if tp_size < 1 or n_heads % tp_size or n_kv_heads % tp_size:
+        raise ConfigError(f"tensor-parallel size {tp_size} does not split {n_heads} query heads and {n_kv_heads} "
+                          f"KV heads evenly: use a size that divides both")
+    return n_heads // tp_size, n_kv_heads // tp_size
+
+
+def global_head(rank: int, local: int, tp_size: int, n_heads: int) -> int:
+    """Rank `rank`'s local head `local` -> global head rank * H_local + local."""
+    h_local = n_heads // tp_size
+    if not (0 <= rank < tp_size and 0 <= local < h_local) or n_heads % tp_size:
+        raise ConfigError(f"(rank {rank}, local head {local}) is invalid for {n_heads} heads over {tp_size} ranks")
+    return rank * h_local + local
+
+
+def local_head(head: int, tp_size: int, n_heads: int) -> tuple[int, int]:
+    """Global head -> (rank, local head)."""
+    if n_heads % tp_size or not 0 <= head < n_heads:
+        raise ConfigError(f"head {head} cannot be placed: {n_heads} heads over {tp_size} ranks")
+    return divmod(head, n_heads // tp_size)
+
+
+def _to_minference(e: HeadEntry, max_positions: int) -> list:
+    score = e.recall.get("worst") if e.recall else None
+    score = 0.0 if score is None else score
+    if e.pattern == "vs":
+        return [MINFERENCE_NAMES["vs"], e.params["vertical"], e.params["slash"], score]
+    if e.pattern == "ashape":
+        return [MINFERENCE_NAMES["ashape"], e.params["sink"], e.params["window"], score]
+    if e.pattern == "block":
+        return [MINFERENCE_NAMES["block"], e.params["topk"], 0, score]
+    return [MINFERENCE_NAMES["vs"], max_positions, max_positions, score]
+
+
+def _from_minference_entry(raw: Any, max_positions: int) -> tuple[str, dict[str, int]]:
+    if not isinstance(raw, (list, tuple)) or len(raw) != 4:
+        raise ValueError(f"expected [pattern, vertical_size, slash_size, score], got {raw!r}")
+    name, v, s = raw[0], raw[1], raw[2]
+    if not (isinstance(v, int) and isinstance(s, int) and v >= 0 and s >= 0):
+        raise ValueError(f"sizes must be integers >= 0, got {v!r}, {s!r}")
+    if name == MINFERENCE_NAMES["vs"]:
+        if v >= max_positions and s >= max_positions:
+            return "dense", {}
+        return "vs", {"vertical": v, "slash": max(s, 1)}
+    if name == MINFERENCE_NAMES["ashape"]:
+        return "ashape", {"sink": v, "window": max(s, 1)}
+    if name == MINFERENCE_NAMES["block"]:
+        return "block", {"topk": max(v, 1)}
+    raise ValueError(f"unknown pattern {name!r}: MInference names are {sorted(MINFERENCE_NAMES.values())}")

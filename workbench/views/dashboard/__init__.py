@@ -1,0 +1,1 @@
+"""The Panel dashboard: `app` (the Viewer) over `state` (sessions and shared work)."""

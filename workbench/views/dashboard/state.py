@@ -1,0 +1,456 @@
+"""What one dashboard session looks at and edits, and the read-only objects all sessions share.
+
+`SHARED` holds the loaded models, captures and memoised pure results (the dense statistics of a
+capture do not depend on anyone's edits), behind a lock. Everything a user changes lives in one
+`Session` (a `param.Parameterized` made per browser tab): its HeadConfig copy, the selected head and
+the recall of every head under its edits. The analysis itself is library calls: `search` (evaluate,
+search, `rescore_head`), `headview` (segments, output error, density of an edited head), `latency`,
+`forecast_report`.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import param
+import torch
+
+from workbench.search.config import PARAMS, ConfigError, HeadConfig, HeadEntry
+from workbench.core.corpus import TASKS
+
+CONFIG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+FORECAST_REPORTS = ("reports/forecast/forecast.json", "assets/benchmarks/forecast_cpu.json")
+FORECAST_HEADS = "configs/forecast/smollm2-135m.safetensors"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Server-wide options (from `workbench dashboard` or WORKBENCH_DASHBOARD_* variables)."""
+
+    model: str | None = None
+    task: str = "passkey"
+    length: int = 4096
+    seed: int = 0
+    config: str | None = None  # a HeadConfig path, "search" (fit one on the sample), or None: configs/<model>.json if present
+    configs_dir: str = "configs"
+    forecast_report: str | None = None
+    layers: tuple[int, ...] | None = None  # capture only these layers (quick looks and UI tests); None = all
+
+    @staticmethod
+    def parse_layers(text: str | None) -> tuple[int, ...] | None:
+        """"0-3" or "0,5,9" -> layer indices; None or "" -> all layers."""
+        if not text:
+            return None
+        try:
+            out = []
+            for part in text.split(","):
+                a, _, b = part.strip().partition("-")
+                out += range(int(a), int(b or a) + 1)
+            return tuple(sorted(set(out)))
+        except ValueError:
+            raise ValueError(f"layers {text!r} must look like 0-3 or 0,5,9") from None
+
+    @classmethod
+    def from_env(cls, env: dict[str, str]) -> "Settings":
+        get = lambda key, default=None: env.get(f"WORKBENCH_DASHBOARD_{key}") or default  # noqa: E731
+        return cls(model=get("MODEL"), task=get("TASK", "passkey"), length=int(get("LENGTH", 4096)),
+                   seed=int(get("SEED", 0)), config=get("CONFIG"), configs_dir=get("CONFIGS_DIR", "configs"),
+                   forecast_report=get("FORECAST_REPORT"), layers=cls.parse_layers(get("LAYERS")))
+
+
+class Shared:
+    """Read-only objects shared by every session: models, captures, memoised results (LRU)."""
+
+    def __init__(self, max_items: int = 16):
+        self._lock = threading.RLock()
+        self._models: dict[str, tuple] = {}
+        self._memo: OrderedDict[tuple, Any] = OrderedDict()
+        self._pending: dict[tuple, threading.Lock] = {}
+        self._max = max_items
+
+    def model(self, name: str | None) -> tuple:
+        """(model, tokenizer, ModelShape), loaded once per process."""
+        from workbench.core.model import load_model
+
+        key = name or "embedded"
+        with self._lock:
+            if key not in self._models:
+                self._models[key] = load_model(name)
+            return self._models[key]
+
+    def memo(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """`make()` once per key: a second session asking for the same key waits for the first one's
+        result; different keys are computed concurrently."""
+        with self._lock:
+            if key in self._memo:
+                self._memo.move_to_end(key)
+                return self._memo[key]
+            pending = self._pending.setdefault(key, threading.Lock())
+        with pending:
+            with self._lock:
+                if key in self._memo:
+                    return self._memo[key]
+            value = make()
+            with self._lock:
+                self._memo[key] = value
+                self._pending.pop(key, None)
+                while len(self._memo) > self._max:
+                    self._memo.popitem(last=False)
+            return value
+
+
+SHARED = Shared()
+EXECUTOR = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dashboard")
+
+
+def config_digest(cfg: HeadConfig) -> str:
+    return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def config_path(folder: str | Path, name: str) -> Path:
+    """Where `name` is saved inside `folder`; refuses names that could leave the folder."""
+    name = (name or "").strip()
+    if name.endswith(".json"):
+        name = name[:-5]
+    if not CONFIG_NAME.match(name) or ".." in name:
+        raise ValueError(f"config name {name!r} is not allowed: use letters, digits, '.', '_' or '-' "
+                         "(no slashes, no '..'), starting with a letter or digit, e.g. my-edit")
+    root = Path(folder).resolve()
+    path = (root / f"{name}.json").resolve()
+    if path.parent != root:
+        raise ValueError(f"config name {name!r} would leave {root}: use a plain file name")
+    return path
+
+
+def parse_config(text: str | bytes, shape: Any, source: str = "uploaded config") -> HeadConfig:
+    """A HeadConfig (or a MInference list) from JSON text, checked against the schema and `shape`."""
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{source} is not valid JSON ({e}): upload a file written by Export or `workbench search`") from e
+    cfg = HeadConfig.from_minference(data, shape, source) if isinstance(data, list) else HeadConfig.from_dict(data, source)
+    cfg.validate(shape)
+    return cfg
+
+
+class Session(param.Parameterized):
+    """One browser tab's state. Long work runs on `EXECUTOR`; `busy`, `progress` and `status` follow it."""
+
+    model_name = param.String(default="embedded")
+    task = param.Selector(default="passkey", objects=list(TASKS))
+    length = param.Integer(default=4096, bounds=(128, None))
+    seed = param.Integer(default=0, bounds=(0, None))
+    layer = param.Integer(default=0, bounds=(0, None))
+    head = param.Integer(default=0, bounds=(0, None))
+
+    status = param.String(default="starting")
+    error = param.String(default="")
+    progress = param.Integer(default=-1, bounds=(-1, 100))
+    busy = param.Boolean(default=False)
+    ready = param.Boolean(default=False)
+    grid_version = param.Integer(default=0)  # bumped when any head's pattern or recall changes
+    head_version = param.Integer(default=0)  # bumped when the selected head's numbers change
+
+    def __init__(self, settings: Settings, **params):
+        super().__init__(**params)
+        self.settings = settings
+        self.model_name = settings.model or "embedded"
+        self.task, self.length, self.seed = settings.task, settings.length, settings.seed
+        self.shape = None
+        self.sample = self.capture = self.capture_key = None
+        self.config: HeadConfig | None = None
+        self.mass = self.oracle = None  # [L, H] float64: captured mass of each head's online index, its oracle
+        self.head_cache = self.head_view = self.head_stats = None
+        self.head_result: dict[str, Any] = {}
+        self.last_edit_ms = self.last_edit_total_ms = float("nan")
+        self.forecast: dict[str, Any] | None = None
+        self.latency: dict[str, Any] | None = None
+        self._job: Future | None = None
+
+    # ---- background jobs -----------------------------------------------------------------------
+    def run_job(self, name: str, fn: Callable[[], Any]) -> Future:
+        """Run `fn` on the shared executor; errors land in `error`, never kill the page."""
+        if self.busy:
+            raise RuntimeError(f"busy with {self.status}: wait for it to finish")
+        self.busy, self.error, self.progress, self.status = True, "", 0, name
+
+        def work():
+            try:
+                fn()
+                self.status = "ready"
+            except Exception as e:  # shown in the UI; the session stays usable
+                self.error = f"{name} failed: {e}"
+                self.status = "failed"
+            finally:
+                self.progress = -1
+                self.busy = False
+
+        self._job = EXECUTOR.submit(work)
+        return self._job
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._job is not None:
+            self._job.result(timeout)
+
+    def _step(self, text: str, done: int, total: int) -> None:
+        self.status, self.progress = text, int(100 * done / max(total, 1))
+
+    # ---- loading a sample ------------------------------------------------------------------------
+    def load(self, config: HeadConfig | None = None) -> Future:
+        """Capture the sidebar's sample (shared), pick the config, evaluate every head (background)."""
+        return self.run_job("loading", lambda: self._load(config))
+
+    def _load(self, config: HeadConfig | None) -> None:
+        from workbench.core.capture import capture_attention
+        from workbench.core.corpus import make_sample
+
+        self._step("loading the model", 0, 1)
+        model, tok, shape = SHARED.model(self.settings.model)
+        shape.check_length(self.length)
+        self.shape = shape
+        key = ("capture", shape.fingerprint, self.task, self.length, self.seed, self.settings.layers)
+        self._step(f"capturing {self.task}, {self.length} tokens", 1, 10)
+        self.capture_key = key
+        self.sample, self.capture = SHARED.memo(key, lambda: (
+            lambda s: (s, capture_attention(model, shape, s.input_ids, self.settings.layers, progress=False)))(
+            make_sample(self.task, tok, self.length, seed=self.seed, max_length=shape.max_positions)))
+        cfg = config or self.config or self._default_config()
+        self._evaluate(cfg)
+        layers = self.capture.layers
+        self.param.update(layer=self.layer if self.layer in layers else layers[0], head=min(self.head, shape.n_heads - 1))
+        self._select()
+        self.ready = True
+
+    def _default_config(self) -> HeadConfig:
+        choice = self.settings.config
+        if choice is None:
+            path = Path(self.settings.configs_dir) / f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', self.shape.name)}.json"
+            choice = str(path) if path.exists() else "search"
+        if choice != "search":
+            return HeadConfig.load(choice, self.shape)
+        return SHARED.memo(("search", self.capture_key), self._search)
+
+    def _search(self) -> HeadConfig:
+        """The search on this one sample (`search.layer_scores` per captured layer, then `choose`);
+        layers that were not captured stay dense and are listed in the provenance."""
+        from workbench.search.search import Evidence, build_config, choose, default_candidates, layer_scores
+
+        cap, shape = self.capture, self.shape
+        cands = default_candidates(cap.n)
+        ev = Evidence.empty(cands, [self.sample.describe()], [cap.n], len(cap.layers), shape.n_heads)
+        for i, layer in enumerate(cap.layers):
+            self._step(f"searching patterns: layer {layer}", i, len(cap.layers))
+            q, k, _ = cap.layer_qkv(layer)
+            ev.fill(0, i, layer_scores(q, k, cap.scale, cands))
+        skipped = [l for l in range(shape.n_layers) if l not in cap.layers]
+        cfg = build_config(ev, choose(ev), shape.to_dict(), target=0.95, provenance={
+            "command": "workbench dashboard (search on the loaded sample)", "dense_not_searched": skipped})
+        heads = {(cap.layers[e.layer], e.head): HeadEntry.from_dict({**e.to_dict(), "layer": cap.layers[e.layer]})
+                 for e in cfg.heads}
+        cfg.heads = [heads.get((l, h)) or HeadEntry(l, h, "dense", {})
+                     for l in range(shape.n_layers) for h in range(shape.n_heads)]
+        cfg.check("dashboard search")
+        return cfg
+
+    def _evaluate(self, cfg: HeadConfig) -> None:
+        """Recall and oracle of every head of `cfg` on the capture (shared memo per config digest)."""
+        from workbench.search.search import evaluate_config
+
+        cap = self.capture
+
+        def run():
+            out = {"mass": torch.full((self.shape.n_layers, self.shape.n_heads), float("nan"), dtype=torch.float64)}
+            out["oracle"] = out["mass"].clone()
+            for i, layer in enumerate(cap.layers):
+                self._step(f"evaluating heads: layer {layer}", i, len(cap.layers))
+                r = evaluate_config(cfg, _one_layer(cap, layer))
+                out["mass"][layer], out["oracle"][layer] = r["mass"][layer], r["oracle"][layer]
+            return out
+
+        res = SHARED.memo(("evaluate", self.capture_key, config_digest(cfg)), run)
+        self.config = copy.deepcopy(cfg)
+        self.mass, self.oracle = res["mass"].clone(), res["oracle"].clone()
+        self.grid_version += 1
+
+    # ---- one head ----------------------------------------------------------------------------------
+    def select(self, layer: int, head: int) -> Future:
+        """Open a head (background: its exact sums, dense matrix and map, once per head)."""
+        self.capture.index(layer)  # raises, naming the captured layers, if this one was not captured
+        self.config.entry(layer, head)
+        self.layer, self.head = layer, head
+        return self.run_job(f"opening layer {layer} head {head}", self._select)
+
+    def _select(self) -> None:
+        from workbench.views.headview import HeadView
+        from workbench.search.search import HeadCache
+        from workbench.analysis.stats import layer_stats
+
+        cap, layer, head = self.capture, self.layer, self.head
+        self._step(f"opening layer {layer} head {head}", 0, 3)
+        self.head_cache = SHARED.memo(("headcache", self.capture_key, layer, head), lambda: HeadCache.from_captures([cap], layer, head))
+        q, k, v = cap.head_qkv(layer, head)
+        self._step(f"opening layer {layer} head {head}", 1, 3)
+        self.head_view = SHARED.memo(("headview", self.capture_key, layer, head), lambda: HeadView(q, k, v, cap.scale))
+        self._step(f"opening layer {layer} head {head}", 2, 3)
+        self.head_stats = SHARED.memo(("stats", self.capture_key, layer, head),
+                                      lambda: layer_stats(q[None], k[None], cap.scale, resolution=256))
+        self._score_head()
+
+    def entry(self) -> HeadEntry:
+        return self.config.entry(self.layer, self.head)
+
+    def edit(self, pattern: str, params: dict[str, int]) -> dict[str, Any]:
+        """Give the selected head a new pattern and sizes, re-score it (no capture, no other head)."""
+        if self.busy or self.head_view is None:
+            raise RuntimeError("wait until the head is loaded")
+        if pattern not in PARAMS:
+            raise ValueError(f"pattern {pattern!r} is unknown: use one of {list(PARAMS)}")
+        t0 = time.perf_counter()
+        params = {k: int(params[k]) for k in PARAMS[pattern]}
+        i = self.layer * self.config.model["n_heads"] + self.head
+        old = self.config.heads[i]
+        self.config.heads[i] = HeadEntry(old.layer, old.head, pattern, params)
+        try:
+            self.config.check("edit")
+        except ConfigError:
+            self.config.heads[i] = old
+            raise
+        result = self._score_head(publish=False)
+        self.config.provenance.setdefault("edits", []).append(
+            {"layer": self.layer, "head": self.head, "pattern": pattern, "params": params, "sample": self.sample.describe()})
+        self.last_edit_ms = (time.perf_counter() - t0) * 1e3  # the numbers; then the views redraw
+        self._publish()
+        self.last_edit_total_ms = (time.perf_counter() - t0) * 1e3
+        return result
+
+    def _publish(self) -> None:
+        self.grid_version += 1
+        self.head_version += 1
+
+    def _score_head(self, publish: bool = True) -> dict[str, Any]:
+        """Numbers of the selected head under its current entry; updates the grid row too."""
+        from workbench.views.headview import head_index
+        from workbench.prefill.latency import BENCH, estimate_ms, load_bench, tile_rates
+        from workbench.patterns import causal_tiles
+        from workbench.search.search import Candidate, rescore_head
+
+        e, cap = self.entry(), self.capture
+        cand = Candidate(e.pattern, tuple(e.params[p] for p in PARAMS[e.pattern]))
+        scores = rescore_head(self.head_cache, cand, self.config.proxy)
+        q, k, _ = cap.head_qkv(self.layer, self.head)
+        index = head_index(e, q, k, cap.scale, self.config.proxy, self.config.block)
+        view = self.head_view.evaluate(index)
+        rates = SHARED.memo(("rates",), lambda: tile_rates(load_bench(BENCH)) if BENCH.exists() else None)
+        mass, oracle, tiles = scores["mass"][0], scores["oracle"][0], scores["tiles"][0]
+        self.config.heads[self.layer * self.config.model["n_heads"] + self.head] = HeadEntry(
+            e.layer, e.head, e.pattern, e.params, recall={"mean": round(mass, 6), "worst": round(mass, 6)},
+            density={"logical": round(view["logical"], 6), "physical": round(view["physical"], 6)},
+            oracle=round(oracle, 6), minference=e.minference)
+        self.mass[self.layer, self.head], self.oracle[self.layer, self.head] = mass, oracle
+        self.head_result = {
+            "entry": self.entry(), "index": index, "mass": mass, "oracle": oracle, "tiles": tiles,
+            "segments": view["segments"], "rel_l2": view["rel_l2"], "cosine": view["cosine"],
+            "logical": view["logical"], "physical": view["physical"],
+            "estimate_ms": estimate_ms(rates, e.pattern, tiles) if rates and e.pattern in rates and "dense" in rates else None,
+            "estimate_index_ms": rates[e.pattern]["index_ms"] if rates and e.pattern in rates else None,
+            "dense_estimate_ms": estimate_ms(rates, "dense", causal_tiles(cap.n)) if rates and "dense" in rates else None,
+        }
+        if publish:
+            self._publish()
+        return self.head_result
+
+    # ---- export / import -----------------------------------------------------------------------------
+    def export_text(self) -> str:
+        return json.dumps(self.config.to_dict(), indent=1) + "\n"
+
+    def save(self, name: str) -> Path:
+        path = config_path(self.settings.configs_dir, name)
+        self.config.save(path)
+        return path
+
+    def import_text(self, text: str | bytes, source: str = "uploaded config") -> Future:
+        """Check an uploaded config (raises ConfigError naming the field), then evaluate it (background)."""
+        cfg = parse_config(text, self.shape, source)
+        return self.run_job("evaluating the imported config", lambda: (self._evaluate(cfg), self._select()))
+
+    # ---- proxy, forecast and latency tabs --------------------------------------------------------------
+    def proxy_rows(self) -> list[dict[str, Any]]:
+        """Per head: online proxy mass vs same-budget oracle, worst gap first."""
+        rows = []
+        for e in self.config.heads:
+            m, o = float(self.mass[e.layer, e.head]), float(self.oracle[e.layer, e.head])
+            if m != m:
+                continue
+            rows.append({"layer": e.layer, "head": e.head, "pattern": e.label(), "proxy": round(m, 4),
+                         "oracle": round(o, 4), "gap": round(max(o - m, 0.0), 4)})
+        return sorted(rows, key=lambda r: (-r["gap"], r["proxy"], r["layer"], r["head"]))
+
+    def load_forecast(self, path: str | None = None) -> dict[str, Any]:
+        """Read a `workbench forecast report` JSON (the first of FORECAST_REPORTS that exists by default)."""
+        candidates = [path] if path else [self.settings.forecast_report, *FORECAST_REPORTS]
+        for p in filter(None, candidates):
+            if Path(p).exists():
+                self.forecast = {**json.loads(Path(p).read_text()), "source": p}
+                return self.forecast
+        raise FileNotFoundError(f"no forecast report at {[p for p in candidates if p]}: run `workbench forecast report` "
+                                "or press 'Compute on this sample'")
+
+    def compute_forecast(self) -> Future:
+        return self.run_job("forecast report on this sample", self._compute_forecast)
+
+    def _compute_forecast(self) -> None:
+        from workbench.decode.forecast.heads import ForecastHeads
+        from workbench.decode.forecast.report import build_report, exact_sets
+        from workbench.decode.forecast.train import lengths_ok
+        from workbench.patterns.infllm import Budget
+        from workbench.analysis.block_sets import iou_matrix
+
+        model, tok, shape = SHARED.model(self.settings.model)
+        budget = Budget()
+        lengths_ok(self.length, budget)
+        spec = (self.task, self.length, self.seed)
+        if Path(FORECAST_HEADS).exists():
+            heads = ForecastHeads.load(FORECAST_HEADS, shape)
+            rep = build_report(model, tok, shape, heads, budget, eval_specs=[spec], calib_specs=[], progress=False)
+            self.forecast = {**rep, "source": f"computed on {self.task}/{self.length} with {FORECAST_HEADS}"}
+        else:
+            sets = exact_sets(model, shape, self.sample.input_ids, budget, rows=256, seed=self.seed)
+            self.forecast = {"iou_matrix": iou_matrix(sets).tolist(), "layers": None,
+                             "source": f"computed on {self.task}/{self.length}; no trained Forecast heads at "
+                                       f"{FORECAST_HEADS} (run `workbench forecast train`), so no per-selector recall"}
+
+    def time_latency(self) -> Future:
+        return self.run_job(f"timing layer {self.layer}", self._time_latency)
+
+    def _time_latency(self) -> None:
+        from workbench.prefill.latency import BENCH, estimate_ms, load_bench, tile_rates, time_layer
+        from workbench.patterns import causal_tiles
+
+        cap = self.capture
+        q, k, v = cap.layer_qkv(self.layer)
+        index = self.config.layer_index(self.layer, q, k, cap.scale)
+        out = time_layer(q, k, v, cap.scale, index)
+        if BENCH.exists():
+            rates = tile_rates(load_bench(BENCH))
+            tiles = index.tiles(cap.n).tolist()
+            out["h200_estimate"] = {
+                "dense_ms": len(tiles) * estimate_ms(rates, "dense", causal_tiles(cap.n)),
+                "sparse_ms": sum(estimate_ms(rates, e.pattern, t) for e, t in zip(self.config.layer(self.layer), tiles)),
+                "source": str(BENCH.name)}
+        self.latency = {**out, "layer": self.layer}
+
+
+def _one_layer(cap: Any, layer: int) -> Any:
+    """A view of one captured layer as its own Capture (no copy)."""
+    i = cap.index(layer)
+    return type(cap)(q=cap.q[i:i + 1], k=cap.k[i:i + 1], v=cap.v[i:i + 1], layers=(layer,), shape=cap.shape,
+                     input_ids=cap.input_ids, scale=cap.scale)
