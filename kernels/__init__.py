@@ -1,0 +1,6 @@
+"""Triton kernels for sparse prefill and offloaded decode, with PyTorch references; imported as
+`workbench_kernels`. A leaf: it imports only torch, triton and its own modules.
+
+`BLOCK` is the tile edge in tokens every kernel and the library share (64 query rows x 64 keys).
+"""
+BLOCK = 64

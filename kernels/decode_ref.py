@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-BLOCK = 64
+from . import BLOCK
 
 
 def check_decode_args(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor,

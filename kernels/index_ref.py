@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-BLOCK = 64
+from . import BLOCK
 
 
 @dataclass

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-BLOCK = 64
+from workbench_kernels import BLOCK
+
 GiB = 1024 ** 3
 
 
