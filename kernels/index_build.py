@@ -9,9 +9,9 @@ Two Triton passes over 64-key blocks counted from the end of the sequence (block
 rows' log-sum-exp in torch); pass 2 recomputes the scores of blocks u+1 and u side by side as a
 64 x 128 tile X, sums the probabilities of block u over rows (column sums) and reads X along its
 diagonals with one `tl.gather` (row r, offset 64u + t sits at column 64 + r - t), so each program
-owns the diagonal sums of offsets [64u, 64u + 64) without atomics. Top-k selection reuses the
-patterns helper's `top_positions`; the tile conversion is `vs_pieces` (torch) plus one Triton pass that
-expands pieces and packs surviving columns per row block.
+owns the diagonal sums of offsets [64u, 64u + 64) without atomics. Top-k selection is the shared
+`topk.top_positions` (the one `workbench.patterns.vs_proxy` uses); the tile conversion is `vs_pieces`
+(torch) plus one Triton pass that expands pieces and packs surviving columns per row block.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .index_ref import VSTiles, max_pieces_total, piece_ranges, unique_columns, vs_pieces
+from .topk import budget, top_blocks, top_positions
 
 LOG2E = 1.4426950408889634
 ROWS = 64
@@ -102,8 +103,6 @@ def vs_index(q: torch.Tensor, k: torch.Tensor, scale: float, vertical: int = 100
              sink: int = 30, local: int = 100) -> tuple[torch.Tensor, torch.Tensor]:
     """Vertical-Slash index of every head of a layer -> (columns Long `[B, Hq, vertical]`, offsets Long
     `[B, Hq, slash]`), ascending, -1 padded; same selection as `vs_proxy` at its defaults."""
-    from workbench.patterns.proxy import top_positions
-
     if q.dim() != 4 or k.dim() != 4 or q.shape[1] % k.shape[1]:
         raise ValueError(f"q must be [B, Hq, N, D] and k [B, Hkv, N, D] with Hq a multiple of Hkv; "
                          f"got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -173,8 +172,6 @@ def block_index(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100
 
     The fast path pools bf16/fp16 inputs with fp32 accumulation (no fp32 copy of q and k) and scores
     all heads with one grouped matmul; no host sync."""
-    from workbench.patterns.proxy import _budget, top_blocks
-
     if q.dim() != 4 or k.dim() != 4 or q.shape[1] % k.shape[1]:
         raise ValueError(f"q must be [B, Hq, N, D] and k [B, Hkv, N, D] with Hq a multiple of Hkv; "
                          f"got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -191,5 +188,5 @@ def block_index(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100
     qp, kp = pool(q), pool(k)  # [B, H, M, D]
     M = qp.shape[2]
     score = (qp.view(B, Hkv, (Hq // Hkv) * M, D) @ kp.transpose(-1, -2)).view(B, Hq, M, M)
-    k_max, per_head = _budget(topk, Hq, "topk")
+    k_max, per_head = budget(topk, Hq, "topk")
     return top_blocks(score, k_max, per_head)

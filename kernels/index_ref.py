@@ -184,20 +184,38 @@ def vs_tile_bounds(n: int, n_columns: int, n_offsets: int, block: int = BLOCK, w
 def ashape_to_tiles(sink: torch.Tensor | list[int], window: torch.Tensor | list[int], n: int, batch: int = 1,
                     block: int = BLOCK, device: torch.device | str | None = None, width: int = 0) -> VSTiles:
     """A-shape heads (sink tokens `[H]`, window `[H]`, both in tokens) -> tiles: window band as pieces,
-    sinks as columns. The kernel applies the exact per-token mask (j < sink or i - j < window) on top."""
-    sink = torch.as_tensor(sink, dtype=torch.long, device=device).reshape(-1)
-    window = torch.as_tensor(window, dtype=torch.long, device=device).reshape(-1)
+    sinks as columns. The kernel applies the exact per-token mask (j < sink or i - j < window) on top.
+
+    Closed form of `vs_to_tiles` on the offsets [0, window) and the columns [0, sink): the band of row
+    block m (rows [m*b, m*b + b)) is one merged range, chopped from its end into pieces starting at
+    m*b + b - w - k*w (k = 0, 1, ...) down to the first start <= m*b - window + 1; pieces with start
+    <= -w or >= n are dropped; sinks below the lowest piece (and below m*b) are the columns. Only
+    arange arithmetic on `device`: no host sync, nothing of size n."""
+    sink = torch.as_tensor(sink, dtype=torch.long).reshape(-1).cpu()
+    window = torch.as_tensor(window, dtype=torch.long).reshape(-1).cpu()
     if sink.shape != window.shape:
         raise ValueError(f"sink {tuple(sink.shape)} and window {tuple(window.shape)} must both be [H]")
     if bool((window < 1).any()) or bool((sink < 0).any()):
         raise ValueError("window must be >= 1 and sink >= 0 tokens per head")
-    H = sink.numel()
-    wmax, smax = int(window.clamp(max=n).max()), int(sink.clamp(max=n).max())
-    cols = torch.arange(max(smax, 1), device=sink.device)
-    cols = torch.where(cols < sink.view(H, 1), cols, -1)
-    offs = torch.arange(max(wmax, 1), device=sink.device)
-    offs = torch.where(offs < window.view(H, 1), offs, -1)
-    return vs_to_tiles(cols.expand(batch, H, -1), offs.expand(batch, H, -1), n, block, width=width)
+    w = width or block
+    M = -(-n // block)
+    win, sk = window.clamp(max=n), sink.clamp(max=n)
+    pieces = (win + block - 2) // w + 1  # pieces per row block before the cuts at 0 and n, [H]
+    ns, nc = int(pieces.max()), max(int(sk.max()), 1)
+    win, sk, pieces = (t.to(device).view(-1, 1) for t in (win, sk, pieces))
+    base = (torch.arange(M, device=device) * block + block - w).view(1, M)  # highest piece start, [1, M]
+    k_hi = torch.minimum(pieces - 1, torch.div(base + w - 1, w, rounding_mode="floor"))  # start > -w
+    k_lo = torch.div(base - n, w, rounding_mode="floor").add(1).clamp(min=0)  # start < n
+    count = (k_hi - k_lo + 1).clamp(min=0)  # [H, M]
+    t = torch.arange(ns, device=device)
+    starts = base.unsqueeze(-1) - (k_hi.unsqueeze(-1) - t) * w
+    block_offset = torch.where(t < count.unsqueeze(-1), starts, -1)
+    low = (base - k_hi * w).clamp(min=0)  # lowest piece start: sinks from there on are under a piece
+    ccount = torch.minimum(torch.minimum(sk, low), base - (block - w))  # sink columns below m*b
+    c = torch.arange(nc, device=device)
+    column_index = torch.where(c < ccount.unsqueeze(-1), c, -1)
+    expand = lambda x: x.to(torch.int32).expand(batch, *x.shape).contiguous()  # noqa: E731
+    return VSTiles(expand(count), expand(block_offset), expand(ccount), expand(column_index), block, width)
 
 
 def block_sparse_to_tiles(block_index: torch.Tensor, n: int, block: int = BLOCK, width: int = 0) -> VSTiles:
@@ -289,40 +307,6 @@ def tiles_to_mask(tiles: VSTiles, n: int, sink: torch.Tensor | None = None,
         window = torch.as_tensor(window, device=dev).view(1, H, 1, 1)
         mask &= ((i.view(-1, 1) - j.view(1, -1)) < window) | (j.view(1, -1) < sink)
     return mask
-
-
-def vs_mask(columns: torch.Tensor, offsets: torch.Tensor, n: int) -> torch.Tensor:
-    """Logical Vertical-Slash mask Bool `[B, H, n, n]` (small n): j in columns, or i - j in offsets or 0."""
-    B, H, _ = columns.shape
-    dev = columns.device
-    cm = torch.zeros(B, H, n + 1, dtype=torch.bool, device=dev)
-    cm.scatter_(-1, torch.where((columns >= 0) & (columns < n), columns.long(), n), True)
-    om = torch.zeros(B, H, n + 1, dtype=torch.bool, device=dev)
-    om.scatter_(-1, torch.where((offsets >= 0) & (offsets < n), offsets.long(), n), True)
-    om[..., 0] = True
-    i = torch.arange(n, device=dev)
-    diff = i.view(-1, 1) - i.view(1, -1)
-    causal = diff >= 0
-    return causal & (cm[..., :n].unsqueeze(2) | om[..., diff.clamp(min=0)])
-
-
-def ashape_mask(sink: torch.Tensor, window: torch.Tensor, n: int) -> torch.Tensor:
-    """Logical A-shape mask Bool `[H, n, n]`: j <= i and (j < sink or i - j < window)."""
-    i = torch.arange(n)
-    diff = i.view(-1, 1) - i.view(1, -1)
-    sink = torch.as_tensor(sink).view(-1, 1, 1)
-    window = torch.as_tensor(window).view(-1, 1, 1)
-    return (diff >= 0) & ((diff < window) | (i.view(1, -1) < sink))
-
-
-def block_sparse_mask(block_index: torch.Tensor, n: int) -> torch.Tensor:
-    """Logical block-sparse mask Bool `[B, H, n, n]` (small n): causal, diagonal block always in."""
-    B, H, M, _ = block_index.shape
-    sel = torch.zeros(B, H, M, M + 1, dtype=torch.bool, device=block_index.device)
-    sel.scatter_(-1, torch.where(block_index >= 0, block_index.long(), M).clamp(max=M), True)
-    sel[..., torch.arange(M), torch.arange(M)] = True
-    mask = sel[..., :M].repeat_interleave(BLOCK, 2).repeat_interleave(BLOCK, 3)[:, :, :n, :n]
-    return mask & torch.ones(n, n, dtype=torch.bool, device=block_index.device).tril()
 
 
 def tile_area(tiles: VSTiles, n: int) -> torch.Tensor:

@@ -9,8 +9,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from workbench_kernels.index_ref import (ashape_mask, ashape_to_tiles, block_sparse_mask, block_sparse_to_tiles,  # noqa: E402
-                                         merge_tiles, tiles_to_mask, vs_mask, vs_tile_bounds, vs_to_tiles)
+from workbench.patterns import AShape, BlockSparse, VerticalSlash  # noqa: E402
+from workbench_kernels.index_ref import (ashape_to_tiles, block_sparse_to_tiles, merge_tiles, tiles_to_mask,  # noqa: E402
+                                         vs_tile_bounds, vs_to_tiles)
 from workbench_kernels.prefill import (NO_WINDOW, ashape_prefill, block_sparse_prefill, sparse_prefill,  # noqa: E402
                                        vertical_slash_prefill)
 from workbench_kernels.prefill_ref import masked_attention_ref  # noqa: E402
@@ -18,6 +19,19 @@ from workbench_kernels.prefill_ref import masked_attention_ref  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16] if DEV == "cuda" else [torch.float32, torch.float16]
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def vs_mask(columns, offsets, n):
+    """Logical VS mask Bool `[B, H, n, n]` from the pattern class (the kernels' tiles must cover it)."""
+    return torch.stack([VerticalSlash(c, o).to_mask(n) for c, o in zip(columns, offsets)])
+
+
+def block_sparse_mask(index, n):
+    return torch.stack([BlockSparse(i).to_mask(n) for i in index])
+
+
+def ashape_mask(sink, window, n):
+    return AShape(torch.as_tensor(sink), torch.as_tensor(window), len(sink)).to_mask(n)
 
 
 def qkv(B, Hq, Hkv, n, D, dtype, seed=0):

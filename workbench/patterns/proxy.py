@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 
 from workbench.patterns.base import BLOCK
+from workbench_kernels.topk import budget as _budget
+from workbench_kernels.topk import top_blocks, top_positions
 
 AGGREGATES = ("sum", "max", "logits")
 DIAG_NORMS = ("sum", "mean", "prior")
@@ -23,40 +25,6 @@ def _grouped_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"q has {hq} heads and k {hkv}: the query heads must be a multiple of the KV heads")
     qg = q.reshape(*q.shape[:-3], hkv, (hq // hkv) * r, d)
     return (qg @ k.transpose(-1, -2)).reshape(*q.shape[:-3], hq, r, n)
-
-
-def _budget(size: int | torch.Tensor, hq: int, name: str) -> tuple[int, torch.Tensor | None]:
-    """(the largest budget, per-head budgets `[Hq]` or None when all heads share one)."""
-    t = torch.as_tensor(size, dtype=torch.long).reshape(-1)
-    if t.numel() not in (1, hq) or (t < 0).any():
-        raise ValueError(f"{name} must be an int >= 0 or one per query head ({hq}), got {t.tolist()}")
-    return int(t.max()), (t if t.numel() == hq and t.numel() > 1 else None)
-
-
-def top_positions(score: torch.Tensor, forced: int, size: int, per_head: torch.Tensor | None = None,
-                  ranked: bool = False) -> torch.Tensor:
-    """Positions 0..forced-1, then the best-scoring others: Long `[..., H, size]` ascending, -1 padded.
-
-    score `[..., H, n]`; `per_head` Long `[H]` keeps only each head's first choices. `ranked=True`
-    keeps preference order instead of ascending: the first v entries are then the choice of budget v.
-    """
-    n = score.shape[-1]
-    forced = min(forced, size, n)
-    free = min(size - forced, n - forced)
-    best = score[..., forced:].topk(free, dim=-1).indices + forced
-    head = torch.arange(forced, device=score.device).expand(*score.shape[:-1], forced)
-    pad = torch.full((*score.shape[:-1], size - forced - free), -1, dtype=torch.long, device=score.device)
-    idx = torch.cat([head, best, pad], -1)  # in order of preference
-    if per_head is not None:
-        keep = torch.arange(size, device=score.device) < per_head.to(score.device)[:, None]
-        idx = torch.where(keep, idx, -1)
-    return idx if ranked else _ascending(idx, n)
-
-
-def _ascending(idx: torch.Tensor, n: int) -> torch.Tensor:
-    """Sort ascending with the -1 padding moved to the end."""
-    s = torch.where(idx < 0, n, idx).sort(-1).values
-    return torch.where(s >= n, -1, s)
 
 
 @torch.no_grad()
@@ -134,22 +102,3 @@ def block_proxy(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor, bloc
         return x.reshape(*x.shape[:-2], m, block, x.shape[-1]).sum(-2) / size[:, None]
 
     return top_blocks(_grouped_scores(pool(q), pool(k)), k_max, k_head)
-
-
-def top_blocks(score: torch.Tensor, topk: int, per_head: torch.Tensor | None = None) -> torch.Tensor:
-    """Block table from block scores `[..., H, M, M]`: per query block the diagonal plus the best
-    causal key blocks, `topk` in all -> Int `[..., H, M, topk]` ascending, -1 padded."""
-    m = score.shape[-1]
-    causal = torch.ones(m, m, dtype=torch.bool, device=score.device).tril()
-    score = score.float().masked_fill(~causal, float("-inf"))
-    score.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))
-    kk = min(topk, m)
-    top = score.topk(kk, dim=-1)
-    idx = torch.where(top.values > float("-inf"), top.indices, -1)
-    if per_head is not None:
-        keep = torch.arange(kk, device=score.device) < per_head.to(score.device)[:, None, None].clamp(min=1)
-        idx = torch.where(keep, idx, -1)
-    idx = _ascending(idx, m)
-    if kk < topk:
-        idx = torch.nn.functional.pad(idx, (0, topk - kk), value=-1)
-    return idx.to(torch.int32)
