@@ -1,0 +1,184 @@
+"""Issue 19's methods: Tri-shape, dilated, strided, XAttention, FlexPrefill (prefill) and Quest (decode).
+
+Row masks against brute-force definitions at small n, physical tiles covering the mask, the vectorised
+index builders against plain loops, adaptive thresholds at 1.0 giving dense, Quest's bound."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from workbench_kernels.index_ref import tiles_to_mask
+
+from workbench.patterns.dilated import Dilated, Strided
+from workbench.patterns.flexprefill import flexprefill, flexprefill_scores, js_distance
+from workbench.patterns.tile_select import cumulative_keep, tile_count
+from workbench.patterns.trishape import TriShape
+from workbench.patterns.xattention import antidiagonal_block_scores, threshold_blocks, xattention
+
+B = 64
+
+
+def brute(n: int, rule) -> torch.Tensor:
+    """Bool `[n, n]` with rule(i, j) for every causal pair, in plain Python."""
+    return torch.tensor([[j <= i and rule(i, j) for j in range(n)] for i in range(n)])
+
+
+def check_pattern(p, masks: list[torch.Tensor], n: int) -> None:
+    got = p.to_mask(n)
+    for h, want in enumerate(masks):
+        assert torch.equal(got[h], want), f"head {h} of {p}"
+    assert torch.equal(p.edges(n), got.sum((1, 2)))
+    t = p.to_tiles(n, batch=2)
+    covered = tiles_to_mask(t, n)
+    assert not (got[None] & ~covered).any(), "tiles miss part of the mask"
+    assert torch.equal(p.tiles(n), tile_count(t)[0])
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 130, 300])
+def test_trishape_mask_edges_tiles(n):
+    sink, window, last = torch.tensor([4, 0, 70]), torch.tensor([16, 1, 100]), torch.tensor([20, 0, 130])
+    p = TriShape(sink, window, last)
+    masks = [brute(n, lambda i, j, h=h: i >= n - int(last[h]) or j < int(sink[h]) or i - j < int(window[h]))
+             for h in range(3)]
+    check_pattern(p, masks, n)
+
+
+@pytest.mark.parametrize("n", [1, 64, 200])
+def test_dilated_and_strided_masks(n):
+    check_pattern(Dilated(torch.tensor([5, 1, 40]), torch.tensor([3, 7, 2])),
+                  [brute(n, lambda i, j, w=w, d=d: (i - j) % d == 0 and (i - j) // d < w)
+                   for w, d in ((5, 3), (1, 7), (40, 2))], n)
+    check_pattern(Strided(torch.tensor([8, 1]), torch.tensor([5, 64])),
+                  [brute(n, lambda i, j, w=w, s=s: i - j < w or (i - j) % s == 0) for w, s in ((8, 5), (1, 64))], n)
+
+
+def test_bad_sizes_name_the_field():
+    with pytest.raises(ValueError, match="dilation"):
+        Dilated(4, 0)
+    with pytest.raises(ValueError, match="last"):
+        TriShape(4, 16, -1)
+
+
+def test_cumulative_keep_against_a_loop():
+    torch.manual_seed(1)
+    w = torch.rand(6, 17) * (torch.rand(6, 17) > 0.3)
+    for share in (0.0, 0.3, 0.9, 1.0):
+        got = cumulative_keep(w, share, min_keep=2)
+        for r in range(6):
+            order = sorted(range(17), key=lambda c: -float(w[r, c]))
+            want, acc, total = set(), 0.0, float(w[r].sum())
+            for rank, c in enumerate(order):
+                if rank < 2 or (float(w[r, c]) > 0 and (acc < share * total - 1e-6 or share >= 1)):
+                    want.add(c)
+                acc += float(w[r, c])
+            assert set(got[r].nonzero().flatten().tolist()) == want, (share, r)
+
+
+def xattn_loop(q, k, scale, stride, n):
+    """XAttention block scores with explicit loops over query groups, key groups and the antidiagonal."""
+    hq, _, d = q.shape
+    g = hq // k.shape[0]
+    m = -(-n // B)
+    groups = m * B // stride
+    qp = torch.nn.functional.pad(q, (0, 0, 0, m * B - n))
+    kp = torch.nn.functional.pad(k, (0, 0, 0, m * B - n))
+    out = torch.zeros(hq, m, m, dtype=torch.float64)
+    for h in range(hq):
+        for a in range(groups):
+            if a * stride >= n:
+                continue
+            s = torch.full((groups,), -math.inf, dtype=torch.float64)
+            for c in range(a + 1):
+                if c * stride < n:
+                    s[c] = sum(float(qp[h, a * stride + t] @ kp[h // g, c * stride + stride - 1 - t])
+                               for t in range(stride)) * scale / stride
+            p = torch.softmax(s, 0)
+            for c in range(groups):
+                out[h, a * stride // B, c * stride // B] += p[c]
+    return out / out.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("n,stride", [(64, 8), (150, 8), (200, 16), (130, 4)])
+def test_xattention_scores_match_loop(n, stride):
+    torch.manual_seed(n)
+    q, k = torch.randn(4, n, 8), torch.randn(2, n, 8)
+    got = antidiagonal_block_scores(q, k, 0.35, stride)
+    assert torch.allclose(got.double(), xattn_loop(q, k, 0.35, stride, n), atol=1e-5)
+
+
+def test_xattention_threshold_rule_and_dense_at_one():
+    torch.manual_seed(0)
+    n = 300
+    q, k = torch.randn(3, n, 16) * 2, torch.randn(3, n, 16) * 2
+    m = -(-n // B)
+    causal = torch.ones(m, m, dtype=torch.bool).tril()
+    score = antidiagonal_block_scores(q, k, 0.25, 8)
+    keep = threshold_blocks(score, torch.tensor([0.2, 0.6, 1.0]))
+    assert torch.equal(keep[2], causal)  # tau = 1 keeps every causal block
+    assert keep.diagonal(dim1=1, dim2=2).all() and keep[..., 0].all()
+    for h, tau in ((0, 0.2), (1, 0.6)):  # the kept blocks hold >= tau, and dropping the weakest one would not
+        held = (score[h] * keep[h]).sum(-1)
+        assert (held >= tau - 1e-6).all()
+    dense = xattention(q, k, 0.25, 1.0, 8)
+    assert torch.equal(dense.to_mask(n), torch.ones(n, n, dtype=torch.bool).tril().expand(3, n, n))
+
+
+def flex_loop(q, k, scale, n):
+    """FlexPrefill's decision inputs in plain loops: last-64-row attention, column and diagonal sums,
+    pooled estimate and the JS distance."""
+    hq, _, d = q.shape
+    g = hq // k.shape[0]
+    r = min(B, n)
+    m = -(-n // B)
+    col, diag = torch.zeros(hq, n, dtype=torch.float64), torch.zeros(hq, n, dtype=torch.float64)
+    dist = torch.zeros(hq, dtype=torch.float64)
+    for h in range(hq):
+        kh = k[h // g].double()
+        for i in range(n - r, n):
+            p = torch.softmax(kh[: i + 1] @ q[h, i].double() * scale, 0)
+            col[h, : i + 1] += p
+            for j in range(i + 1):
+                diag[h, i - j] += p[j]
+        true = torch.stack([col[h, u * B:(u + 1) * B].sum() for u in range(m)]) / r
+        kp = torch.stack([kh[u * B:(u + 1) * B].mean(0) for u in range(m)])
+        est = torch.softmax(kp @ q[h, n - r:].double().mean(0) * scale, 0)
+        mid = (true + est) / 2
+        js = 0.5 * sum(float(a * math.log(a / c)) for a, c in zip(true, mid) if a > 0) + \
+            0.5 * sum(float(b * math.log(b / c)) for b, c in zip(est, mid) if b > 0)
+        dist[h] = math.sqrt(max(js, 0.0))
+    return col, diag, dist
+
+
+@pytest.mark.parametrize("n", [40, 64, 200])
+def test_flexprefill_scores_match_loop(n):
+    torch.manual_seed(n)
+    q, k = torch.randn(4, n, 8), torch.randn(2, n, 8)
+    sc = flexprefill_scores(q, k, 0.4)
+    col, diag, dist = flex_loop(q, k, 0.4, n)
+    assert torch.allclose(sc["column"].double(), col, atol=1e-4)
+    assert torch.allclose(sc["diagonal"].double(), diag, atol=1e-4)
+    assert torch.allclose(sc["distance"].double(), dist, atol=1e-3)  # sqrt amplifies float noise near 0
+    assert torch.allclose(sc["block_score"].sum(-1), torch.ones(4, -(-n // B)), atol=1e-5)
+
+
+def test_js_distance_bounds():
+    p = torch.tensor([[1.0, 0.0], [0.5, 0.5]])
+    q = torch.tensor([[0.0, 1.0], [0.5, 0.5]])
+    assert torch.allclose(js_distance(p, q), torch.tensor([math.sqrt(math.log(2)), 0.0]), atol=1e-6)
+
+
+def test_flexprefill_choice_and_dense_at_one():
+    torch.manual_seed(0)
+    n = 320
+    q, k = torch.randn(4, n, 16) * 3, torch.randn(2, n, 16) * 3
+    causal = torch.ones(n, n, dtype=torch.bool).tril().expand(4, n, n)
+    for tau in (0.0, 1.0):  # tau 0: every head VS; tau 1 (> sqrt(ln 2)): every head query-aware blocks
+        f = flexprefill(q, k, 0.25, gamma=1.0, tau=tau, min_budget=0)
+        assert bool(f.use_vs.all()) == (tau == 0.0) and bool(f.use_vs.any()) == (tau == 0.0)
+        assert torch.equal(f.to_mask(n), causal)
+    sparse = flexprefill(q, k, 0.25, gamma=0.3, tau=torch.tensor([0.0, 0.0, 1.0, 1.0]), min_budget=64)
+    assert sparse.use_vs.tolist() == [True, True, False, False]
+    check_pattern(sparse, list(sparse.to_mask(n)), n)
+    assert (sparse.edges(n) < causal[0].sum()).all()
+    assert ((sparse.vs.columns >= 0).sum(1) >= 64).all()  # the minimum budget

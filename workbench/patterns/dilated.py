@@ -1,0 +1,85 @@
+"""Static diagonal baselines as Vertical-Slash indexes with no columns (they run on the VS tiles).
+
+- Dilated sliding window (Longformer): N(i) = {i - t*dilation : 0 <= t < window, i - t*dilation >= 0}.
+- Strided (Sparse Transformer): N(i) = {i - window + 1 .. i} U {j <= i : (i - j) % stride == 0}.
+
+Both are defined for any prompt length: `index(n)` gives the VS index of an n-token prompt.
+"""
+from __future__ import annotations
+
+import torch
+from workbench_kernels.index_ref import VSTiles, vs_to_tiles
+
+from workbench.patterns.ashape import _per_head
+from workbench.patterns.base import BLOCK, to_mask
+from workbench.patterns.tile_select import repeat_batch
+from workbench.patterns.vertical_slash import VerticalSlash
+
+
+class _Offsets:
+    """A pattern given by per-head slash offsets that depend only on n."""
+
+    kind = ""
+
+    def offsets(self, n: int) -> torch.Tensor:  # Long [H, K], -1 padded
+        raise NotImplementedError
+
+    def index(self, n: int) -> VerticalSlash:
+        return VerticalSlash(torch.full((self.n_heads, 1), -1, dtype=torch.long), self.offsets(n))
+
+    def row_mask(self, r0: int, r1: int, n: int) -> torch.Tensor:
+        return self.index(n).row_mask(r0, r1, n)
+
+    def to_mask(self, n: int) -> torch.Tensor:
+        return to_mask(self, n)
+
+    def edges(self, n: int) -> torch.Tensor:
+        return self.index(n).edges(n)
+
+    def tiles(self, n: int) -> torch.Tensor:
+        return self.index(n).tiles(n)
+
+    def to_tiles(self, n: int, batch: int = 1) -> VSTiles:
+        vs = self.index(n)
+        return repeat_batch(vs_to_tiles(vs.columns[None], vs.offsets[None], n, BLOCK), batch)
+
+    def token_band(self) -> None:
+        return None
+
+
+class Dilated(_Offsets):
+    """`window` taps spaced `dilation` tokens apart, ending at the diagonal (int or Long `[H]` each)."""
+
+    kind = "dilated"
+
+    def __init__(self, window: int | torch.Tensor, dilation: int | torch.Tensor, n_heads: int = 1):
+        self.n_heads = max([n_heads] + [x.numel() for x in (window, dilation) if isinstance(x, torch.Tensor)])
+        self.window = _per_head(window, self.n_heads, "window", 1)
+        self.dilation = _per_head(dilation, self.n_heads, "dilation", 1)
+
+    def offsets(self, n: int) -> torch.Tensor:
+        t = torch.arange(max(1, min(int(self.window.max()), n)))
+        offs = t[None, :] * self.dilation[:, None]
+        return torch.where((t[None, :] < self.window[:, None]) & (offs < n), offs, -1)
+
+    def __repr__(self) -> str:
+        return f"Dilated(window={self.window.tolist()}, dilation={self.dilation.tolist()})"
+
+
+class Strided(_Offsets):
+    """A local `window` plus every `stride`-th earlier token (int or Long `[H]` each)."""
+
+    kind = "strided"
+
+    def __init__(self, window: int | torch.Tensor, stride: int | torch.Tensor, n_heads: int = 1):
+        self.n_heads = max([n_heads] + [x.numel() for x in (window, stride) if isinstance(x, torch.Tensor)])
+        self.window = _per_head(window, self.n_heads, "window", 1)
+        self.stride = _per_head(stride, self.n_heads, "stride", 1)
+
+    def offsets(self, n: int) -> torch.Tensor:
+        d = torch.arange(n)[None, :]
+        keep = (d < self.window[:, None]) | (d % self.stride[:, None] == 0)
+        return torch.where(keep, d, -1)
+
+    def __repr__(self) -> str:
+        return f"Strided(window={self.window.tolist()}, stride={self.stride.tolist()})"

@@ -1,0 +1,124 @@
+"""FlexPrefill: per head and prompt, a query-aware block pattern or Vertical-Slash, by cumulative share.
+
+From the last `block` query rows (the question):
+1. True block distribution: their exact attention (softmax, causal) summed over the rows and pooled into
+   64-token key blocks. Estimated one: softmax of the mean query of those rows against the mean-pooled
+   key blocks. d = sqrt(Jensen-Shannon divergence) of the two (natural log, in [0, sqrt(ln 2)]).
+2. d < `tau` (the pooled estimate is trustworthy): query-aware blocks. Each query block scores the key
+   blocks by softmax of pooled q . pooled k (causal) and keeps blocks by descending score until their
+   cumulative share reaches `gamma` (at least `min_budget` tokens' worth of blocks; diagonal always).
+3. Otherwise Vertical-Slash from the same exact last-row attention: columns by their summed probability,
+   slash offsets by their diagonal sums, each kept until the cumulative share reaches `gamma` (at least
+   `min_budget` columns and offsets; offset 0 always).
+gamma >= 1 keeps everything: dense. The head config records gamma, tau and min_budget, not budgets.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from workbench_kernels.index_ref import VSTiles, block_sparse_to_tiles, vs_to_tiles
+
+from workbench.patterns.base import BLOCK, check_rows, to_mask
+from workbench.patterns.block_sparse import BlockSparse
+from workbench.patterns.tile_select import cumulative_keep, positions, repeat_batch, select_tiles, tile_count
+from workbench.patterns.vertical_slash import VerticalSlash
+from workbench.patterns.xattention import _grouped
+
+
+class FlexPrefill:
+    """Per head either the VS index or the block table: `use_vs` Bool `[H]`, `vs` over all H heads
+    (used where use_vs), `blocks` over all H heads (used elsewhere)."""
+
+    kind = "flexprefill"
+
+    def __init__(self, use_vs: torch.Tensor, vs: VerticalSlash, blocks: BlockSparse):
+        if not (use_vs.numel() == vs.n_heads == blocks.n_heads):
+            raise ValueError(f"FlexPrefill wants use_vs, vs and blocks for the same heads, got "
+                             f"{use_vs.numel()}, {vs.n_heads}, {blocks.n_heads}")
+        self.use_vs, self.vs, self.blocks = use_vs.bool().cpu(), vs, blocks
+        self.n_heads = vs.n_heads
+
+    def row_mask(self, r0: int, r1: int, n: int) -> torch.Tensor:
+        check_rows(r0, r1, n)
+        return torch.where(self.use_vs[:, None, None], self.vs.row_mask(r0, r1, n), self.blocks.row_mask(r0, r1, n))
+
+    def to_mask(self, n: int) -> torch.Tensor:
+        return to_mask(self, n)
+
+    def edges(self, n: int) -> torch.Tensor:
+        return torch.where(self.use_vs, self.vs.edges(n), self.blocks.edges(n))
+
+    def to_tiles(self, n: int, batch: int = 1) -> VSTiles:
+        vs = vs_to_tiles(self.vs.columns[None], self.vs.offsets[None], n, BLOCK)
+        blocks = block_sparse_to_tiles(self.blocks.block_index[None].int(), n, BLOCK)
+        return repeat_batch(select_tiles(blocks, vs, self.use_vs.to(vs.block_count.device)[None, :, None]), batch)
+
+    def token_band(self) -> None:
+        return None
+
+    def tiles(self, n: int) -> torch.Tensor:
+        return tile_count(self.to_tiles(n))[0]
+
+    def __repr__(self) -> str:
+        return f"FlexPrefill(vs heads {self.use_vs.nonzero().flatten().tolist()} of {self.n_heads})"
+
+
+def _pool(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Mean over `block`-token groups (the last group may be short): `[..., N, D]` -> `[..., M, D]`."""
+    n = x.shape[-2]
+    m = -(-n // block)
+    size = torch.clamp(n - torch.arange(m, device=x.device) * block, max=block).to(torch.float32)
+    x = torch.nn.functional.pad(x.float(), (0, 0, 0, m * block - n))
+    return x.reshape(*x.shape[:-2], m, block, x.shape[-1]).sum(-2) / size[:, None]
+
+
+def js_distance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """sqrt of the Jensen-Shannon divergence (natural log) of distributions on the last dim."""
+    mid = (p + q) / 2
+    kl = lambda a: torch.where(a > 0, a * (a.clamp(min=1e-30).log() - mid.clamp(min=1e-30).log()), 0).sum(-1)  # noqa: E731
+    return ((kl(p) + kl(q)) / 2).clamp(min=0).sqrt()
+
+
+@torch.no_grad()
+def flexprefill_scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: int = BLOCK) -> dict[str, torch.Tensor]:
+    """What FlexPrefill decides from, q `[Hq, N, D]`, k `[Hkv, N, D]`: {"distance" `[Hq]`,
+    "block_score" `[Hq, M, M]` (pooled softmax, rows sum to 1), "column" `[Hq, N]`, "diagonal" `[Hq, N]`}
+    (the last rows' attention summed per key and per offset i - j)."""
+    hq, n, _ = q.shape
+    r = min(block, n)
+    i = torch.arange(n - r, n, device=q.device)[:, None]
+    j = torch.arange(n, device=q.device)[None, :]
+    p = torch.softmax((_grouped(q[:, n - r:].float(), k.float()) * scale).masked_fill(j > i, float("-inf")), -1)
+    column = p.sum(1)  # [Hq, N]
+    m = -(-n // block)
+    true = torch.nn.functional.pad(column, (0, m * block - n)).reshape(hq, m, block).sum(-1) / r
+    qp, kp = _pool(q, block), _pool(k, block)  # [Hq, M, D], [Hkv, M, D]
+    est = torch.softmax(_grouped(q[:, n - r:].float().mean(1, keepdim=True), kp)[:, 0] * scale, -1)
+    causal = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
+    block_score = torch.softmax((_grouped(qp, kp) * scale).masked_fill(~causal, float("-inf")), -1)
+    d = torch.where(j <= i, i - j, n).expand(hq, -1, -1).reshape(hq, -1)
+    diagonal = torch.zeros(hq, n + 1, device=q.device).scatter_add_(1, d, p.reshape(hq, -1))[:, :n]
+    return {"distance": js_distance(true, est), "block_score": block_score, "column": column, "diagonal": diagonal}
+
+
+@torch.no_grad()
+def flexprefill(q: torch.Tensor, k: torch.Tensor, scale: float, gamma: float | torch.Tensor = 0.9,
+                tau: float | torch.Tensor = 0.1, min_budget: int = 256, block: int = BLOCK) -> FlexPrefill:
+    """FlexPrefill's index of one layer (q `[Hq, N, D]`, k `[Hkv, N, D]`). gamma, tau: float or `[Hq]`;
+    min_budget: tokens (columns and offsets for VS heads, min_budget // block blocks for block heads)."""
+    hq, n, _ = q.shape
+    if min_budget < 0:
+        raise ValueError(f"min_budget={min_budget} must be >= 0 tokens")
+    sc = flexprefill_scores(q, k, scale, block)
+    gamma = torch.as_tensor(gamma, dtype=torch.float32, device=q.device).reshape(-1)
+    g1 = gamma[:, None]
+    tau = torch.as_tensor(tau, dtype=torch.float32, device=q.device).reshape(-1)
+    use_vs = sc["distance"] >= tau.expand(hq)
+    cols = positions(cumulative_keep(sc["column"], g1, min(min_budget, n)))
+    offs = positions(cumulative_keep(sc["diagonal"], g1, min(min_budget, n)))
+    m = sc["block_score"].shape[-1]
+    keep = cumulative_keep(sc["block_score"], g1[:, :, None], max(1, math.ceil(min_budget / block)))
+    keep |= torch.eye(m, dtype=torch.bool, device=q.device)
+    keep &= torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
+    return FlexPrefill(use_vs, VerticalSlash(cols, offs), BlockSparse(positions(keep).int()))

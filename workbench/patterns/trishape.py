@@ -1,0 +1,68 @@
+"""Tri-shape (SCBench): A-shape (`sink` initial tokens + a local `window`) plus dense attention for the
+last `last` query rows (the question at the end of a prompt). Static: needs no online index.
+
+N(i) = {j <= i} if i >= n - last, else {0 .. min(sink, i+1) - 1} U {max(0, i - window + 1) .. i}.
+Physical tiles: the A-shape as Vertical-Slash tiles (sink columns, window offsets) on the row blocks
+before the question, every causal key block on the row blocks that hold a question row.
+"""
+from __future__ import annotations
+
+import torch
+from workbench_kernels.index_ref import VSTiles, block_sparse_to_tiles, vs_to_tiles
+
+from workbench.patterns.ashape import AShape, _per_head
+from workbench.patterns.base import BLOCK, check_rows, to_mask
+from workbench.patterns.tile_select import repeat_batch, select_tiles, tile_count
+
+
+class TriShape:
+    """Sink + window for H heads, dense for the last `last` query rows. All in tokens (int or Long `[H]`)."""
+
+    kind = "trishape"
+
+    def __init__(self, sink: int | torch.Tensor, window: int | torch.Tensor, last: int | torch.Tensor = 64,
+                 n_heads: int = 1):
+        self.ashape = AShape(sink, window, n_heads)
+        self.n_heads = self.ashape.n_heads
+        self.last = _per_head(last, self.n_heads, "last", 0)
+
+    def row_mask(self, r0: int, r1: int, n: int) -> torch.Tensor:
+        check_rows(r0, r1, n)
+        i = torch.arange(r0, r1)[None, :, None]
+        j = torch.arange(n)[None, None, :]
+        question = i >= n - self.last[:, None, None]
+        return self.ashape.row_mask(r0, r1, n) | (question & (j <= i))
+
+    def to_mask(self, n: int) -> torch.Tensor:
+        return to_mask(self, n)
+
+    def edges(self, n: int) -> torch.Tensor:
+        i = torch.arange(n)[None, :]
+        g, w = self.ashape.sink[:, None], self.ashape.window[:, None]
+        sink, band = torch.minimum(g, i + 1), torch.minimum(w, i + 1)
+        ashape = sink + band - (sink - (i - w + 1).clamp(min=0)).clamp(min=0)  # keys per row, overlap once
+        return torch.where(i >= n - self.last[:, None], i + 1, ashape).sum(1)
+
+    def to_tiles(self, n: int, batch: int = 1) -> VSTiles:
+        """Tiles `[batch, H, M]`: A-shape row blocks as VS pieces/columns, question row blocks dense."""
+        block = BLOCK
+        g, w, H = self.ashape.sink.clamp(max=n), self.ashape.window.clamp(max=n), self.n_heads
+        cols = torch.arange(max(int(g.max()), 1))
+        offs = torch.arange(max(int(w.max()), 1))
+        band = vs_to_tiles(torch.where(cols < g[:, None], cols, -1)[None], torch.where(offs < w[:, None], offs, -1)[None],
+                           n, block)
+        m = -(-n // block)
+        every = torch.arange(-(-n // BLOCK)).expand(1, H, -(-n // BLOCK), -1)  # each row block reads all key blocks
+        dense = block_sparse_to_tiles(every.int(), n, block, 0)
+        row_end = torch.clamp((torch.arange(m) + 1) * block, max=n)
+        return repeat_batch(select_tiles(band, dense, (row_end[None, :] > n - self.last[:, None])[None]), batch)
+
+    def token_band(self) -> None:
+        return None
+
+    def tiles(self, n: int) -> torch.Tensor:
+        return tile_count(self.to_tiles(n))[0]
+
+    def __repr__(self) -> str:
+        return (f"TriShape(sink={self.ashape.sink.tolist()}, window={self.ashape.window.tolist()}, "
+                f"last={self.last.tolist()})")

@@ -1,0 +1,79 @@
+"""XAttention: block-sparse prefill chosen per prompt by antidiagonal scoring and a cumulative threshold.
+
+1. Antidiagonal scores at stride S: query group a = rows aS .. aS+S-1, key group c = keys cS .. cS+S-1;
+   their score is the sum of the S logits on the group's antidiagonal, sum_s q_{aS+s} . k_{cS+S-1-s}
+   (one [n/S, n/S] product of the stride-reshaped q and the group-reversed k: O(n^2 d / S)).
+2. Softmax over the causal key groups c <= a of each query group (logits scaled by scale / S: the mean
+   of the antidiagonal), summed into 64x64 blocks ((64/S)^2 groups each) and normalised per query block.
+3. Per query block, key blocks by descending score until their cumulative share reaches `tau`; the
+   diagonal block and the first (sink) block are always kept. tau >= 1 keeps every causal block.
+
+The head config records tau and S, not a block budget. q `[..., Hq, N, D]`, k `[..., Hkv, N, D]`.
+"""
+from __future__ import annotations
+
+import torch
+
+from workbench.patterns.base import BLOCK
+from workbench.patterns.block_sparse import BlockSparse
+from workbench.patterns.tile_select import cumulative_keep, positions
+
+STRIDES = (4, 8, 16, 32, 64)
+
+
+def _grouped(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q `[..., Hq, R, E]` . k `[..., Hkv, C, E]` -> `[..., Hq, R, C]` (GQA without repeating k)."""
+    hq, r, e = q.shape[-3:]
+    hkv = k.shape[-3]
+    qg = q.reshape(*q.shape[:-3], hkv, (hq // hkv) * r, e)
+    return (qg @ k.transpose(-1, -2)).reshape(*q.shape[:-3], hq, r, k.shape[-2])
+
+
+@torch.no_grad()
+def antidiagonal_block_scores(q: torch.Tensor, k: torch.Tensor, scale: float, stride: int = 8,
+                              block: int = BLOCK) -> torch.Tensor:
+    """Float `[..., Hq, M, M]`: each query block's estimated attention share per key block (rows sum
+    to 1 over the causal blocks, 0 above the diagonal). M = ceil(N / block)."""
+    if stride not in STRIDES or block % stride:
+        raise ValueError(f"stride={stride} must be one of {STRIDES} and divide the block ({block})")
+    n, d = q.shape[-2], q.shape[-1]
+    m = -(-n // block)
+    pad = m * block - n
+    g = m * block // stride  # query / key groups
+    qs = torch.nn.functional.pad(q.float(), (0, 0, 0, pad)).reshape(*q.shape[:-2], g, stride * d)
+    kr = torch.nn.functional.pad(k.float(), (0, 0, 0, pad)).reshape(*k.shape[:-2], g, stride, d)
+    s = _grouped(qs, kr.flip(-2).reshape(*k.shape[:-2], g, stride * d)) * (scale / stride)  # [..., Hq, g, g]
+    a = torch.arange(g, device=q.device)
+    live = (a[None, :] <= a[:, None]) & (a[None, :] * stride < n)  # causal groups holding real keys
+    p = torch.softmax(s.masked_fill(~live, float("-inf")), -1)
+    p = p * (a * stride < n).to(p.dtype)[:, None]  # padded query groups count for nothing
+    per = block // stride
+    blocks = p.reshape(*p.shape[:-2], m, per, m, per).sum((-3, -1))
+    return blocks / blocks.sum(-1, keepdim=True).clamp(min=1e-30)
+
+
+def threshold_blocks(score: torch.Tensor, tau: float | torch.Tensor) -> torch.Tensor:
+    """Bool `[..., H, M, M]`: per query block the key blocks by cumulative share `tau` (float or one
+    per head), plus the diagonal and block 0; causal blocks only."""
+    m = score.shape[-1]
+    tau = torch.as_tensor(tau, dtype=score.dtype, device=score.device)
+    tau = tau.reshape(-1, 1, 1) if tau.dim() == 1 else tau
+    keep = cumulative_keep(score, tau, min_keep=0)
+    eye = torch.eye(m, dtype=torch.bool, device=score.device)
+    first = torch.zeros(m, m, dtype=torch.bool, device=score.device)
+    first[:, 0] = True
+    causal = torch.ones(m, m, dtype=torch.bool, device=score.device).tril()
+    return (keep | eye | first | (tau >= 1)) & causal
+
+
+@torch.no_grad()
+def xattention_index(q: torch.Tensor, k: torch.Tensor, scale: float, tau: float | torch.Tensor = 0.9,
+                     stride: int = 8, block: int = BLOCK) -> torch.Tensor:
+    """Block table Int `[..., Hq, M, M]` (key-block ids ascending, -1 padded) of XAttention at `tau`."""
+    return positions(threshold_blocks(antidiagonal_block_scores(q, k, scale, stride, block), tau)).int()
+
+
+def xattention(q: torch.Tensor, k: torch.Tensor, scale: float, tau: float | torch.Tensor = 0.9,
+               stride: int = 8) -> BlockSparse:
+    """XAttention's index of one layer as a `BlockSparse` pattern: q `[Hq, N, D]`, k `[Hkv, N, D]`."""
+    return BlockSparse(xattention_index(q, k, scale, tau, stride))
