@@ -225,3 +225,113 @@ def test_tile_counts_agree_with_the_kernel_tiling():
         table = torch.randint(-1, m, (2, m, 4), generator=gen).int()
         t = block_sparse_to_tiles(table[None], n)
         assert BlockSparse(table).tiles(n).tolist() == t.block_count.long().sum(-1)[0].tolist()
+
+
+# ----------------------------------------------------------------------------- the Pattern protocol
+
+def protocol_cases(n: int, gen: torch.Generator) -> list:
+    """One instance of every registered pattern (several heads each) and a Stack of them."""
+    m = -(-n // B)
+    cases = [AShape(torch.tensor([0, 3, 70]), torch.tensor([1, 40, 100])),
+             random_vs(2, n, gen),
+             BlockSparse(torch.randint(-1, m + 2, (3, m, 3), generator=gen).int()),
+             Dense(2)]
+    return cases + [Stack(cases)]
+
+
+def kernel_mask(p, n: int) -> torch.Tensor:
+    """What the kernel computes for a pattern: its tiles plus its token band, `[H, n, n]`."""
+    from workbench_kernels.index_ref import tiles_to_mask
+
+    band = p.token_band()
+    return tiles_to_mask(p.to_tiles(n), n, *(band or (None, None)))[0]
+
+
+def inside_polygons(polys: list, n: int) -> torch.Tensor:
+    """Bool `[n, n]` (row i, column j): lattice point (x = j, y = i) inside any polygon (crossing parity)."""
+    x = torch.arange(n, dtype=torch.float64)[None, :]
+    y = torch.arange(n, dtype=torch.float64)[:, None]
+    out = torch.zeros(n, n, dtype=torch.bool)
+    for poly in polys:
+        odd = torch.zeros(n, n, dtype=torch.bool)
+        for (x0, y0), (x1, y1) in zip(poly, poly[1:] + poly[:1]):
+            if y0 != y1:
+                odd ^= ((y0 > y) != (y1 > y)) & (x < x0 + (y - y0) * (x1 - x0) / (y1 - y0))
+        out |= odd
+    return out
+
+
+def test_registry_maps_config_kinds_to_classes_and_back():
+    from workbench.patterns import PATTERNS, PatternBase, pattern_class, register_pattern
+
+    assert {k: c.__name__ for k, c in PATTERNS.items()} == {
+        "vs": "VerticalSlash", "ashape": "AShape", "block": "BlockSparse", "dense": "Dense"}
+    for kind, cls in PATTERNS.items():
+        assert pattern_class(kind) is cls and cls.kind == kind
+    with pytest.raises(ValueError, match="unknown pattern 'tri'.*register_pattern"):
+        pattern_class("tri")
+    with pytest.raises(ValueError, match="already VerticalSlash"):
+        register_pattern(type("Other", (PatternBase,), {"kind": "vs"}))
+    with pytest.raises(ValueError, match="`kind`"):
+        register_pattern(type("Nameless", (PatternBase,), {}))
+    assert PATTERNS["vs"] is VerticalSlash
+
+
+@pytest.mark.parametrize("n", [1, 37, 64, 130, 200])
+def test_protocol_parts_agree(n):
+    """row_mask, kernel tiles, FlexAttention mask_mod, overlay shapes, edges and tiles: one geometry."""
+    gen = torch.Generator().manual_seed(n)
+    q_idx, kv_idx = torch.arange(n)[None, :, None], torch.arange(n)[None, None, :]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    for p in protocol_cases(n, gen):
+        mask = p.row_mask(0, n, n)
+        physical = kernel_mask(p, n)
+        assert bool((physical >= mask).all()), f"{p}: the kernel tiles miss kept pairs"
+        if not isinstance(p, (VerticalSlash, Stack)):  # VS slashes widen to 64-wide pieces
+            assert torch.equal(physical, mask), p
+        t = p.to_tiles(n)
+        assert torch.equal(p.tiles(n), (t.block_count.long() + -(-t.column_count.long() // B)).sum(-1)[0]), p
+        assert torch.equal(p.edges(n), mask.sum((1, 2))), p
+        mod = p.mask_mod(n)
+        grid = mod(0, torch.arange(p.n_heads)[:, None, None], q_idx, kv_idx)
+        assert torch.equal(grid.expand_as(mask), mask), p
+        for head in range(p.n_heads):
+            polys = [poly for part in p.shapes(head, n).values() for poly in part]
+            assert torch.equal(inside_polygons(polys, n) & causal, mask[head]), (p, head)
+
+
+def test_stack_mixes_kernel_tiles_and_bands():
+    """The stack's tiles and band are its parts' (heads without a band get none), so a mixed layer is one launch."""
+    n = 150
+    parts = [VerticalSlash(torch.tensor([[3, 5, 120]]), torch.tensor([[1, 64, -1]])), AShape(4, 37),
+             BlockSparse(torch.tensor([[[0], [0], [1]]])), Dense(1)]
+    stack = Stack(parts)
+    sink, window = stack.token_band()
+    assert sink.tolist()[1] == 4 and window.tolist()[1] == 37 and min(window[[0, 2, 3]].tolist()) >= n
+    assert torch.equal(kernel_mask(stack, n), torch.cat([kernel_mask(p, n) for p in parts]))
+    assert Stack([Dense(2), parts[0]]).token_band() is None
+    with pytest.raises(ValueError, match="out of range"):
+        stack.shapes(4, n)
+
+
+def test_cost_is_tiles_times_rate_plus_index():
+    rates = {"vs": {"per_tile_ms": 0.5, "index_ms": 2.0}, "dense": {"per_tile_ms": 0.25, "index_ms": 0.0}}
+    n = 300
+    vs = VerticalSlash(torch.tensor([[0, 7]]), torch.tensor([[0, 9]]))
+    assert vs.cost(n, rates).tolist() == [vs.tiles(n).item() * 0.5 + 2.0]
+    assert Stack([vs, Dense(1)]).cost(n, rates).tolist() == [vs.tiles(n).item() * 0.5 + 2.0, causal_tiles(n) * 0.25]
+    with pytest.raises(ValueError, match="no rate for pattern 'ashape'"):
+        AShape(1, 4).cost(n, rates)
+
+
+def test_mask_mod_builds_a_flex_block_mask():
+    """The mask_mod runs under FlexAttention's vmap: the block mask it gives equals the row mask."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    n = 192
+    p = Stack([VerticalSlash(torch.tensor([[2, 100]]), torch.tensor([[0, 70]])), AShape(3, 20),
+               BlockSparse(torch.tensor([[[0], [0], [1]]])), Dense(1)])
+    bm = flex.create_block_mask(p.mask_mod(n), 1, p.n_heads, n, n, device="cpu", BLOCK_SIZE=64)
+    dense = bm.to_dense()[0].repeat_interleave(64, 1).repeat_interleave(64, 2)[:, :n, :n].bool()
+    mask = p.row_mask(0, n, n)
+    assert bool((dense >= mask).all())  # every block holding a kept pair is visited
+    assert torch.equal(dense.reshape(4, 3, 64, 3, 64).any(4).any(2), mask.reshape(4, 3, 64, 3, 64).any(4).any(2))

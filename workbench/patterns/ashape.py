@@ -4,9 +4,14 @@ N(i) = {0 .. min(sink, i+1) - 1} U {max(0, i - window + 1) .. i}.
 """
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-from workbench.patterns.base import BLOCK, check_rows, to_mask
+import torch
+from workbench_kernels import BLOCK
+from workbench_kernels.index_ref import VSTiles, ashape_to_tiles
+
+from workbench.patterns.base import (MaskMod, PatternBase, Shapes, band_poly, causal_rows, check_head, check_rows,
+                                     column_poly, register_pattern, toeplitz_rows)
 
 
 def _per_head(x: int | torch.Tensor, n_heads: int, name: str, low: int) -> torch.Tensor:
@@ -21,8 +26,13 @@ def _per_head(x: int | torch.Tensor, n_heads: int, name: str, low: int) -> torch
     return t
 
 
-class AShape:
+@register_pattern
+class AShape(PatternBase):
     """Sink + sliding window for H heads. `sink`, `window`: tokens (an int, or Long `[H]`)."""
+
+    kind = "ashape"
+    params = ("sink", "window")
+    bench_kernel = "a_shape"
 
     def __init__(self, sink: int | torch.Tensor, window: int | torch.Tensor, n_heads: int = 1):
         if isinstance(sink, torch.Tensor) and sink.numel() > 1:
@@ -35,13 +45,9 @@ class AShape:
 
     def row_mask(self, r0: int, r1: int, n: int) -> torch.Tensor:
         check_rows(r0, r1, n)
-        i = torch.arange(r0, r1)[None, :, None]
-        j = torch.arange(n)[None, None, :]
-        g, w = self.sink[:, None, None], self.window[:, None, None]
-        return (j <= i) & ((j < g) | (j > i - w))
-
-    def to_mask(self, n: int) -> torch.Tensor:
-        return to_mask(self, n)
+        pos = torch.arange(n)
+        band = toeplitz_rows(pos[None, :] < self.window[:, None], r0, r1, n)
+        return band | ((pos[None, :] < self.sink[:, None])[:, None, :] & causal_rows(r0, r1, n))
 
     def edges(self, n: int) -> torch.Tensor:
         i = torch.arange(n)[None, :]
@@ -60,6 +66,25 @@ class AShape:
         band_hi = (end - 1) // block + 1
         both = (torch.minimum(sink_hi, band_hi) - band_lo).clamp(min=0)
         return (sink_hi + band_hi - band_lo - both).sum(1)
+
+    def to_tiles(self, n: int, batch: int = 1) -> VSTiles:
+        return ashape_to_tiles(self.sink, self.window, n, batch)
+
+    def token_band(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.sink, self.window
+
+    def mask_mod(self, n: int, device: torch.device | str | None = None) -> MaskMod:
+        sink, window = self.sink.to(device), self.window.to(device)
+        return lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & ((kv_idx < sink[h]) | (q_idx - kv_idx < window[h]))
+
+    def shapes(self, head: int, n: int) -> Shapes:
+        check_head(self, head)
+        g, w = min(int(self.sink[head]), n), min(int(self.window[head]), n)
+        return {"window": [band_poly(0, w, n)], **({"sink": [column_poly(0, g, n)]} if g > 0 else {})}
+
+    @classmethod
+    def build(cls, params, q: Any, k: Any, scale: float, proxy: dict[str, Any], block: int) -> dict[int, "AShape"]:
+        return {h: cls(p["sink"], p["window"]) for h, p in enumerate(params) if p is not None}
 
     def __repr__(self) -> str:
         return f"AShape(sink={self.sink.tolist()}, window={self.window.tolist()})"

@@ -1,22 +1,44 @@
-"""What every pattern index offers, plus the dense pattern and a per-head stack of patterns.
+"""The `Pattern` protocol every sparse pattern implements, its registry, the dense pattern and a per-head
+stack of patterns.
 
-A pattern object holds the index of all H heads of one layer for one prompt. It never stores an
-n x n mask: `row_mask(r0, r1, n)` materialises only the rows the caller asks for (the exact statistics
-in `workbench.analysis.stats` walk the rows in chunks). All counts exclude non-causal entries (j > i).
+A pattern object holds the index of all H heads of one layer for one prompt and owns its geometry once:
+
+- logical: `row_mask(r0, r1, n)` (only the rows asked for: the exact statistics walk rows in chunks),
+  `edges(n)`, and `mask_mod(n)` (the same mask as a FlexAttention `mask_mod`);
+- physical: `to_tiles(n)` (the `VSTiles` the Triton prefill kernel runs, plus `token_band()`, the
+  per-token A-shape mask the kernel applies on top), `tiles(n)` and the latency `cost(n, rates)`;
+- pictures: `shapes(head, n)`, polygons whose lattice points are exactly the kept causal pairs.
+
+All counts exclude non-causal entries (j > i). Config kinds ("vs", "ashape", "block", "dense", ...) map
+to pattern classes through `PATTERNS`, filled by the `register_pattern` class decorator.
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Any, Callable, ClassVar, Protocol, Sequence
 
 import torch
+from workbench_kernels import BLOCK
+from workbench_kernels.index_ref import VSTiles, ashape_to_tiles, merge_tiles
 
-BLOCK = 64
 MAX_MASK_N = 4096  # to_mask() refuses longer prompts: an n x n mask per head is for tests and pictures
+NO_WINDOW = 1 << 30  # `token_band` window of heads without one (the Triton kernel's NO_WINDOW)
+
+Polygon = list[tuple[float, float]]  # (x = key j, y = query i) vertices in token coordinates
+Shapes = dict[str, list[Polygon]]  # overlay part name ("window", "columns", ...) -> polygons
+MaskMod = Callable[[Any, Any, Any, Any], Any]  # FlexAttention (b, h, q_idx, kv_idx) -> bool
+Rates = dict[str, dict[str, float]]  # {kind: {"per_tile_ms", "index_ms"}} (`prefill.latency.tile_rates`)
 
 
 class Pattern(Protocol):
-    """A sparse attention index for H heads of one layer."""
+    """A sparse attention index for H heads of one layer (see the module docstring).
 
+    Class attributes of a registered pattern: `kind` (its name in head configs), `params` (the names of
+    its per-head sizes in a config entry) and `bench_kernel` (its kernel's name in `workbench bench
+    prefill` rows, None when unmeasured)."""
+
+    kind: ClassVar[str]
+    params: ClassVar[tuple[str, ...]]
+    bench_kernel: ClassVar[str | None]
     n_heads: int
 
     def row_mask(self, r0: int, r1: int, n: int) -> torch.Tensor:
@@ -26,8 +48,56 @@ class Pattern(Protocol):
         """Long `[H]`: logical edge count (causal query-key pairs read, duplicates once)."""
 
     def tiles(self, n: int) -> torch.Tensor:
-        """Long `[H]`: physical 64x64 tile area the kernel computes."""
+        """Long `[H]`: physical 64x64 tiles the kernel computes (pieces plus 64-wide column strips)."""
 
+    def to_tiles(self, n: int, batch: int = 1) -> VSTiles:
+        """The kernel's tiles `[batch, H, ceil(n / 64)]`, covering at least `row_mask` once the kernel
+        applies `token_band()` and causality."""
+
+    def token_band(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(sink, window) Long `[H]` tokens: the A-shape mask the kernel applies on top of `to_tiles`
+        (j < sink or i - j < window); None when the tiles need none."""
+
+    def mask_mod(self, n: int, device: torch.device | str | None = None) -> MaskMod:
+        """`(b, h, q_idx, kv_idx) -> bool` of `row_mask` for FlexAttention's `create_block_mask` (b ignored)."""
+
+    def shapes(self, head: int, n: int) -> Shapes:
+        """Polygons of one head's index: the lattice points (j, i) inside them, intersected with j <= i,
+        are exactly its `row_mask`."""
+
+    def cost(self, n: int, rates: Rates) -> torch.Tensor:
+        """Float `[H]`: estimated ms per head from benchmark rates (tiles x per-tile time + index build)."""
+
+    @classmethod
+    def build(cls, params: Sequence[dict[str, int] | None], q: torch.Tensor, k: torch.Tensor, scale: float,
+              proxy: dict[str, Any], block: int) -> dict[int, "Pattern"]:
+        """One-head patterns for the query heads whose `params` are given (None: another kind), indexed
+        online from one layer's q `[Hq, N, D]`, k `[Hkv, N, D]` -> {head: pattern}."""
+
+
+PATTERNS: dict[str, type] = {}
+
+
+def register_pattern(cls: type) -> type:
+    """Class decorator: make `cls` the pattern of config kind `cls.kind` (PATTERNS[cls.kind] = cls)."""
+    kind = getattr(cls, "kind", None)
+    if not isinstance(kind, str) or not kind:
+        raise ValueError(f"{cls.__name__} needs a class attribute `kind` (its config name) to be registered")
+    if PATTERNS.get(kind, cls) is not cls:
+        raise ValueError(f"pattern kind {kind!r} is already {PATTERNS[kind].__name__}: pick another `kind`")
+    PATTERNS[kind] = cls
+    return cls
+
+
+def pattern_class(kind: str) -> type:
+    """The registered pattern class of a config kind."""
+    if kind not in PATTERNS:
+        raise ValueError(f"unknown pattern {kind!r}: registered kinds are {sorted(PATTERNS)} (a new pattern "
+                         "module registers with @register_pattern and is imported in workbench/patterns/__init__.py)")
+    return PATTERNS[kind]
+
+
+# ----------------------------------------------------------------------------- shared geometry
 
 def causal_rows(r0: int, r1: int, n: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Bool `[r1-r0, n]`: the causal mask of rows r0..r1-1."""
@@ -36,9 +106,41 @@ def causal_rows(r0: int, r1: int, n: int, device: torch.device | str | None = No
     return j <= i
 
 
+def toeplitz_rows(diag: torch.Tensor, r0: int, r1: int, n: int) -> torch.Tensor:
+    """Bool `[H, r1-r0, n]`: [h, i - r0, j] = diag[h, i - j] for j <= i, False above the diagonal
+    (diag Bool `[H, n]`, indexed by offset). A strided view, no index tensor of size n x n."""
+    h = diag.shape[0]
+    g = torch.cat([diag.flip(-1), diag.new_zeros(h, n)], -1)  # row i reads g[n-1-i : 2n-1-i]
+    return g.as_strided((h, r1 - r0, n), (2 * n, 1, 1), n - r1).flip(1)  # rows r1-1 .. r0, flipped
+
+
 def check_rows(r0: int, r1: int, n: int) -> None:
     if not 0 <= r0 <= r1 <= n:
         raise ValueError(f"rows [{r0}, {r1}) are not inside a prompt of {n} tokens: need 0 <= r0 <= r1 <= n")
+
+
+def check_head(pattern: Any, head: int) -> None:
+    if not 0 <= head < pattern.n_heads:
+        raise ValueError(f"head {head} is out of range: the pattern has heads 0..{pattern.n_heads - 1}")
+
+
+def runs(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """[(start, stop)] of the True runs of a Bool `[n]`."""
+    m = torch.nn.functional.pad(mask.to(torch.int8), (1, 1))
+    edges = (m[1:] != m[:-1]).nonzero().flatten().tolist()
+    return list(zip(edges[0::2], edges[1::2]))
+
+
+def column_poly(a: int, b: int, n: int) -> Polygon:
+    """Keys a..b-1 from their own row down: {(j, i): a <= j < b, j <= i < n}; top edge on y = x - 0.5."""
+    e = n - 0.5
+    return [(a - 0.5, a - 1), (b - 0.5, b - 1), (b - 0.5, e), (a - 0.5, e)]
+
+
+def band_poly(a: int, b: int, n: int) -> Polygon:
+    """Offsets a..b-1: {(j, i): a <= i - j < b}, between the lines y - x = a - 0.5 and y - x = b - 0.5."""
+    e = n - 0.5
+    return [(-0.5, a - 1), (e - a + 0.5, e), (e - b + 0.5, e), (-0.5, b - 1)]
 
 
 def to_mask(pattern: Pattern, n: int) -> torch.Tensor:
@@ -59,8 +161,32 @@ def causal_edges(n: int) -> int:
     return n * (n + 1) // 2
 
 
-class Dense:
+class PatternBase:
+    """What every pattern computes the same way from its other parts."""
+
+    n_heads: int
+    kind: ClassVar[str]
+
+    def to_mask(self, n: int) -> torch.Tensor:
+        return to_mask(self, n)
+
+    def token_band(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None
+
+    def cost(self, n: int, rates: Rates) -> torch.Tensor:
+        if self.kind not in rates:
+            raise ValueError(f"no rate for pattern {self.kind!r}: the benchmark measured {sorted(rates)}")
+        r = rates[self.kind]
+        return self.tiles(n).double() * r["per_tile_ms"] + r["index_ms"]
+
+
+@register_pattern
+class Dense(PatternBase):
     """Full causal attention for H heads (the fallback when no sparse candidate is good enough)."""
+
+    kind = "dense"
+    params = ()
+    bench_kernel = "dense_sdpa"
 
     def __init__(self, n_heads: int):
         self.n_heads = n_heads
@@ -69,39 +195,87 @@ class Dense:
         check_rows(r0, r1, n)
         return causal_rows(r0, r1, n).expand(self.n_heads, -1, -1)
 
-    def to_mask(self, n: int) -> torch.Tensor:
-        return to_mask(self, n)
-
     def edges(self, n: int) -> torch.Tensor:
         return torch.full((self.n_heads,), causal_edges(n), dtype=torch.long)
 
     def tiles(self, n: int) -> torch.Tensor:
         return torch.full((self.n_heads,), causal_tiles(n), dtype=torch.long)
 
+    def to_tiles(self, n: int, batch: int = 1) -> VSTiles:
+        return ashape_to_tiles([0] * self.n_heads, [max(n, 1)] * self.n_heads, n, batch)  # a window of n
+
+    def mask_mod(self, n: int, device: torch.device | str | None = None) -> MaskMod:
+        return lambda b, h, q_idx, kv_idx: kv_idx <= q_idx
+
+    def shapes(self, head: int, n: int) -> Shapes:
+        check_head(self, head)
+        return {"dense": [column_poly(0, n, n)]}
+
+    @classmethod
+    def build(cls, params, q, k, scale, proxy, block) -> dict[int, "Dense"]:
+        return {h: cls(1) for h, p in enumerate(params) if p is not None}
+
     def __repr__(self) -> str:
         return f"Dense(n_heads={self.n_heads})"
 
 
-class Stack:
-    """Heads of one layer that use different patterns: `parts[0]` covers the first heads, and so on."""
+class Stack(PatternBase):
+    """Heads of one layer that use different patterns: `parts[0]` covers the first heads, and so on.
+    (The composite of the protocol: it has no config kind.)"""
 
     def __init__(self, parts: Sequence[Pattern]):
         if not parts:
             raise ValueError("Stack needs at least one pattern")
         self.parts = list(parts)
         self.n_heads = sum(p.n_heads for p in self.parts)
+        self.starts = [sum(p.n_heads for p in self.parts[:i]) for i in range(len(self.parts))]
+
+    def head_part(self, head: int) -> tuple[Pattern, int]:
+        """The part that holds `head` and the head's index inside it."""
+        check_head(self, head)
+        i = max(i for i, s in enumerate(self.starts) if s <= head)
+        return self.parts[i], head - self.starts[i]
 
     def row_mask(self, r0: int, r1: int, n: int) -> torch.Tensor:
         return torch.cat([p.row_mask(r0, r1, n) for p in self.parts])
-
-    def to_mask(self, n: int) -> torch.Tensor:
-        return to_mask(self, n)
 
     def edges(self, n: int) -> torch.Tensor:
         return torch.cat([p.edges(n) for p in self.parts])
 
     def tiles(self, n: int) -> torch.Tensor:
         return torch.cat([p.tiles(n) for p in self.parts])
+
+    def cost(self, n: int, rates: Rates) -> torch.Tensor:
+        return torch.cat([p.cost(n, rates) for p in self.parts])
+
+    def to_tiles(self, n: int, batch: int = 1) -> VSTiles:
+        if len(self.parts) == 1:
+            return self.parts[0].to_tiles(n, batch)
+        return merge_tiles([(list(range(s, s + p.n_heads)), p.to_tiles(n, batch))
+                            for s, p in zip(self.starts, self.parts)], self.n_heads)
+
+    def token_band(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        bands = [p.token_band() for p in self.parts]
+        if all(b is None for b in bands):
+            return None
+        full = [(torch.zeros(p.n_heads, dtype=torch.long), torch.full((p.n_heads,), NO_WINDOW))
+                if b is None else b for p, b in zip(self.parts, bands)]
+        return torch.cat([s for s, _ in full]), torch.cat([w for _, w in full])
+
+    def mask_mod(self, n: int, device: torch.device | str | None = None) -> MaskMod:
+        mods = [(p.mask_mod(n, device), s, p.n_heads) for s, p in zip(self.starts, self.parts)]
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            out = None
+            for mod, start, count in mods:  # every part on its clamped local head, kept where h is its own
+                mine = (h >= start) & (h < start + count) & mod(b, (h - start).clamp(0, count - 1), q_idx, kv_idx)
+                out = mine if out is None else out | mine
+            return out
+        return mask_mod
+
+    def shapes(self, head: int, n: int) -> Shapes:
+        part, local = self.head_part(head)
+        return part.shapes(local, n)
 
     def __repr__(self) -> str:
         return f"Stack({self.parts!r})"

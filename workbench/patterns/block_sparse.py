@@ -6,14 +6,25 @@ duplicates are ignored.
 """
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-from workbench.patterns.base import BLOCK, check_rows, to_mask
+import torch
+from workbench_kernels import BLOCK
+from workbench_kernels.index_ref import VSTiles, block_sparse_to_tiles
+
+from workbench.patterns.base import (MaskMod, PatternBase, Shapes, causal_rows, check_head, check_rows,
+                                     register_pattern, runs)
+from workbench.patterns.proxy import block_proxy
 from workbench.patterns.vertical_slash import membership
 
 
-class BlockSparse:
+@register_pattern
+class BlockSparse(PatternBase):
     """Block table for H heads; `block` is the tile size in tokens (64)."""
+
+    kind = "block"
+    params = ("topk",)
+    bench_kernel = "block_sparse"
 
     def __init__(self, block_index: torch.Tensor, block: int = BLOCK):
         if block_index.dim() != 3:
@@ -39,13 +50,10 @@ class BlockSparse:
 
     def row_mask(self, r0: int, r1: int, n: int) -> torch.Tensor:
         check_rows(r0, r1, n)
-        s = self.block_set(n)
-        i = torch.arange(r0, r1, device=s.device)
-        j = torch.arange(n, device=s.device)
-        return s[:, i // self.block][:, :, j // self.block] & (j[None, :] <= i[:, None])
-
-    def to_mask(self, n: int) -> torch.Tensor:
-        return to_mask(self, n)
+        b = self.block
+        m0, m1 = r0 // b, -(-r1 // b)
+        s = self.block_set(n)[:, m0:m1].repeat_interleave(b, 1)[:, r0 - m0 * b:r1 - m0 * b]
+        return s.repeat_interleave(b, 2)[:, :, :n] & causal_rows(r0, r1, n, s.device)
 
     def edges(self, n: int) -> torch.Tensor:
         s = self.block_set(n).long()
@@ -57,6 +65,34 @@ class BlockSparse:
 
     def tiles(self, n: int) -> torch.Tensor:
         return self.block_set(n).sum((1, 2))
+
+    def to_tiles(self, n: int, batch: int = 1) -> VSTiles:
+        if self.block != BLOCK:
+            raise ValueError(f"the kernels tile {BLOCK}-token blocks: this index has block={self.block}, "
+                             f"build it with block={BLOCK} to run it")
+        return block_sparse_to_tiles(self.block_index.expand(batch, -1, -1, -1), n)
+
+    def mask_mod(self, n: int, device: torch.device | str | None = None) -> MaskMod:
+        s, b = self.block_set(n).to(device), self.block
+        return lambda bi, h, q_idx, kv_idx: (kv_idx <= q_idx) & s[h, q_idx // b, kv_idx // b]
+
+    def shapes(self, head: int, n: int) -> Shapes:
+        """{"blocks": tiles}; a diagonal tile is drawn whole (causality is the map's own)."""
+        check_head(self, head)
+        s, b = self.block_set(n)[head], self.block
+        blocks = []
+        for m in range(s.shape[0]):
+            y0, y1 = m * b - 0.5, min(n, (m + 1) * b) - 0.5
+            for a, e in runs(s[m]):
+                x0, x1 = a * b - 0.5, min(n, e * b) - 0.5
+                blocks.append([(x0, y0), (x1, y0), (x1, y1), (x0, y1)])
+        return {"blocks": blocks}
+
+    @classmethod
+    def build(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
+              block: int) -> dict[int, "BlockSparse"]:
+        table = block_proxy(q, k, torch.tensor([1 if p is None else p["topk"] for p in params]), block)
+        return {h: cls(table[h:h + 1], block) for h, p in enumerate(params) if p is not None}
 
     def __repr__(self) -> str:
         return f"BlockSparse(block_index {tuple(self.block_index.shape)}, block={self.block})"

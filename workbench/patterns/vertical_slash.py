@@ -8,9 +8,15 @@ packed 64 at a time) is `workbench_kernels.index_ref.vs_to_tiles`, the same one 
 """
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-from workbench.patterns.base import BLOCK, check_rows, to_mask
+import torch
+from workbench_kernels import BLOCK
+from workbench_kernels.index_ref import VSTiles, vs_to_tiles
+
+from workbench.patterns.base import (MaskMod, PatternBase, Shapes, band_poly, causal_rows, check_head, check_rows,
+                                     column_poly, register_pattern, runs, toeplitz_rows)
+from workbench.patterns.proxy import vs_proxy
 
 
 def membership(positions: torch.Tensor, n: int) -> torch.Tensor:
@@ -21,8 +27,13 @@ def membership(positions: torch.Tensor, n: int) -> torch.Tensor:
     return out[..., :n]
 
 
-class VerticalSlash:
+@register_pattern
+class VerticalSlash(PatternBase):
     """VS index for H heads: `columns` Long `[H, Kv]`, `offsets` Long `[H, Ks]` (-1 = padding)."""
+
+    kind = "vs"
+    params = ("vertical", "slash")
+    bench_kernel = "vertical_slash"
 
     def __init__(self, columns: torch.Tensor, offsets: torch.Tensor):
         if columns.dim() != 2 or offsets.dim() != 2 or columns.shape[0] != offsets.shape[0]:
@@ -44,15 +55,8 @@ class VerticalSlash:
 
     def row_mask(self, r0: int, r1: int, n: int) -> torch.Tensor:
         check_rows(r0, r1, n)
-        i = torch.arange(r0, r1, device=self.columns.device)[:, None]
-        j = torch.arange(n, device=self.columns.device)[None, :]
-        d = i - j  # [R, n]
-        causal = d >= 0
-        slash = self.offset_set(n)[:, d.clamp(min=0)]  # [H, R, n]
-        return causal & (slash | self.column_set(n)[:, None, :])
-
-    def to_mask(self, n: int) -> torch.Tensor:
-        return to_mask(self, n)
+        causal = causal_rows(r0, r1, n, self.columns.device)
+        return toeplitz_rows(self.offset_set(n), r0, r1, n) | (self.column_set(n)[:, None, :] & causal)
 
     def edges(self, n: int) -> torch.Tensor:
         c, d = self.column_set(n).long(), self.offset_set(n).long()
@@ -65,6 +69,25 @@ class VerticalSlash:
     def tiles(self, n: int, block: int = BLOCK) -> torch.Tensor:
         return vs_tile_count(self.columns[None], self.offsets[None], n, block)[0]
 
+    def to_tiles(self, n: int, batch: int = 1) -> VSTiles:
+        return vs_to_tiles(self.columns.expand(batch, -1, -1), self.offsets.expand(batch, -1, -1), n)
+
+    def mask_mod(self, n: int, device: torch.device | str | None = None) -> MaskMod:
+        cols, offs = self.column_set(n).to(device), self.offset_set(n).to(device)
+        return lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (cols[h, kv_idx] | offs[h, (q_idx - kv_idx).clamp(min=0)])
+
+    def shapes(self, head: int, n: int) -> Shapes:
+        check_head(self, head)
+        return {"columns": [column_poly(a, b, n) for a, b in runs(self.column_set(n)[head])],
+                "slashes": [band_poly(a, b, n) for a, b in runs(self.offset_set(n)[head])]}
+
+    @classmethod
+    def build(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
+              block: int) -> dict[int, "VerticalSlash"]:
+        budget = lambda key: torch.tensor([0 if p is None else p[key] for p in params])  # noqa: E731
+        cols, offs = vs_proxy(q, k, scale, budget("vertical"), budget("slash"), **proxy)
+        return {h: cls(cols[h:h + 1], offs[h:h + 1]) for h, p in enumerate(params) if p is not None}
+
     def __repr__(self) -> str:
         return f"VerticalSlash(columns {tuple(self.columns.shape)}, offsets {tuple(self.offsets.shape)})"
 
@@ -72,7 +95,5 @@ class VerticalSlash:
 def vs_tile_count(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int = BLOCK) -> torch.Tensor:
     """Long `[B, H]`: 64x64 tiles the VS kernel computes: per row block, its 64-wide slash pieces plus
     its remaining columns packed 64 at a time. columns `[B, H, Kv]`, offsets `[B, H, Ks]`."""
-    from workbench_kernels.index_ref import vs_to_tiles
-
     t = vs_to_tiles(columns, offsets, n, block=block)
     return t.block_count.long().sum(-1) + (-(-t.column_count.long() // block)).sum(-1)
