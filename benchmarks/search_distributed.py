@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from workbench import distributed
+    from workbench.search import distributed
     from workbench.core.io import write_json
 
     d = distributed.init()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from workbench import distributed
+from workbench.search import distributed
 from workbench.core.capture import capture_attention
 from workbench.search.config import ConfigError, HeadConfig, HeadEntry, global_head
 from workbench.core.io import write_json
