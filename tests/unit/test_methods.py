@@ -33,6 +33,10 @@ def check_pattern(p, masks: list[torch.Tensor], n: int) -> None:
     covered = tiles_to_mask(t, n)
     assert not (got[None] & ~covered).any(), "tiles miss part of the mask"
     assert torch.equal(p.tiles(n), tile_count(t)[0])
+    q_idx, kv_idx = torch.arange(n)[None, :, None], torch.arange(n)[None, None, :]
+    grid = p.mask_mod(n)(0, torch.arange(p.n_heads)[:, None, None], q_idx, kv_idx)
+    assert torch.equal(grid.expand_as(got), got), "mask_mod differs from row_mask"
+    assert p.token_band() is None
 
 
 @pytest.mark.parametrize("n", [1, 63, 64, 130, 300])

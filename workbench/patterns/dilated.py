@@ -7,19 +7,21 @@ Both are defined for any prompt length: `index(n)` gives the VS index of an n-to
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from workbench_kernels.index_ref import VSTiles, vs_to_tiles
 
 from workbench.patterns.ashape import _per_head
-from workbench.patterns.base import BLOCK, to_mask
+from workbench.patterns.base import BLOCK, MaskMod, PatternBase, Shapes, register_pattern
 from workbench.patterns.tile_select import repeat_batch
 from workbench.patterns.vertical_slash import VerticalSlash
 
 
-class _Offsets:
+class _Offsets(PatternBase):
     """A pattern given by per-head slash offsets that depend only on n."""
 
-    kind = ""
+    bench_kernel = None
 
     def offsets(self, n: int) -> torch.Tensor:  # Long [H, K], -1 padded
         raise NotImplementedError
@@ -29,9 +31,6 @@ class _Offsets:
 
     def row_mask(self, r0: int, r1: int, n: int) -> torch.Tensor:
         return self.index(n).row_mask(r0, r1, n)
-
-    def to_mask(self, n: int) -> torch.Tensor:
-        return to_mask(self, n)
 
     def edges(self, n: int) -> torch.Tensor:
         return self.index(n).edges(n)
@@ -43,14 +42,23 @@ class _Offsets:
         vs = self.index(n)
         return repeat_batch(vs_to_tiles(vs.columns[None], vs.offsets[None], n, BLOCK), batch)
 
-    def token_band(self) -> None:
-        return None
+    def mask_mod(self, n: int, device: torch.device | str | None = None) -> MaskMod:
+        return self.index(n).mask_mod(n, device)
+
+    def shapes(self, head: int, n: int) -> Shapes:
+        return {"slashes": self.index(n).shapes(head, n)["slashes"]}
+
+    @classmethod
+    def build(cls, params, q: Any, k: Any, scale: float, proxy: dict[str, Any], block: int) -> dict[int, "_Offsets"]:
+        return {h: cls(*(p[name] for name in cls.params)) for h, p in enumerate(params) if p is not None}
 
 
+@register_pattern
 class Dilated(_Offsets):
     """`window` taps spaced `dilation` tokens apart, ending at the diagonal (int or Long `[H]` each)."""
 
     kind = "dilated"
+    params = ("window", "dilation")
 
     def __init__(self, window: int | torch.Tensor, dilation: int | torch.Tensor, n_heads: int = 1):
         self.n_heads = max([n_heads] + [x.numel() for x in (window, dilation) if isinstance(x, torch.Tensor)])
@@ -66,10 +74,12 @@ class Dilated(_Offsets):
         return f"Dilated(window={self.window.tolist()}, dilation={self.dilation.tolist()})"
 
 
+@register_pattern
 class Strided(_Offsets):
     """A local `window` plus every `stride`-th earlier token (int or Long `[H]` each)."""
 
     kind = "strided"
+    params = ("window", "stride")
 
     def __init__(self, window: int | torch.Tensor, stride: int | torch.Tensor, n_heads: int = 1):
         self.n_heads = max([n_heads] + [x.numel() for x in (window, stride) if isinstance(x, torch.Tensor)])

@@ -15,22 +15,27 @@ gamma >= 1 keeps everything: dense. The head config records gamma, tau and min_b
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from workbench_kernels.index_ref import VSTiles, block_sparse_to_tiles, vs_to_tiles
 
-from workbench.patterns.base import BLOCK, check_rows, to_mask
+from workbench.patterns.base import BLOCK, MaskMod, PatternBase, Shapes, check_head, check_rows, register_pattern
 from workbench.patterns.block_sparse import BlockSparse
 from workbench.patterns.tile_select import cumulative_keep, positions, repeat_batch, select_tiles, tile_count
 from workbench.patterns.vertical_slash import VerticalSlash
 from workbench.patterns.xattention import _grouped
 
 
-class FlexPrefill:
+@register_pattern
+class FlexPrefill(PatternBase):
     """Per head either the VS index or the block table: `use_vs` Bool `[H]`, `vs` over all H heads
-    (used where use_vs), `blocks` over all H heads (used elsewhere)."""
+    (used where use_vs), `blocks` over all H heads (used elsewhere). Config params: `gamma_milli`,
+    `tau_milli` (thousandths) and `min_budget` (tokens)."""
 
     kind = "flexprefill"
+    params = ("gamma_milli", "tau_milli", "min_budget")
+    bench_kernel = None
 
     def __init__(self, use_vs: torch.Tensor, vs: VerticalSlash, blocks: BlockSparse):
         if not (use_vs.numel() == vs.n_heads == blocks.n_heads):
@@ -43,9 +48,6 @@ class FlexPrefill:
         check_rows(r0, r1, n)
         return torch.where(self.use_vs[:, None, None], self.vs.row_mask(r0, r1, n), self.blocks.row_mask(r0, r1, n))
 
-    def to_mask(self, n: int) -> torch.Tensor:
-        return to_mask(self, n)
-
     def edges(self, n: int) -> torch.Tensor:
         return torch.where(self.use_vs, self.vs.edges(n), self.blocks.edges(n))
 
@@ -54,8 +56,28 @@ class FlexPrefill:
         blocks = block_sparse_to_tiles(self.blocks.block_index[None].int(), n, BLOCK)
         return repeat_batch(select_tiles(blocks, vs, self.use_vs.to(vs.block_count.device)[None, :, None]), batch)
 
-    def token_band(self) -> None:
-        return None
+    def mask_mod(self, n: int, device: torch.device | str | None = None) -> MaskMod:
+        vs, blocks, use_vs = self.vs.mask_mod(n, device), self.blocks.mask_mod(n, device), self.use_vs.to(device)
+        return lambda b, h, q_idx, kv_idx: torch.where(use_vs[h], vs(b, h, q_idx, kv_idx), blocks(b, h, q_idx, kv_idx))
+
+    def shapes(self, head: int, n: int) -> Shapes:
+        check_head(self, head)
+        return (self.vs if bool(self.use_vs[head]) else self.blocks).shapes(head, n)
+
+    def head(self, h: int) -> "FlexPrefill":
+        """The one-head pattern of head h."""
+        return FlexPrefill(self.use_vs[h:h + 1], VerticalSlash(self.vs.columns[h:h + 1], self.vs.offsets[h:h + 1]),
+                           BlockSparse(self.blocks.block_index[h:h + 1], self.blocks.block))
+
+    @classmethod
+    def build(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
+              block: int) -> dict[int, "FlexPrefill"]:
+        out = {}
+        for budget in sorted({p["min_budget"] for p in params if p is not None}):
+            milli = lambda key: torch.tensor([p[key] / 1000 if p is not None else 1.0 for p in params])  # noqa: E731
+            f = flexprefill(q, k, scale, milli("gamma_milli"), milli("tau_milli"), budget, block)
+            out.update({h: f.head(h) for h, p in enumerate(params) if p is not None and p["min_budget"] == budget})
+        return out
 
     def tiles(self, n: int) -> torch.Tensor:
         return tile_count(self.to_tiles(n))[0]
@@ -114,7 +136,7 @@ def flexprefill(q: torch.Tensor, k: torch.Tensor, scale: float, gamma: float | t
     gamma = torch.as_tensor(gamma, dtype=torch.float32, device=q.device).reshape(-1)
     g1 = gamma[:, None]
     tau = torch.as_tensor(tau, dtype=torch.float32, device=q.device).reshape(-1)
-    use_vs = sc["distance"] >= tau.expand(hq)
+    use_vs = sc["distance"] >= tau.to(q.device).expand(hq)
     cols = positions(cumulative_keep(sc["column"], g1, min(min_budget, n)))
     offs = positions(cumulative_keep(sc["diagonal"], g1, min(min_budget, n)))
     m = sc["block_score"].shape[-1]

@@ -7,18 +7,23 @@ before the question, every causal key block on the row blocks that hold a questi
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from workbench_kernels.index_ref import VSTiles, block_sparse_to_tiles, vs_to_tiles
 
 from workbench.patterns.ashape import AShape, _per_head
-from workbench.patterns.base import BLOCK, check_rows, to_mask
+from workbench.patterns.base import BLOCK, MaskMod, PatternBase, Shapes, check_head, check_rows, register_pattern
 from workbench.patterns.tile_select import repeat_batch, select_tiles, tile_count
 
 
-class TriShape:
+@register_pattern
+class TriShape(PatternBase):
     """Sink + window for H heads, dense for the last `last` query rows. All in tokens (int or Long `[H]`)."""
 
     kind = "trishape"
+    params = ("sink", "window", "last")
+    bench_kernel = None
 
     def __init__(self, sink: int | torch.Tensor, window: int | torch.Tensor, last: int | torch.Tensor = 64,
                  n_heads: int = 1):
@@ -32,9 +37,6 @@ class TriShape:
         j = torch.arange(n)[None, None, :]
         question = i >= n - self.last[:, None, None]
         return self.ashape.row_mask(r0, r1, n) | (question & (j <= i))
-
-    def to_mask(self, n: int) -> torch.Tensor:
-        return to_mask(self, n)
 
     def edges(self, n: int) -> torch.Tensor:
         i = torch.arange(n)[None, :]
@@ -57,11 +59,26 @@ class TriShape:
         row_end = torch.clamp((torch.arange(m) + 1) * block, max=n)
         return repeat_batch(select_tiles(band, dense, (row_end[None, :] > n - self.last[:, None])[None]), batch)
 
-    def token_band(self) -> None:
-        return None
-
     def tiles(self, n: int) -> torch.Tensor:
         return tile_count(self.to_tiles(n))[0]
+
+    def mask_mod(self, n: int, device: torch.device | str | None = None) -> MaskMod:
+        g, w, first = (x.to(device) for x in (self.ashape.sink, self.ashape.window, n - self.last))
+        return lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (
+            (kv_idx < g[h]) | (q_idx - kv_idx < w[h]) | (q_idx >= first[h]))
+
+    def shapes(self, head: int, n: int) -> Shapes:
+        check_head(self, head)
+        out = AShape(self.ashape.sink[head], self.ashape.window[head]).shapes(0, n)
+        rows = min(int(self.last[head]), n)
+        if rows:
+            y0, e = n - rows - 0.5, n - 0.5
+            out["question"] = [[(-0.5, y0), (e, y0), (e, e), (-0.5, e)]]
+        return out
+
+    @classmethod
+    def build(cls, params, q: Any, k: Any, scale: float, proxy: dict[str, Any], block: int) -> dict[int, "TriShape"]:
+        return {h: cls(p["sink"], p["window"], p["last"]) for h, p in enumerate(params) if p is not None}
 
     def __repr__(self) -> str:
         return (f"TriShape(sink={self.ashape.sink.tolist()}, window={self.ashape.window.tolist()}, "

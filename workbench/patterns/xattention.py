@@ -12,9 +12,11 @@ The head config records tau and S, not a block budget. q `[..., Hq, N, D]`, k `[
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from workbench.patterns.base import BLOCK
+from workbench.patterns.base import BLOCK, register_pattern
 from workbench.patterns.block_sparse import BlockSparse
 from workbench.patterns.tile_select import cumulative_keep, positions
 
@@ -73,7 +75,28 @@ def xattention_index(q: torch.Tensor, k: torch.Tensor, scale: float, tau: float 
     return positions(threshold_blocks(antidiagonal_block_scores(q, k, scale, stride, block), tau)).int()
 
 
+@register_pattern
+class XAttention(BlockSparse):
+    """A block table chosen by XAttention. Config params: `tau_milli` (tau in thousandths: 900 = 0.9)
+    and `stride` (S in tokens)."""
+
+    kind = "xattention"
+    params = ("tau_milli", "stride")
+    bench_kernel = None
+
+    @classmethod
+    def build(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
+              block: int) -> dict[int, "XAttention"]:
+        out = {}
+        for stride in sorted({p["stride"] for p in params if p is not None}):
+            tau = torch.tensor([p["tau_milli"] / 1000 if p is not None else 1.0 for p in params])
+            table = xattention_index(q, k, scale, tau, stride, block)
+            out.update({h: cls(table[h:h + 1], block) for h, p in enumerate(params)
+                        if p is not None and p["stride"] == stride})
+        return out
+
+
 def xattention(q: torch.Tensor, k: torch.Tensor, scale: float, tau: float | torch.Tensor = 0.9,
-               stride: int = 8) -> BlockSparse:
-    """XAttention's index of one layer as a `BlockSparse` pattern: q `[Hq, N, D]`, k `[Hkv, N, D]`."""
-    return BlockSparse(xattention_index(q, k, scale, tau, stride))
+               stride: int = 8) -> XAttention:
+    """XAttention's index of one layer: q `[Hq, N, D]`, k `[Hkv, N, D]`; tau float or `[Hq]`."""
+    return XAttention(xattention_index(q, k, scale, tau, stride))
