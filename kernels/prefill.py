@@ -8,8 +8,10 @@ strips (`block` gathered keys at a time, all strictly causal, no mask but paddin
 (masked only where needed: the causal edge, key range edges, overlap with the next piece, A-shape
 window edge). Online softmax in fp32 with exp2; the masks go in as -inf before the max.
 
-Query head h reads KV head h // (Hq // Hkv) straight from k/v (no repeat_kv). Programs are ordered
-longest-first (late row blocks first) to reduce the tail of the launch.
+Query head h reads KV head h // (Hq // Hkv) straight from k/v (no repeat_kv). Group-shared tiles (one
+tile list per KV head, as InfLLM-V2 selects) run GQA-packed: one program takes pack_rows / G rows of
+each of the G query heads, so every K/V tile is loaded once per 128 query rows and the dots are
+128 rows tall. Programs are ordered longest-first (late row blocks first) to reduce the launch tail.
 """
 from __future__ import annotations
 
@@ -40,29 +42,37 @@ def _online_update(qk, qk_scale, v, m_i, l_i, acc):
 
 @triton.jit
 def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount, ColumnIndex, Sink, Window,
-                           qk_scale, N, H, G, M, NS, NC,
+                           qk_scale, N, HT, G, M, NS, NC,
                            sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
-                           D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           HAS_WINDOW: tl.constexpr, LONGEST_FIRST: tl.constexpr):
-    bh = tl.program_id(0)
-    m = tl.program_id(1)
+                           D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr,
+                           ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr, LONGEST_FIRST: tl.constexpr):
+    # One program: ROWS query rows of each of PACK query heads that share one tile list (PACK = 1: one
+    # head, ROWS = BLOCK; PACK = G: the G heads of a KV head, ROWS = pack_rows / G of each), so each K/V
+    # tile loads once for PACK * ROWS rows. HT = heads of the tile list.
+    SUB: tl.constexpr = BLOCK // ROWS
+    bh = tl.program_id(0)  # b * HT + tile head
+    mid = tl.program_id(1)
     if LONGEST_FIRST:  # late row blocks (the most keys) start first
-        m = M - 1 - m
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    kvh = h // G
-    row0 = m * BLOCK_M
-    rows = row0 + tl.arange(0, BLOCK_M)
+        mid = M * SUB - 1 - mid
+    m = mid // SUB
+    b = (bh // HT).to(tl.int64)
+    ht = bh % HT
+    r = tl.arange(0, PACK * ROWS)
+    head = ht * PACK + r // ROWS  # query head of each row, [PACK * ROWS]
+    kvh = (ht * PACK) // G
+    row_lo = m * BLOCK + (mid % SUB) * ROWS
+    rows = row_lo + r % ROWS
     dims = tl.arange(0, D)
     lanes = tl.arange(0, BLOCK_N)
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqn + dims[None, :], mask=rows[:, None] < N, other=0.0)
+    q = tl.load(Q + b * sqb + head[:, None] * sqh + rows[:, None] * sqn + dims[None, :], mask=rows[:, None] < N,
+                other=0.0)
     Kbase = K + b * skb + kvh * skh
     Vbase = V + b * svb + kvh * svh
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    m_i = tl.full([PACK * ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([PACK * ROWS], tl.float32)
+    acc = tl.zeros([PACK * ROWS, D], tl.float32)
     tile = bh * M + m
-    # Vertical columns: packed strips, every column < row0 (strictly causal).
+    # Vertical columns: packed strips, every column < m * BLOCK (strictly causal).
     n_col = tl.load(ColumnCount + tile)
     for c0 in range(0, n_col, BLOCK_N):
         ok = c0 + lanes < n_col
@@ -73,8 +83,10 @@ def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount
         v = tl.load(Vbase + col[:, None] * svn + dims[None, :], mask=ok[:, None], other=0.0)
         m_i, l_i, acc = _online_update(s, qk_scale, v, m_i, l_i, acc)
     if HAS_WINDOW:
-        sink = tl.load(Sink + h)
-        window = tl.load(Window + h)
+        sink = tl.load(Sink + head)
+        window = tl.load(Window + head)
+        sink_lo = tl.min(sink, 0)
+        window_lo = tl.min(window, 0)
     # Pieces: piece t covers [p_t, min(p_t + BLOCK_N, p_{t+1})), causal.
     n_blk = tl.load(BlockCount + tile)
     base = tile.to(tl.int64) * NS
@@ -85,38 +97,51 @@ def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount
         in_seq = (keys >= 0) & (keys < N)
         k = tl.load(Kbase + keys[:, None] * skn + dims[None, :], mask=in_seq[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k))
-        edge = (p < 0) | (p + BLOCK_N > nxt) | (p + BLOCK_N > N) | (p + BLOCK_N - 1 > row0)
+        edge = (p < 0) | (p + BLOCK_N > nxt) | (p + BLOCK_N > N) | (p + BLOCK_N - 1 > row_lo)
         if HAS_WINDOW:
-            edge = edge | ((p <= row0 + BLOCK_M - 1 - window) & (p + BLOCK_N > sink))
+            edge = edge | ((p <= row_lo + ROWS - 1 - window_lo) & (p + BLOCK_N > sink_lo))
         if edge:
             keep = in_seq[None, :] & (keys[None, :] < nxt) & (keys[None, :] <= rows[:, None])
             if HAS_WINDOW:
-                keep = keep & ((rows[:, None] - keys[None, :] < window) | (keys[None, :] < sink))
+                keep = keep & ((rows[:, None] - keys[None, :] < window[:, None]) | (keys[None, :] < sink[:, None]))
             s = tl.where(keep, s, float("-inf"))
         v = tl.load(Vbase + keys[:, None] * svn + dims[None, :], mask=in_seq[:, None], other=0.0)
         m_i, l_i, acc = _online_update(s, qk_scale, v, m_i, l_i, acc)
     out = acc / l_i[:, None]
     row_ok = rows < N
-    tl.store(O + b * sob + h * soh + rows[:, None] * son + dims[None, :], out.to(O.dtype.element_ty),
+    tl.store(O + b * sob + head[:, None] * soh + rows[:, None] * son + dims[None, :], out.to(O.dtype.element_ty),
              mask=row_ok[:, None])
-    tl.store(LSE + bh.to(tl.int64) * N + rows, (m_i + tl.math.log2(l_i)) / 1.4426950408889634, mask=row_ok)
+    tl.store(LSE + (b * HT * PACK + head) * N + rows, (m_i + tl.math.log2(l_i)) / 1.4426950408889634, mask=row_ok)
 
 
 def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles,
                    sink: torch.Tensor | None = None, window: torch.Tensor | None = None,
                    scale: float | None = None, num_warps: int | None = None,
-                   num_stages: int | None = None, longest_first: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention over the keys of `tiles` (H = Hq, M = ceil(N / tiles.block)).
+                   num_stages: int | None = None, longest_first: bool = True,
+                   pack_rows: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention over the keys of `tiles` (M = ceil(N / tiles.block)).
 
-    q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` (last dim contiguous; fp16/bf16/fp32). Optional per-head
-    A-shape token mask: `sink`, `window` Int `[Hq]` (tokens; use `NO_WINDOW` / 0 for heads without).
-    Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
+    q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` (last dim contiguous; fp16/bf16/fp32). `tiles` are per
+    query head (H = Hq) or group-shared (H = Hkv: the G = Hq / Hkv query heads of a KV head attend to
+    the same keys, as InfLLM-V2 selects them); group-shared tiles run GQA-packed, `pack_rows` rows per
+    program (`pack_rows / G` of each head), so each K/V tile loads once for all G heads. Optional
+    per-head A-shape token mask: `sink`, `window` Int `[Hq]` (tokens; use `NO_WINDOW` / 0 for heads
+    without). Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
     """
     B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
     M = -(-N // tiles.block)
-    if tuple(tiles.shape) != (B, Hq, M):
-        raise ValueError(f"tiles are for [B, H, M] = {tuple(tiles.shape)} but q needs ({B}, {Hq}, {M}) "
+    if tiles.shape[1] == Hkv and Hq != Hkv:
+        G = Hq // Hkv
+        rows = pack_rows // G
+        if G & (G - 1) or rows < 1 or tiles.block % rows or G * rows < 16:
+            tiles = VSTiles(*(t.repeat_interleave(G, 1) for t in (tiles.block_count, tiles.block_offset,
+                                                                  tiles.column_count, tiles.column_index)),
+                            tiles.block, tiles.width)  # G not packable: run per head
+    if tuple(tiles.shape) not in ((B, Hq, M), (B, Hkv, M)):
+        raise ValueError(f"tiles are for [B, H, M] = {tuple(tiles.shape)} but q needs ({B}, {Hq} or {Hkv}, {M}) "
                          f"(block {tiles.block}); rebuild the tiles for this input")
+    pack = Hq // tiles.shape[1]
+    rows = pack_rows // pack if pack > 1 else tiles.block
     if D & (D - 1) or D < 16:
         raise ValueError(f"head_dim must be a power of two >= 16 for the Triton kernel, got {D}")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -138,16 +163,17 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     cc, ci = tiles.column_count.contiguous(), tiles.column_index.contiguous()
     block = tiles.block
     if num_warps is None:
-        num_warps = 4 if block == 64 else 8
+        num_warps = 4 if pack * rows == 64 else 8
     if num_stages is None:
         num_stages = 2
-    _sparse_prefill_kernel[(B * Hq, M)](
+    sub = block // rows
+    _sparse_prefill_kernel[(B * tiles.shape[1], M * sub)](
         q, k, v, o, lse, bc, bo, cc, ci, sink, window,
-        scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1], ci.shape[-1],
+        scale * LOG2E, N, tiles.shape[1], Hq // Hkv, M, bo.shape[-1], ci.shape[-1],
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        D=D, BLOCK_M=block, BLOCK_N=tiles.piece, HAS_WINDOW=has_window, LONGEST_FIRST=longest_first,
-        num_warps=num_warps, num_stages=num_stages)
+        D=D, BLOCK=block, BLOCK_N=tiles.piece, PACK=pack, ROWS=rows, HAS_WINDOW=has_window,
+        LONGEST_FIRST=longest_first, num_warps=num_warps, num_stages=num_stages)
     return o, lse
 
 
@@ -169,6 +195,15 @@ def block_sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
 def ashape_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | list[int],
                    window: torch.Tensor | list[int], scale: float | None = None, block: int = 64,
                    width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A-shape prefill: per-head sink and window in tokens (`[Hq]`) -> (o, lse). No index tensor."""
-    tiles = ashape_to_tiles(sink, window, q.shape[2], q.shape[0], block, device=q.device, width=width)
-    return sparse_prefill(q, k, v, tiles, sink=sink, window=window, scale=scale)
+    """A-shape prefill: per-head sink and window in tokens (`[Hq]`) -> (o, lse). No index tensor; when
+    the heads of every KV group share sink and window the tiles are group-shared (GQA-packed kernel)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    sink_t = torch.as_tensor(sink).reshape(-1).cpu()
+    window_t = torch.as_tensor(window).reshape(-1).cpu()
+    shared = sink_t.numel() == hq and hq % hkv == 0 and bool(
+        (sink_t.view(hkv, -1) == sink_t.view(hkv, -1)[:, :1]).all()
+        & (window_t.view(hkv, -1) == window_t.view(hkv, -1)[:, :1]).all())
+    heads = slice(None, None, hq // hkv) if shared else slice(None)
+    tiles = ashape_to_tiles(sink_t[heads], window_t[heads], q.shape[2], q.shape[0], block, device=q.device,
+                            width=width)
+    return sparse_prefill(q, k, v, tiles, sink=sink_t, window=window_t, scale=scale)

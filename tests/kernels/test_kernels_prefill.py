@@ -220,3 +220,29 @@ def test_bad_tiles_name_the_problem():
         sparse_prefill(q, k, v, tiles)
     with pytest.raises(ValueError, match="multiple of KV heads"):
         sparse_prefill(q, k.expand(1, 2, 100, 64), v.expand(1, 2, 100, 64), tiles)
+
+
+def per_head(tiles, G):
+    """Group-shared tiles (H = Hkv) expanded to the per-query-head tiles they stand for."""
+    return type(tiles)(*(t.repeat_interleave(G, 1) for t in (tiles.block_count, tiles.block_offset,
+                                                             tiles.column_count, tiles.column_index)),
+                       tiles.block, tiles.width)
+
+
+@pytest.mark.parametrize("Hq,Hkv,block,width", [(4, 1, 64, 0), (8, 2, 64, 0), (4, 2, 128, 64), (6, 2, 64, 0)])
+def test_group_shared_tiles_run_gqa_packed_and_match_reference(Hq, Hkv, block, width):
+    """Tiles for the KV heads (each group of G query heads shares them) run G heads per program
+    (G = 3 falls back to per-head programs) and equal attention under the expanded mask."""
+    n, B, D, dtype = 200, 2, 64, DTYPES[0]
+    G = Hq // Hkv
+    q, k, v = qkv(B, Hq, Hkv, n, D, dtype, seed=Hq + block)
+    g = torch.Generator().manual_seed(Hq)
+    M64 = -(-n // 64)
+    cols, offs = torch.randint(0, n, (B, Hkv, 9), generator=g), torch.randint(0, n, (B, Hkv, 6), generator=g)
+    index = torch.randint(-1, M64, (B, Hkv, M64, 2), generator=g)
+    for tiles in (vs_to_tiles(cols, offs, n, block, width=width), block_sparse_to_tiles(index, n, block, width)):
+        out = sparse_prefill(q, k, v, tiles)
+        check(out, masked_attention_ref(q, k, v, tiles_to_mask(per_head(tiles, G), n).to(DEV)), dtype)
+    sink, window = torch.tensor([3, 3, 0, 0, 70, 70, 1, 1][:Hq]), torch.tensor([10, 10, 64, 64, 30, 30, 129, 129][:Hq])
+    check(ashape_prefill(q, k, v, sink, window, block=block, width=width),
+          masked_attention_ref(q, k, v, ashape_mask(sink, window, n).unsqueeze(0).to(DEV)), dtype)
