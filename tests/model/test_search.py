@@ -235,7 +235,7 @@ def test_pattern_fits_report(embedded, tmp_path):
 
     model, tok, shape = embedded
     cap = capture_attention(model, shape, make_sample("vartrack", tok, 192).input_ids, layers=[0, 9], progress=False)
-    cfg = HeadConfig.from_minference([{"0": ["stream_llm", 64, 64, 1.0]}] * shape.n_layers, shape)
+    cfg = HeadConfig.from_minference([{"0": ["stream_llm", 64, 64, 1.0]}] * shape.n_layers, shape, fill_missing=True)
     fits = pattern_fits(cap, config=cfg)
     assert len(fits["heads"]) == 2 * shape.n_heads and [r["layer"] for r in fits["layers"]] == [0, 9]
     for r in fits["heads"]:

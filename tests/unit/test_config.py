@@ -116,20 +116,24 @@ def test_minference_round_trips_both_ways():
     back = HeadConfig.from_minference(ours.to_minference(), SHAPE)
     assert [(e.layer, e.head, e.pattern, e.params) for e in back.heads] == \
            [(e.layer, e.head, e.pattern, e.params) for e in ours.heads]
-    # an edited imported head is exported from its new params, not from the stale raw entry
+    # an imported head changed in place is exported from its new params, without MInference's stale score
     cfg.entry(0, 0).params["vertical"] = 500
-    assert cfg.to_minference()[0]["0"][:3] == ["vertical_and_slash", 500, 6096]
+    assert cfg.to_minference()[0]["0"] == ["vertical_and_slash", 500, 6096, None]
 
 
 def test_minference_import_errors_and_defaults():
     with pytest.raises(ConfigError, match="has 1 layers but tiny has 2"):
         HeadConfig.from_minference(minference_file()[:1], SHAPE)
-    with pytest.raises(ConfigError, match="names head '7'"):
+    with pytest.raises(ConfigError, match="head key '7' is outside tiny's heads 0..3"):
         HeadConfig.from_minference([{"7": ["stream_llm", 1, 2, 0]}, {}], SHAPE)
-    with pytest.raises(ConfigError, match="layer 0 head 0: unknown pattern 'dilated'"):
+    with pytest.raises(ConfigError, match="layer 0, head 0: field pattern is 'dilated'"):
         HeadConfig.from_minference([{"0": ["dilated", 1, 2, 0]}, {}], SHAPE)
-    cfg = HeadConfig.from_minference([{}, {}], SHAPE)
+    with pytest.raises(ConfigError, match="layer 0 is empty.*--fill-missing"):
+        HeadConfig.from_minference([{}, {}], SHAPE)
+    with pytest.warns(UserWarning, match="8 heads missing .*layer 0 head 0, layer 0 head 1"):
+        cfg = HeadConfig.from_minference([{}, {}], SHAPE, fill_missing=True)
     assert all(e.pattern == "vs" and e.params == {"vertical": 1000, "slash": 6096} for e in cfg.heads)
+    assert cfg.provenance["filled"] == [[l, h] for l in range(2) for h in range(4)]
 
 
 def test_tensor_parallel_mapping():
@@ -148,12 +152,22 @@ def test_tensor_parallel_mapping():
         for e in view.heads:
             g = cfg.entry(e.layer, rank * 2 + e.head)
             assert (e.pattern, e.params) == (g.pattern, g.params)
-        assert view.provenance["tensor_parallel"] == {"size": 2, "rank": rank, "head_offset": rank * 2}
+        assert view.provenance["tensor_parallel"] == {"size": 2, "rank": rank, "head_offset": rank * 2,
+                                                      "kv_heads": [rank], "kv_replicas": 1}
+    # TP 4 > 2 KV heads: each rank holds one query head and one KV head shared by two ranks (vLLM)
+    views = [cfg.for_rank(r, 4) for r in range(4)]
+    assert [v.provenance["tensor_parallel"]["kv_heads"] for v in views] == [[0], [0], [1], [1]]
+    assert all(v.model["n_heads"] == 1 and v.model["n_kv_heads"] == 1 for v in views)
+    for r, v in enumerate(views):  # the KV head a rank holds is the one its query head reads
+        assert v.provenance["tensor_parallel"]["kv_heads"] == [SHAPE.kv_head(r)]
     with pytest.raises(ConfigError, match="does not split 4 query heads and 2 KV heads"):
-        cfg.for_rank(0, 4)
+        cfg.for_rank(0, 3)
     with pytest.raises(ConfigError, match="rank 2 is outside"):
         cfg.for_rank(2, 2)
     assert tp_split(9, 3, 3) == (3, 1)
+    assert tp_split(32, 2, 4) == (8, 1) and tp_split(32, 8, 16) == (2, 1)
+    with pytest.raises(ConfigError, match="multiple of it"):
+        tp_split(24, 4, 6)
 
 
 def test_layer_index_follows_the_config():

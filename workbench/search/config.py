@@ -8,7 +8,10 @@ fingerprint, calibration samples, candidates, target, tool version, date, hardwa
 
 `SCHEMA` is the JSON Schema of the file (also shipped as configs/head_config.schema.json).
 MInference's format (one dict per layer: head -> [pattern, vertical_size, slash_size, score]) is
-imported and exported; tensor-parallel helpers map global heads to (rank, local head).
+imported strictly (every layer and head, canonical keys, integer sizes; `fill_missing` accepts what
+MInference would default) and exported; MInference's score is kept as an opaque field (`HeadEntry.minference`),
+never read as a recall. Tensor-parallel helpers map global heads to (rank, local head), with KV heads
+replicated when the TP size exceeds their number (as vLLM does).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ VERSION = 1
 PARAMS = {"vs": ("vertical", "slash"), "ashape": ("sink", "window"), "block": ("topk",), "dense": ()}
 MINFERENCE_NAMES = {"vs": "vertical_and_slash", "ashape": "stream_llm", "block": "block_sparse"}
 MINFERENCE_DEFAULT = (1000, 6096)  # what MInference uses for a head its file does not list
+_MINFERENCE_FIELDS = ("pattern", "vertical_size", "slash_size", "score")
 PROXY_DEFAULTS = {"last_rows": 64, "aggregate": "sum", "diag_norm": "sum", "sink": 30, "local": 100, "prior": 16.0}
 _SHAPE_FIELDS = {  # ModelShape field -> (what to call it, how to fix a mismatch)
     "n_layers": "layers", "n_heads": "query heads", "n_kv_heads": "KV heads", "head_dim": "head_dim",
@@ -105,7 +109,9 @@ class HeadEntry:
 
     recall: captured mass {"mean", "worst"} over calibration samples; density: {"logical",
     "physical"}; oracle: mean captured mass of the best same-budget index; evidence: per-candidate
-    scores; minference: the raw MInference entry this head was imported from (exported verbatim).
+    scores; minference: the raw MInference entry this head was imported from, exported verbatim while
+    the head keeps that pattern and those sizes; its score (`minference[3]`) is MInference's opaque value,
+    never a recall. Change a head with `HeadConfig.edit`, which says whether that score stays.
     """
 
     layer: int
@@ -175,8 +181,10 @@ class HeadConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON ({e}): restore it or run `workbench search` again") from e
         if isinstance(data, list):
-            raise ConfigError(f"{path} is a list, which looks like a MInference config: load it with "
-                              "HeadConfig.from_minference(json, model_shape) or `workbench export --from-minference`")
+            raise ConfigError(f"{path} is a list, which looks like a MInference config: convert it with "
+                              f"`workbench export {path} --from minference --shape MODEL --format workbench --out OUT` "
+                              "(MODEL: a config.json, a cached hub id or a named shape) or load it with "
+                              "HeadConfig.load_minference(path, shape)")
         cfg = cls.from_dict(data, source=str(path))
         if model_shape is not None:
             cfg.validate(model_shape)
@@ -239,6 +247,21 @@ class HeadConfig:
         self.entry(layer, 0)
         return self.heads[layer * n:(layer + 1) * n]
 
+    def edit(self, layer: int, head: int, pattern: str, params: dict[str, int], *, keep_score: bool) -> HeadEntry:
+        """Give one head another pattern / sizes. `keep_score`: keep MInference's opaque score of an
+        imported head with the new entry (True) or drop it (False: the export writes null). Our recall,
+        density, oracle and evidence described the old choice and are cleared."""
+        e = self.entry(layer, head)
+        if pattern not in PARAMS or set(params) != set(PARAMS[pattern]):
+            raise ConfigError(f"(layer {layer}, head {head}): pattern {pattern!r} with params {sorted(params)} is not "
+                              f"valid: use one of {list(PARAMS)} with exactly its params {PARAMS}")
+        score = e.minference[3] if keep_score and e.minference is not None else None
+        e.pattern, e.params = pattern, {k: int(v) for k, v in params.items()}
+        e.recall = e.density = e.oracle = e.evidence = None
+        e.minference = _to_minference(e, self.model["max_positions"], score) if keep_score and e.minference else None
+        self.check()
+        return e
+
     def summary(self) -> dict[str, int]:
         """How many heads use each pattern."""
         out = {p: 0 for p in PARAMS}
@@ -278,50 +301,103 @@ class HeadConfig:
 
     # ---- MInference ----------------------------------------------------------------------------
     def to_minference(self) -> list[dict[str, list]]:
-        """MInference's format: one dict per layer, head index (str) -> [pattern, vertical, slash, score].
+        """MInference's format: one dict per layer, head id (str) -> [pattern, vertical, slash, score].
 
-        A-shape -> stream_llm [sink, window]; block -> block_sparse [topk, 0] (MInference itself ignores
-        these sizes); dense -> vertical_and_slash with both sizes = max length. The score is the worst
-        calibration recall (MInference never reads it). Heads imported from MInference and unchanged
-        are written back verbatim.
+        A-shape -> stream_llm [sink, window]; block -> block_sparse [topk, 0] (MInference itself runs
+        top-100 whatever the sizes); dense -> vertical_and_slash with both sizes = max length. Imported
+        heads that still have their imported pattern and sizes are written back verbatim (score included);
+        other heads get as score our worst calibration recall, or null when there is none (an imported head
+        changed without `HeadEntry.edit(..., keep_score=True)`).
+
+        Head ids are global: a tensor-parallel rank's view (`for_rank(r, T)`) writes, in every layer, the
+        keys str(r * H/T + h) for its local heads h = 0..H/T-1. That is what MInference's vLLM forward
+        looks up on rank r: it reads `{int(key): entry}` of `config[layer_idx]` and asks for
+        `head + get_tensor_model_parallel_rank() * q.size(-2)` (local head plus rank times local heads).
         """
+        offset = (self.provenance.get("tensor_parallel") or {}).get("head_offset", 0)
         out: list[dict[str, list]] = [{} for _ in range(self.model["n_layers"])]
         for e in self.heads:
-            entry = _to_minference(e, self.model["max_positions"])
-            if e.minference is not None and _from_minference_entry(e.minference, self.model["max_positions"]) == (e.pattern, e.params):
-                entry = copy.deepcopy(e.minference)
-            out[e.layer][str(e.head)] = entry
+            raw = e.minference
+            where = f"heads[{e.layer * self.model['n_heads'] + e.head}].minference"
+            if raw is not None and _parse_minference_entry(raw, self.model["max_positions"], where) == (e.pattern, e.params):
+                entry = copy.deepcopy(raw)
+            else:
+                score = e.recall.get("worst") if e.recall and raw is None else None
+                entry = _to_minference(e, self.model["max_positions"], score)
+            out[e.layer][str(e.head + offset)] = entry
         return out
 
     @classmethod
+    def load_minference(cls, path: str | Path, shape: ModelShape, fill_missing: bool = False) -> "HeadConfig":
+        """Read a MInference config file for `shape` (see `from_minference`); errors name the file."""
+        return cls.from_minference(read_minference(path), shape, source=str(path), fill_missing=fill_missing,
+                                   provenance={"path": str(path)})
+
+    @classmethod
     def from_minference(cls, data: Any, shape: ModelShape, source: str = "minference config",
-                        provenance: dict[str, Any] | None = None) -> "HeadConfig":
-        """Import a MInference config for `shape`. Heads it does not list get MInference's default
-        (vertical 1000, slash 6096); stream_llm sizes become (sink, window)."""
-        if not isinstance(data, list) or not all(isinstance(layer, dict) for layer in data):
-            raise ConfigError(f"{source}: a MInference config is a JSON list with one dict per layer")
+                        provenance: dict[str, Any] | None = None, fill_missing: bool = False) -> "HeadConfig":
+        """Import a MInference config for `shape` (only its shape is needed: `workbench.core.shapes`).
+
+        Strict by default: one dict per layer, every head of the shape present once under its canonical
+        key ("4", not "04"), known pattern names, integer sizes >= 0. `fill_missing=True` accepts what
+        MInference itself would run: a missing head (or an empty layer) gets its default
+        vertical_and_slash (1000, 6096), and keys are read with int() as its vLLM path does; a warning
+        names each filled head and `provenance.filled` lists them. stream_llm sizes become (sink, window);
+        the score (4th field) is kept verbatim in `HeadEntry.minference` and never read.
+        """
+        where = f"{source}:"
+        if isinstance(data, dict):
+            hint = ("it is a workbench head config: drop `--from minference`" if data.get("format") == FORMAT else
+                    "a MInference config is a JSON list with one {head: [pattern, vertical_size, slash_size, score]} "
+                    "dict per layer: give the file MInference loads")
+            raise ConfigError(f"{where} top level is an object, not a list of layers: {hint}")
+        if not isinstance(data, list):
+            raise ConfigError(f"{where} top level is {type(data).__name__}, not a list of layers: a MInference config "
+                              "is a JSON list with one {head: [pattern, vertical_size, slash_size, score]} dict per layer")
         if len(data) != shape.n_layers:
-            raise ConfigError(f"{source}: has {len(data)} layers but {shape.name} has {shape.n_layers}: "
-                              "use the MInference config made for this model")
-        heads = []
+            raise ConfigError(f"{where} has {len(data)} layers but {shape.name} has {shape.n_layers}: give the --shape "
+                              "of the model this file was made for")
+        heads, filled, renamed = [], [], []
         for l, layer in enumerate(data):
-            for key in layer:
-                if not (str(key).isdigit() and int(key) < shape.n_heads):
-                    raise ConfigError(f"{source}: layer {l} names head {key!r} but {shape.name} has heads "
-                                      f"0..{shape.n_heads - 1}: use the config made for this model")
+            if not isinstance(layer, dict):
+                raise ConfigError(f"{where} layer {l} is {type(layer).__name__}, not a {{head: entry}} dict: write "
+                                  "each layer as an object keyed by head id")
+            for key in getattr(layer, "duplicates", ()):
+                raise ConfigError(f"{where} layer {l}: head key {key!r} appears twice (JSON keeps only the last): "
+                                  "keep one entry per head")
+            entries: dict[int, HeadEntry] = {}
+            for key, raw in layer.items():
+                h = _head_key(key, l, shape, where, fill_missing)
+                if h in entries:
+                    raise ConfigError(f"{where} layer {l}: keys for head {h} appear twice (e.g. {key!r}): keep one "
+                                      "entry per head, keyed by its plain number")
+                if key != str(h):
+                    renamed.append((l, key))
+                pattern, params = _parse_minference_entry(raw, shape.max_positions, f"{where} layer {l}, head {h}")
+                entries[h] = HeadEntry(l, h, pattern, params, minference=list(raw))
+            missing = [h for h in range(shape.n_heads) if h not in entries]
+            if missing and not fill_missing:
+                what = "is empty" if not entries else f"lacks heads {_ranges(missing)}"
+                raise ConfigError(f"{where} layer {l} {what} ({shape.name} has heads 0..{shape.n_heads - 1}): MInference "
+                                  f"would run them as vertical_and_slash {MINFERENCE_DEFAULT}; add them to the file, or "
+                                  "pass --fill-missing (fill_missing=True) to accept that default")
             for h in range(shape.n_heads):
-                raw = layer.get(str(h))
-                if raw is None:
+                if h not in entries:
+                    filled.append([l, h])
                     heads.append(HeadEntry(l, h, "vs", dict(zip(PARAMS["vs"], MINFERENCE_DEFAULT))))
                     continue
-                try:
-                    pattern, params = _from_minference_entry(raw, shape.max_positions)
-                except (ValueError, TypeError) as e:
-                    raise ConfigError(f"{source}: layer {l} head {h}: {e}") from e
-                score = raw[3]
-                recall = {"worst": float(score)} if isinstance(score, (int, float)) and 0 <= score <= 1 else None
-                heads.append(HeadEntry(l, h, pattern, params, recall=recall, minference=list(raw)))
+                heads.append(entries[h])
+        if filled:
+            listed = ", ".join(f"layer {l} head {h}" for l, h in filled[:40]) + (" ..." if len(filled) > 40 else "")
+            warnings.warn(f"{source}: {len(filled)} heads missing from the file got MInference's default "
+                          f"vertical_and_slash {MINFERENCE_DEFAULT}: {listed}", stacklevel=2)
+        if renamed:
+            warnings.warn(f"{source}: read {len(renamed)} non-canonical head keys with int() as MInference's vLLM "
+                          f"path does (e.g. layer {renamed[0][0]} key {renamed[0][1]!r}); the export writes plain numbers",
+                          stacklevel=2)
         prov = {"source": "minference", **(provenance or {})}
+        if filled:
+            prov["filled"] = filled
         cfg = cls(model=shape.to_dict(), heads=heads, provenance=prov)
         cfg.check(source)
         return cfg
@@ -329,17 +405,22 @@ class HeadConfig:
     # ---- tensor parallelism --------------------------------------------------------------------
     def for_rank(self, rank: int, tp_size: int) -> "HeadConfig":
         """The config one tensor-parallel rank sees: its H / tp query heads, numbered locally from 0
-        (global head = rank * H_local + local head), with the model shape of one rank."""
+        (global head = rank * H_local + local head), with the model shape of one rank (KV heads
+        replicated when tp exceeds their number). `provenance.tensor_parallel` records the size, rank,
+        head offset and the rank's global KV heads; `to_minference()` of the view writes global keys."""
         h_local, kv_local = tp_split(self.model["n_heads"], self.model["n_kv_heads"], tp_size)
         if not 0 <= rank < tp_size:
             raise ConfigError(f"rank {rank} is outside tensor-parallel size {tp_size}: use 0..{tp_size - 1}")
         model = dict(self.model, n_heads=h_local, n_kv_heads=kv_local)
+        kv0 = rank_kv_heads(rank, self.model["n_kv_heads"], tp_size).start
         heads = []
         for e in self.heads:
             r, local = local_head(e.head, tp_size, self.model["n_heads"])
             if r == rank:
                 heads.append(HeadEntry.from_dict({**e.to_dict(), "head": local}))
-        prov = dict(self.provenance, tensor_parallel={"size": tp_size, "rank": rank, "head_offset": rank * h_local})
+        prov = dict(self.provenance, tensor_parallel={
+            "size": tp_size, "rank": rank, "head_offset": rank * h_local, "kv_heads": list(range(kv0, kv0 + kv_local)),
+            "kv_replicas": max(1, tp_size // self.model["n_kv_heads"])})
         return HeadConfig(model=model, heads=heads, provenance=prov, proxy=dict(self.proxy), block=self.block)
 
 
@@ -355,11 +436,25 @@ def check_schema(d: Any, source: str = "config") -> None:
 
 
 def tp_split(n_heads: int, n_kv_heads: int, tp_size: int) -> tuple[int, int]:
-    """(query heads, KV heads) per rank; both must divide evenly."""
-    if tp_size < 1 or n_heads % tp_size or n_kv_heads % tp_size:
+    """(query heads, KV heads) per rank. Query heads must split evenly; KV heads either split evenly or,
+    when tp_size exceeds their number and is a multiple of it, are replicated: each rank holds one KV
+    head (the one its query heads read), shared by tp_size / n_kv_heads ranks (vLLM's rule)."""
+    kv_ok = n_kv_heads % tp_size == 0 if n_kv_heads >= tp_size else tp_size % n_kv_heads == 0
+    if tp_size < 1 or n_heads % tp_size or not kv_ok:
         raise ConfigError(f"tensor-parallel size {tp_size} does not split {n_heads} query heads and {n_kv_heads} "
-                          f"KV heads evenly: use a size that divides both")
-    return n_heads // tp_size, n_kv_heads // tp_size
+                          f"KV heads: use a size that divides {n_heads} and either divides {n_kv_heads} or is a "
+                          f"multiple of it (KV heads are then replicated)")
+    return n_heads // tp_size, max(1, n_kv_heads // tp_size)
+
+
+def rank_kv_heads(rank: int, n_kv_heads: int, tp_size: int) -> range:
+    """The global KV heads rank `rank` holds: a contiguous slice, or the one replicated head
+    rank * n_kv_heads // tp_size when tp_size > n_kv_heads."""
+    if n_kv_heads >= tp_size:
+        per = n_kv_heads // tp_size
+        return range(rank * per, (rank + 1) * per)
+    kv = rank * n_kv_heads // tp_size
+    return range(kv, kv + 1)
 
 
 def global_head(rank: int, local: int, tp_size: int, n_heads: int) -> int:
@@ -377,9 +472,8 @@ def local_head(head: int, tp_size: int, n_heads: int) -> tuple[int, int]:
     return divmod(head, n_heads // tp_size)
 
 
-def _to_minference(e: HeadEntry, max_positions: int) -> list:
-    score = e.recall.get("worst") if e.recall else None
-    score = 0.0 if score is None else score
+def _to_minference(e: HeadEntry, max_positions: int, score: Any = None) -> list:
+    """[pattern, vertical, slash, score] of one head (dense: both sizes = max length)."""
     if e.pattern == "vs":
         return [MINFERENCE_NAMES["vs"], e.params["vertical"], e.params["slash"], score]
     if e.pattern == "ashape":
@@ -390,17 +484,85 @@ def _to_minference(e: HeadEntry, max_positions: int) -> list:
 
 
 def _from_minference_entry(raw: Any, max_positions: int) -> tuple[str, dict[str, int]]:
-    if not isinstance(raw, (list, tuple)) or len(raw) != 4:
-        raise ValueError(f"expected [pattern, vertical_size, slash_size, score], got {raw!r}")
+    """(pattern, params) of a checked entry (see `_parse_minference_entry`)."""
     name, v, s = raw[0], raw[1], raw[2]
-    if not (isinstance(v, int) and isinstance(s, int) and v >= 0 and s >= 0):
-        raise ValueError(f"sizes must be integers >= 0, got {v!r}, {s!r}")
     if name == MINFERENCE_NAMES["vs"]:
         if v >= max_positions and s >= max_positions:
             return "dense", {}
         return "vs", {"vertical": v, "slash": max(s, 1)}
     if name == MINFERENCE_NAMES["ashape"]:
         return "ashape", {"sink": v, "window": max(s, 1)}
-    if name == MINFERENCE_NAMES["block"]:
-        return "block", {"topk": max(v, 1)}
-    raise ValueError(f"unknown pattern {name!r}: MInference names are {sorted(MINFERENCE_NAMES.values())}")
+    return "block", {"topk": max(v, 1)}
+
+
+def _parse_minference_entry(raw: Any, max_positions: int, where: str) -> tuple[str, dict[str, int]]:
+    """Check one MInference entry; errors say where, which field and how to fix it."""
+    if not isinstance(raw, list) or len(raw) != 4:
+        raise ConfigError(f"{where}: entry {json.dumps(raw)} is not [pattern, vertical_size, slash_size, score]: write "
+                          'four fields, e.g. ["vertical_and_slash", 1000, 6096, 0.9]')
+    if raw[0] not in MINFERENCE_NAMES.values():
+        raise ConfigError(f"{where}: field pattern is {raw[0]!r}: use one of MInference's names "
+                          f"{sorted(MINFERENCE_NAMES.values())}")
+    for i in (1, 2):
+        value = raw[i]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{where}: field {_MINFERENCE_FIELDS[i]} is {json.dumps(value)}: write a whole number "
+                              "of tokens >= 0 (no quotes, booleans or decimals), e.g. 1000")
+    return _from_minference_entry(raw, max_positions)
+
+
+def _head_key(key: str, layer: int, shape: ModelShape, where: str, lenient: bool) -> int:
+    """The head id of a layer dict's key; refuses non-numbers, out-of-range heads and (unless
+    `lenient`, which reads keys with int() like MInference's vLLM path) non-canonical spellings."""
+    try:
+        h = int(key)
+    except ValueError:
+        raise ConfigError(f"{where} layer {layer}: head key {key!r} is not a head number: key each entry by its "
+                          f"head id 0..{shape.n_heads - 1}") from None
+    if not 0 <= h < shape.n_heads:
+        raise ConfigError(f"{where} layer {layer}: head key {key!r} is outside {shape.name}'s heads "
+                          f"0..{shape.n_heads - 1}: give the --shape of the model this file was made for")
+    if key != str(h) and not lenient:
+        raise ConfigError(f"{where} layer {layer}: head key {key!r} is not canonical: write it as \"{h}\" "
+                          f"(MInference's vLLM path reads it as head {h} but its Hugging Face path looks up "
+                          f"\"{h}\" and misses it), or pass --fill-missing to read keys with int()")
+    return h
+
+
+def _ranges(ids: list[int]) -> str:
+    """[28, 29, 30, 31, 40] -> "28-31, 40"."""
+    out, start = [], ids[0]
+    for a, b in zip(ids, ids[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(out)
+
+
+class _Layer(dict):
+    """A JSON object that remembers keys it saw twice (json.loads keeps only the last)."""
+
+    duplicates: tuple[str, ...] = ()
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> _Layer:
+    d = _Layer(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        d.duplicates = tuple(k for k, _ in pairs if k in seen or seen.add(k))
+    return d
+
+
+def read_minference(path: str | Path) -> Any:
+    """The JSON of a MInference config file (duplicate keys remembered); errors name the file and the fix."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: give an existing MInference config file")
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise ConfigError(f"{path} is empty: give the MInference config file (a JSON list of per-layer dicts)")
+    try:
+        return json.loads(text, object_pairs_hook=_pairs)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): the file looks "
+                          "truncated or edited by hand; restore the complete file") from e

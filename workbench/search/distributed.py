@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from workbench.search.config import ConfigError, HeadConfig, global_head, tp_split
+from workbench.search.config import ConfigError, HeadConfig, global_head, rank_kv_heads, tp_split
 from workbench.core.model import ModelShape
 from workbench.search.search import TARGET, Candidate, Evidence, build_config, choose, collect_evidence, default_candidates
 
@@ -279,12 +279,13 @@ def shard_attention(model: torch.nn.Module, rank: int, tp_size: int) -> torch.nn
     q/k/v_proj, columns of o_proj), and the attention output is all-reduced after o_proj (MLPs stay
     replicated). Needs an initialised process group of `tp_size` ranks."""
     cfg = model.config
-    h_local, kv_local = tp_split(cfg.num_attention_heads, cfg.num_key_value_heads, tp_size)
+    h_local, _ = tp_split(cfg.num_attention_heads, cfg.num_key_value_heads, tp_size)
     for layer in model.model.layers:
         attn = layer.self_attn
         d = attn.head_dim
         q_rows = slice(rank * h_local * d, (rank + 1) * h_local * d)
-        kv_rows = slice(rank * kv_local * d, (rank + 1) * kv_local * d)
+        kv = rank_kv_heads(rank, cfg.num_key_value_heads, tp_size)  # replicated when tp_size > KV heads
+        kv_rows = slice(kv.start * d, kv.stop * d)
         for proj, rows in ((attn.q_proj, q_rows), (attn.k_proj, kv_rows), (attn.v_proj, kv_rows)):
             proj.weight = torch.nn.Parameter(proj.weight.data[rows].clone(), requires_grad=False)
             if proj.bias is not None:

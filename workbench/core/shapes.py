@@ -1,0 +1,151 @@
+"""Model shapes without weights: from a Hugging Face config.json, a hub id in the local cache, or a name.
+
+`resolve_shape(spec)` gives the `ModelShape` a head config is checked against (layers, query/KV heads,
+head_dim, RoPE, max length), the same fields `load_model` reports, without loading any weights:
+
+- a path to a `config.json` (or to a folder holding one);
+- a hub id (`org/name`) whose config.json is in the local Hugging Face cache (offline: nothing is
+  downloaded);
+- a name from `NAMED` (case-insensitive; the hub ids of those models work too, cached or not).
+
+Shapes read this way have no weights fingerprint: `fingerprint` is `SHAPE_ONLY`, so `HeadConfig.validate`
+against the real model warns that the weights were not checked. The embedded SmolLM2 shape carries the
+embedded weights' fingerprint (it is the model the shipped config was searched on).
+Config field names differ by family: Llama/Qwen2/Phi-3/Yi (`num_hidden_layers`, `num_key_value_heads`, ...)
+and ChatGLM/GLM-4 (`num_layers`, `multi_query_group_num`, `kv_channels`, `seq_length`, RoPE base =
+10000 * `rope_ratio`) are read.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from workbench.core.model import ModelError, ModelShape
+
+SHAPE_ONLY = "shape-only"
+EMBEDDED_FINGERPRINT = "fb37f3abe69130ac"  # the embedded SmolLM2-135M-Instruct weights (configs/SmolLM2-135M-Instruct.json)
+
+_LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 8}
+# The fields of each model's published config.json that the shape needs (name -> (hub id, fields)).
+NAMED: dict[str, tuple[str, dict[str, Any]]] = {
+    "Llama-3-8B": ("meta-llama/Meta-Llama-3-8B-Instruct",
+                   {**_LLAMA_8B, "max_position_embeddings": 8192, "rope_theta": 500000.0}),
+    "Llama-3-8B-262k": ("gradientai/Llama-3-8B-Instruct-262k",
+                        {**_LLAMA_8B, "max_position_embeddings": 262144, "rope_theta": 283461213.0}),
+    "Llama-3.1-8B": ("meta-llama/Llama-3.1-8B-Instruct",
+                     {**_LLAMA_8B, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+                      "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}),
+    "Qwen2.5-7B": ("Qwen/Qwen2.5-7B-Instruct",
+                   {"model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+                    "num_key_value_heads": 4, "max_position_embeddings": 32768, "rope_theta": 1000000.0}),
+    "Phi-3-mini": ("microsoft/Phi-3-mini-128k-instruct",
+                   {"model_type": "phi3", "hidden_size": 3072, "num_hidden_layers": 32, "num_attention_heads": 32,
+                    "num_key_value_heads": 32, "max_position_embeddings": 131072, "rope_theta": 10000.0,
+                    "rope_scaling": {"type": "longrope"}}),
+    "GLM-4-9B": ("THUDM/glm-4-9b-chat",
+                 {"model_type": "chatglm", "hidden_size": 4096, "num_layers": 40, "num_attention_heads": 32,
+                  "multi_query_attention": True, "multi_query_group_num": 2, "kv_channels": 128,
+                  "seq_length": 131072, "rope_ratio": 500}),
+    "GLM-4-9B-1M": ("THUDM/glm-4-9b-chat-1m",
+                    {"model_type": "chatglm", "hidden_size": 4096, "num_layers": 40, "num_attention_heads": 32,
+                     "multi_query_attention": True, "multi_query_group_num": 4, "kv_channels": 128,
+                     "seq_length": 1048576, "rope_ratio": 10000}),
+    "Yi-9B": ("01-ai/Yi-9B-200K",
+              {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 48, "num_attention_heads": 32,
+               "num_key_value_heads": 4, "max_position_embeddings": 262144, "rope_theta": 10000000.0}),
+    "SmolLM2-135M-Instruct": ("HuggingFaceTB/SmolLM2-135M-Instruct",
+                              {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30,
+                               "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+                               "max_position_embeddings": 8192, "rope_theta": 100000.0}),
+}
+_ALIASES = {"embedded": "SmolLM2-135M-Instruct", "smollm2": "SmolLM2-135M-Instruct"}
+
+
+def _field(cfg: dict[str, Any], source: str, *names: str, default: Any = None) -> Any:
+    for name in names:
+        if cfg.get(name) is not None:
+            return cfg[name]
+    if default is None:
+        raise ModelError(f"{source}: no {' / '.join(names)} field: give the model's own config.json")
+    return default
+
+
+def shape_from_hf_config(cfg: dict[str, Any], name: str, source: str = "config.json",
+                         fingerprint: str = SHAPE_ONLY) -> ModelShape:
+    """A Hugging Face config.json (as a dict) -> ModelShape, with the values `load_model` would report."""
+    if not isinstance(cfg, dict):
+        raise ModelError(f"{source}: a config.json is a JSON object, got {type(cfg).__name__}")
+    text = cfg.get("text_config")
+    if isinstance(text, dict):  # multimodal wrappers keep the language model's fields here
+        cfg = {**cfg, **text}
+    n_heads = int(_field(cfg, source, "num_attention_heads", "n_head"))
+    hidden = int(_field(cfg, source, "hidden_size", "n_embd"))
+    kv = cfg.get("num_key_value_heads")
+    if kv is None and cfg.get("multi_query_attention"):
+        kv = cfg.get("multi_query_group_num")
+    scaling = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = str(scaling.get("rope_type", scaling.get("type", "default")))
+    rope_type = {"su": "longrope"}.get(rope_type, rope_type)  # transformers' name for Phi-3's "su"
+    theta = scaling.get("rope_theta") or cfg.get("rope_theta")
+    if theta is None and cfg.get("rope_ratio") is not None:  # ChatGLM: base = 10000 * rope_ratio
+        theta = 10000.0 * cfg["rope_ratio"]
+    return ModelShape(
+        name=name,
+        architecture=str(cfg.get("model_type", "unknown")),
+        n_layers=int(_field(cfg, source, "num_hidden_layers", "num_layers", "n_layer")),
+        n_heads=n_heads,
+        n_kv_heads=int(kv or n_heads),
+        head_dim=int(_field(cfg, source, "head_dim", "kv_channels", default=hidden // n_heads)),
+        hidden_size=hidden,
+        rope_type=rope_type,
+        rope_theta=float(theta or 10000.0),
+        max_positions=int(_field(cfg, source, "max_position_embeddings", "seq_length", "n_positions")),
+        fingerprint=fingerprint,
+    )
+
+
+def named_shape(name: str) -> ModelShape:
+    """The shape of a model in `NAMED` (by its name or hub id, case-insensitive)."""
+    key = _ALIASES.get(name.lower(), name)
+    for short, (hub, cfg) in NAMED.items():
+        if key.lower() in (short.lower(), hub.lower()):
+            fp = EMBEDDED_FINGERPRINT if short == "SmolLM2-135M-Instruct" else SHAPE_ONLY
+            return shape_from_hf_config(cfg, short, source=f"named shape {short}", fingerprint=fp)
+    raise ModelError(f"unknown shape {name!r}: use a config.json path, a hub id in the local Hugging Face cache, "
+                     f"or one of {', '.join(NAMED)}")
+
+
+def cached_config(hub_id: str) -> Path | None:
+    """The config.json of `hub_id` in the local Hugging Face cache, or None (never downloads)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover - transformers depends on it
+        return None
+    hit = try_to_load_from_cache(hub_id, "config.json")
+    return Path(hit) if isinstance(hit, str) else None
+
+
+def resolve_shape(spec: str) -> ModelShape:
+    """`spec` = config.json path (or its folder), hub id in the local cache, or a `NAMED` shape -> ModelShape."""
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.exists():
+            raise ModelError(f"{spec} is a folder without config.json: give the model folder or its config.json")
+    if not path.exists() and "/" in spec and not spec.endswith(".json"):
+        path = cached_config(spec) or path
+    if path.exists():
+        try:
+            cfg = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ModelError(f"{path} is not valid JSON ({e}): give the model's config.json") from e
+        name = path.parent.name if path.name == "config.json" else path.stem
+        if "/" in spec and not Path(spec).exists():
+            name = spec.split("/")[-1]
+        return shape_from_hf_config(cfg, name, source=str(path))
+    if spec.endswith(".json"):
+        raise ModelError(f"{spec} does not exist: give an existing config.json")
+    return named_shape(spec)
