@@ -106,11 +106,12 @@ def dense_greedy(model: torch.nn.Module, tok: Any, shape: ModelShape, sample: An
     return tokens, logits, seconds
 
 
-def _sample_record(model, tok, shape, config, sample, max_new_tokens: int, cosine: bool) -> dict[str, Any]:
+def _sample_record(model, tok, shape, config, sample, max_new_tokens: int, cosine: bool,
+                   backend: str = "auto") -> dict[str, Any]:
     ids = sample.input_ids
     dense_tokens, dense_logits, dense_seconds = dense_greedy(model, tok, shape, sample, max_new_tokens)
     t1 = time.perf_counter()
-    with SparsePrefill(model, shape, config, min_length=0, compare=cosine) as sp:
+    with SparsePrefill(model, shape, config, min_length=0, compare=cosine, backend=backend) as sp:
         sparse_tokens, sparse_logits = generate_greedy(model, ids, max_new_tokens, tok.eos_token_id)
     t2 = time.perf_counter()
     kl, agree = kl_top1(dense_logits, sparse_logits)
@@ -179,9 +180,11 @@ def quality_report(model: torch.nn.Module, tok: Any, shape: ModelShape, config: 
                    lengths: Sequence[int] = (4096, 8192), samples: int = 20, task: str = "passkey",
                    max_new_tokens: int = 8, cosine_samples: int = 4, sensitivity_length: int | None = None,
                    sensitivity_samples: int = 2, out: str | Path | None = None, command: str = "",
-                   progress: bool = True) -> dict[str, Any]:
+                   progress: bool = True, backend: str = "auto") -> dict[str, Any]:
     """Run the quality comparison (see module docstring) and return the report dict; with `out`, write
-    it after every sample and resume from it. Sparsity is on at every length (min_length 0)."""
+    it after every sample and resume from it. Sparsity is on at every length (min_length 0). `backend`:
+    SparsePrefill's ("triton", "flex", "torch" = reference); reports of several backends on the same
+    prompts compare them (the dense side is cached)."""
     from workbench.core.corpus import make_sample
 
     config.validate(shape)
@@ -192,7 +195,8 @@ def quality_report(model: torch.nn.Module, tok: Any, shape: ModelShape, config: 
     sens_n = sensitivity_length or min(lengths)
     settings = {"lengths": list(lengths), "samples": samples, "task": task, "max_new_tokens": max_new_tokens,
                 "cosine_samples": cosine_samples, "sensitivity_length": sens_n,
-                "sensitivity_samples": sensitivity_samples, "min_length": 0, "config_sha": config_digest(config)}
+                "sensitivity_samples": sensitivity_samples, "min_length": 0, "config_sha": config_digest(config),
+                **({"backend": backend} if backend != "auto" else {})}  # "auto" keeps older reports resumable
     report: dict[str, Any] = {
         "model": shape.to_dict(), "config": {"provenance": config.provenance, "summary": config.summary(),
                                              "sha": settings["config_sha"]},
@@ -233,7 +237,8 @@ def quality_report(model: torch.nn.Module, tok: Any, shape: ModelShape, config: 
         if (n, i) in done:
             continue
         sample = make_sample(task, tok, n, seed=i, depth=spread[i])
-        rec = _sample_record(model, tok, shape, config, sample, max_new_tokens, cosine=i < cosine_samples)
+        rec = _sample_record(model, tok, shape, config, sample, max_new_tokens, cosine=i < cosine_samples,
+                             backend=backend)
         report["records"].append(rec)
         save()
     bar.close()

@@ -81,7 +81,8 @@ class SparsePrefill:
     config: a HeadConfig validated against `shape` (a mismatch raises ConfigError naming the field).
     min_length: prompts shorter than this run dense (default `DEFAULT_MIN_LENGTH`; 0 = always sparse).
     layers: the layers that run sparse (default all; diagnostic mode localises quality loss).
-    backend: "auto" (Triton on CUDA, PyTorch reference on CPU), "triton" or "torch".
+    backend: "auto" (Triton on CUDA, PyTorch reference on CPU), "triton", "torch" or "flex"
+    (flex_attention over the same tiles: `workbench.prefill.flex`).
     compare: also run dense attention on every sparse layer and record the cosine of the two outputs
     (`cosine[layer]`, one value per query head; costs a dense attention per layer).
     timing: record the per-layer time breakdown of each prefill (`breakdown()`).
@@ -96,8 +97,8 @@ class SparsePrefill:
                  backend: str = "auto", compare: bool = False, timing: bool = False,
                  record_density: bool = False, num_stages: int = 3, strict_weights: bool = False):
         config.validate(shape, strict_weights=strict_weights)
-        if backend not in ("auto", "triton", "torch"):
-            raise ValueError(f"backend={backend!r} is unknown: use 'auto', 'triton' or 'torch'")
+        if backend not in ("auto", "triton", "torch", "flex"):
+            raise ValueError(f"backend={backend!r} is unknown: use 'auto', 'triton', 'torch' or 'flex'")
         if min_length < 0:
             raise ValueError(f"min_length={min_length} must be >= 0 tokens (0 = sparse at every length)")
         self.model, self.shape, self.config = model, shape, config
@@ -164,8 +165,16 @@ class SparsePrefill:
         if timer:
             timer.mark(layer, "attn_start")
         backend = self.backend if self.backend != "auto" else ("triton" if query.is_cuda else "torch")
-        groups = self.group_tiles(layer, query, key, scale, triton=backend == "triton")
-        if backend == "triton":
+        groups = self.group_tiles(layer, query, key, scale,
+                                  triton=backend == "triton" or (backend == "flex" and query.is_cuda))
+        if backend == "flex":
+            from workbench.prefill.flex import tiles_attention
+
+            tiles, sink, window = self.merge(layer, groups, query)
+            if timer:
+                timer.mark(layer, "index_end")
+            o = tiles_attention(query, key, value, tiles, sink, window, scale)
+        elif backend == "triton":
             tiles, sink, window = self.merge(layer, groups, query)
             if timer:
                 timer.mark(layer, "index_end")
