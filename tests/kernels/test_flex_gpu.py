@@ -24,7 +24,7 @@ LAYERS = [
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
-@pytest.mark.parametrize("n", [2048, 5000])
+@pytest.mark.parametrize("n", [3000])  # not a multiple of 64: the last row block is partial
 def test_flex_equals_triton_on_the_same_tiles(dtype, atol, n):
     from workbench.prefill.sparse import SparsePrefill
 
@@ -38,11 +38,14 @@ def test_flex_equals_triton_on_the_same_tiles(dtype, atol, n):
     k[:, :, : n // 7, :8] += 1.5
     out = {}
     for backend in ("triton", "flex"):
-        sp = SparsePrefill(torch.nn.Module(), SHAPE, config, min_length=0, backend=backend)
+        sp = SparsePrefill(torch.nn.Module(), SHAPE, config, min_length=0, backend=backend,
+                           record_density=backend == "triton")
         for layer in range(2):
             out[backend, layer] = sp.attention(SimpleNamespace(layer_idx=layer, scaling=128 ** -0.5), q, k, v, None)[0]
-    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+        if backend == "triton":
+            density = dict(sp.density)
     for layer in range(2):
         diff = (out["flex", layer].float() - out["triton", layer].float()).abs().max().item()
         assert diff < atol, f"layer {layer}: flex vs triton max |diff| {diff} ({dtype}, n={n})"
-        assert (out["flex", layer].float() - dense.float()).abs().max().item() > 5 * atol  # really sparse
+        bound = (0.95, 0.5)[layer]  # layer 0 holds a dense head and a 2048-offset VS head; layer 1 is sparse
+        assert density[layer] < bound, f"layer {layer} computes {density[layer]:.0%} of the causal pairs: not sparse"
