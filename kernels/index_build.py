@@ -15,6 +15,8 @@ owns the diagonal sums of offsets [64u, 64u + 64) without atomics. Top-k selecti
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +26,7 @@ from .topk import budget, top_blocks, top_positions
 
 LOG2E = 1.4426950408889634
 ROWS = 64
+MAX_TOPK_BLOCKS = 16384  # longest score row the block top-k kernel holds in registers (1M tokens)
 
 
 @triton.jit
@@ -164,14 +167,50 @@ def vs_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int = 
     return tiles
 
 
+@triton.jit
+def _block_topk_kernel(Score, Budget, Out, M, H, K, NPAD: tl.constexpr, KPAD: tl.constexpr):
+    """One query block (row of Score): its diagonal plus the best causal key blocks, k = min(budget,
+    m + 1) of them, written ascending. The k-th largest score is found exactly by bisection on the
+    order-preserving int32 image of the fp32 scores (32 counting passes over the row in registers);
+    ties at the threshold go to the lowest block ids."""
+    row = tl.program_id(0)
+    m = row % M
+    h = (row // M) % H
+    j = tl.arange(0, NPAD)
+    valid = j <= m
+    x = tl.load(Score + row.to(tl.int64) * M + j, mask=valid, other=0.0)
+    bits = x.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed int order == float order
+    key = tl.where(j == m, 2147483647, tl.where(valid, key, -2147483647 - 1))
+    k = tl.minimum(tl.maximum(tl.load(Budget + h), 1), m + 1)
+    lo = tl.full([], -2147483648, tl.int64)
+    hi = tl.full([], 2147483647, tl.int64)
+    key64 = key.to(tl.int64)
+    for _ in range(32):  # largest T with #(key >= T) >= k
+        mid = (lo + hi + 1) >> 1
+        enough = tl.sum((key64 >= mid).to(tl.int32), 0) >= k
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    above = key64 > lo
+    tie = (key64 == lo) & valid
+    keep = valid & (above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= k - tl.sum(above.to(tl.int32), 0))))
+    pos = tl.cumsum(keep.to(tl.int32), 0) - 1
+    out = Out + row.to(tl.int64) * K
+    tl.store(out + pos, j, mask=keep)
+    slot = tl.arange(0, KPAD)
+    tl.store(out + slot, -1, mask=(slot >= k) & (slot < K))
+
+
 @torch.no_grad()
 def block_index(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100, block: int = 64) -> torch.Tensor:
     """Block-sparse index of every head of a layer: the selection of `workbench.patterns.block_proxy`
     (64-token mean-pooled q.k, block-causal, diagonal forced, top-k; `topk` an int or Long `[Hq]`)
-    -> Int32 `[B, Hq, M, max topk]`.
+    -> Int32 `[B, Hq, M, max topk]`, ascending, -1 padded.
 
-    The fast path pools bf16/fp16 inputs with fp32 accumulation (no fp32 copy of q and k) and scores
-    all heads with one grouped matmul; no host sync."""
+    Pools bf16/fp16 inputs with fp32 accumulation (no fp32 copy of q and k), scores all heads with one
+    grouped fp32 matmul, then one Triton program per query block selects its blocks from the score row
+    (exact k-th value by bisection, no sort, no host sync). On the CPU without the Triton interpreter
+    the selection is `topk.top_blocks` (the same blocks)."""
     if q.dim() != 4 or k.dim() != 4 or q.shape[1] % k.shape[1]:
         raise ValueError(f"q must be [B, Hq, N, D] and k [B, Hkv, N, D] with Hq a multiple of Hkv; "
                          f"got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -189,4 +228,12 @@ def block_index(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100
     M = qp.shape[2]
     score = (qp.view(B, Hkv, (Hq // Hkv) * M, D) @ kp.transpose(-1, -2)).view(B, Hq, M, M)
     k_max, per_head = budget(topk, Hq, "topk")
-    return top_blocks(score, k_max, per_head)
+    kernel = q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    if not kernel or k_max == 0 or M > MAX_TOPK_BLOCKS:
+        return top_blocks(score, k_max, per_head)
+    budgets = (per_head if per_head is not None else torch.full((Hq,), k_max)).to(q.device, torch.int32)
+    out = torch.empty(B, Hq, M, k_max, dtype=torch.int32, device=q.device)
+    npad = triton.next_power_of_2(M)
+    _block_topk_kernel[(B * Hq * M,)](score, budgets, out, M, Hq, k_max, NPAD=npad,
+                                      KPAD=triton.next_power_of_2(k_max), num_warps=4 if npad <= 4096 else 8)
+    return out

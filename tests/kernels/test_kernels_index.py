@@ -11,7 +11,8 @@ if not torch.cuda.is_available():
 
 from workbench.patterns.proxy import vs_proxy  # noqa: E402
 from workbench_kernels.index_build import vs_index, vs_scores, vs_tiles  # noqa: E402
-from workbench_kernels.index_ref import tiles_to_mask, vs_to_tiles  # noqa: E402
+from workbench_kernels.index_ref import (block_sparse_to_tiles, selected_block_tiles, tiles_to_mask,  # noqa: E402
+                                         vs_to_tiles)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -90,3 +91,23 @@ def test_block_index_selects_what_the_torch_proxy_selects(n):
             assert torch.equal(fast, ref)
         else:
             assert (fast.cpu() == ref).float().mean() > 0.95
+        slow = block_sparse_to_tiles(fast, n)
+        quick = selected_block_tiles(fast)
+        assert torch.equal(quick.block_count, slow.block_count)
+        assert torch.equal(tiles_to_mask(quick, n), tiles_to_mask(slow, n))
+
+
+def test_block_index_kernel_on_long_rows_and_budgets():
+    """The Triton selection (bisection on the score row) against torch.topk where rows are long."""
+    from workbench.patterns.proxy import block_proxy
+    from workbench_kernels.index_build import block_index
+
+    n = 3000 if DEV == "cpu" else 65536
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, 4, n, 64, generator=g), torch.randn(1, 1, n, 64, generator=g)
+    for topk in (1, 40, torch.tensor([0, 7, 40, 100])):
+        fast, ref = block_index(q.to(DEV), k.to(DEV), topk).cpu(), block_proxy(q, k, topk)
+        assert fast.shape == ref.shape
+        assert ((fast >= 0).sum(-1) == (ref >= 0).sum(-1)).all()  # k = min(budget, m + 1), at least 1
+        agree = (fast == ref).float().mean()
+        assert agree == 1 if DEV == "cpu" else agree > 0.95
