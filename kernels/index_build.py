@@ -103,13 +103,17 @@ def vs_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Ten
 
 @torch.no_grad()
 def vs_index(q: torch.Tensor, k: torch.Tensor, scale: float, vertical: int = 1000, slash: int = 6096,
-             sink: int = 30, local: int = 100) -> tuple[torch.Tensor, torch.Tensor]:
+             sink: int = 30, local: int = 100, group_shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Vertical-Slash index of every head of a layer -> (columns Long `[B, Hq, vertical]`, offsets Long
-    `[B, Hq, slash]`), ascending, -1 padded; same selection as `vs_proxy` at its defaults."""
+    `[B, Hq, slash]`), ascending, -1 padded; same selection as `vs_proxy` at its defaults.
+    `group_shared`: one index per KV head (`[B, Hkv, ...]`) from the column and diagonal sums added
+    over its G query heads, for the GQA-packed kernel."""
     if q.dim() != 4 or k.dim() != 4 or q.shape[1] % k.shape[1]:
         raise ValueError(f"q must be [B, Hq, N, D] and k [B, Hkv, N, D] with Hq a multiple of Hkv; "
                          f"got {tuple(q.shape)} and {tuple(k.shape)}")
     col, diag = vs_scores(q, k, scale)
+    if group_shared:
+        col, diag = (x.unflatten(1, (k.shape[1], -1)).sum(2) for x in (col, diag))
     return top_positions(col, sink, vertical, None), top_positions(diag, max(local, 1), slash, None)
 
 
@@ -202,7 +206,8 @@ def _block_topk_kernel(Score, Budget, Out, M, H, K, NPAD: tl.constexpr, KPAD: tl
 
 
 @torch.no_grad()
-def block_index(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100, block: int = 64) -> torch.Tensor:
+def block_index(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100, block: int = 64,
+                group_shared: bool = False) -> torch.Tensor:
     """Block-sparse index of every head of a layer: the selection of `workbench.patterns.block_proxy`
     (64-token mean-pooled q.k, block-causal, diagonal forced, top-k; `topk` an int or Long `[Hq]`)
     -> Int32 `[B, Hq, M, max topk]`, ascending, -1 padded.
@@ -210,7 +215,9 @@ def block_index(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100
     Pools bf16/fp16 inputs with fp32 accumulation (no fp32 copy of q and k), scores all heads with one
     grouped fp32 matmul, then one Triton program per query block selects its blocks from the score row
     (exact k-th value by bisection, no sort, no host sync). On the CPU without the Triton interpreter
-    the selection is `topk.top_blocks` (the same blocks)."""
+    the selection is `topk.top_blocks` (the same blocks). `group_shared`: one table per KV head
+    (`[B, Hkv, M, K]`, InfLLM-V2 style) from the pooled scores added over its G query heads (budget:
+    the group's largest), for the GQA-packed kernel."""
     if q.dim() != 4 or k.dim() != 4 or q.shape[1] % k.shape[1]:
         raise ValueError(f"q must be [B, Hq, N, D] and k [B, Hkv, N, D] with Hq a multiple of Hkv; "
                          f"got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -228,12 +235,16 @@ def block_index(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100
     M = qp.shape[2]
     score = (qp.view(B, Hkv, (Hq // Hkv) * M, D) @ kp.transpose(-1, -2)).view(B, Hq, M, M)
     k_max, per_head = budget(topk, Hq, "topk")
+    if group_shared:
+        score = score.unflatten(1, (Hkv, -1)).sum(2)
+        per_head = per_head.view(Hkv, -1).amax(1) if per_head is not None else None
+    H = score.shape[1]
     kernel = q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
     if not kernel or k_max == 0 or M > MAX_TOPK_BLOCKS:
         return top_blocks(score, k_max, per_head)
-    budgets = (per_head if per_head is not None else torch.full((Hq,), k_max)).to(q.device, torch.int32)
-    out = torch.empty(B, Hq, M, k_max, dtype=torch.int32, device=q.device)
+    budgets = (per_head if per_head is not None else torch.full((H,), k_max)).to(q.device, torch.int32)
+    out = torch.empty(B, H, M, k_max, dtype=torch.int32, device=q.device)
     npad = triton.next_power_of_2(M)
-    _block_topk_kernel[(B * Hq * M,)](score, budgets, out, M, Hq, k_max, NPAD=npad,
+    _block_topk_kernel[(B * H * M,)](score.contiguous(), budgets, out, M, H, k_max, NPAD=npad,
                                       KPAD=triton.next_power_of_2(k_max), num_warps=4 if npad <= 4096 else 8)
     return out

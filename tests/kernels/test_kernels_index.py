@@ -111,3 +111,27 @@ def test_block_index_kernel_on_long_rows_and_budgets():
         assert ((fast >= 0).sum(-1) == (ref >= 0).sum(-1)).all()  # k = min(budget, m + 1), at least 1
         agree = (fast == ref).float().mean()
         assert agree == 1 if DEV == "cpu" else agree > 0.95
+
+
+def test_group_shared_indexes_select_from_the_summed_group_scores():
+    """group_shared=True: one index per KV head, chosen from the scores added over its query heads."""
+    from workbench.patterns.proxy import _grouped_scores
+    from workbench_kernels.index_build import block_index
+    from workbench_kernels.topk import top_blocks, top_positions
+
+    n = 300
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(1, 4, n, 64, generator=g), torch.randn(1, 2, n, 64, generator=g)
+
+    def pool(x):  # 64-token means, the last block holds 44 tokens
+        return torch.cat([x[:, :, :256].unflatten(2, (4, 64)).mean(3), x[:, :, 256:].mean(2, keepdim=True)], 2)
+
+    shared = block_index(q.to(DEV), k.to(DEV), 3, group_shared=True).cpu()
+    want = top_blocks(_grouped_scores(pool(q), pool(k)).unflatten(1, (2, 2)).sum(2), 3)
+    assert shared.shape == (1, 2, 5, 3)
+    assert (shared == want).float().mean() > (0.99 if DEV == "cpu" else 0.9)
+    cols, offs = vs_index(q.to(DEV), k.to(DEV), 0.125, vertical=20, slash=10, sink=3, local=4, group_shared=True)
+    col, diag = (x.unflatten(1, (2, 2)).sum(2) for x in explicit_sums(q, k, 0.125))
+    assert cols.shape == (1, 2, 20) and offs.shape == (1, 2, 10)
+    if DEV == "cpu":
+        assert torch.equal(cols, top_positions(col, 3, 20)) and torch.equal(offs, top_positions(diag, 4, 10))
