@@ -41,7 +41,7 @@ class FlexPrefill(PatternBase):
         if not (use_vs.numel() == vs.n_heads == blocks.n_heads):
             raise ValueError(f"FlexPrefill wants use_vs, vs and blocks for the same heads, got "
                              f"{use_vs.numel()}, {vs.n_heads}, {blocks.n_heads}")
-        self.use_vs, self.vs, self.blocks = use_vs.bool().cpu(), vs, blocks
+        self.use_vs, self.vs, self.blocks = use_vs.bool().to(vs.columns.device), vs, blocks
         self.n_heads = vs.n_heads
 
     def row_mask(self, r0: int, r1: int, n: int) -> torch.Tensor:

@@ -1,0 +1,158 @@
+"""Every prefill method through one harness: a sweep of each method's budget or threshold on one layer.
+
+A `Method` turns (q, k, scale, value) into a `Pattern` of one layer; `sweep_layer` builds every method
+at every value (timing the index build) and, in one pass over the exact dense attention rows, measures
+what each keeps: captured mass over all rows and over the answer rows (the last 64), logical and
+physical density. `pareto_front` picks the points no other point beats on both cost and mass.
+
+q `[Hq, N, D]`, k `[Hkv, N, D]` (query head h reads KV head h // (Hq // Hkv)).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from workbench.analysis.metrics import density
+from workbench.analysis.stats import attention_rows
+from workbench.patterns import AShape, Pattern, block_proxy, vs_proxy
+from workbench.patterns.block_sparse import BlockSparse
+from workbench.patterns.dilated import Dilated, Strided
+from workbench.patterns.flexprefill import flexprefill
+from workbench.patterns.trishape import TriShape
+from workbench.patterns.vertical_slash import VerticalSlash
+from workbench.patterns.xattention import xattention
+
+ANSWER_ROWS = 64
+Builder = Callable[[torch.Tensor, torch.Tensor, float, float], Pattern]
+
+
+@dataclass(frozen=True)
+class Method:
+    """One prefill method and the sweep of its knob. `adaptive`: decides per prompt from a threshold
+    (the config records the threshold); otherwise a static budget in tokens or blocks."""
+
+    name: str
+    knob: str
+    values: tuple[float, ...]
+    adaptive: bool
+    online: bool  # needs an index built from q and k (else static geometry)
+    build: Builder
+
+    def mid(self) -> float:
+        return self.values[len(self.values) // 2]
+
+
+def _vs(q, k, scale, v):
+    cols, offs = vs_proxy(q, k, scale, int(v), 2 * int(v))
+    return VerticalSlash(cols, offs)
+
+
+def default_methods(sink: int = 64, question: int = 64) -> list[Method]:
+    """Every method with a sweep sized for 4K-8K-token prompts (windows and budgets in tokens)."""
+    h = lambda q: q.shape[0]  # noqa: E731
+    return [
+        Method("a-shape", "window", (256, 512, 1024), False, False,
+               lambda q, k, s, v: AShape(sink, int(v), h(q))),
+        Method("tri-shape", "window", (256, 512, 1024), False, False,
+               lambda q, k, s, v: TriShape(sink, int(v), question, h(q))),
+        Method("dilated", "taps", (128, 256, 512), False, False,
+               lambda q, k, s, v: Dilated(int(v), 2, h(q))),
+        Method("strided", "stride", (256, 128, 64), False, False,
+               lambda q, k, s, v: Strided(128, int(v), h(q))),
+        Method("vertical-slash", "vertical", (256, 512, 1024), False, True, _vs),
+        Method("block-sparse", "topk", (8, 16, 32), False, True,
+               lambda q, k, s, v: BlockSparse(block_proxy(q, k, int(v)))),
+        Method("xattention", "tau", (0.8, 0.9, 0.95), True, True,
+               lambda q, k, s, v: xattention(q, k, s, v, stride=8)),
+        Method("flexprefill", "gamma", (0.8, 0.9, 0.95), True, True,
+               lambda q, k, s, v: flexprefill(q, k, s, gamma=v, tau=0.1, min_budget=256)),
+    ]
+
+
+def timed(fn: Callable[[], Any], device: torch.device | str = "cpu") -> tuple[Any, float]:
+    """(fn(), milliseconds): CUDA events on a GPU (one sync at the end), wall time on the CPU."""
+    if torch.device(device).type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        torch.cuda.synchronize()
+        return out, start.elapsed_time(end)
+    t0 = time.perf_counter()
+    out = fn()
+    return out, (time.perf_counter() - t0) * 1e3
+
+
+def row_ranges(n: int, rows: int | None, chunk: int = 32) -> list[tuple[int, int]]:
+    """Query-row ranges to measure: all rows (rows=None or >= n), else `rows // chunk` chunks of `chunk`
+    rows spread evenly over the rows before the answer rows, plus the last `ANSWER_ROWS` rows."""
+    body = max(n - ANSWER_ROWS, 0)
+    if rows is None or rows >= n or body == 0:
+        return [(0, n)]
+    count = max(1, min(rows // chunk, body // chunk))
+    starts = [round(i * (body - chunk) / max(count - 1, 1)) for i in range(count)]
+    return [(r, r + chunk) for r in starts] + [(body, n)]
+
+
+@torch.no_grad()
+def masses(q: torch.Tensor, k: torch.Tensor, scale: float, patterns: Sequence[Pattern],
+           rows: int | None = None) -> dict[str, torch.Tensor]:
+    """Exact captured mass of several patterns -> {"mass", "answer_mass"} `[P, Hq]`: the mean over all
+    query rows (rows=None) or a stratified estimate from about `rows` sampled rows (each row exact; the
+    answer rows always measured), and the mean over the last `ANSWER_ROWS` rows."""
+    hq, n, _ = q.shape
+    ranges = row_ranges(n, rows)
+    kept = torch.zeros(len(patterns), hq, n, device=q.device)
+    measured = torch.zeros(n, dtype=torch.bool)
+    for a, b in ranges:
+        for r0, r1, p, _ in attention_rows(q, k, scale, chunk=256, rows=(a, b)):
+            for i, pat in enumerate(patterns):
+                kept[i, :, r0:r1] = (p * pat.row_mask(r0, r1, n)[:, :, :r1].to(p.device)).sum(-1)
+        measured[a:b] = True
+    answer = max(n - ANSWER_ROWS, 0)
+    body = measured.clone()
+    body[answer:] = False
+    tail = kept[:, :, answer:].mean(-1)
+    mass = tail if not body.any() else (kept[:, :, body.to(q.device)].mean(-1) * answer + tail * (n - answer)) / n
+    return {"mass": mass, "answer_mass": tail}
+
+
+@torch.no_grad()
+def sweep_layer(q: torch.Tensor, k: torch.Tensor, scale: float, methods: Sequence[Method],
+                extra: dict[str, Pattern] | None = None, rows: int | None = None) -> list[dict[str, Any]]:
+    """Every method at every value (plus `extra` named patterns, e.g. a searched config's layer) on
+    one layer -> rows {method, value, mass, answer_mass, logical, physical, index_ms}, each a mean
+    over heads, with the per-head lists under "heads". `rows`: see `masses`."""
+    n = q.shape[1]
+    built, out = [], []
+    for m in methods:
+        for v in m.values:
+            pat, ms = timed(lambda: m.build(q, k, scale, v), q.device)
+            built.append(pat)
+            out.append({"method": m.name, "value": v, "adaptive": m.adaptive, "index_ms": ms if m.online else 0.0})
+    for name, pat in (extra or {}).items():
+        built.append(pat)
+        out.append({"method": name, "value": None, "adaptive": False, "index_ms": None})
+    kept = masses(q, k, scale, built, rows)
+    for i, (row, pat) in enumerate(zip(out, built)):
+        dens = density(pat, n)
+        heads = {"mass": kept["mass"][i], "answer_mass": kept["answer_mass"][i],
+                 "logical": dens["logical"], "physical": dens["physical"]}
+        row.update({key: float(val.double().mean()) for key, val in heads.items()})
+        row["heads"] = {key: [round(float(x), 5) for x in val] for key, val in heads.items()}
+    return out
+
+
+def pareto_front(cost: Sequence[float], value: Sequence[float]) -> list[int]:
+    """Indices of the points that no other point beats: lower or equal cost and higher or equal value,
+    one of them strictly. Ascending cost."""
+    idx = sorted(range(len(cost)), key=lambda i: (cost[i], -value[i]))
+    front, best = [], float("-inf")
+    for i in idx:
+        if value[i] > best:
+            front.append(i)
+            best = value[i]
+    return front

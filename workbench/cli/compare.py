@@ -1,0 +1,83 @@
+"""`workbench compare`: every prefill method (A-shape, Tri-shape, dilated, strided, Vertical-Slash,
+block-sparse, XAttention, FlexPrefill) and the searched head config on the same prompts: captured mass
+(all rows, answer rows) vs physical density, index time, kernel time on a GPU, next-token KL and the
+retrieval outcome vs dense, the Pareto front per task -> JSON + HTML (+ a Pareto PNG with --png)."""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} must be comma-separated integers, e.g. 4096,8192") from None
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="every prefill method through one harness: mass, cost, KL, retrieval (JSON + HTML)",
+                       description=__doc__)
+    p.add_argument("--model", default=None, help="model folder or hub id (default: the embedded SmolLM2-135M)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda (adds Triton kernel and GPU index times)")
+    p.add_argument("--tasks", default="passkey,multikey,code", help="comma-separated tasks (default passkey,multikey,code)")
+    p.add_argument("--lengths", default="4096,8192", help="comma-separated prompt lengths (default 4096,8192)")
+    p.add_argument("--layers", default="3,11,19,27", help="layers whose masses and kernel times are measured")
+    p.add_argument("--rows", type=int, default=256, help="sampled query rows per layer for the masses, plus the "
+                   "64 answer rows (0 = all rows, exact; default 256)")
+    p.add_argument("--config", default="configs/SmolLM2-135M-Instruct.json",
+                   help="the searched head config shown beside the methods ('none' to leave it out)")
+    p.add_argument("--quality", choices=("all", "mid", "none"), default="mid",
+                   help="KL / retrieval with every layer sparse at all sweep values, the middle one (default), or none")
+    p.add_argument("--quality-lengths", default=None, help="lengths with quality runs (default: all lengths)")
+    p.add_argument("--quality-tasks", default=None, help="tasks with quality runs (default: those with an answer)")
+    p.add_argument("--max-new-tokens", type=int, default=8, help="greedy decoding length (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
+    p.add_argument("--out", default="reports/methods.json", help="JSON path; HTML beside it")
+    p.add_argument("--png", default=None, help="also write the Pareto figure of the first length as PNG (kaleido)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-progress", action="store_true", help="quiet")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from workbench.core.io import atomic_path, write_json, write_text
+    from workbench.core.model import load_model
+    from workbench.prefill.compare import compare
+    from workbench.search.config import HeadConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device not in ("cpu", "cuda"):
+        raise ValueError(f"--device {args.device!r}: use cpu or cuda")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but torch sees no GPU: run on a GPU machine or use --device cpu")
+    tasks = [t for t in args.tasks.split(",") if t.strip()]
+    model, tok, shape = load_model(args.model, device=args.device)
+    config = None if args.config == "none" else HeadConfig.load(args.config, shape)
+    report = compare(model, tok, shape, tasks=tasks, lengths=_ints(args.lengths, "--lengths"),
+                     layers=_ints(args.layers, "--layers"), config=config, rows=args.rows or None,
+                     quality=args.quality,
+                     quality_lengths=None if args.quality_lengths is None else _ints(args.quality_lengths, "--quality-lengths"),
+                     quality_tasks=None if args.quality_tasks is None else args.quality_tasks.split(","),
+                     max_new_tokens=args.max_new_tokens, seed=args.seed, progress=not args.no_progress)
+    report["command"] = "workbench compare " + " ".join(shlex.quote(a) for a in sys.argv[sys.argv.index("compare") + 1:]) \
+        if "compare" in sys.argv else "workbench compare"
+    out = Path(args.out)
+    write_json(out, report)
+    try:
+        from workbench.views.methods import pareto_figure, report_html
+
+        write_text(out.with_suffix(".html"), report_html(report))
+        if args.png:
+            with atomic_path(args.png) as tmp:
+                pareto_figure(report).write_image(str(tmp), format="png", scale=2)
+    except ImportError as e:  # the GPU image has no plotly: the JSON is the result, render the HTML elsewhere
+        print(f"workbench compare: {e}; wrote JSON only (render with workbench.views.methods.report_html)", file=sys.stderr)
+    print(f"wrote {out} ({len(report['points'])} points)")
+    return 0
