@@ -252,12 +252,13 @@ class SparsePrefill:
         plan = self.plans[layer]
         B, Hq, n, _ = q.shape
         parts = [(getattr(plan, name), tiles) for name, tiles in groups.items()]
-        banded = plan.ashape + plan.dense
+        banded = sorted(plan.ashape + plan.dense)
         if banded:
             h = torch.tensor(banded)
             parts.append((banded, ashape_to_tiles(plan.sink[h].clamp(max=n), plan.window[h].clamp(max=n), n, B,
                                                   self.config.block, device=q.device)))
-        tiles = parts[0][1] if len(parts) == 1 else merge_tiles(parts, Hq)
+        # one group alone covers every head in head order; otherwise scatter each group's heads into place
+        tiles = parts[0][1] if len(parts) == 1 and list(parts[0][0]) == list(range(Hq)) else merge_tiles(parts, Hq)
         if not banded:
             return tiles, None, None
         return tiles, plan.sink.to(q.device), plan.window.to(q.device)

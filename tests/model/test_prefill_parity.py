@@ -1,0 +1,78 @@
+"""Parity of the deployed sparse prefill with what the search scored: the same weights, prompt and shipped
+head config through the PyTorch reference path (`backend="torch"`: the torch proxies and exact masked SDPA)
+and the Triton path (Triton VS index, fast block index, one sparse kernel launch per layer) give the same
+per-layer attention outputs and next-token distribution.
+
+CPU: the Triton path runs under TRITON_INTERPRET=1 (set before triton is imported) in fp32 at small n.
+GPU (`gpu` marker): the real model at 4K and 8K in fp32. Triton's fp32 `tl.dot` defaults to TF32 on a GPU
+(10-bit mantissa) while the reference's SDPA is full fp32, so this module asks Triton for IEEE fp32 dots
+(TRITON_F32_DEFAULT=ieee, read when a kernel compiles): the check is about the index and the tiles, not TF32.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+
+from workbench.core.corpus import make_sample  # noqa: E402
+from workbench.prefill.sparse import SparsePrefill  # noqa: E402
+from workbench.search.config import HeadConfig  # noqa: E402
+
+SHIPPED = "configs/SmolLM2-135M-Instruct.json"
+MAX_ABS = 1e-3
+MAX_KL = 1e-4
+
+
+def attention_outputs(model, shape, config, input_ids, backend):
+    """Per layer the attention output `[N, hidden]` (after o_proj) and the next-token log-probs `[vocab]`
+    of one prefill with every layer sparse (min_length 0)."""
+    outs: dict[int, torch.Tensor] = {}
+    hooks = [layer.self_attn.register_forward_hook(lambda _m, _a, o, i=i: outs.__setitem__(i, o[0][0].float()))
+             for i, layer in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad(), SparsePrefill(model, shape, config, min_length=0, backend=backend) as sp:
+            logits = model(input_ids.reshape(1, -1).to(model.device), logits_to_keep=1).logits[0, -1]
+    finally:
+        for h in hooks:
+            h.remove()
+    assert sp.calls[("sparse", "prefill")] > 0, "no layer ran sparse: the parity check would be vacuous"
+    return outs, torch.log_softmax(logits.float(), -1)
+
+
+def check_parity(model, tok, shape, n, seed=0):
+    config = HeadConfig.load(SHIPPED, shape)
+    ids = make_sample("passkey", tok, n, seed=seed, depth=0.4).input_ids
+    ref, ref_lp = attention_outputs(model, shape, config, ids, "torch")
+    tri, tri_lp = attention_outputs(model, shape, config, ids, "triton")
+    worst = {layer: float((ref[layer] - tri[layer]).abs().max()) for layer in ref}
+    kl = float((ref_lp.exp() * (ref_lp - tri_lp)).sum())
+    bad = {layer: d for layer, d in worst.items() if d > MAX_ABS}
+    assert not bad, f"n={n}: layers whose Triton attention output differs from the reference by > {MAX_ABS}: {bad}"
+    assert kl <= MAX_KL, f"n={n}: next-token KL(reference || Triton) = {kl:.2e} > {MAX_KL}"
+    return max(worst.values()), kl
+
+
+@pytest.mark.model
+def test_triton_path_equals_reference_path_on_cpu(embedded):
+    """Small n under the interpreter. At 512 tokens the shipped config mixes VS, block, A-shape and dense
+    heads in one layer and has layers of A-shape + dense heads only (the merge that once handed a dense
+    head an A-shape head's tiles)."""
+    model, tok, shape = embedded
+    check_parity(model, tok, shape, 512)
+
+
+@pytest.mark.gpu
+@pytest.mark.model
+@pytest.mark.parametrize("n", [4096, 8192])
+def test_triton_path_equals_reference_path_on_gpu(n):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from workbench.core.model import load_model
+
+    model, tok, shape = load_model(device="cuda", dtype=torch.float32)
+    check_parity(model, tok, shape, n)
