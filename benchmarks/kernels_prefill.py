@@ -49,6 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda", help="cuda (benchmark) or cpu (a dry run of the code path under "
                    "TRITON_INTERPRET=1 at tiny lengths; timings meaningless)")
     p.add_argument("--out", default="assets/benchmarks/prefill_h200.json", help="JSON output path")
+    p.add_argument("--minference", default=None, metavar="PATH",
+                   help="a MInference source checkout: run only the side-by-side comparison with its own kernels "
+                        "on the same indices (first shape of --shapes, each of --lengths)")
+    p.add_argument("--minference-out", default="assets/benchmarks/prefill_minference_h200.json",
+                   help="JSON output path of the --minference comparison")
 
 
 def environment() -> dict:
@@ -197,13 +202,16 @@ def run(args: argparse.Namespace) -> int:
     from workbench.patterns import AShape, BlockSparse, VerticalSlash
     from workbench.patterns.vertical_slash import membership
     from workbench_kernels.index_build import block_index, vs_index, vs_tiles
-    from workbench_kernels.index_ref import ashape_to_tiles, block_sparse_to_tiles, merge_tiles, tile_area
+    from workbench_kernels.index_ref import (ashape_to_tiles, block_sparse_to_tiles, expand_groups, merge_tiles,
+                                             selected_block_tiles, tile_area)
     from workbench_kernels.prefill import NO_WINDOW, sparse_prefill
 
     dev = args.device
     if dev == "cuda" and not torch.cuda.is_available():
         raise ValueError("workbench bench prefill needs a CUDA GPU (none found); run it on the GPU machine, "
                          "or use --device cpu with TRITON_INTERPRET=1 for a dry run")
+    if args.minference:
+        return compare_minference(args)
     shapes = [s for s in args.shapes.split(",") if s]
     for s in shapes:
         if s not in SHAPES:
@@ -283,10 +291,15 @@ def run(args: argparse.Namespace) -> int:
         bidx, t_bs_idx = sync_ms(lambda: block_index(q, k, args.topk))
         for blk in blocks:
             rb, pw = shape_of[blk]
-            tiles, t_bs_tiles = sync_ms(lambda: block_sparse_to_tiles(bidx, n, rb, pw))
-            _, t_bs_tiles = sync_ms(lambda: block_sparse_to_tiles(bidx, n, rb, pw))
+            # the 64-row tiles of a table that is already clean need no sort (selected_block_tiles)
+            convert = (lambda: selected_block_tiles(bidx)) if blk == "64" else (
+                lambda: block_sparse_to_tiles(bidx, n, rb, pw))
+            tiles, t_bs_tiles = sync_ms(convert)
+            _, t_bs_tiles = sync_ms(convert)
             indexes[("block_sparse", blk)] = (tiles, t_bs_idx + t_bs_tiles, None)
-            tiles, t_a = sync_ms(lambda: ashape_to_tiles([args.sink] * hq, [args.window] * hq, n, 1, rb, dev, pw))
+            # every head has the same sink and window: group-shared tiles run GQA-packed
+            tiles, t_a = sync_ms(lambda: ashape_to_tiles([args.sink] * hkv, [args.window] * hkv, n, 1, rb, dev, pw))
+            _, t_a = sync_ms(lambda: ashape_to_tiles([args.sink] * hkv, [args.window] * hkv, n, 1, rb, dev, pw))
             indexes[("a_shape", blk)] = (tiles, t_a, ([args.sink] * hq, [args.window] * hq))
         logical = {
             **{name: VerticalSlash(c[0], o[0]).edges(n).sum().item() for name, (c, o) in vs_sets.items()},
@@ -324,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
             cfg = tuned.get((pattern, blk), tuned.get((family, blk), {}))
             fn = lambda: sparse_prefill(q, k, v, tiles, sink=sink, window=window, scale=scale, **cfg)  # noqa: E731
             ms = time_ms(fn)
-            area = tile_area(tiles, n).sum().item()
+            area = tile_area(tiles, n).sum().item() * (hq // tiles.shape[1])  # group-shared tiles serve G heads
             tf = 4 * d * area / ms / 1e9
             budget = vs_budgets.get(pattern) or ((args.topk,) if pattern == "block_sparse"
                                                  else (args.sink, args.window))
@@ -339,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
             print(row, flush=True)
             save()
             if blk == "64" and pattern in ("vertical_slash", "block_sparse", "a_shape") and not args.no_flex:
-                touched = touched_blocks(tiles, n)
+                touched = touched_blocks(expand_groups(tiles, hq // tiles.shape[1]), n)
                 M = touched.shape[-1]
                 eye = torch.eye(M, dtype=torch.bool, device=dev)
                 if pattern == "vertical_slash":
@@ -366,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
         thirds = [list(range(i, hq, 3)) for i in range(3)]
         vs_t = indexes[("vertical_slash", "64")][0]
         bs_t = indexes[("block_sparse", "64")][0]
-        a_t = indexes[("a_shape", "64")][0]
+        a_t = expand_groups(indexes[("a_shape", "64")][0], hq // hkv)
         pick = lambda t, h: type(t)(t.block_count[:, h], t.block_offset[:, h], t.column_count[:, h],  # noqa: E731
                                     t.column_index[:, h], t.block, t.width)
         mixed = merge_tiles([(thirds[0], pick(vs_t, thirds[0])), (thirds[1], pick(bs_t, thirds[1])),
@@ -416,6 +429,183 @@ def run(args: argparse.Namespace) -> int:
     result["elapsed_s"] = time.time() - t_start
     save()
     print(f"wrote {args.out} ({len(rows)} rows, {result['elapsed_s']:.0f} s)")
+    return 0
+
+
+# ---- MInference's own kernels on the same indices (`--minference PATH`) --------------------------------------
+
+
+def load_minference(path: str) -> dict:
+    """MInference's Triton kernels from a local source checkout (its `minference/ops` files, never copied
+    into this repo) and, when `csrc/` is there and a CUDA compiler works, its VS index conversion built
+    with torch's cpp_extension. Returns {"block": module, "vs": module, "convert": fn | None, "note"}."""
+    import importlib
+    import types
+    from pathlib import Path
+
+    root = Path(path)
+    ops = root / "minference" / "ops"
+    need = [ops / "block_sparse_flash_attention.py", ops / "pit_sparse_flash_attention_v2.py"]
+    if not all(f.exists() for f in need):
+        raise ValueError(f"--minference {path}: expected a MInference source checkout with {need[0].relative_to(root)} "
+                         f"and {need[1].relative_to(root)}; clone github.com/microsoft/MInference and pass its root")
+    convert, note = None, "no csrc/ in the checkout: MInference's kernel ran on our VS tiles"
+    csrc = root / "csrc"
+    if (csrc / "vertical_slash_index.cu").exists():
+        try:
+            from torch.utils.cpp_extension import load
+
+            ext = load("minference_vs_index", [str(csrc / "kernels.cpp"), str(csrc / "vertical_slash_index.cu")],
+                       extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90"], verbose=False)
+            convert, note = ext.convert_vertical_slash_indexes, "MInference's own VS index conversion (CUDA extension)"
+        except Exception as e:  # noqa: BLE001 - fall back to our tiles, say why
+            note = f"CUDA extension build failed ({type(e).__name__}: {str(e)[:200]}): MInference's kernel ran on our VS tiles"
+    for name, sub in (("minference", root / "minference"), ("minference.ops", ops)):
+        pkg = types.ModuleType(name)
+        pkg.__path__ = [str(sub)]  # a namespace: its __init__ (which imports the whole package) never runs
+        sys.modules[name] = pkg
+    cuda = types.ModuleType("minference.cuda")
+    cuda.convert_vertical_slash_indexes = convert
+    sys.modules["minference.cuda"] = cuda
+    return {"block": importlib.import_module("minference.ops.block_sparse_flash_attention"),
+            "vs": importlib.import_module("minference.ops.pit_sparse_flash_attention_v2"),
+            "convert": convert, "note": note}
+
+
+def agreement(a, b) -> dict:
+    """max |a - b| and ||a - b|| / ||b|| (fp32) of two outputs."""
+    d = (a.float() - b.float())
+    return {"max_abs_diff": d.abs().max().item(), "rel_err": (d.norm() / b.float().norm()).item()}
+
+
+def compare_minference(args: argparse.Namespace) -> int:
+    """Ours vs MInference's kernels on the same indices, per length: block-sparse (per-head and
+    group-shared tables), Vertical-Slash (per-head and group-shared), index build times, and A-shape
+    (ours only, against dense). MInference's kernels have no GQA: they read K/V repeated to Hq heads."""
+    import torch
+
+    from workbench.core.io import write_json
+    from workbench_kernels.index_build import block_index, vs_index, vs_tiles
+    from workbench_kernels.index_ref import ashape_to_tiles, expand_groups, selected_block_tiles, tile_area
+    from workbench_kernels.prefill import sparse_prefill
+
+    dev = args.device
+    mi = load_minference(args.minference)
+    shape = args.shapes.split(",")[0]
+    hq, hkv, d, theta = SHAPES[shape]
+    G = hq // hkv
+    result = {"environment": environment(), "settings": {k: v for k, v in vars(args).items() if k != "func"},
+              "minference": {"path": args.minference, "vs_index": mi["note"],
+                             "kernels": "minference/ops/block_sparse_flash_attention.py "
+                                        "(_triton_block_sparse_attention), pit_sparse_flash_attention_v2.py "
+                                        "(_triton_mixed_sparse_attention), both at their own settings "
+                                        "(64x64 tiles, num_warps 4, num_stages 2)"},
+              "rows": []}
+    rows = result["rows"]
+    configs = {1: [(4, 3), (4, 2)], G: [(8, 2), (8, 3)]}  # (num_warps, num_stages) per pack
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float16  # MInference's kernels take 16-bit inputs only
+
+    def ours(q, k, v, tiles, **kw):
+        """Best of the configs for these tiles -> (ms, config, output, all times)."""
+        pack = hq // tiles.shape[1]
+        times = {}
+        for warps, stages in configs[pack]:
+            times[f"w{warps}s{stages}"] = time_ms(lambda: sparse_prefill(q, k, v, tiles, num_warps=warps,
+                                                                         num_stages=stages, **kw))
+        best = min(times, key=times.get)
+        warps, stages = (int(x) for x in best[1:].split("s"))
+        out = sparse_prefill(q, k, v, tiles, num_warps=warps, num_stages=stages, **kw)[0]
+        return times[best], best, out, times
+
+    for n in [int(x) for x in args.lengths.split(",") if x]:
+        q, k, v = planted_inputs(hq, hkv, d, n, theta, dev=dev, dtype=dtype)
+        scale = 1.0 / math.sqrt(d)
+        causal = n * (n + 1) // 2
+        kx, vx = k.repeat_interleave(G, 1).contiguous(), v.repeat_interleave(G, 1).contiguous()
+        seqlens = torch.tensor([n], dtype=torch.int32, device=dev)
+        dense_ms = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))
+        dense_tflops = 4 * d * hq * causal / dense_ms / 1e9
+        base = {"shape": shape, "n": n, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "dense_ms": dense_ms,
+                "dense_tflops": dense_tflops}
+
+        def row(pattern, tiles, area, ms, cfg, times, mi_ms=None, **extra):
+            tf = 4 * d * area / ms / 1e9
+            r = {**base, "pattern": pattern, "physical_density": area / (hq * causal), "time_ms": ms,
+                 "config": cfg, "config_times_ms": times, "effective_tflops": tf,
+                 "ratio_to_dense_tflops": tf / dense_tflops, "speedup_vs_dense": dense_ms / ms, **extra}
+            if mi_ms is not None:
+                r.update({"minference_ms": mi_ms, "speedup_vs_minference": mi_ms / ms})
+            rows.append(r)
+            print({k_: (round(v_, 3) if isinstance(v_, float) else v_) for k_, v_ in r.items()
+                   if k_ not in ("config_times_ms", "q_heads", "kv_heads", "head_dim", "shape")}, flush=True)
+            write_json(args.minference_out, result)
+
+        # block-sparse: our index (fused top-k) vs MInference's pool + topk, then both kernels on our table
+        ours_idx_ms = time_ms(lambda: selected_block_tiles(block_index(q, k, args.topk)))
+        mi_idx_ms = time_ms(lambda: mi["block"]._build_block_index(q, kx, args.topk, 64, 64))
+        for shared in (False, True):
+            table = block_index(q, k, args.topk, group_shared=shared)
+            tiles = selected_block_tiles(table)
+            full = table.repeat_interleave(G, 1).contiguous() if shared else table
+            area = tile_area(tiles, n).sum().item() * (G if shared else 1)
+            ms, cfg, out, times = ours(q, k, v, tiles, scale=scale)
+            mi_ms = time_ms(lambda: mi["block"]._triton_block_sparse_attention(q, kx, vx, seqlens, full, scale))
+            mo = mi["block"]._triton_block_sparse_attention(q, kx, vx, seqlens, full, scale)
+            extra = {"index_ms": ours_idx_ms if not shared else None, "minference_index_ms": mi_idx_ms,
+                     "index_ratio_to_minference": ours_idx_ms / mi_idx_ms if not shared else None,
+                     "index_share_of_kernel": ours_idx_ms / ms if not shared else None,
+                     "vs_minference_output": {**agreement(out, mo), "key_sets": "identical (same table)"}}
+            row("block_sparse" + ("_group_shared" if shared else ""), tiles, area, ms, cfg, times, mi_ms, **extra)
+            del out, mo
+
+        # A-shape: per-head tiles vs group-shared (all heads share sink/window: packed, no quality change)
+        sink, window = [args.sink] * hq, [args.window] * hq
+        for shared, block, width in ((False, 64, 0), (True, 64, 0), (True, 128, 64)):
+            h = hkv if shared else hq
+            t_a = time_ms(lambda: ashape_to_tiles([args.sink] * h, [args.window] * h, n, 1, block, dev, width))
+            tiles = ashape_to_tiles([args.sink] * h, [args.window] * h, n, 1, block, dev, width)
+            area = tile_area(tiles, n).sum().item() * (G if shared else 1)
+            ms, cfg, _, times = ours(q, k, v, tiles, sink=sink, window=window, scale=scale)
+            row("a_shape" + ("_packed" if shared else ""), tiles, area, ms, cfg, times, index_ms=t_a,
+                block=f"{block}x{width or block}")
+
+        # Vertical-Slash: same (columns, offsets) to both; MInference converts them with its own extension
+        for shared in (False, True):
+            cols, offs = vs_index(q, k, scale, args.vertical, min(args.slash, n), group_shared=shared)
+            t_idx = time_ms(lambda: vs_index(q, k, scale, args.vertical, min(args.slash, n), group_shared=shared))
+            tiles = vs_tiles(cols, offs, n)
+            t_tiles = time_ms(lambda: vs_tiles(cols, offs, n))
+            area = tile_area(tiles, n).sum().item() * (G if shared else 1)
+            ms, cfg, out, times = ours(q, k, v, tiles, scale=scale)
+            full_c = cols.repeat_interleave(G, 1) if shared else cols
+            full_o = offs.repeat_interleave(G, 1) if shared else offs
+            if mi["convert"] is not None:
+                v_idx = full_c.to(torch.int32).sort(-1).values.contiguous()
+                s_idx = full_o.to(torch.int32).sort(-1, descending=True).values.contiguous()
+                conv = lambda: mi["convert"](seqlens, v_idx, s_idx, n, 64, 64)  # noqa: E731
+                mi_tiles_ms = time_ms(conv)
+                bc, bo, cc, ci = conv()
+                mi_area = (bc.long().sum() * 64 * 64 + cc.long().sum() * 64).item()
+            else:
+                t = expand_groups(tiles, G) if shared else tiles
+                bc, bo, cc, ci = t.block_count, t.block_offset, t.column_count, t.column_index
+                mi_tiles_ms, mi_area = None, area
+            mi_fn = lambda: mi["vs"]._triton_mixed_sparse_attention(q, kx, vx, seqlens, bc, bo, cc, ci, scale)  # noqa: E731
+            mi_ms = time_ms(mi_fn)
+            extra = {"index_ms": t_idx + t_tiles, "tiles_ms": t_tiles, "minference_tiles_ms": mi_tiles_ms,
+                     "minference_physical_density": mi_area / (hq * causal),
+                     "vs_minference_output": {**agreement(out, mi_fn()),
+                                              "key_sets": "both cover the logical VS set; the physical "
+                                                          "extras differ (ours: pieces chopped from the range "
+                                                          "end, cut at the next piece; theirs: 64-wide steps "
+                                                          "from the range start)"}}
+            row("vertical_slash" + ("_group_shared" if shared else ""), tiles, area, ms, cfg, times, mi_ms, **extra)
+            del out
+        del q, k, v, kx, vx
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    write_json(args.minference_out, result)
+    print(f"wrote {args.minference_out} ({len(rows)} rows)")
     return 0
 
 

@@ -248,6 +248,13 @@ def block_sparse_to_tiles(block_index: torch.Tensor, n: int, block: int = BLOCK,
     return VSTiles(block_count, block_offset, torch.zeros_like(block_count), empty, block, width)
 
 
+def expand_groups(tiles: VSTiles, group: int) -> VSTiles:
+    """Group-shared tiles (one list per KV head) -> the per-query-head tiles they stand for (H x group)."""
+    return VSTiles(*(t.repeat_interleave(group, 1) for t in (tiles.block_count, tiles.block_offset,
+                                                             tiles.column_count, tiles.column_index)),
+                   tiles.block, tiles.width)
+
+
 def selected_block_tiles(block_index: torch.Tensor) -> VSTiles:
     """64-row tiles of an index that is already ascending, causal, duplicate-free, -1 padded and holds
     each row's diagonal block (what `index_build.block_index` and `block_proxy` return): the same tiles

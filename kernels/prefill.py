@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .index_ref import VSTiles, ashape_to_tiles, block_sparse_to_tiles, vs_to_tiles
+from .index_ref import VSTiles, ashape_to_tiles, block_sparse_to_tiles, expand_groups, vs_to_tiles
 from .prefill_ref import check_prefill_args
 
 LOG2E = 1.4426950408889634
@@ -134,9 +134,7 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
         G = Hq // Hkv
         rows = pack_rows // G
         if G & (G - 1) or rows < 1 or tiles.block % rows or G * rows < 16:
-            tiles = VSTiles(*(t.repeat_interleave(G, 1) for t in (tiles.block_count, tiles.block_offset,
-                                                                  tiles.column_count, tiles.column_index)),
-                            tiles.block, tiles.width)  # G not packable: run per head
+            tiles = expand_groups(tiles, G)  # G not packable: run per head
     if tuple(tiles.shape) not in ((B, Hq, M), (B, Hkv, M)):
         raise ValueError(f"tiles are for [B, H, M] = {tuple(tiles.shape)} but q needs ({B}, {Hq} or {Hkv}, {M}) "
                          f"(block {tiles.block}); rebuild the tiles for this input")
@@ -165,7 +163,7 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     if num_warps is None:
         num_warps = 4 if pack * rows == 64 else 8
     if num_stages is None:
-        num_stages = 2
+        num_stages = 3  # the H200 sweep's best for 64- and 128-row programs
     sub = block // rows
     _sparse_prefill_kernel[(B * tiles.shape[1], M * sub)](
         q, k, v, o, lse, bc, bo, cc, ci, sink, window,

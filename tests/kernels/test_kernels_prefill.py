@@ -10,8 +10,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from workbench.patterns import AShape, BlockSparse, VerticalSlash  # noqa: E402
-from workbench_kernels.index_ref import (ashape_to_tiles, block_sparse_to_tiles, merge_tiles, tiles_to_mask,  # noqa: E402
-                                         vs_tile_bounds, vs_to_tiles)
+from workbench_kernels.index_ref import (ashape_to_tiles, block_sparse_to_tiles, expand_groups, merge_tiles,  # noqa: E402
+                                         tiles_to_mask, vs_tile_bounds, vs_to_tiles)
 from workbench_kernels.prefill import (NO_WINDOW, ashape_prefill, block_sparse_prefill, sparse_prefill,  # noqa: E402
                                        vertical_slash_prefill)
 from workbench_kernels.prefill_ref import masked_attention_ref  # noqa: E402
@@ -222,13 +222,6 @@ def test_bad_tiles_name_the_problem():
         sparse_prefill(q, k.expand(1, 2, 100, 64), v.expand(1, 2, 100, 64), tiles)
 
 
-def per_head(tiles, G):
-    """Group-shared tiles (H = Hkv) expanded to the per-query-head tiles they stand for."""
-    return type(tiles)(*(t.repeat_interleave(G, 1) for t in (tiles.block_count, tiles.block_offset,
-                                                             tiles.column_count, tiles.column_index)),
-                       tiles.block, tiles.width)
-
-
 @pytest.mark.parametrize("Hq,Hkv,block,width", [(4, 1, 64, 0), (8, 2, 64, 0), (4, 2, 128, 64), (6, 2, 64, 0)])
 def test_group_shared_tiles_run_gqa_packed_and_match_reference(Hq, Hkv, block, width):
     """Tiles for the KV heads (each group of G query heads shares them) run G heads per program
@@ -242,7 +235,7 @@ def test_group_shared_tiles_run_gqa_packed_and_match_reference(Hq, Hkv, block, w
     index = torch.randint(-1, M64, (B, Hkv, M64, 2), generator=g)
     for tiles in (vs_to_tiles(cols, offs, n, block, width=width), block_sparse_to_tiles(index, n, block, width)):
         out = sparse_prefill(q, k, v, tiles)
-        check(out, masked_attention_ref(q, k, v, tiles_to_mask(per_head(tiles, G), n).to(DEV)), dtype)
+        check(out, masked_attention_ref(q, k, v, tiles_to_mask(expand_groups(tiles, G), n).to(DEV)), dtype)
     sink, window = torch.tensor([3, 3, 0, 0, 70, 70, 1, 1][:Hq]), torch.tensor([10, 10, 64, 64, 30, 30, 129, 129][:Hq])
     check(ashape_prefill(q, k, v, sink, window, block=block, width=width),
           masked_attention_ref(q, k, v, ashape_mask(sink, window, n).unsqueeze(0).to(DEV)), dtype)
