@@ -186,3 +186,46 @@ def test_flexprefill_choice_and_dense_at_one():
     check_pattern(sparse, list(sparse.to_mask(n)), n)
     assert (sparse.edges(n) < causal[0].sum()).all()
     assert ((sparse.vs.columns >= 0).sum(1) >= 64).all()  # the minimum budget
+
+
+# ---------------------------------------------------------------------------------------------- Quest
+
+@pytest.mark.parametrize("seed", range(6))
+def test_quest_bound_is_at_least_every_page_max(seed):
+    """Property: for random keys and queries (any scale, sign and partial last page) the page bound is
+    >= the largest true score q . k of the page, and equals it for one-key pages."""
+    from workbench.patterns.quest import page_bounds, page_scores
+
+    gen = torch.Generator().manual_seed(seed)
+    n, d, page = int(torch.randint(1, 300, (1,), generator=gen)), 16, 64
+    k = torch.randn(3, n, d, generator=gen) * float(torch.rand(1, generator=gen) * 10)
+    q = torch.randn(3, 5, d, generator=gen) * 3
+    lo, hi = page_bounds(k, page)
+    bound = page_scores(q, lo, hi)  # [3, 5, P]
+    true = q @ k.transpose(-1, -2)  # [3, 5, n]
+    for p in range(-(-n // page)):
+        top = true[..., p * page:(p + 1) * page].amax(-1)
+        assert (bound[..., p] >= top - 1e-4 * top.abs().clamp(min=1)).all()
+    lo1, hi1 = page_bounds(k, 1)
+    assert torch.allclose(page_scores(q, lo1, hi1), true, atol=1e-4)
+
+
+def test_quest_select_forces_init_and_local_and_ranks_by_bound():
+    from workbench.patterns.infllm import Budget
+    from workbench.patterns.quest import group_page_scores, page_bounds, quest_select
+
+    torch.manual_seed(0)
+    budget = Budget(init=1, local=1, topk=2)
+    k = torch.randn(2, 640, 8)
+    q = torch.randn(2, 3, 4, 8)  # [Hkv, G, R, D]
+    positions = torch.tensor([100, 320, 639, 639])
+    lo, hi = page_bounds(k)
+    ids = quest_select(q, lo, hi, positions, budget)
+    score = group_page_scores(q, lo, hi)
+    for h in range(2):
+        for r, pos in enumerate(positions.tolist()):
+            cur = pos // 64
+            chosen = {i for i in ids[h, r].tolist() if i >= 0}
+            assert {0, cur} <= chosen and max(chosen) <= cur
+            rest = sorted(range(1, cur), key=lambda p: -float(score[h, r, p]))[:2]
+            assert chosen == {0, cur, *rest}

@@ -7,7 +7,8 @@ Per target layer t and equal block budget (same init, local, topk), on held-out 
 Selectors: the same-layer InfLLM-V2 selector (SparDA's "Sparse"), the trained Forecast heads, an
 untrained cross-layer proxy (layer t-1's own query heads on layer t's compressed keys, InfiniGen-like),
 early-layer reuse (one calibrated shallow layer's exact top-k set for all deeper layers), optionally
-Forecast heads trained with the coarse teacher, and the oracle (exact top-k by mass) as the ceiling.
+Forecast heads trained with the coarse teacher, Quest (per-page key min/max upper bounds, same
+budget: `workbench.patterns.quest`), and the oracle (exact top-k by mass) as the ceiling.
 Also: the layer x layer IoU matrix of exact top-k sets and decode-time churn with and without EMA.
 """
 from __future__ import annotations
@@ -22,10 +23,11 @@ from workbench.core.capture import capture_attention
 from workbench.decode.forecast.heads import ForecastHeads, candidate_positions, rope_tables, teacher_blocks, teacher_scores
 from workbench.core.model import ModelShape
 from workbench.patterns.infllm import Budget, compress_keys, row_block_scores
+from workbench.patterns.quest import group_page_scores, page_bounds
 from workbench.analysis.block_sets import (block_mass, candidates, churn, dynamic_set, ema_sets, iou, iou_matrix, pick_shallow_layer,
                     recall)
 
-SELECTORS = ("oracle", "teacher", "same_layer", "forecast", "proxy", "reuse", "coarse_forecast")
+SELECTORS = ("oracle", "teacher", "same_layer", "forecast", "quest", "proxy", "reuse", "coarse_forecast")
 
 
 def _rows(n: int, count: int, budget: Budget, seed: int) -> torch.Tensor:
@@ -76,6 +78,7 @@ def evaluate_prompt(model: torch.nn.Module, shape: ModelShape, input_ids: torch.
             "same_layer": row_block_scores(qt.reshape(hkv, g, -1, d), ck[t], pos, nb, budget, cap.scale),
             "forecast": row_block_scores(heads.query(t, cap.hidden[heads.source(t)][pos], cos, sin)[:, None],
                                          ck[t], pos, nb, budget, cap.scale),
+            "quest": group_page_scores(qt.reshape(hkv, g, -1, d), *page_bounds(cap.k[t], budget.block)),
         }
         if t > 0:
             scores["proxy"] = row_block_scores(cap.q[t - 1][:, pos].reshape(hkv, g, -1, d), ck[t], pos, nb,
