@@ -229,3 +229,43 @@ def test_quest_select_forces_init_and_local_and_ranks_by_bound():
             assert {0, cur} <= chosen and max(chosen) <= cur
             rest = sorted(range(1, cur), key=lambda p: -float(score[h, r, p]))[:2]
             assert chosen == {0, cur, *rest}
+
+
+# ------------------------------------------------------------------------------ config and search
+
+def test_config_runs_and_refuses_to_export_the_new_kinds():
+    from workbench.patterns import Stack
+    from workbench.search.config import ConfigError, HeadConfig
+
+    cfg = HeadConfig.load("configs/SmolLM2-135M-Instruct.json")
+    cfg.edit(3, 0, "xattention", {"tau_milli": 900, "stride": 8}, keep_score=False)
+    cfg.edit(3, 4, "trishape", {"sink": 64, "window": 128, "last": 64}, keep_score=False)
+    cfg.edit(3, 5, "flexprefill", {"gamma_milli": 950, "tau_milli": 100, "min_budget": 64}, keep_score=False)
+    torch.manual_seed(0)
+    n = 200
+    q, k = torch.randn(9, n, 64), torch.randn(3, n, 64)
+    layer = cfg.layer_index(3, q, k, 0.125)
+    assert isinstance(layer, Stack) and layer.n_heads == 9
+    mask = layer.row_mask(0, n, n)
+    assert torch.equal(mask[0], xattention(q, k, 0.125, torch.tensor([0.9] * 9), 8).to_mask(n)[0])
+    assert torch.equal(mask[4], TriShape(64, 128, 64).to_mask(n)[0])
+    assert torch.equal(mask[5], flexprefill(q, k, 0.125, 0.95, 0.1, 64).to_mask(n)[5])
+    with pytest.raises(ConfigError, match="attn_type='xattention'"):
+        cfg.to_minference()
+
+
+def test_search_scores_method_candidates_exactly():
+    from workbench.analysis.stats import captured_mass
+    from workbench.search.search import Candidate, layer_scores, method_candidates
+
+    torch.manual_seed(1)
+    n = 256
+    q, k = torch.randn(9, n, 64) * 2, torch.randn(3, n, 64) * 2
+    cands = method_candidates(n) + [Candidate("dense")]
+    assert {c.pattern for c in cands} == {"trishape", "xattention", "flexprefill", "dense"}
+    out = layer_scores(q, k, 0.125, cands)
+    tri = TriShape(64, cands[0].sizes[1], 64, n_heads=9)
+    assert torch.allclose(out["mass"][:, 0], captured_mass(q, k, 0.125, tri).mean(-1).double(), atol=1e-6)
+    assert torch.equal(out["tiles"][:, 0], tri.tiles(n).double())
+    assert (out["tail"][:, 0] > 1 - 1e-5).all()  # Tri-shape keeps the answer rows whole
+    assert (out["mass"] <= 1).all() and torch.equal(out["mass"][:, -1], torch.ones(9, dtype=torch.float64))

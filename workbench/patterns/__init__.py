@@ -22,6 +22,7 @@ from workbench.patterns.base import (BLOCK, PATTERNS, Dense, Pattern, PatternBas
 from workbench.patterns.block_sparse import BlockSparse
 from workbench.patterns.proxy import block_proxy, vs_proxy
 from workbench.patterns.vertical_slash import VerticalSlash, membership, vs_tile_count
+from workbench.patterns import dilated, flexprefill, trishape, xattention  # noqa: E402,F401  (issue 19's kinds register)
 
 __all__ = ["AShape", "BLOCK", "BlockSparse", "Dense", "PATTERNS", "Pattern", "PatternBase", "Stack",
            "VerticalSlash", "block_proxy", "causal_edges", "causal_tiles", "membership", "pattern_class",

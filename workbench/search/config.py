@@ -26,12 +26,17 @@ import torch
 
 from workbench.core.io import write_json
 from workbench.core.model import ModelShape
-from workbench.patterns import AShape, BlockSparse, Dense, Stack, VerticalSlash, block_proxy, vs_proxy
+from workbench.patterns import AShape, BlockSparse, Dense, Stack, VerticalSlash, block_proxy, pattern_class, vs_proxy
 
 FORMAT = "workbench.head_config"
 VERSION = 1
-PARAMS = {"vs": ("vertical", "slash"), "ashape": ("sink", "window"), "block": ("topk",), "dense": ()}
+PARAMS = {"vs": ("vertical", "slash"), "ashape": ("sink", "window"), "block": ("topk",), "dense": (),
+          # issue 19's kinds (workbench.patterns.*): adaptive ones record thresholds in thousandths
+          "trishape": ("sink", "window", "last"), "dilated": ("window", "dilation"), "strided": ("window", "stride"),
+          "xattention": ("tau_milli", "stride"), "flexprefill": ("gamma_milli", "tau_milli", "min_budget")}
 MINFERENCE_NAMES = {"vs": "vertical_and_slash", "ashape": "stream_llm", "block": "block_sparse"}
+# MInference runs these model-wide (its `attn_type`), not per head: its per-head file has no entry for them
+MINFERENCE_ATTN_TYPES = {"trishape": "tri_shape", "xattention": "xattention", "flexprefill": "flexprefill"}
 MINFERENCE_DEFAULT = (1000, 6096)  # what MInference uses for a head its file does not list
 _MINFERENCE_FIELDS = ("pattern", "vertical_size", "slash_size", "score")
 PROXY_DEFAULTS = {"last_rows": 64, "aggregate": "sum", "diag_norm": "sum", "sink": 30, "local": 100, "prior": 16.0}
@@ -287,7 +292,7 @@ class HeadConfig:
         if block_heads:
             topk = torch.tensor([e.params["topk"] if e.pattern == "block" else 1 for e in entries])
             table = block_proxy(q, k, topk, self.block)
-        parts = []
+        parts, other = [], {}
         for h, e in enumerate(entries):
             if e.pattern == "vs":
                 parts.append(VerticalSlash(cols[h:h + 1], offs[h:h + 1]))
@@ -295,8 +300,13 @@ class HeadConfig:
                 parts.append(AShape(e.params["sink"], e.params["window"]))
             elif e.pattern == "block":
                 parts.append(BlockSparse(table[h:h + 1], self.block))
-            else:
+            elif e.pattern == "dense":
                 parts.append(Dense(1))
+            else:  # another registered kind: its own online builder, once per kind for all its heads
+                if e.pattern not in other:
+                    other[e.pattern] = pattern_class(e.pattern).build(
+                        [x.params if x.pattern == e.pattern else None for x in entries], q, k, scale, self.proxy, self.block)
+                parts.append(other[e.pattern][h])
         return Stack(parts)
 
     # ---- MInference ----------------------------------------------------------------------------
@@ -480,6 +490,11 @@ def _to_minference(e: HeadEntry, max_positions: int, score: Any = None) -> list:
         return [MINFERENCE_NAMES["ashape"], e.params["sink"], e.params["window"], score]
     if e.pattern == "block":
         return [MINFERENCE_NAMES["block"], e.params["topk"], 0, score]
+    if e.pattern != "dense":
+        hint = (f"MInference runs it model-wide as attn_type={MINFERENCE_ATTN_TYPES[e.pattern]!r}"
+                if e.pattern in MINFERENCE_ATTN_TYPES else "MInference has no equivalent")
+        raise ConfigError(f"layer {e.layer}, head {e.head}: pattern {e.pattern!r} has no entry in MInference's per-head "
+                          f"format ({hint}): export the workbench format, or re-search without {e.pattern!r} candidates")
     return [MINFERENCE_NAMES["vs"], max_positions, max_positions, score]
 
 

@@ -34,8 +34,8 @@ from workbench import __version__
 from workbench.search.config import PARAMS, PROXY_DEFAULTS, HeadConfig, HeadEntry
 from workbench.analysis.metrics import (best_offsets, block_mass_of, block_oracle, column_offset_mass, layer_sums, segment_mass,
                       vs_mass)
-from workbench.patterns import (BLOCK, AShape, BlockSparse, VerticalSlash, block_proxy, causal_edges, causal_tiles,
-                       vs_proxy, vs_tile_count)
+from workbench.patterns import (BLOCK, AShape, BlockSparse, Stack, VerticalSlash, block_proxy, causal_edges, causal_tiles,
+                       pattern_class, vs_proxy, vs_tile_count)
 from workbench.patterns.proxy import top_positions
 from workbench.analysis.stats import attention_rows, captured_mass
 
@@ -98,6 +98,17 @@ def default_candidates(n: int) -> list[Candidate]:
     return out
 
 
+def method_candidates(n: int) -> list[Candidate]:
+    """Issue 19's methods as extra candidates (pass `default_candidates(n) + method_candidates(n)`):
+    Tri-shape (64 sink, window n/16 .. n/4, 64 answer rows), XAttention (tau 0.9 / 0.95, stride 8),
+    FlexPrefill (gamma 0.9 / 0.95, tau 0.1, min budget 256). Scored by a generic exact pass each (slower
+    than the closed forms above); the adaptive ones are recorded with their thresholds, not budgets."""
+    windows = sorted({max(64, round(n / f)) for f in (16, 8, 4)})
+    return ([Candidate("trishape", (64, w, 64)) for w in windows]
+            + [Candidate("xattention", (tau, 8)) for tau in (900, 950)]
+            + [Candidate("flexprefill", (gamma, 100, 256)) for gamma in (900, 950)])
+
+
 def _ashape_overlap(q: torch.Tensor, k: torch.Tensor, scale: float, lse: torch.Tensor, sink: int,
                     n_rows: int) -> torch.Tensor:
     """`[Hq, N]`: mass the first `sink` columns hold at each offset, from rows < n_rows only (the
@@ -147,6 +158,11 @@ def layer_scores(q: torch.Tensor, k: torch.Tensor, scale: float, candidates: Seq
             elif cand.pattern == "dense":
                 out["tiles"][:, c], out["edges"][:, c] = causal_tiles(n), causal_edges(n)
                 out["mass"][:, c] = out["oracle"][:, c] = 1.0
+            elif cand.pattern not in ("vs", "ashape"):  # any other registered pattern: built online, one exact pass
+                built = pattern_class(cand.pattern).build([cand.params] * hq, q, k, scale, proxy, BLOCK)
+                p = indexes[c] = Stack([built[h] for h in range(hq)])
+                out["tiles"][:, c], out["edges"][:, c] = p.tiles(n), p.edges(n)
+                out["mass"][:, c] = out["oracle"][:, c] = captured_mass(q, k, scale, p).mean(-1).double()
         if vs_cands:
             # budgets are nested: one ranked proxy (and one ranked column list for the oracle) at the largest
             # budget serves every VS candidate as a prefix, and one pass gives all their overlaps
