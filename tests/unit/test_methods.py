@@ -269,3 +269,19 @@ def test_search_scores_method_candidates_exactly():
     assert torch.equal(out["tiles"][:, 0], tri.tiles(n).double())
     assert (out["tail"][:, 0] > 1 - 1e-5).all()  # Tri-shape keeps the answer rows whole
     assert (out["mass"] <= 1).all() and torch.equal(out["mass"][:, -1], torch.ones(9, dtype=torch.float64))
+
+
+def test_rescore_head_handles_the_new_kinds():
+    from workbench.analysis.stats import captured_mass
+    from workbench.search.search import Candidate, HeadCache, rescore_head
+
+    torch.manual_seed(2)
+    n = 192
+    q, k = torch.randn(n, 64) * 2, torch.randn(n, 64) * 2
+    from workbench.analysis.metrics import layer_sums
+
+    cache = HeadCache(scale=0.125, q=[q], k=[k], sums=[layer_sums(q[None], k[None], 0.125)])
+    got = rescore_head(cache, Candidate("dilated", (16, 2)))
+    want = captured_mass(q[None], k[None], 0.125, Dilated(16, 2)).mean()
+    assert got["mass"][0] == pytest.approx(float(want), abs=1e-6)
+    assert got["tiles"][0] == int(Dilated(16, 2).tiles(n)[0])

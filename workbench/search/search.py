@@ -452,6 +452,10 @@ def rescore_head(cache: HeadCache, candidate: Candidate, proxy: dict[str, Any] |
             overlap = _ashape_overlap(q1, k1, cache.scale, st.lse, g, g + w)
             mass = float((colm[0, :g].sum() + diagm[0, :w].sum() - overlap[0, :w].sum()) / n)
             oracle = mass
+        elif candidate.pattern != "vs":  # any other registered pattern: its own builder, one exact pass
+            index = pattern_class(candidate.pattern).build([candidate.params], q1, k1, cache.scale, proxy, BLOCK)[0]
+            mass = oracle = float(captured_mass(q1, k1, cache.scale, index).mean())
+            tiles = int(index.tiles(n))
         else:
             v, s = candidate.sizes
             cols, offs = vs_proxy(q1, k1, cache.scale, v, s, **proxy)
