@@ -92,18 +92,6 @@ def test_layer_tiles_cover_exactly_the_stack():
     assert bool((got[0] >= want[0]).all()) and got[0].sum() > want[0].sum()
 
 
-def test_time_layer_on_the_cpu_reports_the_reference_path():
-    from workbench.prefill.latency import time_layer
-    from workbench.patterns import Stack
-
-    g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(4, 128, 16, generator=g), torch.randn(2, 128, 16, generator=g), torch.randn(2, 128, 16, generator=g)
-    out = time_layer(q, k, v, 0.25, Stack([AShape(1, 8), Dense(1), AShape(2, 4), Dense(1)]), reps=1)
-    if not torch.cuda.is_available():
-        assert "reference" in out["path"] and out["device"] == "cpu"
-    assert out["dense_ms"] > 0 and out["sparse_ms"] > 0 and out["n"] == 128
-
-
 def test_head_index_is_the_configs_index_for_that_head():
     from workbench.search.config import PROXY_DEFAULTS, HeadConfig, HeadEntry
     from workbench.views.headview import head_index

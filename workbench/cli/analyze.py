@@ -5,6 +5,8 @@ import argparse
 import time
 from pathlib import Path
 
+from workbench.cli._device import add_device_arguments, resolve_device_args
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("analyze", help="capture attention on a sample and report every head's statistics")
@@ -13,7 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--length", type=int, default=4096, help="prompt length in tokens (default 4096)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", default=None, help="comma-separated layer indices (default: all)")
-    p.add_argument("--device", default="cpu")
+    add_device_arguments(p, device_map=True)
     p.add_argument("--out", default="reports/analyze", help="report folder")
     p.add_argument("--config", default=None, help="a head config: also report the recall of its indexes")
     p.add_argument("--no-fits", action="store_true", help="skip pattern fits and proxy-vs-oracle recall")
@@ -34,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from workbench.views.viz import attention_map, head_grid
 
     t0 = time.perf_counter()
-    model, tok, shape = load_model(args.model, device=args.device)
+    model, tok, shape = load_model(args.model, **resolve_device_args(args))
     sample = make_sample(args.sample, tok, args.length, seed=args.seed, max_length=shape.max_positions)
     layers = None if args.layers is None else [int(x) for x in args.layers.split(",")]
     t1 = time.perf_counter()

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from workbench.cli._device import add_device_arguments, resolve_device_args
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("dashboard", help="browse heads, edit patterns live, export configs (Panel server)",
@@ -21,6 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--configs-dir", default="configs", help="folder that 'Save' writes into (default configs)")
     p.add_argument("--forecast-report", default=None, help="forecast report JSON for the Forecast tab")
     p.add_argument("--show", action="store_true", help="open a browser tab")
+    add_device_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -37,11 +40,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--port {args.port} must be in 0..65535")
     if args.length < 128:
         raise ValueError(f"--length {args.length} is too short: use at least 128 tokens")
+    where = resolve_device_args(args)
+    device, dtype = str(where["device"]), str(where["dtype"]).removeprefix("torch.")
     settings = Settings(model=args.model, task=args.task, length=args.length, seed=args.seed, config=args.config,
                         configs_dir=args.configs_dir, forecast_report=args.forecast_report,
-                        layers=Settings.parse_layers(args.layers))
+                        layers=Settings.parse_layers(args.layers), device=device, dtype=dtype)
     t0 = time.perf_counter()
-    threading.Thread(target=SHARED.model, args=(args.model,), daemon=True).start()  # shared by all sessions
+    threading.Thread(target=SHARED.model, args=(args.model, device, dtype), daemon=True).start()  # shared by all sessions
     server = pn.serve({"/": lambda: create_app(settings)}, port=args.port, address=args.address, show=args.show,
                       start=False, title="Sparse Attention Workbench", websocket_origin="*" if args.address == "0.0.0.0" else None)
     print(f"serving http://{args.address}:{server.port}/ (started in {time.perf_counter() - t0:.1f} s); Ctrl-C stops",

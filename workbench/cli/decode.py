@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+
+from workbench.cli._device import add_device_arguments, resolve_device_args
 from typing import Any
 
 
@@ -23,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", default="1,2,8", help="init,local,topk blocks of 64 tokens")
     p.add_argument("--heads", default=None, help="trained Forecast heads (.safetensors); default: q_proj warm start")
     p.add_argument("--ctas", type=int, default=16, help="programs of the UVA gather kernel")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    add_device_arguments(p)  # --dtype default: bfloat16 on a GPU
     p.add_argument("--graph", action="store_true",
                    help="CUDA only: replay each step as a CUDA graph (faster; no per-copy event timings)")
     p.add_argument("--quality", action="store_true",
@@ -62,9 +64,9 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
     budget = _budget(args.budget)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model, tok, shape = load_model(args.model, device=device, dtype=dtype)
+    where = resolve_device_args(args, gpu_dtype=torch.bfloat16)
+    device = where["device"].type if where["device"].index is None else str(where["device"])
+    model, tok, shape = load_model(args.model, **where)
     shape.check_length(args.context + args.steps)
     heads = None
     if args.heads:

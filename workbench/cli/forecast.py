@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+
+from workbench.cli._device import add_device_arguments, resolve_device_args
 import sys
 
 DEFAULT_HEADS = "configs/forecast/smollm2-135m.safetensors"
@@ -16,6 +18,7 @@ def _budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", default=TASKS, help=f"comma-separated tasks or text files (default {TASKS})")
     p.add_argument("--rows", type=int, default=256, help="random query rows kept per prompt (default 256)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_device_arguments(p)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -66,7 +69,7 @@ def _env(argv: list[str]) -> dict:
 
     return {"command": "workbench " + " ".join(argv), "machine": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "device": "cpu",
+            "python": platform.python_version(),
             "load_average_1_5_15min": [round(x, 2) for x in os.getloadavg()]}  # the CPU may be shared
 
 
@@ -87,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--samples is empty: give tasks such as passkey,code or text file paths")
     argv = sys.argv[1:]
     t0 = time.perf_counter()
-    model, tok, shape = load_model(args.model)
+    where = resolve_device_args(args)
+    model, tok, shape = load_model(args.model, **where)
     for p in model.parameters():
         p.requires_grad_(False)
     if args.verb == "train":
@@ -125,7 +129,7 @@ def _train(args, model, tok, shape, budget, tasks, argv, t0) -> int:
         "teacher": {"grid": list(fine), "kind": args.teacher}, "init": args.init_from,
         "train_config": asdict(cfg), "train_prompts": [p.meta for p in train_set],
         "held_out_prompts": [p.meta for p in held_out], **hist,
-        "prepare_seconds": round(prep, 1), "total_seconds": round(time.perf_counter() - t0, 1), **_env(argv),
+        "prepare_seconds": round(prep, 1), "total_seconds": round(time.perf_counter() - t0, 1), **_env(argv), "device": str(next(model.parameters()).device),
     }
     path = heads.save(args.out)
     kl = "" if kl0 is None else (f"; held-out partition KL {sum(kl0) / len(kl0):.4f} -> {sum(kl1) / len(kl1):.4f} "

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from workbench.cli._device import add_device_arguments, resolve_device_args
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("prefill", help="sparse prefill from a head config: quality vs dense, GPU time breakdown",
@@ -27,6 +29,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--sensitivity-samples", type=int, default=2, help="prompts for the sensitivity table (default 2)")
     q.add_argument("--out", default="assets/reports/prefill_quality_cpu.json", help="JSON path (HTML beside it)")
     q.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    q.add_argument("--backend", default="auto", help="sparse path: auto (Triton on CUDA, PyTorch reference on "
+                   "CPU), triton or torch")
+    q.add_argument("--no-drift", action="store_true", help="in a non-fp32 run, skip the dense fp32 drift column")
+    add_device_arguments(q)
     q.add_argument("--no-progress", action="store_true", help="hide progress bars")
     q.set_defaults(func=run_quality)
     b = what.add_parser("bench", help="end-to-end prefill time breakdown on a GPU (random Llama-3-8B-shaped model)")
@@ -51,9 +57,14 @@ def run_quality(args: argparse.Namespace) -> int:
         lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"--lengths {args.lengths!r} must be comma-separated integers, e.g. 4096,8192") from None
-    model, tok, shape = load_model(args.model)
+    where = resolve_device_args(args)
+    model, tok, shape = load_model(args.model, **where)
+    drift = None
+    if where["dtype"] != torch.float32 and not args.no_drift:
+        drift = load_model(args.model, device=where["device"], dtype=torch.float32, device_map=where["device_map"])[0]
     config = HeadConfig.load(args.config, shape)
-    command = (f"workbench prefill quality --config {args.config} --lengths {args.lengths} --samples {args.samples} "
+    command = (f"workbench prefill quality --device {where['device']} --dtype {args.dtype} --backend {args.backend} "
+               f"--config {args.config} --lengths {args.lengths} --samples {args.samples} "
                f"--task {args.task} --max-new-tokens {args.max_new_tokens} --cosine-samples {args.cosine_samples} "
                f"--sensitivity-samples {args.sensitivity_samples}"
                + (f" --sensitivity-length {args.sensitivity_length}" if args.sensitivity_length else "")
@@ -61,11 +72,14 @@ def run_quality(args: argparse.Namespace) -> int:
     report = quality_report(model, tok, shape, config, lengths=lengths, samples=args.samples, task=args.task,
                             max_new_tokens=args.max_new_tokens, cosine_samples=args.cosine_samples,
                             sensitivity_length=args.sensitivity_length, sensitivity_samples=args.sensitivity_samples,
-                            out=args.out, command=command, progress=not args.no_progress)
+                            out=args.out, command=command, progress=not args.no_progress, backend=args.backend,
+                            drift_model=drift)
     for n, row in report["summary"].get("per_length", {}).items():
         print(f"n={n}: samples {row['samples']}, accuracy dense {row['dense_accuracy']:.2f} sparse "
               f"{row['sparse_accuracy']:.2f}, KL mean {row['kl_mean']:.4f} max {row['kl_max']:.4f}, "
-              f"top-1 agreement {row['top1_agreement']:.2f}")
+              f"top-1 agreement {row['top1_agreement']:.2f}"
+              + (f"; dense fp32 accuracy {row['dense_fp32_accuracy']:.2f}, dense drift KL mean "
+                 f"{row['dense_drift_kl_mean']:.4f}" if "dense_drift_kl_mean" in row else ""))
     for row in report["summary"].get("worst_layers", []):
         print(f"worst layer {row['layer']}: sensitivity KL {row['sensitivity_kl_mean']:.5f}")
     print(f"wrote {args.out} and {args.out.rsplit('.', 1)[0]}.html")

@@ -5,6 +5,8 @@ import argparse
 import re
 import time
 
+from workbench.cli._device import add_device_arguments, resolve_device_args
+
 TASKS = "passkey,code,vartrack"
 
 
@@ -36,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is faster on a busy shared machine)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_device_arguments(p, device_map=True)
     p.add_argument("--distributed", action="store_true",
                    help="spread calibration over the ranks of a torchrun job (implied under torchrun with WORLD_SIZE > 1): "
                         "torchrun --nproc_per_node N -m workbench search --distributed ...; rank 0 writes the config")
@@ -106,7 +109,10 @@ def run(args: argparse.Namespace) -> int:
         latency = tile_rates(load_bench(args.latency))
     t0, c0 = time.perf_counter(), time.process_time()
     d = distributed.init() if args.distributed or int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
-    model, tok, shape = load_model(args.model, device=d.device if d else "cpu")
+    where = resolve_device_args(args)
+    if d:  # one device per rank
+        where = {**where, "device": d.device, "device_map": None}
+    model, tok, shape = load_model(args.model, **where)
     for n in lengths:
         shape.check_length(n)
     samples = [make_sample(t, tok, n, seed=args.seed, **d) for t, d in map(task_depth, tasks) for n in lengths]

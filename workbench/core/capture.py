@@ -9,6 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from workbench.core.attention import attention_override, dense_attention
+from workbench.core.device import model_device
 from workbench.core.model import ModelError, ModelShape
 
 
@@ -93,7 +94,7 @@ def capture_attention(model: torch.nn.Module, shape: ModelShape, input_ids: torc
 
     Goes through the attention interface (no n x n matrix is built: the model still runs SDPA), and
     stops the forward after the last requested layer. `dtype` is the storage dtype (default: the
-    model's). `hidden=True` also keeps the input-normed hidden state entering each attention.
+    model's). Everything stays on the model's device (the first GPU under a device map). `hidden=True` also keeps the input-normed hidden state entering each attention.
     """
     ids = input_ids.reshape(1, -1) if input_ids.dim() == 1 else input_ids
     if ids.shape[0] != 1:
@@ -102,7 +103,7 @@ def capture_attention(model: torch.nn.Module, shape: ModelShape, input_ids: torc
     layers = tuple(range(shape.n_layers)) if layers is None else tuple(sorted({shape.check_layer(l) for l in layers}))
     if not layers:
         raise ModelError("no layers to capture: give at least one layer index")
-    device = next(model.parameters()).device
+    device = model_device(model)
     store_dtype = dtype or next(model.parameters()).dtype
     Hq, Hkv, D = shape.n_heads, shape.n_kv_heads, shape.head_dim
     L = len(layers)

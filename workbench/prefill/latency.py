@@ -3,9 +3,10 @@
 `tile_rates(bench)` turns a `workbench bench prefill` JSON (assets/benchmarks/prefill_h200.json) into
 {pattern: {"per_tile_ms", "index_ms"}} per query head (median over the measured lengths), the table
 `search.choose(latency=...)` takes; `estimate_ms` applies it to a head's 64x64 tile count.
-`time_layer` times one layer under a per-head index: the Triton kernel against dense SDPA on a GPU,
-or on the CPU the PyTorch reference path (`metrics.sparse_attention`, dense math under a mask: it
-does not get faster with sparsity) against dense SDPA, labelled as such.
+`time_model_layer` times one of the model's own captured layers under its heads from a HeadConfig, as
+the deployed prefill runs it (online index + Triton kernel on a GPU; on the CPU the PyTorch reference
+path, dense math under a mask that does not get faster with sparsity, labelled as such) against dense
+SDPA on the same q/k/v. Notebook 05 and the dashboard's Latency tab both call it.
 """
 from __future__ import annotations
 
@@ -97,34 +98,39 @@ def layer_tiles(parts: list[Any], n: int, device: torch.device | str = "cpu"):
 
 
 @torch.no_grad()
-def time_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, index: Any,
-               reps: int = 5) -> dict[str, Any]:
-    """Time one layer (q `[Hq, N, D]`, k/v `[Hkv, N, D]`) under `index` (a `Stack` of one-head patterns).
-
-    On a GPU: the Triton sparse kernel (bf16) vs dense causal SDPA, index -> tiles conversion timed
-    apart. On the CPU: `metrics.sparse_attention` (the reference path) vs dense SDPA (fp32).
-    Returns {"path", "device", "dense_ms", "sparse_ms", "tiles_ms", "speedup"}."""
+def time_model_layer(cap: Any, config: Any, layer: int, *, device: str | torch.device | None = None,
+                     dtype: torch.dtype | None = None, reps: int = 5, backend: str = "auto") -> dict[str, Any]:
+    """Time one of the model's own layers the way the deployed prefill runs it: the captured q/k/v of
+    `layer` (a `Capture`), that layer's heads from `config` (a HeadConfig), the online index (T_index:
+    `SparsePrefill.layer_index`) and the sparse attention (T_sparse: `layer_kernel`), beside dense causal
+    SDPA on the same q/k/v. device: where to time (default cuda when available: a CPU capture is copied
+    there); dtype: default bf16 on a GPU, the capture's on the CPU. On a GPU the backend is the Triton
+    path; on the CPU the PyTorch reference (dense math under a mask: not a speed-up), labelled as such.
+    Returns {"path", "device", "dtype", "layer", "n", "heads", "patterns", "index_ms", "sparse_ms",
+    "dense_ms", "speedup"}; a layer whose heads are all dense runs dense SDPA as the prefill does."""
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    from workbench.analysis.metrics import sparse_attention
+    from workbench.core.device import resolve_device
+    from workbench.prefill.sparse import SparsePrefill
 
-    hq, n, _ = q.shape
-    gpu = torch.cuda.is_available()
-    parts = getattr(index, "parts", [index])
-    if gpu:
-        from workbench_kernels.prefill import sparse_prefill
-
-        dev, dt = "cuda", torch.bfloat16
-        qd, kd, vd = (t[None].to(dev, dt).contiguous() for t in (q, k, v))
-        tiles_ms = _median_ms(lambda: layer_tiles(parts, n, dev), reps)
-        tiles, sink, window = layer_tiles(parts, n, dev)
-        sparse_ms = _median_ms(lambda: sparse_prefill(qd, kd, vd, tiles, sink=sink, window=window, scale=scale), reps)
-        path, device = "Triton sparse kernel (bf16)", torch.cuda.get_device_name()
+    dev = resolve_device(device)
+    dt = dtype or (torch.bfloat16 if dev.type == "cuda" else cap.q.dtype)
+    q, k, v = (t[None].to(dev, dt).contiguous() for t in cap.layer_qkv(layer))
+    sp = SparsePrefill(None, cap.shape, config, min_length=0, backend=backend)
+    be = sp.resolve_backend(q)
+    plan = sp.plans[layer]
+    patterns = {name: len(getattr(plan, name)) for name in ("vs", "block", "ashape", "dense")}
+    dense_ms = _median_ms(lambda: sdpa(q, k, v, is_causal=True, scale=cap.scale, enable_gqa=True), reps)
+    if plan.all_dense:
+        index_ms, sparse_ms, path = 0.0, dense_ms, "all heads dense: dense SDPA, as the prefill runs it"
     else:
-        qd, kd, vd = (t[None].float() for t in (q, k, v))
-        tiles_ms = 0.0
-        sparse_ms = _median_ms(lambda: sparse_attention(q, k, v, scale, index), reps)
-        path, device = "CPU reference path (metrics.sparse_attention: dense math under a mask, not a sparse kernel)", "cpu"
-    dense_ms = _median_ms(lambda: sdpa(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=True), reps)
-    return {"path": path, "device": device, "n": n, "heads": hq, "dense_ms": dense_ms, "sparse_ms": sparse_ms,
-            "tiles_ms": tiles_ms, "speedup": dense_ms / sparse_ms if sparse_ms > 0 else float("nan")}
+        index_ms = _median_ms(lambda: sp.layer_index(layer, q, k, cap.scale, be), reps)
+        index = sp.layer_index(layer, q, k, cap.scale, be)
+        sparse_ms = _median_ms(lambda: sp.layer_kernel(layer, index, q, k, v, cap.scale, be), reps)
+        path = {"triton": "Triton index + Triton sparse kernel (the deployed path)",
+                "torch": "PyTorch reference path (dense math under the tiles' mask: not the kernel, no speed-up)",
+                }.get(be, be)
+    return {"path": path, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+            "dtype": str(dt).removeprefix("torch."), "layer": layer, "n": cap.n, "heads": q.shape[1],
+            "patterns": patterns, "index_ms": index_ms, "sparse_ms": sparse_ms, "dense_ms": dense_ms,
+            "speedup": dense_ms / (index_ms + sparse_ms) if index_ms + sparse_ms > 0 else float("nan")}

@@ -33,11 +33,23 @@ import torch
 from tqdm.auto import tqdm
 
 from workbench.search.config import HeadConfig
+from workbench.core.device import model_device
 from workbench.core.io import write_json
 from workbench.core.model import ModelShape
 from workbench.prefill.sparse import SparsePrefill, generate_greedy
 
 KL_BAR = 0.05
+BACKENDS = {"torch": "PyTorch reference of the sparse kernel's tiles",
+            "triton": "Triton index builders + Triton sparse kernel (the deployed path)"}
+
+
+def gpu_environment(device_type: str) -> dict[str, Any]:
+    """GPU name, driver-side CUDA and Triton versions when the run is on a GPU (empty on the CPU)."""
+    if device_type != "cuda":
+        return {}
+    import triton
+
+    return {"gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda, "triton": triton.__version__}
 
 
 def kl_top1(dense_logits: torch.Tensor, sparse_logits: torch.Tensor) -> tuple[float, bool]:
@@ -73,7 +85,8 @@ class LayerInputs:
         handles = [layer.register_forward_pre_hook(keep, with_kwargs=True) for layer in layers]
         try:
             with torch.no_grad():
-                self.logits = model(input_ids.reshape(1, -1), use_cache=False, logits_to_keep=1).logits[0, -1].float()
+                ids = input_ids.reshape(1, -1).to(model_device(model))
+                self.logits = model(ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
         finally:
             for h in handles:
                 h.remove()
@@ -87,14 +100,23 @@ class LayerInputs:
         return self.model.lm_head(self.model.model.norm(hidden[:, -1:]))[0, -1].float()
 
 
+def dense_cache_path(model: torch.nn.Module, shape: ModelShape, sample: Any, max_new_tokens: int) -> Path:
+    """Where `dense_greedy` caches one prompt's dense result: keyed by weights, device type and dtype."""
+    from workbench.core.model import cache_dir
+
+    p = next(model.parameters())
+    where = f"{model_device(model).type}-{str(p.dtype).removeprefix('torch.')}"
+    return cache_dir() / "dense" / shape.fingerprint[:16] / where / f"{sample.sha}-{sample.length}-{max_new_tokens}.pt"
+
+
 def dense_greedy(model: torch.nn.Module, tok: Any, shape: ModelShape, sample: Any,
                  max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor, float]:
     """`generate_greedy` of the dense model on `sample`, cached on disk under the model's weights
-    fingerprint and the prompt's sha: (tokens `[T]`, next-token logits `[V]`, seconds it took to compute)."""
+    fingerprint, device type, dtype and the prompt's sha: (tokens `[T]`, next-token logits `[V]`, seconds it
+    took to compute). A bf16 GPU run never reuses fp32 CPU results."""
     from workbench.core.io import atomic_path
-    from workbench.core.model import cache_dir
 
-    path = cache_dir() / "dense" / shape.fingerprint[:16] / f"{sample.sha}-{sample.length}-{max_new_tokens}.pt"
+    path = dense_cache_path(model, shape, sample, max_new_tokens)
     if path.exists():
         hit = torch.load(path)
         return hit["tokens"], hit["logits"], hit["seconds"]
@@ -107,9 +129,15 @@ def dense_greedy(model: torch.nn.Module, tok: Any, shape: ModelShape, sample: An
 
 
 def _sample_record(model, tok, shape, config, sample, max_new_tokens: int, cosine: bool,
-                   backend: str = "auto") -> dict[str, Any]:
+                   backend: str = "auto", drift_model: torch.nn.Module | None = None) -> dict[str, Any]:
     ids = sample.input_ids
     dense_tokens, dense_logits, dense_seconds = dense_greedy(model, tok, shape, sample, max_new_tokens)
+    drift: dict[str, Any] = {}
+    if drift_model is not None:  # the same dense model in fp32: how far the dtype alone moves the answer
+        ref_tokens, ref_logits, _ = dense_greedy(drift_model, tok, shape, sample, max_new_tokens)
+        drift_kl, drift_agree = kl_top1(ref_logits, dense_logits)
+        drift = {"dense_fp32_correct": sample.answer in tok.decode(ref_tokens, skip_special_tokens=True),
+                 "dense_drift_kl": drift_kl, "dense_drift_top1_agree": drift_agree}
     t1 = time.perf_counter()
     with SparsePrefill(model, shape, config, min_length=0, compare=cosine, backend=backend) as sp:
         sparse_tokens, sparse_logits = generate_greedy(model, ids, max_new_tokens, tok.eos_token_id)
@@ -121,14 +149,14 @@ def _sample_record(model, tok, shape, config, sample, max_new_tokens: int, cosin
            "dense_text": dense_text, "sparse_text": sparse_text,
            "dense_correct": sample.answer in dense_text, "sparse_correct": sample.answer in sparse_text,
            "kl": kl, "top1_agree": agree, "dense_seconds": dense_seconds, "sparse_seconds": round(t2 - t1, 2),
-           "sha": sample.sha}
+           "sha": sample.sha, **drift}
     if cosine:
         rec["cosine"] = {str(l): [round(float(x), 6) for x in c] for l, c in sorted(sp.cosine.items())}
     return rec
 
 
 def sensitivity(model, shape: ModelShape, config: HeadConfig, input_ids: torch.Tensor,
-                progress: bool = True) -> list[dict[str, Any]]:
+                progress: bool = True, backend: str = "auto") -> list[dict[str, Any]]:
     """One layer sparse at a time on one prompt: [{layer, kl, top1_agree}] for layers with sparse heads."""
     from workbench.prefill.sparse import LayerPlan
 
@@ -136,7 +164,7 @@ def sensitivity(model, shape: ModelShape, config: HeadConfig, input_ids: torch.T
     rows = []
     layers = [l for l in range(shape.n_layers) if not LayerPlan.from_config(config, l).all_dense]
     for layer in tqdm(layers, desc="sensitivity", unit="layer", disable=not progress, leave=False):
-        with SparsePrefill(model, shape, config, min_length=0, layers=[layer]):
+        with SparsePrefill(model, shape, config, min_length=0, layers=[layer], backend=backend):
             logits = base.logits_from(layer)
         kl, agree = kl_top1(base.logits, logits)
         rows.append({"layer": layer, "kl": kl, "top1_agree": agree})
@@ -159,6 +187,13 @@ def summarize(records: Sequence[dict[str, Any]], sens: Sequence[dict[str, Any]],
             "kl_bar": KL_BAR, "kl_mean_within_bar": sum(kls) / len(kls) <= KL_BAR,
             "dense_seconds_mean": sum(r["dense_seconds"] for r in rs) / len(rs),
             "sparse_seconds_mean": sum(r["sparse_seconds"] for r in rs) / len(rs)}
+        drift = [r for r in rs if "dense_drift_kl" in r]
+        if drift:  # dense in this dtype vs dense in fp32, beside the sparse-vs-dense numbers
+            out["per_length"][str(n)].update({
+                "dense_fp32_accuracy": sum(r["dense_fp32_correct"] for r in drift) / len(drift),
+                "dense_drift_kl_mean": sum(r["dense_drift_kl"] for r in drift) / len(drift),
+                "dense_drift_kl_max": max(r["dense_drift_kl"] for r in drift),
+                "dense_drift_top1_agreement": sum(r["dense_drift_top1_agree"] for r in drift) / len(drift)})
     for layer in range(n_layers):
         cos = [min(r["cosine"][str(layer)]) for r in records if "cosine" in r and str(layer) in r["cosine"]]
         mean_cos = [sum(r["cosine"][str(layer)]) / len(r["cosine"][str(layer)]) for r in records
@@ -180,11 +215,13 @@ def quality_report(model: torch.nn.Module, tok: Any, shape: ModelShape, config: 
                    lengths: Sequence[int] = (4096, 8192), samples: int = 20, task: str = "passkey",
                    max_new_tokens: int = 8, cosine_samples: int = 4, sensitivity_length: int | None = None,
                    sensitivity_samples: int = 2, out: str | Path | None = None, command: str = "",
-                   progress: bool = True, backend: str = "auto") -> dict[str, Any]:
+                   progress: bool = True, backend: str = "auto",
+                   drift_model: torch.nn.Module | None = None) -> dict[str, Any]:
     """Run the quality comparison (see module docstring) and return the report dict; with `out`, write
     it after every sample and resume from it. Sparsity is on at every length (min_length 0). `backend`:
     SparsePrefill's ("triton", "flex", "torch" = reference); reports of several backends on the same
-    prompts compare them (the dense side is cached)."""
+    prompts compare them (the dense side is cached per weights, device and dtype). `drift_model`: the same
+    weights in fp32 on the same device; each record then also has the dense dtype-vs-fp32 drift."""
     from workbench.core.corpus import make_sample
 
     config.validate(shape)
@@ -193,18 +230,21 @@ def quality_report(model: torch.nn.Module, tok: Any, shape: ModelShape, config: 
     if samples < 1:
         raise ValueError(f"samples={samples}: use at least 1 sample per length (20 for the report)")
     sens_n = sensitivity_length or min(lengths)
+    where, dtype = model_device(model).type, str(next(model.parameters()).dtype).removeprefix("torch.")
+    used = backend if backend != "auto" else ("triton" if where == "cuda" else "torch")
     settings = {"lengths": list(lengths), "samples": samples, "task": task, "max_new_tokens": max_new_tokens,
                 "cosine_samples": cosine_samples, "sensitivity_length": sens_n,
                 "sensitivity_samples": sensitivity_samples, "min_length": 0, "config_sha": config_digest(config),
-                **({"backend": backend} if backend != "auto" else {})}  # "auto" keeps older reports resumable
+                **({"backend": backend} if backend != "auto" else {}),  # "auto" keeps older reports resumable
+                **({"device": where, "dtype": dtype} if (where, dtype) != ("cpu", "float32") else {}),
+                **({"dense_drift": "fp32"} if drift_model is not None else {})}
     report: dict[str, Any] = {
         "model": shape.to_dict(), "config": {"provenance": config.provenance, "summary": config.summary(),
                                              "sha": settings["config_sha"]},
         "settings": settings, "command": command,
-        "environment": {"torch": torch.__version__, "device": str(next(model.parameters()).device),
+        "environment": {"torch": torch.__version__, "device": str(model_device(model)),
                         "dtype": str(next(model.parameters()).dtype), "threads": torch.get_num_threads(),
-                        "backend": "PyTorch reference of the sparse kernel's tiles (CPU)"
-                        if not next(model.parameters()).is_cuda else "Triton"},
+                        "backend": BACKENDS.get(used, used), **gpu_environment(where)},
         "records": [], "sensitivity": [], "sensitivity_prompts": []}
     if out is not None and Path(out).exists():
         old = json.loads(Path(out).read_text())
@@ -224,7 +264,7 @@ def quality_report(model: torch.nn.Module, tok: Any, shape: ModelShape, config: 
         if j in report["sensitivity_prompts"]:
             continue
         sample = make_sample(task, tok, sens_n, seed=1000 + j, depth=sens_spread[j])
-        for row in sensitivity(model, shape, config, sample.input_ids, progress):
+        for row in sensitivity(model, shape, config, sample.input_ids, progress, backend):
             report["sensitivity"].append({**row, "prompt": j, "n": sens_n, "depth": sample.depth})
         report["sensitivity_prompts"].append(j)
         save()
@@ -238,7 +278,7 @@ def quality_report(model: torch.nn.Module, tok: Any, shape: ModelShape, config: 
             continue
         sample = make_sample(task, tok, n, seed=i, depth=spread[i])
         rec = _sample_record(model, tok, shape, config, sample, max_new_tokens, cosine=i < cosine_samples,
-                             backend=backend)
+                             backend=backend, drift_model=drift_model)
         report["records"].append(rec)
         save()
     bar.close()

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from workbench.core.attention import attention_override, dense_attention
+from workbench.core.device import model_device
 from workbench.search.config import PROXY_DEFAULTS, HeadConfig
 from workbench.core.model import ModelShape
 
@@ -89,10 +90,11 @@ class SparsePrefill:
     record_density: keep each sparse layer's physical density (tile area / causal pairs, `density[layer]`;
     Triton backend). num_stages: the kernel's pipeline stages (3 was fastest for 64-row tiles in
     assets/benchmarks/prefill_sweep_h200.json).
-    After use, `calls` counts attention calls per (mode, reason).
+    After use, `calls` counts attention calls per (mode, reason). `model=None` gives only the per-layer
+    methods (`layer_index`, `layer_kernel`) on captured q/k/v, without entering the context.
     """
 
-    def __init__(self, model: torch.nn.Module, shape: ModelShape, config: HeadConfig, *,
+    def __init__(self, model: torch.nn.Module | None, shape: ModelShape, config: HeadConfig, *,
                  min_length: int = DEFAULT_MIN_LENGTH, layers: Iterable[int] | None = None,
                  backend: str = "auto", compare: bool = False, timing: bool = False,
                  record_density: bool = False, num_stages: int = 3, strict_weights: bool = False):
@@ -164,33 +166,11 @@ class SparsePrefill:
         scale = kwargs.get("scaling") or module.scaling
         if timer:
             timer.mark(layer, "attn_start")
-        backend = self.backend if self.backend != "auto" else ("triton" if query.is_cuda else "torch")
-        groups = self.group_tiles(layer, query, key, scale,
-                                  triton=backend == "triton" or (backend == "flex" and query.is_cuda))
-        if backend == "flex":
-            from workbench.prefill.flex import tiles_attention
-
-            tiles, sink, window = self.merge(layer, groups, query)
-            if timer:
-                timer.mark(layer, "index_end")
-            o = tiles_attention(query, key, value, tiles, sink, window, scale)
-        elif backend == "triton":
-            tiles, sink, window = self.merge(layer, groups, query)
-            if timer:
-                timer.mark(layer, "index_end")
-            from workbench_kernels.prefill import sparse_prefill
-
-            o, _ = sparse_prefill(query, key, value, tiles, sink=sink, window=window, scale=scale,
-                                  num_stages=self.num_stages)
-            if self.record_density:
-                from workbench_kernels.index_ref import tile_area
-
-                n = query.shape[2]
-                self.density[layer] = float(tile_area(tiles, n).sum()) / (query.shape[0] * query.shape[1] * n * (n + 1) / 2)
-        else:
-            if timer:
-                timer.mark(layer, "index_end")
-            o = self.reference(layer, groups, query, key, value, scale)
+        backend = self.resolve_backend(query)
+        index = self.layer_index(layer, query, key, scale, backend)
+        if timer:
+            timer.mark(layer, "index_end")
+        o = self.layer_kernel(layer, index, query, key, value, scale, backend)
         if timer:
             timer.mark(layer, "attn_end", mode="sparse", reason=backend)
         if self.compare:
@@ -198,6 +178,37 @@ class SparsePrefill:
             self.cosine[layer] = torch.nn.functional.cosine_similarity(
                 o.float().flatten(2), ref.float().flatten(2), dim=-1).mean(0).cpu()
         return o.transpose(1, 2).contiguous(), None
+
+    # ---- one layer: online index, then the kernel (also timed apart by `latency.time_model_layer`) ------
+    def resolve_backend(self, q: torch.Tensor) -> str:
+        """The backend this call runs: "auto" is Triton on CUDA, the PyTorch reference on the CPU."""
+        return self.backend if self.backend != "auto" else ("triton" if q.is_cuda else "torch")
+
+    def layer_index(self, layer: int, q: torch.Tensor, k: torch.Tensor, scale: float, backend: str) -> Any:
+        """The online index of one layer as `backend` consumes it: triton / flex -> (VSTiles over all
+        heads, sink, window) for one launch; torch -> the groups' tiles (`group_tiles`)."""
+        groups = self.group_tiles(layer, q, k, scale, triton=backend == "triton" or (backend == "flex" and q.is_cuda))
+        return groups if backend == "torch" else self.merge(layer, groups, q)
+
+    def layer_kernel(self, layer: int, index: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float, backend: str) -> torch.Tensor:
+        """Sparse attention of one layer under `layer_index`'s result -> o `[B, Hq, N, D]`."""
+        if backend == "torch":
+            return self.reference(layer, index, q, k, v, scale)
+        tiles, sink, window = index
+        if backend == "flex":
+            from workbench.prefill.flex import tiles_attention
+
+            return tiles_attention(q, k, v, tiles, sink, window, scale)
+        from workbench_kernels.prefill import sparse_prefill
+
+        o, _ = sparse_prefill(q, k, v, tiles, sink=sink, window=window, scale=scale, num_stages=self.num_stages)
+        if self.record_density:
+            from workbench_kernels.index_ref import tile_area
+
+            n = q.shape[2]
+            self.density[layer] = float(tile_area(tiles, n).sum()) / (q.shape[0] * q.shape[1] * n * (n + 1) / 2)
+        return o
 
     # ---- the index: physical tiles of one layer ---------------------------------------------------
     @torch.no_grad()
@@ -343,6 +354,7 @@ def masked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for r0 in range(0, n, chunk):
         r1 = min(r0 + chunk, n)
         keys, mask = rows(r0, r1)
+        keys, mask = keys.to(q.device), mask.to(q.device)  # band_rows builds its small masks on the CPU
         out[:, :, r0:r1] = torch.nn.functional.scaled_dot_product_attention(
             q[:, :, r0:r1], k[:, :, keys], v[:, :, keys], attn_mask=mask, scale=scale, enable_gqa=True)
     return out
@@ -427,7 +439,7 @@ def generate_greedy(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tok
     import inspect
 
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    device = next(model.parameters()).device
+    device = model_device(model)
     with torch.no_grad():
         out = model(input_ids.reshape(1, -1).to(device), use_cache=True, logits_to_keep=1)
         first = out.logits[0, -1].float()

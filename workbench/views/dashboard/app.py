@@ -21,7 +21,8 @@ from workbench.views.dashboard.state import Session, Settings
 
 pn.extension("plotly", "tabulator")
 
-_DEFAULTS = {"vertical": 1000, "slash": 6096, "sink": 64, "window": 512, "topk": 16}
+_DEFAULTS = {"vertical": 1000, "slash": 6096, "sink": 64, "window": 512, "topk": 16, "last": 64, "dilation": 2,
+             "stride": 8, "tau_milli": 900, "gamma_milli": 900, "min_budget": 256}  # issue 19 kinds: last .. min_budget
 
 
 def _table(rows: list[tuple[str, str]], css: str) -> str:
@@ -234,10 +235,11 @@ class LatencyView(_View):
         r = self.session.latency
         if not r:
             return
-        rows = [("path", r["path"]), ("device", r["device"]), ("layer", f"{r['layer']} ({r['heads']} heads, {r['n']} tokens)"),
+        rows = [("path", r["path"]), ("device", f"{r['device']} ({r['dtype']})"),
+                ("layer", f"{r['layer']} ({r['heads']} heads {r['patterns']}, {r['n']} tokens, the model's own q/k/v)"),
                 ("dense SDPA", f"{r['dense_ms']:.2f} ms"), ("sparse", f"{r['sparse_ms']:.2f} ms"),
-                ("index -> tiles", f"{r['tiles_ms']:.2f} ms"), ("speed-up", f"{r['speedup']:.2f}x")]
-        bars = {"dense SDPA": {"T_sparse": r["dense_ms"]}, "sparse": {"T_index": r["tiles_ms"], "T_sparse": r["sparse_ms"]}}
+                ("online index", f"{r['index_ms']:.2f} ms"), ("speed-up", f"{r['speedup']:.2f}x")]
+        bars = {"dense SDPA": {"T_sparse": r["dense_ms"]}, "sparse": {"T_index": r["index_ms"], "T_sparse": r["sparse_ms"]}}
         est = r.get("h200_estimate")
         if est:
             rows.append(("H200 estimate", f"dense {est['dense_ms'] * 1e3:.1f} us, sparse {est['sparse_ms'] * 1e3:.1f} us "

@@ -44,6 +44,8 @@ class Settings:
     configs_dir: str = "configs"
     forecast_report: str | None = None
     layers: tuple[int, ...] | None = None  # capture only these layers (quick looks and UI tests); None = all
+    device: str | None = None  # where the model runs (None: cuda when available); views read CPU copies
+    dtype: str | None = None  # model dtype (None: float32)
 
     @staticmethod
     def parse_layers(text: str | None) -> tuple[int, ...] | None:
@@ -64,7 +66,8 @@ class Settings:
         get = lambda key, default=None: env.get(f"WORKBENCH_DASHBOARD_{key}") or default  # noqa: E731
         return cls(model=get("MODEL"), task=get("TASK", "passkey"), length=int(get("LENGTH", 4096)),
                    seed=int(get("SEED", 0)), config=get("CONFIG"), configs_dir=get("CONFIGS_DIR", "configs"),
-                   forecast_report=get("FORECAST_REPORT"), layers=cls.parse_layers(get("LAYERS")))
+                   forecast_report=get("FORECAST_REPORT"), layers=cls.parse_layers(get("LAYERS")),
+                   device=get("DEVICE"), dtype=get("DTYPE"))
 
 
 class Shared:
@@ -77,14 +80,14 @@ class Shared:
         self._pending: dict[tuple, threading.Lock] = {}
         self._max = max_items
 
-    def model(self, name: str | None) -> tuple:
-        """(model, tokenizer, ModelShape), loaded once per process."""
+    def model(self, name: str | None, device: str | None = None, dtype: str | None = None) -> tuple:
+        """(model, tokenizer, ModelShape), loaded once per process and (device, dtype)."""
         from workbench.core.model import load_model
 
-        key = name or "embedded"
+        key = f"{name or 'embedded'}@{device}:{dtype}"
         with self._lock:
             if key not in self._models:
-                self._models[key] = load_model(name)
+                self._models[key] = load_model(name, device=device, dtype=dtype or torch.float32)
             return self._models[key]
 
     def memo(self, key: tuple, make: Callable[[], Any]) -> Any:
@@ -214,14 +217,14 @@ class Session(param.Parameterized):
         from workbench.core.corpus import make_sample
 
         self._step("loading the model", 0, 1)
-        model, tok, shape = SHARED.model(self.settings.model)
+        model, tok, shape = SHARED.model(self.settings.model, self.settings.device, self.settings.dtype)
         shape.check_length(self.length)
         self.shape = shape
         key = ("capture", shape.fingerprint, self.task, self.length, self.seed, self.settings.layers)
         self._step(f"capturing {self.task}, {self.length} tokens", 1, 10)
         self.capture_key = key
         self.sample, self.capture = SHARED.memo(key, lambda: (
-            lambda s: (s, capture_attention(model, shape, s.input_ids, self.settings.layers, progress=False)))(
+            lambda s: (s, _on_cpu(capture_attention(model, shape, s.input_ids, self.settings.layers, progress=False))))(
             make_sample(self.task, tok, self.length, seed=self.seed, max_length=shape.max_positions)))
         cfg = config or self.config or self._default_config()
         self._evaluate(cfg)
@@ -414,7 +417,7 @@ class Session(param.Parameterized):
         from workbench.patterns.infllm import Budget
         from workbench.analysis.block_sets import iou_matrix
 
-        model, tok, shape = SHARED.model(self.settings.model)
+        model, tok, shape = SHARED.model(self.settings.model, self.settings.device, self.settings.dtype)
         budget = Budget()
         lengths_ok(self.length, budget)
         spec = (self.task, self.length, self.seed)
@@ -432,13 +435,13 @@ class Session(param.Parameterized):
         return self.run_job(f"timing layer {self.layer}", self._time_latency)
 
     def _time_latency(self) -> None:
-        from workbench.prefill.latency import BENCH, estimate_ms, load_bench, tile_rates, time_layer
+        from workbench.prefill.latency import BENCH, estimate_ms, load_bench, tile_rates, time_model_layer
         from workbench.patterns import causal_tiles
 
         cap = self.capture
         q, k, v = cap.layer_qkv(self.layer)
         index = self.config.layer_index(self.layer, q, k, cap.scale)
-        out = time_layer(q, k, v, cap.scale, index)
+        out = time_model_layer(cap, self.config, self.layer)
         if BENCH.exists():
             rates = tile_rates(load_bench(BENCH))
             tiles = index.tiles(cap.n).tolist()
@@ -447,6 +450,16 @@ class Session(param.Parameterized):
                 "sparse_ms": sum(estimate_ms(rates, e.pattern, t) for e, t in zip(self.config.layer(self.layer), tiles)),
                 "source": str(BENCH.name)}
         self.latency = {**out, "layer": self.layer}
+
+
+def _on_cpu(cap: Any) -> Any:
+    """The capture with its tensors on the CPU (a GPU runs the model; the views and editors read CPU tensors)."""
+    import dataclasses
+
+    if not cap.q.is_cuda:
+        return cap
+    return dataclasses.replace(cap, q=cap.q.cpu(), k=cap.k.cpu(), v=cap.v.cpu(),
+                               hidden=None if cap.hidden is None else cap.hidden.cpu())
 
 
 def _one_layer(cap: Any, layer: int) -> Any:

@@ -1,0 +1,49 @@
+"""Live latency of the model's own layers (notebook 05 and the dashboard's Latency tab call
+`latency.time_model_layer`): the captured q/k/v of a layer with that layer's heads from the shipped config,
+index + sparse attention beside dense SDPA. CPU: the labelled PyTorch reference path; GPU: the Triton path."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from workbench.prefill.latency import time_model_layer  # noqa: E402
+from workbench.search.config import HeadConfig  # noqa: E402
+
+SHIPPED = "configs/SmolLM2-135M-Instruct.json"
+MIXED_LAYER = 12  # VS and A-shape heads in the shipped config
+
+
+@pytest.mark.model
+def test_time_model_layer_on_the_cpu_is_the_labelled_reference_path(embedded, capture_256):
+    config = HeadConfig.load(SHIPPED, embedded[2])
+    out = time_model_layer(capture_256, config, MIXED_LAYER, device="cpu", reps=1)
+    assert "reference" in out["path"] and out["device"] == "cpu" and out["n"] == 256
+    assert out["patterns"]["vs"] + out["patterns"]["ashape"] > 0
+    assert out["dense_ms"] > 0 and out["sparse_ms"] > 0 and out["index_ms"] > 0
+    dense_layer = next(l for l in range(30) if all(e.pattern == "dense" for e in config.layer(l)))
+    assert time_model_layer(capture_256, config, dense_layer, device="cpu", reps=1)["index_ms"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.model
+def test_time_model_layer_on_the_gpu_runs_the_triton_path(embedded):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from workbench.core.capture import capture_attention
+    from workbench.core.corpus import make_sample
+    from workbench.core.model import load_model
+
+    model, tok, shape = load_model(device="cuda", dtype=torch.bfloat16)
+    cap = capture_attention(model, shape, make_sample("passkey", tok, 8192, seed=0).input_ids, progress=False)
+    assert cap.q.is_cuda
+    out = time_model_layer(cap, HeadConfig.load(SHIPPED, shape), MIXED_LAYER, reps=5)
+    assert out["path"].startswith("Triton") and out["dtype"] == "bfloat16"
+    assert out["dense_ms"] > 0 and out["sparse_ms"] > 0 and out["index_ms"] > 0
+    from workbench.core.io import write_json
+
+    write_json(os.environ.get("WORKBENCH_GPU_LATENCY_JSON", "reports/gpu_latency.json"), out)
