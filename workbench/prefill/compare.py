@@ -46,16 +46,17 @@ def mask_rows(pattern: Pattern, n: int, device: torch.device) -> Callable[[int, 
     return rows
 
 
-def pattern_attention(build: LayerBuilder) -> Callable[..., tuple[torch.Tensor, None]]:
+def pattern_attention(build: LayerBuilder, triton: bool | None = None) -> Callable[..., tuple[torch.Tensor, None]]:
     """An attention function (`attention_override`) that runs every prefill call of batch 1 under the
-    pattern `build(layer, q, k, scale)` makes; decode steps and cached prefixes stay dense."""
+    pattern `build(layer, q, k, scale)` makes; decode steps and cached prefixes stay dense. `triton`:
+    the Triton kernel over `to_tiles` (default on CUDA) or the PyTorch reference under the row mask."""
     def attention(module, query, key, value, attention_mask, **kwargs):
         n = query.shape[2]
         if n != key.shape[2] or n == 1 or query.shape[0] != 1:
             return dense_attention(module, query, key, value, attention_mask, **kwargs)
         scale = kwargs.get("scaling") or module.scaling
         pattern = build(module.layer_idx, query[0], key[0], scale)
-        if query.is_cuda:
+        if query.is_cuda if triton is None else triton:
             from workbench_kernels.prefill import sparse_prefill
 
             band = pattern.token_band()
