@@ -13,6 +13,12 @@ tile area (pieces x width + packed columns, per row block) / causal pairs; effec
 same run; index_ms = building the index and its tiles for all heads of the layer (no host sync);
 flex_* = FlexAttention on a BlockMask of the 64-aligned blocks our tiles touch (VS: exact logical
 mask via mask_mod, since Flex cannot gather columns), compile time reported separately.
+
+`--minference PATH` runs instead the side-by-side comparison with MInference's own Triton kernels, read
+from the user's MInference source checkout (never copied here): both kernels on the same block table and
+the same (columns, offsets), MInference's VS index converted by its own CUDA extension (built with
+torch's cpp_extension when the checkout has csrc/), per-head and group-shared indexes, index build times
+beside MInference's pool + topk, and output agreement in bf16.
 """
 from __future__ import annotations
 
