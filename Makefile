@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test install browser clean
+.PHONY: run test install browser clean gpu-check
 
 run: $(STAMP)
 	$(BIN)/workbench analyze --out reports/analyze
@@ -13,6 +13,12 @@ test: $(STAMP) browser
 	$(BIN)/python -m pytest -n 2 --dist loadgroup tests
 
 install: $(STAMP)
+
+# The GPU lane, on the GPU machine after `source scripts/device_env.sh` (see DEVELOPERS.md): every `gpu` test
+# plus the kernel tests in bf16 -> assets/benchmarks/gpu_check.json (GPU_CHECK_OUT=... to write elsewhere).
+GPU_CHECK_OUT ?= assets/benchmarks/gpu_check.json
+gpu-check:
+	python3 scripts/gpu_check.py --out $(GPU_CHECK_OUT)
 
 # torch==2.13.0 first (a local CPU build here); later requirements accept it as it is.
 $(STAMP): pyproject.toml
