@@ -285,3 +285,31 @@ def test_rescore_head_handles_the_new_kinds():
     want = captured_mass(q[None], k[None], 0.125, Dilated(16, 2)).mean()
     assert got["mass"][0] == pytest.approx(float(want), abs=1e-6)
     assert got["tiles"][0] == int(Dilated(16, 2).tiles(n)[0])
+
+
+def test_quest_pages_append_equals_bounds_of_the_whole_prompt():
+    """The decode buffer grown token by token (different lengths per sequence) holds the same bounds as
+    `page_bounds` of the keys, and selects what `quest_select` selects."""
+    from workbench.decode.quest import QuestPages
+    from workbench.patterns.infllm import Budget
+    from workbench.patterns.quest import page_bounds, quest_select
+
+    torch.manual_seed(3)
+    lengths, extra, hkv, d = [100, 190], 40, 2, 8
+    keys = [torch.randn(hkv, n + extra, d) for n in lengths]
+    buf = QuestPages(2, hkv, d, 4, "cpu")
+    for b, n in enumerate(lengths):
+        buf.fill(b, keys[b][:, :n])
+    pos = torch.tensor(lengths)
+    for _ in range(extra):
+        buf.append(torch.stack([keys[b][:, int(pos[b])] for b in range(2)]), pos)
+        pos += 1
+    budget = Budget(init=1, local=1, topk=1)
+    q = torch.randn(2, hkv, 3, d)
+    got = buf.select(q, pos - 1, 4, budget)
+    for b in range(2):
+        lo, hi = page_bounds(keys[b][:, :int(pos[b])])
+        p = lo.shape[1]
+        assert torch.equal(buf.lo[b, :, :p], lo) and torch.equal(buf.hi[b, :, :p], hi)
+        want = quest_select(q[b][:, :, None], lo, hi, pos[b:b + 1] - 1, budget)[:, 0]
+        assert torch.equal(got[b], want)
