@@ -239,3 +239,25 @@ def test_group_shared_tiles_run_gqa_packed_and_match_reference(Hq, Hkv, block, w
     sink, window = torch.tensor([3, 3, 0, 0, 70, 70, 1, 1][:Hq]), torch.tensor([10, 10, 64, 64, 30, 30, 129, 129][:Hq])
     check(ashape_prefill(q, k, v, sink, window, block=block, width=width),
           masked_attention_ref(q, k, v, ashape_mask(sink, window, n).unsqueeze(0).to(DEV)), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV != "cuda", reason="bf16 at a Llama-like shape needs CUDA")
+def test_bf16_llama_shape_block_and_ashape_per_head_and_packed():
+    """bf16, head_dim 128, G = 4: the per-head and GQA-packed programs on tables from the Triton block
+    index, and A-shape, against fp32 attention under the tiles' mask (relative error of o)."""
+    from workbench_kernels.index_build import block_index
+    from workbench_kernels.index_ref import selected_block_tiles
+
+    n, Hq, Hkv, D = 2048, 8, 2, 128
+    q, k, v = qkv(1, Hq, Hkv, n, D, torch.bfloat16, seed=21)
+    for shared in (False, True):
+        tiles = selected_block_tiles(block_index(q, k, 6, group_shared=shared))
+        o, _ = sparse_prefill(q, k, v, tiles)
+        ro, _ = masked_attention_ref(q, k, v, tiles_to_mask(expand_groups(tiles, Hq // tiles.shape[1]), n))
+        assert torch.isfinite(o).all()
+        assert ((o.float() - ro.float()).norm() / ro.float().norm()).item() < 1e-2
+    sink, window = torch.full((Hq,), 64), torch.full((Hq,), 512)
+    o, _ = ashape_prefill(q, k, v, sink, window)
+    ro, _ = masked_attention_ref(q, k, v, ashape_mask(sink, window, n).unsqueeze(0).to(DEV))
+    assert ((o.float() - ro.float()).norm() / ro.float().norm()).item() < 1e-2
