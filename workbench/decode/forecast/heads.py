@@ -28,6 +28,7 @@ from workbench.patterns.infllm import (NEG, Budget, CompressedKeys, compress_key
                               group_scores, pool_to_blocks, select_blocks, topk_blocks, visible)
 
 FORMAT = "workbench.decode.forecast.heads/1"
+FORMATS = (FORMAT, "workbench.forecast/1")  # the same layout under its name before the package re-layout
 
 
 def rope_tables(model: nn.Module, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +130,7 @@ class ForecastHeads(nn.Module):
             raise FileNotFoundError(f"forecast heads {path} not found: train them with `workbench forecast train`")
         with safe_open(str(path), "pt") as f:
             md = f.metadata() or {}
-            if md.get("format") != FORMAT or "weight" not in f.keys():
+            if md.get("format") not in FORMATS or "weight" not in f.keys():
                 raise ModelError(f"{path} is not a forecast-heads file (format {md.get('format')!r}, "
                                  f"expected {FORMAT!r}): give a file written by `workbench forecast train`")
             weight = f.get_tensor("weight")
