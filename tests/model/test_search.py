@@ -220,7 +220,8 @@ def test_cli_search_and_export(embedded, tmp_path, capsys):
     assert main(["export", str(out), "--format", "minference", "--out", str(mi)]) == 0
     data = json.loads(mi.read_text())
     assert len(data) == 30 and all(len(layer) == 9 for layer in data)
-    assert main(["export", str(mi), "--from", "minference", "--format", "minference", "--out", str(tmp_path / "b.json")]) == 0
+    assert main(["export", str(mi), "--from", "minference", "--shape", "SmolLM2-135M-Instruct", "--format", "minference",
+                 "--out", str(tmp_path / "b.json")]) == 0
     assert json.loads((tmp_path / "b.json").read_text()) == data
     assert main(["search", "--length", "64", "--tasks", "code", "--holdout", "code"]) == 2
     assert "also a calibration task" in capsys.readouterr().err
