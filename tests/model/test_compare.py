@@ -64,5 +64,8 @@ def test_compare_cli_writes_json_and_html(tmp_path, capsys):
     assert rep["command"].startswith("workbench compare") and rep["environment"]["torch"] == torch.__version__
     assert len(rep["points"]) == sum(len(m.values) for m in default_methods())
     assert out.with_suffix(".html").exists()
+    again = tmp_path / "again.json"
+    assert main(["compare", "--render", str(out), "--out", str(again)]) == 0
+    assert again.with_suffix(".html").exists() and not again.exists()  # re-rendered, nothing run
     assert main(["compare", "--lengths", "256,x"]) == 2
     assert "--lengths" in capsys.readouterr().err

@@ -36,6 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
     p.add_argument("--out", default="reports/methods.json", help="JSON path; HTML beside it")
     p.add_argument("--png", default=None, help="also write the Pareto figure of the first length as PNG (kaleido)")
+    p.add_argument("--render", default=None, metavar="JSON",
+                   help="only re-render a report JSON (e.g. one from a GPU machine without plotly) as HTML "
+                        "beside --out and the --png figure; runs nothing")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="quiet")
     p.set_defaults(func=run)
@@ -46,11 +49,17 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from workbench.core.io import atomic_path, write_json, write_text
+    from workbench.core.io import write_json
     from workbench.core.model import load_model
     from workbench.prefill.compare import compare
     from workbench.search.config import HeadConfig
 
+    if args.render:
+        import json
+
+        report = json.loads(Path(args.render).read_text())
+        _write(report, Path(args.out), args.png)
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device not in ("cpu", "cuda"):
@@ -70,14 +79,21 @@ def run(args: argparse.Namespace) -> int:
         if "compare" in sys.argv else "workbench compare"
     out = Path(args.out)
     write_json(out, report)
+    _write(report, out, args.png)
+    print(f"wrote {out} ({len(report['points'])} points)")
+    return 0
+
+
+def _write(report: dict, out, png: str | None) -> None:
+    """HTML beside `out` and the Pareto PNG; without plotly (the GPU image) only a note."""
+    from workbench.core.io import atomic_path, write_text
+
     try:
         from workbench.views.methods import pareto_figure, report_html
 
         write_text(out.with_suffix(".html"), report_html(report))
-        if args.png:
-            with atomic_path(args.png) as tmp:
+        if png:
+            with atomic_path(png) as tmp:
                 pareto_figure(report).write_image(str(tmp), format="png", scale=2)
-    except ImportError as e:  # the GPU image has no plotly: the JSON is the result, render the HTML elsewhere
-        print(f"workbench compare: {e}; wrote JSON only (render with workbench.views.methods.report_html)", file=sys.stderr)
-    print(f"wrote {out} ({len(report['points'])} points)")
-    return 0
+    except ImportError as e:  # the JSON is the result: render it elsewhere with --render
+        print(f"workbench compare: {e}; wrote JSON only (render it with `workbench compare --render JSON`)", file=sys.stderr)
