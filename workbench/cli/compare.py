@@ -8,6 +8,8 @@ import argparse
 import shlex
 import sys
 
+from workbench.cli._device import add_device_arguments, resolve_device_args
+
 
 def _ints(text: str, flag: str) -> list[int]:
     try:
@@ -20,7 +22,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="every prefill method through one harness: mass, cost, KL, retrieval (JSON + HTML)",
                        description=__doc__)
     p.add_argument("--model", default=None, help="model folder or hub id (default: the embedded SmolLM2-135M)")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda (adds Triton kernel and GPU index times)")
     p.add_argument("--tasks", default="passkey,multikey,code", help="comma-separated tasks (default passkey,multikey,code)")
     p.add_argument("--lengths", default="4096,8192", help="comma-separated prompt lengths (default 4096,8192)")
     p.add_argument("--layers", default="3,11,19,27", help="layers whose masses and kernel times are measured")
@@ -41,6 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "beside --out and the --png figure; runs nothing")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="quiet")
+    add_device_arguments(p)  # on cuda: Triton kernel and GPU index times too
     p.set_defaults(func=run)
 
 
@@ -62,12 +64,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.device not in ("cpu", "cuda"):
-        raise ValueError(f"--device {args.device!r}: use cpu or cuda")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda but torch sees no GPU: run on a GPU machine or use --device cpu")
     tasks = [t for t in args.tasks.split(",") if t.strip()]
-    model, tok, shape = load_model(args.model, device=args.device)
+    model, tok, shape = load_model(args.model, **resolve_device_args(args))
     config = None if args.config == "none" else HeadConfig.load(args.config, shape)
     report = compare(model, tok, shape, tasks=tasks, lengths=_ints(args.lengths, "--lengths"),
                      layers=_ints(args.layers, "--layers"), config=config, rows=args.rows or None,
