@@ -15,8 +15,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", default="sparse-offload-forecast",
                    help="dense-resident, sparse-resident, sparse-offload-sync, sparse-offload-forecast, "
                         "forecast-without-prefetch, or all")
-    p.add_argument("--selector", default="same-layer", choices=["same-layer", "forecast"],
-                   help="selector of sparse-resident (offload modes fix theirs)")
+    p.add_argument("--selector", default="same-layer", choices=["same-layer", "forecast", "quest"],
+                   help="selector of sparse-resident (offload modes fix theirs; quest also runs in sparse-offload-sync)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=2048, help="prompt tokens of the longest sequence")
     p.add_argument("--steps", type=int, default=64)
@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
                                         timing=eng.cuda and not graph, graph=graph)
         eng.close()
         row = stats.to_dict()
-        row["selector"] = selector if mode == "sparse-resident" else ("same-layer" if mode in MODES[:3] else "forecast")
+        row["selector"] = selector if mode == "sparse-resident" or (selector == "quest" and mode == MODES[2]) else (
+            "same-layer" if mode in MODES[:3] else "forecast")
         row["dynamic_reuse"] = meter.rate if meter else None
         return tokens, logits, row
 
