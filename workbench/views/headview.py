@@ -13,50 +13,25 @@ from typing import Any
 import torch
 
 from workbench.analysis.metrics import density, segment_mass
-from workbench.patterns import AShape, BlockSparse, Dense, VerticalSlash, block_proxy, vs_proxy
 from workbench.analysis.stats import attention_rows
+from workbench.patterns import BLOCK, pattern_class
 
 MAX_N = 8192
 
 
-def _toeplitz(offsets: torch.Tensor, n: int) -> torch.Tensor:
-    """Bool `[n, n]` with [i, j] = offsets[i - j] for j <= i, False above the diagonal (offsets: Bool `[n]`)."""
-    g = torch.cat([offsets.flip(0), offsets.new_zeros(n - 1)])  # g[t] = offsets[n - 1 - t]
-    return g.as_strided((n, n), (1, 1)).flip(0)  # row r of the strided view is row n - 1 - r of the mask
-
-
-def full_mask(index: Any, n: int, causal: torch.Tensor | None = None) -> torch.Tensor:
-    """Bool `[n, n]` of a one-head index (the same pairs as `index.row_mask(0, n, n)[0]`, built faster
-    for the built-in patterns: a Toeplitz band for slashes and windows, block expansion for tiles)."""
+def full_mask(index: Any, n: int) -> torch.Tensor:
+    """Bool `[n, n]` of a one-head index: its `row_mask(0, n, n)[0]`."""
     if index.n_heads != 1:
         raise ValueError(f"full_mask takes a one-head index, got {index.n_heads} heads: pick the head first")
-    causal = torch.ones(n, n, dtype=torch.bool).tril_() if causal is None else causal
-    if isinstance(index, VerticalSlash):
-        return (_toeplitz(index.offset_set(n)[0], n) | index.column_set(n)[0][None, :]) & causal
-    if isinstance(index, AShape):
-        pos = torch.arange(n)
-        return (_toeplitz(pos < index.window[0], n) | (pos < index.sink[0])[None, :]) & causal
-    if isinstance(index, BlockSparse):
-        b = index.block
-        s = index.block_set(n)[0]
-        return s.repeat_interleave(b, 0).repeat_interleave(b, 1)[:n, :n] & causal
-    if isinstance(index, Dense):
-        return causal
     return index.row_mask(0, n, n)[0]
 
 
 @torch.no_grad()
-def head_index(entry: Any, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any], block: int = 64):
+def head_index(entry: Any, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
+               block: int = BLOCK):
     """The one-head index a `HeadEntry` prescribes for this prompt (q, k `[N, D]`): what
     `HeadConfig.layer_index` builds for that head, without running the proxies of the other heads."""
-    p = entry.params
-    if entry.pattern == "vs":
-        return VerticalSlash(*vs_proxy(q[None], k[None], scale, p["vertical"], p["slash"], **proxy))
-    if entry.pattern == "block":
-        return BlockSparse(block_proxy(q[None], k[None], p["topk"], block), block)
-    if entry.pattern == "ashape":
-        return AShape(p["sink"], p["window"])
-    return Dense(1)
+    return pattern_class(entry.pattern).build([entry.params], q[None], k[None], scale, proxy, block)[0]
 
 
 class HeadView:
@@ -68,7 +43,6 @@ class HeadView:
             raise ValueError(f"HeadView keeps an N x N matrix: N = {n} is above {MAX_N}; use metrics.captured_mass "
                              "and metrics.output_error (row-chunked) for longer prompts")
         self.n = n
-        self.causal = torch.ones(n, n, dtype=torch.bool).tril_()
         self.v = v.float()
         self.p = torch.zeros(n, n)
         for r0, r1, p, _ in attention_rows(q[None], k[None], scale, chunk=512):
@@ -81,7 +55,7 @@ class HeadView:
 
         Returns {"rows": `[N]` captured mass per query row, "segments": {name: float} (all, first, middle,
         last third, last64), "rel_l2": float, "cosine": float, "logical": float, "physical": float}."""
-        kept = self.p * full_mask(index, self.n, self.causal)
+        kept = self.p * full_mask(index, self.n)
         rows = kept.sum(-1)
         sparse = (kept @ self.v) / rows[:, None]
         err2 = (sparse - self.dense).square().sum().double()
