@@ -29,18 +29,20 @@ from workbench.patterns.infllm import Budget
 from workbench.decode.engine.cache import BlockCache
 from workbench.decode.engine.llama import LlamaLayers
 from workbench.decode.engine.select import CompressedKeyBuffer, all_blocks, select_decode
+from workbench.decode.quest import QuestPages
 from workbench.decode.engine.store import BLOCK, GiB, BlockStore, StoreCapacityError, StoreSpec, host_memory_available
 
 MODES = ("dense-resident", "sparse-resident", "sparse-offload-sync", "sparse-offload-forecast",
          "forecast-without-prefetch")
-SELECTORS = ("same-layer", "forecast")
+SELECTORS = ("same-layer", "forecast", "quest")  # quest: workbench.decode.quest page bounds
 OFFLOAD = MODES[2:]
 SelectHook = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How to decode. `selector` only matters for sparse-resident (offload modes fix their own);
+    """How to decode. `selector` only matters for sparse-resident (offload modes fix their own; "quest"
+    also replaces InfLLM-V2 in sparse-offload-sync);
     `cache_blocks` = GPU cache slots per (sequence, KV head), default budget.total; `ctas` = programs of
     the gather kernel; `kernels` = "triton", "torch" (reference) or "auto" (Triton on CUDA)."""
 
@@ -176,6 +178,8 @@ class DecodeEngine:
             if self.offload else []
         self.ck = [CompressedKeyBuffer(batch, Hkv, D, self.max_tokens, config.budget, dev, self.dtype) for _ in range(L)] \
             if self.sparse else []
+        self.quest = [QuestPages(batch, Hkv, D, nb, dev) for _ in range(L)] \
+            if self.sparse and config.selector == "quest" and not config.uses_forecast else []
         self.heads = None
         if config.uses_forecast:
             if heads is None:
@@ -234,6 +238,8 @@ class DecodeEngine:
                 dv[b, :, :n] = v.to(dv.device)
                 if self.sparse:
                     self.ck[layer].fill(b, k)
+                if self.quest:
+                    self.quest[layer].fill(b, k)
             first[b] = logits.argmax()
             self.positions[b] = n
         return first
@@ -324,14 +330,18 @@ class DecodeEngine:
                 forecast[layer + 1] = blocks_next
             if self.sparse:
                 self.ck[layer].append(k, pos)
+            if self.quest:
+                self.quest[layer].append(k, pos)
             # ---- this layer's selection
             if not self.sparse:
                 blocks = all_blocks(pos, Hkv, self.n_blocks)
             elif cfg.uses_forecast:
                 blocks = forecast[layer] if layer > 0 else self._forecast(0, h, cosf, sinf, pos)
             else:
-                blocks = self._select_hooked(layer, select_decode(q.view(B, Hkv, G, D), self.ck[layer], pos, pos,
-                                                                  self.n_blocks, cfg.budget))
+                blocks = self._select_hooked(layer, self.quest[layer].select(q.view(B, Hkv, G, D), pos, self.n_blocks,
+                                                                             cfg.budget) if self.quest else
+                                             select_decode(q.view(B, Hkv, G, D), self.ck[layer], pos, pos,
+                                                           self.n_blocks, cfg.budget))
             # ---- KV in place, then attention
             if offloaded:
                 cache = self.caches[layer - 1]
@@ -451,6 +461,6 @@ class DecodeEngine:
 
     def close(self) -> None:
         """Drop the GPU buffers and the CUDA graph, and unpin the host store if this engine made it."""
-        self.kv, self.caches, self.ck, self._graph, self._graph_io = [], [], [], None, None
+        self.kv, self.caches, self.ck, self.quest, self._graph, self._graph_io = [], [], [], [], None, None
         if self.offload and self._own_store:
             self.store.close()
