@@ -47,7 +47,7 @@ class AShape(PatternBase):
         check_rows(r0, r1, n)
         pos = torch.arange(n)
         band = toeplitz_rows(pos[None, :] < self.window[:, None], r0, r1, n)
-        return band | ((pos[None, :] < self.sink[:, None])[:, None, :] & causal_rows(r0, r1, n))
+        return band.logical_or_((pos[None, :] < self.sink[:, None])[:, None, :] & causal_rows(r0, r1, n))
 
     def edges(self, n: int) -> torch.Tensor:
         i = torch.arange(n)[None, :]

@@ -14,6 +14,7 @@ to pattern classes through `PATTERNS`, filled by the `register_pattern` class de
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, ClassVar, Protocol, Sequence
 
 import torch
@@ -99,11 +100,11 @@ def pattern_class(kind: str) -> type:
 
 # ----------------------------------------------------------------------------- shared geometry
 
+@functools.lru_cache(maxsize=4)
 def causal_rows(r0: int, r1: int, n: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Bool `[r1-r0, n]`: the causal mask of rows r0..r1-1."""
-    i = torch.arange(r0, r1, device=device)[:, None]
-    j = torch.arange(n, device=device)[None, :]
-    return j <= i
+    """Bool `[r1-r0, n]`: the causal mask of rows r0..r1-1. Cached (the dashboard asks for the same
+    8K x 8K mask on every edit): read it, never write into it."""
+    return torch.ones(r1 - r0, n, dtype=torch.bool, device=device).tril_(r0)
 
 
 def toeplitz_rows(diag: torch.Tensor, r0: int, r1: int, n: int) -> torch.Tensor:

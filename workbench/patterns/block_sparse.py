@@ -53,7 +53,7 @@ class BlockSparse(PatternBase):
         b = self.block
         m0, m1 = r0 // b, -(-r1 // b)
         s = self.block_set(n)[:, m0:m1].repeat_interleave(b, 1)[:, r0 - m0 * b:r1 - m0 * b]
-        return s.repeat_interleave(b, 2)[:, :, :n] & causal_rows(r0, r1, n, s.device)
+        return s.repeat_interleave(b, 2)[:, :, :n].logical_and_(causal_rows(r0, r1, n, s.device))
 
     def edges(self, n: int) -> torch.Tensor:
         s = self.block_set(n).long()

@@ -56,7 +56,7 @@ class VerticalSlash(PatternBase):
     def row_mask(self, r0: int, r1: int, n: int) -> torch.Tensor:
         check_rows(r0, r1, n)
         causal = causal_rows(r0, r1, n, self.columns.device)
-        return toeplitz_rows(self.offset_set(n), r0, r1, n) | (self.column_set(n)[:, None, :] & causal)
+        return toeplitz_rows(self.offset_set(n), r0, r1, n).logical_or_(self.column_set(n)[:, None, :] & causal)
 
     def edges(self, n: int) -> torch.Tensor:
         c, d = self.column_set(n).long(), self.offset_set(n).long()

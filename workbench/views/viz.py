@@ -20,10 +20,12 @@ import torch
 
 from workbench.analysis.head_kinds import HeadProfile
 from workbench.analysis.stats import LayerStats, attention_rows
+from workbench.patterns import PATTERNS
 
 KIND_COLORS = {"sink+local": "#4c78a8", "vertical": "#f58518", "slash": "#54a24b", "block": "#b279a2", "diffuse": "#9d9d9d"}
 PATTERN_COLORS = {"vs": "#f58518", "ashape": "#4c78a8", "block": "#b279a2", "dense": "#7f7f7f"}
 PATTERN_NAMES = {"vs": "Vertical-Slash", "ashape": "A-shape", "block": "Block-Sparse", "dense": "dense"}
+_SPARE_COLORS = ["#e45756", "#72b7b2", "#eeca3b", "#ff9da6", "#9d755d", "#54a24b"]  # kinds registered later
 TIME_PARTS = ("T_proj", "T_index", "T_sparse", "T_other")
 TIME_COLORS = {"T_proj": "#4c78a8", "T_index": "#f58518", "T_sparse": "#54a24b", "T_other": "#9d9d9d"}
 STREAM_COLORS = {"compute": "#4c78a8", "copy": "#f58518", "stall": "#e45756"}
@@ -157,10 +159,16 @@ def _patterns_and_recall(patterns: Any, recall: Any) -> tuple[list[list[str]], n
     if r.shape != (len(names), len(names[0]) if names else 0) or any(len(row) != r.shape[1] for row in names):
         raise ValueError(f"recall has shape {r.shape} but patterns is {len(names)} x {len(names[0]) if names else 0}: "
                          "give one value per (layer, head)")
-    unknown = {p for row in names for p in row} - set(PATTERN_COLORS)
+    unknown = {p for row in names for p in row} - set(PATTERNS)
     if unknown:
-        raise ValueError(f"unknown pattern names {sorted(unknown)}: use {list(PATTERN_COLORS)}")
+        raise ValueError(f"unknown pattern names {sorted(unknown)}: use {sorted(PATTERNS)}")
     return names, r, labels
+
+
+def pattern_colors() -> dict[str, str]:
+    """Colour of every registered pattern kind: the built-in ones fixed, later ones from a spare palette."""
+    extra = sorted(set(PATTERNS) - set(PATTERN_COLORS))
+    return {**PATTERN_COLORS, **{kind: _SPARE_COLORS[i % len(_SPARE_COLORS)] for i, kind in enumerate(extra)}}
 
 
 def _tint(color: str, white: float) -> str:
@@ -174,14 +182,14 @@ def pattern_grid(patterns: Any, recall: Any = None, title: str | None = None, fl
     lowest recall in the grid or `floor`, full colour = 1).
 
     `patterns`: a HeadConfig (recall defaults to each head's calibration mean) or names `[L][H]` from
-    {"vs", "ashape", "block", "dense"} with `recall` `[L, H]`. Click data: x = head, y = layer."""
+    the registered kinds (`workbench.patterns.PATTERNS`) with `recall` `[L, H]`. Click data: x = head, y = layer."""
     go = _go()
     names, r, labels = _patterns_and_recall(patterns, recall)
     L, H = r.shape
     lo = float(np.nanmin(r)) if floor is None else floor
     lo = min(lo, 0.99)
     fig = go.Figure()
-    for pat, color in PATTERN_COLORS.items():
+    for pat, color in pattern_colors().items():
         mask = np.array([[p == pat for p in row] for row in names])
         if not mask.any():
             continue
@@ -190,9 +198,9 @@ def pattern_grid(patterns: Any, recall: Any = None, title: str | None = None, fl
                 for l in range(L)]
         fig.add_trace(go.Heatmap(z=z, x=list(range(H)), y=list(range(L)), zmin=lo, zmax=1, showscale=False,
                                  colorscale=[[0, _tint(color, 0.75)], [1, color]], text=text, hoverinfo="text",
-                                 xgap=1, ygap=1, name=PATTERN_NAMES[pat]))
+                                 xgap=1, ygap=1, name=PATTERN_NAMES.get(pat, pat)))
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", marker=dict(size=10, color=color, symbol="square"),
-                                 name=f"{PATTERN_NAMES[pat]} ({int(mask.sum())})", showlegend=True))
+                                 name=f"{PATTERN_NAMES.get(pat, pat)} ({int(mask.sum())})", showlegend=True))
     fig.update_layout(title=title or f"pattern per head (shade: recall {lo:.2f} .. 1)", plot_bgcolor="white",
                       xaxis_title="query head", yaxis_title="layer", yaxis_autorange="reversed",
                       height=max(320, 16 * L + 140), width=max(380, 36 * H + 260))
@@ -234,19 +242,20 @@ def head_thumbnails(thumbs: Any, patterns: Any = None, recall: Any = None, title
         names, r, labels = _patterns_and_recall(patterns, recall)
         if r.shape != (L, H):
             raise ValueError(f"patterns/recall are {r.shape} but thumbs has {L} layers x {H} heads")
+        colors = pattern_colors()
         for l in range(L):
             for h in range(H):
                 fig.add_shape(type="rect", x0=h * pitch - 0.5, x1=(h + 1) * pitch - 1.5, y0=l * pitch - 0.5,
-                              y1=(l + 1) * pitch - 1.5, line=dict(color=PATTERN_COLORS[names[l][h]], width=2))
+                              y1=(l + 1) * pitch - 1.5, line=dict(color=colors[names[l][h]], width=2))
         hover = [f"L{layers[l]} H{h}: {labels[l][h]}<br>recall {r[l, h]:.3f}" for l in range(L) for h in range(H)]
         # recall printed in each map's empty (non-causal) upper-right corner
         fig.add_trace(go.Scatter(x=[h * pitch + 0.72 * pitch for l in range(L) for h in range(H)],
                                  y=[l * pitch + 0.22 * pitch for l in range(L) for h in range(H)], mode="text",
                                  text=[f"{r[l, h]:.2f}" for l in range(L) for h in range(H)], hoverinfo="skip",
                                  textfont=dict(size=9, color="#333"), showlegend=False, name="recall"))
-        for pat, color in PATTERN_COLORS.items():
+        for pat, color in colors.items():
             if any(p == pat for row in names for p in row):
-                fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=PATTERN_NAMES[pat],
+                fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=PATTERN_NAMES.get(pat, pat),
                                          marker=dict(size=10, color=color, symbol="square-open")))
     fig.add_trace(go.Scatter(x=centers_x, y=centers_y, mode="markers", marker=dict(size=max(4, s), opacity=0),
                              text=hover, hoverinfo="text", showlegend=False, name="heads"))
@@ -317,13 +326,6 @@ def attention_zoom(q: torch.Tensor, k: torch.Tensor, scale: float, head: int, ro
 
 # ----------------------------------------------------------------------------- pattern overlays
 
-def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
-    """[(start, stop)] of the True runs of a 1-D bool array."""
-    m = np.concatenate([[False], mask.astype(bool), [False]])
-    edges = np.flatnonzero(m[1:] != m[:-1])
-    return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
-
-
 def _polys(polys: list[list[tuple[float, float]]]) -> tuple[list, list]:
     xs: list = []
     ys: list = []
@@ -336,67 +338,19 @@ def _polys(polys: list[list[tuple[float, float]]]) -> tuple[list, list]:
     return xs, ys
 
 
-def _head_part(pattern: Any, head: int) -> tuple[Any, int]:
-    """The pattern object and local head index that hold `head` (unwraps a Stack)."""
-    if not hasattr(pattern, "n_heads"):
-        raise ValueError(f"cannot draw a {type(pattern).__name__}: use AShape, VerticalSlash, BlockSparse, Dense or Stack")
-    if not 0 <= head < pattern.n_heads:
-        raise ValueError(f"head {head} is out of range: the pattern has heads 0..{pattern.n_heads - 1}")
-    if hasattr(pattern, "parts"):
-        for part in pattern.parts:
-            if head < part.n_heads:
-                return _head_part(part, head)
-            head -= part.n_heads
-    return pattern, head
-
-
-def _column_poly(a: int, b: int, e: float) -> list[tuple[float, float]]:
-    """Keys a..b-1 from their own row down: {(j, i): a <= j < b, j <= i}; top edge on y = x - 0.5."""
-    return [(a - 0.5, a - 1), (b - 0.5, b - 1), (b - 0.5, e), (a - 0.5, e)]
-
-
-def _band_poly(a: int, b: int, e: float) -> list[tuple[float, float]]:
-    """Offsets a..b-1: {(j, i): a <= i - j < b}, between the lines y - x = a - 0.5 and y - x = b - 0.5."""
-    return [(-0.5, a - 1), (e - a + 0.5, e), (e - b + 0.5, e), (-0.5, b - 1)]
-
-
 def pattern_shapes(pattern: Any, head: int, n: int) -> dict[str, list[list[tuple[float, float]]]]:
     """Polygons of one head's index in token coordinates (x = key j, y = query i; the lattice point
-    (j, i) is inside exactly when the index keeps that causal pair): {"sink", "window"} for A-shape,
-    {"columns", "slashes"} for VS, {"blocks"} for block-sparse (tiles; causality is the map's own),
-    {"dense"} for dense."""
-    from workbench.patterns import AShape, BlockSparse, Dense, VerticalSlash
-
-    p, h = _head_part(pattern, head)
-    e = n - 0.5
-    if isinstance(p, Dense):
-        return {"dense": [_column_poly(0, n, e)]}
-    if isinstance(p, AShape):
-        g, w = min(int(p.sink[h]), n), int(p.window[h])
-        out = {"window": [_band_poly(0, min(w, n), e)]}
-        if g > 0:
-            out["sink"] = [_column_poly(0, g, e)]
-        return out
-    if isinstance(p, VerticalSlash):
-        cols = p.column_set(n)[h].numpy()
-        offs = p.offset_set(n)[h].numpy()
-        return {"columns": [_column_poly(a, b, e) for a, b in _runs(cols)],
-                "slashes": [_band_poly(a, b, e) for a, b in _runs(offs)]}
-    if isinstance(p, BlockSparse):
-        s = p.block_set(n)[h].numpy()
-        bs = p.block
-        blocks = []
-        for m in range(s.shape[0]):
-            y0, y1 = m * bs - 0.5, min(n, (m + 1) * bs) - 0.5
-            for a, b in _runs(s[m]):
-                x0, x1 = a * bs - 0.5, min(n, b * bs) - 0.5
-                blocks.append([(x0, y0), (x1, y0), (x1, y1), (x0, y1)])
-        return {"blocks": blocks}
-    raise ValueError(f"cannot draw a {type(p).__name__}: use AShape, VerticalSlash, BlockSparse, Dense or Stack")
+    (j, i) is inside exactly when the index keeps that causal pair): the pattern's own `shapes`, e.g.
+    {"sink", "window"} for A-shape, {"columns", "slashes"} for VS, {"blocks"} for block-sparse."""
+    if not callable(getattr(pattern, "shapes", None)):
+        raise ValueError(f"cannot draw a {type(pattern).__name__}: use a pattern of workbench.patterns "
+                         "(AShape, VerticalSlash, BlockSparse, Dense, Stack, ...)")
+    return pattern.shapes(head, n)
 
 
 _OVERLAY_COLORS = {"sink": "#00c2ff", "window": "#00c2ff", "columns": "#00e676", "slashes": "#2979ff",
                    "blocks": "#00e676", "dense": "#bbbbbb"}
+_OVERLAY_DEFAULT = "#ffd600"  # parts of patterns added later
 
 
 def add_pattern(fig: Any, pattern: Any, head: int, n: int, opacity: float = 0.18) -> Any:
@@ -408,7 +362,7 @@ def add_pattern(fig: Any, pattern: Any, head: int, n: int, opacity: float = 0.18
         if not polys:
             continue
         xs, ys = _polys(polys)
-        c = _OVERLAY_COLORS[name]
+        c = _OVERLAY_COLORS.get(name, _OVERLAY_DEFAULT)
         rgb = tuple(int(c[i:i + 2], 16) for i in (1, 3, 5))
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", fill="toself", name=f"{name} ({len(polys)})",
                                  line=dict(color=c, width=1), fillcolor=f"rgba{(*rgb, opacity)}", hoverinfo="skip"))
@@ -455,10 +409,10 @@ def head_tradeoff(evidence: Any, layer: int, head: int, target: float | None = N
     physical = evidence.density()[1][:, layer, head].mean(0)
     worst = evidence.mass[:, layer, head].amin(0)
     curves = {}
-    for pat in PATTERN_COLORS:
+    for pat in pattern_colors():
         idx = [c for c, cand in enumerate(evidence.candidates) if cand.pattern == pat]
         if idx:
-            curves[PATTERN_NAMES[pat]] = (physical[idx], worst[idx])
+            curves[PATTERN_NAMES.get(pat, pat)] = (physical[idx], worst[idx])
     return mass_budget(None, curves, target=target, x_title="physical density (tiles / causal tiles)",
                        title=title or f"L{layer} H{head}: captured mass (worst sample) vs cost")
 
