@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from workbench.patterns import AShape, BlockSparse, Dense, VerticalSlash, causal_tiles
+from workbench.patterns import PATTERNS, Stack, causal_tiles
+from workbench.patterns.base import NO_WINDOW
 
 BENCH = Path(__file__).resolve().parents[2] / "assets" / "benchmarks" / "prefill_h200.json"
-KERNELS = {"vertical_slash": "vs", "block_sparse": "block", "a_shape": "ashape", "dense_sdpa": "dense"}
 
 
 def load_bench(path: str | Path = BENCH) -> dict[str, Any]:
@@ -34,9 +34,10 @@ def load_bench(path: str | Path = BENCH) -> dict[str, Any]:
 def tile_rates(bench: dict[str, Any], shape: str = "embedded", block: int = 64) -> dict[str, dict[str, float]]:
     """{pattern: {"per_tile_ms": ms per 64x64 tile of one query head, "index_ms": index build per query
     head}} from the benchmark rows of `shape` at `block` (median over lengths)."""
+    kernels = {cls.bench_kernel: kind for kind, cls in PATTERNS.items() if cls.bench_kernel}
     rates: dict[str, dict[str, list[float]]] = {}
     for row in bench.get("rows", []):
-        pattern = KERNELS.get(str(row.get("kernel")).split("@")[0])  # "vertical_slash@512": a second budget
+        pattern = kernels.get(str(row.get("kernel")).split("@")[0])  # "vertical_slash@512": a second budget
         if pattern is None or row.get("shape") != shape or str(row.get("block", block)) != str(block):
             continue
         heads = row["q_heads"]
@@ -73,28 +74,13 @@ def _median_ms(fn, reps: int) -> float:
 
 
 def layer_tiles(parts: list[Any], n: int, device: torch.device | str = "cpu"):
-    """One layer's per-head patterns (a `Stack`'s parts, one head each) -> (VSTiles, sink `[H]`,
-    window `[H]`) for `workbench_kernels.prefill.sparse_prefill` (window NO_WINDOW where not A-shape)."""
-    from workbench_kernels.index_ref import ashape_to_tiles, block_sparse_to_tiles, merge_tiles, vs_to_tiles
-    from workbench_kernels.prefill import NO_WINDOW
-
-    groups, sink, window = [], [], []
-    for h, p in enumerate(parts):
-        if isinstance(p, VerticalSlash):
-            t = vs_to_tiles(p.columns[None].to(device), p.offsets[None].to(device), n)
-            s, w = 0, NO_WINDOW
-        elif isinstance(p, BlockSparse):
-            t = block_sparse_to_tiles(p.block_index[None].to(device), n)
-            s, w = 0, NO_WINDOW
-        elif isinstance(p, (AShape, Dense)):
-            s, w = (int(p.sink[0]), int(p.window[0])) if isinstance(p, AShape) else (0, n)
-            t = ashape_to_tiles([s], [w], n, device=device)
-        else:
-            raise ValueError(f"head {h}: cannot run a {type(p).__name__} in the kernel")
-        groups.append(([h], t))
-        sink.append(s)
-        window.append(w)
-    return merge_tiles(groups, len(parts)), torch.tensor(sink), torch.tensor(window)
+    """One layer's per-head patterns (a `Stack`'s parts) -> (VSTiles, sink `[H]`, window `[H]`) for
+    `workbench_kernels.prefill.sparse_prefill`: the stack's `to_tiles` and `token_band` (window
+    NO_WINDOW where a head has no band)."""
+    stack = Stack(parts)
+    h = stack.n_heads
+    sink, window = stack.token_band() or (torch.zeros(h, dtype=torch.long), torch.full((h,), NO_WINDOW))
+    return stack.to_tiles(n).to(device), sink, window
 
 
 @torch.no_grad()
