@@ -26,7 +26,7 @@ import torch
 
 from workbench.core.io import write_json
 from workbench.core.model import ModelShape
-from workbench.patterns import AShape, BlockSparse, Dense, Stack, VerticalSlash, block_proxy, pattern_class, vs_proxy
+from workbench.patterns import Stack, pattern_class
 
 FORMAT = "workbench.head_config"
 VERSION = 1
@@ -279,35 +279,15 @@ class HeadConfig:
         """Build the index this config prescribes for one layer of one prompt: q `[Hq, N, D]`,
         k `[Hkv, N, D]` -> a Stack of one pattern per query head (proxies run once for all heads)."""
         entries = self.layer(layer)
-        hq, n = q.shape[0], q.shape[1]
+        hq = q.shape[0]
         if hq != len(entries):
             raise ConfigError(f"q has {hq} heads but the config's layer {layer} has {len(entries)}: "
                               "use the config made for this model")
-        vs_heads = [e for e in entries if e.pattern == "vs"]
-        block_heads = [e for e in entries if e.pattern == "block"]
-        cols = offs = table = None
-        if vs_heads:
-            budget = lambda key: torch.tensor([e.params.get(key, 0) if e.pattern == "vs" else 0 for e in entries])  # noqa: E731
-            cols, offs = vs_proxy(q, k, scale, budget("vertical"), budget("slash"), **self.proxy)
-        if block_heads:
-            topk = torch.tensor([e.params["topk"] if e.pattern == "block" else 1 for e in entries])
-            table = block_proxy(q, k, topk, self.block)
-        parts, other = [], {}
-        for h, e in enumerate(entries):
-            if e.pattern == "vs":
-                parts.append(VerticalSlash(cols[h:h + 1], offs[h:h + 1]))
-            elif e.pattern == "ashape":
-                parts.append(AShape(e.params["sink"], e.params["window"]))
-            elif e.pattern == "block":
-                parts.append(BlockSparse(table[h:h + 1], self.block))
-            elif e.pattern == "dense":
-                parts.append(Dense(1))
-            else:  # another registered kind: its own online builder, once per kind for all its heads
-                if e.pattern not in other:
-                    other[e.pattern] = pattern_class(e.pattern).build(
-                        [x.params if x.pattern == e.pattern else None for x in entries], q, k, scale, self.proxy, self.block)
-                parts.append(other[e.pattern][h])
-        return Stack(parts)
+        parts: dict[int, Any] = {}
+        for kind in dict.fromkeys(e.pattern for e in entries):  # each kind's online index, once for all its heads
+            parts.update(pattern_class(kind).build([e.params if e.pattern == kind else None for e in entries],
+                                                   q, k, scale, self.proxy, self.block))
+        return Stack([parts[h] for h in range(hq)])
 
     # ---- MInference ----------------------------------------------------------------------------
     def to_minference(self) -> list[dict[str, list]]:
