@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from workbench.patterns.infllm import Budget
+from workbench.patterns.infllm import Budget, forced_and_future
 from workbench.decode.engine.store import BLOCK
 
 
 def forced_mask(positions: torch.Tensor, n_blocks: int, budget: Budget) -> torch.Tensor:
     """Bool `[B, 1, n_blocks]`: init blocks and the `local` blocks ending at each position's block."""
-    ids = torch.arange(n_blocks, device=positions.device).view(1, 1, -1)
-    m = (positions // BLOCK).view(-1, 1, 1)
-    return ((ids < budget.init) | ((ids > m - budget.local) & (ids <= m))) & (ids <= m)
+    return forced_and_future(positions // BLOCK, n_blocks, budget.init, budget.local)[0].unsqueeze(1)
 
 
 class ReuseMeter:
