@@ -10,6 +10,7 @@ run: $(STAMP)
 	$(BIN)/workbench analyze --out reports/analyze
 
 test: $(STAMP) browser
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -n 2 --dist loadgroup tests
 
 install: $(STAMP)
