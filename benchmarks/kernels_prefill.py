@@ -206,7 +206,6 @@ def run(args: argparse.Namespace) -> int:
 
     from workbench.core.io import write_json
     from workbench.patterns import AShape, BlockSparse, VerticalSlash
-    from workbench.patterns.vertical_slash import membership
     from workbench_kernels.index_build import block_index, vs_index, vs_tiles
     from workbench_kernels.index_ref import (ashape_to_tiles, block_sparse_to_tiles, expand_groups, merge_tiles,
                                              selected_block_tiles, tile_area)
@@ -307,10 +306,11 @@ def run(args: argparse.Namespace) -> int:
             tiles, t_a = sync_ms(lambda: ashape_to_tiles([args.sink] * hkv, [args.window] * hkv, n, 1, rb, dev, pw))
             _, t_a = sync_ms(lambda: ashape_to_tiles([args.sink] * hkv, [args.window] * hkv, n, 1, rb, dev, pw))
             indexes[("a_shape", blk)] = (tiles, t_a, ([args.sink] * hq, [args.window] * hq))
+        layer_patterns = {"vertical_slash": VerticalSlash(vs_cols[0], vs_offs[0]), "block_sparse": BlockSparse(bidx[0]),
+                          "a_shape": AShape(args.sink, args.window, hq)}
         logical = {
             **{name: VerticalSlash(c[0], o[0]).edges(n).sum().item() for name, (c, o) in vs_sets.items()},
-            "block_sparse": BlockSparse(bidx[0]).edges(n).sum().item(),
-            "a_shape": AShape(args.sink, args.window, hq).edges(n).sum().item(),
+            **{name: p.edges(n).sum().item() for name, p in layer_patterns.items() if name != "vertical_slash"},
         }
 
         if args.sweep:
@@ -361,20 +361,12 @@ def run(args: argparse.Namespace) -> int:
                 touched = touched_blocks(expand_groups(tiles, hq // tiles.shape[1]), n)
                 M = touched.shape[-1]
                 eye = torch.eye(M, dtype=torch.bool, device=dev)
+                mask_mod = layer_patterns[pattern].mask_mod(n, dev)  # the pattern's logical mask (batch 1)
                 if pattern == "vertical_slash":
-                    cset, oset = membership(vs_cols, n), membership(vs_offs, n)
-                    oset[..., 0] = True
-
-                    def mask_mod(b, h, qi, ki, cset=cset, oset=oset):
-                        return (ki <= qi) & (cset[b, h, ki] | oset[b, h, (qi - ki).clamp(min=0)])
                     full = torch.zeros_like(touched)
                 elif pattern == "block_sparse":
-                    def mask_mod(b, h, qi, ki):
-                        return ki <= qi
                     full = touched & ~eye
                 else:
-                    def mask_mod(b, h, qi, ki, g=args.sink, w=args.window):
-                        return (ki <= qi) & ((qi - ki < w) | (ki < g))
                     mb = torch.arange(M, device=dev)
                     kb_hi = mb[None, :] * 64 + 63
                     in_window = mb[None, :] * 64 >= mb[:, None] * 64 + 63 - args.window + 1
