@@ -25,6 +25,7 @@ import param
 import torch
 
 from workbench.search.config import PARAMS, ConfigError, HeadConfig, HeadEntry
+from workbench.search.search import TARGET
 from workbench.core.corpus import TASKS
 
 CONFIG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -152,6 +153,7 @@ class Session(param.Parameterized):
     task = param.Selector(default="passkey", objects=list(TASKS))
     length = param.Integer(default=4096, bounds=(128, None))
     seed = param.Integer(default=0, bounds=(0, None))
+    target = param.Number(default=TARGET, bounds=(0.01, 1.0), doc="captured-mass target of the search (search.choose)")
     layer = param.Integer(default=0, bounds=(0, None))
     head = param.Integer(default=0, bounds=(0, None))
 
@@ -240,7 +242,7 @@ class Session(param.Parameterized):
             choice = str(path) if path.exists() else "search"
         if choice != "search":
             return HeadConfig.load(choice, self.shape)
-        return SHARED.memo(("search", self.capture_key), self._search)
+        return SHARED.memo(("search", self.capture_key, self.target), self._search)
 
     def _search(self) -> HeadConfig:
         """The search on this one sample (`search.layer_scores` per captured layer, then `choose`);
@@ -255,7 +257,7 @@ class Session(param.Parameterized):
             q, k, _ = cap.layer_qkv(layer)
             ev.fill(0, i, layer_scores(q, k, cap.scale, cands))
         skipped = [l for l in range(shape.n_layers) if l not in cap.layers]
-        cfg = build_config(ev, choose(ev), shape.to_dict(), target=0.95, provenance={
+        cfg = build_config(ev, choose(ev, self.target), shape.to_dict(), target=self.target, provenance={
             "command": "workbench dashboard (search on the loaded sample)", "dense_not_searched": skipped})
         heads = {(cap.layers[e.layer], e.head): HeadEntry.from_dict({**e.to_dict(), "layer": cap.layers[e.layer]})
                  for e in cfg.heads}
