@@ -23,3 +23,16 @@ def capture_256(embedded):
     model, tok, shape = embedded
     sample = make_sample("passkey", tok, 256, seed=0)
     return capture_attention(model, shape, sample.input_ids, hidden=True, progress=False)
+
+
+MODEL_FIXTURES = {"embedded", "capture_256"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that use the embedded model's fixtures carry the `model` marker; `gpu` tests skip without CUDA."""
+    no_cuda = pytest.mark.skip(reason="needs a CUDA device (marker gpu)")
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("model") is None:
+            item.add_marker(pytest.mark.model)
+        if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
+            item.add_marker(no_cuda)
