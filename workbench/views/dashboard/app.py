@@ -9,7 +9,9 @@ from __future__ import annotations
 import html
 import io
 import os
-from typing import Any
+import threading
+from functools import partial
+from typing import Any, Callable
 
 import pandas as pd
 import panel as pn
@@ -20,6 +22,26 @@ from workbench.search.config import PARAMS
 from workbench.views.dashboard.state import Session, Settings
 
 pn.extension("plotly", "tabulator")
+
+
+def on_page_loop(fn: Callable) -> Callable:
+    """`fn`, made safe to fire from a background job's thread: there it is queued onto this page's own
+    event loop (`Document.add_next_tick_callback`, Bokeh's thread-safe way in); on the loop, or outside a
+    server, it runs at once. Call while the page is being built (on the loop). Session jobs finish on the
+    shared executor, often within milliseconds when another session has filled the shared memo: changing
+    widgets from that thread while the loop was still handling the click left the page 'busy' for good."""
+    doc, loop = pn.state.curdoc, threading.get_ident()
+    if doc is None or doc.session_context is None:
+        return fn
+
+    def call(*args: Any) -> None:
+        if threading.get_ident() == loop:
+            fn(*args)
+        else:
+            doc.add_next_tick_callback(partial(fn, *args))
+
+    return call
+
 
 _DEFAULTS = {"vertical": 1000, "slash": 6096, "sink": 64, "window": 512, "topk": 16, "last": 64, "dilation": 2,
              "stride": 8, "tau_milli": 900, "gamma_milli": 900, "min_budget": 256}  # issue 19 kinds: last .. min_budget
@@ -64,7 +86,7 @@ class _View(pn.viewable.Viewer):
             self.session.error = str(e)
             return
         if then is not None:
-            job.add_done_callback(lambda _: then())
+            job.add_done_callback(on_page_loop(lambda _: then()))
 
     def _draw(self) -> None:
         raise NotImplementedError
@@ -77,7 +99,7 @@ class HeadsView(_View):
         super().__init__(**params)
         self.plot = pn.pane.Plotly(None, css_classes=["wb-grid"], config={"displayModeBar": False})
         self.plot.param.watch(self._clicked, "click_data")
-        self.session.param.watch(self.changed, "grid_version")
+        self.session.param.watch(on_page_loop(self.changed), "grid_version")
 
     def _draw(self) -> None:
         s = self.session
@@ -109,7 +131,7 @@ class HeadView(_View):
         self.pattern.param.watch(lambda _: self._show_sizes(), "value")
         for w in (self.pattern, *self.sizes.values()):
             w.param.watch(self._edited, "value")
-        self.session.param.watch(self.changed, "head_version")
+        self.session.param.watch(on_page_loop(self.changed), "head_version")
 
     def _draw(self) -> None:
         s, r = self.session, self.session.head_result
@@ -170,7 +192,7 @@ class ProxyView(_View):
         self.table = pn.widgets.Tabulator(pd.DataFrame(), pagination="remote", page_size=20, disabled=True,
                                           show_index=False, css_classes=["wb-proxy"], sizing_mode="stretch_width")
         self.bars = pn.pane.Plotly(None, config={"displayModeBar": False})
-        self.session.param.watch(self.changed, "grid_version")
+        self.session.param.watch(on_page_loop(self.changed), "grid_version")
 
     def _draw(self) -> None:
         rows = self.session.proxy_rows()
@@ -313,7 +335,7 @@ class Dashboard(pn.viewable.Viewer):
         self.error = pn.pane.Alert("", alert_type="danger", visible=False, css_classes=["wb-error"])
         self.reload.on_click(lambda _: self._start(s.load))
         self.open.on_click(lambda _: self._start(lambda: s.select(self.layer.value, self.head.value)))
-        s.param.watch(self._progress, ["progress", "status", "busy", "error", "head_version"])
+        s.param.watch(on_page_loop(self._progress), ["progress", "status", "busy", "error", "head_version"])
         self.views = {"Heads": HeadsView(session=s), "Head": HeadView(session=s), "Proxy": ProxyView(session=s),
                       "Forecast": ForecastView(session=s), "Latency": LatencyView(session=s),
                       "Export/Import": ExportView(session=s)}
