@@ -16,17 +16,18 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import param
 import torch
 
+from workbench.core.corpus import TASKS
 from workbench.search.config import PARAMS, ConfigError, HeadConfig, HeadEntry
 from workbench.search.search import TARGET
-from workbench.core.corpus import TASKS
 
 CONFIG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 FORECAST_REPORTS = ("reports/forecast/forecast.json", "assets/benchmarks/forecast_cpu.json")
@@ -63,7 +64,7 @@ class Settings:
             raise ValueError(f"layers {text!r} must look like 0-3 or 0,5,9") from None
 
     @classmethod
-    def from_env(cls, env: dict[str, str]) -> "Settings":
+    def from_env(cls, env: dict[str, str]) -> Settings:
         get = lambda key, default=None: env.get(f"WORKBENCH_DASHBOARD_{key}") or default  # noqa: E731
         return cls(model=get("MODEL"), task=get("TASK", "passkey"), length=int(get("LENGTH", 4096)),
                    seed=int(get("SEED", 0)), config=get("CONFIG"), configs_dir=get("CONFIGS_DIR", "configs"),
@@ -295,9 +296,9 @@ class Session(param.Parameterized):
         return self.run_job(f"opening layer {layer} head {head}", self._select)
 
     def _select(self) -> None:
-        from workbench.views.headview import HeadView
-        from workbench.search.search import HeadCache
         from workbench.analysis.stats import layer_stats
+        from workbench.search.search import HeadCache
+        from workbench.views.headview import HeadView
 
         cap, layer, head = self.capture, self.layer, self.head
         self._step(f"opening layer {layer} head {head}", 0, 3)
@@ -343,10 +344,10 @@ class Session(param.Parameterized):
 
     def _score_head(self, publish: bool = True) -> dict[str, Any]:
         """Numbers of the selected head under its current entry; updates the grid row too."""
-        from workbench.views.headview import head_index
-        from workbench.prefill.latency import BENCH, estimate_ms, load_bench, tile_rates
         from workbench.patterns import causal_tiles
+        from workbench.prefill.latency import BENCH, estimate_ms, load_bench, tile_rates
         from workbench.search.search import Candidate, rescore_head
+        from workbench.views.headview import head_index
 
         e, cap = self.entry(), self.capture
         cand = Candidate(e.pattern, tuple(e.params[p] for p in PARAMS[e.pattern]))
@@ -413,11 +414,11 @@ class Session(param.Parameterized):
         return self.run_job("forecast report on this sample", self._compute_forecast)
 
     def _compute_forecast(self) -> None:
+        from workbench.analysis.block_sets import iou_matrix
         from workbench.decode.forecast.heads import ForecastHeads
         from workbench.decode.forecast.report import build_report, exact_sets
         from workbench.decode.forecast.train import lengths_ok
         from workbench.patterns.infllm import Budget
-        from workbench.analysis.block_sets import iou_matrix
 
         model, tok, shape = SHARED.model(self.settings.model, self.settings.device, self.settings.dtype)
         budget = Budget()
@@ -437,8 +438,8 @@ class Session(param.Parameterized):
         return self.run_job(f"timing layer {self.layer}", self._time_latency)
 
     def _time_latency(self) -> None:
-        from workbench.prefill.latency import BENCH, estimate_ms, load_bench, tile_rates, time_model_layer
         from workbench.patterns import causal_tiles
+        from workbench.prefill.latency import BENCH, estimate_ms, load_bench, tile_rates, time_model_layer
 
         cap = self.capture
         q, k, v = cap.layer_qkv(self.layer)
