@@ -1,6 +1,6 @@
-"""H200 decode benchmark: the five engine modes on a random-weight Llama-3-8B-shaped model.
+"""`workbench bench decode`: the five engine modes on a random-weight Llama-3-8B-shaped model (H200).
 
-    python -m workbench_benchmarks.decode --out decode_h200.json --layers 8 --reuse 0.8
+    workbench bench decode --out decode_h200.json --layers 8 --reuse 0.8
 
 Random weights and synthetic KV (say so in the results): block reuse between steps is then not
 realistic, so offload modes also run with `ImposedReuse` at the dynamic reuse rate measured on the
@@ -13,57 +13,28 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
-import subprocess
-import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from workbench.core.io import write_json
+from workbench.core.timing import environment as timing_environment
+from workbench.core.timing import measure, nvidia_smi
 from workbench.patterns.infllm import Budget
 from workbench.decode.engine.decoder import MODES, DecodeEngine, EngineConfig
 from workbench.decode.engine.reuse import ImposedReuse
 from workbench.decode.engine.store import BLOCK, GiB, BlockStore, StoreSpec
+from workbench_benchmarks.shapes import LLAMA3_8B, random_llama
 
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                 head_dim=128, vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5)
 PAPER_BUDGET = Budget(init=1, local=32, topk=64)  # MiniCPM4.1 release: 96 blocks of 64 tokens
 
 
-def random_llama(layers: int, max_positions: int) -> torch.nn.Module:
-    """Llama-3-8B shapes with `layers` layers, random weights, bf16 on the GPU."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=max_positions, **LLAMA3_8B)
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(torch.float32)
-    return model.eval()
-
-
-def environment(argv: list[str]) -> dict[str, Any]:
-    import triton
-    import transformers
-
-    def smi(field: str) -> str:
-        try:
-            return subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
-                                  capture_output=True, text=True, timeout=20).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return "unknown"
-
-    props = torch.cuda.get_device_properties(0)
-    return {"gpu": torch.cuda.get_device_name(0), "sms": props.multi_processor_count,
-            "gpu_memory_gib": props.total_memory / GiB, "driver": smi("driver_version"),
-            "pcie": f"gen{smi('pcie.link.gen.current')} x{smi('pcie.link.width.current')}",
-            "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "command": "python -m workbench_benchmarks.decode " + " ".join(argv)}
+def environment() -> dict[str, Any]:
+    link = f"gen{nvidia_smi('pcie.link.gen.current')} x{nvidia_smi('pcie.link.width.current')}"
+    return {**timing_environment(), "pcie": link}
 
 
 def copy_rates(store: BlockStore, ctas_list: list[int]) -> dict[str, Any]:
@@ -73,15 +44,8 @@ def copy_rates(store: BlockStore, ctas_list: list[int]) -> dict[str, Any]:
     src_k, src_v = store.k[0], store.v[0]
     n = min(src_k.numel(), 512 * 1024 ** 2)  # 1 GiB of bf16
     dst = torch.empty(n, dtype=src_k.dtype, device="cuda")
-    ms = []
-    for _ in range(6):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src_k[:n], non_blocking=True)
-        b.record()
-        torch.cuda.synchronize()
-        ms.append(a.elapsed_time(b))
-    memcpy = n * 2 / (sorted(ms[1:])[len(ms[1:]) // 2] / 1e3) / 1e9
+    ms = measure(partial(dst.copy_, src_k[:n], non_blocking=True), cuda=True, min_reps=5, max_reps=5).median_ms
+    memcpy = n * 2 / (ms / 1e3) / 1e9
     del dst
     E = BLOCK * store.spec.head_dim
     blocks = src_k.numel() // E
@@ -93,15 +57,9 @@ def copy_rates(store: BlockStore, ctas_list: list[int]) -> dict[str, Any]:
     count = torch.tensor([m], dtype=torch.int32, device="cuda")
     gather = {}
     for ctas in ctas_list:
-        ms = []
-        for _ in range(5):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            gather_blocks(src_k.view(-1, E), src_v.view(-1, E), dk, dv, src_idx, dst_idx, count, ctas=ctas)
-            b.record()
-            torch.cuda.synchronize()
-            ms.append(a.elapsed_time(b))
-        gather[str(ctas)] = 2 * m * E * 2 / (sorted(ms[1:])[len(ms[1:]) // 2] / 1e3) / 1e9
+        ms = measure(partial(gather_blocks, src_k.view(-1, E), src_v.view(-1, E), dk, dv, src_idx, dst_idx, count,
+                             ctas=ctas), cuda=True, min_reps=4, max_reps=4).median_ms
+        gather[str(ctas)] = 2 * m * E * 2 / (ms / 1e3) / 1e9
     ok = torch.equal(dk[:4].cpu(), src_k.view(-1, E)[src_idx[:4].cpu()])
     return {"pinned_memcpy_gbps": memcpy, "gather_gbps_by_ctas": gather, "gather_checked_equal": ok,
             "gather_block_bytes": E * 2}
@@ -122,11 +80,12 @@ def run_one(model, store, mode: str, context: int, batch: int, *, steps: int, wa
         _, _, stats = eng.run(first, steps, graph=True, progress=False)
     except RuntimeError as e:  # report it and time the eager loop instead
         graph_error = str(e)[:300]
-        eng._graph = None
+        eng.drop_graph()
         torch.cuda.synchronize()
         _, _, stats = eng.run(first, steps, progress=False)
     _, _, eager = eng.run(first, steps, timing=True, progress=False)  # events around every copy and wait
     out = stats.to_dict()
+    out["launches_per_layer_step"] = launches_per_layer(eng, first)
     for k in ("copy_seconds", "stall_seconds"):
         out.pop(k)
         out[f"eager_{k}_per_step"] = None if getattr(eager, k) is None else getattr(eager, k) / eager.steps
@@ -134,10 +93,21 @@ def run_one(model, store, mode: str, context: int, batch: int, *, steps: int, wa
                eager_copy_gbps=eager.copy_gbps, hidden_fraction=None, copy_gbps=None)
     out.update(context=context, ctas=ctas, reuse_imposed=reuse, lengths=[min(lengths), max(lengths)],
                cuda_graph=graph_error is None, graph_error=graph_error)
-    del eng
+    eng.close()
     gc.collect()
     torch.cuda.empty_cache()
     return out
+
+
+def launches_per_layer(eng: DecodeEngine, tokens: torch.Tensor) -> float:
+    """GPU kernel launches (memcpy/memset included) of one eager step, per layer, from the PyTorch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        eng.step(tokens)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(kernels) / eng.lm.n_layers
 
 
 def check_lossless(model, store, budget: Budget, context: int = 16384, batch: int = 4, steps: int = 24) -> dict[str, Any]:
@@ -155,7 +125,7 @@ def check_lossless(model, store, budget: Budget, context: int = 16384, batch: in
                                max_tokens=context + steps + 1, store=store)
             eng.fill_synthetic(lengths, seed=1, fill_host=True)
             tokens[(mode, selector)] = eng.run(first, steps, graph=graph, progress=False)[0].cpu()
-            del eng
+            eng.close()
         key = "graph" if graph else "eager"
         out[key] = {
             "sync == resident(same-layer)": torch.equal(tokens[("sparse-offload-sync", "same-layer")],
@@ -169,10 +139,8 @@ def check_lossless(model, store, budget: Budget, context: int = 16384, batch: in
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="JSON output path")
     p.add_argument("--merge", nargs="+", default=None,
                    help="instead of running: merge result files of several runs (same model) into --out")
     p.add_argument("--layers", type=int, default=8)
@@ -185,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-gib", type=float, default=100.0, help="pinned host memory the store may take")
     p.add_argument("--check", action="store_true", help="first check on the GPU that offload modes are lossless")
     p.add_argument("--quick", action="store_true", help="imposed reuse only, no CTA sweep, no no-prefetch natural run")
-    a = p.parse_args(argv)
+
+
+def run(a: argparse.Namespace) -> int:
+    if not torch.cuda.is_available() and not a.merge:
+        raise ValueError("workbench bench decode needs a CUDA GPU (none found): run it on the GPU machine")
     if a.merge:
         parts = [json.loads(Path(f).read_text()) for f in a.merge]
         merged = dict(parts[0])
@@ -201,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "what": "decode engine modes on a RANDOM-WEIGHT Llama-3-8B-shaped model (synthetic KV), "
                 f"{a.layers} of 32 layers (layer 0 resident, {a.layers - 1} offloaded), bf16",
-        "layers": a.layers, "budget": budget.to_dict(), "environment": environment(argv), "runs": []}
+        "layers": a.layers, "budget": budget.to_dict(), "environment": environment(), "runs": []}
     out = Path(a.out)
     # One store for every run: batch x blocks per sequence of the largest run (other layouts view it).
     blocks = max(b * -(-(c + a.warmup + 2 * a.steps + 2) // BLOCK) for c, bs in plan for b in bs)
@@ -219,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     result["copy"] = copy_rates(store, ctas_list)
     print("copy", json.dumps(result["copy"]), flush=True)
     write_json(out, result)
-    model = random_llama(a.layers, max(c for c, _ in plan) + 4096)
+    model = random_llama(a.layers, max_positions=max(c for c, _ in plan) + 4096)
     result["weights_gib"] = sum(p.numel() * p.element_size() for p in model.parameters()) / GiB
     if a.check:
         result["lossless_gpu"] = check_lossless(model, store, budget)
@@ -328,4 +300,6 @@ def summarize(result: dict[str, Any], host_gib: float = 128.0) -> dict[str, Any]
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from workbench_benchmarks import standalone
+
+    raise SystemExit(standalone(add_arguments, run, __doc__))

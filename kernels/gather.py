@@ -5,7 +5,6 @@ blocks with wide loads straight from pinned host memory (a pinned CPU tensor's p
 the GPU under unified addressing), so a gather of scattered blocks is one launch with no CPU work.
 The number of copies is read from device memory, so the caller never synchronises to count misses.
 Few CTAs leave SMs to the attention and FFN kernels running beside the copy; more CTAs copy faster.
-`write_rows` writes the new token's K/V rows back into the host store the same way.
 Same contracts as `gather_ref`.
 """
 from __future__ import annotations
@@ -24,25 +23,19 @@ def _gather_blocks_kernel(SrcK, SrcV, DstK, DstV, SrcIdx, DstIdx, Count, NCTA,
     n = tl.load(Count)
     offs = tl.arange(0, CHUNK)
     for i in range(pid, n, NCTA):
-        s = tl.load(SrcIdx + i).to(tl.int64) * E
-        d = tl.load(DstIdx + i).to(tl.int64) * E
-        for c in range(0, E, CHUNK):
-            tl.store(DstK + d + c + offs, tl.load(SrcK + s + c + offs))
-            tl.store(DstV + d + c + offs, tl.load(SrcV + s + c + offs))
-
-
-@triton.jit
-def _write_rows_kernel(DstK, DstV, K, V, Rows, E: tl.constexpr):
-    i = tl.program_id(0)
-    offs = tl.arange(0, E)
-    r = tl.load(Rows + i).to(tl.int64) * E
-    tl.store(DstK + r + offs, tl.load(K + i * E + offs))
-    tl.store(DstV + r + offs, tl.load(V + i * E + offs))
+        d = tl.load(DstIdx + i).to(tl.int64)
+        if d >= 0:  # -1: a cache hit, nothing to move
+            s = tl.load(SrcIdx + i).to(tl.int64) * E
+            d = d * E
+            for c in range(0, E, CHUNK):
+                tl.store(DstK + d + c + offs, tl.load(SrcK + s + c + offs))
+                tl.store(DstV + d + c + offs, tl.load(SrcV + s + c + offs))
 
 
 def gather_blocks(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
                   src_idx: torch.Tensor, dst_idx: torch.Tensor, count: torch.Tensor, ctas: int = 16) -> None:
-    """dst[dst_idx[i]] = src[src_idx[i]] for i < count (K and V) with `ctas` persistent programs.
+    """dst[dst_idx[i]] = src[src_idx[i]] for i < count where dst_idx[i] >= 0 (K and V) with `ctas`
+    persistent programs.
 
     src pools `[S, E]` (pinned host memory on the GPU path), dst pools `[S', E]`, indices `[M]` int,
     count a 1-element int tensor on the GPU. E must be a multiple of 1024 (one 64-token block of
@@ -57,13 +50,3 @@ def gather_blocks(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor,
         raise ValueError(f"ctas must be >= 1, got {ctas}")
     _gather_blocks_kernel[(ctas,)](src_k, src_v, dst_k, dst_v, src_idx, dst_idx, count, ctas,
                                    E=E, CHUNK=min(E, 4096), num_warps=4)
-
-
-def write_rows(dst_k: torch.Tensor, dst_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> None:
-    """dst[rows[i]] = k[i] and v[i]: dst `[S, E]` (host store as token rows), k/v `[R, E]` contiguous, rows `[R]`."""
-    E = dst_k.shape[1]
-    if k.shape != v.shape or k.dim() != 2 or k.shape[1] != E or rows.shape != (k.shape[0],):
-        raise ValueError(f"k, v must be [R, {E}] and rows [R], got {tuple(k.shape)}, {tuple(v.shape)}, {tuple(rows.shape)}")
-    if E & (E - 1):
-        raise ValueError(f"row size must be a power of two, got {E}")
-    _write_rows_kernel[(k.shape[0],)](dst_k, dst_v, k.contiguous(), v.contiguous(), rows, E=E, num_warps=1)

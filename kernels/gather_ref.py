@@ -1,4 +1,4 @@
-"""PyTorch reference for the block gather (host store -> GPU cache) and the token write-back.
+"""PyTorch reference for the block gather (host store -> GPU cache).
 
 Pools are 2-D `[S, E]`: S blocks (or token rows) of E contiguous elements. On the GPU the source
 of `gather_blocks` is pinned host memory; here both sides are ordinary tensors.
@@ -21,18 +21,12 @@ def check_gather_args(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tenso
 
 def gather_blocks_ref(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
                       src_idx: torch.Tensor, dst_idx: torch.Tensor, count: torch.Tensor) -> None:
-    """dst[dst_idx[i]] = src[src_idx[i]] for i < count, for K and V. Pools `[S, E]`, indices `[M]`."""
+    """dst[dst_idx[i]] = src[src_idx[i]] for i < count where dst_idx[i] >= 0 (-1: nothing to move), for K and
+    V. Pools `[S, E]`, indices `[M]`."""
     for src, dst in ((src_k, dst_k), (src_v, dst_v)):
         check_gather_args(src, dst, src_idx, dst_idx, count)
     n = int(count.reshape(()).item())
-    s, d = src_idx[:n].long().cpu(), dst_idx[:n].long().to(dst_k.device)
+    move = dst_idx[:n] >= 0
+    s, d = src_idx[:n][move].long().cpu(), dst_idx[:n][move].long().to(dst_k.device)
     dst_k[d] = src_k[s].to(dst_k.device)
     dst_v[d] = src_v[s].to(dst_v.device)
-
-
-def write_rows_ref(dst_k: torch.Tensor, dst_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   rows: torch.Tensor) -> None:
-    """dst[rows[i]] = k[i] (and v). dst `[S, E]` (host store viewed as token rows), k/v `[R, E]`, rows `[R]`."""
-    r = rows.long().to(dst_k.device)
-    dst_k[r] = k.to(dst_k.device)
-    dst_v[r] = v.to(dst_v.device)

@@ -27,7 +27,7 @@ def test_block_cache_keeps_selected_blocks_and_copies_only_misses():
         before = cache.slot_of.clone()
         hits0, misses0 = int(cache.hits), int(cache.misses)
         plan = cache.plan(sel)
-        n = int(plan.count)
+        n = int((plan.dst >= 0).sum())  # entries to copy (dst -1: a hit or padding)
         valid = sel >= 0
         was_cached = before.gather(2, sel.clamp(min=0)) >= 0
         assert n == int((valid & ~was_cached).sum()) == int(cache.misses) - misses0
@@ -185,3 +185,109 @@ def test_decode_cli_prints_summary_and_writes_json(embedded, one_thread, tmp_pat
     assert run["steps"] == 4 and run["bytes_moved_per_step"] > 0 and run["hit_rate"] is not None
     assert main(["decode", "--budget", "1,2"]) == 2
     assert "--budget" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- lifecycle and hooks
+
+def _tiny_llama(device: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=3, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, vocab_size=256, max_position_embeddings=2048)
+    return LlamaForCausalLM(cfg).to(device).eval()
+
+
+def test_engine_close_with_and_gc_release_the_store():
+    import gc
+    import weakref
+
+    model = _tiny_llama("cpu")
+    cfg = EngineConfig(mode="sparse-offload-sync", budget=Budget(init=1, local=1, topk=2))
+    eng = DecodeEngine(model, cfg, batch=1, max_tokens=512)
+    store = eng.store
+    eng.close()
+    assert eng.closed and store.closed and store.k == [] and eng.host == []
+    eng.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.step(torch.zeros(1, dtype=torch.long))
+    with DecodeEngine(model, cfg, batch=1, max_tokens=512) as eng2:
+        store2 = eng2.store
+    assert store2.closed
+    eng3 = DecodeEngine(model, cfg, batch=1, max_tokens=512)
+    store3 = weakref.ref(eng3.store)
+    del eng3
+    gc.collect()
+    assert store3() is None or store3().closed
+    shared = BlockStore(StoreSpec(2, 1, 2, 8, 32, torch.float32))
+    with DecodeEngine(model, cfg, batch=1, max_tokens=512, store=shared):
+        pass
+    assert not shared.closed  # a store the caller gave is the caller's to close
+    shared.close()
+
+
+def test_hooks_see_every_layer_and_copy():
+    from workbench.decode.engine.hooks import StepHooks
+
+    class Count(StepHooks):
+        def __init__(self):
+            self.seen = []
+
+        def layer_start(self, layer):
+            self.seen.append(("layer", layer))
+
+        def copy_start(self, layer):
+            self.seen.append(("copy", layer))
+
+        def wait_start(self, layer):
+            self.seen.append(("wait", layer))
+
+    model = _tiny_llama("cpu")
+    eng = DecodeEngine(model, EngineConfig(mode="sparse-offload-forecast", budget=Budget(init=1, local=1, topk=2)),
+                       batch=1, max_tokens=512)
+    eng.prefill([torch.arange(300) % 256], 4)
+    hook = Count()
+    eng.hooks.append(hook)
+    eng.step(torch.zeros(1, dtype=torch.long))
+    assert [x for x in hook.seen if x[0] == "layer"] == [("layer", i) for i in range(3)]
+    assert {x[1] for x in hook.seen if x[0] == "copy"} == {1, 2} and {x[1] for x in hook.seen if x[0] == "wait"} == {1, 2}
+    eng.close()
+
+
+@pytest.mark.gpu
+def test_five_engines_in_a_row_on_the_gpu():
+    """Pinned memory must be unregistered when an engine goes away (cudaHostRegister error 712 otherwise)."""
+    import gc
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = _tiny_llama("cuda").to(torch.bfloat16)
+    cfg = EngineConfig(mode="sparse-offload-forecast", budget=Budget(init=1, local=1, topk=2))
+    for i in range(5):
+        eng = DecodeEngine(model, cfg, batch=2, max_tokens=1024)
+        eng.prefill([torch.arange(400) % 256, torch.arange(300) % 256], 8)
+        eng.run(torch.zeros(2, dtype=torch.long, device="cuda"), 8, progress=False)
+        if i % 2:
+            eng.close()
+        del eng
+        gc.collect()
+
+
+@pytest.mark.gpu
+def test_offload_modes_lossless_on_the_gpu_triton_and_graphs():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = _tiny_llama("cuda").to(torch.bfloat16)
+    budget = Budget(init=1, local=1, topk=3)
+    prompts = [torch.arange(900) % 251, torch.arange(700) % 241]
+
+    def decode(mode, selector, graph):
+        with DecodeEngine(model, EngineConfig(mode=mode, budget=budget, selector=selector), batch=2, max_tokens=1024) as e:
+            first = e.prefill(prompts, 24)
+            return e.run(first, 24, graph=graph, progress=False)[0].cpu()
+
+    for graph in (False, True):
+        assert torch.equal(decode("sparse-offload-sync", "same-layer", graph), decode("sparse-resident", "same-layer", graph))
+        fc = decode("sparse-resident", "forecast", graph)
+        assert torch.equal(decode("sparse-offload-forecast", "forecast", graph), fc)
+        assert torch.equal(decode("forecast-without-prefetch", "forecast", graph), fc)

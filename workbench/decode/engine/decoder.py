@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -27,6 +28,7 @@ from tqdm.auto import tqdm
 
 from workbench.patterns.infllm import Budget
 from workbench.decode.engine.cache import BlockCache
+from workbench.decode.engine.hooks import CopyTimer, StepHooks
 from workbench.decode.engine.llama import LlamaLayers
 from workbench.decode.engine.select import CompressedKeyBuffer, all_blocks, select_decode
 from workbench.decode.quest import QuestPages
@@ -100,12 +102,20 @@ class DecodeStats:
 def _kernels(kind: str, device: torch.device):
     use_triton = kind == "triton" or (kind == "auto" and device.type == "cuda")
     if use_triton:
+        from workbench_kernels.cache_plan import append_token
         from workbench_kernels.decode import sparse_decode
-        from workbench_kernels.gather import gather_blocks, write_rows
+        from workbench_kernels.gather import gather_blocks
     else:
+        from workbench_kernels.cache_plan_ref import append_token_ref as append_token
         from workbench_kernels.decode_ref import sparse_decode_ref as sparse_decode
-        from workbench_kernels.gather_ref import gather_blocks_ref as gather_blocks, write_rows_ref as write_rows
-    return use_triton, sparse_decode, gather_blocks, write_rows
+        from workbench_kernels.gather_ref import gather_blocks_ref as gather_blocks
+    return use_triton, sparse_decode, gather_blocks, append_token
+
+
+def _release(store: BlockStore | None) -> None:
+    """Finaliser of an engine: unpin and free the host store it made (runs once)."""
+    if store is not None:
+        store.close()
 
 
 class DecodeEngine:
@@ -115,7 +125,9 @@ class DecodeEngine:
     `host_limit_bytes` (default 90% of available host memory), GPU KV/caches against free GPU memory.
     `store` may be a larger existing BlockStore to reuse. `heads` are the Forecast heads (default: the
     group-mean warm start from the model's query projections). `select_hook(layer, blocks, positions)`
-    may replace a selection (benchmarks use it to impose a block reuse rate).
+    may replace a selection (benchmarks use it to impose a block reuse rate). `hooks` holds `StepHooks`
+    called at the timing points of eager steps (`workbench.decode.engine.hooks`). `close()`, a `with`
+    block or garbage collection frees the GPU buffers and unpins the host store the engine made.
     """
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, *, batch: int, max_tokens: int,
@@ -169,12 +181,13 @@ class DecodeEngine:
                                          f"head_dim {D}, {self.dtype}: make a store for this model")
             self.store = store
             self.host = [store.view(i, batch, nb) for i in range(L - 1)]  # checks the size
-        self.triton, self._decode, self._gather, self._write_rows = _kernels(config.kernels, self.device)
+        self.triton, self._decode, self._gather, self._append = _kernels(config.kernels, self.device)
         dev = self.device
         # --- allocate
         self.kv = [torch.zeros(2, batch, Hkv, nb, BLOCK, D, dtype=self.dtype, device=dev)
                    for _ in range(resident_layers)]
-        self.caches = [BlockCache(batch, Hkv, self.capacity, nb, D, self.dtype, dev) for _ in range(L - 1)] \
+        self.caches = [BlockCache(batch, Hkv, self.capacity, nb, D, self.dtype, dev, fused=self.triton)
+                       for _ in range(L - 1)] \
             if self.offload else []
         self.ck = [CompressedKeyBuffer(batch, Hkv, D, self.max_tokens, config.budget, dev, self.dtype) for _ in range(L)] \
             if self.sparse else []
@@ -194,10 +207,10 @@ class DecodeEngine:
         self.cuda = dev.type == "cuda"
         self.side = torch.cuda.Stream(dev) if self.cuda else None
         self.copy_done = [torch.cuda.Event() for _ in range(L)] if self.cuda else []
-        self.timing = False
-        self._events: list[tuple[str, Any, Any]] = []
+        self.hooks: list[StepHooks] = []
         self._graph: Any = None  # CUDA graph of one step (captured by `run(graph=True)`)
         self._graph_io: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._finalizer = weakref.finalize(self, _release, self.store if self.offload and self._own_store else None)
 
     # ------------------------------------------------------------------ filling the cache
     def _host_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,40 +278,40 @@ class DecodeEngine:
         self.positions.copy_(torch.tensor(lengths, device=self.device))
 
     # ------------------------------------------------------------------ one decode step
-    def _select_hooked(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
+    def _hooked(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
         return self.select_hook(layer, blocks, self.positions) if self.select_hook else blocks
 
     def _forecast(self, target: int, h: torch.Tensor, cosf: torch.Tensor, sinf: torch.Tensor,
                   visible_upto: torch.Tensor) -> torch.Tensor:
         f = self.heads.query(target, h, cosf, sinf)  # [B, Hkv, 1, D]
-        blocks = select_decode(f, self.ck[target], self.positions, visible_upto, self.n_blocks,
-                               self.config.budget)
-        return self._select_hooked(target, blocks)
+        return self._hooked(target, select_decode(f, self.ck[target], self.positions, visible_upto, self.n_blocks,
+                                                  self.config.budget, fused=self.triton))
 
-    def _copy(self, layer: int, plan, stream_events: tuple[Any, Any] | None) -> None:
+    def _copy(self, layer: int, plan: Any) -> None:
+        """Gather `plan`'s missing blocks of `layer` from the host store into its cache (current stream)."""
         cache = self.caches[layer - 1]
         hk, hv = self.host[layer - 1]
         src_k, src_v = hk.view(-1, BLOCK * self.lm.head_dim), hv.view(-1, BLOCK * self.lm.head_dim)
         dst_k, dst_v = cache.k.view(cache.k.shape[0], -1), cache.v.view(cache.v.shape[0], -1)
-        if stream_events:
-            stream_events[0].record()
+        self._emit("copy_start", layer)
         if self.triton:
             self._gather(src_k, src_v, dst_k, dst_v, plan.src, plan.dst, plan.count, ctas=self.config.ctas)
         else:
             self._gather(src_k, src_v, dst_k, dst_v, plan.src, plan.dst, plan.count)
-        if stream_events:
-            stream_events[1].record()
+        self._emit("copy_end", layer)
 
-    def _event_pair(self, kind: str) -> tuple[Any, Any] | None:
-        if not (self.cuda and self.timing):
-            return None
-        pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        self._events.append((kind, *pair))
-        return pair
+    def _emit(self, point: str, layer: int) -> None:
+        for h in self.hooks:
+            getattr(h, point)(layer)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this DecodeEngine is closed: make a new one")
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per sequence `[B]` at the current positions -> next-token logits `[B, V]`."""
+        self._check_open()
         lm, cfg, pos = self.lm, self.config, self.positions
         B, Hkv, D, L = self.batch, lm.n_kv_heads, lm.head_dim, lm.n_layers
         G = lm.n_heads // Hkv
@@ -307,29 +320,29 @@ class DecodeEngine:
         cosf, sinf = lm.rope(pos.view(B, 1), torch.float32) if self.heads is not None else (None, None)
         forecast: dict[int, torch.Tensor] = {}
         plans: dict[int, Any] = {}
+        prefetch = cfg.mode == "sparse-offload-forecast"
         for layer in range(L):
+            self._emit("layer_start", layer)
             h = lm.norm_in(layer, x)
             q, k, v = lm.qkv(layer, h, cos, sin)
             q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [B, H, D]
             offloaded = self.offload and layer > 0
             if self.heads is not None and layer + 1 < L:
                 # Layer l's head picks layer l+1's blocks before layer l+1 has seen this token. Selection and
-                # block-map update stay on the main stream; only the copy goes to the side stream (moving
-                # selection there too was measured slower on the H200: 678 vs 807 tok/s at 128K, batch 8).
-                blocks_next = self._forecast(layer + 1, h, cosf, sinf, pos - 1)
-                if cfg.mode == "sparse-offload-forecast":
-                    plan = self.caches[layer].plan(blocks_next)
+                # block-map update stay on the main stream; only the copy goes to the side stream.
+                forecast[layer + 1] = blocks_next = self._forecast(layer + 1, h, cosf, sinf, pos - 1)
+                if prefetch:
+                    plans[layer + 1] = plan = self.caches[layer].plan(blocks_next)
                     if self.cuda:
                         self.side.wait_stream(torch.cuda.current_stream())  # selection and plan are ready
                         with torch.cuda.stream(self.side):
-                            self._copy(layer + 1, plan, self._event_pair("copy"))
+                            self._copy(layer + 1, plan)
                             self.copy_done[layer + 1].record(self.side)
                     else:
-                        self._copy(layer + 1, plan, None)
-                    plans[layer + 1] = plan
-                forecast[layer + 1] = blocks_next
-            if self.sparse:
-                self.ck[layer].append(k, pos)
+                        self._copy(layer + 1, plan)
+            if self.sparse:  # compressed keys first: the same-layer selection sees the window this token completes
+                ck = self.ck[layer]
+                self._append(k, v, pos, None, None, tail=ck.tail, ckeys=ck.keys, stride=cfg.budget.stride)
             if self.quest:
                 self.quest[layer].append(k, pos)
             # ---- this layer's selection
@@ -337,49 +350,38 @@ class DecodeEngine:
                 blocks = all_blocks(pos, Hkv, self.n_blocks)
             elif cfg.uses_forecast:
                 blocks = forecast[layer] if layer > 0 else self._forecast(0, h, cosf, sinf, pos)
+            elif self.quest:
+                blocks = self._hooked(layer, self.quest[layer].select(q.view(B, Hkv, G, D), pos, self.n_blocks, cfg.budget))
             else:
-                blocks = self._select_hooked(layer, self.quest[layer].select(q.view(B, Hkv, G, D), pos, self.n_blocks,
-                                                                             cfg.budget) if self.quest else
-                                             select_decode(q.view(B, Hkv, G, D), self.ck[layer], pos, pos,
-                                                           self.n_blocks, cfg.budget))
-            # ---- KV in place, then attention
+                blocks = self._hooked(layer, select_decode(q.view(B, Hkv, G, D), self.ck[layer], pos, pos,
+                                                           self.n_blocks, cfg.budget, fused=self.triton))
+            # ---- KV in place (blocks copied, the new token written wherever it is read), then attention
             if offloaded:
                 cache = self.caches[layer - 1]
-                if cfg.mode == "sparse-offload-forecast":
+                self._emit("wait_start", layer)
+                if prefetch:
                     plan = plans[layer]
                     if self.cuda:
-                        pair = self._event_pair("stall")
-                        if pair:
-                            pair[0].record()
                         torch.cuda.current_stream().wait_event(self.copy_done[layer])
-                        if pair:
-                            pair[1].record()
                 else:
                     plan = cache.plan(blocks)
-                    pair = self._event_pair("copy")
-                    self._copy(layer, plan, pair)
-                    if pair:
-                        self._events.append(("stall", *pair))  # on the main stream the copy is all stall
-                hk, hv = self._host_rows(layer)
-                rows = ((torch.arange(B * Hkv, device=pos.device).view(B, Hkv) * self.n_blocks * BLOCK)
-                        + pos.view(B, 1)).flatten()
-                self._write_rows(hk, hv, k.reshape(-1, D).contiguous(), v.reshape(-1, D).contiguous(), rows)
-                crow = cache.token_rows(pos).flatten()
-                cache.k.view(-1, D)[crow] = k.reshape(-1, D)
-                cache.v.view(-1, D)[crow] = v.reshape(-1, D)
+                    self._copy(layer, plan)
+                self._emit("wait_end", layer)
+                hk, hv = self.host[layer - 1]
+                self._append(k, v, pos, cache.k, cache.v, slot_of=cache.slot_of, host_k=hk.flatten(2, 3),
+                             host_v=hv.flatten(2, 3))
                 k_pool, v_pool, slots = cache.k, cache.v, plan.slots
             else:
                 kv = self.kv[layer]
-                bidx = torch.arange(B, device=pos.device)
-                kv[0].flatten(2, 3)[bidx, :, pos] = k
-                kv[1].flatten(2, 3)[bidx, :, pos] = v
                 k_pool, v_pool = kv[0].view(-1, BLOCK, D), kv[1].view(-1, BLOCK, D)
+                self._append(k, v, pos, k_pool, v_pool, n_blocks=self.n_blocks)
                 slots = torch.where(blocks >= 0, blocks + self._row_resident, -1)
             if self.triton:
                 o = self._decode(q, k_pool, v_pool, blocks, slots, pos + 1, lm.scale, splits=cfg.splits)
             else:
                 o = self._decode(q, k_pool, v_pool, blocks, slots, pos + 1, lm.scale)
             x = lm.finish(layer, x, o.reshape(B, 1, -1))
+            self._emit("layer_end", layer)
         self.positions += 1
         return lm.logits(x)[:, 0]
 
@@ -404,22 +406,33 @@ class DecodeEngine:
         self._graph.replay()
         return logits
 
+    def drop_graph(self) -> None:
+        """Forget the captured step (the next graph run captures again)."""
+        self._graph, self._graph_io = None, None
+
     @torch.no_grad()
     def run(self, first: torch.Tensor, steps: int, *, force: torch.Tensor | None = None, keep_logits: bool = False,
-            timing: bool = False, graph: bool = False, progress: bool = True
+            timing: bool = False, graph: bool | None = None, progress: bool = True,
+            on_step: Callable[[int, int], None] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | None, DecodeStats]:
         """Greedy decode `steps` tokens starting from `first` `[B]` (or feed `force` `[B, steps]`, teacher
         forcing) -> tokens `[B, steps]`, logits `[B, steps, V]` (if keep_logits, on the CPU), stats.
 
-        `timing` records CUDA events around every copy and every wait (copy time, stall, hidden fraction).
-        `graph` (CUDA only, not with timing) runs the first step eagerly, captures the next as a CUDA graph
-        and replays it from then on.
+        `graph` (default: on CUDA unless `timing` or hooks are set) runs the first step eagerly, captures the
+        next as a CUDA graph and replays it from then on. `timing` (CUDA, eager) records CUDA events around
+        every copy and every wait (copy time, stall, hidden fraction). `on_step(done, steps)` is called after
+        each step (progress indicators).
         """
+        self._check_open()
         if int(self.positions.max()) + steps > self.max_tokens:
             raise StoreCapacityError(f"{steps} more steps would pass the capacity of {self.max_tokens} tokens")
-        if graph and (timing or not self.cuda):
-            raise ValueError("graph=True needs CUDA and cannot be combined with timing=True")
-        self.timing, self._events = timing, []
+        if graph is None:
+            graph = self.cuda and not timing and not self.hooks
+        if graph and (timing or self.hooks or not self.cuda):
+            raise ValueError("graph=True needs CUDA and runs no Python per step: no timing=True, no hooks")
+        timer = CopyTimer() if timing and self.cuda else None
+        if timer:
+            self.hooks.append(timer)
         h0, m0 = self._counters()
         if self.cuda:
             torch.cuda.synchronize()
@@ -428,19 +441,25 @@ class DecodeEngine:
         kept = []
         t0 = time.perf_counter()
         tok = first
-        for s in tqdm(range(steps), desc=self.config.mode, unit="step", disable=not progress, leave=False):
-            if graph and self._graph is not None:
-                logits = self._graph_step(tok)
-            else:
-                logits = self.step(tok)
-                if graph:
-                    self._capture()
-            tokens[:, s] = logits.argmax(-1)
-            if keep_logits:
-                kept.append(logits.float().cpu())
-            tok = force[:, s].to(self.device) if force is not None else tokens[:, s]
-        if self.cuda:
-            torch.cuda.synchronize()
+        try:
+            for s in tqdm(range(steps), desc=self.config.mode, unit="step", disable=not progress, leave=False):
+                if graph and self._graph is not None:
+                    logits = self._graph_step(tok)
+                else:
+                    logits = self.step(tok)
+                    if graph:
+                        self._capture()
+                tokens[:, s] = logits.argmax(-1)
+                if keep_logits:
+                    kept.append(logits.float().cpu())
+                tok = force[:, s].to(self.device) if force is not None else tokens[:, s]
+                if on_step:
+                    on_step(s + 1, steps)
+            if self.cuda:
+                torch.cuda.synchronize()
+        finally:
+            if timer:
+                self.hooks.remove(timer)
         seconds = time.perf_counter() - t0
         h1, m1 = self._counters()
         hits, misses = h1 - h0, m1 - m0
@@ -450,17 +469,28 @@ class DecodeEngine:
             hit_rate=hits / (hits + misses) if hits + misses else None,
             peak_gpu_bytes=torch.cuda.max_memory_allocated() if self.cuda else None,
             gpu_kv_bytes=self.gpu_kv_bytes, host_kv_bytes=self.host_kv_bytes)
-        if self._events:
-            copy = sum(a.elapsed_time(b) for kind, a, b in self._events if kind == "copy") / 1e3
-            stall = sum(a.elapsed_time(b) for kind, a, b in self._events if kind == "stall") / 1e3
+        if timer and timer.spans["copy"]:
+            copy, stall = timer.seconds("copy"), timer.seconds("stall")
             stats.copy_seconds, stats.stall_seconds = copy, stall
             stats.hidden_fraction = max(0.0, 1 - stall / copy) if copy > 0 else None
             stats.copy_gbps = misses * self.block_bytes / copy / 1e9 if copy > 0 else None
-        self.timing, self._events = False, []
         return tokens, (torch.stack(kept, 1) if keep_logits else None), stats
 
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
     def close(self) -> None:
-        """Drop the GPU buffers and the CUDA graph, and unpin the host store if this engine made it."""
-        self.kv, self.caches, self.ck, self.quest, self._graph, self._graph_io = [], [], [], [], None, None
-        if self.offload and self._own_store:
-            self.store.close()
+        """Drop the GPU buffers and the CUDA graph, and unpin and free the host store if this engine made it
+        (idempotent; also done on `with`-exit and when the engine is garbage collected)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.kv, self.caches, self.ck, self.quest, self.host = [], [], [], [], []
+        self.drop_graph()
+        self._finalizer()
+
+    def __enter__(self) -> "DecodeEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -11,6 +11,7 @@ import torch
 
 from workbench.decode.engine.store import BLOCK
 from workbench.patterns.infllm import Budget, compress_keys, group_scores, pool_to_blocks, topk_blocks
+from workbench_kernels.cache_plan_ref import roll_compressed_ref
 
 
 class CompressedKeyBuffer:
@@ -42,21 +43,14 @@ class CompressedKeyBuffer:
 
     def append(self, k: torch.Tensor, positions: torch.Tensor) -> None:
         """Add each sequence's new key: k `[B, Hkv, D]` at `positions` `[B]`; completes a window where
-        (position + 1) is a multiple of the stride and position >= window - 1."""
-        w, s = self.budget.window, self.budget.stride
-        B = k.shape[0]
-        batch = torch.arange(B, device=k.device)
-        self.tail[batch, :, positions % w] = k.float()
-        done = ((positions + 1) % s == 0) & (positions >= w - 1)
-        j = torch.where(done, (positions - (w - 1)) // s, self.capacity)
-        order = (positions[:, None] - (w - 1) + torch.arange(w, device=k.device)) % w  # token order
-        window = self.tail.gather(2, order[:, None, :, None].expand(-1, self.tail.shape[1], -1, self.tail.shape[3]))
-        self.keys[batch, :, j] = window.mean(2).to(self.keys.dtype)
+        (position + 1) is a multiple of the stride and position >= window - 1. (The engine's Triton path
+        does this in `workbench_kernels.cache_plan.append_token`.)"""
+        roll_compressed_ref(k, positions, self.tail, self.keys, self.budget.stride)
 
 
 def select_decode(q_group: torch.Tensor, ck: CompressedKeyBuffer, positions: torch.Tensor,
-                  visible_upto: torch.Tensor, n_blocks: int, budget: Budget, scale: float | None = None
-                  ) -> torch.Tensor:
+                  visible_upto: torch.Tensor, n_blocks: int, budget: Budget, scale: float | None = None,
+                  fused: bool = False) -> torch.Tensor:
     """InfLLM-V2 selection for one new token per sequence.
 
     q_group `[B, Hkv, G, D]` (the G query heads of each group, or G = 1 for a Forecast head);
@@ -64,8 +58,15 @@ def select_decode(q_group: torch.Tensor, ck: CompressedKeyBuffer, positions: tor
     visible_upto `[B]`: the last token whose key is in `ck` (= positions for the same-layer selector;
     positions - 1 for a forecast made before the target layer has seen the new token); n_blocks: blocks
     per sequence the caller can address (> every position // block). -> block ids
-    `[B, Hkv, K]`, ascending, -1 padded, K = budget.total.
+    `[B, Hkv, K]`, ascending, -1 padded, K = budget.total. `fused` runs the same selection as two Triton
+    launches (`workbench_kernels.block_select`; ties between equal scores go to the lower block id).
     """
+    if fused:
+        from workbench_kernels.block_select import select_blocks
+
+        b = budget
+        return select_blocks(q_group, ck.keys, positions, visible_upto, n_blocks, init=b.init, local=b.local,
+                             topk=b.topk, block=b.block, window=b.window, stride=b.stride, scale=scale)
     B = q_group.shape[0]
     s = group_scores(q_group[:, :, :, None, :], ck.keys[:, :, :-1], visible_upto.view(B, 1, 1, 1),
                      window=budget.window, stride=budget.stride, scale=scale)  # [B, Hkv, 1, Nc]

@@ -8,6 +8,7 @@ allocation frees whatever it had taken.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -67,11 +68,24 @@ def _register(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _release(k: list[torch.Tensor], v: list[torch.Tensor], pinned: bool) -> None:
+    """Unpin (after the GPU is done with them) and drop the buffers; the lists are emptied in place, so
+    the memory goes back as soon as no view of it is left. Runs once: from `close()` or at collection."""
+    if pinned and (k or v):
+        torch.cuda.synchronize()
+        for t in k + v:
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    k.clear()
+    v.clear()
+
+
 class BlockStore:
     """Pinned host KV of `spec.layers` layers. `k[i]`, `v[i]`: flat buffers of layer slot i.
 
     `pinned=None` pins when CUDA is available. `limit_bytes` caps the store (default: 90% of the host's
-    available memory); a spec above it raises StoreCapacityError before any allocation.
+    available memory); a spec above it raises StoreCapacityError before any allocation. The pinned
+    memory is unregistered and freed by `close()`, on `with`-exit, or when the store is collected
+    (memory freed while still registered makes the next registration at that address fail, error 712).
     """
 
     def __init__(self, spec: StoreSpec, *, pinned: bool | None = None, limit_bytes: int | None = None) -> None:
@@ -87,6 +101,7 @@ class BlockStore:
         self.pinned = torch.cuda.is_available() if pinned is None else pinned
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        self._finalizer = weakref.finalize(self, _release, self.k, self.v, self.pinned)
         try:
             for _ in range(spec.layers):
                 for bufs in (self.k, self.v):
@@ -99,6 +114,8 @@ class BlockStore:
 
     def view(self, layer: int, batch: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of layer slot `layer` as `[batch, Hkv, n_blocks, 64, D]` views of the same memory."""
+        if self.closed:
+            raise StoreCapacityError("the block store is closed: make a new one")
         s = self.spec
         need = batch * s.kv_heads * n_blocks * BLOCK * s.head_dim
         if need > s.layer_elements:
@@ -107,9 +124,16 @@ class BlockStore:
         shape = (batch, s.kv_heads, n_blocks, BLOCK, s.head_dim)
         return self.k[layer][:need].view(shape), self.v[layer][:need].view(shape)
 
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
     def close(self) -> None:
-        """Unpin and drop the buffers."""
-        if self.pinned:
-            for t in self.k + self.v:
-                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-        self.k, self.v = [], []
+        """Unpin and drop the buffers (idempotent); views taken earlier must not be used afterwards."""
+        self._finalizer()
+
+    def __enter__(self) -> "BlockStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
