@@ -1,4 +1,4 @@
-"""Dashboard timings on the CPU -> assets/benchmarks/dashboard_cpu.json.
+"""`workbench bench dashboard`: dashboard timings on the CPU -> assets/benchmarks/dashboard_cpu.json.
 
 1. Time to first paint: spawn `workbench dashboard`, open it in headless Chromium (Playwright), and
    record when the server answers, when the browser paints the page (first-contentful-paint), and
@@ -6,14 +6,11 @@
 2. One head edit at N tokens, server side: a `Session` in this process, the shipped config, edits of
    one head cycling through patterns; the time of the numbers (rescore_head + headview + index) and
    the time including the views' redraws (a `Dashboard` attached to the same session).
-
-    python benchmarks/dashboard_cpu.py [--length 4096] [--layers 0-3] [--out assets/benchmarks/dashboard_cpu.json]
 """
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -96,25 +93,22 @@ def head_edits(length: int, layers: str, reps: int) -> dict:
             "numbers_ms_by_pattern": {k: round(statistics.median(v), 1) for k, v in by_pattern.items()}}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--length", type=int, default=4096)
-    ap.add_argument("--layers", default="0-3", help="captured layers (the edit cost does not depend on them)")
-    ap.add_argument("--reps", type=int, default=12)
-    ap.add_argument("--timeout", type=float, default=1800)
-    ap.add_argument("--out", default="assets/benchmarks/dashboard_cpu.json")
-    args = ap.parse_args()
-    import torch
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--length", type=int, default=4096, help="prompt tokens (default 4096)")
+    p.add_argument("--layers", default="0-3", help="captured layers (the edit cost does not depend on them)")
+    p.add_argument("--reps", type=int, default=12, help="timed head edits (default 12)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds to wait for the first session")
+    p.add_argument("--out", default="assets/benchmarks/dashboard_cpu.json", help="JSON output path")
 
+
+def run(args: argparse.Namespace) -> int:
     from workbench.core.io import write_json
+    from workbench.core.timing import environment
 
-    load = os.getloadavg()
+    load = [round(x, 2) for x in os.getloadavg()]
     result = {
-        "machine": {"processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-                    "load_average_at_start": [round(x, 2) for x in load], "python": platform.python_version(),
-                    "torch": torch.__version__, "device": "cpu"},
-        "command": "python benchmarks/dashboard_cpu.py " + " ".join(sys.argv[1:]),
-        "note": "2-core machine; load_average_at_start shows what else ran (a loaded machine gives upper bounds)",
+        "environment": {**environment(), "load_average_1_5_15_at_start": load},
+        "note": "load_average_1_5_15_at_start shows what else ran (a loaded machine gives upper bounds)",
         "first_paint": first_paint(args.length, args.layers, args.timeout),
         "head_edit": head_edits(args.length, args.layers, args.reps),
     }
@@ -124,4 +118,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from workbench_benchmarks import standalone
+
+    raise SystemExit(standalone(add_arguments, run, __doc__))

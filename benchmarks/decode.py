@@ -19,15 +19,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from workbench_benchmarks.shapes import LLAMA3_8B, random_llama
 
 from workbench.core.io import write_json
 from workbench.core.timing import environment as timing_environment
 from workbench.core.timing import measure, nvidia_smi
-from workbench.patterns.infllm import Budget
 from workbench.decode.engine.decoder import MODES, DecodeEngine, EngineConfig
 from workbench.decode.engine.reuse import ImposedReuse
-from workbench.decode.engine.store import BLOCK, GiB, BlockStore, StoreSpec
-from workbench_benchmarks.shapes import LLAMA3_8B, random_llama
+from workbench.decode.engine.store import BLOCK, BlockStore, GiB, StoreSpec
+from workbench.patterns.infllm import Budget
 
 PAPER_BUDGET = Budget(init=1, local=32, topk=64)  # MiniCPM4.1 release: 96 blocks of 64 tokens
 

@@ -1,36 +1,51 @@
-"""Foundation benchmark on the CPU: model load (cold/warm), capture at 2K/4K/8K, statistics for all heads at 8K.
-
-Writes assets/benchmarks/foundation_cpu.json. Run: python benchmarks/foundation_cpu.py
+"""`workbench bench foundation`: the embedded model on the CPU: warm model load, capture at each length,
+then the statistics of every head (`layer_stats`, all maps) at the longest length, with the extra peak
+memory they take -> assets/benchmarks/foundation_cpu.json. Run it on a quiet machine: the JSON records
+the load average (1, 5, 15 min) before and after, which says what else ran.
 """
 from __future__ import annotations
 
-import json
-import os
-import platform
+import argparse
 import resource
-import subprocess
-import sys
 import time
 
-import torch
 
-from workbench.core.capture import capture_attention
-from workbench.core.corpus import make_sample
-from workbench.core.io import write_json
-from workbench.core.model import load_model
-from workbench.analysis.stats import layer_stats
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lengths", default="2048,4096,8192", help="capture lengths; statistics at the last (default "
+                   "2048,4096,8192)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--out", default="assets/benchmarks/foundation_cpu.json", help="JSON output path")
 
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def main() -> None:
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+
+    from workbench.analysis.stats import layer_stats
+    from workbench.core.capture import capture_attention
+    from workbench.core.corpus import make_sample
+    from workbench.core.io import write_json
+    from workbench.core.model import load_model
+    from workbench.core.timing import environment
+
+    try:
+        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--lengths {args.lengths!r} must be comma-separated integers, e.g. 2048,4096,8192") from None
+    if not lengths:
+        raise ValueError("--lengths is empty: give at least one length, e.g. 8192")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_before = [round(x, 2) for x in os.getloadavg()]
     t = time.perf_counter()
     model, tok, shape = load_model()
-    warm_load = time.perf_counter() - t  # the cache exists after the first run of anything
-    rows = {"warm_load_s": round(warm_load, 2), "capture_s": {}, "stats_8k": {}}
-    for n in (2048, 4096, 8192):
+    rows = {"warm_load_s": round(time.perf_counter() - t, 2), "capture_s": {}}  # the cache exists after any first run
+    for n in lengths:
         ids = make_sample("passkey", tok, n, seed=0).input_ids
         t = time.perf_counter()
         cap = capture_attention(model, shape, ids, progress=False)
@@ -40,16 +55,20 @@ def main() -> None:
     for layer in cap.layers:
         q, k, _ = cap.layer_qkv(layer)
         layer_stats(q, k, cap.scale)
-    rows["stats_8k"] = {"heads": shape.n_layers * shape.n_heads, "seconds": round(time.perf_counter() - t, 1),
-                        "extra_peak_rss_mb": round(peak_rss_mb() - before, 1)}
-    rows["machine"] = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                       "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-                       "torch": torch.__version__, "note": os.environ.get("BENCH_NOTE", "")}
-    rows["command"] = "python " + " ".join(sys.argv)
-    rows["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(json.dumps(rows, indent=1))
-    write_json("assets/benchmarks/foundation_cpu.json", rows)
+    seconds = time.perf_counter() - t
+    rows["stats"] = {"length": lengths[-1], "heads": len(cap.layers) * shape.n_heads, "seconds": round(seconds, 1),
+                     "seconds_per_layer": round(seconds / len(cap.layers), 2), "bar_seconds": 60,
+                     "extra_peak_rss_mb": round(peak_rss_mb() - before, 1), "bar_extra_mb": 2048,
+                     "maps": "all (max_map, mean_map, block_mass, column_mass, diag_mass, row_entropy)"}
+    rows["environment"] = {**environment(), "load_average_1_5_15_at_start": load_before}
+    write_json(args.out, rows)
+    print(rows)
+    print(f"wrote {args.out}: statistics of {rows['stats']['heads']} heads at {lengths[-1]} tokens in {seconds:.1f} s "
+          f"(bar 60 s), extra peak {rows['stats']['extra_peak_rss_mb']} MB")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from workbench_benchmarks import standalone
+
+    raise SystemExit(standalone(add_arguments, run, __doc__))

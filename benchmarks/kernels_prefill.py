@@ -1,4 +1,4 @@
-"""`workbench bench prefill`: sparse prefill kernels vs dense SDPA and FlexAttention on one GPU.
+"""`workbench bench kernels`: sparse prefill kernels vs dense SDPA and FlexAttention on one GPU.
 
 Inputs are synthetic (random weights, no model): q/k/v of a real attention shape with planted structure
 (RoPE locality from a shared q/k component, attention sinks, vertical keys, slashes at fixed offsets,
@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
-import subprocess
 import sys
 import time
+
+from workbench.core.timing import elapsed_ms, stamp, time_ms
+from workbench.core.timing import environment as timing_environment
 
 SHAPES = {  # name: (query heads, KV heads, head_dim, rope theta)
     "llama3-8b": (32, 8, 128, 500000.0),
@@ -63,22 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def environment() -> dict:
-    import torch
-    import triton
-
-    driver = "unknown"
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
-    except (OSError, IndexError, subprocess.SubprocessError):
-        pass
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (cpu dry run)"
-    return {"gpu": gpu, "driver": driver, "torch": torch.__version__,
-            "triton": triton.__version__, "python": platform.python_version(),
-            "command": " ".join(["workbench", "bench", "prefill", *sys.argv[sys.argv.index("prefill") + 1:]])
-            if "prefill" in sys.argv else " ".join(sys.argv),
-            "inputs": "synthetic bf16 q/k/v (random, no model weights) with planted sinks, verticals, slashes, "
-                      "topical blocks and RoPE locality; batch 1"}
+    return {**timing_environment(), "inputs": "synthetic bf16 q/k/v (random, no model weights) with planted sinks, "
+                                              "verticals, slashes, topical blocks and RoPE locality; batch 1"}
 
 
 def planted_inputs(hq: int, hkv: int, d: int, n: int, theta: float, seed: int = 0, dev: str = "cuda",
@@ -136,27 +123,6 @@ def planted_inputs(hq: int, hkv: int, d: int, n: int, theta: float, seed: int = 
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
-def time_ms(fn, min_reps: int = 3, max_reps: int = 20, budget_ms: float = 300.0) -> float:
-    """Median wall time of fn() in ms (CUDA events on a GPU; one warm-up call)."""
-    import torch
-
-    fn()
-    times = []
-    while len(times) < min_reps or (len(times) < max_reps and sum(times) < budget_ms):
-        if torch.cuda.is_available():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def touched_blocks(tiles, n: int):
     """Bool `[B, H, M, M]`: 64-aligned key blocks that any piece or column of each row block touches."""
     import torch
@@ -203,17 +169,23 @@ def flex_block_mask(touched, full, mask_mod, n: int):
 def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm.auto import tqdm
+    from workbench_kernels.index_build import block_index, vs_index, vs_tiles
+    from workbench_kernels.index_ref import (
+        ashape_to_tiles,
+        block_sparse_to_tiles,
+        expand_groups,
+        merge_tiles,
+        selected_block_tiles,
+        tile_area,
+    )
+    from workbench_kernels.prefill import NO_WINDOW, sparse_prefill
 
     from workbench.core.io import write_json
     from workbench.patterns import AShape, BlockSparse, VerticalSlash
-    from workbench_kernels.index_build import block_index, vs_index, vs_tiles
-    from workbench_kernels.index_ref import (ashape_to_tiles, block_sparse_to_tiles, expand_groups, merge_tiles,
-                                             selected_block_tiles, tile_area)
-    from workbench_kernels.prefill import NO_WINDOW, sparse_prefill
 
     dev = args.device
     if dev == "cuda" and not torch.cuda.is_available():
-        raise ValueError("workbench bench prefill needs a CUDA GPU (none found); run it on the GPU machine, "
+        raise ValueError("workbench bench kernels needs a CUDA GPU (none found); run it on the GPU machine, "
                          "or use --device cpu with TRITON_INTERPRET=1 for a dry run")
     if args.minference:
         return compare_minference(args)
@@ -234,14 +206,10 @@ def run(args: argparse.Namespace) -> int:
     def save():
         write_json(args.out, result)
 
-    def sync_ms(fn):
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    def sync_ms(fn):  # one call: (its output, ms)
+        a = stamp(dev == "cuda")
         out = fn()
-        if dev == "cuda":
-            torch.cuda.synchronize()
-        return out, (time.perf_counter() - t0) * 1e3
+        return out, elapsed_ms(a, stamp(dev == "cuda"))
 
     torch._dynamo.config.cache_size_limit = 256
     from torch.nn.attention.flex_attention import flex_attention
@@ -481,11 +449,11 @@ def compare_minference(args: argparse.Namespace) -> int:
     group-shared tables), Vertical-Slash (per-head and group-shared), index build times, and A-shape
     (ours only, against dense). MInference's kernels have no GQA: they read K/V repeated to Hq heads."""
     import torch
-
-    from workbench.core.io import write_json
     from workbench_kernels.index_build import block_index, vs_index, vs_tiles
     from workbench_kernels.index_ref import ashape_to_tiles, expand_groups, selected_block_tiles, tile_area
     from workbench_kernels.prefill import sparse_prefill
+
+    from workbench.core.io import write_json
 
     dev = args.device
     mi = load_minference(args.minference)
@@ -608,6 +576,6 @@ def compare_minference(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m workbench_benchmarks.kernels_prefill")
-    add_arguments(parser)
-    sys.exit(run(parser.parse_args()))
+    from workbench_benchmarks import standalone
+
+    raise SystemExit(standalone(add_arguments, run, __doc__))

@@ -1,4 +1,4 @@
-"""End-to-end prefill timing on a GPU: a random-weight Llama-3-8B-shaped model, dense SDPA vs sparse.
+"""`workbench bench prefill`: end-to-end prefill timing on a GPU: a random-weight Llama-3-8B-shaped model, dense SDPA vs sparse.
 
 The model is built from a `LlamaConfig` with Llama-3-8B dimensions (hidden 4096, 32 query / 8 KV heads,
 head_dim 128, intermediate 14336, vocab 128256, RoPE theta 5e5, 131072 positions) and random weights,
@@ -20,13 +20,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from typing import Any
 
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                 head_dim=128, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                 rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
 FULL_LAYERS = 32
 CONFIGS = {  # name: per-head (pattern, params) by head index
     "block_top100": lambda h: ("block", {"topk": 100}),
@@ -49,15 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _model(n_layers: int):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from workbench_benchmarks.shapes import random_llama
 
     from workbench.core.model import model_shape
 
-    cfg = LlamaConfig(num_hidden_layers=n_layers, attn_implementation="sdpa", **LLAMA3_8B)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    model = random_llama(n_layers)
     return model, model_shape(model, f"random Llama-3-8B shape ({n_layers} layers)", fp="random-seed0")
 
 
@@ -82,17 +74,10 @@ def _time_forward(model, ids, reps: int) -> float:
     """Median ms of model(ids) (prefill, cache written, last-position logits) over `reps` after a warm-up."""
     import torch
 
-    times = []
+    from workbench.core.timing import time_ms
+
     with torch.no_grad():
-        for i in range(reps + 1):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            model(ids, use_cache=True, logits_to_keep=1)
-            b.record()
-            b.synchronize()
-            if i:
-                times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+        return time_ms(lambda: model(ids, use_cache=True, logits_to_keep=1), cuda=True, min_reps=reps, max_reps=reps)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,8 +87,10 @@ def run(args: argparse.Namespace) -> int:
     from workbench.prefill.sparse import SparsePrefill
 
     if not torch.cuda.is_available():
-        raise ValueError("workbench prefill bench needs a CUDA GPU (none found): run it on the GPU machine")
-    from workbench_benchmarks.kernels_prefill import environment
+        raise ValueError("workbench bench prefill needs a CUDA GPU (none found): run it on the GPU machine")
+    from workbench_benchmarks.shapes import LLAMA3_8B
+
+    from workbench.core.timing import environment
 
     names = [c for c in args.configs.split(",") if c]
     for c in names:
@@ -112,9 +99,6 @@ def run(args: argparse.Namespace) -> int:
     lengths = [int(x) for x in args.lengths.split(",") if x]
     t0 = time.time()
     env = environment()
-    env["command"] = (f"workbench prefill bench --lengths {args.lengths} --layers {args.layers} "
-                      f"--configs {args.configs} --reps {args.reps}" + (" --compile-other" if args.compile_other else "")
-                      + f" --out {args.out}")
     env["inputs"] = ("random-weight model with Llama-3-8B dimensions (LlamaConfig: hidden 4096, 32 q / 8 KV heads, "
                      f"head_dim 128, intermediate 14336, vocab 128256, RoPE theta 5e5), {args.layers} of 32 layers, "
                      "bf16, batch 1, random token ids; per-layer times extrapolated to 32 layers"
@@ -198,6 +182,6 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m workbench_benchmarks.prefill_e2e")
-    add_arguments(parser)
-    sys.exit(run(parser.parse_args()))
+    from workbench_benchmarks import standalone
+
+    raise SystemExit(standalone(add_arguments, run, __doc__))

@@ -1,9 +1,9 @@
-"""`workbench prefill quality|bench`: what a head config costs in quality, and what it saves in time.
+"""`workbench prefill quality`: what a head config costs in quality.
 
 quality: sparse vs dense prefill on retrieval prompts (KL and top-1 at the answer position, greedy
 retrieval accuracy, per-layer cosine, one-layer-at-a-time sensitivity) -> JSON + HTML.
-bench: end-to-end prefill time and the per-layer T_proj / T_index / T_sparse / T_other breakdown of a
-random-weight Llama-3-8B-shaped model on a GPU, against dense SDPA (`workbench_benchmarks.prefill_e2e`).
+What it saves in time is `workbench bench prefill` (end to end, per-layer breakdown, on a GPU) and
+`workbench bench kernels` (the sparse kernels alone).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from workbench.cli._device import add_device_arguments, resolve_device_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prefill", help="sparse prefill from a head config: quality vs dense, GPU time breakdown",
+    p = sub.add_parser("prefill", help="sparse prefill from a head config: quality vs dense (time: workbench bench)",
                        description=__doc__)
     what = p.add_subparsers(dest="what", metavar="WHAT", required=True)
     q = what.add_parser("quality", help="quality of a head config's sparse prefill vs dense (JSON + HTML)")
@@ -35,19 +35,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_device_arguments(q)
     q.add_argument("--no-progress", action="store_true", help="hide progress bars")
     q.set_defaults(func=run_quality)
-    b = what.add_parser("bench", help="end-to-end prefill time breakdown on a GPU (random Llama-3-8B-shaped model)")
-    from workbench_benchmarks.prefill_e2e import add_arguments
-
-    add_arguments(b)
-    b.set_defaults(func=run_bench)
 
 
 def run_quality(args: argparse.Namespace) -> int:
     import torch
 
-    from workbench.search.config import HeadConfig
     from workbench.core.model import load_model
     from workbench.prefill.quality import quality_report
+    from workbench.search.config import HeadConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -85,8 +80,3 @@ def run_quality(args: argparse.Namespace) -> int:
     print(f"wrote {args.out} and {args.out.rsplit('.', 1)[0]}.html")
     return 0
 
-
-def run_bench(args: argparse.Namespace) -> int:
-    from workbench_benchmarks.prefill_e2e import run
-
-    return run(args)

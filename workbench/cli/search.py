@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--aggregate", choices=("sum", "max", "logits"), default="sum", help="VS proxy aggregation")
     p.add_argument("--diag-norm", choices=("sum", "mean", "prior"), default="sum", help="VS proxy diagonal normalisation")
     p.add_argument("--latency", default=None,
-                   help="`workbench bench prefill` JSON: cost = measured time per tile + index time "
+                   help="`workbench bench kernels` JSON: cost = measured time per tile + index time "
                         "(default cost: physical 64x64 tiles)")
     p.add_argument("--out", default=None, help="output path (default configs/<model name>.json)")
     p.add_argument("--threads", type=int, default=None,
@@ -42,9 +42,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--distributed", action="store_true",
                    help="spread calibration over the ranks of a torchrun job (implied under torchrun with WORLD_SIZE > 1): "
                         "torchrun --nproc_per_node N -m workbench search --distributed ...; rank 0 writes the config")
-    p.add_argument("--bench-json", default=None,
-                   help="also time the search and the re-scoring of one edited head, and write them with the "
-                        "held-out recall as benchmark JSON (e.g. assets/benchmarks/search_cpu.json)")
     p.set_defaults(func=run)
 
 
@@ -73,10 +70,10 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from workbench.search import distributed
     from workbench.core.capture import capture_attention
     from workbench.core.corpus import make_sample
     from workbench.core.model import load_model
+    from workbench.search import distributed
     from workbench.search.search import Candidate, evaluate_config, search_heads
 
     if args.threads:
@@ -136,7 +133,6 @@ def run(args: argparse.Namespace) -> int:
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     cfg.provenance["search_seconds"] = round(seconds, 1)
     cfg.provenance["search_cpu_seconds"] = round(cpu_seconds, 1)
-    cap = None
     if args.holdout:
         hold = make_sample(args.holdout, tok, max(lengths), seed=args.seed)
         cap = capture_attention(model, shape, hold.input_ids, progress=False)
@@ -144,8 +140,6 @@ def run(args: argparse.Namespace) -> int:
                                                     hold.describe())
     out = Path(args.out or f"configs/{re.sub(r'[^A-Za-z0-9_.-]+', '-', shape.name)}.json")
     cfg.save(out)
-    if args.bench_json:
-        write_benchmark(args.bench_json, cfg, model, shape, samples, command, seconds, holdout=cap)
     print(f"wrote {out}: {cfg.summary()} heads; search {seconds:.0f} s")
     if "holdout" in cfg.provenance:
         h = cfg.provenance["holdout"]
@@ -175,70 +169,3 @@ def holdout_summary(result: dict, cfg, sample: dict) -> dict:
         "proxy_oracle_gap_mean": round(float(gap[dynamic].mean()) if dynamic.any() else 0.0, 6),
         "proxy_oracle_gap_mean_all_heads": round(float(gap.mean()), 6),
     }
-
-
-def write_benchmark(path: str, cfg, model, shape, samples, command: str, search_seconds: float,
-                    holdout=None, layer: int = 5, head: int = 4, repeats: int = 5) -> None:
-    """Time `rescore_head` for one head (cache built once from the calibration samples) and write the
-    benchmark JSON: search time, re-score times, held-out recall and proxy-vs-oracle gap, and (with the
-    held-out capture) the VS proxy's settings compared at one budget."""
-    import os
-    import platform
-    import statistics
-    import time
-
-    import torch
-
-    from workbench.core.capture import capture_attention
-    from workbench.core.io import write_json
-    from workbench.search.search import Candidate, HeadCache, compare_proxies, rescore_head
-
-    t0 = time.perf_counter()
-    caps = [capture_attention(model, shape, s.input_ids, layers=[layer], progress=False) for s in samples]
-    cache = HeadCache.from_captures(caps, layer, head)
-    cache_seconds = time.perf_counter() - t0
-    n = max(s.input_ids.numel() for s in samples)
-    edits = [Candidate("vs", (max(30, n // 32), max(50, n // 16))), Candidate("ashape", (64, max(64, n // 16))),
-             Candidate("block", (max(2, n // 1024),))]
-    rescore = {}
-    for cand in edits:
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            result = rescore_head(cache, cand, cfg.proxy)
-            times.append(time.perf_counter() - t)
-        rescore[cand.label()] = {"median_ms_all_samples": round(1000 * statistics.median(times), 1),
-                                 "min_ms_all_samples": round(1000 * min(times), 1),
-                                 "median_ms_per_sample": round(1000 * statistics.median(times) / len(samples), 1),
-                                 "worst_mass": round(result["worst"], 5)}
-    proxies = None
-    if holdout is not None:
-        vertical, slash = n // 32, n // 8
-        proxies = {"sample": cfg.provenance.get("holdout", {}).get("sample"),
-                   "note": "VS proxy at one budget on the held-out prompt, all heads; forced sink/local per proxy defaults",
-                   "rows": compare_proxies(holdout, vertical, slash, progress=True)}
-    data = {
-        "what": "per-head pattern search of the embedded model on the CPU, and re-scoring one edited head",
-        "command": command,
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
-                    "note": "load_average_1_5_15 (read when the benchmark ends) shows what else ran on the machine"},
-        "model": shape.to_dict(),
-        "calibration": [s.describe() for s in samples],
-        "search": {"seconds_incl_model_load": round(search_seconds, 1), "bar_seconds": 300,
-                   "cpu_seconds_of_this_process": cfg.provenance.get("search_cpu_seconds"),
-                   "layers": shape.n_layers, "heads": shape.n_layers * shape.n_heads,
-                   "candidates": len(cfg.provenance["candidates"]), "patterns": cfg.summary()},
-        "rescore_one_head": {"layer": layer, "head": head, "samples": len(samples), "tokens": n,
-                             "cache_build_seconds": round(cache_seconds, 2), "bar_ms": 300, "edits": rescore},
-        "holdout": cfg.provenance.get("holdout"),
-        "proxy_variants": proxies,
-        "calibration_recall": {
-            "mean_of_head_means": round(sum(e.recall["mean"] for e in cfg.heads) / len(cfg.heads), 5),
-            "worst_head_worst_sample": round(min(e.recall["worst"] for e in cfg.heads), 5),
-            "mean_physical_density": round(sum(e.density["physical"] for e in cfg.heads) / len(cfg.heads), 5)},
-    }
-    write_json(path, data)
-    print(f"wrote {path}: search {search_seconds:.0f} s (bar 300 s); re-score one head "
-          + ", ".join(f"{k} {v['median_ms_all_samples']} ms" for k, v in rescore.items()) + " (bar 300 ms)")

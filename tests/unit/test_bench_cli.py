@@ -1,0 +1,61 @@
+"""`workbench bench`: every benchmark parses its --help; the prefill names say what they time; a tiny
+CPU benchmark run writes JSON with the environment record."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workbench.cli import build_parser
+from workbench.cli.bench import BENCHMARKS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("what", sorted(BENCHMARKS))
+def test_every_benchmark_help_parses(what, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["bench", what, "--help"])
+    assert e.value.code == 0
+    assert "--out" in capsys.readouterr().out
+
+
+def test_one_command_per_benchmark(capsys):
+    assert {"kernels", "prefill", "decode", "search", "dashboard", "notebooks", "foundation"} == set(BENCHMARKS)
+    for argv in (["prefill", "bench"], ["search", "--bench-json", "x.json"]):  # the old spellings are gone
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(argv)
+        assert e.value.code == 2
+    capsys.readouterr()
+
+
+def test_each_benchmark_module_runs_standalone():
+    """`python -m workbench_benchmarks.MODULE --help` is the same parser."""
+    for module, _ in BENCHMARKS.values():
+        out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120,
+                             cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "--out" in out.stdout
+
+
+def test_tiny_search_benchmark_writes_environment(tmp_path):
+    """A one-rank gloo job searching a 1-layer tiny random Llama (seconds on the CPU)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    out = tmp_path / "search.json"
+    cmd = [sys.executable, "-m", "workbench", "bench", "search", "--random-llama", "--tiny", "--layers", "1",
+           "--length", "256", "--samples", "1", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    e = data["environment"]
+    assert e["command"] == ("workbench bench search --random-llama --tiny --layers 1 --length 256 --samples 1 "
+                            f"--out {out}")
+    assert {"gpu", "torch", "triton", "transformers", "python", "cpu", "cores", "load_average_1_5_15"} <= set(e)
+    assert data["world_size"] == 1 and data["model"]["n_layers"] == 1 and len(data["heads_sha256"]) == 64

@@ -1,0 +1,79 @@
+"""workbench.core.timing: repetition rules, CPU stamps, the command line and the environment record."""
+import types
+
+import pytest
+
+from workbench.core import timing
+
+
+def counter():
+    calls = []
+    return calls, lambda: calls.append(1)
+
+
+def test_measure_warms_up_then_repeats_within_bounds():
+    calls, fn = counter()
+    t = timing.measure(fn, cuda=False, warmup=2, min_reps=3, max_reps=5, budget_ms=0.0)
+    assert len(t.times_ms) == 3 and len(calls) == 2 + 3  # no budget: exactly min_reps after the warm-up
+    calls, fn = counter()
+    t = timing.measure(fn, cuda=False, warmup=0, min_reps=2, max_reps=7, budget_ms=1e9)
+    assert len(t.times_ms) == 7 and len(calls) == 7  # a huge budget: max_reps
+    assert t.min_ms <= t.median_ms and all(x >= 0 for x in t.times_ms)
+    assert t.to_dict()["reps"] == 7
+
+
+def test_timing_median_and_min():
+    t = timing.Timing([5.0, 1.0, 3.0, 9.0])
+    assert t.median_ms == 4.0 and t.min_ms == 1.0
+
+
+def test_measure_refuses_bad_repetitions():
+    with pytest.raises(ValueError, match="min_reps"):
+        timing.measure(lambda: None, cuda=False, min_reps=0)
+    with pytest.raises(ValueError, match="max_reps"):
+        timing.measure(lambda: None, cuda=False, min_reps=5, max_reps=2)
+
+
+def test_cpu_stamps_give_milliseconds():
+    a = timing.stamp(False)
+    b = timing.stamp(False)
+    assert isinstance(a, float) and timing.elapsed_ms(a, b) >= 0
+    assert timing.elapsed_ms(1.0, 1.5) == pytest.approx(500.0)
+
+
+@pytest.mark.parametrize("spec,argv,expected", [
+    (None, ["/venv/bin/workbench", "bench", "kernels", "--lengths", "1024,2048"],
+     "workbench bench kernels --lengths 1024,2048"),
+    ("workbench.__main__", ["/repo/workbench/__main__.py", "bench", "prefill", "--out", "a b.json"],
+     "workbench bench prefill --out 'a b.json'"),
+    ("workbench_benchmarks.decode", ["/repo/benchmarks/decode.py", "--out", "x.json"],
+     "python -m workbench_benchmarks.decode --out x.json"),
+    (None, ["scripts/render_assets.py", "--html"], "python scripts/render_assets.py --html"),
+])
+def test_command_line(monkeypatch, spec, argv, expected):
+    main = types.ModuleType("__main__")
+    main.__spec__ = types.SimpleNamespace(name=spec) if spec else None
+    monkeypatch.setitem(__import__("sys").modules, "__main__", main)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert timing.command_line(argv) == expected
+
+
+def test_command_line_under_torchrun(monkeypatch):
+    main = types.ModuleType("__main__")
+    main.__spec__ = types.SimpleNamespace(name="workbench.__main__")
+    monkeypatch.setitem(__import__("sys").modules, "__main__", main)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    got = timing.command_line(["/repo/workbench/__main__.py", "bench", "search", "--random-llama"])
+    assert got == "torchrun --nproc_per_node 2 -m workbench bench search --random-llama"
+
+
+def test_environment_fields():
+    env = timing.environment(command="workbench bench foundation")
+    assert env["command"] == "workbench bench foundation"
+    for key in ("gpu", "torch", "triton", "transformers", "python", "cpu", "cores", "torch_threads",
+                "load_average_1_5_15", "commit"):
+        assert key in env
+    assert env["torch"] and env["python"] and len(env["load_average_1_5_15"]) == 3
+    if env["gpu"] is not None:
+        assert {"driver", "gpus", "gpu_memory_gib", "sms", "cuda"} <= set(env)
