@@ -9,11 +9,11 @@ The spans feed `workbench.views.viz.decode_timeline`.
 """
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
+from workbench.core.timing import stamp
 from workbench.decode.engine.hooks import StepHooks
 
 
@@ -40,11 +40,7 @@ class _Stamps(StepHooks):
         self.opened: dict[tuple[str, int], Any] = {}
 
     def stamp(self) -> Any:
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()  # on the current stream: the side stream inside a prefetch copy
-            return e
-        return time.perf_counter()
+        return stamp(self.cuda)  # a CUDA event on the current stream: the side stream inside the engine's copy
 
     def _open(self, kind: str, layer: int) -> None:
         self.opened[(kind, layer)] = self.stamp()

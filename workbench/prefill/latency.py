@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from workbench.core.timing import time_ms
 from workbench.patterns import PATTERNS, Stack, causal_tiles
 from workbench.patterns.base import NO_WINDOW
 
@@ -60,17 +60,7 @@ def estimate_ms(rates: dict[str, dict[str, float]], pattern: str, tiles: float) 
 
 
 def _median_ms(fn, reps: int) -> float:
-    fn()  # warm-up (Triton compiles on the first call)
-    times = []
-    for _ in range(reps):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return time_ms(fn, min_reps=reps, max_reps=reps)  # one warm-up call first (Triton compiles on it)
 
 
 def layer_tiles(parts: list[Any], n: int, device: torch.device | str = "cpu"):

@@ -23,7 +23,6 @@ cache update, MLP, residuals), with CUDA events on a GPU and wall time on the CP
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -32,6 +31,7 @@ import torch
 
 from workbench.core.attention import attention_override, dense_attention
 from workbench.core.device import model_device
+from workbench.core.timing import stamp
 from workbench.search.config import PROXY_DEFAULTS, HeadConfig
 from workbench.core.model import ModelShape
 
@@ -379,11 +379,7 @@ class LayerTimer:
         self._handles: list[Any] = []
 
     def _now(self) -> Any:
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
+        return stamp(self.cuda)
 
     def mark(self, layer: int, name: str, **info: str) -> None:
         self.marks.setdefault(layer, {}).setdefault(name, []).append(self._now())
