@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the VS index builder is a Triton kernel
     import torch
+    from workbench_kernels.index_build import block_index, vs_index
 
     from workbench.analysis.stats import captured_mass
     from workbench.core.capture import capture_attention
@@ -36,7 +37,6 @@ def main(argv: list[str] | None = None) -> int:
     from workbench.core.io import write_json
     from workbench.core.model import load_model
     from workbench.patterns import BlockSparse, VerticalSlash
-    from workbench_kernels.index_build import block_index, vs_index
 
     t0 = time.time()
     model, tok, shape = load_model()

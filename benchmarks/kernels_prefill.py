@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
         causal_pairs = n * (n + 1) // 2
         kx, vx = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
         dense_ms = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))
-        del kx, vx
+        kx = vx = None  # free the expanded copies
         dense_tflops = 4 * d * hq * causal_pairs / dense_ms / 1e9
         base = {"shape": shape, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "n": n}
         rows.append({**base, "kernel": "dense_sdpa", "time_ms": dense_ms, "tflops": dense_tflops})
@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
         if args.sweep:
             sweep = {"64": [(4, 2), (4, 3), (4, 4), (4, 5)], "128": [(8, 2), (8, 3)],
                      "128x64": [(4, 2), (4, 3), (8, 2), (8, 3), (8, 4)]}
-            for (pattern, blk), (tiles, _, aw) in indexes.items():
+            for (pattern, blk), (tiles, _, _width) in indexes.items():
                 if pattern not in ("vertical_slash", "block_sparse"):
                     continue
                 area = tile_area(tiles, n).sum().item()
@@ -364,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
         save()
 
     flex_jobs.sort(key=lambda job: (job[1] != "llama3-8b", -job[2]))  # the long Llama rows first
-    for row, shape, n, q, k, v, touched, full, mask_mod, ref, scale in tqdm(flex_jobs, desc="flex"):
+    for row, _shape, n, q, k, v, touched, full, mask_mod, ref, scale in tqdm(flex_jobs, desc="flex"):
         if time.time() - t_start > args.time_limit:
             row["flex_skipped"] = "time limit"
             continue
@@ -567,7 +567,7 @@ def compare_minference(args: argparse.Namespace) -> int:
                                                           "from the range start)"}}
             row("vertical_slash" + ("_group_shared" if shared else ""), tiles, area, ms, cfg, times, mi_ms, **extra)
             del out
-        del q, k, v, kx, vx
+        q = k = v = kx = vx = None  # free this length's tensors before the next
         if dev == "cuda":
             torch.cuda.empty_cache()
     write_json(args.minference_out, result)

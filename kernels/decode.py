@@ -22,7 +22,6 @@ def _sparse_decode_kernel(Q, Kp, Vp, Blocks, Slots, Lengths, Opart, Mpart, Lpart
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
     b = bh // Hkv
-    h = bh % Hkv
     rows = tl.arange(0, GP)
     cols = tl.arange(0, D)
     toks = tl.arange(0, BLOCK_N)

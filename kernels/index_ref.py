@@ -58,7 +58,7 @@ class VSTiles:
     def piece(self) -> int:
         return self.width or self.block
 
-    def to(self, device: torch.device | str) -> "VSTiles":
+    def to(self, device: torch.device | str) -> VSTiles:
         return VSTiles(*(t.to(device) for t in (self.block_count, self.block_offset, self.column_count,
                                                 self.column_index)), block=self.block, width=self.width)
 

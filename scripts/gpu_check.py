@@ -65,8 +65,8 @@ def main() -> int:
                                  "environment": environment(), "lanes": {}}
     ok = True
     for lane in [x for x in args.lanes.split(",") if x]:
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors", f"--junitxml={tmp / lane}.xml",
-               *LANES[lane]]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors",
+               f"--junitxml={tmp / lane}.xml", *LANES[lane]]
         t0 = time.perf_counter()
         try:
             rc: int | str = subprocess.run(cmd, cwd=ROOT, env=env, timeout=args.lane_timeout).returncode

@@ -32,13 +32,13 @@ def save(fig, out: Path, name: str, html: bool, scale: float = 2.0) -> Path:
 def attention_figures(length: int) -> dict:
     import torch
 
-    from workbench.views import viz
+    from workbench.analysis.head_kinds import profile_layer
+    from workbench.analysis.stats import layer_stats
     from workbench.core.capture import capture_attention
     from workbench.core.corpus import make_sample
     from workbench.core.model import load_model
     from workbench.patterns import VerticalSlash, vs_proxy
-    from workbench.analysis.head_kinds import profile_layer
-    from workbench.analysis.stats import layer_stats
+    from workbench.views import viz
 
     model, tok, shape = load_model()
     sample = make_sample("passkey", tok, length, seed=0)
@@ -62,8 +62,8 @@ def attention_figures(length: int) -> dict:
 
 
 def benchmark_figures() -> dict:
-    from workbench.views import viz
     from workbench.search.config import HeadConfig
+    from workbench.views import viz
 
     figs = {}
     cfg_path = ROOT / "configs" / "SmolLM2-135M-Instruct.json"
@@ -90,7 +90,8 @@ def benchmark_figures() -> dict:
                     not (r["mode"].startswith(("sparse-offload", "forecast")) and r["reuse_imposed"] is None):
                 groups.setdefault(r["mode"], {})[f"batch {r['batch']}"] = r["tokens_per_s"]
         figs["decode_h200"] = viz.grouped_bars(groups, "tokens/s", title=f"{bench['environment']['gpu']}: decode at "
-                                               f"{context // 1024}K tokens, {bench['layers']} layers of a random-weight Llama-3-8B shape (offload: 0.79 block reuse)")
+                                               f"{context // 1024}K tokens, {bench['layers']} layers of a random-weight "
+                                               "Llama-3-8B shape (offload: 0.79 block reuse)")
     return figs
 
 

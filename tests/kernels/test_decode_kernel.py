@@ -9,11 +9,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from workbench_kernels.decode import sparse_decode  # noqa: E402
-from workbench_kernels.decode_ref import sparse_decode_ref  # noqa: E402
 from workbench_kernels.block_select import select_blocks  # noqa: E402
 from workbench_kernels.cache_plan import append_token, plan_blocks  # noqa: E402
 from workbench_kernels.cache_plan_ref import append_token_ref, plan_blocks_ref  # noqa: E402
+from workbench_kernels.decode import sparse_decode  # noqa: E402
+from workbench_kernels.decode_ref import sparse_decode_ref  # noqa: E402
 from workbench_kernels.gather import gather_blocks  # noqa: E402
 from workbench_kernels.gather_ref import gather_blocks_ref  # noqa: E402
 

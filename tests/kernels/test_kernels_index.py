@@ -9,10 +9,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from workbench.patterns.proxy import vs_proxy  # noqa: E402
 from workbench_kernels.index_build import vs_index, vs_scores, vs_tiles  # noqa: E402
-from workbench_kernels.index_ref import (block_sparse_to_tiles, selected_block_tiles, tiles_to_mask,  # noqa: E402
-                                         vs_to_tiles)
+from workbench_kernels.index_ref import block_sparse_to_tiles, selected_block_tiles, tiles_to_mask, vs_to_tiles  # noqa: E402
+
+from workbench.patterns.proxy import vs_proxy  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -78,8 +78,9 @@ def test_vs_tiles_kernel_equals_reference_conversion(n, block, width):
 
 @pytest.mark.parametrize("n", [1, 130, 256])
 def test_block_index_selects_what_the_torch_proxy_selects(n):
-    from workbench.patterns.proxy import block_proxy
     from workbench_kernels.index_build import block_index
+
+    from workbench.patterns.proxy import block_proxy
 
     g = torch.Generator().manual_seed(n)
     q, k = torch.randn(2, 6, n, 64, generator=g), torch.randn(2, 2, n, 64, generator=g)
@@ -99,8 +100,9 @@ def test_block_index_selects_what_the_torch_proxy_selects(n):
 
 def test_block_index_kernel_on_long_rows_and_budgets():
     """The Triton selection (bisection on the score row) against torch.topk where rows are long."""
-    from workbench.patterns.proxy import block_proxy
     from workbench_kernels.index_build import block_index
+
+    from workbench.patterns.proxy import block_proxy
 
     n = 3000 if DEV == "cpu" else 65536
     g = torch.Generator().manual_seed(5)
@@ -115,9 +117,10 @@ def test_block_index_kernel_on_long_rows_and_budgets():
 
 def test_group_shared_indexes_select_from_the_summed_group_scores():
     """group_shared=True: one index per KV head, chosen from the scores added over its query heads."""
-    from workbench.patterns.proxy import _grouped_scores
     from workbench_kernels.index_build import block_index
     from workbench_kernels.topk import top_blocks, top_positions
+
+    from workbench.patterns.proxy import _grouped_scores
 
     n = 300
     g = torch.Generator().manual_seed(2)

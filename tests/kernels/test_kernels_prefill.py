@@ -9,12 +9,19 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from workbench.patterns import AShape, BlockSparse, VerticalSlash  # noqa: E402
-from workbench_kernels.index_ref import (ashape_to_tiles, block_sparse_to_tiles, expand_groups, merge_tiles,  # noqa: E402
-                                         tiles_to_mask, vs_tile_bounds, vs_to_tiles)
-from workbench_kernels.prefill import (NO_WINDOW, ashape_prefill, block_sparse_prefill, sparse_prefill,  # noqa: E402
-                                       vertical_slash_prefill)
+from workbench_kernels.index_ref import (  # noqa: E402
+    ashape_to_tiles,
+    block_sparse_to_tiles,
+    expand_groups,
+    merge_tiles,
+    tiles_to_mask,
+    vs_tile_bounds,
+    vs_to_tiles,
+)
+from workbench_kernels.prefill import NO_WINDOW, ashape_prefill, block_sparse_prefill, sparse_prefill, vertical_slash_prefill  # noqa: E402
 from workbench_kernels.prefill_ref import masked_attention_ref  # noqa: E402
+
+from workbench.patterns import AShape, BlockSparse, VerticalSlash  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16] if DEV == "cuda" else [torch.float32, torch.float16]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from workbench_kernels.gather_ref import gather_blocks_ref
 
 from workbench.decode.engine import BlockCache, BlockStore, DecodeEngine, EngineConfig, StoreCapacityError, StoreSpec
 from workbench.decode.engine.reuse import ImposedReuse, ReuseMeter
 from workbench.decode.engine.select import CompressedKeyBuffer, select_decode
 from workbench.patterns.infllm import Budget, CompressedKeys, compress_keys, select_blocks
-from workbench_kernels.gather_ref import gather_blocks_ref
 
 GiB = 1024 ** 3
 
@@ -19,9 +19,9 @@ def test_block_cache_keeps_selected_blocks_and_copies_only_misses():
     B, H, NB, K, C, E = 2, 3, 40, 6, 8, 4
     host = torch.randn(B * H * NB, E, generator=g)
     cache = BlockCache(B, H, C, NB, 1, torch.float32, "cpu")
-    kpool, vpool = cache.k.view(B * H * C, -1)[:, :E], None
+    kpool = cache.k.view(B * H * C, -1)[:, :E]
     previous = None
-    for step in range(12):
+    for _ in range(12):
         sel = torch.stack([torch.randperm(NB, generator=g)[:K].sort().values for _ in range(B * H)]).view(B, H, K)
         sel[0, 0, -2:] = -1  # padded entries
         before = cache.slot_of.clone()

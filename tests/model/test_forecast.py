@@ -7,9 +7,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-from workbench.decode.forecast.heads import (ForecastHeads, candidate_positions, partition, partition_kl, partition_kl_logits,
-                                rope_tables, teacher_keep, teacher_scores)
 from workbench.core.model import ModelError
+from workbench.decode.forecast.heads import (
+    ForecastHeads,
+    candidate_positions,
+    partition,
+    partition_kl,
+    partition_kl_logits,
+    rope_tables,
+    teacher_keep,
+    teacher_scores,
+)
 from workbench.patterns.infllm import Budget, compress_keys, group_scores
 
 SMALL = Budget(init=1, local=1, topk=2)  # 4 of 8 blocks at 512 tokens

@@ -13,8 +13,8 @@ import dataclasses  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from workbench.search.config import ConfigError, HeadConfig, HeadEntry  # noqa: E402
 from workbench.prefill.sparse import SparsePrefill, generate_greedy  # noqa: E402
+from workbench.search.config import ConfigError, HeadConfig, HeadEntry  # noqa: E402
 
 N = 256
 
@@ -139,6 +139,7 @@ def test_row_masks_match_the_kernel_mask():
     """The CPU reference's row masks equal `tiles_to_mask` (what the Triton kernel computes): VS and
     block tiles through `tile_rows`, A-shape heads through `band_rows`."""
     from workbench_kernels.index_ref import ashape_to_tiles, block_sparse_to_tiles, merge_tiles, tiles_to_mask, vs_to_tiles
+
     from workbench.patterns import block_proxy
     from workbench.prefill.sparse import band_rows, tile_rows
 

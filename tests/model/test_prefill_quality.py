@@ -6,10 +6,9 @@ import math
 
 import pytest
 import torch
+from test_prefill import covering, make_config, tight
 
 from workbench.prefill.quality import LayerInputs, dense_greedy, depths, kl_top1, merge_reports, quality_report, sensitivity
-
-from test_prefill import covering, make_config, tight
 
 N = 256
 
@@ -92,8 +91,8 @@ def test_config_fixes_from_stored_evidence():
     costlier candidates; dense fallback makes exactly the given layers dense."""
     from pathlib import Path
 
-    from workbench.search.config import HeadConfig
     from workbench.prefill.quality import dense_fallback, rechoose
+    from workbench.search.config import HeadConfig
 
     shipped = HeadConfig.load(Path(__file__).parents[2] / "configs" / "SmolLM2-135M-Instruct.json")
     same = rechoose(shipped, shipped.provenance["target"], shipped.provenance.get("tail_target"))

@@ -6,13 +6,23 @@ import json
 import pytest
 import torch
 
-from workbench.search.config import HeadConfig
 from workbench.analysis.metrics import layer_sums, vs_oracle
-from workbench.patterns import AShape, BlockSparse, Dense, VerticalSlash, block_proxy, vs_proxy
-from workbench.search.search import (TAIL_ROWS, Candidate, Evidence, HeadCache, choose, default_candidates,
-                              evaluate_config, layer_scores, pattern_fits, rescore_head, search_heads)
 from workbench.analysis.stats import captured_mass
-
+from workbench.patterns import AShape, BlockSparse, Dense, VerticalSlash, block_proxy, vs_proxy
+from workbench.search.config import HeadConfig
+from workbench.search.search import (
+    TAIL_ROWS,
+    Candidate,
+    Evidence,
+    HeadCache,
+    choose,
+    default_candidates,
+    evaluate_config,
+    layer_scores,
+    pattern_fits,
+    rescore_head,
+    search_heads,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")

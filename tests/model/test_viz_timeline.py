@@ -4,12 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workbench.views import viz
 from workbench.core.corpus import make_sample
 from workbench.decode.engine import DecodeEngine, EngineConfig
 from workbench.decode.engine.llama import LlamaLayers
-from workbench.patterns.infllm import Budget
 from workbench.decode.timeline import _cut, trace_step
+from workbench.patterns.infllm import Budget
+from workbench.views import viz
 
 
 def test_cut_removes_copy_intervals():

@@ -1,14 +1,12 @@
 """The Head tab's fast path (`workbench.views.headview`) against the row-chunked metrics, and the time model."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from workbench.views.headview import HeadView, full_mask
 from workbench.analysis.metrics import captured_mass, density, output_error, segment_mass
 from workbench.patterns import AShape, BlockSparse, Dense, VerticalSlash, block_proxy, vs_proxy
+from workbench.views.headview import HeadView, full_mask
 
 
 def _qkv(n=300, d=16, seed=0):
@@ -78,9 +76,10 @@ def test_tile_rates_from_the_committed_benchmark():
 def test_layer_tiles_cover_exactly_the_stack():
     """The kernel computes every pair the patterns keep; exactly those for A-shape, block and dense heads,
     VS slashes expanded to whole 64-wide pieces (the physical tiles)."""
-    from workbench.prefill.latency import layer_tiles
-    from workbench.patterns import Stack
     from workbench_kernels.index_ref import tiles_to_mask
+
+    from workbench.patterns import Stack
+    from workbench.prefill.latency import layer_tiles
 
     q, k, _ = _qkv(n=200)
     parts = [VerticalSlash(torch.tensor([[3, 5, 150]]), torch.tensor([[1, 64, -1]])), AShape(4, 37),

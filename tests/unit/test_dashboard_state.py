@@ -5,9 +5,9 @@ import json
 
 import pytest
 
+from workbench.core.model import ModelShape
 from workbench.search.config import ConfigError, HeadConfig, HeadEntry
 from workbench.views.dashboard.state import Settings, config_path, parse_config
-from workbench.core.model import ModelShape
 
 SHAPE = ModelShape(name="tiny", architecture="llama", n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, hidden_size=16,
                    rope_type="default", rope_theta=10000.0, max_positions=1024, fingerprint="abc")

@@ -6,8 +6,18 @@ import math
 import pytest
 import torch
 
-from workbench.patterns.infllm import (Budget, CompressedKeys, compress_keys, fine_to_coarse, group_scores,
-                                       pool_to_blocks, select_blocks, select_prefill, select_rows, topk_blocks)
+from workbench.patterns.infllm import (
+    Budget,
+    CompressedKeys,
+    compress_keys,
+    fine_to_coarse,
+    group_scores,
+    pool_to_blocks,
+    select_blocks,
+    select_prefill,
+    select_rows,
+    topk_blocks,
+)
 
 
 def test_compress_keys_is_window_mean():

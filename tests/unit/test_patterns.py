@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from workbench.analysis.metrics import sparse_attention
-from workbench.patterns import (AShape, BlockSparse, Dense, Stack, VerticalSlash, block_proxy, causal_tiles,
-                                vs_proxy)
+from workbench.patterns import AShape, BlockSparse, Dense, Stack, VerticalSlash, block_proxy, causal_tiles, vs_proxy
 
 B = 64
 

@@ -4,11 +4,11 @@ head, e.g. a dense head an A-shape head's window)."""
 from __future__ import annotations
 
 import torch
+from workbench_kernels.index_ref import tiles_to_mask
 
 from workbench.core.model import ModelShape
 from workbench.prefill.sparse import SparsePrefill
 from workbench.search.config import HeadConfig, HeadEntry
-from workbench_kernels.index_ref import tiles_to_mask
 
 N = 256
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from workbench.views import viz
-from workbench.patterns import AShape, BlockSparse, Dense, Stack, VerticalSlash, block_proxy, vs_proxy
 from workbench.analysis.stats import LayerStats, layer_stats
+from workbench.patterns import AShape, BlockSparse, Dense, Stack, VerticalSlash, block_proxy, vs_proxy
+from workbench.views import viz
 
 
 def _stats(n: int, resolution: int = 1024, heads: int = 1, seed: int = 0) -> LayerStats:

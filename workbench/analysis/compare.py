@@ -10,8 +10,9 @@ q `[Hq, N, D]`, k `[Hkv, N, D]` (query head h reads KV head h // (Hq // Hkv)).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -10,14 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
+from workbench.analysis.stats import attention_rows, captured_mass, diagonal_sums
 from workbench.patterns import BLOCK, Pattern, causal_edges, causal_tiles, membership
 from workbench.patterns.proxy import top_blocks, top_positions
-from workbench.analysis.stats import diagonal_sums, attention_rows, captured_mass
 
 SEGMENTS = ("all", "first", "middle", "last", "last64")
 
-__all__ = ["SEGMENTS", "LayerSums", "layer_sums", "captured_mass", "segment_mass", "sparse_attention", "output_error", "density", "index_iou",
-           "column_offset_mass", "vs_mass", "best_offsets", "vs_oracle", "block_oracle", "block_mass_of"]
+__all__ = ["SEGMENTS", "LayerSums", "layer_sums", "captured_mass", "segment_mass", "sparse_attention", "output_error",
+           "density", "index_iou", "column_offset_mass", "vs_mass", "best_offsets", "vs_oracle", "block_oracle", "block_mass_of"]
 
 
 def segment_mass(rows: torch.Tensor) -> dict[str, torch.Tensor]:

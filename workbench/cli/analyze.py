@@ -23,16 +23,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
     from tqdm.auto import tqdm
 
+    from workbench.analysis.head_kinds import profile_layer
+    from workbench.analysis.stats import layer_stats
     from workbench.core.capture import capture_attention
     from workbench.core.corpus import make_sample
     from workbench.core.io import write_json
     from workbench.core.model import load_model
-    from workbench.analysis.head_kinds import profile_layer
     from workbench.views.report import Report
-    from workbench.analysis.stats import layer_stats
     from workbench.views.viz import attention_map, head_grid
 
     t0 = time.perf_counter()
@@ -70,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     rep.heading("Most vertical, slash and block heads")
     for metric in ("vertical", "slash", "block"):
         top = max(profiles, key=lambda p: getattr(p, metric))
-        rep.figure(attention_map(maps[top.layer], top.head, max_cells=256, title=f"L{top.layer} H{top.head}: strongest {metric} ({getattr(top, metric):.2f})"))
+        title = f"L{top.layer} H{top.head}: strongest {metric} ({getattr(top, metric):.2f})"
+        rep.figure(attention_map(maps[top.layer], top.head, max_cells=256, title=title))
     rep.heading("Per-layer summary")
     rows = []
     for layer in cap.layers:

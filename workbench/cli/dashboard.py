@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     threading.Thread(target=SHARED.model, args=(args.model, device, dtype), daemon=True).start()  # shared by all sessions
     server = pn.serve({"/": lambda: create_app(settings)}, port=args.port, address=args.address, show=args.show,
-                      start=False, title="Sparse Attention Workbench", websocket_origin="*" if args.address == "0.0.0.0" else None)
+                      start=False, title="Sparse Attention Workbench",
+                      websocket_origin="*" if args.address == "0.0.0.0" else None)
     print(f"serving http://{args.address}:{server.port}/ (started in {time.perf_counter() - t0:.1f} s); Ctrl-C stops",
           flush=True)
     try:

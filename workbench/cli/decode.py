@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from workbench.cli._device import add_device_arguments, resolve_device_args
-from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,11 +50,11 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from workbench.core.corpus import make_sample
+    from workbench.core.io import write_json
+    from workbench.core.model import load_model
     from workbench.decode.engine import MODES, DecodeEngine, EngineConfig
     from workbench.decode.engine.llama import LlamaLayers
     from workbench.decode.engine.reuse import ReuseMeter
-    from workbench.core.io import write_json
-    from workbench.core.model import load_model
 
     modes = list(MODES) if args.mode == "all" else [args.mode]
     for m in modes:
@@ -105,15 +105,16 @@ def run(args: argparse.Namespace) -> int:
             rows.append(row)
     import sys
 
-    result: dict[str, Any] = {"command": "workbench " + " ".join(sys.argv[1:]), "model": shape.name, "device": device, "batch": args.batch, "lengths": lengths,
-                              "steps": args.steps, "budget": budget.to_dict(), "task": args.task, "runs": rows}
+    result: dict[str, Any] = {"command": "workbench " + " ".join(sys.argv[1:]), "model": shape.name, "device": device,
+                              "batch": args.batch, "lengths": lengths, "steps": args.steps, "budget": budget.to_dict(),
+                              "task": args.task, "runs": rows}
     if args.mode == "all":
         same = tokens["sparse-resident/same-layer"]
         fc = tokens["sparse-resident/forecast"]
-        result["lossless"] = {
-            "sparse-offload-sync == sparse-resident(same-layer)": bool(torch.equal(tokens["sparse-offload-sync/same-layer"], same)),
-            "sparse-offload-forecast == sparse-resident(forecast)": bool(torch.equal(tokens["sparse-offload-forecast/forecast"], fc)),
-            "forecast-without-prefetch == sparse-resident(forecast)": bool(torch.equal(tokens["forecast-without-prefetch/forecast"], fc))}
+        pairs = {"sparse-offload-sync == sparse-resident(same-layer)": ("sparse-offload-sync/same-layer", same),
+                 "sparse-offload-forecast == sparse-resident(forecast)": ("sparse-offload-forecast/forecast", fc),
+                 "forecast-without-prefetch == sparse-resident(forecast)": ("forecast-without-prefetch/forecast", fc)}
+        result["lossless"] = {name: bool(torch.equal(tokens[run], ref)) for name, (run, ref) in pairs.items()}
     if args.quality:
         dense_tokens, dense_logits, _ = decode("dense-resident", "same-layer", keep_logits=True)
         force = dense_tokens
@@ -125,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
             quality[sel] = {
                 "top1_agreement_teacher_forced": float((t.cpu() == dense_tokens.cpu()).float().mean()),
                 "kl_dense_to_sparse_mean": float((lp.exp() * (lp - lq)).sum(-1).mean()),
-                "free_running_tokens_equal_to_dense": None if free is None else float((free.cpu() == dense_tokens.cpu()).float().mean())}
+                "free_running_tokens_equal_to_dense":
+                    None if free is None else float((free.cpu() == dense_tokens.cpu()).float().mean())}
         result["quality_vs_dense"] = quality
     _print_table(rows)
     if "lossless" in result:

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from workbench.cli._device import add_device_arguments, resolve_device_args
-import sys
 
 DEFAULT_HEADS = "configs/forecast/smollm2-135m.safetensors"
 TASKS = "passkey,multikey,vartrack,code"
@@ -50,7 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--shallow", type=int, default=6, help="reuse calibration tries layers 0..N-1 (default 6)")
     r.add_argument("--calib", type=int, default=2, help="calibration prompts for the reuse layer (default 2)")
     r.add_argument("--out", default="reports/forecast", help="folder for forecast.json and forecast.html")
-    r.add_argument("--json", default=None, help="also write the JSON (and the HTML beside it) here, e.g. assets/benchmarks/forecast_cpu.json")
+    r.add_argument("--json", default=None, help="also write the JSON (and the HTML beside it) here, "
+                   "e.g. assets/benchmarks/forecast_cpu.json")
     r.set_defaults(func=run)
 
 
@@ -78,7 +79,6 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from workbench.decode.forecast.heads import ForecastHeads
     from workbench.core.model import load_model
     from workbench.patterns.infllm import Budget
 
@@ -129,7 +129,8 @@ def _train(args, model, tok, shape, budget, tasks, argv, t0) -> int:
         "teacher": {"grid": list(fine), "kind": args.teacher}, "init": args.init_from,
         "train_config": asdict(cfg), "train_prompts": [p.meta for p in train_set],
         "held_out_prompts": [p.meta for p in held_out], **hist,
-        "prepare_seconds": round(prep, 1), "total_seconds": round(time.perf_counter() - t0, 1), **_env(argv), "device": str(next(model.parameters()).device),
+        "prepare_seconds": round(prep, 1), "total_seconds": round(time.perf_counter() - t0, 1), **_env(argv),
+        "device": str(next(model.parameters()).device),
     }
     path = heads.save(args.out)
     kl = "" if kl0 is None else (f"; held-out partition KL {sum(kl0) / len(kl0):.4f} -> {sum(kl1) / len(kl1):.4f} "
@@ -142,10 +143,10 @@ def _report(args, model, tok, shape, budget, tasks, argv, t0) -> int:
     import time
     from pathlib import Path
 
+    from workbench.core.io import write_json, write_text
     from workbench.decode.forecast.heads import ForecastHeads
     from workbench.decode.forecast.report import build_report, report_html
     from workbench.decode.forecast.train import lengths_ok
-    from workbench.core.io import write_json, write_text
 
     lengths_ok(args.length, budget)
     shape.check_length(args.length)

@@ -16,8 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model folder or hub id (default: the embedded SmolLM2-135M)")
     p.add_argument("--tasks", default=TASKS, help=f"comma-separated calibration tasks or text files, a needle depth as task@0.1 "
                         f"(default {TASKS})")
-    p.add_argument("--length", default="4096", help="prompt length(s) in tokens, comma-separated (default 4096); calibrate at the length "
-                        "you deploy at: A-shape windows and VS budgets are in tokens")
+    p.add_argument("--length", default="4096", help="prompt length(s) in tokens, comma-separated (default 4096); "
+                        "calibrate at the length you deploy at: A-shape windows and VS budgets are in tokens")
     p.add_argument("--seed", type=int, default=0, help="sample seed (default 0); the search itself is deterministic")
     p.add_argument("--target", type=float, default=0.95,
                    help="captured attention mass each head must reach on its worst calibration sample (default 0.95)")

@@ -1,9 +1,10 @@
 """Capture post-RoPE q, k, v (and optionally the attention input) of every chosen layer in one forward."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -57,9 +58,11 @@ class Capture:
 
     def save(self, path: str | Path) -> None:
         """Write as safetensors (atomic: temp file + rename)."""
-        from workbench.core.io import atomic_path
-        from safetensors.torch import save_file
         import json
+
+        from safetensors.torch import save_file
+
+        from workbench.core.io import atomic_path
 
         tensors = {"q": self.q, "k": self.k, "v": self.v, "input_ids": self.input_ids}
         if self.hidden is not None:
@@ -70,8 +73,9 @@ class Capture:
             save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp), metadata=meta)
 
     @classmethod
-    def load(cls, path: str | Path) -> "Capture":
+    def load(cls, path: str | Path) -> Capture:
         import json
+
         from safetensors import safe_open
 
         with safe_open(str(path), "pt") as f:
@@ -94,7 +98,8 @@ def capture_attention(model: torch.nn.Module, shape: ModelShape, input_ids: torc
 
     Goes through the attention interface (no n x n matrix is built: the model still runs SDPA), and
     stops the forward after the last requested layer. `dtype` is the storage dtype (default: the
-    model's). Everything stays on the model's device (the first GPU under a device map). `hidden=True` also keeps the input-normed hidden state entering each attention.
+    model's). Everything stays on the model's device (the first GPU under a device map). `hidden=True`
+    also keeps the input-normed hidden state entering each attention.
     """
     ids = input_ids.reshape(1, -1) if input_ids.dim() == 1 else input_ids
     if ids.shape[0] != 1:

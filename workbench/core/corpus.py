@@ -144,10 +144,10 @@ def make_sample(task: str, tokenizer: Any, length: int, seed: int = 0, depth: fl
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1] (fraction of the context before the needle), got {depth}")
     rng = random.Random(f"{task}:{length}:{seed}")
-    meta: dict[str, Any] = {}
     if task == "passkey":
         key = str(rng.randrange(10000, 100000))
-        ids, spans = _assemble(tokenizer, length, rng, [(depth, f"The secret number is {key}. Remember it. {key} is the secret number.")],
+        needle = f"The secret number is {key}. Remember it. {key} is the secret number."
+        ids, spans = _assemble(tokenizer, length, rng, [(depth, needle)],
                                "What is the secret number?", "The secret number is")
         return Sample(task, torch.tensor(ids), key, seed, depth, spans)
     if task == "multikey":

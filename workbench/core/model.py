@@ -69,7 +69,7 @@ class ModelShape:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelShape":
+    def from_dict(cls, d: dict[str, Any]) -> ModelShape:
         return cls(**d)
 
 

@@ -16,13 +16,23 @@ online; `token_band` only if the kernel needs a per-token mask on top of the til
 `@register_pattern` decorator; then import it below so that it registers when `workbench.patterns` is
 imported. `tests/unit/test_patterns.py::PROTOCOL_CASES` checks that the parts agree: add one instance.
 """
+from workbench.patterns import dilated, flexprefill, trishape, xattention  # noqa: E402,F401  (issue 19's kinds register)
 from workbench.patterns.ashape import AShape
-from workbench.patterns.base import (BLOCK, PATTERNS, Dense, Pattern, PatternBase, Stack, causal_edges,
-                                     causal_tiles, pattern_class, register_pattern)
+from workbench.patterns.base import (
+                                     BLOCK,
+                                     PATTERNS,
+                                     Dense,
+                                     Pattern,
+                                     PatternBase,
+                                     Stack,
+                                     causal_edges,
+                                     causal_tiles,
+                                     pattern_class,
+                                     register_pattern,
+)
 from workbench.patterns.block_sparse import BlockSparse
 from workbench.patterns.proxy import block_proxy, vs_proxy
 from workbench.patterns.vertical_slash import VerticalSlash, membership, vs_tile_count
-from workbench.patterns import dilated, flexprefill, trishape, xattention  # noqa: E402,F401  (issue 19's kinds register)
 
 __all__ = ["AShape", "BLOCK", "BlockSparse", "Dense", "PATTERNS", "Pattern", "PatternBase", "Stack",
            "VerticalSlash", "block_proxy", "causal_edges", "causal_tiles", "membership", "pattern_class",

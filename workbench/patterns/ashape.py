@@ -10,8 +10,18 @@ import torch
 from workbench_kernels import BLOCK
 from workbench_kernels.index_ref import VSTiles, ashape_to_tiles
 
-from workbench.patterns.base import (MaskMod, PatternBase, Shapes, band_poly, causal_rows, check_head, check_rows,
-                                     column_poly, register_pattern, toeplitz_rows)
+from workbench.patterns.base import (
+    MaskMod,
+    PatternBase,
+    Shapes,
+    band_poly,
+    causal_rows,
+    check_head,
+    check_rows,
+    column_poly,
+    register_pattern,
+    toeplitz_rows,
+)
 
 
 def _per_head(x: int | torch.Tensor, n_heads: int, name: str, low: int) -> torch.Tensor:
@@ -83,7 +93,7 @@ class AShape(PatternBase):
         return {"window": [band_poly(0, w, n)], **({"sink": [column_poly(0, g, n)]} if g > 0 else {})}
 
     @classmethod
-    def build(cls, params, q: Any, k: Any, scale: float, proxy: dict[str, Any], block: int) -> dict[int, "AShape"]:
+    def build(cls, params, q: Any, k: Any, scale: float, proxy: dict[str, Any], block: int) -> dict[int, AShape]:
         return {h: cls(p["sink"], p["window"]) for h, p in enumerate(params) if p is not None}
 
     def __repr__(self) -> str:

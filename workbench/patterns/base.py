@@ -15,7 +15,8 @@ to pattern classes through `PATTERNS`, filled by the `register_pattern` class de
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, ClassVar, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Protocol
 
 import torch
 from workbench_kernels import BLOCK
@@ -71,7 +72,7 @@ class Pattern(Protocol):
 
     @classmethod
     def build(cls, params: Sequence[dict[str, int] | None], q: torch.Tensor, k: torch.Tensor, scale: float,
-              proxy: dict[str, Any], block: int) -> dict[int, "Pattern"]:
+              proxy: dict[str, Any], block: int) -> dict[int, Pattern]:
         """One-head patterns for the query heads whose `params` are given (None: another kind), indexed
         online from one layer's q `[Hq, N, D]`, k `[Hkv, N, D]` -> {head: pattern}."""
 
@@ -213,7 +214,7 @@ class Dense(PatternBase):
         return {"dense": [column_poly(0, n, n)]}
 
     @classmethod
-    def build(cls, params, q, k, scale, proxy, block) -> dict[int, "Dense"]:
+    def build(cls, params, q, k, scale, proxy, block) -> dict[int, Dense]:
         return {h: cls(1) for h, p in enumerate(params) if p is not None}
 
     def __repr__(self) -> str:

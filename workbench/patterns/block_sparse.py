@@ -12,8 +12,7 @@ import torch
 from workbench_kernels import BLOCK
 from workbench_kernels.index_ref import VSTiles, block_sparse_to_tiles
 
-from workbench.patterns.base import (MaskMod, PatternBase, Shapes, causal_rows, check_head, check_rows,
-                                     register_pattern, runs)
+from workbench.patterns.base import MaskMod, PatternBase, Shapes, causal_rows, check_head, check_rows, register_pattern, runs
 from workbench.patterns.proxy import block_proxy
 from workbench.patterns.vertical_slash import membership
 
@@ -90,7 +89,7 @@ class BlockSparse(PatternBase):
 
     @classmethod
     def build(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
-              block: int) -> dict[int, "BlockSparse"]:
+              block: int) -> dict[int, BlockSparse]:
         table = block_proxy(q, k, torch.tensor([1 if p is None else p["topk"] for p in params]), block)
         return {h: cls(table[h:h + 1], block) for h, p in enumerate(params) if p is not None}
 

@@ -49,7 +49,7 @@ class _Offsets(PatternBase):
         return {"slashes": self.index(n).shapes(head, n)["slashes"]}
 
     @classmethod
-    def build(cls, params, q: Any, k: Any, scale: float, proxy: dict[str, Any], block: int) -> dict[int, "_Offsets"]:
+    def build(cls, params, q: Any, k: Any, scale: float, proxy: dict[str, Any], block: int) -> dict[int, _Offsets]:
         return {h: cls(*(p[name] for name in cls.params)) for h, p in enumerate(params) if p is not None}
 
 

@@ -64,14 +64,14 @@ class FlexPrefill(PatternBase):
         check_head(self, head)
         return (self.vs if bool(self.use_vs[head]) else self.blocks).shapes(head, n)
 
-    def head(self, h: int) -> "FlexPrefill":
+    def head(self, h: int) -> FlexPrefill:
         """The one-head pattern of head h."""
         return FlexPrefill(self.use_vs[h:h + 1], VerticalSlash(self.vs.columns[h:h + 1], self.vs.offsets[h:h + 1]),
                            BlockSparse(self.blocks.block_index[h:h + 1], self.blocks.block))
 
     @classmethod
     def build(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
-              block: int) -> dict[int, "FlexPrefill"]:
+              block: int) -> dict[int, FlexPrefill]:
         out = {}
         for budget in sorted({p["min_budget"] for p in params if p is not None}):
             milli = lambda key: torch.tensor([p[key] / 1000 if p is not None else 1.0 for p in params])  # noqa: E731

@@ -207,7 +207,7 @@ def select_prefill(q: torch.Tensor, k: torch.Tensor, budget: Budget = Budget(), 
 
 
 def infllm_blocks(q: torch.Tensor, k: torch.Tensor, budget: Budget = Budget(), *,
-                  scale: float | None = None) -> "BlockSparse":
+                  scale: float | None = None) -> BlockSparse:
     """The prefill selection as a `BlockSparse` index over the *query* heads (each query head reads its KV
     group's blocks), so that `workbench.analysis.stats` and the kernels can use it: q `[Hq, N, D]`, k `[Hkv, N, D]`."""
     from workbench.patterns.block_sparse import BlockSparse
@@ -230,13 +230,13 @@ class CompressedKeys:
         self._tail = torch.zeros(batch, heads, 0, head_dim, device=device)
 
     @classmethod
-    def from_keys(cls, k: torch.Tensor, *, window: int = 32, stride: int = 16) -> "CompressedKeys":
+    def from_keys(cls, k: torch.Tensor, *, window: int = 32, stride: int = 16) -> CompressedKeys:
         """Start from a prefilled cache: k `[B, H, N, D]`."""
         ck = cls(k.shape[0], k.shape[1], k.shape[3], window=window, stride=stride, device=k.device)
         ck.append(k)
         return ck
 
-    def append(self, k: torch.Tensor) -> "CompressedKeys":
+    def append(self, k: torch.Tensor) -> CompressedKeys:
         """Add new keys `[B, H, T, D]` (positions n .. n+T-1) and compress every window they complete."""
         start = self.n - self._tail.shape[2]  # token position of tail[0]
         raw = torch.cat([self._tail, k.float()], 2)

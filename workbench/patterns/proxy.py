@@ -8,10 +8,10 @@ against.
 from __future__ import annotations
 
 import torch
-
-from workbench.patterns.base import BLOCK
 from workbench_kernels.topk import budget as _budget
 from workbench_kernels.topk import top_blocks, top_positions
+
+from workbench.patterns.base import BLOCK
 
 AGGREGATES = ("sum", "max", "logits")
 DIAG_NORMS = ("sum", "mean", "prior")

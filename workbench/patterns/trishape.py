@@ -77,7 +77,7 @@ class TriShape(PatternBase):
         return out
 
     @classmethod
-    def build(cls, params, q: Any, k: Any, scale: float, proxy: dict[str, Any], block: int) -> dict[int, "TriShape"]:
+    def build(cls, params, q: Any, k: Any, scale: float, proxy: dict[str, Any], block: int) -> dict[int, TriShape]:
         return {h: cls(p["sink"], p["window"], p["last"]) for h, p in enumerate(params) if p is not None}
 
     def __repr__(self) -> str:

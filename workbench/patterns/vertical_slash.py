@@ -14,8 +14,19 @@ import torch
 from workbench_kernels import BLOCK
 from workbench_kernels.index_ref import VSTiles, vs_to_tiles
 
-from workbench.patterns.base import (MaskMod, PatternBase, Shapes, band_poly, causal_rows, check_head, check_rows,
-                                     column_poly, register_pattern, runs, toeplitz_rows)
+from workbench.patterns.base import (
+    MaskMod,
+    PatternBase,
+    Shapes,
+    band_poly,
+    causal_rows,
+    check_head,
+    check_rows,
+    column_poly,
+    register_pattern,
+    runs,
+    toeplitz_rows,
+)
 from workbench.patterns.proxy import vs_proxy
 
 
@@ -83,7 +94,7 @@ class VerticalSlash(PatternBase):
 
     @classmethod
     def build(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
-              block: int) -> dict[int, "VerticalSlash"]:
+              block: int) -> dict[int, VerticalSlash]:
         budget = lambda key: torch.tensor([0 if p is None else p[key] for p in params])  # noqa: E731
         cols, offs = vs_proxy(q, k, scale, budget("vertical"), budget("slash"), **proxy)
         return {h: cls(cols[h:h + 1], offs[h:h + 1]) for h, p in enumerate(params) if p is not None}

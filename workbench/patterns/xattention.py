@@ -86,7 +86,7 @@ class XAttention(BlockSparse):
 
     @classmethod
     def build(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
-              block: int) -> dict[int, "XAttention"]:
+              block: int) -> dict[int, XAttention]:
         out = {}
         for stride in sorted({p["stride"] for p in params if p is not None}):
             tau = torch.tensor([p["tau_milli"] / 1000 if p is not None else 1.0 for p in params])

@@ -18,7 +18,8 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -153,7 +154,7 @@ def compare(model: torch.nn.Module, tok: Any, shape: ModelShape, *, tasks: Seque
                 t0 = time.perf_counter()
                 rows_l = sweep_layer(q, k, cap.scale, methods, extra, rows)
                 if device.type == "cuda":
-                    builders = [lambda qc, kc, m=m, val=val: m.build(qc, kc, cap.scale, val)
+                    builders = [lambda qc, kc, m=m, val=val, scale=cap.scale: m.build(qc, kc, scale, val)
                                 for m in methods for val in m.values]
                     if extra:
                         builders.append(lambda qc, kc, p=extra[SEARCHED]: p)  # indexed on the CPU: kernel time only

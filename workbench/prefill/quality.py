@@ -26,17 +26,18 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from workbench.search.config import HeadConfig
 from workbench.core.device import model_device
 from workbench.core.io import write_json
 from workbench.core.model import ModelShape
 from workbench.prefill.sparse import SparsePrefill, generate_greedy
+from workbench.search.config import HeadConfig
 
 KL_BAR = 0.05
 BACKENDS = {"torch": "PyTorch reference of the sparse kernel's tiles",
@@ -354,7 +355,7 @@ def rechoose(config: HeadConfig, target: float, tail_target: float | None = None
     from workbench.search.search import Candidate, Evidence, build_config, choose
 
     cands = [Candidate.from_dict(c) for c in config.provenance["candidates"]]
-    n_layers, n_heads = config.model["n_layers"], config.model["n_heads"]
+    n_layers = config.model["n_layers"]
     n = max(s["length"] for s in config.provenance["calibration"])
     grid = lambda key: torch.tensor([[e.evidence[key] for e in config.layer(l)] for l in range(n_layers)],  # noqa: E731
                                     dtype=torch.float64)[None]

@@ -24,16 +24,17 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
 from workbench.core.attention import attention_override, dense_attention
 from workbench.core.device import model_device
+from workbench.core.model import ModelShape
 from workbench.core.timing import stamp
 from workbench.search.config import PROXY_DEFAULTS, HeadConfig
-from workbench.core.model import ModelShape
 
 # Prefill length below which prompts run dense: the first measured length at which the sparse model
 # (block-sparse top-100 and A-shape configs, Llama-3-8B shape, bf16, H200) beats dense SDPA end to end;
@@ -64,7 +65,7 @@ class LayerPlan:
         return not (self.vs or self.block or self.ashape)
 
     @classmethod
-    def from_config(cls, config: HeadConfig, layer: int) -> "LayerPlan":
+    def from_config(cls, config: HeadConfig, layer: int) -> LayerPlan:
         entries = config.layer(layer)
         groups: dict[str, list[int]] = {"vs": [], "block": [], "ashape": [], "dense": []}
         for h, e in enumerate(entries):
@@ -115,7 +116,7 @@ class SparsePrefill:
         self._stack: contextlib.ExitStack | None = None
 
     # ---- context manager -----------------------------------------------------------------------
-    def __enter__(self) -> "SparsePrefill":
+    def __enter__(self) -> SparsePrefill:
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(attention_override(self.model, self.attention))
         if self.timer is not None:
@@ -386,7 +387,7 @@ class LayerTimer:
         if info:
             self.info[layer] = info
 
-    def __enter__(self) -> "LayerTimer":
+    def __enter__(self) -> LayerTimer:
         for i, layer in enumerate(self.layers):
             def start(_m, _a, i=i):
                 if i == 0:

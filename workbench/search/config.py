@@ -138,7 +138,7 @@ class HeadEntry:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "HeadEntry":
+    def from_dict(cls, d: dict[str, Any]) -> HeadEntry:
         return cls(**copy.deepcopy(d))
 
     def label(self) -> str:
@@ -162,7 +162,7 @@ class HeadConfig:
                 "heads": [h.to_dict() for h in self.heads]}
 
     @classmethod
-    def from_dict(cls, d: Any, source: str = "config") -> "HeadConfig":
+    def from_dict(cls, d: Any, source: str = "config") -> HeadConfig:
         """Check `d` against `SCHEMA` and the per-head rules, then build the config."""
         check_schema(d, source)
         cfg = cls(model=copy.deepcopy(d["model"]), heads=[HeadEntry.from_dict(h) for h in d["heads"]],
@@ -176,7 +176,7 @@ class HeadConfig:
         return write_json(path, self.to_dict())
 
     @classmethod
-    def load(cls, path: str | Path, model_shape: ModelShape | None = None) -> "HeadConfig":
+    def load(cls, path: str | Path, model_shape: ModelShape | None = None) -> HeadConfig:
         """Read and check a config; with `model_shape`, also `validate` it against that model."""
         path = Path(path)
         if not path.exists():
@@ -318,14 +318,14 @@ class HeadConfig:
         return out
 
     @classmethod
-    def load_minference(cls, path: str | Path, shape: ModelShape, fill_missing: bool = False) -> "HeadConfig":
+    def load_minference(cls, path: str | Path, shape: ModelShape, fill_missing: bool = False) -> HeadConfig:
         """Read a MInference config file for `shape` (see `from_minference`); errors name the file."""
         return cls.from_minference(read_minference(path), shape, source=str(path), fill_missing=fill_missing,
                                    provenance={"path": str(path)})
 
     @classmethod
     def from_minference(cls, data: Any, shape: ModelShape, source: str = "minference config",
-                        provenance: dict[str, Any] | None = None, fill_missing: bool = False) -> "HeadConfig":
+                        provenance: dict[str, Any] | None = None, fill_missing: bool = False) -> HeadConfig:
         """Import a MInference config for `shape` (only its shape is needed: `workbench.core.shapes`).
 
         Strict by default: one dict per layer, every head of the shape present once under its canonical
@@ -393,7 +393,7 @@ class HeadConfig:
         return cfg
 
     # ---- tensor parallelism --------------------------------------------------------------------
-    def for_rank(self, rank: int, tp_size: int) -> "HeadConfig":
+    def for_rank(self, rank: int, tp_size: int) -> HeadConfig:
         """The config one tensor-parallel rank sees: its H / tp query heads, numbered locally from 0
         (global head = rank * H_local + local head), with the model shape of one rank (KV heads
         replicated when tp exceeds their number). `provenance.tensor_parallel` records the size, rank,

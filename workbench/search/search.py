@@ -24,20 +24,39 @@ from __future__ import annotations
 import datetime
 import math
 import platform
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from workbench import __version__
-from workbench.search.config import PARAMS, PROXY_DEFAULTS, HeadConfig, HeadEntry
-from workbench.analysis.metrics import (best_offsets, block_mass_of, block_oracle, column_offset_mass, layer_sums, segment_mass,
-                      vs_mass)
-from workbench.patterns import (BLOCK, AShape, BlockSparse, Stack, VerticalSlash, block_proxy, causal_edges, causal_tiles,
-                       pattern_class, vs_proxy, vs_tile_count)
-from workbench.patterns.proxy import top_positions
+from workbench.analysis.metrics import (
+    best_offsets,
+    block_mass_of,
+    block_oracle,
+    column_offset_mass,
+    layer_sums,
+    segment_mass,
+    vs_mass,
+)
 from workbench.analysis.stats import attention_rows, captured_mass
+from workbench.patterns import (
+    BLOCK,
+    AShape,
+    BlockSparse,
+    Stack,
+    VerticalSlash,
+    block_proxy,
+    causal_edges,
+    causal_tiles,
+    pattern_class,
+    vs_proxy,
+    vs_tile_count,
+)
+from workbench.patterns.proxy import top_positions
+from workbench.search.config import PARAMS, PROXY_DEFAULTS, HeadConfig, HeadEntry
 
 TARGET = 0.95
 TAIL_ROWS = 64
@@ -72,7 +91,7 @@ class Candidate:
         return {"pattern": self.pattern, "params": self.params}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Candidate":
+    def from_dict(cls, d: dict[str, Any]) -> Candidate:
         pattern = d.get("pattern")
         if pattern not in PARAMS:
             raise ValueError(f"candidate pattern {pattern!r} is unknown: use one of {list(PARAMS)}")
@@ -216,7 +235,7 @@ class Evidence:
 
     @classmethod
     def empty(cls, candidates: Sequence[Candidate], samples: Sequence[dict[str, Any]], lengths: Sequence[int],
-              n_layers: int, n_heads: int) -> "Evidence":
+              n_layers: int, n_heads: int) -> Evidence:
         shape = (len(samples), n_layers, n_heads, len(candidates))
         z = lambda: torch.zeros(shape, dtype=torch.float64)  # noqa: E731
         return cls(list(candidates), list(samples), list(lengths), *(z() for _ in METRICS),
@@ -227,14 +246,14 @@ class Evidence:
             getattr(self, name)[sample, layer] = scores[name]
         self.done[sample, layer] = 1
 
-    def __add__(self, other: "Evidence") -> "Evidence":
+    def __add__(self, other: Evidence) -> Evidence:
         if other.candidates != self.candidates or other.lengths != self.lengths:
             raise ValueError("evidence from different candidate grids or samples cannot be merged: "
                              "run every worker with the same candidates and calibration samples")
         return Evidence(self.candidates, self.samples, self.lengths,
                         *(getattr(self, n) + getattr(other, n) for n in (*METRICS, "done")))
 
-    def all_reduce(self) -> "Evidence":
+    def all_reduce(self) -> Evidence:
         """Sum every rank's evidence in place (torch.distributed must be initialised)."""
         import torch.distributed as dist
 
@@ -313,7 +332,7 @@ def build_config(evidence: Evidence, choice: torch.Tensor, model: dict[str, Any]
                           "physical_density": _round(physical[:, l, h].mean(0))}))
     prov = {
         "tool": f"workbench {__version__}",
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "hardware": {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
                      "system": platform.system(), "torch": torch.__version__,
                      "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"},
@@ -417,7 +436,7 @@ class HeadCache:
     sums: list[Any]
 
     @classmethod
-    def from_captures(cls, captures: Sequence[Any], layer: int, head: int) -> "HeadCache":
+    def from_captures(cls, captures: Sequence[Any], layer: int, head: int) -> HeadCache:
         qs, ks, sums = [], [], []
         for cap in captures:
             q, k, _ = cap.head_qkv(layer, head)

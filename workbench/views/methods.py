@@ -4,7 +4,8 @@ Plotly is imported inside the functions (the GPU image has none)."""
 from __future__ import annotations
 
 import html
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 COLORS = {"a-shape": "#1f77b4", "tri-shape": "#17becf", "dilated": "#8c564b", "strided": "#7f7f7f",
           "vertical-slash": "#2ca02c", "block-sparse": "#ff7f0e", "xattention": "#d62728",
@@ -92,6 +93,10 @@ def report_html(report: Mapping[str, Any], figures: bool = True) -> str:
     methods = "".join(f"<li>{html.escape(name)}: {html.escape(m['knob'])} in {m['values']}"
                       f"{' (adaptive: the config records the threshold)' if m['adaptive'] else ''}</li>"
                       for name, m in s["methods"].items())
+    timing_note = ("Kernel times: Triton sparse prefill of one layer in bf16 vs dense SDPA, median of 10, on "
+                   + html.escape(str(env.get("gpu"))) if gpu else
+                   "No GPU in this run: index times are CPU wall times; kernel times come from "
+                   "`workbench compare --device cuda`.")
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>Every prefill method, one harness</title>
 <style>body{{font-family:sans-serif;max-width:1500px;margin:auto}}table{{border-collapse:collapse;margin-bottom:1em}}
 td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}th{{background:#eee}}</style></head><body>
@@ -103,7 +108,7 @@ Physical density = 64x64 tiles the Triton kernel computes / causal tiles. KL = K
 next-token distribution with every layer sparse; answer = the greedy continuation ({s['max_new_tokens']} tokens)
 contains the planted answer. Quality ran at {s['quality']} sweep values, lengths {s['quality_lengths']}.
 * = on the task's Pareto front (mass vs physical density).
-{'Kernel times: Triton sparse prefill of one layer in bf16 vs dense SDPA, median of 10, on ' + html.escape(str(env.get('gpu'))) if gpu else 'No GPU in this run: index times are CPU wall times; kernel times come from `workbench compare --device cuda`.'}</p>
+{timing_note}</p>
 <ul>{methods}</ul>
 {''.join(parts)}
 <p>Machine: {html.escape(str(env))}<br>Command: <code>{html.escape(str(report.get('command', '')))}</code></p>

@@ -27,7 +27,8 @@ class Report:
         if not rows:
             return
         cols = list(rows[0])
-        fmt = lambda v: f"{v:.{digits}f}" if isinstance(v, float) else html.escape(str(v))
+        def fmt(v: Any) -> str:
+            return f"{v:.{digits}f}" if isinstance(v, float) else html.escape(str(v))
         head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
         body = "".join("<tr>" + "".join(f"<td>{fmt(r.get(c, ''))}</td>" for c in cols) + "</tr>" for r in rows)
         self.parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")

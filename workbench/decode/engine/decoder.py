@@ -20,19 +20,20 @@ from __future__ import annotations
 import math
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from workbench.patterns.infllm import Budget
 from workbench.decode.engine.cache import BlockCache
 from workbench.decode.engine.hooks import CopyTimer, StepHooks
 from workbench.decode.engine.llama import LlamaLayers
 from workbench.decode.engine.select import CompressedKeyBuffer, all_blocks, select_decode
+from workbench.decode.engine.store import BLOCK, BlockStore, GiB, StoreCapacityError, StoreSpec, host_memory_available
 from workbench.decode.quest import QuestPages
-from workbench.decode.engine.store import BLOCK, GiB, BlockStore, StoreCapacityError, StoreSpec, host_memory_available
+from workbench.patterns.infllm import Budget
 
 MODES = ("dense-resident", "sparse-resident", "sparse-offload-sync", "sparse-offload-forecast",
          "forecast-without-prefetch")
@@ -196,8 +197,8 @@ class DecodeEngine:
         self.heads = None
         if config.uses_forecast:
             if heads is None:
-                from workbench.decode.forecast.heads import ForecastHeads
                 from workbench.core.model import model_shape
+                from workbench.decode.forecast.heads import ForecastHeads
 
                 heads = ForecastHeads.from_queries(model, model_shape(model, "engine", fp="-"))
             self.heads = heads.to(dev)
@@ -489,7 +490,7 @@ class DecodeEngine:
         self.drop_graph()
         self._finalizer()
 
-    def __enter__(self) -> "DecodeEngine":
+    def __enter__(self) -> DecodeEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from workbench.patterns.infllm import Budget, forced_and_future
 from workbench.decode.engine.store import BLOCK
+from workbench.patterns.infllm import Budget, forced_and_future
 
 
 def forced_mask(positions: torch.Tensor, n_blocks: int, budget: Budget) -> torch.Tensor:

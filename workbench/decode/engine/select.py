@@ -8,10 +8,10 @@ reallocation, no host synchronisation), and per-sequence positions.
 from __future__ import annotations
 
 import torch
+from workbench_kernels.cache_plan_ref import roll_compressed_ref
 
 from workbench.decode.engine.store import BLOCK
 from workbench.patterns.infllm import Budget, compress_keys, group_scores, pool_to_blocks, topk_blocks
-from workbench_kernels.cache_plan_ref import roll_compressed_ref
 
 
 class CompressedKeyBuffer:

@@ -12,7 +12,6 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-
 from workbench_kernels import BLOCK
 
 GiB = 1024 ** 3
@@ -132,7 +131,7 @@ class BlockStore:
         """Unpin and drop the buffers (idempotent); views taken earlier must not be used afterwards."""
         self._finalizer()
 
-    def __enter__(self) -> "BlockStore":
+    def __enter__(self) -> BlockStore:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -24,8 +24,18 @@ import torch
 from torch import nn
 
 from workbench.core.model import ModelError, ModelShape
-from workbench.patterns.infllm import (NEG, Budget, CompressedKeys, compress_keys, fine_to_coarse, forced_and_future,
-                              group_scores, pool_to_blocks, select_blocks, topk_blocks, visible)
+from workbench.patterns.infllm import (
+    NEG,
+    Budget,
+    CompressedKeys,
+    compress_keys,
+    fine_to_coarse,
+    forced_and_future,
+    group_scores,
+    pool_to_blocks,
+    select_blocks,
+    visible,
+)
 
 FORMAT = "workbench.decode.forecast.heads/1"
 FORMATS = (FORMAT, "workbench.forecast/1")  # the same layout under its name before the package re-layout
@@ -71,7 +81,7 @@ class ForecastHeads(nn.Module):
         return max(target - 1, 0)
 
     @classmethod
-    def from_queries(cls, model: nn.Module, shape: ModelShape) -> "ForecastHeads":
+    def from_queries(cls, model: nn.Module, shape: ModelShape) -> ForecastHeads:
         """Warm start: head t = the mean of target layer t's query projections over each GQA group."""
         rows = []
         for layer in model.model.layers:
@@ -121,7 +131,7 @@ class ForecastHeads(nn.Module):
         return Path(path)
 
     @classmethod
-    def load(cls, path: str | Path, shape: ModelShape, *, check_fingerprint: bool = True) -> "ForecastHeads":
+    def load(cls, path: str | Path, shape: ModelShape, *, check_fingerprint: bool = True) -> ForecastHeads:
         """Load heads saved by `save`; refuses files made for another model shape (or other weights)."""
         from safetensors import safe_open
 

@@ -14,18 +14,28 @@ Also: the layer x layer IoU matrix of exact top-k sets and decode-time churn wit
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
+from workbench.analysis.block_sets import (
+    block_mass,
+    candidates,
+    churn,
+    dynamic_set,
+    ema_sets,
+    iou,
+    iou_matrix,
+    pick_shallow_layer,
+    recall,
+)
 from workbench.core.capture import capture_attention
-from workbench.decode.forecast.heads import ForecastHeads, candidate_positions, rope_tables, teacher_blocks, teacher_scores
 from workbench.core.model import ModelShape
+from workbench.decode.forecast.heads import ForecastHeads, candidate_positions, rope_tables, teacher_blocks, teacher_scores
 from workbench.patterns.infllm import Budget, compress_keys, row_block_scores
 from workbench.patterns.quest import group_page_scores, page_bounds
-from workbench.analysis.block_sets import (block_mass, candidates, churn, dynamic_set, ema_sets, iou, iou_matrix, pick_shallow_layer,
-                    recall)
 
 SELECTORS = ("oracle", "teacher", "same_layer", "forecast", "quest", "proxy", "reuse", "coarse_forecast")
 
@@ -192,7 +202,8 @@ def _training_line(h: dict[str, Any] | None) -> str:
     return (f"<p>Heads: {h.get('path')} ({h.get('teacher')} teacher), {h.get('steps')} steps on {h.get('train_prompts')} "
             f"prompts; training took {h.get('total_train_seconds')} s in all ({h.get('prepare_seconds')} s capture + "
             f"teacher, {h.get('train_seconds')} s optimisation) with {h.get('train_threads')} thread(s), load average "
-            f"{h.get('train_load_average_1_5_15min')}; held-out partition KL before/after {h.get('held_out_kl_mean_before_after')}.</p>")
+            f"{h.get('train_load_average_1_5_15min')}; held-out partition KL before/after "
+            f"{h.get('held_out_kl_mean_before_after')}.</p>")
 
 
 def report_html(report: dict[str, Any]) -> str:
@@ -230,7 +241,8 @@ Layers where Forecast falls short: {s['short_layers']}.</p>
 <h2>Per target layer (recall | IoU with the teacher's blocks)</h2>
 <table><tr><th>layer</th>{head}{head}</tr>{rows}</table>
 <h2>Early-layer reuse</h2><p>Calibrated shallow layer: {reuse['picked_layer']} (mean IoU with deeper layers per
-candidate {reuse['shallow_candidates']}: {reuse['calibration_mean_iou']}). Blog claim "{html.escape(reuse['blog_claim']['claim'])}":
+candidate {reuse['shallow_candidates']}: {reuse['calibration_mean_iou']}).
+Blog claim "{html.escape(reuse['blog_claim']['claim'])}":
 measured {reuse['blog_claim']['iou_by_shallow_layer']} against layers {reuse['blog_claim']['last_layers']}
 -> holds: {reuse['blog_claim']['holds']}.</p>
 <h2>Layer x layer IoU of exact top-k sets</h2><table>{matrix}</table>

@@ -9,16 +9,23 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from workbench.core.capture import capture_attention
-from workbench.decode.forecast.heads import (ForecastHeads, candidate_positions, partition_kl_logits, rope_tables, teacher_keep,
-                       teacher_scores)
 from workbench.core.model import ModelShape
+from workbench.decode.forecast.heads import (
+    ForecastHeads,
+    candidate_positions,
+    partition_kl_logits,
+    rope_tables,
+    teacher_keep,
+    teacher_scores,
+)
 from workbench.patterns.infllm import Budget, compress_keys
 
 

@@ -10,15 +10,16 @@ import html
 import io
 import os
 import threading
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import pandas as pd
 import panel as pn
 import param
 
-from workbench.views import viz  # absolute imports: `panel serve` runs this file as a script
 from workbench.search.config import PARAMS
+from workbench.views import viz  # absolute imports: `panel serve` runs this file as a script
 from workbench.views.dashboard.state import Session, Settings
 
 pn.extension("plotly", "tabulator")
@@ -161,8 +162,8 @@ class HeadView(_View):
             ("edit time", f"{s.last_edit_ms:.0f} ms to compute (server)" if s.last_edit_ms == s.last_edit_ms else "-"),
         ], "wb-head")
         self.proxy.object = "VS proxy: " + ", ".join(f"{k}={v}" for k, v in s.config.proxy.items())
-        self.segments.object = viz.segment_recall({k: [v] for k, v in seg.items() if k != "all"}, labels=[f"L{s.layer} H{s.head}"],
-                                                  title="captured mass per query segment")
+        self.segments.object = viz.segment_recall({k: [v] for k, v in seg.items() if k != "all"},
+                                                  labels=[f"L{s.layer} H{s.head}"], title="captured mass per query segment")
         self.map.object = viz.attention_map(s.head_stats, 0, max_cells=256, pattern=r["index"],
                                             title=f"layer {s.layer} head {s.head}: {e.label()}")
 

@@ -302,7 +302,8 @@ class Session(param.Parameterized):
 
         cap, layer, head = self.capture, self.layer, self.head
         self._step(f"opening layer {layer} head {head}", 0, 3)
-        self.head_cache = SHARED.memo(("headcache", self.capture_key, layer, head), lambda: HeadCache.from_captures([cap], layer, head))
+        self.head_cache = SHARED.memo(("headcache", self.capture_key, layer, head),
+                                      lambda: HeadCache.from_captures([cap], layer, head))
         q, k, v = cap.head_qkv(layer, head)
         self._step(f"opening layer {layer} head {head}", 1, 3)
         self.head_view = SHARED.memo(("headview", self.capture_key, layer, head), lambda: HeadView(q, k, v, cap.scale))
