@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workbench.prefill.flex import backend_agreement
+from workbench.prefill.quality import backend_agreement
 from workbench.search.config import HeadConfig
 
 SHIPPED = Path(__file__).resolve().parents[2] / "configs" / "SmolLM2-135M-Instruct.json"

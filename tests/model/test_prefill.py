@@ -141,7 +141,8 @@ def test_row_masks_match_the_kernel_mask():
     from workbench_kernels.index_ref import ashape_to_tiles, block_sparse_to_tiles, merge_tiles, tiles_to_mask, vs_to_tiles
 
     from workbench.patterns import block_proxy
-    from workbench.prefill.sparse import band_rows, tile_rows
+    from workbench.prefill.sparse import band_rows
+    from workbench.prefill.tiles import tile_rows
 
     n, g = 300, torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 4, n, 16, generator=g), torch.randn(1, 2, n, 16, generator=g)

@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from workbench.core.corpus import make_sample
     from workbench.core.io import write_json
     from workbench.core.model import load_model
-    from workbench.views.report import Report
+    from workbench.core.report import Report
     from workbench.views.viz import attention_map, head_grid
 
     t0 = time.perf_counter()

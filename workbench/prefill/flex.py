@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from workbench.prefill.tiles import tile_rows
 from workbench.search.config import ConfigError, HeadConfig
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -38,7 +39,6 @@ def tile_bits(tiles: Any, n: int) -> torch.Tensor:
     """Pack the physical key set of `tiles` (VSTiles, batch 1) into bits: UInt8 `[H, M, ceil(n/8)]`,
     bit j % 8 of byte j // 8 set when row block m's pieces or columns contain key j (before the causal
     and A-shape token masks)."""
-    from workbench.prefill.sparse import tile_rows
 
     B, H, M = tiles.shape
     if B != 1:
@@ -209,21 +209,3 @@ def load_masks(path: str | Path, device: torch.device | str = "cpu") -> dict[int
             return (kv_idx <= q_idx) & ((kv_idx < sink[h]) | (q_idx - kv_idx < window[h]))
         out[l] = make_block_mask(mask_mod, data["n_heads"], data["n"], device)
     return out
-
-
-@torch.no_grad()
-def backend_agreement(model: torch.nn.Module, shape: Any, config: HeadConfig, input_ids: torch.Tensor,
-                      backends: tuple[str, ...] = ("torch", "flex")) -> dict[str, Any]:
-    """Prefill one prompt `[N]` sparsely with each SparsePrefill backend ("torch" = the reference, "flex",
-    "triton") and compare the next-token logits: {"logits": {backend: Float `[V]`}, "max_abs_diff":
-    {backend: max |logits - logits of backends[0]|}, "top1": {backend: token id}}."""
-    from workbench.prefill.sparse import SparsePrefill
-
-    ids = input_ids.reshape(1, -1).to(next(model.parameters()).device)
-    logits = {}
-    for backend in backends:
-        with SparsePrefill(model, shape, config, min_length=0, backend=backend):
-            logits[backend] = model(ids, use_cache=False, logits_to_keep=1).logits[0, -1].float().cpu()
-    base = logits[backends[0]]
-    return {"logits": logits, "max_abs_diff": {b: float((x - base).abs().max()) for b, x in logits.items()},
-            "top1": {b: int(x.argmax()) for b, x in logits.items()}}

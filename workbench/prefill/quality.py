@@ -306,7 +306,7 @@ def merge_reports(paths: Sequence[str | Path], out: str | Path) -> dict[str, Any
 
 def write_html(report: dict[str, Any], path: str | Path) -> Path:
     """The report as one self-contained HTML page of tables (no plotting library needed)."""
-    from workbench.views.report import Report
+    from workbench.core.report import Report
 
     page = Report("Sparse prefill quality vs dense")
     s = report["settings"]
@@ -371,3 +371,19 @@ def rechoose(config: HeadConfig, target: float, tail_target: float | None = None
     return build_config(ev, choose(ev, target, tail_target=tail_target), dict(config.model), target=target,
                         tail_target=tail_target, proxy=config.proxy,
                         provenance=prov)
+
+
+@torch.no_grad()
+def backend_agreement(model: torch.nn.Module, shape: Any, config: HeadConfig, input_ids: torch.Tensor,
+                      backends: tuple[str, ...] = ("torch", "flex")) -> dict[str, Any]:
+    """Prefill one prompt `[N]` sparsely with each SparsePrefill backend ("torch" = the reference, "flex",
+    "triton") and compare the next-token logits: {"logits": {backend: Float `[V]`}, "max_abs_diff":
+    {backend: max |logits - logits of backends[0]|}, "top1": {backend: token id}}."""
+    ids = input_ids.reshape(1, -1).to(next(model.parameters()).device)
+    logits = {}
+    for backend in backends:
+        with SparsePrefill(model, shape, config, min_length=0, backend=backend):
+            logits[backend] = model(ids, use_cache=False, logits_to_keep=1).logits[0, -1].float().cpu()
+    base = logits[backends[0]]
+    return {"logits": logits, "max_abs_diff": {b: float((x - base).abs().max()) for b, x in logits.items()},
+            "top1": {b: int(x.argmax()) for b, x in logits.items()}}

@@ -1,4 +1,5 @@
-"""Self-contained HTML report pages: sections of text, tables and plotly figures in one file."""
+"""Self-contained HTML report pages: sections of text, tables and (plotly) figures in one file; a file
+format like `io`, used by the analysis and quality reports and the CLI."""
 from __future__ import annotations
 
 import html
