@@ -1,4 +1,4 @@
-"""Print a compact table of a `workbench bench prefill` JSON (default: assets/benchmarks/prefill_h200.json)."""
+"""Print a compact table of a `workbench bench kernels` JSON (default: assets/benchmarks/prefill_h200.json)."""
 from __future__ import annotations
 
 import json

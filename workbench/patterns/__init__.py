@@ -10,7 +10,7 @@ the kernel's physical `to_tiles` / `token_band` / `tiles`, the latency `cost`, a
 
 How to add a pattern: write one module here with a class that subclasses `PatternBase`, sets the class
 attributes `kind` (its config name), `params` (its per-head sizes in a config entry) and `bench_kernel`
-(its row name in `workbench bench prefill`, or None), implements every method of `Pattern` (`row_mask`,
+(its row name in `workbench bench kernels`, or None), implements every method of `Pattern` (`row_mask`,
 `edges`, `tiles`, `to_tiles`, `mask_mod`, `shapes`, the classmethod `build` that indexes one layer
 online; `token_band` only if the kernel needs a per-token mask on top of the tiles), and carries the
 `@register_pattern` decorator; then import it below so that it registers when `workbench.patterns` is

@@ -1,6 +1,6 @@
 """Latency of sparse attention: estimated from a committed GPU benchmark, or timed live on one layer.
 
-`tile_rates(bench)` turns a `workbench bench prefill` JSON (assets/benchmarks/prefill_h200.json) into
+`tile_rates(bench)` turns a `workbench bench kernels` JSON (assets/benchmarks/prefill_h200.json) into
 {pattern: {"per_tile_ms", "index_ms"}} per query head (median over the measured lengths), the table
 `search.choose(latency=...)` takes; `estimate_ms` applies it to a head's 64x64 tile count.
 `time_model_layer` times one of the model's own captured layers under its heads from a HeadConfig, as
@@ -27,7 +27,7 @@ BENCH = Path(__file__).resolve().parents[2] / "assets" / "benchmarks" / "prefill
 def load_bench(path: str | Path = BENCH) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"benchmark {path} does not exist: run `workbench bench prefill --out {path}` on a GPU")
+        raise FileNotFoundError(f"benchmark {path} does not exist: run `workbench bench kernels --out {path}` on a GPU")
     return json.loads(path.read_text())
 
 
