@@ -1,40 +1,26 @@
 """Sparse prefill of the whole embedded model: exactness with full budgets, refusal of a mismatched
 config, the length threshold, the decode / cached-prefix fallback and the diagnostic layer mode.
 
-The Triton path runs under TRITON_INTERPRET=1 (set before triton is imported) in fp32."""
+On a machine without CUDA the Triton path runs under TRITON_INTERPRET=1 (set before triton is imported,
+only there: on a GPU machine the same worker runs the real kernels) in fp32."""
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import dataclasses  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
+from prefill_configs import covering, make_config, tight  # noqa: E402
 
 from workbench.prefill.sparse import SparsePrefill, generate_greedy  # noqa: E402
-from workbench.search.config import ConfigError, HeadConfig, HeadEntry  # noqa: E402
+from workbench.search.config import ConfigError  # noqa: E402
 
 N = 256
-
-
-def make_config(shape, pattern_of) -> HeadConfig:
-    """A HeadConfig for `shape` whose (layer, head) entry is `pattern_of(layer, head)` = (pattern, params)."""
-    heads = [HeadEntry(l, h, *pattern_of(l, h)) for l in range(shape.n_layers) for h in range(shape.n_heads)]
-    return HeadConfig(model=shape.to_dict(), heads=heads, provenance={"source": "test"})
-
-
-def covering(n: int):
-    """Every pattern with budgets that reach every causal key of an n-token prompt, mixed across heads."""
-    choices = [("vs", {"vertical": n, "slash": n}), ("block", {"topk": -(-n // 64)}),
-               ("ashape", {"sink": 0, "window": n}), ("dense", {}), ("vs", {"vertical": 30, "slash": n})]
-    return lambda l, h: choices[(l + h) % len(choices)]
-
-
-def tight(l, h):
-    """Small budgets that really drop keys at n = 256."""
-    return [("vs", {"vertical": 8, "slash": 16}), ("block", {"topk": 1}), ("ashape", {"sink": 4, "window": 32})][h % 3]
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from test_prefill import covering, make_config, tight
+from prefill_configs import covering, make_config, tight
 
 from workbench.prefill.quality import LayerInputs, dense_greedy, depths, kl_top1, merge_reports, quality_report, sensitivity
 

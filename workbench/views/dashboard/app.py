@@ -327,6 +327,8 @@ class Dashboard(pn.viewable.Viewer):
         self.task = pn.widgets.Select.from_param(s.param.task, name="task")
         self.length = pn.widgets.IntInput.from_param(s.param.length, name="length (tokens)", step=256)
         self.seed = pn.widgets.IntInput.from_param(s.param.seed, name="seed")
+        self.target = pn.widgets.FloatInput.from_param(s.param.target, name="search target (captured mass)", step=0.01,
+                                                       css_classes=["wb-target"])
         self.reload = pn.widgets.Button(name="Load sample", button_type="primary", css_classes=["wb-load"])
         self.layer = pn.widgets.IntInput(name="layer", value=0, start=0, css_classes=["wb-layer"])
         self.head = pn.widgets.IntInput(name="head", value=0, start=0, css_classes=["wb-head-index"])
@@ -345,7 +347,7 @@ class Dashboard(pn.viewable.Viewer):
         self._shown(0)
         self.template = pn.template.FastListTemplate(
             title="Sparse Attention Workbench", sidebar=[
-                self.model, self.task, self.length, self.seed, self.reload, pn.layout.Divider(),
+                self.model, self.task, self.length, self.seed, self.target, self.reload, pn.layout.Divider(),
                 self.layer, self.head, self.open, pn.layout.Divider(), self.progress, self.status, self.error],
             main=[self.tabs])
         self._start(s.load)
