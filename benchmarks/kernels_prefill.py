@@ -169,6 +169,7 @@ def flex_block_mask(touched, full, mask_mod, n: int):
 def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm.auto import tqdm
+    from workbench_kernels import NO_WINDOW
     from workbench_kernels.index_build import block_index, vs_index, vs_tiles
     from workbench_kernels.index_ref import (
         ashape_to_tiles,
@@ -178,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
         selected_block_tiles,
         tile_area,
     )
-    from workbench_kernels.prefill import NO_WINDOW, sparse_prefill
+    from workbench_kernels.prefill import sparse_prefill
 
     from workbench.core.io import write_json
     from workbench.patterns import AShape, BlockSparse, VerticalSlash

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-BLOCK = 64
+from . import BLOCK
 
 
 def plan_blocks_ref(blocks: torch.Tensor, slot_of: torch.Tensor, block_in: torch.Tensor, hits: torch.Tensor,

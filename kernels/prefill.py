@@ -25,7 +25,6 @@ from .index_ref import VSTiles, ashape_to_tiles, block_sparse_to_tiles, expand_g
 from .prefill_ref import check_prefill_args
 
 LOG2E = 1.4426950408889634
-NO_WINDOW = 1 << 30
 
 
 @triton.jit

@@ -9,6 +9,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from workbench_kernels import NO_WINDOW  # noqa: E402
 from workbench_kernels.index_ref import (  # noqa: E402
     ashape_to_tiles,
     block_sparse_to_tiles,
@@ -18,7 +19,7 @@ from workbench_kernels.index_ref import (  # noqa: E402
     vs_tile_bounds,
     vs_to_tiles,
 )
-from workbench_kernels.prefill import NO_WINDOW, ashape_prefill, block_sparse_prefill, sparse_prefill, vertical_slash_prefill  # noqa: E402
+from workbench_kernels.prefill import ashape_prefill, block_sparse_prefill, sparse_prefill, vertical_slash_prefill  # noqa: E402
 from workbench_kernels.prefill_ref import masked_attention_ref  # noqa: E402
 
 from workbench.patterns import AShape, BlockSparse, VerticalSlash  # noqa: E402

@@ -19,11 +19,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Protocol
 
 import torch
-from workbench_kernels import BLOCK
+from workbench_kernels import BLOCK, NO_WINDOW
 from workbench_kernels.index_ref import VSTiles, ashape_to_tiles, merge_tiles
 
 MAX_MASK_N = 4096  # to_mask() refuses longer prompts: an n x n mask per head is for tests and pictures
-NO_WINDOW = 1 << 30  # `token_band` window of heads without one (the Triton kernel's NO_WINDOW)
 
 Polygon = list[tuple[float, float]]  # (x = key j, y = query i) vertices in token coordinates
 Shapes = dict[str, list[Polygon]]  # overlay part name ("window", "columns", ...) -> polygons

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from workbench_kernels import NO_WINDOW
 
 from workbench.core.attention import attention_override, dense_attention
 from workbench.core.device import model_device
@@ -41,7 +42,6 @@ from workbench.search.config import PROXY_DEFAULTS, HeadConfig
 # (block-sparse top-100 and A-shape configs, Llama-3-8B shape, bf16, H200) beats dense SDPA end to end;
 # interpolated crossovers are 22K-25K tokens (assets/benchmarks/prefill_e2e_h200.json).
 DEFAULT_MIN_LENGTH = 32768
-NO_WINDOW = 1 << 30  # the Triton kernel's "no window" value (workbench_kernels.prefill.NO_WINDOW)
 ROW_CHUNK = 256
 TRITON_PROXY = {"last_rows": 64, "aggregate": "sum", "diag_norm": "sum"}  # what the Triton VS builder computes
 
