@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 
@@ -36,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from workbench.core.corpus import make_sample
     from workbench.core.io import write_json
     from workbench.core.model import load_model
+    from workbench.core.timing import environment
     from workbench.patterns import BlockSparse, VerticalSlash
 
     t0 = time.time()
@@ -63,10 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(row, flush=True)
     mean = {key: sum(r[key] for r in rows) / len(rows) for key in rows[0] if key != "layer"}
-    result = {"environment": {"device": "cpu", "python": platform.python_version(), "torch": torch.__version__,
-                              "command": "python -m workbench_benchmarks.group_shared_mass " + " ".join(sys.argv[1:]),
-                              "model": "embedded SmolLM2-135M (9 query / 3 KV heads, G = 3), fp32",
-                              "prompt": f"passkey sample, {args.length} tokens, seed 0"},
+    result = {"environment": environment("python -m workbench_benchmarks.group_shared_mass " + " ".join(sys.argv[1:])),
+              "model": "embedded SmolLM2-135M (9 query / 3 KV heads, G = 3), fp32",
+              "prompt": f"passkey sample, {args.length} tokens, seed 0",
               "settings": vars(args), "mean_over_layers": mean, "layers": rows, "elapsed_s": time.time() - t0}
     write_json(args.out, result)
     print("mean captured mass:", {k_: round(v_, 4) for k_, v_ in mean.items()})

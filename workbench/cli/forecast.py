@@ -63,15 +63,10 @@ def _ints(text: str, name: str) -> list[int]:
 
 
 def _env(argv: list[str]) -> dict:
-    import os
-    import platform
+    """The shared environment record (core.timing.environment) under the `workbench forecast ...` command."""
+    from workbench.core.timing import environment
 
-    import torch
-
-    return {"command": "workbench " + " ".join(argv), "machine": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(),
-            "load_average_1_5_15min": [round(x, 2) for x in os.getloadavg()]}  # the CPU may be shared
+    return environment("workbench " + " ".join(argv))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -167,7 +162,7 @@ def _report(args, model, tok, shape, budget, tasks, argv, t0) -> int:
                      "train_command": m.get("command"), "train_prompts": len(m.get("train_prompts", [])),
                      "prepare_seconds": m.get("prepare_seconds"), "train_seconds": m.get("train_seconds"),
                      "total_train_seconds": m.get("total_seconds"), "train_threads": m.get("torch_threads"),
-                     "train_load_average_1_5_15min": m.get("load_average_1_5_15min"),
+                     "train_load_average_1_5_15min": m.get("load_average_1_5_15", m.get("load_average_1_5_15min")),
                      "held_out_kl_mean_before_after": None if not kl0 else
                      [round(sum(kl0) / len(kl0), 4), round(sum(kl1) / len(kl1), 4)]},
            "coarse_heads": None if coarse is None else {"path": args.coarse_heads, "teacher": coarse.meta.get("teacher")},

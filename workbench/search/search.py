@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import datetime
 import math
-import platform
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +41,7 @@ from workbench.analysis.metrics import (
     vs_mass,
 )
 from workbench.analysis.stats import attention_rows, captured_mass
+from workbench.core.timing import environment
 from workbench.patterns import (
     BLOCK,
     AShape,
@@ -333,9 +333,7 @@ def build_config(evidence: Evidence, choice: torch.Tensor, model: dict[str, Any]
     prov = {
         "tool": f"workbench {__version__}",
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "hardware": {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
-                     "system": platform.system(), "torch": torch.__version__,
-                     "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"},
+        "hardware": environment(),
         "metric": f"captured attention mass (exact), worst calibration sample, over all rows and over the last "
                   f"{TAIL_ROWS} (answer) rows",
         "cost": "physical 64x64 tiles (mean density over samples)",
