@@ -192,10 +192,10 @@ def test_cli_train_and_report(tmp_path):
     from workbench.cli import main
 
     ckpt = tmp_path / "heads.safetensors"
-    assert main(["forecast", "train", "--samples", "code", "--lengths", "512", "--held-out", "0", "--rows", "32",
+    assert main(["forecast", "train", "--tasks", "code", "--lengths", "512", "--held-out", "0", "--rows", "32",
                  "--steps", "3", "--local", "1", "--topk", "2", "--out", str(ckpt)]) == 0
     out = tmp_path / "rep"
-    assert main(["forecast", "report", "--heads", str(ckpt), "--samples", "passkey", "--length", "512",
+    assert main(["forecast", "report", "--heads", str(ckpt), "--tasks", "passkey", "--length", "512",
                  "--rows", "32", "--steps", "4", "--local", "1", "--topk", "2", "--shallow", "3", "--calib", "1",
                  "--out", str(out)]) == 0
     rep = json.loads((out / "forecast.json").read_text())

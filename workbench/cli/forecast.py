@@ -15,7 +15,7 @@ def _budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init", type=int, default=1, help="forced initial blocks (default 1)")
     p.add_argument("--local", type=int, default=2, help="forced local blocks incl. the query's own (default 2)")
     p.add_argument("--topk", type=int, default=8, help="dynamic blocks per query (default 8; the paper uses 64 at 128K)")
-    p.add_argument("--samples", default=TASKS, help=f"comma-separated tasks or text files (default {TASKS})")
+    p.add_argument("--tasks", default=TASKS, help=f"comma-separated tasks or text files as in search (default {TASKS})")
     p.add_argument("--rows", type=int, default=256, help="random query rows kept per prompt (default 256)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     add_device_arguments(p)
@@ -80,9 +80,9 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     budget = Budget(init=args.init, local=args.local, topk=args.topk)
-    tasks = [x.strip() for x in args.samples.split(",") if x.strip()]
+    tasks = [x.strip() for x in args.tasks.split(",") if x.strip()]
     if not tasks:
-        raise ValueError("--samples is empty: give tasks such as passkey,code or text file paths")
+        raise ValueError("--tasks is empty: give tasks such as passkey,code or text file paths")
     argv = sys.argv[1:]
     t0 = time.perf_counter()
     where = resolve_device_args(args)
