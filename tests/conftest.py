@@ -1,6 +1,8 @@
 """Shared fixtures. The embedded model is loaded once per test process (cached safetensors: ~1 s)."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -28,11 +30,21 @@ def capture_256(embedded):
 MODEL_FIXTURES = {"embedded", "capture_256"}
 
 
+def _calls_load_model(item: pytest.Item) -> bool:
+    fn = getattr(item, "function", None)
+    try:
+        return fn is not None and "load_model(" in inspect.getsource(fn)
+    except (OSError, TypeError):
+        return False
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests that use the embedded model's fixtures carry the `model` marker; `gpu` tests skip without CUDA."""
+    """Tests that use the embedded model (its fixtures, or `load_model` in their body) carry the `model` marker;
+    `gpu` tests skip without CUDA."""
     no_cuda = pytest.mark.skip(reason="needs a CUDA device (marker gpu)")
     for item in items:
-        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("model") is None:
+        if item.get_closest_marker("model") is None and (
+                MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) or _calls_load_model(item)):
             item.add_marker(pytest.mark.model)
         if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
             item.add_marker(no_cuda)
