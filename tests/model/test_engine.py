@@ -291,3 +291,29 @@ def test_offload_modes_lossless_on_the_gpu_triton_and_graphs():
         fc = decode("sparse-resident", "forecast", graph)
         assert torch.equal(decode("sparse-offload-forecast", "forecast", graph), fc)
         assert torch.equal(decode("forecast-without-prefetch", "forecast", graph), fc)
+
+
+@pytest.mark.model
+def test_compare_modes_reports_every_mode_and_offload_is_lossless(embedded):
+    from workbench.core.corpus import make_sample
+    from workbench.decode.compare import ALL_MODES, compare_modes
+
+    model, tok, _ = embedded
+    prompt = make_sample("passkey", tok, 256, seed=0).input_ids
+    seen = []
+    out = compare_modes(model, prompt, modes=ALL_MODES, new_tokens=3, budget=Budget(init=1, local=1, topk=1),
+                        progress=lambda what, done, total: seen.append((done, total)))
+    assert list(out.runs) == list(ALL_MODES) and out.device.startswith("cpu reference path")
+    assert seen[-1] == (len(ALL_MODES) * 3 + 1, len(ALL_MODES) * 3 + 1)
+    assert out.lossless == {"sparse-offload-sync": True, "sparse-offload-forecast": True,
+                            "forecast-without-prefetch": True}
+    for row in out.rows():
+        assert row["tokens_per_s"] > 0 and len(row["greedy_tokens"]) == 3
+        offload = row["reference"] is not None
+        assert (row["bytes_moved_per_step"] > 0) == offload and (row["hit_rate"] is not None) == offload
+    spans = out.runs["sparse-offload-forecast"].timeline
+    assert {s["stream"] for s in spans} == {"compute", "copy"} and all(s["end"] >= s["start"] for s in spans)
+    with pytest.raises(ValueError, match="only sparse-resident takes a selector"):
+        compare_modes(model, prompt, modes=["sparse-offload-sync/forecast"], progress=False)
+    with pytest.raises(ValueError, match="unknown"):
+        compare_modes(model, prompt, modes=["fast"], progress=False)

@@ -1,0 +1,218 @@
+"""Decode one prompt in several engine modes side by side: the one call notebook 06 and the dashboard's Decode
+tab make.
+
+A *mode spec* is an engine mode, optionally with the selector of sparse-resident after a slash:
+`"sparse-resident"` (same-layer selection) and `"sparse-resident/forecast"` are the lossless references of
+`sparse-offload-sync` and of the two forecast modes. Every mode decodes the same prefilled prompt(s) greedily;
+on CUDA the speed run replays CUDA graphs (Triton kernels), then a few eager steps with CUDA events measure
+how much of the copy is hidden and one more eager step is traced as a compute/copy timeline. On the CPU the
+engine runs the PyTorch reference kernels with no streams: nothing overlaps, so no share hidden is reported.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from workbench.decode.engine.decoder import MODES, OFFLOAD, DecodeEngine, EngineConfig
+from workbench.decode.engine.llama import LlamaLayers
+from workbench.decode.timeline import trace_step
+from workbench.patterns.infllm import Budget
+
+DEFAULT_MODES = ("dense-resident", "sparse-resident", "sparse-offload-sync", "sparse-resident/forecast",
+                 "sparse-offload-forecast")
+ALL_MODES = (*DEFAULT_MODES, "forecast-without-prefetch")
+EVENT_STEPS = 4  # eager CUDA steps timed with events (copy time, stall) after the speed run
+Progress = Callable[[str, int, int], None]  # (what, done, total)
+
+
+def parse_mode(spec: str) -> tuple[str, str]:
+    """`"mode"` or `"sparse-resident/<selector>"` -> (engine mode, selector)."""
+    mode, _, selector = spec.partition("/")
+    if mode not in MODES:
+        raise ValueError(f"mode {spec!r} is unknown: choose from {', '.join(ALL_MODES)}")
+    if selector and mode != "sparse-resident":
+        raise ValueError(f"mode {spec!r}: only sparse-resident takes a selector (e.g. sparse-resident/forecast)")
+    fixed = "forecast" if mode in ("sparse-offload-forecast", "forecast-without-prefetch") else "same-layer"
+    return mode, selector or fixed
+
+
+def reference_of(spec: str) -> str | None:
+    """The resident mode whose tokens an offload mode must reproduce exactly (None for resident modes)."""
+    mode, selector = parse_mode(spec)
+    if mode not in OFFLOAD:
+        return None
+    return "sparse-resident" if selector == "same-layer" else f"sparse-resident/{selector}"
+
+
+def device_label(model: torch.nn.Module) -> str:
+    """"cuda: <GPU name> (Triton kernels)" or "cpu reference path (PyTorch kernels)"."""
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)} (Triton kernels)"
+    return "cpu reference path (PyTorch kernels)"
+
+
+@dataclass
+class ModeRun:
+    """One mode's decode. tokens `[B, new_tokens]` (CPU); rates per second; bytes per decode step (host->GPU)."""
+
+    spec: str
+    tokens: torch.Tensor
+    tokens_per_s: float
+    bytes_moved_per_step: float
+    hit_rate: float | None
+    hidden_fraction: float | None
+    copy_gbps: float | None
+    peak_gpu_bytes: int | None
+    cuda_graph: bool
+    timeline: list[dict[str, Any]]
+    note: str = ""
+
+    def row(self) -> dict[str, Any]:
+        """Table row (no tensors, no spans): greedy tokens of the first sequence as a list."""
+        return {"mode": self.spec, "tokens_per_s": self.tokens_per_s, "bytes_moved_per_step": self.bytes_moved_per_step,
+                "hit_rate": self.hit_rate, "hidden_fraction": self.hidden_fraction, "copy_gbps": self.copy_gbps,
+                "peak_gpu_bytes": self.peak_gpu_bytes, "cuda_graph": self.cuda_graph,
+                "greedy_tokens": self.tokens[0].tolist(), "note": self.note}
+
+
+@dataclass
+class Comparison:
+    """Every mode's run on one prompt batch, the device label and the losslessness checks."""
+
+    device: str
+    budget: Budget
+    prompt_tokens: list[int]
+    new_tokens: int
+    runs: dict[str, ModeRun] = field(default_factory=dict)
+
+    @property
+    def lossless(self) -> dict[str, bool]:
+        """offload spec -> its greedy tokens equal those of its resident reference (when both ran)."""
+        out = {}
+        for spec, run in self.runs.items():
+            ref = reference_of(spec)
+            if ref in self.runs:
+                out[spec] = bool(torch.equal(run.tokens, self.runs[ref].tokens))
+        return out
+
+    def rows(self) -> list[dict[str, Any]]:
+        lossless = self.lossless
+        return [{**r.row(), "equals_reference": lossless.get(spec), "reference": reference_of(spec)}
+                for spec, r in self.runs.items()]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "budget": self.budget.to_dict(), "prompt_tokens": self.prompt_tokens,
+                "new_tokens": self.new_tokens, "runs": self.rows(), "lossless": self.lossless,
+                "timelines": {spec: r.timeline for spec, r in self.runs.items()}}
+
+
+def _tqdm_progress() -> tuple[Progress, Callable[[], None]]:
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=1, unit="step")
+
+    def update(what: str, done: int, total: int) -> None:
+        bar.total, bar.n = total, done
+        bar.set_description(what, refresh=False)
+        bar.refresh()
+
+    return update, bar.close
+
+
+@torch.no_grad()
+def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch.Tensor], *,
+                  modes: Sequence[str] = DEFAULT_MODES, new_tokens: int = 16, budget: Budget | None = None,
+                  heads: Any = None, graph: bool | None = None, trace: bool = True,
+                  progress: bool | Progress = True) -> Comparison:
+    """Greedy-decode `new_tokens` after each prompt (`[N]` one sequence, or a list of `[N_b]`: a batch) in every
+    mode of `modes` (see `parse_mode`) with the same `budget` (default init 1, local 2, top-k 8 blocks).
+
+    `graph` (default: on CUDA) times CUDA-graph replay; `trace` records one step's compute/copy spans
+    (`workbench.decode.timeline`). `progress`: True draws a tqdm bar, a callable gets (what, done, total)
+    after each decoded step, False is silent. Raises ValueError naming a bad mode or size before decoding.
+    """
+    specs = [s.strip() for s in modes]
+    parsed = [parse_mode(s) for s in specs]
+    if not specs:
+        raise ValueError("modes is empty: give at least one mode, e.g. sparse-resident")
+    if len(set(specs)) != len(specs):
+        raise ValueError(f"modes {specs} repeats a mode: list each once")
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
+    prompts = [prompts] if isinstance(prompts, torch.Tensor) else list(prompts)
+    prompts = [p.reshape(-1) for p in prompts]
+    budget = budget or Budget(init=1, local=2, topk=8)
+    lm = LlamaLayers(model)
+    cuda = lm.device.type == "cuda"
+    use_graph = cuda if graph is None else graph
+    if use_graph and not cuda:
+        raise ValueError("graph=True needs the model on CUDA: pass graph=None or False on the CPU")
+    extra = (EVENT_STEPS if cuda else 0) + (1 if trace else 0)
+    max_tokens = max(p.numel() for p in prompts) + new_tokens + extra + 1
+    if max_tokens > lm.max_positions:
+        raise ValueError(f"prompt + new_tokens = {max_tokens} tokens exceed the model's {lm.max_positions} "
+                         "positions: use a shorter prompt or fewer new tokens")
+    close = None
+    if progress is True:
+        progress, close = _tqdm_progress()
+    report = progress or (lambda what, done, total: None)
+    total = len(specs) * new_tokens + len(prompts)
+    result = Comparison(device_label(model), budget, [int(p.numel()) for p in prompts], new_tokens)
+    try:
+        prefilled = []
+        for i, p in enumerate(prompts):
+            report(f"prefill {i + 1}/{len(prompts)}", i, total)
+            prefilled.append(lm.prefill(p))
+        done = len(prompts)
+        for spec, (mode, selector) in zip(specs, parsed):
+            def on_step(s: int, _n: int, spec: str = spec, base: int = done) -> None:
+                report(spec, base + s, total)
+
+            result.runs[spec] = _run_mode(model, spec, EngineConfig(mode=mode, budget=budget, selector=selector),
+                                          prompts, prefilled, new_tokens, max_tokens, heads, use_graph, trace, on_step)
+            done += new_tokens
+    finally:
+        if close:
+            close()
+    return result
+
+
+def _run_mode(model, spec, cfg, prompts, prefilled, new_tokens, max_tokens, heads, use_graph, trace, on_step) -> ModeRun:
+    """One mode; if CUDA-graph capture fails the mode is decoded again eagerly by a fresh engine, and says so."""
+    args = (model, spec, cfg, prompts, prefilled, new_tokens, max_tokens, heads, trace, on_step)
+    try:
+        return _decode(*args, use_graph)
+    except RuntimeError as e:
+        if not use_graph:
+            raise
+        run = _decode(*args, False)
+        run.note = f"CUDA graph failed ({str(e)[:120]}); eager"
+        return run
+
+
+def _decode(model, spec, cfg, prompts, prefilled, new_tokens, max_tokens, heads, trace, on_step, use_graph) -> ModeRun:
+    """Greedy tokens and speed (with graphs: `warm` steps capture the graph, the rest replay it and are timed),
+    then CUDA-event timing of a few eager steps (offload modes on CUDA) and one traced step."""
+    with DecodeEngine(model, cfg, batch=len(prompts), max_tokens=max_tokens, heads=heads) as eng:
+        first = eng.prefill(prompts, new_tokens, prefilled=prefilled)
+        warm = min(2, new_tokens - 1) if use_graph else 0
+        head = first.new_empty(len(prompts), 0)
+        if warm:
+            head = eng.run(first, warm, graph=True, progress=False, on_step=on_step)[0]
+            first = head[:, -1]
+        tail, _, stats = eng.run(first, new_tokens - warm, graph=use_graph, progress=False,
+                                 on_step=lambda s, n: on_step(warm + s, new_tokens))
+        tokens = torch.cat([head, tail], 1)
+        last = tokens[:, -1]
+        hidden = copy_gbps = None
+        if eng.cuda and eng.offload:
+            eng.drop_graph()
+            timed, _, ev = eng.run(last, EVENT_STEPS, timing=True, graph=False, progress=False)
+            hidden, copy_gbps, last = ev.hidden_fraction, ev.copy_gbps, timed[:, -1]
+        spans = trace_step(eng, last)[1] if trace else []
+    return ModeRun(spec, tokens.cpu(), stats.tokens_per_s, stats.bytes_moved_per_step, stats.hit_rate, hidden,
+                   copy_gbps, stats.peak_gpu_bytes, use_graph, spans)
