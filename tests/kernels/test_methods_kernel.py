@@ -65,3 +65,102 @@ def test_whole_model_on_the_kernel_matches_the_reference(embedded):
         with attention_override(model, pattern_attention(build, triton=triton)), torch.no_grad():
             logits.append(model(ids, use_cache=False, logits_to_keep=1).logits[0, -1].float().cpu())
     assert torch.allclose(logits[0], logits[1], atol=1e-3, rtol=1e-3)
+
+
+# ---- every registered kind through SparsePrefill (issue 14 leftovers: no name switch in sparse.py) ----------
+MIXED = [("dense", {}), ("ashape", {"sink": 4, "window": 40}), ("vs", {"vertical": 12, "slash": 20}),
+         ("block", {"topk": 2}), ("trishape", {"sink": 4, "window": 32, "last": 20}),
+         ("dilated", {"window": 10, "dilation": 3}), ("strided", {"window": 8, "stride": 17}),
+         ("xattention", {"tau_milli": 800, "stride": 8}), ("xattention", {"tau_milli": 600, "stride": 16}),
+         ("flexprefill", {"gamma_milli": 900, "tau_milli": 1, "min_budget": 16}),  # distance >= 0.001: VS
+         ("flexprefill", {"gamma_milli": 700, "tau_milli": 1000, "min_budget": 64}),  # distance < 1: blocks
+         ("vs", {"vertical": 4, "slash": 8})]
+PARITY_ABS = 1e-3  # tests/model/test_prefill_parity.py's bar
+
+
+def mixed_prefill(entries, n=200, hkv=3, d=16, seed=0, **kw):
+    """(SparsePrefill over one layer of `entries`, q, k, v) for a toy model shape, batch 2."""
+    from workbench.core.model import ModelShape
+    from workbench.prefill.sparse import SparsePrefill
+    from workbench.search.config import HeadConfig, HeadEntry
+
+    shape = ModelShape("toy", "llama", 1, len(entries), hkv, d, 64, "default", 10000.0, 4096, "toy")
+    config = HeadConfig(model=shape.to_dict(), heads=[HeadEntry(0, h, p, a) for h, (p, a) in enumerate(entries)])
+    config.proxy.update(sink=2, local=3)  # small forced sets, so the proxies choose at n = 200
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, h, n, d, generator=g) for h in (len(entries), hkv, hkv))
+    return SparsePrefill(None, shape, config, min_length=0, **kw), config, q, k, v
+
+
+def run_layer(sp, q, k, v, backend):
+    index = sp.layer_index(0, q.to(DEV), k.to(DEV), 0.25, backend)
+    return sp.layer_kernel(0, index, q.to(DEV), k.to(DEV), v.to(DEV), 0.25, backend).double().cpu()
+
+
+def test_every_registered_kind_runs_on_every_backend():
+    """One layer mixing every registered kind (GQA 4:1, batch 2, n not a multiple of 64): the Triton
+    path (Triton VS/block index, one launch) equals the PyTorch reference path, and both equal exact
+    attention under the heads' own patterns (`HeadConfig.layer_index` -> to_tiles + token_band)."""
+    from workbench_kernels.index_ref import tiles_to_mask
+
+    from workbench.patterns import PATTERNS
+
+    assert {p for p, _ in MIXED} == set(PATTERNS)  # a newly registered kind must join this test
+    sp, config, q, k, v = mixed_prefill(MIXED)
+    ref = run_layer(sp, q, k, v, "torch")
+    tri = run_layer(sp, q.to(DTYPE), k.to(DTYPE), v.to(DTYPE), "triton")
+    assert float((ref - tri).abs().max()) <= (PARITY_ABS if DTYPE == torch.float32 else 3e-2)
+    n = q.shape[2]
+    for b in range(q.shape[0]):
+        stack = config.layer_index(0, q[b], k[b], 0.25)
+        band = stack.token_band()
+        mask = tiles_to_mask(stack.to_tiles(n), n, *(band or (None, None)))
+        kk, vv = (x[b:b + 1].repeat_interleave(q.shape[1] // k.shape[1], 1).double() for x in (k, v))
+        want = masked_attention_ref(q[b:b + 1].double(), kk, vv, mask, 0.25)[0]
+        assert torch.allclose(ref[b], want, atol=1e-6), f"prompt {b}: the reference is not the heads' own patterns"
+
+
+def test_flex_backend_runs_every_kind():
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    sp, _, q, k, v = mixed_prefill(MIXED, n=128, seed=1)
+    ref = run_layer(sp, q, k, v, "torch")
+    flex = run_layer(sp, q, k, v, "flex")
+    assert float((ref - flex).abs().max()) <= PARITY_ABS
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_adaptive_kinds_at_threshold_one_are_dense(backend):
+    """XAttention at tau 1 and FlexPrefill at gamma 1 (either branch) through SparsePrefill give dense."""
+    entries = [("xattention", {"tau_milli": 1000, "stride": 8}), ("xattention", {"tau_milli": 1000, "stride": 32}),
+               ("flexprefill", {"gamma_milli": 1000, "tau_milli": 1, "min_budget": 1}),
+               ("flexprefill", {"gamma_milli": 1000, "tau_milli": 1000, "min_budget": 1})]
+    sp, _, q, k, v = mixed_prefill(entries, n=150, hkv=2)
+    dt = DTYPE if backend == "triton" else torch.float32
+    got = run_layer(sp, q.to(dt), k.to(dt), v.to(dt), backend)
+    dense = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True,
+                                                             scale=0.25, enable_gqa=True)
+    assert float((got - dense).abs().max()) <= (PARITY_ABS if dt == torch.float32 else 3e-2)
+
+
+@pytest.mark.model
+def test_compare_kernel_path_runs_on_the_models_device(embedded):
+    """`workbench compare --device cuda`'s kernel lane (every point's index on the device, the Triton
+    kernel, the searched config through the deployed Triton path) at a tiny size; on the CPU under the
+    Triton interpreter (the times mean nothing there, the path and the report fields do)."""
+    from workbench.analysis.compare import default_methods
+    from workbench.prefill.compare import SEARCHED, compare
+    from workbench.search.config import HeadConfig
+
+    model, tok, shape = embedded
+    model = model if DEV == "cpu" else copy.deepcopy(model).to(DEV)
+    methods = [m for m in default_methods() if m.name in ("tri-shape", "vertical-slash", "xattention", "flexprefill")]
+    config = HeadConfig.load("configs/SmolLM2-135M-Instruct.json", shape)
+    rep = compare(model, tok, shape, tasks=["passkey"], lengths=[256], layers=[3], methods=methods, config=config,
+                  rows=64, quality="none", progress=False, kernels=True, reps=1)
+    pts = rep["points"]
+    assert len(pts) == 3 * len(methods) + 1
+    for p in pts:
+        assert p["kernel_ms"] > 0 and p["dense_kernel_ms"] > 0
+        online = p["method"] != "tri-shape"
+        assert (p["gpu_index_ms"] is not None) == online and (not online or p["gpu_index_ms"] > 0)
+    assert pts[-1]["method"] == SEARCHED and pts[-1]["gpu_index_ms"] > 0  # the deployed Triton index, timed

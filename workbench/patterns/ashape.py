@@ -19,6 +19,7 @@ from workbench.patterns.base import (
     check_head,
     check_rows,
     column_poly,
+    per_head,
     register_pattern,
     toeplitz_rows,
 )
@@ -92,9 +93,13 @@ class AShape(PatternBase):
         g, w = min(int(self.sink[head]), n), min(int(self.window[head]), n)
         return {"window": [band_poly(0, w, n)], **({"sink": [column_poly(0, g, n)]} if g > 0 else {})}
 
+    def head(self, h: int) -> AShape:
+        check_head(self, h)
+        return AShape(self.sink[h], self.window[h])
+
     @classmethod
-    def build(cls, params, q: Any, k: Any, scale: float, proxy: dict[str, Any], block: int) -> dict[int, AShape]:
-        return {h: cls(p["sink"], p["window"]) for h, p in enumerate(params) if p is not None}
+    def for_heads(cls, params, q: Any, k: Any, scale: float, proxy: dict[str, Any], block: int) -> AShape:
+        return cls(per_head(params, "sink"), per_head(params, "window"), len(params))
 
     def __repr__(self) -> str:
         return f"AShape(sink={self.sink.tolist()}, window={self.window.tolist()})"

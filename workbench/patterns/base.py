@@ -22,12 +22,15 @@ import torch
 from workbench_kernels import BLOCK, NO_WINDOW
 from workbench_kernels.index_ref import VSTiles, ashape_to_tiles, merge_tiles
 
+from workbench.patterns.tile_select import stack_batch
+
 MAX_MASK_N = 4096  # to_mask() refuses longer prompts: an n x n mask per head is for tests and pictures
 
 Polygon = list[tuple[float, float]]  # (x = key j, y = query i) vertices in token coordinates
 Shapes = dict[str, list[Polygon]]  # overlay part name ("window", "columns", ...) -> polygons
 MaskMod = Callable[[Any, Any, Any, Any], Any]  # FlexAttention (b, h, q_idx, kv_idx) -> bool
 Rates = dict[str, dict[str, float]]  # {kind: {"per_tile_ms", "index_ms"}} (`prefill.latency.tile_rates`)
+Band = tuple[torch.Tensor, torch.Tensor]  # (sink, window) Long `[H]` tokens: the kernel's per-token A-shape mask
 
 
 class Pattern(Protocol):
@@ -69,11 +72,28 @@ class Pattern(Protocol):
     def cost(self, n: int, rates: Rates) -> torch.Tensor:
         """Float `[H]`: estimated ms per head from benchmark rates (tiles x per-tile time + index build)."""
 
+    def head(self, h: int) -> Pattern:
+        """The one-head pattern of head h."""
+
+    @classmethod
+    def for_heads(cls, params: Sequence[dict[str, int]], q: torch.Tensor, k: torch.Tensor, scale: float,
+                  proxy: dict[str, Any], block: int) -> Pattern:
+        """One pattern over the H heads whose config `params` are given (all of this kind, vectorised over
+        heads, on q's device), indexed online from q `[H, N, D]` and k `[H, N, D]` (each query head's own
+        KV head: the caller resolves GQA)."""
+
     @classmethod
     def build(cls, params: Sequence[dict[str, int] | None], q: torch.Tensor, k: torch.Tensor, scale: float,
               proxy: dict[str, Any], block: int) -> dict[int, Pattern]:
         """One-head patterns for the query heads whose `params` are given (None: another kind), indexed
         online from one layer's q `[Hq, N, D]`, k `[Hkv, N, D]` -> {head: pattern}."""
+
+    @classmethod
+    def layer_tiles(cls, params: Sequence[dict[str, int]], q: torch.Tensor, k: torch.Tensor, scale: float,
+                    proxy: dict[str, Any], block: int, triton: bool = False) -> tuple[VSTiles, Band | None]:
+        """The kernel's input for the H heads of this kind in one layer of a batch: (tiles `[B, H, M]`,
+        token band or None), both on q's device. q, k `[B, H, N, D]` (k: each query head's own KV head).
+        `triton`: use the kind's Triton index builder where it has one."""
 
 
 PATTERNS: dict[str, type] = {}
@@ -113,6 +133,11 @@ def toeplitz_rows(diag: torch.Tensor, r0: int, r1: int, n: int) -> torch.Tensor:
     h = diag.shape[0]
     g = torch.cat([diag.flip(-1), diag.new_zeros(h, n)], -1)  # row i reads g[n-1-i : 2n-1-i]
     return g.as_strided((h, r1 - r0, n), (2 * n, 1, 1), n - r1).flip(1)  # rows r1-1 .. r0, flipped
+
+
+def per_head(params: Sequence[dict[str, int]], key: str) -> torch.Tensor:
+    """Long `[H]`: one config field of each head's params (on the CPU: config values are host ints)."""
+    return torch.tensor([p[key] for p in params], dtype=torch.long)
 
 
 def check_rows(r0: int, r1: int, n: int) -> None:
@@ -174,6 +199,26 @@ class PatternBase:
     def token_band(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None
 
+    @classmethod
+    def build(cls, params: Sequence[dict[str, int] | None], q: torch.Tensor, k: torch.Tensor, scale: float,
+              proxy: dict[str, Any], block: int) -> dict[int, Pattern]:
+        heads = [h for h, p in enumerate(params) if p is not None]
+        if not heads:
+            return {}
+        h = torch.tensor(heads, device=q.device)
+        pattern = cls.for_heads([params[i] for i in heads], q[h], k[h // (q.shape[0] // k.shape[0])], scale,
+                                proxy, block)
+        return {head: pattern.head(i) for i, head in enumerate(heads)}
+
+    @classmethod
+    def layer_tiles(cls, params: Sequence[dict[str, int]], q: torch.Tensor, k: torch.Tensor, scale: float,
+                    proxy: dict[str, Any], block: int, triton: bool = False) -> tuple[VSTiles, Band | None]:
+        n = q.shape[2]
+        parts = [cls.for_heads(params, q[b], k[b], scale, proxy, block) for b in range(q.shape[0])]
+        band = parts[0].token_band()  # static patterns only: the same for every prompt of the batch
+        tiles = stack_batch([p.to_tiles(n).to(q.device) for p in parts])
+        return tiles, None if band is None else (band[0].to(q.device), band[1].to(q.device))
+
     def cost(self, n: int, rates: Rates) -> torch.Tensor:
         if self.kind not in rates:
             raise ValueError(f"no rate for pattern {self.kind!r}: the benchmark measured {sorted(rates)}")
@@ -212,12 +257,22 @@ class Dense(PatternBase):
         check_head(self, head)
         return {"dense": [column_poly(0, n, n)]}
 
+    def head(self, h: int) -> Dense:
+        check_head(self, h)
+        return Dense(1)
+
     @classmethod
-    def build(cls, params, q, k, scale, proxy, block) -> dict[int, Dense]:
-        return {h: cls(1) for h, p in enumerate(params) if p is not None}
+    def for_heads(cls, params, q, k, scale, proxy, block) -> Dense:
+        return cls(len(params))
 
     def __repr__(self) -> str:
         return f"Dense(n_heads={self.n_heads})"
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate per-head results of parts that may live on different devices (static patterns build on
+    the CPU, online ones on q's device) on the device of the first."""
+    return torch.cat([p.to(parts[0].device) for p in parts])
 
 
 class Stack(PatternBase):
@@ -238,16 +293,16 @@ class Stack(PatternBase):
         return self.parts[i], head - self.starts[i]
 
     def row_mask(self, r0: int, r1: int, n: int) -> torch.Tensor:
-        return torch.cat([p.row_mask(r0, r1, n) for p in self.parts])
+        return _cat([p.row_mask(r0, r1, n) for p in self.parts])
 
     def edges(self, n: int) -> torch.Tensor:
-        return torch.cat([p.edges(n) for p in self.parts])
+        return _cat([p.edges(n) for p in self.parts])
 
     def tiles(self, n: int) -> torch.Tensor:
-        return torch.cat([p.tiles(n) for p in self.parts])
+        return _cat([p.tiles(n) for p in self.parts])
 
     def cost(self, n: int, rates: Rates) -> torch.Tensor:
-        return torch.cat([p.cost(n, rates) for p in self.parts])
+        return _cat([p.cost(n, rates) for p in self.parts])
 
     def to_tiles(self, n: int, batch: int = 1) -> VSTiles:
         if len(self.parts) == 1:

@@ -12,7 +12,17 @@ import torch
 from workbench_kernels import BLOCK
 from workbench_kernels.index_ref import VSTiles, block_sparse_to_tiles
 
-from workbench.patterns.base import MaskMod, PatternBase, Shapes, causal_rows, check_head, check_rows, register_pattern, runs
+from workbench.patterns.base import (
+    MaskMod,
+    PatternBase,
+    Shapes,
+    causal_rows,
+    check_head,
+    check_rows,
+    per_head,
+    register_pattern,
+    runs,
+)
 from workbench.patterns.proxy import block_proxy
 from workbench.patterns.vertical_slash import membership
 
@@ -87,11 +97,26 @@ class BlockSparse(PatternBase):
                 blocks.append([(x0, y0), (x1, y0), (x1, y1), (x0, y1)])
         return {"blocks": blocks}
 
+    def head(self, h: int) -> BlockSparse:
+        check_head(self, h)
+        return type(self)(self.block_index[h:h + 1], self.block)
+
     @classmethod
-    def build(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
-              block: int) -> dict[int, BlockSparse]:
-        table = block_proxy(q, k, torch.tensor([1 if p is None else p["topk"] for p in params]), block)
-        return {h: cls(table[h:h + 1], block) for h, p in enumerate(params) if p is not None}
+    def for_heads(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
+                  block: int) -> BlockSparse:
+        return cls(block_proxy(q, k, per_head(params, "topk"), block), block)
+
+    @classmethod
+    def layer_tiles(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
+                    block: int, triton: bool = False) -> tuple[VSTiles, None]:
+        """Pooled top-k on all heads of the batch at once (`triton`: the Triton block index)."""
+        if triton:
+            from workbench_kernels.index_build import block_index
+
+            table = block_index(q, k, per_head(params, "topk"), block)
+        else:
+            table = block_proxy(q, k, per_head(params, "topk"), block)
+        return block_sparse_to_tiles(table, q.shape[2], block), None
 
     def __repr__(self) -> str:
         return f"BlockSparse(block_index {tuple(self.block_index.shape)}, block={self.block})"

@@ -13,7 +13,7 @@ import torch
 from workbench_kernels.index_ref import VSTiles, vs_to_tiles
 
 from workbench.patterns.ashape import _per_head
-from workbench.patterns.base import BLOCK, MaskMod, PatternBase, Shapes, register_pattern
+from workbench.patterns.base import BLOCK, MaskMod, PatternBase, Shapes, check_head, per_head, register_pattern
 from workbench.patterns.tile_select import repeat_batch
 from workbench.patterns.vertical_slash import VerticalSlash
 
@@ -48,9 +48,13 @@ class _Offsets(PatternBase):
     def shapes(self, head: int, n: int) -> Shapes:
         return {"slashes": self.index(n).shapes(head, n)["slashes"]}
 
+    def head(self, h: int) -> _Offsets:
+        check_head(self, h)
+        return type(self)(*(getattr(self, name)[h] for name in self.params))
+
     @classmethod
-    def build(cls, params, q: Any, k: Any, scale: float, proxy: dict[str, Any], block: int) -> dict[int, _Offsets]:
-        return {h: cls(*(p[name] for name in cls.params)) for h, p in enumerate(params) if p is not None}
+    def for_heads(cls, params, q: Any, k: Any, scale: float, proxy: dict[str, Any], block: int) -> _Offsets:
+        return cls(*(per_head(params, name) for name in cls.params), n_heads=len(params))
 
 
 @register_pattern

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from workbench_kernels.index_ref import VSTiles, block_sparse_to_tiles, vs_to_tiles
 
-from workbench.patterns.base import BLOCK, MaskMod, PatternBase, Shapes, check_head, check_rows, register_pattern
+from workbench.patterns.base import BLOCK, MaskMod, PatternBase, Shapes, check_head, check_rows, per_head, register_pattern
 from workbench.patterns.block_sparse import BlockSparse
 from workbench.patterns.tile_select import cumulative_keep, positions, repeat_batch, select_tiles, tile_count
 from workbench.patterns.vertical_slash import VerticalSlash
@@ -70,13 +70,23 @@ class FlexPrefill(PatternBase):
                            BlockSparse(self.blocks.block_index[h:h + 1], self.blocks.block))
 
     @classmethod
-    def build(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
-              block: int) -> dict[int, FlexPrefill]:
-        out = {}
-        for budget in sorted({p["min_budget"] for p in params if p is not None}):
-            milli = lambda key: torch.tensor([p[key] / 1000 if p is not None else 1.0 for p in params])  # noqa: E731
-            f = flexprefill(q, k, scale, milli("gamma_milli"), milli("tau_milli"), budget, block)
-            out.update({h: f.head(h) for h, p in enumerate(params) if p is not None and p["min_budget"] == budget})
+    def for_heads(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
+                  block: int) -> FlexPrefill:
+        """One pass per distinct `min_budget` over all the heads (static widths: N columns and offsets,
+        M blocks); each head keeps its own budget's choice."""
+        gamma, tau = (per_head(params, key).float() / 1000 for key in ("gamma_milli", "tau_milli"))
+        budgets = [p["min_budget"] for p in params]
+        out = None
+        for budget in sorted(set(budgets)):
+            f = flexprefill(q, k, scale, gamma, tau, budget, block)
+            if out is None:
+                out = f
+                continue
+            mine = torch.tensor([b == budget for b in budgets], device=q.device)
+            pick = lambda a, b: torch.where(mine.view(-1, *[1] * (a.dim() - 1)), a, b)  # noqa: E731
+            out = FlexPrefill(pick(f.use_vs, out.use_vs),
+                              VerticalSlash(pick(f.vs.columns, out.vs.columns), pick(f.vs.offsets, out.vs.offsets)),
+                              BlockSparse(pick(f.blocks.block_index, out.blocks.block_index), block))
         return out
 
     def tiles(self, n: int) -> torch.Tensor:

@@ -33,6 +33,17 @@ def repeat_batch(tiles: VSTiles, batch: int) -> VSTiles:
     return VSTiles(*(t.expand(batch, *t.shape[1:]) for t in parts), tiles.block, tiles.width)
 
 
+def stack_batch(parts: list[VSTiles]) -> VSTiles:
+    """Tiles of batch 1 each (same heads and row blocks) -> one `VSTiles` over the batch, widths padded."""
+    if len(parts) == 1:
+        return parts[0]
+    ns = max(t.block_offset.shape[-1] for t in parts)
+    nc = max(t.column_index.shape[-1] for t in parts)
+    cat = lambda get, w=None: torch.cat([get(t) if w is None else _pad_last(get(t), w) for t in parts])  # noqa: E731
+    return VSTiles(cat(lambda t: t.block_count), cat(lambda t: t.block_offset, ns), cat(lambda t: t.column_count),
+                   cat(lambda t: t.column_index, nc), parts[0].block, parts[0].width)
+
+
 def tile_count(tiles: VSTiles) -> torch.Tensor:
     """Long `[B, H]`: tiles the kernel computes (pieces plus column strips packed `piece` at a time)."""
     strips = -(-tiles.column_count.long() // tiles.piece)

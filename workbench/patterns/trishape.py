@@ -13,7 +13,7 @@ import torch
 from workbench_kernels.index_ref import VSTiles, block_sparse_to_tiles, vs_to_tiles
 
 from workbench.patterns.ashape import AShape, _per_head
-from workbench.patterns.base import BLOCK, MaskMod, PatternBase, Shapes, check_head, check_rows, register_pattern
+from workbench.patterns.base import BLOCK, MaskMod, PatternBase, Shapes, check_head, check_rows, per_head, register_pattern
 from workbench.patterns.tile_select import repeat_batch, select_tiles, tile_count
 
 
@@ -76,9 +76,13 @@ class TriShape(PatternBase):
             out["question"] = [[(-0.5, y0), (e, y0), (e, e), (-0.5, e)]]
         return out
 
+    def head(self, h: int) -> TriShape:
+        check_head(self, h)
+        return TriShape(self.ashape.sink[h], self.ashape.window[h], self.last[h])
+
     @classmethod
-    def build(cls, params, q: Any, k: Any, scale: float, proxy: dict[str, Any], block: int) -> dict[int, TriShape]:
-        return {h: cls(p["sink"], p["window"], p["last"]) for h, p in enumerate(params) if p is not None}
+    def for_heads(cls, params, q: Any, k: Any, scale: float, proxy: dict[str, Any], block: int) -> TriShape:
+        return cls(*(per_head(params, key) for key in cls.params), n_heads=len(params))
 
     def __repr__(self) -> str:
         return (f"TriShape(sink={self.ashape.sink.tolist()}, window={self.ashape.window.tolist()}, "

@@ -23,11 +23,14 @@ from workbench.patterns.base import (
     check_head,
     check_rows,
     column_poly,
+    per_head,
     register_pattern,
     runs,
     toeplitz_rows,
 )
-from workbench.patterns.proxy import vs_proxy
+from workbench.patterns.proxy import top_positions, vs_proxy
+
+TRITON_PROXY = {"last_rows": 64, "aggregate": "sum", "diag_norm": "sum"}  # what the Triton VS builder computes
 
 
 def membership(positions: torch.Tensor, n: int) -> torch.Tensor:
@@ -92,12 +95,35 @@ class VerticalSlash(PatternBase):
         return {"columns": [column_poly(a, b, n) for a, b in runs(self.column_set(n)[head])],
                 "slashes": [band_poly(a, b, n) for a, b in runs(self.offset_set(n)[head])]}
 
+    def head(self, h: int) -> VerticalSlash:
+        check_head(self, h)
+        return VerticalSlash(self.columns[h:h + 1], self.offsets[h:h + 1])
+
     @classmethod
-    def build(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
-              block: int) -> dict[int, VerticalSlash]:
-        budget = lambda key: torch.tensor([0 if p is None else p[key] for p in params])  # noqa: E731
-        cols, offs = vs_proxy(q, k, scale, budget("vertical"), budget("slash"), **proxy)
-        return {h: cls(cols[h:h + 1], offs[h:h + 1]) for h, p in enumerate(params) if p is not None}
+    def for_heads(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
+                  block: int) -> VerticalSlash:
+        return cls(*vs_proxy(q, k, scale, per_head(params, "vertical"), per_head(params, "slash"), **proxy))
+
+    @classmethod
+    def layer_tiles(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
+                    block: int, triton: bool = False) -> tuple[VSTiles, None]:
+        """The proxy on all heads of the batch at once; with `triton` (and proxy settings the Triton
+        builder computes) the Triton column / diagonal sums and the Triton tile expansion."""
+        vertical, slash = per_head(params, "vertical"), per_head(params, "slash")  # host ints: widths need no sync
+        n = q.shape[2]
+        if triton and all(proxy.get(key, value) == value for key, value in TRITON_PROXY.items()):
+            from workbench_kernels.index_build import vs_scores
+
+            col, diag = vs_scores(q, k, scale)
+            cols = top_positions(col, proxy["sink"], int(vertical.max()), vertical)
+            offs = top_positions(diag, max(proxy["local"], 1), int(slash.max()), slash)
+        else:
+            cols, offs = vs_proxy(q, k, scale, vertical, slash, **proxy)
+        if triton:
+            from workbench_kernels.index_build import vs_tiles
+
+            return vs_tiles(cols, offs, n, block), None
+        return vs_to_tiles(cols, offs, n, block), None
 
     def __repr__(self) -> str:
         return f"VerticalSlash(columns {tuple(self.columns.shape)}, offsets {tuple(self.offsets.shape)})"

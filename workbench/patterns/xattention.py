@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from workbench.patterns.base import BLOCK, register_pattern
+from workbench.patterns.base import BLOCK, PatternBase, per_head, register_pattern
 from workbench.patterns.block_sparse import BlockSparse
 from workbench.patterns.tile_select import cumulative_keep, positions
 
@@ -85,15 +85,22 @@ class XAttention(BlockSparse):
     bench_kernel = None
 
     @classmethod
-    def build(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
-              block: int) -> dict[int, XAttention]:
-        out = {}
-        for stride in sorted({p["stride"] for p in params if p is not None}):
-            tau = torch.tensor([p["tau_milli"] / 1000 if p is not None else 1.0 for p in params])
-            table = xattention_index(q, k, scale, tau, stride, block)
-            out.update({h: cls(table[h:h + 1], block) for h, p in enumerate(params)
-                        if p is not None and p["stride"] == stride})
-        return out
+    def layer_tiles(cls, *args: Any, **kwargs: Any) -> Any:
+        """Tiles from its own index (`for_heads`), not BlockSparse's pooled top-k."""
+        return PatternBase.layer_tiles.__func__(cls, *args, **kwargs)
+
+    @classmethod
+    def for_heads(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
+                  block: int) -> XAttention:
+        """One scoring pass per distinct stride over all the heads; each head keeps its own stride's table."""
+        tau = (per_head(params, "tau_milli").double() / 1000).to(q.device)
+        strides = [p["stride"] for p in params]
+        table = None
+        for stride in sorted(set(strides)):
+            t = xattention_index(q, k, scale, tau, stride, block)
+            mine = torch.tensor([s == stride for s in strides], device=q.device)[:, None, None]
+            table = t if table is None else torch.where(mine, t, table)
+        return cls(table, block)
 
 
 def xattention(q: torch.Tensor, k: torch.Tensor, scale: float, tau: float | torch.Tensor = 0.9,

@@ -8,9 +8,11 @@ sparse prefill kernel's time on those layers vs dense SDPA; then the whole model
 method in every layer: next-token KL and top-1 agreement vs dense, and the greedy answer vs dense
 (passkey / multikey outcome). Decode stays dense (the KV cache is complete), as in MInference.
 
-On the CPU the sparse model runs an exact PyTorch reference under each pattern's logical row mask
-(over only the keys some head of a row chunk reads); on CUDA the Triton kernel over `to_tiles` (which
-may compute a few more keys than the logical mask: the tile expansion).
+Everything runs on the model's device. On the CPU the sparse model runs an exact PyTorch reference under
+each pattern's logical row mask (over only the keys some head of a row chunk reads); on CUDA the Triton
+kernel over `to_tiles` (which may compute a few more keys than the logical mask: the tile expansion),
+and every point's index build and kernel are timed there beside dense SDPA (`kernel_times`; the
+searched config through the deployed path, `SparsePrefill.layer_index` + its one launch).
 """
 from __future__ import annotations
 
@@ -93,29 +95,41 @@ def method_builder(method: Method, value: float) -> LayerBuilder:
     return lambda layer, q, k, scale: method.build(q, k, scale, value)
 
 
-def kernel_times(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                 builders: Sequence[Callable[[torch.Tensor, torch.Tensor], Pattern]],
+TilesBuilder = Callable[[torch.Tensor, torch.Tensor], tuple[Any, Any, Any]]  # (q, k [1, H, N, D]) -> kernel input
+
+
+def pattern_tiles(build: Callable[[torch.Tensor, torch.Tensor], Pattern]) -> TilesBuilder:
+    """A method's kernel input on q's device: (tiles, sink, window) of the pattern `build(q, k)` makes."""
+    def tiles(q: torch.Tensor, k: torch.Tensor) -> tuple[Any, Any, Any]:
+        pattern = build(q[0], k[0])
+        band = pattern.token_band()
+        sink, window = (None, None) if band is None else (band[0].to(q.device), band[1].to(q.device))
+        return pattern.to_tiles(q.shape[2]).to(q.device), sink, window
+    return tiles
+
+
+def kernel_times(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, builders: Sequence[TilesBuilder],
+                 device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16,
                  reps: int = 10) -> tuple[float, list[tuple[float, float]]]:
-    """CUDA only, one layer in bf16: (dense SDPA ms, [(index ms, Triton sparse prefill ms)] per builder
-    `(q, k) -> Pattern` run on the GPU); medians of `reps` runs after a warm-up. q `[Hq, N, D]`, k/v `[Hkv, N, D]`."""
+    """One layer on `device`: (dense SDPA ms, [(index ms, Triton sparse prefill ms)] per builder). Each
+    builder indexes fp32 q, k `[1, H, N, D]` on the device into (tiles, sink, window); the kernel runs in
+    `dtype`. Medians of `reps` runs after a warm-up (CUDA events on a GPU; on the CPU under
+    TRITON_INTERPRET only the path is exercised, the times mean nothing). q `[Hq, N, D]`, k/v `[Hkv, N, D]`."""
     from workbench_kernels.prefill import sparse_prefill
 
-    qb, kb, vb = (x[None].to("cuda", torch.bfloat16).contiguous() for x in (q, k, v))
-    qf, kf = q.to("cuda", torch.float32), k.to("cuda", torch.float32)
-    n = q.shape[1]
+    qb, kb, vb = (x[None].to(device, dtype).contiguous() for x in (q, k, v))
+    qf, kf = (x[None].to(device, torch.float32) for x in (q, k))
 
     def median(fn: Callable[[], Any]) -> float:
         fn()
-        return statistics.median(timed(fn, "cuda")[1] for _ in range(reps))
+        return statistics.median(timed(fn, device)[1] for _ in range(reps))
 
     dense = median(lambda: torch.nn.functional.scaled_dot_product_attention(
         qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True))
     out = []
     for build in builders:
-        pattern = build(qf, kf)
+        tiles, sink, window = build(qf, kf)
         index_ms = median(lambda: build(qf, kf))
-        tiles, band = pattern.to_tiles(n).to("cuda"), pattern.token_band()
-        sink, window = (None, None) if band is None else (band[0].cuda(), band[1].cuda())
         out.append((index_ms, median(lambda: sparse_prefill(qb, kb, vb, tiles, sink=sink, window=window, scale=scale))))
     return dense, out
 
@@ -130,16 +144,20 @@ def compare(model: torch.nn.Module, tok: Any, shape: ModelShape, *, tasks: Seque
             methods: Sequence[Method] | None = None, config: HeadConfig | None = None, rows: int | None = 256,
             quality: str = "mid", quality_lengths: Sequence[int] | None = None,
             quality_tasks: Sequence[str] | None = None, max_new_tokens: int = 8, seed: int = 0,
-            depth: float = 0.5, progress: bool = True) -> dict[str, Any]:
+            depth: float = 0.5, progress: bool = True,
+            kernels: bool | None = None, reps: int = 10) -> dict[str, Any]:
     """The comparison report (see the module docstring). `rows`: sampled query rows per layer for the
     masses (None = all rows, exact). `quality`: KL / answer at "all" sweep values, the "mid" one, or
     "none", at `quality_lengths` (default all) on `quality_tasks` (default: the tasks with an answer).
-    The model's device decides CPU or GPU (masses are computed on the CPU either way)."""
+    The model's device decides CPU or GPU: masses, index builds, the sparse model and (`kernels`, default
+    on CUDA) the Triton kernel times of every point, `reps` runs each, all run there."""
     if quality not in QUALITY:
         raise ValueError(f"quality={quality!r}: use one of {QUALITY}")
     methods = list(methods or default_methods())
     layers = [shape.check_layer(l) for l in layers]
     device = next(model.parameters()).device
+    kernels = device.type == "cuda" if kernels is None else kernels
+    kernel_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the interpreter has no bf16
     quality_lengths = list(lengths if quality_lengths is None else quality_lengths)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if progress else (lambda *a: None)
     points: list[dict[str, Any]] = []
@@ -149,18 +167,20 @@ def compare(model: torch.nn.Module, tok: Any, shape: ModelShape, *, tasks: Seque
             cap = capture_attention(model, shape, sample.input_ids, layers, dtype=torch.float32, progress=False)
             per_layer = []
             for layer in layers:
-                q, k, v = (x.cpu() for x in cap.layer_qkv(layer))
-                extra = {SEARCHED: config.layer_index(layer, q, k, cap.scale)} if config is not None else None
+                q, k, v = (x.to(device, torch.float32) for x in cap.layer_qkv(layer))
+                # the searched config is indexed on the CPU (its parts of mixed kinds stay together there)
+                extra = {SEARCHED: config.layer_index(layer, q.cpu(), k.cpu(), cap.scale)} if config is not None else None
                 t0 = time.perf_counter()
                 rows_l = sweep_layer(q, k, cap.scale, methods, extra, rows)
-                if device.type == "cuda":
-                    builders = [lambda qc, kc, m=m, val=val, scale=cap.scale: m.build(qc, kc, scale, val)
+                if kernels:
+                    builders = [pattern_tiles(lambda qc, kc, m=m, val=val, s=cap.scale: m.build(qc, kc, s, val))
                                 for m in methods for val in m.values]
-                    if extra:
-                        builders.append(lambda qc, kc, p=extra[SEARCHED]: p)  # indexed on the CPU: kernel time only
-                    dense_ms, times = kernel_times(q, k, v, cap.scale, builders)
+                    if config is not None:  # the deployed path: Triton index + tiles of the config's layer
+                        sp = SparsePrefill(None, shape, config, min_length=0, backend="triton")
+                        builders.append(lambda qc, kc, sp=sp, l=layer, s=cap.scale: sp.layer_index(l, qc, kc, s, "triton"))
+                    dense_ms, times = kernel_times(q, k, v, cap.scale, builders, device, kernel_dtype, reps)
                     for r, (index_ms, kernel_ms) in zip(rows_l, times):
-                        r.update(gpu_index_ms=index_ms if r["index_ms"] else None, kernel_ms=kernel_ms,
+                        r.update(gpu_index_ms=index_ms if r["index_ms"] != 0.0 else None, kernel_ms=kernel_ms,
                                  dense_kernel_ms=dense_ms)
                 per_layer.append(rows_l)
                 say(f"compare {task}@{length} layer {layer}: {len(rows_l)} points in {time.perf_counter() - t0:.1f} s")

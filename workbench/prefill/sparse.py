@@ -35,47 +35,38 @@ from workbench.core.attention import attention_override, dense_attention
 from workbench.core.device import model_device
 from workbench.core.model import ModelShape
 from workbench.core.timing import stamp
+from workbench.patterns import Dense, pattern_class
+from workbench.patterns.base import Band
 from workbench.prefill.tiles import tile_rows
-from workbench.search.config import PROXY_DEFAULTS, HeadConfig
+from workbench.search.config import HeadConfig
 
 # Prefill length below which prompts run dense: the first measured length at which the sparse model
 # (block-sparse top-100 and A-shape configs, Llama-3-8B shape, bf16, H200) beats dense SDPA end to end;
 # interpolated crossovers are 22K-25K tokens (assets/benchmarks/prefill_e2e_h200.json).
 DEFAULT_MIN_LENGTH = 32768
 ROW_CHUNK = 256
-TRITON_PROXY = {"last_rows": 64, "aggregate": "sum", "diag_norm": "sum"}  # what the Triton VS builder computes
 
 
 @dataclass
 class LayerPlan:
-    """One layer's heads grouped by pattern, with per-head budgets `[Hq]` (0 where a head has another
-    pattern). Dense heads run as an A-shape with no window inside a mixed launch."""
+    """One layer's query heads grouped by config kind (in order of first appearance), with each head's
+    config params. Every registered pattern kind runs through its class's `layer_tiles`."""
 
-    vs: list[int]
-    block: list[int]
-    ashape: list[int]
-    dense: list[int]
-    vertical: torch.Tensor
-    slash: torch.Tensor
-    topk: torch.Tensor
-    sink: torch.Tensor  # Int `[Hq]`: A-shape sink tokens (0 elsewhere)
-    window: torch.Tensor  # Int `[Hq]`: A-shape window (NO_WINDOW elsewhere)
+    heads: dict[str, list[int]]
+    params: dict[str, list[dict[str, int]]]
 
     @property
     def all_dense(self) -> bool:
-        return not (self.vs or self.block or self.ashape)
+        return all(pattern_class(kind) is Dense for kind in self.heads)
 
     @classmethod
     def from_config(cls, config: HeadConfig, layer: int) -> LayerPlan:
-        entries = config.layer(layer)
-        groups: dict[str, list[int]] = {"vs": [], "block": [], "ashape": [], "dense": []}
-        for h, e in enumerate(entries):
-            groups[e.pattern].append(h)
-        param = lambda pattern, key, other: torch.tensor(  # noqa: E731
-            [e.params[key] if e.pattern == pattern else other for e in entries], dtype=torch.long)
-        return cls(**groups, vertical=param("vs", "vertical", 0), slash=param("vs", "slash", 0),
-                   topk=param("block", "topk", 1), sink=param("ashape", "sink", 0).int(),
-                   window=param("ashape", "window", NO_WINDOW).int())
+        heads: dict[str, list[int]] = {}
+        params: dict[str, list[dict[str, int]]] = {}
+        for h, e in enumerate(config.layer(layer)):
+            heads.setdefault(e.pattern, []).append(h)
+            params.setdefault(e.pattern, []).append(e.params)
+        return cls(heads, params)
 
 
 class SparsePrefill:
@@ -188,15 +179,15 @@ class SparsePrefill:
 
     def layer_index(self, layer: int, q: torch.Tensor, k: torch.Tensor, scale: float, backend: str) -> Any:
         """The online index of one layer as `backend` consumes it: triton / flex -> (VSTiles over all
-        heads, sink, window) for one launch; torch -> the groups' tiles (`group_tiles`)."""
+        heads, sink, window) for one launch; torch -> the kinds' tiles (`group_tiles`)."""
         groups = self.group_tiles(layer, q, k, scale, triton=backend == "triton" or (backend == "flex" and q.is_cuda))
-        return groups if backend == "torch" else self.merge(layer, groups, q)
+        return groups if backend == "torch" else self.merge(groups, q)
 
     def layer_kernel(self, layer: int, index: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scale: float, backend: str) -> torch.Tensor:
         """Sparse attention of one layer under `layer_index`'s result -> o `[B, Hq, N, D]`."""
         if backend == "torch":
-            return self.reference(layer, index, q, k, v, scale)
+            return self.reference(index, q, k, v, scale)
         tiles, sink, window = index
         if backend == "flex":
             from workbench.prefill.flex import tiles_attention
@@ -215,92 +206,62 @@ class SparsePrefill:
     # ---- the index: physical tiles of one layer ---------------------------------------------------
     @torch.no_grad()
     def group_tiles(self, layer: int, q: torch.Tensor, k: torch.Tensor, scale: float,
-                    triton: bool = True) -> dict[str, Any]:
-        """Tiles of one layer's VS and block heads: {"vs": VSTiles over plan.vs, "block": over plan.block}
-        (only the groups present), on q's device. VS from the last-rows proxy (the Triton builder when
-        `triton` and the proxy settings allow, else `vs_proxy`), block from pooled top-k (`block_index`
-        with `triton`, else `block_proxy`: the same selection). Tiles are the
-        keys the kernel computes (for VS: the logical index plus its tile expansion).
-        q `[B, Hq, N, D]`, k `[B, Hkv, N, D]`."""
-        from workbench_kernels.index_ref import block_sparse_to_tiles, vs_to_tiles
-
-        from workbench.patterns import block_proxy, vs_proxy
-        from workbench.patterns.proxy import top_positions
-
-        plan, proxy = self.plans[layer], self.config.proxy
-        n, dev, block = q.shape[2], q.device, self.config.block
-        out: dict[str, Any] = {}
-        if plan.vs:
-            if triton and all(proxy.get(key, PROXY_DEFAULTS[key]) == value for key, value in TRITON_PROXY.items()):
-                from workbench_kernels.index_build import vs_scores
-
-                col, diag = vs_scores(q, k, scale)
-                cols = top_positions(col, proxy["sink"], int(plan.vertical.max()), plan.vertical.to(dev))
-                offs = top_positions(diag, max(proxy["local"], 1), int(plan.slash.max()), plan.slash.to(dev))
-            else:
-                cols, offs = vs_proxy(q, k, scale, plan.vertical, plan.slash, **proxy)
-            h = torch.tensor(plan.vs, device=dev)
-            cols, offs = cols[:, h].contiguous(), offs[:, h].contiguous()
-            if triton:
-                from workbench_kernels.index_build import vs_tiles
-
-                out["vs"] = vs_tiles(cols, offs, n, block)
-            else:
-                out["vs"] = vs_to_tiles(cols, offs, n, block)
-        if plan.block:
-            if triton:
-                from workbench_kernels.index_build import block_index
-
-                table = block_index(q, k, plan.topk, block)
-            else:
-                table = block_proxy(q, k, plan.topk, block)
-            out["block"] = block_sparse_to_tiles(table[:, torch.tensor(plan.block, device=dev)], n, block)
+                    triton: bool = True) -> dict[str, tuple[list[int], Any, Band | None]]:
+        """Per config kind of the layer: (its query heads, their tiles `[B, h, M]`, their token band or
+        None), from the kind's pattern class (`layer_tiles`: online index on q's device, the Triton
+        builders with `triton` where the kind has them). Tiles are the keys the kernel computes (the
+        logical index plus its tile expansion). q `[B, Hq, N, D]`, k `[B, Hkv, N, D]`."""
+        plan, G = self.plans[layer], q.shape[1] // k.shape[1]
+        out = {}
+        for kind, heads in plan.heads.items():
+            h = torch.tensor(heads, device=q.device)
+            qh, kh = (q, k) if G == 1 and len(heads) == q.shape[1] else (q[:, h], k[:, h // G])
+            out[kind] = (heads, *pattern_class(kind).layer_tiles(plan.params[kind], qh, kh, scale, self.config.proxy,
+                                                               self.config.block, triton=triton))
         return out
 
-    def merge(self, layer: int, groups: dict[str, Any], q: torch.Tensor):
-        """One launch's (VSTiles over all Hq heads, sink `[Hq]` | None, window `[Hq]` | None): the groups'
-        tiles plus the A-shape and dense heads as bands (dense = no window)."""
-        from workbench_kernels.index_ref import ashape_to_tiles, merge_tiles
+    @staticmethod
+    def merge(groups: dict[str, tuple[list[int], Any, Band | None]], q: torch.Tensor):
+        """One launch's (VSTiles over all Hq heads, sink `[Hq]` | None, window `[Hq]` | None): the kinds'
+        tiles scattered into head order; heads without a band get none (sink 0, window NO_WINDOW)."""
+        from workbench_kernels.index_ref import merge_tiles
 
-        plan = self.plans[layer]
-        B, Hq, n, _ = q.shape
-        parts = [(getattr(plan, name), tiles) for name, tiles in groups.items()]
-        banded = sorted(plan.ashape + plan.dense)
-        if banded:
-            h = torch.tensor(banded)
-            parts.append((banded, ashape_to_tiles(plan.sink[h].clamp(max=n), plan.window[h].clamp(max=n), n, B,
-                                                  self.config.block, device=q.device)))
-        # one group alone covers every head in head order; otherwise scatter each group's heads into place
-        tiles = parts[0][1] if len(parts) == 1 and list(parts[0][0]) == list(range(Hq)) else merge_tiles(parts, Hq)
-        if not banded:
+        hq = q.shape[1]
+        parts = [(heads, tiles) for heads, tiles, _ in groups.values()]
+        tiles = parts[0][1] if len(parts) == 1 else merge_tiles(parts, hq)
+        if all(band is None for _, _, band in groups.values()):
             return tiles, None, None
-        return tiles, plan.sink.to(q.device), plan.window.to(q.device)
+        sink = torch.zeros(hq, dtype=torch.int32, device=q.device)
+        window = torch.full((hq,), NO_WINDOW, dtype=torch.int32, device=q.device)
+        for heads, _, band in groups.values():
+            if band is not None:
+                h = torch.tensor(heads, device=q.device)
+                sink[h], window[h] = band[0].to(q.device, torch.int32), band[1].to(q.device, torch.int32)
+        return tiles, sink, window
 
     @torch.no_grad()
-    def reference(self, layer: int, groups: dict[str, Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  scale: float) -> torch.Tensor:
-        """The kernel's result in PyTorch, one head group at a time: dense heads by causal SDPA, A-shape
-        heads under their token mask, VS and block heads under their tiles' row masks. -> o `[B, Hq, N, D]`."""
-        plan = self.plans[layer]
+    def reference(self, groups: dict[str, tuple[list[int], Any, Band | None]], q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, scale: float) -> torch.Tensor:
+        """The kernel's result in PyTorch, one config kind at a time: exact SDPA under its tiles' row masks
+        (and its token band). -> o `[B, Hq, N, D]`."""
         G = q.shape[1] // k.shape[1]
         o = torch.empty_like(q, memory_format=torch.contiguous_format)
-        for heads, rows in ((plan.vs, lambda t: lambda r0, r1: tile_rows(t, r0, r1)),
-                            (plan.block, lambda t: lambda r0, r1: tile_rows(t, r0, r1)),
-                            (plan.ashape, None), (plan.dense, None)):
-            if not heads:
-                continue
+        for heads, tiles, band in groups.values():
             h = torch.tensor(heads, device=q.device)
-            qh, kh, vh = q[:, h], k[:, h // G], v[:, h // G]
-            if heads is plan.dense:
-                o[:, h] = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
-                continue
-            if heads is plan.ashape:
-                sink, window = plan.sink[h.cpu()], plan.window[h.cpu()]
-                fn = lambda r0, r1, g=sink, w=window: band_rows(g, w, r0, r1)  # noqa: E731
-            else:
-                fn = rows(groups["vs" if heads is plan.vs else "block"])
-            o[:, h] = masked_prefill(qh, kh, vh, fn, scale)
+
+            def rows(r0: int, r1: int, tiles=tiles, band=band) -> tuple[torch.Tensor, torch.Tensor]:
+                keys, mask = tile_rows(tiles, r0, r1)
+                return keys, mask if band is None else mask & band_mask(*band, keys, r0, r1)
+            o[:, h] = masked_prefill(q[:, h], k[:, h // G], v[:, h // G], rows, scale)
         return o
+
+
+def band_mask(sink: torch.Tensor, window: torch.Tensor, keys: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """Bool `[H, r1 - r0, K]`: the A-shape token mask (j < sink or i - j < window) of rows r0..r1-1 over
+    the key positions `keys` `[K]` (not causal by itself), on keys' device."""
+    d = torch.arange(r0, r1, device=keys.device)[:, None] - keys[None, :]
+    sink, window = sink.to(keys.device).view(-1, 1, 1), window.to(keys.device).view(-1, 1, 1)
+    return (d < window) | (keys < sink)
 
 
 def band_rows(sink: torch.Tensor, window: torch.Tensor, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,8 +269,8 @@ def band_rows(sink: torch.Tensor, window: torch.Tensor, r0: int, r1: int) -> tup
     head reads: (keys Long `[K]`, mask Bool `[H, r1 - r0, K]`)."""
     lo = max(0, r0 - int(window.max()) + 1)
     keys = torch.cat([torch.arange(min(int(sink.max()), lo)), torch.arange(lo, r1)])
-    d = (torch.arange(r0, r1)[:, None] - keys[None, :]).int()
-    return keys, (d >= 0) & ((d < window.view(-1, 1, 1)) | (keys < sink.view(-1, 1, 1)))
+    causal = keys[None, :] <= torch.arange(r0, r1)[:, None]
+    return keys, causal & band_mask(sink, window, keys, r0, r1)
 
 
 @torch.no_grad()
