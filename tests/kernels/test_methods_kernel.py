@@ -164,3 +164,5 @@ def test_compare_kernel_path_runs_on_the_models_device(embedded):
         online = p["method"] != "tri-shape"
         assert (p["gpu_index_ms"] is not None) == online and (not online or p["gpu_index_ms"] > 0)
     assert pts[-1]["method"] == SEARCHED and pts[-1]["gpu_index_ms"] > 0  # the deployed Triton index, timed
+    front = rep["pareto_ms"]["passkey@256"]
+    assert front and all(a["ms"] < b["ms"] and a["mass"] < b["mass"] for a, b in zip(front, front[1:]))

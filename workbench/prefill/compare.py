@@ -208,7 +208,7 @@ def compare(model: torch.nn.Module, tok: Any, shape: ModelShape, *, tasks: Seque
                 p = next(p for p in todo if p["method"] == SEARCHED)
                 p["quality"] = quality_point(model, tok, shape, sample, None, max_new_tokens, config=config)
                 say(f"  {task}@{length} searched config: KL {p['quality']['kl']:.4f} {p['quality'].get('correct', '')}")
-    return {"points": points, "pareto": fronts(points),
+    return {"points": points, "pareto": fronts(points), "pareto_ms": fronts(points, "ms") if kernels else None,
             "settings": {"tasks": list(tasks), "lengths": list(lengths), "layers": layers, "rows": rows,
                          "quality": quality, "quality_lengths": quality_lengths, "quality_tasks": quality_tasks,
                          "max_new_tokens": max_new_tokens, "seed": seed, "depth": depth, "device": device.type,
@@ -219,14 +219,21 @@ def compare(model: torch.nn.Module, tok: Any, shape: ModelShape, *, tasks: Seque
             "model": shape.to_dict(), "environment": environment()}
 
 
-def fronts(points: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Per "task@length": the Pareto front of mass vs physical density (method, value, both numbers)."""
+def device_ms(point: dict[str, Any]) -> float | None:
+    """A point's measured attention time on the device: index build (0 for static patterns) + kernel, ms."""
+    return None if point.get("kernel_ms") is None else (point.get("gpu_index_ms") or 0.0) + point["kernel_ms"]
+
+
+def fronts(points: Sequence[dict[str, Any]], cost: str = "physical") -> dict[str, list[dict[str, Any]]]:
+    """Per "task@length": the Pareto front of mass vs `cost`: "physical" density, or "ms" (`device_ms`, the
+    points with kernel times only) -> [{method, value, physical, ms, mass, answer_mass}]."""
+    of = (lambda p: p["physical"]) if cost == "physical" else device_ms
     out = {}
     for key in sorted({(p["task"], p["length"]) for p in points}):
-        group = [p for p in points if (p["task"], p["length"]) == key]
-        front = pareto_front([p["physical"] for p in group], [p["mass"] for p in group])
-        out[f"{key[0]}@{key[1]}"] = [{k: group[i][k] for k in ("method", "value", "physical", "mass", "answer_mass")}
-                                     for i in front]
+        group = [p for p in points if (p["task"], p["length"]) == key and of(p) is not None]
+        front = pareto_front([of(p) for p in group], [p["mass"] for p in group])
+        out[f"{key[0]}@{key[1]}"] = [{**{k: group[i][k] for k in ("method", "value", "physical", "mass", "answer_mass")},
+                                      "ms": device_ms(group[i])} for i in front]
     return out
 
 
