@@ -20,6 +20,7 @@ import param
 
 from workbench.search.config import PARAMS
 from workbench.views import viz  # absolute imports: `panel serve` runs this file as a script
+from workbench.views.dashboard.decode_tab import DecodeView
 from workbench.views.dashboard.state import Session, Settings
 
 pn.extension("plotly", "tabulator")
@@ -318,7 +319,7 @@ class ExportView(_View):
 
 
 class Dashboard(pn.viewable.Viewer):
-    """One session's page: sidebar (model, sample, head) and the six tabs."""
+    """One session's page: sidebar (model, sample, head) and the seven tabs."""
 
     def __init__(self, settings: Settings | None = None, **params):
         super().__init__(**params)
@@ -341,7 +342,7 @@ class Dashboard(pn.viewable.Viewer):
         s.param.watch(on_page_loop(self._progress), ["progress", "status", "busy", "error", "head_version"])
         self.views = {"Heads": HeadsView(session=s), "Head": HeadView(session=s), "Proxy": ProxyView(session=s),
                       "Forecast": ForecastView(session=s), "Latency": LatencyView(session=s),
-                      "Export/Import": ExportView(session=s)}
+                      "Export/Import": ExportView(session=s), "Decode": DecodeView(session=s, on_loop=on_page_loop)}
         self.tabs = pn.Tabs(*self.views.items(), dynamic=False, css_classes=["wb-tabs"])
         self.tabs.param.watch(lambda e: self._shown(e.new), "active")
         self._shown(0)
