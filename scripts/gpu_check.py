@@ -1,90 +1,141 @@
-"""The GPU lane (`make gpu-check` on the GPU machine): run every `gpu`-marked test plus the kernel tests (bf16
-on CUDA), then write one JSON with the GPU, driver, versions, the exact commands, pass/fail per test and
-the quality and latency figures the lane measured (default assets/benchmarks/gpu_check.json)."""
+"""The GPU lane (`make gpu-check` on the GPU machine): the kernel tests (bf16 on CUDA), every other
+`gpu`-marked test, and the notebooks on the GPU, as three pytest runs ("lanes"), shortest first, within one
+time budget. Writes one JSON (default assets/benchmarks/gpu_check.json) with the GPU, driver, versions, the
+exact commands, pass/fail per test, the quality / latency / parity figures the tests measured and `green`;
+the JSON is rewritten as each lane ends, so a lane that runs out of time still leaves the others.
+
+--budget S is split across the lanes in proportion to their estimated times; time a lane leaves unused goes
+to the lanes after it. Inside a lane every test has a time limit (`scripts/lane_plugin.py`): one hang fails
+that test and the lane goes on; a lane past its share + grace is killed and its running test is reported as
+stopped. Green: every lane ran to its end, no test failed, and every `gpu`-marked test passed.
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# Shortest first; each lane rewrites the JSON when it ends, so a lane that runs out of time still leaves the others.
-LANES = {"gpu": ["-m", "gpu and not notebook", "tests"], "kernels": ["tests/kernels"],
-         "notebooks": ["-m", "gpu and notebook", "tests"]}
+GRACE_S = 20  # a lane may overrun its share by this much (teardown, JSON) before its process group is killed
 
 
-def junit_results(path: Path) -> list[dict[str, str]]:
-    """[{test, outcome, message}] from a pytest JUnit XML file (outcome: passed, failed, error, skipped)."""
-    rows = []
-    for case in ET.parse(path).getroot().iter("testcase"):
-        outcome, message = "passed", ""
-        for tag in ("failure", "error", "skipped"):
-            node = case.find(tag)
-            if node is not None:
-                outcome = {"failure": "failed"}.get(tag, tag)
-                message = (node.get("message") or "")[:300]
-        rows.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome, "message": message,
-                     "seconds": round(float(case.get("time", 0)), 2)})
-    return rows
+def gpu_test_files(notebook: bool) -> list[str]:
+    """Test files outside tests/kernels that carry the gpu marker (notebook ones or the others)."""
+    files = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        text = path.read_text()
+        if "tests/kernels" in path.as_posix() or "mark.gpu" not in text:
+            continue
+        if ("mark.notebook" in text) == notebook:
+            files.append(str(path.relative_to(ROOT)))
+    return files
 
 
-def environment() -> dict[str, object]:
-    import torch
-    import transformers
-    import triton
+def lanes() -> dict[str, dict[str, object]]:
+    """name -> {"args": pytest arguments, "estimate_s": expected seconds on an H200, "test_timeout_s"}.
+    Estimates from the last H200 runs (assets/benchmarks/gpu_check.json) plus the sizes of the tests."""
+    return {
+        "kernels": {"args": ["tests/kernels"], "estimate_s": 110, "test_timeout_s": 150},
+        "gpu": {"args": ["-m", "gpu and not notebook", *gpu_test_files(notebook=False)], "estimate_s": 170,
+                "test_timeout_s": 150},
+        "notebooks": {"args": ["-m", "gpu and notebook", *gpu_test_files(notebook=True)], "estimate_s": 160,
+                      "test_timeout_s": 240},
+    }
 
-    driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                            capture_output=True, text=True).stdout.strip() if torch.cuda.is_available() else None
-    return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "driver": driver,
-            "cuda": torch.version.cuda, "torch": torch.__version__, "triton": triton.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "host": platform.node()}
+
+def read_results(path: Path) -> list[dict[str, object]]:
+    """The lane's tests in run order, the last line of each (a test left at "started" was stopped)."""
+    rows: dict[str, dict[str, object]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                rows[row["test"]] = row
+    for row in rows.values():
+        if row["outcome"] == "started":
+            row.update(outcome="stopped", message="the lane was killed while this test ran (lane budget)")
+    return list(rows.values())
+
+
+def run_lane(name: str, lane: dict[str, object], share: float, tmp: Path, env: dict[str, str]) -> dict[str, object]:
+    """Run one lane as its own pytest process group within `share` seconds (+ grace); its summary."""
+    results = tmp / f"{name}.jsonl"
+    timeout = min(float(lane["test_timeout_s"]), share)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "lane_plugin",
+           "--continue-on-collection-errors", f"--test-timeout={timeout:.0f}",
+           f"--lane-deadline={time.time() + share:.0f}", f"--results-jsonl={results}", *lane["args"]]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+    try:
+        rc: int | str = proc.wait(timeout=share + GRACE_S)
+    except subprocess.TimeoutExpired:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            os.killpg(proc.pid, sig)
+            try:
+                proc.wait(timeout=10)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        rc = f"killed after {share + GRACE_S:.0f} s"
+    tests = read_results(results)
+    counts = {o: sum(t["outcome"] == o for t in tests) for o in ("passed", "failed", "error", "skipped", "stopped")}
+    gpu_not_passed = [t["test"] for t in tests if t.get("gpu") and t["outcome"] != "passed"]
+    ok = rc == 0 and not (counts["failed"] or counts["error"] or counts["stopped"] or gpu_not_passed)
+    return {"command": "python3 -m pytest " + " ".join(cmd[3:]), "returncode": rc, "ok": ok,
+            "share_s": round(share), "test_timeout_s": round(timeout), "estimate_s": lane["estimate_s"],
+            "seconds": round(time.perf_counter() - t0, 1), **counts, "gpu_tests_not_passed": gpu_not_passed,
+            "tests": tests}
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__)
+    every = lanes()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="assets/benchmarks/gpu_check.json", help="where the JSON goes")
-    p.add_argument("--lanes", default=",".join(LANES), help=f"comma-separated subset of {list(LANES)}")
-    p.add_argument("--lane-timeout", type=float, default=400, help="seconds per lane before it is stopped (default 400)")
+    p.add_argument("--lanes", default=",".join(every), help=f"comma-separated subset of {list(every)}")
+    p.add_argument("--budget", type=float, default=480,
+                   help="seconds for all lanes together, split by their estimates (default 480)")
     args = p.parse_args()
+    chosen = [x for x in args.lanes.split(",") if x]
+    unknown = [x for x in chosen if x not in every]
+    if unknown:
+        p.error(f"--lanes: unknown lane(s) {unknown}: choose from {list(every)}")
+    if args.budget <= 0:
+        p.error(f"--budget {args.budget} must be > 0 seconds")
+    chosen.sort(key=lambda x: every[x]["estimate_s"])  # shortest first
+
     from workbench.core.io import write_json
+    from workbench.core.timing import environment
 
     tmp = Path(tempfile.mkdtemp(prefix="gpu_check."))
-    env = {**os.environ, "WORKBENCH_GPU_LATENCY_JSON": str(tmp / "latency.json"),
-           "WORKBENCH_GPU_QUALITY_JSON": str(tmp / "quality.json")}
-    result: dict[str, object] = {"command": "make gpu-check (python3 scripts/gpu_check.py " + " ".join(sys.argv[1:]) + ")",
-                                 "environment": environment(), "lanes": {}}
-    ok = True
-    for lane in [x for x in args.lanes.split(",") if x]:
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors",
-               f"--junitxml={tmp / lane}.xml", *LANES[lane]]
-        t0 = time.perf_counter()
-        try:
-            rc: int | str = subprocess.run(cmd, cwd=ROOT, env=env, timeout=args.lane_timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = f"stopped after {args.lane_timeout:.0f} s"
-        tests = junit_results(tmp / f"{lane}.xml") if (tmp / f"{lane}.xml").exists() else []
-        counts = {o: sum(t["outcome"] == o for t in tests) for o in ("passed", "failed", "error", "skipped")}
-        result["lanes"][lane] = {"command": "python3 -m pytest " + " ".join(cmd[3:]), "returncode": rc,
-                                 "seconds": round(time.perf_counter() - t0, 1), **counts, "tests": tests}
-        ok &= rc == 0
-        for name in ("latency", "quality"):
-            f = tmp / f"{name}.json"
-            result[name] = json.loads(f.read_text()) if f.exists() else None
-        result["green"] = ok
+    figures = tmp / "figures"
+    figures.mkdir()
+    env = {**os.environ, "WORKBENCH_GPU_FIGURES": str(figures),
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "scripts"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    command = "python3 scripts/gpu_check.py " + " ".join(sys.argv[1:])
+    result: dict[str, object] = {"command": command, "budget_s": args.budget,
+                                 "environment": environment(command), "lanes": {}, "figures": {}, "green": False}
+    start = time.perf_counter()
+    for i, name in enumerate(chosen):
+        left = args.budget - (time.perf_counter() - start)
+        pending = sum(every[x]["estimate_s"] for x in chosen[i:])
+        share = max(left * every[name]["estimate_s"] / pending, 5.0)
+        result["lanes"][name] = run_lane(name, every[name], share, tmp, env)
+        result["figures"] = {f.stem: json.loads(f.read_text()) for f in sorted(figures.glob("*.json"))}
+        result["seconds"] = round(time.perf_counter() - start, 1)
+        result["green"] = len(result["lanes"]) == len(every) and all(v["ok"] for v in result["lanes"].values())
         write_json(args.out, result)
-    print(f"wrote {args.out}: " + ", ".join(f"{k}: {v['passed']} passed, {v['failed'] + v['error']} failed, "
-                                            f"{v['skipped']} skipped" for k, v in result["lanes"].items()))
-    return 0 if ok else 1
+    print(f"wrote {args.out} (green: {result['green']}): " + "; ".join(
+        f"{k}: {v['passed']} passed, {v['failed'] + v['error']} failed, {v['stopped']} stopped, {v['skipped']} skipped"
+        f" in {v['seconds']} s" for k, v in result["lanes"].items()))
+    return 0 if result["green"] else 1
 
 
 if __name__ == "__main__":

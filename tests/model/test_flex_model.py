@@ -1,7 +1,12 @@
 """The embedded model prefilled through FlexAttention with the shipped config: the same next-token
-logits as the PyTorch reference of the sparse kernel (CPU, n = 512), and not those of dense."""
+logits as the PyTorch reference of the sparse kernel (CPU, n = 512), and not those of dense. GPU lane: on
+every sparse layer of the real model (fp32, n = 2000: a partial last row block) Flex on the Triton index's
+tiles == the Triton kernel == the reference path (torch proxies, exact masked SDPA), eager flex (the mask is
+the point; the compiled path is tests/kernels/test_flex_gpu.py). Triton's fp32 dots are asked for IEEE
+(TRITON_F32_DEFAULT, read when a kernel compiles), as in the parity test."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,7 +15,10 @@ import torch
 from workbench.prefill.quality import backend_agreement
 from workbench.search.config import HeadConfig
 
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+
 SHIPPED = Path(__file__).resolve().parents[2] / "configs" / "SmolLM2-135M-Instruct.json"
+MAX_ABS = 1e-3  # fp32, as the parity test
 
 
 @pytest.mark.model
@@ -28,3 +36,33 @@ def test_flex_prefill_equals_the_reference_on_the_embedded_model(embedded):
     with torch.no_grad():
         dense = model(ids.reshape(1, -1), use_cache=False, logits_to_keep=1).logits[0, -1].float()
     assert float((dense - got["logits"]["torch"]).abs().max()) > 1e-3  # the config is really sparse at 512
+
+
+@pytest.mark.gpu
+@pytest.mark.model
+def test_flex_triton_and_reference_agree_on_the_model_layers_on_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from workbench.core.capture import capture_attention
+    from workbench.core.corpus import make_sample
+    from workbench.core.model import load_model
+    from workbench.prefill.flex import tiles_attention
+    from workbench.prefill.sparse import SparsePrefill
+
+    model, tok, shape = load_model(device="cuda", dtype=torch.float32)
+    config = HeadConfig.load(SHIPPED, shape)
+    cap = capture_attention(model, shape, make_sample("passkey", tok, 2000, seed=1, depth=0.5).input_ids, progress=False)
+    sp = SparsePrefill(None, shape, config, min_length=0)
+    worst: dict[int, tuple[float, float]] = {}
+    for layer in range(shape.n_layers):
+        if sp.plans[layer].all_dense:
+            continue
+        q, k, v = (t[None].contiguous() for t in cap.layer_qkv(layer))
+        index = sp.layer_index(layer, q, k, cap.scale, "triton")
+        triton = sp.layer_kernel(layer, index, q, k, v, cap.scale, "triton")
+        flex = tiles_attention(q, k, v, *index, cap.scale, compile=False)
+        ref = sp.layer_kernel(layer, sp.layer_index(layer, q, k, cap.scale, "torch"), q, k, v, cap.scale, "torch")
+        worst[layer] = float((flex - triton).abs().max()), float((flex - ref).abs().max())
+    assert len(worst) >= 10, f"only {len(worst)} sparse layers: the check would be thin"
+    bad = {l: d for l, d in worst.items() if max(d) > MAX_ABS}
+    assert not bad, f"layers where flex differs from (Triton, reference) by > {MAX_ABS}: {bad}"

@@ -4,6 +4,7 @@ index + sparse attention beside dense SDPA. CPU: the labelled PyTorch reference 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,9 +30,16 @@ def test_time_model_layer_on_the_cpu_is_the_labelled_reference_path(embedded, ca
     assert time_model_layer(capture_256, config, dense_layer, device="cpu", reps=1)["index_ms"] == 0
 
 
+def write_figure(name: str, obj: dict) -> None:
+    """The lane's figures: $WORKBENCH_GPU_FIGURES/<name>.json (scripts/gpu_check.py collects them)."""
+    from workbench.core.io import write_json
+
+    write_json(Path(os.environ.get("WORKBENCH_GPU_FIGURES", "reports/gpu_figures")) / f"{name}.json", obj)
+
+
 @pytest.mark.gpu
 @pytest.mark.model
-def test_time_model_layer_on_the_gpu_runs_the_triton_path(embedded):
+def test_time_model_layer_on_the_gpu_runs_the_triton_path():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from workbench.core.capture import capture_attention
@@ -42,8 +50,28 @@ def test_time_model_layer_on_the_gpu_runs_the_triton_path(embedded):
     cap = capture_attention(model, shape, make_sample("passkey", tok, 8192, seed=0).input_ids, progress=False)
     assert cap.q.is_cuda
     out = time_model_layer(cap, HeadConfig.load(SHIPPED, shape), MIXED_LAYER, reps=5)
+    write_figure("latency", out)
     assert out["path"].startswith("Triton") and out["dtype"] == "bfloat16"
     assert out["dense_ms"] > 0 and out["sparse_ms"] > 0 and out["index_ms"] > 0
-    from workbench.core.io import write_json
 
-    write_json(os.environ.get("WORKBENCH_GPU_LATENCY_JSON", "reports/gpu_latency.json"), out)
+
+@pytest.mark.gpu
+@pytest.mark.model
+def test_dashboard_latency_tab_times_the_model_layer_on_the_gpu():
+    """What the Latency tab's button runs (`Session.time_latency`), in a session whose model is on the GPU:
+    the sample's captured layer, its heads from the shipped config, through the Triton path."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("param")
+    from workbench.views.dashboard.state import Session, Settings
+
+    session = Session(Settings(length=4096, layers=(MIXED_LAYER,), config=SHIPPED, device="cuda"))
+    session.load().result(timeout=120)
+    assert session.ready and not session.error, session.error
+    session.param.update(layer=MIXED_LAYER)
+    session.time_latency().result(timeout=120)
+    out = session.latency
+    assert not session.error and out is not None, session.error
+    write_figure("dashboard_latency", out)
+    assert out["layer"] == MIXED_LAYER and out["n"] == 4096 and out["path"].startswith("Triton")
+    assert out["patterns"]["vs"] + out["patterns"]["ashape"] > 0 and out["sparse_ms"] > 0 and out["dense_ms"] > 0

@@ -80,43 +80,49 @@ def tiles_mask_mod(tiles: Any, n: int, sink: torch.Tensor | None = None,
     return banded
 
 
-def make_block_mask(mask_mod: MaskMod, n_heads: int, n: int, device: torch.device | str) -> Any:
-    """A FlexAttention BlockMask over `n_heads` heads and n x n positions (compiled on CUDA)."""
+def make_block_mask(mask_mod: MaskMod, n_heads: int, n: int, device: torch.device | str,
+                    compile: bool | None = None) -> Any:
+    """A FlexAttention BlockMask over `n_heads` heads and n x n positions. compile: build it with
+    torch.compile (default: on CUDA); eager materialises the `[n_heads, n, n]` mask (small n only)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     device = torch.device(device)
-    return create_block_mask(mask_mod, None, n_heads, n, n, device=device, _compile=device.type == "cuda")
+    if compile if compile is not None else device.type == "cuda":
+        return _compiled(create_block_mask)(mask_mod, None, n_heads, n, n, device=device)
+    return create_block_mask(mask_mod, None, n_heads, n, n, device=device)
 
 
-def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, scale: float) -> torch.Tensor:
-    """flex_attention with GQA: q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` -> o `[B, Hq, N, D]` (compiled on
-    CUDA; eager on the CPU, which materialises N x N scores: small N only)."""
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, scale: float,
+         compile: bool | None = None) -> torch.Tensor:
+    """flex_attention with GQA: q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` -> o `[B, Hq, N, D]`. compile:
+    torch.compile (dynamic=False, default: on CUDA); eager materialises `[B, Hq, N, N]` scores (small N
+    only: the CPU, and GPU tests where the mask, not the compiler, is the point)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     gqa = q.shape[1] != k.shape[1]
-    if q.is_cuda:
-        return _compiled()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-    with warnings.catch_warnings():  # eager on the CPU is the intended (small-n) use
+    if compile if compile is not None else q.is_cuda:
+        return _compiled(flex_attention)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    with warnings.catch_warnings():  # eager is the intended (small-n) use here
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
 
-_COMPILED: list[Any] = []
+_COMPILED: dict[Callable[..., Any], Any] = {}
 
 
-def _compiled() -> Any:
-    if not _COMPILED:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _COMPILED.append(torch.compile(flex_attention, dynamic=False))
-    return _COMPILED[0]
+def _compiled(fn: Callable[..., Any]) -> Any:
+    """`torch.compile(fn, dynamic=False)`, made once per process (recompiles only for new shapes/dtypes)."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=False)
+    return _COMPILED[fn]
 
 
 @torch.no_grad()
 def tiles_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: Any, sink: torch.Tensor | None,
-                    window: torch.Tensor | None, scale: float) -> torch.Tensor:
+                    window: torch.Tensor | None, scale: float, compile: bool | None = None) -> torch.Tensor:
     """The Triton prefill kernel's result through flex_attention: same tiles (VSTiles `[B, Hq, M]`), same
-    A-shape token mask, exact softmax. q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` -> o `[B, Hq, N, D]`."""
+    A-shape token mask, exact softmax. q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` -> o `[B, Hq, N, D]`.
+    compile: see `flex` (default: compiled on CUDA)."""
     from workbench_kernels.index_ref import VSTiles
 
     B, H, n, _ = q.shape
@@ -124,8 +130,8 @@ def tiles_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: An
     for b in range(B):  # the index depends on the prompt: one mask per batch row
         one = VSTiles(*(t[b:b + 1] for t in (tiles.block_count, tiles.block_offset, tiles.column_count,
                                               tiles.column_index)), block=tiles.block, width=tiles.width)
-        mask = make_block_mask(tiles_mask_mod(one, n, sink, window), H, n, q.device)
-        out[b:b + 1] = flex(q[b:b + 1], k[b:b + 1], v[b:b + 1], mask, scale)
+        mask = make_block_mask(tiles_mask_mod(one, n, sink, window), H, n, q.device, compile)
+        out[b:b + 1] = flex(q[b:b + 1], k[b:b + 1], v[b:b + 1], mask, scale, compile)
     return out
 
 

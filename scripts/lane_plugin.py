@@ -1,0 +1,97 @@
+"""pytest plugin of the GPU lane (`scripts/gpu_check.py` loads it with `-p lane_plugin`): a time limit per
+test, a deadline for the whole lane, and one JSON line per test as it starts and ends, so that a lane that
+is stopped still reports every test it reached.
+
+--test-timeout S: a test (setup, call and teardown) that runs longer than S seconds fails with its stack at
+that moment (SIGALRM in the main thread: a hang inside a C call fails once that call returns to Python;
+gpu_check kills the lane's process group as the last resort).
+--lane-deadline T: epoch seconds; a test that would start after T is skipped ("lane budget spent") and
+no test may run past it.
+--results-jsonl F: append {"test", "outcome", "message", "seconds", "gpu"} per test (outcome "started"
+when it begins; later lines replace earlier ones).
+"""
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+PHASE_ORDER = ("failed", "error", "skipped", "passed")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("lane", "GPU lane (scripts/gpu_check.py)")
+    group.addoption("--test-timeout", type=float, default=0.0, help="seconds per test before it fails (0: none)")
+    group.addoption("--lane-deadline", type=float, default=0.0, help="epoch seconds after which no test starts")
+    group.addoption("--results-jsonl", default=None, help="append one JSON line per test start and end")
+
+
+class Lane:
+    def __init__(self, config: pytest.Config):
+        self.timeout = config.getoption("--test-timeout")
+        self.deadline = config.getoption("--lane-deadline")
+        path = config.getoption("--results-jsonl")
+        self.path = Path(path) if path else None
+        self.outcome: dict[str, tuple[str, str]] = {}
+        self.started: dict[str, float] = {}
+
+    def write(self, row: dict[str, object]) -> None:
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def limit(self) -> float:
+        """Seconds the next test may run: the per-test timeout, cut to the lane deadline (0: unlimited)."""
+        limits = [self.timeout] if self.timeout > 0 else []
+        if self.deadline > 0:
+            limits.append(max(self.deadline - time.time(), 1.0))
+        return min(limits) if limits else 0.0
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None):
+        gpu = item.get_closest_marker("gpu") is not None
+        self.started[item.nodeid] = time.perf_counter()
+        self.write({"test": item.nodeid, "outcome": "started", "message": "", "seconds": 0.0, "gpu": gpu})
+        if self.deadline > 0 and time.time() > self.deadline:
+            item.add_marker(pytest.mark.skip(reason="lane budget spent before this test started"))
+        limit = self.limit()
+
+        def expired(_signum, _frame):
+            pytest.fail(f"timed out after {limit:.0f} s (lane test timeout or budget)", pytrace=True)
+
+        previous = signal.signal(signal.SIGALRM, expired) if limit else None
+        if limit:
+            signal.setitimer(signal.ITIMER_REAL, limit)
+        try:
+            yield
+        finally:
+            if limit:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+        outcome, message = self.outcome.pop(item.nodeid, ("passed", ""))
+        self.write({"test": item.nodeid, "outcome": outcome, "message": message, "gpu": gpu,
+                    "seconds": round(time.perf_counter() - self.started.pop(item.nodeid), 2)})
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """The test's outcome is the worst of its phases (a failing setup or teardown is an error)."""
+        if report.passed:
+            return
+        if report.skipped:
+            outcome = "skipped"
+            longrepr = report.longrepr
+            message = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        else:
+            outcome = "failed" if report.when == "call" else "error"
+            message = report.longreprtext.strip().splitlines()[-1] if report.longreprtext.strip() else ""
+            crash = getattr(report.longrepr, "reprcrash", None)
+            message = getattr(crash, "message", None) or message
+        old = self.outcome.get(report.nodeid)
+        if old is None or PHASE_ORDER.index(outcome) < PHASE_ORDER.index(old[0]):
+            self.outcome[report.nodeid] = (outcome, str(message)[:400])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(Lane(config), "lane")
