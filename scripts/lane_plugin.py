@@ -9,6 +9,8 @@ gpu_check kills the lane's process group as the last resort).
 no test may run past it.
 --results-jsonl F: append {"test", "outcome", "message", "seconds", "gpu"} per test (outcome "started"
 when it begins; later lines replace earlier ones).
+--run-last NAME (repeatable): tests whose id contains NAME run after all others (cold compiles: a slow one
+then cannot starve the rest of the lane).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--test-timeout", type=float, default=0.0, help="seconds per test before it fails (0: none)")
     group.addoption("--lane-deadline", type=float, default=0.0, help="epoch seconds after which no test starts")
     group.addoption("--results-jsonl", default=None, help="append one JSON line per test start and end")
+    group.addoption("--run-last", action="append", default=[], help="run tests whose id contains this last")
 
 
 class Lane:
@@ -35,6 +38,7 @@ class Lane:
         self.deadline = config.getoption("--lane-deadline")
         path = config.getoption("--results-jsonl")
         self.path = Path(path) if path else None
+        self.last = config.getoption("--run-last")
         self.outcome: dict[str, tuple[str, str]] = {}
         self.started: dict[str, float] = {}
 
@@ -49,6 +53,9 @@ class Lane:
         if self.deadline > 0:
             limits.append(max(self.deadline - time.time(), 1.0))
         return min(limits) if limits else 0.0
+
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        items.sort(key=lambda item: any(name in item.nodeid for name in self.last))  # stable: order kept otherwise
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None):

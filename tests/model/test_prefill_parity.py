@@ -11,6 +11,7 @@ GPU (`gpu` marker): the real model at 4K and 8K in fp32. Triton's fp32 `tl.dot` 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,7 +73,11 @@ def test_triton_path_equals_reference_path_on_cpu(embedded):
 def test_triton_path_equals_reference_path_on_gpu(n):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    from workbench.core.io import write_json
     from workbench.core.model import load_model
 
     model, tok, shape = load_model(device="cuda", dtype=torch.float32)
-    check_parity(model, tok, shape, n)
+    worst, kl = check_parity(model, tok, shape, n)
+    figures = Path(os.environ.get("WORKBENCH_GPU_FIGURES", "reports/gpu_figures"))
+    write_json(figures / f"parity_{n}.json", {"n": n, "dtype": "float32", "config": SHIPPED,
+                                               "max_abs_diff": worst, "kl": kl, "bars": [MAX_ABS, MAX_KL]})
