@@ -1,12 +1,21 @@
-"""`workbench bench decode`: the five engine modes on a random-weight Llama-3-8B-shaped model (H200).
+"""`workbench bench decode`: the offload engine on the H200, in three parts (`--part`), each within ~4 minutes.
 
-    workbench bench decode --out decode_h200.json --layers 8 --reuse 0.8
+    workbench bench decode --part modes --out decode_h200.json --layers 8 --reuse 0.79 --plan "131072:8,16" --quick
+    workbench bench decode --part embedded --out decode_embedded_h200.json      # real SmolLM2-135M beside HF generate
+    workbench bench decode --part capacity --out decode_capacity_h200.json --context 32768 --capacity-layers 32
 
-Random weights and synthetic KV (say so in the results): block reuse between steps is then not
-realistic, so offload modes also run with `ImposedReuse` at the dynamic reuse rate measured on the
-embedded model (`--reuse`). Measures, in the same process: the pinned host->device copy rate, the
-UVA gather kernel's rate per CTA count, then per (context, batch, mode, reuse) tokens/s, bytes moved,
-cache hit rate, copy rate, fraction of transfer hidden, peak GPU memory. Writes JSON after every run.
+`modes`: the five engine modes on a random-weight Llama-3-8B-shaped model with synthetic KV (say so in the
+results): block reuse between steps is then not realistic, so offload modes also run with `ImposedReuse` at
+the dynamic reuse rate measured on the embedded model (`--reuse`). Measures, in the same process: the
+pinned host->device copy rate, the UVA gather kernel's rate per CTA count, then per (context, batch, mode,
+reuse) tokens/s (CUDA graphs), kernel launches per layer per step, bytes moved, cache hit rate, copy rate,
+fraction of transfer hidden, peak GPU memory. Writes JSON after every run.
+`embedded`: the real embedded model, batch 1, bf16, `--prompt` tokens, every mode through
+`workbench.decode.compare.compare_modes` (CUDA graphs) beside `model.generate` (HF dense decode, static cache,
+eager and auto-compiled), decode-only tokens/s from per-token timestamps.
+`capacity`: at `--context` with `--capacity-layers` layers, the largest batch dense-resident and
+sparse-offload-forecast actually allocate and decode (the next batch is refused), and the host-RAM cap at 128K.
+`embedded` and `capacity` also run on the CPU at tiny sizes (`--device cpu`, `--tiny`): that is how they are tested.
 """
 from __future__ import annotations
 
@@ -19,14 +28,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from workbench_benchmarks.shapes import LLAMA3_8B, random_llama
+from workbench_benchmarks.shapes import LLAMA3_8B, TINY_LLAMA, random_llama
 
 from workbench.core.io import write_json
 from workbench.core.timing import environment as timing_environment
 from workbench.core.timing import measure, nvidia_smi
-from workbench.decode.engine.decoder import MODES, DecodeEngine, EngineConfig
+from workbench.decode.engine.decoder import MODES, DecodeEngine, EngineConfig, kv_bytes
+from workbench.decode.engine.llama import LlamaLayers
 from workbench.decode.engine.reuse import ImposedReuse
-from workbench.decode.engine.store import BLOCK, BlockStore, GiB, StoreSpec
+from workbench.decode.engine.store import BLOCK, BlockStore, GiB, StoreCapacityError, StoreSpec, host_memory_available
 from workbench.patterns.infllm import Budget
 
 PAPER_BUDGET = Budget(init=1, local=32, topk=64)  # MiniCPM4.1 release: 96 blocks of 64 tokens
@@ -141,23 +151,41 @@ def check_lossless(model, store, budget: Budget, context: int = 16384, batch: in
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="JSON output path")
+    p.add_argument("--part", choices=("modes", "embedded", "capacity"), default="modes",
+                   help="modes: engine modes on the random Llama-3-8B shape (needs --reuse); embedded: the real embedded "
+                        "model beside HF generate; capacity: largest batch per mode at --context")
     p.add_argument("--merge", nargs="+", default=None,
-                   help="instead of running: merge result files of several runs (same model) into --out")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--reuse", type=float, required=True, help="dynamic-block reuse rate measured on the embedded model")
+                   help="instead of running: merge result files of several modes runs (same model) into --out")
+    p.add_argument("--layers", type=int, default=8, help="modes: decoder layers of the random model")
+    p.add_argument("--reuse", type=float, default=None,
+                   help="modes: dynamic-block reuse rate measured on the embedded model (required there)")
     p.add_argument("--plan", default="32768:1,8,32,64;65536:1,8,32;131072:1,4,8,16",
-                   help="context:batches;... (batches ascending)")
+                   help="modes: context:batches;... (batches ascending)")
     p.add_argument("--sweep-ctas", default="8,16,32,64")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--host-gib", type=float, default=100.0, help="pinned host memory the store may take")
-    p.add_argument("--check", action="store_true", help="first check on the GPU that offload modes are lossless")
-    p.add_argument("--quick", action="store_true", help="imposed reuse only, no CTA sweep, no no-prefetch natural run")
+    p.add_argument("--check", action="store_true", help="modes: first check on the GPU that offload modes are lossless")
+    p.add_argument("--quick", action="store_true", help="modes: imposed reuse only, no CTA sweep, no natural-reuse run")
+    p.add_argument("--device", default=None, help="embedded / capacity: cuda (default when present) or cpu")
+    p.add_argument("--prompt", type=int, default=4096, help="embedded: prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=64, help="embedded: tokens decoded per mode")
+    p.add_argument("--budget", default="1,2,8", help="embedded: init,local,topk blocks of 64 tokens")
+    p.add_argument("--no-compile", action="store_true", help="embedded: skip the torch.compile'd HF generate")
+    p.add_argument("--context", type=int, default=32768, help="capacity: tokens per sequence")
+    p.add_argument("--capacity-layers", type=int, default=32, help="capacity: decoder layers of the random model")
+    p.add_argument("--tiny", action="store_true", help="capacity: the tiny Llama shape (CPU smoke run)")
 
 
 def run(a: argparse.Namespace) -> int:
+    if a.part == "embedded" and not a.merge:
+        return _finish(a.out, run_embedded(a))
+    if a.part == "capacity" and not a.merge:
+        return _finish(a.out, run_capacity(a))
     if not torch.cuda.is_available() and not a.merge:
-        raise ValueError("workbench bench decode needs a CUDA GPU (none found): run it on the GPU machine")
+        raise ValueError("workbench bench decode --part modes needs a CUDA GPU (none found): run it on the GPU machine")
+    if a.reuse is None and not a.merge:
+        raise ValueError("--part modes needs --reuse (the dynamic-block reuse rate measured on the embedded model, e.g. 0.79)")
     if a.merge:
         parts = [json.loads(Path(f).read_text()) for f in a.merge]
         merged = dict(parts[0])
@@ -225,6 +253,162 @@ def run(a: argparse.Namespace) -> int:
     write_json(out, result)
     print(json.dumps(result["summary"], indent=1))
     return 0
+
+
+def _finish(out: str, result: dict[str, Any]) -> int:
+    write_json(out, result)
+    print(json.dumps({k: v for k, v in result.items() if k != "environment"}, indent=1, default=str))
+    return 0
+
+
+def _where(a: argparse.Namespace) -> tuple[str, torch.dtype]:
+    cuda = torch.cuda.is_available() and a.device != "cpu"
+    if a.device not in (None, "cpu", "cuda") or (a.device == "cuda" and not cuda):
+        raise ValueError(f"--device {a.device!r}: use cuda (on a GPU machine) or cpu")
+    return ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+
+
+def _parse_budget(text: str) -> Budget:
+    try:
+        init, local, topk = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--budget {text!r} must be three integers init,local,topk such as 1,2,8") from None
+    return Budget(init=init, local=local, topk=topk)
+
+
+class _Stamps:
+    """A `generate` streamer that stamps the time of every push (the prompt, then each new token)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda, self.times = cuda, []
+
+    def put(self, _value: torch.Tensor) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None: ...
+
+
+def hf_generate(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int, compiled: bool) -> dict[str, Any]:
+    """HF's own greedy dense decode with a static cache (auto-compiled by `generate` on CUDA when `compiled`):
+    decode-only tokens/s from the stamps of tokens 2..n (prefill excluded), after one warm-up call."""
+    kw = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, cache_implementation="static",
+              disable_compile=not compiled, pad_token_id=model.config.eos_token_id)
+    model.generate(ids[None], **kw)  # warm-up (and compilation)
+    stamps = _Stamps(ids.is_cuda)
+    out = model.generate(ids[None], streamer=stamps, **kw)
+    t = stamps.times  # [prompt, token 1 (after prefill), ..., token n]
+    return {"tokens_per_s": (len(t) - 2) / (t[-1] - t[1]), "compiled": compiled and hasattr(model, "_compiled_call"),
+            "greedy_tokens": out[0, ids.numel():].tolist()}
+
+
+def run_embedded(a: argparse.Namespace) -> dict[str, Any]:
+    """The real embedded model, batch 1: every engine mode (CUDA graphs) and HF generate on one prompt."""
+    from workbench.core.corpus import make_sample
+    from workbench.core.model import load_model
+    from workbench.decode.compare import DEFAULT_MODES, compare_modes
+
+    device, dtype = _where(a)
+    model, tok, shape = load_model(device=device, dtype=dtype)
+    ids = make_sample("passkey", tok, a.prompt, seed=0).input_ids.to(device)
+    cmp = compare_modes(model, ids, modes=DEFAULT_MODES, new_tokens=a.new_tokens, budget=_parse_budget(a.budget),
+                        progress=False)
+    dense = cmp.runs["dense-resident"].tokens[0].tolist()
+    hf: dict[str, Any] = {}
+    for compiled in ((False, True) if device == "cuda" and not a.no_compile else (False,)):
+        key = "static_cache_compiled" if compiled else "static_cache_eager"
+        try:
+            hf[key] = hf_generate(model, ids, a.new_tokens, compiled)
+            hf[key]["same_tokens_as_dense_resident"] = sum(x == y for x, y in zip(hf[key]["greedy_tokens"], dense)) / len(dense)
+        except Exception as e:  # e.g. torch.compile failing on this machine: say so
+            hf[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(key, {k: v for k, v in hf[key].items() if k != "greedy_tokens"}, flush=True)
+    rows = {r["mode"]: r for r in cmp.rows()}
+    anchor = max((v["tokens_per_s"] for v in hf.values() if "tokens_per_s" in v), default=None)
+    return {"what": f"real embedded model {shape.name}, batch 1, {dtype}, {a.prompt}-token passkey prompt, "
+                    f"{a.new_tokens} new tokens; engine {cmp.device}, CUDA graphs where cuda_graph is true",
+            "environment": environment() if device == "cuda" else timing_environment(),
+            "engine": {**cmp.to_dict(), "timelines": None}, "hf_generate": hf,
+            "summary": {"tokens_per_s": {m: r["tokens_per_s"] for m, r in rows.items()},
+                        "hf_generate_best_tokens_per_s": anchor, "lossless": cmp.lossless,
+                        "goal_200_tok_s": {m: rows[m]["tokens_per_s"] >= 200 for m in
+                                           ("sparse-resident", "sparse-offload-forecast") if m in rows}}}
+
+
+def largest_batch(model: torch.nn.Module, mode: str, context: int, budget: Budget, *, steps: int, host_limit: int,
+                  ) -> dict[str, Any]:
+    """The largest batch `mode` allocates and decodes `steps` tokens with at `context` tokens per sequence: start
+    at the engine's own byte accounting (`kv_bytes`) against free GPU memory (host memory on the CPU) and the
+    host limit, step down on an out-of-memory, then show that one more sequence is refused."""
+    lm = LlamaLayers(model)
+    cfg = EngineConfig(mode=mode, budget=budget)
+    max_tokens = context + steps + 1
+    gpu1, host1 = kv_bytes(cfg, layers=lm.n_layers, kv_heads=lm.n_kv_heads, head_dim=lm.head_dim, dtype=lm.dtype,
+                           batch=1, max_tokens=max_tokens)
+    cuda = lm.device.type == "cuda"
+    device_free = torch.cuda.mem_get_info(lm.device)[0] if cuda else host_limit
+    by_device, by_host = device_free // gpu1, (host_limit // host1 if host1 else None)
+    batch = min(by_device, by_host) if by_host is not None else by_device
+    out: dict[str, Any] = {"mode": mode, "context": context, "gpu_bytes_per_seq": gpu1, "host_bytes_per_seq": host1,
+                           "device_free_bytes": device_free, "host_limit_bytes": host_limit,
+                           "batch_bound_by_device": by_device, "batch_bound_by_host": by_host, "stepped_down": []}
+    while batch >= 1:
+        try:
+            with DecodeEngine(model, cfg, batch=batch, max_tokens=max_tokens, host_limit_bytes=host_limit) as eng:
+                eng.fill_synthetic([context] * batch, fill_host=False)
+                first = torch.zeros(batch, dtype=torch.long, device=lm.device)
+                eng.run(first, 1, progress=False)  # warm-up (graph capture on CUDA)
+                _, _, stats = eng.run(first, steps, progress=False)
+            out.update(largest_batch=batch, tokens_per_s=stats.tokens_per_s, peak_gpu_bytes=stats.peak_gpu_bytes)
+            break
+        except (StoreCapacityError, torch.OutOfMemoryError) as e:
+            out["stepped_down"].append({"batch": batch, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+            batch = min(batch - 1, int(batch * 0.97))
+    try:  # one more sequence: refused before anything is allocated?
+        DecodeEngine(model, cfg, batch=out.get("largest_batch", 0) + 1, max_tokens=max_tokens,
+                     host_limit_bytes=host_limit).close()
+        out["next_batch_refused"] = None
+    except StoreCapacityError as e:
+        out["next_batch_refused"] = str(e)[:300]
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_capacity(a: argparse.Namespace) -> dict[str, Any]:
+    """Largest batch dense-resident vs sparse-offload-forecast at `--context` (all `--capacity-layers` layers of
+    the random-weight Llama-3-8B shape, or the tiny shape), and the host-RAM cap at 128K tokens."""
+    device, dtype = _where(a)
+    dims = TINY_LLAMA if a.tiny else LLAMA3_8B
+    budget = Budget(init=1, local=2, topk=8) if a.tiny else PAPER_BUDGET
+    model = random_llama(a.capacity_layers, dims=dims, device=device, dtype=dtype, max_positions=max(a.context, 131072) + 4096)
+    host_limit = int(a.host_gib * GiB)
+    runs = {m: largest_batch(model, m, a.context, budget, steps=a.steps, host_limit=host_limit)
+            for m in ("dense-resident", "sparse-offload-forecast")}
+    for m, r in runs.items():
+        print(m, {k: v for k, v in r.items() if k != "stepped_down"}, flush=True)
+    lm = LlamaLayers(model)
+    per_seq_128k = kv_bytes(EngineConfig(mode="sparse-offload-forecast", budget=budget), layers=lm.n_layers,
+                            kv_heads=lm.n_kv_heads, head_dim=lm.head_dim, dtype=lm.dtype, batch=1, max_tokens=131072)
+    dense_b, offload_b = (runs[m].get("largest_batch", 0) for m in runs)
+    off = runs["sparse-offload-forecast"]
+    return {"what": f"largest batch per mode at {a.context} tokens, {'TINY' if a.tiny else 'Llama-3-8B'}-shaped RANDOM-weight "
+                    f"model, all {a.capacity_layers} layers, {dtype}, budget {budget.to_dict()}, host store limit "
+                    f"{a.host_gib} GiB pinned",
+            "environment": environment() if device == "cuda" else timing_environment(),
+            "host_memory_available_gib": host_memory_available() / GiB, "runs": runs,
+            "summary": {"dense_resident_largest_batch": dense_b, "offload_largest_batch": offload_b,
+                        "offload_over_dense": offload_b / dense_b if dense_b else None,
+                        "offload_bound_by": "host" if (off["batch_bound_by_host"] or 0) < off["batch_bound_by_device"]
+                        else "device",
+                        "offload_over_dense_if_host_unbounded": off["batch_bound_by_device"] / dense_b if dense_b else None,
+                        "host_gib_per_seq_at_128k": per_seq_128k[1] / GiB,
+                        "host_cap_batch_at_128k": int(host_limit // per_seq_128k[1])}}
 
 
 def capacity(context: int, layers: int, budget: Budget, weights_gib: float, gpu_gib: float, host_gib: float

@@ -304,7 +304,7 @@ def test_compare_modes_reports_every_mode_and_offload_is_lossless(embedded):
     out = compare_modes(model, prompt, modes=ALL_MODES, new_tokens=3, budget=Budget(init=1, local=1, topk=1),
                         progress=lambda what, done, total: seen.append((done, total)))
     assert list(out.runs) == list(ALL_MODES) and out.device.startswith("cpu reference path")
-    assert seen[-1] == (len(ALL_MODES) * 3 + 1, len(ALL_MODES) * 3 + 1)
+    assert seen[-1] == (len(ALL_MODES) * 2 + 1, len(ALL_MODES) * 2 + 1)  # 2 decode steps per mode, 1 prefill
     assert out.lossless == {"sparse-offload-sync": True, "sparse-offload-forecast": True,
                             "forecast-without-prefetch": True}
     for row in out.rows():
@@ -317,3 +317,43 @@ def test_compare_modes_reports_every_mode_and_offload_is_lossless(embedded):
         compare_modes(model, prompt, modes=["sparse-offload-sync/forecast"], progress=False)
     with pytest.raises(ValueError, match="unknown"):
         compare_modes(model, prompt, modes=["fast"], progress=False)
+
+
+def _bench_args(*argv: str):
+    import argparse
+
+    from workbench_benchmarks import decode as bench
+
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    return bench, p.parse_args(list(argv))
+
+
+@pytest.mark.model
+def test_decode_benchmark_embedded_part_runs_on_the_cpu(tmp_path):
+    import json
+
+    out = tmp_path / "embedded.json"
+    bench, args = _bench_args("--part", "embedded", "--device", "cpu", "--prompt", "128", "--new-tokens", "3",
+                              "--out", str(out))
+    assert bench.run(args) == 0
+    r = json.loads(out.read_text())
+    assert r["summary"]["lossless"] == {"sparse-offload-sync": True, "sparse-offload-forecast": True}
+    hf = r["hf_generate"]["static_cache_eager"]
+    assert hf["tokens_per_s"] > 0 and len(hf["greedy_tokens"]) == 3
+    dense = next(x for x in r["engine"]["runs"] if x["mode"] == "dense-resident")
+    assert hf["same_tokens_as_dense_resident"] == 1.0 and dense["greedy_tokens"] == hf["greedy_tokens"]
+
+
+def test_decode_benchmark_capacity_part_runs_on_the_cpu(tmp_path):
+    import json
+
+    out = tmp_path / "capacity.json"
+    bench, args = _bench_args("--part", "capacity", "--device", "cpu", "--tiny", "--capacity-layers", "2",
+                              "--context", "1024", "--host-gib", "0.05", "--steps", "2", "--out", str(out))
+    assert bench.run(args) == 0
+    r = json.loads(out.read_text())
+    dense = r["runs"]["dense-resident"]
+    assert dense["largest_batch"] == dense["batch_bound_by_device"] >= 1 and dense["tokens_per_s"] > 0
+    assert "reduce --batch" in dense["next_batch_refused"]  # one more sequence is refused before allocating
+    assert r["summary"]["offload_largest_batch"] >= 1 and r["summary"]["host_gib_per_seq_at_128k"] > 0

@@ -57,7 +57,8 @@ def device_label(model: torch.nn.Module) -> str:
 
 @dataclass
 class ModeRun:
-    """One mode's decode. tokens `[B, new_tokens]` (CPU); rates per second; bytes per decode step (host->GPU)."""
+    """One mode's decode. tokens `[B, new_tokens]` (CPU; the first is the prefill's, as `model.generate` counts);
+    rates per second of decode steps; bytes per decode step (host->GPU)."""
 
     spec: str
     tokens: torch.Tensor
@@ -128,21 +129,22 @@ def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch
                   modes: Sequence[str] = DEFAULT_MODES, new_tokens: int = 16, budget: Budget | None = None,
                   heads: Any = None, graph: bool | None = None, trace: bool = True,
                   progress: bool | Progress = True) -> Comparison:
-    """Greedy-decode `new_tokens` after each prompt (`[N]` one sequence, or a list of `[N_b]`: a batch) in every
-    mode of `modes` (see `parse_mode`) with the same `budget` (default init 1, local 2, top-k 8 blocks).
+    """Greedy-generate `new_tokens` (the prefill's token, then new_tokens - 1 decode steps) after each prompt
+    (`[N]` one sequence, or a list of `[N_b]`: a batch) in every mode of `modes` (see `parse_mode`) with the
+    same `budget` (default init 1, local 2, top-k 8 blocks).
 
     `graph` (default: on CUDA) times CUDA-graph replay; `trace` records one step's compute/copy spans
     (`workbench.decode.timeline`). `progress`: True draws a tqdm bar, a callable gets (what, done, total)
     after each decoded step, False is silent. Raises ValueError naming a bad mode or size before decoding.
     """
     specs = [s.strip() for s in modes]
-    parsed = [parse_mode(s) for s in specs]
     if not specs:
         raise ValueError("modes is empty: give at least one mode, e.g. sparse-resident")
+    parsed = [parse_mode(s) for s in specs]
     if len(set(specs)) != len(specs):
         raise ValueError(f"modes {specs} repeats a mode: list each once")
-    if new_tokens < 1:
-        raise ValueError(f"new_tokens must be >= 1, got {new_tokens}")
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens must be >= 2 (the prefill's token and at least one decode step), got {new_tokens}")
     prompts = [prompts] if isinstance(prompts, torch.Tensor) else list(prompts)
     prompts = [p.reshape(-1) for p in prompts]
     budget = budget or Budget(init=1, local=2, topk=8)
@@ -160,7 +162,7 @@ def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch
     if progress is True:
         progress, close = _tqdm_progress()
     report = progress or (lambda what, done, total: None)
-    total = len(specs) * new_tokens + len(prompts)
+    total = len(specs) * (new_tokens - 1) + len(prompts)
     result = Comparison(device_label(model), budget, [int(p.numel()) for p in prompts], new_tokens)
     try:
         prefilled = []
@@ -174,7 +176,7 @@ def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch
 
             result.runs[spec] = _run_mode(model, spec, EngineConfig(mode=mode, budget=budget, selector=selector),
                                           prompts, prefilled, new_tokens, max_tokens, heads, use_graph, trace, on_step)
-            done += new_tokens
+            done += new_tokens - 1
     finally:
         if close:
             close()
@@ -198,14 +200,14 @@ def _decode(model, spec, cfg, prompts, prefilled, new_tokens, max_tokens, heads,
     """Greedy tokens and speed (with graphs: `warm` steps capture the graph, the rest replay it and are timed),
     then CUDA-event timing of a few eager steps (offload modes on CUDA) and one traced step."""
     with DecodeEngine(model, cfg, batch=len(prompts), max_tokens=max_tokens, heads=heads) as eng:
-        first = eng.prefill(prompts, new_tokens, prefilled=prefilled)
-        warm = min(2, new_tokens - 1) if use_graph else 0
-        head = first.new_empty(len(prompts), 0)
+        steps = new_tokens - 1
+        first = eng.prefill(prompts, steps, prefilled=prefilled)
+        warm = min(2, steps - 1) if use_graph else 0
+        head = first[:, None]
         if warm:
-            head = eng.run(first, warm, graph=True, progress=False, on_step=on_step)[0]
-            first = head[:, -1]
-        tail, _, stats = eng.run(first, new_tokens - warm, graph=use_graph, progress=False,
-                                 on_step=lambda s, n: on_step(warm + s, new_tokens))
+            head = torch.cat([head, eng.run(first, warm, graph=True, progress=False, on_step=on_step)[0]], 1)
+        tail, _, stats = eng.run(head[:, -1], steps - warm, graph=use_graph, progress=False,
+                                 on_step=lambda s, n: on_step(warm + s, steps))
         tokens = torch.cat([head, tail], 1)
         last = tokens[:, -1]
         hidden = copy_gbps = None

@@ -113,6 +113,24 @@ def _kernels(kind: str, device: torch.device):
     return use_triton, sparse_decode, gather_blocks, append_token
 
 
+def kv_bytes(config: EngineConfig, *, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, batch: int,
+             max_tokens: int) -> tuple[int, int]:
+    """(GPU bytes, pinned host bytes) a `DecodeEngine` of `config` allocates for `batch` sequences of up to
+    `max_tokens` tokens: resident KV (every layer, or layer 0 when offloading), per-layer block caches,
+    compressed keys; the host store holds the other layers' KV. Both are linear in `batch`."""
+    esize = torch.tensor([], dtype=dtype).element_size()
+    nb = math.ceil(max_tokens / BLOCK)
+    block_bytes = 2 * BLOCK * head_dim * esize
+    offload, sparse = config.mode in OFFLOAD, config.mode != "dense-resident"
+    gpu = (1 if offload else layers) * batch * kv_heads * nb * block_bytes
+    if offload:
+        gpu += (layers - 1) * batch * kv_heads * (config.cache_blocks or config.budget.total) * block_bytes
+    if sparse:
+        gpu += layers * batch * kv_heads * ((max_tokens // config.budget.stride + 2) * esize + 32 * 4) * head_dim
+    host = StoreSpec(layers - 1, batch, kv_heads, nb, head_dim, dtype).nbytes if offload else 0
+    return gpu, host
+
+
 def _release(store: BlockStore | None) -> None:
     """Finaliser of an engine: unpin and free the host store it made (runs once)."""
     if store is not None:
@@ -148,18 +166,12 @@ class DecodeEngine:
         self.offload = config.mode in OFFLOAD
         self.sparse = config.mode != "dense-resident"
         self.capacity = config.cache_blocks or config.budget.total
-        esize = torch.tensor([], dtype=self.dtype).element_size()
         resident_layers = 1 if self.offload else L
-        block_bytes = 2 * BLOCK * D * esize
-        self.block_bytes = block_bytes
-        gpu_need = resident_layers * batch * Hkv * nb * block_bytes
-        if self.offload:
-            gpu_need += (L - 1) * batch * Hkv * self.capacity * block_bytes
-        if self.sparse:
-            gpu_need += L * batch * Hkv * ((max_tokens // config.budget.stride + 2) * esize + 32 * 4) * D
+        self.block_bytes = 2 * BLOCK * D * torch.tensor([], dtype=self.dtype).element_size()
+        gpu_need, self.host_kv_bytes = kv_bytes(config, layers=L, kv_heads=Hkv, head_dim=D, dtype=self.dtype,
+                                                batch=batch, max_tokens=max_tokens)
         self.gpu_kv_bytes = gpu_need
         spec = StoreSpec(L - 1, batch, Hkv, nb, D, self.dtype) if self.offload else None
-        self.host_kv_bytes = spec.nbytes if spec else 0
         # --- refuse before allocating anything
         if self.device.type == "cuda":
             free = torch.cuda.mem_get_info(self.device)[0]
