@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from workbench.analysis.stats import attention_rows, captured_mass, layer_stats
+from workbench.analysis.stats import MAPS, attention_rows, captured_mass, layer_stats
 
 
 def dense_probs(q, k, scale):
@@ -16,7 +16,10 @@ def dense_probs(q, k, scale):
     return s.softmax(-1)
 
 
-@pytest.mark.parametrize("n,resolution,chunk,hq,hkv", [(100, 1024, 64, 3, 1), (200, 32, 64, 6, 2), (130, 7, 256, 4, 4)])
+# cell 1; cell 7 (blocks not made of cells); one ragged chunk; cell 4 nested in blocks over 4 chunks;
+# cell 8 with a ragged last chunk (the 8K layout, scaled down)
+@pytest.mark.parametrize("n,resolution,chunk,hq,hkv", [(100, 1024, 64, 3, 1), (200, 32, 64, 6, 2), (130, 7, 256, 4, 4),
+                                                       (256, 64, 64, 6, 3), (1000, 125, 128, 9, 3)])
 def test_layer_stats_match_explicit(n, resolution, chunk, hq, hkv):
     torch.manual_seed(n)
     q, k = torch.randn(hq, n, 16) * 2, torch.randn(hkv, n, 16) * 2
@@ -24,9 +27,8 @@ def test_layer_stats_match_explicit(n, resolution, chunk, hq, hkv):
     st = layer_stats(q, k, 0.25, resolution=resolution, block=16, chunk=chunk)
     assert torch.allclose(st.column_mass.double(), p.sum(1), atol=1e-5)
     i, j = torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij")
-    diag = torch.zeros(hq, n, dtype=torch.float64)
-    for d in range(n):
-        diag[:, d] = p[:, (i - j) == d].sum(-1)
+    causal = i >= j
+    diag = torch.zeros(hq, n, dtype=torch.float64).index_add_(1, (i - j)[causal], p[:, causal])
     assert torch.allclose(st.diag_mass.double(), diag, atol=1e-5)
     ent = -(p * p.clamp_min(1e-300).log()).sum(-1)
     assert torch.allclose(st.row_entropy.double(), ent, atol=1e-4)
@@ -47,6 +49,31 @@ def test_layer_stats_match_explicit(n, resolution, chunk, hq, hkv):
     assert torch.allclose(st.block_mass.double(), bp.view(hq, M, 16, M, 16).sum((2, 4)), atol=1e-5)
     # every row is a distribution: the masses add up to n
     assert torch.allclose(st.block_mass.sum((1, 2)), torch.full((hq,), float(n)), atol=1e-3)
+
+
+def test_layer_stats_computes_only_requested_maps():
+    torch.manual_seed(3)
+    q, k = torch.randn(6, 300, 16) * 2, torch.randn(2, 300, 16) * 2
+    full = layer_stats(q, k, 0.25, resolution=50, block=16, chunk=96)
+    for name in MAPS:
+        st = layer_stats(q, k, 0.25, resolution=50, block=16, chunk=96, maps=[name])
+        assert all(getattr(st, other) is None for other in MAPS if other != name)
+        torch.testing.assert_close(getattr(st, name), getattr(full, name), atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="maps=.*subset"):
+        layer_stats(q, k, 0.25, maps=("max_map", "mean"))
+    with pytest.raises(ValueError, match="non-empty"):
+        layer_stats(q, k, 0.25, maps=())
+
+
+def test_attention_rows_reuses_one_buffer_per_walk():
+    """Chunks overwrite each other's p (documented): the first chunk's values are gone after the walk."""
+    torch.manual_seed(4)
+    q, k = torch.randn(2, 64, 8), torch.randn(1, 64, 8)
+    chunks = [(r0, p) for r0, _, p, _ in attention_rows(q, k, 0.5, chunk=16)]
+    ptrs = {p.data_ptr() for _, p in chunks}
+    assert len(ptrs) == 1
+    fresh = next(attention_rows(q, k, 0.5, chunk=16))[2]
+    assert fresh.is_contiguous() and not torch.equal(chunks[0][1], fresh)
 
 
 class ColumnIndex:

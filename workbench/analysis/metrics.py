@@ -112,7 +112,7 @@ def layer_sums(q: torch.Tensor, k: torch.Tensor, scale: float, block: int = BLOC
     col, diag = torch.zeros(hq, n), torch.zeros(hq, n)
     tiles, lse = torch.zeros(hq, m, m), torch.empty(hq, n)
     kq = k.float().repeat_interleave(g, 0)  # [Hq, N, D]
-    for r0, r1, p, _ in attention_rows(q, k, scale, chunk=chunk, left_pad=True):
+    for r0, r1, p, _ in attention_rows(q, k, scale, chunk=chunk):
         col[:, :r1] += p.sum(1)
         diag[:, :r1] += diagonal_sums(p)
         pad_r, pad_c = -(r1 - r0) % block, -r1 % block

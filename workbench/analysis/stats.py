@@ -7,7 +7,7 @@ those row chunks (`attention_rows`), which the pattern metrics reuse.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,20 +31,20 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
                          f"got q {tuple(q.shape)} and k {tuple(k.shape)}")
     if q.shape[1] == 0:
         raise ValueError("the capture is empty (N = 0): capture at least one token")
-    if not (torch.isfinite(q).all() and torch.isfinite(k).all()):
+    if not all(torch.isfinite(x).all() for x in (*torch.aminmax(q), *torch.aminmax(k))):  # NaN propagates
         raise ValueError("q or k contains NaN/inf: check the model dtype (fp16 overflow?) and the capture")
 
 
 def attention_rows(q: torch.Tensor, k: torch.Tensor, scale: float, chunk: int = 256, entropy: bool = False,
-                   left_pad: bool = False, rows: tuple[int, int] | None = None
+                   rows: tuple[int, int] | None = None
                    ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
     """Yield (r0, r1, p, h) for query rows [r0, r1): p `[Hq, r1 - r0, r1]` fp32 causal softmax over
-    keys 0..r1-1 (zeros where j > i); h `[Hq, r1 - r0]` row entropy in nats when `entropy`.
+    keys 0..r1-1 (zeros where j > i), contiguous; h `[Hq, r1 - r0]` row entropy in nats when `entropy`.
 
     q `[Hq, N, D]`, k `[Hkv, N, D]`; query head h reads KV head h // (Hq // Hkv).
     `rows=(start, stop)` walks only query rows [start, stop) (exact: each row still sees all its keys).
-    `left_pad=True` makes p a view into a buffer with r1 - r0 zero columns before key 0 (see
-    `diagonal_sums`); the values are the same.
+    p lives in a buffer that the next chunk overwrites (no allocation per chunk): use or copy it
+    before advancing the iterator.
     """
     _check_qk(q, k)
     Hq, n, d = q.shape
@@ -54,24 +54,33 @@ def attention_rows(q: torch.Tensor, k: torch.Tensor, scale: float, chunk: int = 
     if not 0 <= start < stop <= n:
         raise ValueError(f"rows={rows} must satisfy 0 <= start < stop <= N = {n}: pick query rows inside the capture")
     kt = k.float().transpose(1, 2)
+    width = min(chunk, stop - start)
+    scores = torch.empty(Hq * width * stop, device=q.device)
+    probs = torch.empty_like(scores) if entropy else None  # the entropy reads scores and p together
+    causal = torch.full((width, width), _MASKED, device=q.device).triu_(1)  # added to the diagonal block
     for r0 in range(start, stop, chunk):
         r1 = min(stop, r0 + chunk)
         c = r1 - r0
-        qc = (q[:, r0:r1].float() * scale).reshape(Hkv, g * c, d)
-        s = torch.matmul(qc, kt[:, :, :r1]).view(Hq, c, r1)
-        causal = torch.ones(c, c, dtype=torch.bool, device=q.device).triu_(1)
-        s[:, :, r0:].masked_fill_(causal, _MASKED)
-        s.sub_(s.amax(-1, keepdim=True))
-        buf = s.new_zeros(Hq, c, c + r1) if left_pad else s.new_empty(Hq, c, r1)
-        p = torch.exp(s, out=buf[:, :, buf.shape[2] - r1:])
-        z = p.sum(-1, keepdim=True)
-        h = (z.log() - torch.linalg.vecdot(p, s).unsqueeze(-1) / z).squeeze(-1) if entropy else None
-        yield r0, r1, p.div_(z), h
+        s = scores[:Hq * c * r1].view(Hkv, g * c, r1)
+        torch.matmul((q[:, r0:r1].float() * scale).reshape(Hkv, g * c, d), kt[:, :, :r1], out=s)
+        s = s.view(Hq, c, r1)
+        s[:, :, r0:].add_(causal[:c, :c])  # |s| << 1e30: masked scores become exactly _MASKED
+        if not entropy:  # one fused pass per row, in place
+            yield r0, r1, torch.softmax(s, -1, out=s), None
+            continue
+        s.sub_(s.amax(-1, keepdim=True))  # s - max s <= 0 keeps the entropy's dot product well conditioned
+        p = torch.softmax(s, -1, out=probs[:Hq * c * r1].view(Hq, c, r1))
+        # H = log z - sum_j p_j (s_j - max s), and the row maximum has p = 1 / z; masked keys add 0 * -1e30 = 0
+        h = p.amax(-1).log_().neg_() - s.mul_(p).sum(-1)
+        yield r0, r1, p, h
+
+
+MAPS = ("max_map", "mean_map", "block_mass", "column_mass", "diag_mass", "row_entropy")
 
 
 @dataclass
 class LayerStats:
-    """Statistics of all query heads of one layer (fp32).
+    """Statistics of all query heads of one layer (fp32); a map that was not requested is None.
 
     max_map / mean_map `[H, R, R]`: probability pooled over `cell` x `cell` squares (R = ceil(N / cell)).
     block_mass `[H, M, M]`: probability mass of each `block` x `block` tile (sums over its rows).
@@ -83,45 +92,53 @@ class LayerStats:
     n: int
     cell: int
     block: int
-    max_map: torch.Tensor
-    mean_map: torch.Tensor
-    block_mass: torch.Tensor
-    column_mass: torch.Tensor
-    diag_mass: torch.Tensor
-    row_entropy: torch.Tensor
-
-
-def _pool(p: torch.Tensor, size: int, op: str) -> torch.Tensor:
-    """Pool `[H, C, W]` (C, W multiples of size) over size x size squares -> `[H, C/size, W/size]`."""
-    if size == 1:
-        return p
-    H, c, w = p.shape
-    reduce = torch.amax if op == "max" else torch.sum
-    rows = reduce(p.reshape(H, c // size, size, w), dim=2)
-    return reduce(rows.view(H, c // size, w // size, size), dim=3)
+    max_map: torch.Tensor | None
+    mean_map: torch.Tensor | None
+    block_mass: torch.Tensor | None
+    column_mass: torch.Tensor | None
+    diag_mass: torch.Tensor | None
+    row_entropy: torch.Tensor | None
 
 
 def diagonal_sums(p: torch.Tensor) -> torch.Tensor:
     """The last C rows of a causal probability chunk `[H, C, W]` -> `[H, W]` sums by offset d = i - j.
 
-    `p` must come from `attention_rows(..., left_pad=True)`: C zero columns precede each row in
-    memory. Viewing that buffer with row stride + 1 shifts row t left by t, which puts offset d of
-    every row in column W - d; one sum over rows then gives every diagonal.
+    Row t is query i = W - C + t. Viewing p with row stride W + 1 shifts row t right by t, which puts
+    offset d <= W - C of every row in column W - C - d; a product with ones sums those diagonals. The
+    larger offsets lie in the first C keys: the same view of that corner, left-padded by C zeros.
     """
     H, c, w = p.shape
-    skew = p.as_strided((H, c, w + 1), (p.stride(0), p.stride(1) + 1, 1), p.storage_offset() - c)
-    return skew.sum(1)[:, 1:].flip(-1)
+    p = p.contiguous()
+    ones = p.new_ones(H, 1, c)
+    near = p.as_strided((H, c, w - c + 1), (c * w, w + 1, 1), p.storage_offset())
+    corner = torch.nn.functional.pad(p[:, :, :c - 1], (c, 0))  # [H, C, 2C - 1]: key j at column C + j
+    far = corner.as_strided((H, c, c), (c * (2 * c - 1), 2 * c, 1))  # column x = C - (t - j)
+    return torch.cat([torch.matmul(ones, near)[:, 0].flip(-1), torch.matmul(ones, far)[:, 0, 1:].flip(-1)], -1)
+
+
+def _pool(x: torch.Tensor, rows: int, cols: int, reduce: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """Reduce `[H, A, W]` over groups of `rows` rows, then of `cols` columns -> `[H, A / rows, W / cols]`.
+
+    Rows first: that reduction runs along contiguous rows (vectorised) and shrinks the data for the next."""
+    H, a, w = x.shape
+    if rows > 1:
+        x = reduce(x.view(H, a // rows, rows, w), dim=2)
+    return x if cols == 1 else reduce(x.view(H, a // rows, w // cols, cols), dim=3)
 
 
 def layer_stats(q: torch.Tensor, k: torch.Tensor, scale: float, resolution: int = 1024, block: int = 64,
-                chunk: int = 256, progress: bool = False) -> LayerStats:
-    """All statistics of one layer in one pass over row chunks.
+                chunk: int = 256, progress: bool = False, maps: Collection[str] = MAPS) -> LayerStats:
+    """The requested statistics (`maps`, a subset of `MAPS`) of one layer in one pass over row chunks.
 
-    q `[Hq, N, D]`, k `[Hkv, N, D]`. `resolution` caps the pooled maps at R x R cells.
+    q `[Hq, N, D]`, k `[Hkv, N, D]`. `resolution` caps the pooled maps at R x R cells. Every map costs
+    passes over the `[Hq, chunk, N]` probabilities: request only those you read.
     """
     _check_qk(q, k)
     if resolution < 1 or block < 1:
         raise ValueError(f"resolution and block must be >= 1, got resolution={resolution}, block={block}")
+    want = set(maps)
+    if not want or want - set(MAPS):
+        raise ValueError(f"maps={sorted(want)} must be a non-empty subset of {MAPS}")
     Hq, n, _ = q.shape
     cell = math.ceil(n / resolution)
     unit = math.lcm(cell, block)
@@ -130,31 +147,42 @@ def layer_stats(q: torch.Tensor, k: torch.Tensor, scale: float, resolution: int 
     padded = math.ceil(n / unit) * unit  # maps are filled at the padded size, then cropped
     Rp, Mp = padded // cell, padded // block
     dev = q.device
-    max_map, mean_map = torch.zeros(Hq, Rp, Rp, device=dev), torch.zeros(Hq, Rp, Rp, device=dev)
-    block_mass = torch.zeros(Hq, Mp, Mp, device=dev)
-    out = LayerStats(n=n, cell=cell, block=block, max_map=max_map, mean_map=mean_map, block_mass=block_mass,
-                     column_mass=torch.zeros(Hq, n, device=dev), diag_mass=torch.zeros(Hq, n, device=dev),
-                     row_entropy=torch.zeros(Hq, n, device=dev))
-    rows = attention_rows(q, k, scale, chunk=chunk, entropy=True, left_pad=True)
+    shapes = {"max_map": (Rp, Rp), "mean_map": (Rp, Rp), "block_mass": (Mp, Mp), "column_mass": (n,),
+              "diag_mass": (n,), "row_entropy": (n,)}
+    out = LayerStats(n, cell, block, **{m: torch.zeros(Hq, *shapes[m], device=dev) if m in want else None for m in MAPS})
+    pooled = bool(want & {"max_map", "mean_map", "block_mass"})
+    nested = block % cell == 0  # block row sums are sums of cell row sums
+    rows = attention_rows(q, k, scale, chunk=chunk, entropy="row_entropy" in want)
     for r0, r1, p, h in tqdm(rows, total=math.ceil(n / chunk), desc="stats", leave=False, disable=not progress):
-        out.row_entropy[:, r0:r1] = h
-        out.column_mass[:, :r1] += p.sum(1)
-        out.diag_mass[:, :r1] += diagonal_sums(p)
-        if r1 % unit:  # only the last chunk is ragged: pad it to whole cells and blocks
+        if h is not None:
+            out.row_entropy[:, r0:r1] = h
+        if out.diag_mass is not None:
+            out.diag_mass[:, :r1] += diagonal_sums(p)
+        if pooled and r1 % unit:  # only the last chunk is ragged: pad it to whole cells and blocks
             c, w = math.ceil((r1 - r0) / unit) * unit, math.ceil(r1 / unit) * unit
             p = torch.nn.functional.pad(p, (0, w - r1, 0, c - (r1 - r0)))
         c, w = p.shape[1:]
-        cell_sum = _pool(p, cell, "sum")
-        max_map[:, r0 // cell:(r0 + c) // cell, : w // cell] = _pool(p, cell, "max")
-        mean_map[:, r0 // cell:(r0 + c) // cell, : w // cell] = cell_sum
-        tiles = _pool(cell_sum, block // cell, "sum") if block % cell == 0 else _pool(p, block, "sum")
-        block_mass[:, r0 // block:(r0 + c) // block, : w // block] = tiles
-    # mean over the in-range positions of each cell (the last cell may be smaller)
-    sizes = torch.full((R,), float(cell), device=dev)
-    sizes[-1] = n - (R - 1) * cell
-    out.max_map = max_map[:, :R, :R].contiguous()
-    out.mean_map = mean_map[:, :R, :R] / (sizes[:, None] * sizes[None, :])
-    out.block_mass = block_mass[:, :M, :M].contiguous()
+        a, b = r0 // cell, w // cell  # this chunk's cells: rows a.., columns ..b
+        if out.max_map is not None:
+            out.max_map[:, a:a + c // cell, :b] = _pool(p, cell, cell, torch.amax)
+        sums = p  # the finest row sums computed so far: [Hq, c / rows, w]
+        if out.mean_map is not None or (nested and out.block_mass is not None):
+            sums = _pool(p, cell, 1, torch.sum)
+            if out.mean_map is not None:
+                out.mean_map[:, a:a + c // cell, :b] = _pool(sums, 1, cell, torch.sum)
+        if out.block_mass is not None:
+            sums = _pool(sums, block // cell, 1, torch.sum) if nested else _pool(p, block, 1, torch.sum)
+            out.block_mass[:, r0 // block:(r0 + c) // block, :w // block] = _pool(sums, 1, block, torch.sum)
+        if out.column_mass is not None:
+            out.column_mass[:, :r1] += sums.sum(1)[:, :r1]
+    if out.max_map is not None:
+        out.max_map = out.max_map[:, :R, :R].contiguous()
+    if out.mean_map is not None:  # mean over the in-range positions of each cell (the last cell may be smaller)
+        sizes = torch.full((R,), float(cell), device=dev)
+        sizes[-1] = n - (R - 1) * cell
+        out.mean_map = out.mean_map[:, :R, :R] / (sizes[:, None] * sizes[None, :])
+    if out.block_mass is not None:
+        out.block_mass = out.block_mass[:, :M, :M].contiguous()
     return out
 
 

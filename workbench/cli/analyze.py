@@ -44,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     profiles, maps = [], {}
     for layer in tqdm(cap.layers, desc="statistics", unit="layer"):
         q, k, _ = cap.layer_qkv(layer)
-        st = layer_stats(q, k, cap.scale)
+        st = layer_stats(q, k, cap.scale, maps=("max_map", "block_mass", "column_mass", "diag_mass",
+                                                "row_entropy"))  # what profile_layer and attention_map read
         profiles += profile_layer(st, layer)
         maps[layer] = st
     t3 = time.perf_counter()
