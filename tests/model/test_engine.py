@@ -357,3 +357,23 @@ def test_decode_benchmark_capacity_part_runs_on_the_cpu(tmp_path):
     assert dense["largest_batch"] == dense["batch_bound_by_device"] >= 1 and dense["tokens_per_s"] > 0
     assert "reduce --batch" in dense["next_batch_refused"]  # one more sequence is refused before allocating
     assert r["summary"]["offload_largest_batch"] >= 1 and r["summary"]["host_gib_per_seq_at_128k"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.model
+def test_compare_modes_on_the_gpu_graphs_lossless_with_the_embedded_model():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from workbench.core.corpus import make_sample
+    from workbench.core.model import load_model
+    from workbench.decode.compare import ALL_MODES, compare_modes
+
+    model, tok, _ = load_model(device="cuda", dtype=torch.bfloat16)
+    prompt = make_sample("passkey", tok, 2048, seed=0).input_ids.cuda()
+    out = compare_modes(model, prompt, modes=ALL_MODES, new_tokens=16, progress=False)
+    assert out.device.startswith("cuda:") and all(r.cuda_graph and not r.note for r in out.runs.values())
+    assert out.lossless == {"sparse-offload-sync": True, "sparse-offload-forecast": True,
+                            "forecast-without-prefetch": True}
+    fc = out.runs["sparse-offload-forecast"]
+    assert fc.hidden_fraction is not None and fc.copy_gbps is not None
+    assert {s["stream"] for s in fc.timeline} == {"compute", "copy"}
