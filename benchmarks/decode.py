@@ -358,9 +358,9 @@ def largest_batch(model: torch.nn.Module, mode: str, context: int, budget: Budge
             with DecodeEngine(model, cfg, batch=batch, max_tokens=max_tokens, host_limit_bytes=host_limit) as eng:
                 eng.fill_synthetic([context] * batch, fill_host=False)
                 first = torch.zeros(batch, dtype=torch.long, device=lm.device)
-                eng.run(first, 1, progress=False)  # warm-up (graph capture on CUDA)
-                _, _, stats = eng.run(first, steps, progress=False)
-            out.update(largest_batch=batch, tokens_per_s=stats.tokens_per_s, peak_gpu_bytes=stats.peak_gpu_bytes)
+                eng.run(first, 1, graph=False, progress=False)  # eager: an out-of-memory inside a graph capture
+                _, _, stats = eng.run(first, steps, graph=False, progress=False)  # would spoil the stream
+            out.update(largest_batch=batch, eager_tokens_per_s=stats.tokens_per_s, peak_gpu_bytes=stats.peak_gpu_bytes)
             break
         except (StoreCapacityError, torch.OutOfMemoryError) as e:
             out["stepped_down"].append({"batch": batch, "error": f"{type(e).__name__}: {str(e)[:200]}"})
