@@ -178,14 +178,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
-    if a.part == "embedded" and not a.merge:
-        return _finish(a.out, run_embedded(a))
-    if a.part == "capacity" and not a.merge:
-        return _finish(a.out, run_capacity(a))
-    if not torch.cuda.is_available() and not a.merge:
-        raise ValueError("workbench bench decode --part modes needs a CUDA GPU (none found): run it on the GPU machine")
-    if a.reuse is None and not a.merge:
-        raise ValueError("--part modes needs --reuse (the dynamic-block reuse rate measured on the embedded model, e.g. 0.79)")
     if a.merge:
         parts = [json.loads(Path(f).read_text()) for f in a.merge]
         merged = dict(parts[0])
@@ -195,6 +187,14 @@ def run(a: argparse.Namespace) -> int:
         merged["summary"] = summarize(merged)
         write_json(a.out, merged)
         return 0
+    if a.part == "embedded":
+        return _finish(a.out, run_embedded(a))
+    if a.part == "capacity":
+        return _finish(a.out, run_capacity(a))
+    if not torch.cuda.is_available():
+        raise ValueError("workbench bench decode --part modes needs a CUDA GPU (none found): run it on the GPU machine")
+    if a.reuse is None:
+        raise ValueError("--part modes needs --reuse (the dynamic-block reuse rate measured on the embedded model, e.g. 0.79)")
     plan = [(int(c), [int(b) for b in bs.split(",")]) for c, bs in (x.split(":") for x in a.plan.split(";"))]
     ctas_list = [int(c) for c in a.sweep_ctas.split(",")]
     budget = PAPER_BUDGET
