@@ -101,5 +101,13 @@ class AShape(PatternBase):
     def for_heads(cls, params, q: Any, k: Any, scale: float, proxy: dict[str, Any], block: int) -> AShape:
         return cls(per_head(params, "sink"), per_head(params, "window"), len(params))
 
+    @classmethod
+    def layer_tiles(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
+                    block: int, triton: bool = False) -> tuple[VSTiles, tuple[torch.Tensor, torch.Tensor]]:
+        """Tiles built on q's device (arange arithmetic, no index, no copy) and the band itself."""
+        sink, window = per_head(params, "sink"), per_head(params, "window")
+        tiles = ashape_to_tiles(sink, window, q.shape[2], q.shape[0], block, device=q.device)
+        return tiles, (sink.to(q.device), window.to(q.device))
+
     def __repr__(self) -> str:
         return f"AShape(sink={self.sink.tolist()}, window={self.window.tolist()})"

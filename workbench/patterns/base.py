@@ -265,6 +265,12 @@ class Dense(PatternBase):
     def for_heads(cls, params, q, k, scale, proxy, block) -> Dense:
         return cls(len(params))
 
+    @classmethod
+    def layer_tiles(cls, params, q, k, scale, proxy, block, triton=False) -> tuple[VSTiles, None]:
+        """A window of n built on q's device: every causal key, no band needed."""
+        n, h = q.shape[2], len(params)
+        return ashape_to_tiles([0] * h, [max(n, 1)] * h, n, q.shape[0], block, device=q.device), None
+
     def __repr__(self) -> str:
         return f"Dense(n_heads={self.n_heads})"
 

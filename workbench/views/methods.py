@@ -55,14 +55,15 @@ def _cell(v: Any, digits: int = 3) -> str:
     return f"<td>{html.escape(str(v))}</td>"
 
 
-def _table(group: Sequence[Mapping[str, Any]], front: set[tuple[str, Any]], gpu: bool) -> str:
-    head = ["method", "knob = value", "mass", "answer mass", "logical", "physical", "index ms (CPU)"]
-    head += ["index ms (GPU)", "kernel ms", "dense ms", "kernel speed-up"] if gpu else []
+def _table(group: Sequence[Mapping[str, Any]], front: set[tuple[str, Any]], gpu: bool,
+           front_ms: set[tuple[str, Any]] = frozenset()) -> str:
+    head = ["method", "knob = value", "mass", "answer mass", "logical", "physical", f"index ms ({'GPU' if gpu else 'CPU'})"]
+    head += ["index + tiles ms (GPU)", "kernel ms", "dense ms", "kernel speed-up"] if gpu else []
     head += ["KL", "top-1", "answer", "dense answer"]
     rows = []
     for p in group:
         q = p.get("quality", {})
-        mark = " *" if (p["method"], p["value"]) in front else ""
+        mark = (" *" if (p["method"], p["value"]) in front else "") + (" †" if (p["method"], p["value"]) in front_ms else "")
         cells = [_cell(p["method"] + mark), _cell("" if p["value"] is None else p["value"]), _cell(p["mass"]),
                  _cell(p["answer_mass"]), _cell(p["logical"]), _cell(p["physical"]), _cell(p["index_ms"], 1)]
         if gpu:
@@ -87,14 +88,16 @@ def report_html(report: Mapping[str, Any], figures: bool = True) -> str:
             if not group:
                 continue
             front = {(p["method"], p["value"]) for p in report["pareto"][f"{task}@{length}"]}
+            front_ms = {(p["method"], p["value"]) for p in (report.get("pareto_ms") or {}).get(f"{task}@{length}", [])}
             sample = group[0]["sample"]
             parts.append(f"<h3>{html.escape(task)} @ {length} tokens (prompt sha {sample['sha']})</h3>"
-                         + _table(group, front, gpu))
+                         + _table(group, front, gpu, front_ms))
     methods = "".join(f"<li>{html.escape(name)}: {html.escape(m['knob'])} in {m['values']}"
                       f"{' (adaptive: the config records the threshold)' if m['adaptive'] else ''}</li>"
                       for name, m in s["methods"].items())
-    timing_note = ("Kernel times: Triton sparse prefill of one layer in bf16 vs dense SDPA, median of 10, on "
-                   + html.escape(str(env.get("gpu"))) if gpu else
+    timing_note = ("Everything ran on the GPU. Kernel times: Triton sparse prefill of one layer in bf16 vs dense "
+                   "SDPA, medians; index + tiles: the method's online index and its kernel tiles from fp32 q/k (the "
+                   "searched config through the deployed Triton index), on " + html.escape(str(env.get("gpu"))) if gpu else
                    "No GPU in this run: index times are CPU wall times; kernel times come from "
                    "`workbench compare --device cuda`.")
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>Every prefill method, one harness</title>
@@ -107,7 +110,8 @@ f"a stratified sample of ~{s['rows']} query rows per layer (each row exact) plus
 Physical density = 64x64 tiles the Triton kernel computes / causal tiles. KL = KL(dense || sparse) of the
 next-token distribution with every layer sparse; answer = the greedy continuation ({s['max_new_tokens']} tokens)
 contains the planted answer. Quality ran at {s['quality']} sweep values, lengths {s['quality_lengths']}.
-* = on the task's Pareto front (mass vs physical density).
+* = on the task's Pareto front (mass vs physical density); † = on its front of mass vs measured GPU time
+(index + tiles + kernel of one layer).
 {timing_note}</p>
 <ul>{methods}</ul>
 {''.join(parts)}
