@@ -7,18 +7,21 @@ kernels with CUDA graphs; on the CPU the PyTorch reference path, which the devic
 from __future__ import annotations
 
 import html
+import threading
 from typing import Any
 
 import panel as pn
 import param
 
 from workbench.decode.compare import ALL_MODES, DEFAULT_MODES, Comparison, compare_modes
+from workbench.patterns.infllm import Budget
 from workbench.views import viz
 from workbench.views.dashboard.state import SHARED, Session
 
 COLUMNS = (("mode", "mode"), ("tokens/s", "tps"), ("MB moved / step", "mb"), ("cache hit rate", "hit"),
            ("copy hidden", "hidden"), ("copy GB/s", "gbps"), ("CUDA graph", "graph"), ("greedy tokens", "tokens"),
            ("same tokens as", "same"))
+ONE_AT_A_TIME = threading.Lock()  # sessions decode in turn: a CUDA-graph capture must not meet another thread's work
 
 
 def _num(x: float | None, digits: int) -> str:
@@ -55,7 +58,7 @@ class DecodeView(pn.viewable.Viewer):
     shown = param.Boolean(default=True)
     on_loop = param.Callable(default=lambda fn: fn)
     modes = param.ListSelector(default=list(DEFAULT_MODES), objects=list(ALL_MODES))
-    new_tokens = param.Integer(default=16, bounds=(1, 512))
+    new_tokens = param.Integer(default=16, bounds=(2, 512), doc="tokens generated per mode (the prefill's first)")
     init = param.Integer(default=1, bounds=(0, None), doc="sink blocks of 64 tokens")
     local = param.Integer(default=2, bounds=(1, None), doc="local blocks of 64 tokens")
     topk = param.Integer(default=8, bounds=(0, None), doc="top-k dynamic blocks of 64 tokens")
@@ -85,15 +88,15 @@ class DecodeView(pn.viewable.Viewer):
         job.add_done_callback(self.on_loop(lambda _: self._draw()))
 
     def _decode(self) -> None:
-        from workbench.patterns.infllm import Budget
-
         s = self.session
         model, _, _ = SHARED.model(s.settings.model, s.settings.device, s.settings.dtype)
-        self.result = compare_modes(
-            model, s.sample.input_ids, modes=self.modes, new_tokens=self.new_tokens,
-            budget=Budget(init=self.init, local=self.local, topk=self.topk),
-            progress=lambda what, done, total: s.param.update(status=f"decoding: {what}",
-                                                              progress=int(100 * done / total)))
+        budget = Budget(init=self.init, local=self.local, topk=self.topk)
+        s.status = "decoding: waiting for another session's decode"
+        with ONE_AT_A_TIME:
+            self.result = compare_modes(
+                model, s.sample.input_ids, modes=self.modes, new_tokens=self.new_tokens, budget=budget,
+                progress=lambda what, done, total: s.param.update(status=f"decoding: {what}",
+                                                                  progress=int(100 * done / total)))
 
     def _follow(self, _event: Any = None) -> None:
         s = self.session
