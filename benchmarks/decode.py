@@ -329,7 +329,7 @@ def run_embedded(a: argparse.Namespace) -> dict[str, Any]:
     return {"what": f"real embedded model {shape.name}, batch 1, {dtype}, {a.prompt}-token passkey prompt, "
                     f"{a.new_tokens} new tokens; engine {cmp.device}, CUDA graphs where cuda_graph is true",
             "environment": environment() if device == "cuda" else timing_environment(),
-            "engine": {**cmp.to_dict(), "timelines": None}, "hf_generate": hf,
+            "engine": cmp.to_dict(), "hf_generate": hf,
             "summary": {"tokens_per_s": {m: r["tokens_per_s"] for m, r in rows.items()},
                         "hf_generate_best_tokens_per_s": anchor, "lossless": cmp.lossless,
                         "goal_200_tok_s": {m: rows[m]["tokens_per_s"] >= 200 for m in
