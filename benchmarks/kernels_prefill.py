@@ -61,6 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "on the same indices (first shape of --shapes, each of --lengths)")
     p.add_argument("--minference-out", default="assets/benchmarks/prefill_minference_h200.json",
                    help="JSON output path of the --minference comparison")
+    p.add_argument("--variants", default="split,tma,single",
+                   help="--minference: our kernel variants timed side by side (split: masked prefix / unmasked "
+                        "interior / masked suffix piece loops; tma: split with TMA descriptor loads in the interior "
+                        "(Hopper); single: one loop masking edge pieces); the block index selects (radix, bisect) "
+                        "are always both timed")
 
 
 def environment() -> dict:
@@ -469,20 +474,39 @@ def compare_minference(args: argparse.Namespace) -> int:
                                         "(64x64 tiles, num_warps 4, num_stages 2)"},
               "rows": []}
     rows = result["rows"]
-    configs = {1: [(4, 3), (4, 2)], G: [(8, 2), (8, 3)]}  # (num_warps, num_stages) per pack
+    configs = {1: [(4, 3)], G: [(8, 3)]}  # (num_warps, num_stages) per pack: the earlier sweeps' best
+    kernel_variants = {"split": {"split": True}, "tma": {"split": True, "tma": True}, "single": {"split": False}}
+    variants = [x for x in args.variants.split(",") if x]
+    if not variants or any(x not in kernel_variants for x in variants):
+        raise ValueError(f"--variants: use some of {sorted(kernel_variants)}, got {args.variants!r}")
     dtype = torch.bfloat16 if dev == "cuda" else torch.float16  # MInference's kernels take 16-bit inputs only
 
     def ours(q, k, v, tiles, **kw):
-        """Best of the configs for these tiles -> (ms, config, output, all times)."""
+        """Best of the variants x configs for these tiles -> (ms, config, output, all times)."""
         pack = hq // tiles.shape[1]
         times = {}
-        for warps, stages in configs[pack]:
-            times[f"w{warps}s{stages}"] = time_ms(lambda: sparse_prefill(q, k, v, tiles, num_warps=warps,
-                                                                         num_stages=stages, **kw))
+        for variant in variants:
+            for warps, stages in configs[pack] if pack in configs else [(4 if pack == 1 else 8, 3)]:
+                name = f"{variant}/w{warps}s{stages}"
+                try:
+                    times[name] = time_ms(lambda: sparse_prefill(q, k, v, tiles, num_warps=warps, num_stages=stages,
+                                                                 **kernel_variants[variant], **kw))
+                except Exception as e:  # noqa: BLE001 - a config that does not compile (registers): say so
+                    print(f"{name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
         best = min(times, key=times.get)
-        warps, stages = (int(x) for x in best[1:].split("s"))
-        out = sparse_prefill(q, k, v, tiles, num_warps=warps, num_stages=stages, **kw)[0]
+        variant, cfg = best.split("/")
+        warps, stages = (int(x) for x in cfg[1:].split("s"))
+        out = sparse_prefill(q, k, v, tiles, num_warps=warps, num_stages=stages, **kernel_variants[variant], **kw)[0]
         return times[best], best, out, times
+
+    def by_variant(times: dict, mi_ms: float | None) -> dict:
+        """Per variant: its best time (and its speedup over MInference)."""
+        out = {}
+        for variant in variants:
+            t = [ms for name, ms in times.items() if name.startswith(variant + "/")]
+            if t:
+                out[variant] = {"ms": min(t), **({"speedup_vs_minference": mi_ms / min(t)} if mi_ms else {})}
+        return out
 
     for n in [int(x) for x in args.lengths.split(",") if x]:
         q, k, v = planted_inputs(hq, hkv, d, n, theta, dev=dev, dtype=dtype)
@@ -498,7 +522,8 @@ def compare_minference(args: argparse.Namespace) -> int:
         def row(pattern, tiles, area, ms, cfg, times, mi_ms=None, **extra):
             tf = 4 * d * area / ms / 1e9
             r = {**base, "pattern": pattern, "physical_density": area / (hq * causal), "time_ms": ms,
-                 "config": cfg, "config_times_ms": times, "effective_tflops": tf,
+                 "config": cfg, "config_times_ms": times, "variants": by_variant(times, mi_ms),
+                 "effective_tflops": tf,
                  "ratio_to_dense_tflops": tf / dense_tflops, "speedup_vs_dense": dense_ms / ms, **extra}
             if mi_ms is not None:
                 r.update({"minference_ms": mi_ms, "speedup_vs_minference": mi_ms / ms})
@@ -508,7 +533,10 @@ def compare_minference(args: argparse.Namespace) -> int:
             write_json(args.minference_out, result)
 
         # block-sparse: our index (fused top-k) vs MInference's pool + topk, then both kernels on our table
-        ours_idx_ms = time_ms(lambda: selected_block_tiles(block_index(q, k, args.topk)))
+        ours_idx_ms = time_ms(lambda: selected_block_tiles(block_index(q, k, args.topk, select="radix")))
+        bisect_idx_ms = time_ms(lambda: selected_block_tiles(block_index(q, k, args.topk, select="bisect")))
+        same_blocks = torch.equal(block_index(q, k, args.topk, select="radix"),
+                                  block_index(q, k, args.topk, select="bisect"))
         mi_idx_ms = time_ms(lambda: mi["block"]._build_block_index(q, kx, args.topk, 64, 64))
         for shared in (False, True):
             table = block_index(q, k, args.topk, group_shared=shared)
@@ -519,6 +547,8 @@ def compare_minference(args: argparse.Namespace) -> int:
             mi_ms = time_ms(lambda: mi["block"]._triton_block_sparse_attention(q, kx, vx, seqlens, full, scale))
             mo = mi["block"]._triton_block_sparse_attention(q, kx, vx, seqlens, full, scale)
             extra = {"index_ms": ours_idx_ms if not shared else None, "minference_index_ms": mi_idx_ms,
+                     "index_ms_by_select": {"radix": ours_idx_ms, "bisect": bisect_idx_ms,
+                                            "same_blocks": same_blocks} if not shared else None,
                      "index_ratio_to_minference": ours_idx_ms / mi_idx_ms if not shared else None,
                      "index_share_of_kernel": ours_idx_ms / ms if not shared else None,
                      "vs_minference_output": {**agreement(out, mo), "key_sets": "identical (same table)"}}
@@ -527,7 +557,7 @@ def compare_minference(args: argparse.Namespace) -> int:
 
         # A-shape: per-head tiles vs group-shared (all heads share sink/window: packed, no quality change)
         sink, window = [args.sink] * hq, [args.window] * hq
-        for shared, block, width in ((False, 64, 0), (True, 64, 0), (True, 128, 64)):
+        for shared, block, width in ((False, 64, 0), (True, 64, 0), (True, 128, 64), (True, 128, 0)):
             h = hkv if shared else hq
             t_a = time_ms(lambda: ashape_to_tiles([args.sink] * h, [args.window] * h, n, 1, block, dev, width))
             tiles = ashape_to_tiles([args.sink] * h, [args.window] * h, n, 1, block, dev, width)

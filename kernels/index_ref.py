@@ -49,6 +49,7 @@ class VSTiles:
     column_index: torch.Tensor
     block: int = BLOCK
     width: int = 0  # piece width (and column strip width) in keys; 0 = `block`
+    disjoint: bool = False  # pieces never overlap (p_t + piece <= p_{t+1}): the kernel skips the cut check
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -60,7 +61,8 @@ class VSTiles:
 
     def to(self, device: torch.device | str) -> VSTiles:
         return VSTiles(*(t.to(device) for t in (self.block_count, self.block_offset, self.column_count,
-                                                self.column_index)), block=self.block, width=self.width)
+                                                self.column_index)), block=self.block, width=self.width,
+                       disjoint=self.disjoint)
 
 
 def _check_bh(name: str, t: torch.Tensor, ndim: int = 3) -> None:
@@ -215,7 +217,7 @@ def ashape_to_tiles(sink: torch.Tensor | list[int], window: torch.Tensor | list[
     c = torch.arange(nc, device=device)
     column_index = torch.where(c < ccount.unsqueeze(-1), c, -1)
     expand = lambda x: x.to(torch.int32).expand(batch, *x.shape).contiguous()  # noqa: E731
-    return VSTiles(expand(count), expand(block_offset), expand(ccount), expand(column_index), block, width)
+    return VSTiles(expand(count), expand(block_offset), expand(ccount), expand(column_index), block, width, True)
 
 
 def block_sparse_to_tiles(block_index: torch.Tensor, n: int, block: int = BLOCK, width: int = 0) -> VSTiles:
@@ -245,14 +247,14 @@ def block_sparse_to_tiles(block_index: torch.Tensor, n: int, block: int = BLOCK,
     keep = (srt < big) & torch.nn.functional.pad(srt[..., 1:] != srt[..., :-1], (1, 0), value=True)
     block_offset, block_count = _compact(srt * w, keep, None)
     empty = torch.full((B, H, M, 1), -1, dtype=torch.int32, device=dev)
-    return VSTiles(block_count, block_offset, torch.zeros_like(block_count), empty, block, width)
+    return VSTiles(block_count, block_offset, torch.zeros_like(block_count), empty, block, width, True)
 
 
 def expand_groups(tiles: VSTiles, group: int) -> VSTiles:
     """Group-shared tiles (one list per KV head) -> the per-query-head tiles they stand for (H x group)."""
     return VSTiles(*(t.repeat_interleave(group, 1) for t in (tiles.block_count, tiles.block_offset,
                                                              tiles.column_count, tiles.column_index)),
-                   tiles.block, tiles.width)
+                   tiles.block, tiles.width, tiles.disjoint)
 
 
 def selected_block_tiles(block_index: torch.Tensor) -> VSTiles:
@@ -265,7 +267,7 @@ def selected_block_tiles(block_index: torch.Tensor) -> VSTiles:
     offsets = torch.where(live, block_index * BLOCK, -1).to(torch.int32)
     count = live.sum(-1, dtype=torch.int32)
     empty = torch.full((*count.shape, 1), -1, dtype=torch.int32, device=block_index.device)
-    return VSTiles(count, offsets, torch.zeros_like(count), empty, BLOCK, 0)
+    return VSTiles(count, offsets, torch.zeros_like(count), empty, BLOCK, 0, True)
 
 
 def merge_tiles(parts: list[tuple[list[int] | torch.Tensor, VSTiles]], num_heads: int) -> VSTiles:
@@ -285,7 +287,8 @@ def merge_tiles(parts: list[tuple[list[int] | torch.Tensor, VSTiles]], num_heads
     out = VSTiles(torch.zeros(B, num_heads, M, dtype=torch.int32, device=dev),
                   torch.full((B, num_heads, M, ns), -1, dtype=torch.int32, device=dev),
                   torch.zeros(B, num_heads, M, dtype=torch.int32, device=dev),
-                  torch.full((B, num_heads, M, nc), -1, dtype=torch.int32, device=dev), t0.block, t0.width)
+                  torch.full((B, num_heads, M, nc), -1, dtype=torch.int32, device=dev), t0.block, t0.width,
+                  all(t.disjoint for _, t in parts))
     for h, t in parts:
         h = torch.as_tensor(h, dtype=torch.long, device=dev).reshape(-1)
         if t.shape != (B, h.numel(), M):

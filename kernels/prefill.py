@@ -40,11 +40,53 @@ def _online_update(qk, qk_scale, v, m_i, l_i, acc):
 
 
 @triton.jit
+def _pieces(q, Kbase, Vbase, Offsets, lo, hi, n_blk, rows, N, sink, window, qk_scale, m_i, l_i, acc, skn, svn,
+            dims, lanes, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CUT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+            TMA: tl.constexpr = False, D: tl.constexpr = 16):
+    """Online softmax over pieces lo..hi-1 of one tile. MASK: every mask (key range, the cut at the next
+    piece, causal, sink/window); else unmasked loads (TMA: through tensor descriptors over this KV
+    head's [N, D] rows), and CUT: only the cut where a piece overlaps the next."""
+    if TMA:
+        kdesc = tl.make_tensor_descriptor(Kbase, shape=[N, D], strides=[skn, 1], block_shape=[BLOCK_N, D])
+        vdesc = tl.make_tensor_descriptor(Vbase, shape=[N, D], strides=[svn, 1], block_shape=[BLOCK_N, D])
+    for t in range(lo, hi):
+        p = tl.load(Offsets + t)
+        keys = p + lanes
+        if MASK:
+            nxt = tl.load(Offsets + t + 1, mask=t + 1 < n_blk, other=1 << 30)
+            in_seq = (keys >= 0) & (keys < N)
+            k = tl.load(Kbase + keys[:, None] * skn + dims[None, :], mask=in_seq[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k))
+            keep = in_seq[None, :] & (keys[None, :] < nxt) & (keys[None, :] <= rows[:, None])
+            if HAS_WINDOW:
+                keep = keep & ((rows[:, None] - keys[None, :] < window[:, None]) | (keys[None, :] < sink[:, None]))
+            s = tl.where(keep, s, float("-inf"))
+            v = tl.load(Vbase + keys[:, None] * svn + dims[None, :], mask=in_seq[:, None], other=0.0)
+        else:
+            if TMA:
+                k = kdesc.load([p, 0])
+            else:
+                k = tl.load(Kbase + keys[:, None] * skn + dims[None, :])
+            s = tl.dot(q, tl.trans(k))
+            if CUT:
+                nxt = tl.load(Offsets + t + 1, mask=t + 1 < n_blk, other=1 << 30)
+                if p + BLOCK_N > nxt:
+                    s = tl.where(keys[None, :] < nxt, s, float("-inf"))
+            if TMA:
+                v = vdesc.load([p, 0])
+            else:
+                v = tl.load(Vbase + keys[:, None] * svn + dims[None, :])
+        m_i, l_i, acc = _online_update(s, qk_scale, v, m_i, l_i, acc)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount, ColumnIndex, Sink, Window,
                            qk_scale, N, HT, G, M, NS, NC,
                            sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
                            D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr,
-                           ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr, LONGEST_FIRST: tl.constexpr):
+                           ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr, LONGEST_FIRST: tl.constexpr,
+                           SPLIT: tl.constexpr, CUT: tl.constexpr, TMA: tl.constexpr):
     # One program: ROWS query rows of each of PACK query heads that share one tile list (PACK = 1: one
     # head, ROWS = BLOCK; PACK = G: the G heads of a KV head, ROWS = pack_rows / G of each), so each K/V
     # tile loads once for PACK * ROWS rows. HT = heads of the tile list.
@@ -86,26 +128,54 @@ def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount
         window = tl.load(Window + head)
         sink_lo = tl.min(sink, 0)
         window_lo = tl.min(window, 0)
+    else:
+        sink = rows  # unused
+        window = rows
     # Pieces: piece t covers [p_t, min(p_t + BLOCK_N, p_{t+1})), causal.
     n_blk = tl.load(BlockCount + tile)
     base = tile.to(tl.int64) * NS
-    for t in range(0, n_blk):
-        p = tl.load(BlockOffset + base + t)
-        nxt = tl.load(BlockOffset + base + t + 1, mask=t + 1 < n_blk, other=1 << 30)
-        keys = p + lanes
-        in_seq = (keys >= 0) & (keys < N)
-        k = tl.load(Kbase + keys[:, None] * skn + dims[None, :], mask=in_seq[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k))
-        edge = (p < 0) | (p + BLOCK_N > nxt) | (p + BLOCK_N > N) | (p + BLOCK_N - 1 > row_lo)
+    if SPLIT:
+        # Ascending pieces split into three runs: a prefix that needs masks (starts below 0, or the
+        # window's lower edge), an interior with no mask (keys in range, causal and inside every window
+        # for all rows), a suffix that needs masks (the causal edge, keys past N).
+        lim = -1
         if HAS_WINDOW:
-            edge = edge | ((p <= row_lo + ROWS - 1 - window_lo) & (p + BLOCK_N > sink_lo))
-        if edge:
-            keep = in_seq[None, :] & (keys[None, :] < nxt) & (keys[None, :] <= rows[:, None])
+            lim = tl.maximum(row_lo + ROWS - 1 - window_lo, -1)
+        t_lo = tl.full([], 0, tl.int32)
+        p_t = tl.load(BlockOffset + base, mask=n_blk > 0, other=1 << 30)
+        while p_t <= lim:
+            t_lo += 1
+            p_t = tl.load(BlockOffset + base + t_lo, mask=t_lo < n_blk, other=1 << 30)
+        t_hi = n_blk
+        p_t = tl.load(BlockOffset + base + t_hi - 1, mask=t_hi > t_lo, other=-(1 << 30))
+        while (p_t + BLOCK_N - 1 > row_lo) | (p_t + BLOCK_N > N):
+            t_hi -= 1
+            p_t = tl.load(BlockOffset + base + t_hi - 1, mask=t_hi > t_lo, other=-(1 << 30))
+        m_i, l_i, acc = _pieces(q, Kbase, Vbase, BlockOffset + base, 0, t_lo, n_blk, rows, N, sink, window,
+                                qk_scale, m_i, l_i, acc, skn, svn, dims, lanes, BLOCK_N, True, False, HAS_WINDOW)
+        m_i, l_i, acc = _pieces(q, Kbase, Vbase, BlockOffset + base, t_lo, t_hi, n_blk, rows, N, sink, window,
+                                qk_scale, m_i, l_i, acc, skn, svn, dims, lanes, BLOCK_N, False, CUT, HAS_WINDOW,
+                                TMA, D)
+        m_i, l_i, acc = _pieces(q, Kbase, Vbase, BlockOffset + base, t_hi, n_blk, n_blk, rows, N, sink, window,
+                                qk_scale, m_i, l_i, acc, skn, svn, dims, lanes, BLOCK_N, True, False, HAS_WINDOW)
+    else:
+        for t in range(0, n_blk):
+            p = tl.load(BlockOffset + base + t)
+            nxt = tl.load(BlockOffset + base + t + 1, mask=t + 1 < n_blk, other=1 << 30)
+            keys = p + lanes
+            in_seq = (keys >= 0) & (keys < N)
+            k = tl.load(Kbase + keys[:, None] * skn + dims[None, :], mask=in_seq[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k))
+            edge = (p < 0) | (p + BLOCK_N > nxt) | (p + BLOCK_N > N) | (p + BLOCK_N - 1 > row_lo)
             if HAS_WINDOW:
-                keep = keep & ((rows[:, None] - keys[None, :] < window[:, None]) | (keys[None, :] < sink[:, None]))
-            s = tl.where(keep, s, float("-inf"))
-        v = tl.load(Vbase + keys[:, None] * svn + dims[None, :], mask=in_seq[:, None], other=0.0)
-        m_i, l_i, acc = _online_update(s, qk_scale, v, m_i, l_i, acc)
+                edge = edge | ((p <= row_lo + ROWS - 1 - window_lo) & (p + BLOCK_N > sink_lo))
+            if edge:
+                keep = in_seq[None, :] & (keys[None, :] < nxt) & (keys[None, :] <= rows[:, None])
+                if HAS_WINDOW:
+                    keep = keep & ((rows[:, None] - keys[None, :] < window[:, None]) | (keys[None, :] < sink[:, None]))
+                s = tl.where(keep, s, float("-inf"))
+            v = tl.load(Vbase + keys[:, None] * svn + dims[None, :], mask=in_seq[:, None], other=0.0)
+            m_i, l_i, acc = _online_update(s, qk_scale, v, m_i, l_i, acc)
     out = acc / l_i[:, None]
     row_ok = rows < N
     tl.store(O + b * sob + head[:, None] * soh + rows[:, None] * son + dims[None, :], out.to(O.dtype.element_ty),
@@ -113,11 +183,16 @@ def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount
     tl.store(LSE + (b * HT * PACK + head) * N + rows, (m_i + tl.math.log2(l_i)) / 1.4426950408889634, mask=row_ok)
 
 
+def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch for device-side tensor descriptors (`triton.set_allocator`)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles,
                    sink: torch.Tensor | None = None, window: torch.Tensor | None = None,
                    scale: float | None = None, num_warps: int | None = None,
                    num_stages: int | None = None, longest_first: bool = True,
-                   pack_rows: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+                   pack_rows: int = 128, split: bool = True, tma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over the keys of `tiles` (M = ceil(N / tiles.block)).
 
     q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` (last dim contiguous; fp16/bf16/fp32). `tiles` are per
@@ -125,7 +200,10 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     the same keys, as InfLLM-V2 selects them); group-shared tiles run GQA-packed, `pack_rows` rows per
     program (`pack_rows / G` of each head), so each K/V tile loads once for all G heads. Optional
     per-head A-shape token mask: `sink`, `window` Int `[Hq]` (tokens; use `NO_WINDOW` / 0 for heads
-    without). Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
+    without). `split`: walk the pieces of a tile as masked prefix, unmasked interior, masked suffix
+    (an interior with no per-piece branch when `tiles.disjoint`); False: one loop that masks the pieces
+    it finds on an edge. `tma` (with `split`, on Hopper or newer): interior K/V tiles load through
+    tensor descriptors (TMA). Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
     """
     B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
     M = -(-N // tiles.block)
@@ -145,6 +223,12 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
         raise ValueError("q, k and v must be contiguous in the last (head_dim) dimension")
     if (sink is None) != (window is None):
         raise ValueError("give both sink and window (per-head A-shape mask) or neither")
+    if tma and not (split and (q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] >= 9)):
+        raise ValueError("tma=True needs split=True and a GPU of compute capability 9.0 or newer (Hopper)")
+    if tma and (k.stride(2) * k.element_size() % 16 or v.stride(2) * v.element_size() % 16):
+        raise ValueError("tma=True needs k and v rows 16-byte aligned (stride(2) * element size % 16 == 0)")
+    if tma:
+        triton.set_allocator(_descriptor_scratch)
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     dev = q.device
     tiles = tiles.to(dev)
@@ -170,7 +254,7 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         D=D, BLOCK=block, BLOCK_N=tiles.piece, PACK=pack, ROWS=rows, HAS_WINDOW=has_window,
-        LONGEST_FIRST=longest_first, num_warps=num_warps, num_stages=num_stages)
+        LONGEST_FIRST=longest_first, SPLIT=split, CUT=not tiles.disjoint, TMA=tma, num_warps=num_warps, num_stages=num_stages)
     return o, lse
 
 

@@ -269,3 +269,28 @@ def test_bf16_llama_shape_block_and_ashape_per_head_and_packed():
     o, _ = ashape_prefill(q, k, v, sink, window)
     ro, _ = masked_attention_ref(q, k, v, ashape_mask(sink, window, n).unsqueeze(0).to(DEV))
     assert ((o.float() - ro.float()).norm() / ro.float().norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("variant", [{"split": True}, {"split": True, "tma": True}, {"split": False}],
+                         ids=["split", "tma", "single"])
+@pytest.mark.parametrize("block,width", [(64, 0), (128, 64), (128, 0)])
+def test_long_tiles_prefix_interior_suffix_match_reference(variant, block, width):
+    """n = 700: row blocks with masked prefix pieces (window edge, starts below 0), unmasked interior
+    pieces and masked suffix pieces, per head and GQA-packed, for every piece loop of the kernel."""
+    n, B, Hq, Hkv, D, dtype = 700, 1, 4, 2, 64, DTYPES[0]
+    q, k, v = qkv(B, Hq, Hkv, n, D, dtype, seed=block + width)
+    g = torch.Generator().manual_seed(block)
+    M64 = -(-n // 64)
+    cols, offs = torch.randint(0, n, (B, Hq, 9), generator=g), torch.randint(0, n, (B, Hq, 12), generator=g)
+    index = torch.randint(-1, M64, (B, Hkv, M64, 6), generator=g)
+    for tiles in (vs_to_tiles(cols, offs, n, block, width=width), block_sparse_to_tiles(index, n, block, width)):
+        out = sparse_prefill(q, k, v, tiles, **variant)
+        mask = tiles_to_mask(expand_groups(tiles, Hq // tiles.shape[1]), n)
+        check(out, masked_attention_ref(q, k, v, mask.to(DEV)), dtype)
+    for sink, window in (([5, 0, 70, 1], [300, 64, 130, 450]), ([64] * Hq, [260] * Hq)):
+        sink, window = torch.tensor(sink), torch.tensor(window)
+        tiles = ashape_to_tiles(sink[:: Hq // Hkv] if sink.unique().numel() == 1 else sink,
+                                window[:: Hq // Hkv] if window.unique().numel() == 1 else window, n, B, block,
+                                width=width)
+        out = sparse_prefill(q, k, v, tiles, sink=sink, window=window, **variant)
+        check(out, masked_attention_ref(q, k, v, ashape_mask(sink, window, n).unsqueeze(0).to(DEV)), dtype)
