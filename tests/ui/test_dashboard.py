@@ -202,6 +202,29 @@ def test_malformed_config_shows_the_field_and_other_tabs_fill(server, browser, t
     page.close()
 
 
+def test_minference_upload_with_missing_heads_is_refused_then_filled_with_a_warning(server, browser, tmp_path):
+    """Strict by default (the message points at the page's control, not a CLI flag); with "fill missing
+    heads" ticked the import goes through and the page names each filled head."""
+    from workbench.search.config import HeadConfig
+
+    url, _ = server
+    page = _open(browser, url)
+    layers = HeadConfig.from_dict(_download(page)).to_minference()
+    del layers[2]["4"]
+    (tmp_path / "one.json").write_text(json.dumps(layers))
+    page.locator(".wb-upload input[type=file]").set_input_files(str(tmp_path / "one.json"))
+    refused = re.compile(r"import refused.*layer 2 lacks heads 4.*tick 'fill missing heads' and upload again", re.S)
+    page.locator(".wb-message", has_text=refused).wait_for(timeout=STEP_MS)
+    assert page.locator(".wb-message", has_text="--fill-missing").count() == 0
+    del layers[2]["7"]  # a new file: the upload widget reacts to new content only
+    (tmp_path / "two.json").write_text(json.dumps(layers))
+    page.locator(".wb-fill-missing input").check()
+    page.locator(".wb-upload input[type=file]").set_input_files(str(tmp_path / "two.json"))
+    filled = re.compile(r"imported two\.json.*warning: .*2 heads missing.*layer 2 head 4, layer 2 head 7", re.S)
+    page.locator(".wb-message", has_text=filled).wait_for(timeout=STEP_MS)
+    page.close()
+
+
 def test_two_sessions_edit_different_heads_in_isolation(server, browser):
     url, _ = server
     a, b = _open(browser, url), _open(browser, url)

@@ -18,7 +18,7 @@ import pandas as pd
 import panel as pn
 import param
 
-from workbench.search.config import PARAMS
+from workbench.search.config import MINFERENCE_DEFAULT, PARAMS
 from workbench.views import viz  # absolute imports: `panel serve` runs this file as a script
 from workbench.views.dashboard.decode_tab import DecodeView
 from workbench.views.dashboard.state import Session, Settings
@@ -286,6 +286,9 @@ class ExportView(_View):
         self.config_name = pn.widgets.TextInput(name="config name", placeholder="my-edit", css_classes=["wb-name"])
         self.save = pn.widgets.Button(name="Save into configs/", css_classes=["wb-save"])
         self.upload = pn.widgets.FileInput(accept=".json", css_classes=["wb-upload"])
+        self.fill_missing = pn.widgets.Checkbox(
+            name=f"fill missing heads (MInference files: its default vertical_and_slash {MINFERENCE_DEFAULT})",
+            css_classes=["wb-fill-missing"])
         self.message = pn.pane.Alert("", alert_type="light", css_classes=["wb-message"], visible=False)
         self.save.on_click(self._save)
         self.upload.param.watch(self._import, "value")
@@ -301,21 +304,35 @@ class ExportView(_View):
             self._say(f"not saved: {e}", "danger")
 
     def _import(self, event) -> None:
+        """Import the uploaded file; with "fill missing heads" ticked, the library's warning naming each
+        filled head (and any non-canonical key it read) is shown with the result."""
+        import warnings
+
         if not event.new:
             return
         try:
-            job = self.session.import_text(event.new, source=self.upload.filename or "uploaded config")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                job = self.session.import_text(event.new, source=self.upload.filename or "uploaded config",
+                                               fill_missing=self.fill_missing.value)
         except Exception as e:
-            self._say(f"import refused: {e}", "danger")
+            self._say(f"import refused: {e}".replace("pass --fill-missing (fill_missing=True)",
+                                                     "tick 'fill missing heads' and upload again"), "danger")
             return
-        self._say(f"checking and evaluating {self.upload.filename} ...", "info")
-        job.add_done_callback(lambda _: self._say(
-            f"imported {self.upload.filename}: {self.session.config.summary()} heads" if not self.session.error
-            else self.session.error, "danger" if self.session.error else "success"))
+        notes = "".join(f"\n\nwarning: {w.message}" for w in caught)
+        self._say(f"checking and evaluating {self.upload.filename} ...{notes}", "info")
+
+        def done(_job) -> None:
+            if self.session.error:
+                self._say(self.session.error, "danger")
+            else:
+                self._say(f"imported {self.upload.filename}: {self.session.config.summary()} heads{notes}",
+                          "warning" if notes else "success")
+        job.add_done_callback(done)
 
     def __panel__(self):
         return pn.Column(self.download, pn.Row(self.config_name, self.save), "Import a HeadConfig or MInference JSON:",
-                         self.upload, self.message)
+                         self.fill_missing, self.upload, self.message)
 
 
 class Dashboard(pn.viewable.Viewer):

@@ -136,13 +136,15 @@ def config_path(folder: str | Path, name: str) -> Path:
     return path
 
 
-def parse_config(text: str | bytes, shape: Any, source: str = "uploaded config") -> HeadConfig:
-    """A HeadConfig (or a MInference list) from JSON text, checked against the schema and `shape`."""
+def parse_config(text: str | bytes, shape: Any, source: str = "uploaded config", fill_missing: bool = False) -> HeadConfig:
+    """A HeadConfig (or a MInference list) from JSON text, checked against the schema and `shape`;
+    `fill_missing`: see `HeadConfig.from_minference`."""
     try:
         data = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{source} is not valid JSON ({e}): upload a file written by Export or `workbench search`") from e
-    cfg = HeadConfig.from_minference(data, shape, source) if isinstance(data, list) else HeadConfig.from_dict(data, source)
+    cfg = HeadConfig.from_minference(data, shape, source, fill_missing=fill_missing) if isinstance(data, list) \
+        else HeadConfig.from_dict(data, source)
     cfg.validate(shape)
     return cfg
 
@@ -384,9 +386,9 @@ class Session(param.Parameterized):
         self.config.save(path)
         return path
 
-    def import_text(self, text: str | bytes, source: str = "uploaded config") -> Future:
+    def import_text(self, text: str | bytes, source: str = "uploaded config", fill_missing: bool = False) -> Future:
         """Check an uploaded config (raises ConfigError naming the field), then evaluate it (background)."""
-        cfg = parse_config(text, self.shape, source)
+        cfg = parse_config(text, self.shape, source, fill_missing)
         return self.run_job("evaluating the imported config", lambda: (self._evaluate(cfg), self._select()))
 
     # ---- proxy, forecast and latency tabs --------------------------------------------------------------
