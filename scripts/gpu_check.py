@@ -49,7 +49,7 @@ def lanes() -> dict[str, dict[str, object]]:
     first compiles took 130 s there: now one eager pass and one compiled case) plus the newer tests' sizes."""
     return {
         "kernels": {"args": ["tests/kernels"], "estimate_s": 160, "test_timeout_s": 180},
-        "gpu": {"args": ["-m", "gpu and not notebook", *gpu_test_files(notebook=False)], "estimate_s": 150,
+        "gpu": {"args": ["-m", "gpu and not notebook", *gpu_test_files(notebook=False)], "estimate_s": 180,
                 "test_timeout_s": 150},
         "notebooks": {"args": ["-m", "gpu and notebook", *gpu_test_files(notebook=True)], "estimate_s": 150,
                       "test_timeout_s": 240},
