@@ -147,10 +147,10 @@ def test_radix_and_bisection_select_the_same_blocks_with_ties_and_signs():
 
     from workbench.patterns.proxy import block_proxy
 
-    n = 64 * 150
+    n = 64 * 100
     g = torch.Generator().manual_seed(9)
     q, k = torch.randn(1, 4, n, 64, generator=g), torch.randn(1, 1, n, 64, generator=g)
-    for dst in (10, 20, 21, 90, 140):  # key blocks equal to block 3: tied scores in every row that sees them
+    for dst in (10, 20, 21, 60, 90):  # key blocks equal to block 3: tied scores in every row that sees them
         k[:, :, dst * 64:(dst + 1) * 64] = k[:, :, 3 * 64:4 * 64]
     for topk in (2, torch.tensor([1, 5, 60, 200])):
         radix = block_index(q.to(DEV), k.to(DEV), topk, select="radix").cpu()
