@@ -205,54 +205,9 @@ def _block_topk_kernel(Score, Budget, Out, M, H, K, NPAD: tl.constexpr, KPAD: tl
     tl.store(out + slot, -1, mask=(slot >= k) & (slot < K))
 
 
-@triton.jit
-def _radix_digit(hist, k, bins):
-    """The digit d (of 256) that holds the k-th largest element, and its rank among the elements of d."""
-    at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # elements with digit >= bin
-    d = tl.sum((at_least >= k).to(tl.int32), 0) - 1
-    above = tl.sum(tl.where(bins == d, at_least - hist, 0), 0)
-    return d, k - above
-
-
-@triton.jit
-def _block_topk_radix_kernel(Score, Budget, Out, M, H, K, NPAD: tl.constexpr, KPAD: tl.constexpr):
-    """`_block_topk_kernel`'s selection with the k-th largest key found by a 4-pass radix select (8 bits
-    a pass, a 256-bin histogram each) instead of 32 bisection passes; same blocks, same tie rule."""
-    row = tl.program_id(0)
-    m = row % M
-    h = (row // M) % H
-    j = tl.arange(0, NPAD)
-    valid = j <= m
-    x = tl.load(Score + row.to(tl.int64) * M + j, mask=valid, other=0.0)
-    bits = x.to(tl.int32, bitcast=True)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed int order == float order
-    key = tl.where(j == m, 2147483647, tl.where(valid, key, -2147483647 - 1))
-    k = tl.minimum(tl.maximum(tl.load(Budget + h), 1), m + 1)
-    bins = tl.arange(0, 256)
-    # top byte (signed), then three unsigned bytes among the keys that share the bytes chosen so far;
-    # keys outside the running prefix land in bin 0 and are taken out of it again
-    hist = tl.histogram(tl.where(valid, (key >> 24) + 128, 0), 256) - tl.where(bins == 0, NPAD - m - 1, 0)
-    d, k_left = _radix_digit(hist, k, bins)
-    sel = d - 128  # key >> 24 of the k-th largest
-    for shift in tl.static_range(16, -8, -8):
-        live = valid & ((key >> (shift + 8)) == sel)
-        hist = tl.histogram(tl.where(live, (key >> shift) & 255, 0), 256)
-        hist = hist - tl.where(bins == 0, NPAD - tl.sum(live.to(tl.int32), 0), 0)
-        d, k_left = _radix_digit(hist, k_left, bins)
-        sel = (sel << 8) | d
-    above = key > sel
-    tie = (key == sel) & valid
-    keep = valid & (above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= k_left)))
-    pos = tl.cumsum(keep.to(tl.int32), 0) - 1
-    out = Out + row.to(tl.int64) * K
-    tl.store(out + pos, j, mask=keep)
-    slot = tl.arange(0, KPAD)
-    tl.store(out + slot, -1, mask=(slot >= k) & (slot < K))
-
-
 @torch.no_grad()
 def block_index(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100, block: int = 64,
-                group_shared: bool = False, select: str = "radix") -> torch.Tensor:
+                group_shared: bool = False) -> torch.Tensor:
     """Block-sparse index of every head of a layer: the selection of `workbench.patterns.block_proxy`
     (64-token mean-pooled q.k, block-causal, diagonal forced, top-k; `topk` an int or Long `[Hq]`)
     -> Int32 `[B, Hq, M, max topk]`, ascending, -1 padded.
@@ -262,10 +217,7 @@ def block_index(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100
     (exact k-th value by bisection, no sort, no host sync). On the CPU without the Triton interpreter
     the selection is `topk.top_blocks` (the same blocks). `group_shared`: one table per KV head
     (`[B, Hkv, M, K]`, InfLLM-V2 style) from the pooled scores added over its G query heads (budget:
-    the group's largest), for the GQA-packed kernel. `select`: "radix" (4 histogram passes) or
-    "bisect" (32 counting passes) finds the k-th score; both pick the same blocks."""
-    if select not in ("radix", "bisect"):
-        raise ValueError(f"select must be 'radix' or 'bisect', got {select!r}")
+    the group's largest), for the GQA-packed kernel."""
     if q.dim() != 4 or k.dim() != 4 or q.shape[1] % k.shape[1]:
         raise ValueError(f"q must be [B, Hq, N, D] and k [B, Hkv, N, D] with Hq a multiple of Hkv; "
                          f"got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -293,7 +245,6 @@ def block_index(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100
     budgets = (per_head if per_head is not None else torch.full((H,), k_max)).to(q.device, torch.int32)
     out = torch.empty(B, H, M, k_max, dtype=torch.int32, device=q.device)
     npad = triton.next_power_of_2(M)
-    select_kernel = _block_topk_radix_kernel if select == "radix" else _block_topk_kernel
-    select_kernel[(B * H * M,)](score.contiguous(), budgets, out, M, H, k_max, NPAD=npad,
+    _block_topk_kernel[(B * H * M,)](score.contiguous(), budgets, out, M, H, k_max, NPAD=npad,
                                       KPAD=triton.next_power_of_2(k_max), num_warps=4 if npad <= 4096 else 8)
     return out

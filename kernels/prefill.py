@@ -183,6 +183,16 @@ def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount
     tl.store(LSE + (b * HT * PACK + head) * N + rows, (m_i + tl.math.log2(l_i)) / 1.4426950408889634, mask=row_ok)
 
 
+def loop_variant(pack: int, disjoint: bool, hopper: bool) -> tuple[bool, bool]:
+    """(split, tma) that ran fastest on the H200 (bf16, 32/8/128, 64K and 128K; kernels/NOTES.md):
+    GQA-packed programs over disjoint pieces (block-sparse, A-shape): the single loop; per-head
+    programs over overlapping pieces (Vertical-Slash): split with pointer loads; the rest (per-head
+    block-sparse and A-shape, packed Vertical-Slash): split with TMA interior loads where there is TMA."""
+    if pack > 1 and disjoint:
+        return False, False
+    return True, hopper and not (pack == 1 and not disjoint)
+
+
 def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     """Global scratch for device-side tensor descriptors (`triton.set_allocator`)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
@@ -192,7 +202,8 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
                    sink: torch.Tensor | None = None, window: torch.Tensor | None = None,
                    scale: float | None = None, num_warps: int | None = None,
                    num_stages: int | None = None, longest_first: bool = True,
-                   pack_rows: int = 128, split: bool = True, tma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   pack_rows: int = 128, split: bool | None = None,
+                   tma: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over the keys of `tiles` (M = ceil(N / tiles.block)).
 
     q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` (last dim contiguous; fp16/bf16/fp32). `tiles` are per
@@ -203,7 +214,8 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     without). `split`: walk the pieces of a tile as masked prefix, unmasked interior, masked suffix
     (an interior with no per-piece branch when `tiles.disjoint`); False: one loop that masks the pieces
     it finds on an edge. `tma` (with `split`, on Hopper or newer): interior K/V tiles load through
-    tensor descriptors (TMA). Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
+    tensor descriptors (TMA). None: the fastest on the H200 for this program shape (`loop_variant`).
+    Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
     """
     B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
     M = -(-N // tiles.block)
@@ -223,6 +235,10 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
         raise ValueError("q, k and v must be contiguous in the last (head_dim) dimension")
     if (sink is None) != (window is None):
         raise ValueError("give both sink and window (per-head A-shape mask) or neither")
+    hopper = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 9
+    auto_split, auto_tma = loop_variant(pack, tiles.disjoint, hopper)
+    split = auto_split if split is None else split
+    tma = (auto_tma and split) if tma is None else tma
     if tma and not (split and (q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] >= 9)):
         raise ValueError("tma=True needs split=True and a GPU of compute capability 9.0 or newer (Hopper)")
     if tma and (k.stride(2) * k.element_size() % 16 or v.stride(2) * v.element_size() % 16):

@@ -139,23 +139,3 @@ def test_group_shared_indexes_select_from_the_summed_group_scores():
     if DEV == "cpu":
         assert torch.equal(cols, top_positions(col, 3, 20)) and torch.equal(offs, top_positions(diag, 4, 10))
 
-
-def test_radix_and_bisection_select_the_same_blocks_with_ties_and_signs():
-    """The 4-pass radix select and the 32-pass bisection find the same k-th score: exact ties (copied
-    key blocks, lowest ids win), negative and positive scores, budgets from 1 to past the row length."""
-    from workbench_kernels.index_build import block_index
-
-    from workbench.patterns.proxy import block_proxy
-
-    n = 64 * 100
-    g = torch.Generator().manual_seed(9)
-    q, k = torch.randn(1, 4, n, 64, generator=g), torch.randn(1, 1, n, 64, generator=g)
-    for dst in (10, 20, 21, 60, 90):  # key blocks equal to block 3: tied scores in every row that sees them
-        k[:, :, dst * 64:(dst + 1) * 64] = k[:, :, 3 * 64:4 * 64]
-    for topk in (2, torch.tensor([1, 5, 60, 200])):
-        radix = block_index(q.to(DEV), k.to(DEV), topk, select="radix").cpu()
-        bisect = block_index(q.to(DEV), k.to(DEV), topk, select="bisect").cpu()
-        assert torch.equal(radix, bisect)
-        assert (radix == block_proxy(q, k, topk)).float().mean() > 0.98  # torch.topk breaks ties its own way
-    with pytest.raises(ValueError, match="select"):
-        block_index(q, k, 2, select="sort")
