@@ -457,12 +457,13 @@ def compare_minference(args: argparse.Namespace) -> int:
     import torch
     from workbench_kernels.index_build import block_index, vs_index, vs_tiles
     from workbench_kernels.index_ref import ashape_to_tiles, expand_groups, selected_block_tiles, tile_area
-    from workbench_kernels.prefill import sparse_prefill
+    from workbench_kernels.prefill import loop_variant, sparse_prefill
 
     from workbench.core.io import write_json
 
     dev = args.device
     mi = load_minference(args.minference)
+    hopper = dev == "cuda" and torch.cuda.get_device_capability()[0] >= 9
     shape = args.shapes.split(",")[0]
     hq, hkv, d, theta = SHAPES[shape]
     G = hq // hkv
@@ -497,13 +498,14 @@ def compare_minference(args: argparse.Namespace) -> int:
         variant, cfg = best.split("/")
         warps, stages = (int(x) for x in cfg[1:].split("s"))
         out = sparse_prefill(q, k, v, tiles, num_warps=warps, num_stages=stages, **kernel_variants[variant], **kw)[0]
+        times["default"] = dict(zip(("split", "tma"), loop_variant(pack, tiles.disjoint, hopper)))
         return times[best], best, out, times
 
     def by_variant(times: dict, mi_ms: float | None) -> dict:
-        """Per variant: its best time (and its speedup over MInference)."""
-        out = {}
+        """Per variant: its best time (and its speedup over MInference); "default": the library's choice."""
+        out = {"default": times["default"]}
         for variant in variants:
-            t = [ms for name, ms in times.items() if name.startswith(variant + "/")]
+            t = [ms for name, ms in times.items() if name.startswith(variant + "/") and isinstance(ms, float)]
             if t:
                 out[variant] = {"ms": min(t), **({"speedup_vs_minference": mi_ms / min(t)} if mi_ms else {})}
         return out
