@@ -4,8 +4,8 @@ The PyTorch reference is `workbench.patterns.infllm` (`group_scores` -> `pool_to
 as `workbench.decode.engine.select.select_decode` chains them); this leaf imports nothing from it.
 
 1. `_scores_kernel`, grid (B * Hkv, splits): each program scores one chunk of the compressed keys with the
-   G query heads of its group (fp32, IEEE dot), writes the logits (-inf where not yet visible) and its
-   per-head running max and sum of exponentials.
+   G query heads of its group (fp32 keys: IEEE dot; bf16/fp16 keys: tensor-core dot, fp32 accumulation),
+   writes the logits (-inf where not yet visible) and its per-head running max and sum of exponentials.
 2. `_pool_topk_kernel`, one program per (sequence, KV head): merges the partial softmax statistics, sums
    the G probabilities per compressed key, max-pools them onto blocks (kernel (block + window) / stride - 1,
    stride block / stride, padding window / stride - 1), forces init and local blocks (+inf), drops future
@@ -21,14 +21,14 @@ import triton.language as tl
 
 @triton.jit
 def _scores_kernel(Q, CK, Visible, Logits, Mpart, Lpart, scale, H, G, NC, CK_ROWS, per_split, window, stride,
-                   D: tl.constexpr, GP: tl.constexpr, TILE: tl.constexpr):
+                   D: tl.constexpr, GP: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
     b = bh // H
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
-    q = tl.load(Q + (bh * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0).to(tl.float32)
+    q = tl.load(Q + (bh * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0).to(CK.dtype.element_ty)
     upto = tl.load(Visible + b)
     n_vis = tl.minimum(tl.maximum((upto - (window - 1) + stride) // stride, 0), NC)  # keys with j*s + w - 1 <= upto
     m_i = tl.full([GP], -1.0e30, tl.float32)
@@ -38,7 +38,10 @@ def _scores_kernel(Q, CK, Visible, Logits, Mpart, Lpart, scale, H, G, NC, CK_ROW
     for t0 in range(start, end, TILE):
         j = t0 + tl.arange(0, TILE)
         ck = tl.load(CK + (bh * CK_ROWS + j)[:, None] * D + d[None, :], mask=(j < n_vis)[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(ck.to(tl.float32)), input_precision="ieee") * scale  # [GP, TILE]
+        if IEEE:  # fp32 keys: exact fp32 products and sums, as the reference
+            s = tl.dot(q, tl.trans(ck), input_precision="ieee") * scale  # [GP, TILE]
+        else:  # bf16 / fp16 keys: tensor cores (exact products, fp32 accumulation); an FMA dot here cost 2 ms/layer
+            s = tl.dot(q, tl.trans(ck)) * scale
         s = tl.where((j < n_vis)[None, :], s, float("-inf"))
         tl.store(Logits + (bh * G + g)[:, None] * NC + j[None, :], s, mask=(g < G)[:, None] & (j < end)[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -133,7 +136,8 @@ def select_blocks(q_group: torch.Tensor, keys: torch.Tensor, positions: torch.Te
     lpart = torch.empty_like(mpart)
     out = torch.empty(B, Hkv, K, device=dev, dtype=torch.int64)
     _scores_kernel[(B * Hkv, splits)](q_group.contiguous(), keys, visible_upto, logits, mpart, lpart, scale, Hkv, G,
-                                      nc, keys.shape[2], per_split, window, stride, D=D, GP=GP, TILE=TILE, num_warps=4)
+                                      nc, keys.shape[2], per_split, window, stride, D=D, GP=GP, TILE=TILE,
+                                      IEEE=keys.dtype == torch.float32, num_warps=4)
     _pool_topk_kernel[(B * Hkv,)](logits, mpart, lpart, positions, out, Hkv, G, nc, n_blocks, K, min(K, n_blocks),
                                   init, local, splits, GP=GP, SP=triton.next_power_of_2(splits), NBP=nbp,
                                   KP=triton.next_power_of_2(K), STEP=block // stride, PAD=window // stride - 1,

@@ -173,6 +173,30 @@ def test_select_blocks_equals_infllm_selection(B, H, G, D, visible_lag):
             torch.testing.assert_close(a, w, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.gpu
+def test_select_blocks_bf16_tensor_cores_pick_the_reference_blocks():
+    """bf16 keys take the tensor-core dot: the same blocks as the fp32 reference up to near-ties."""
+    from workbench.decode.engine.select import CompressedKeyBuffer, select_decode
+    from workbench.patterns.infllm import Budget, group_scores, pool_to_blocks
+
+    g = torch.Generator().manual_seed(5)
+    B, H, G, D, nb = 4, 8, 4, 128, 512
+    budget = Budget(init=1, local=4, topk=32)
+    buf = CompressedKeyBuffer(B, H, D, nb * 64, budget, "cuda", dtype=torch.bfloat16)
+    buf.keys.copy_(torch.randn(buf.keys.shape, generator=g))
+    q = torch.randn(B, H, G, D, generator=g).to("cuda", torch.bfloat16)
+    pos = torch.tensor([5000, 12000, 20000, 64 * nb - 1], device="cuda")
+    ref = CompressedKeyBuffer(B, H, D, nb * 64, budget, "cuda")  # the same keys in fp32
+    ref.keys.copy_(buf.keys.float())
+    want = select_decode(q.float(), ref, pos, pos, nb, budget)
+    got = select_blocks(q, buf.keys, pos, pos, nb, init=1, local=4, topk=32)
+    s = group_scores(q.float()[:, :, :, None, :], buf.keys.float()[:, :, :-1], pos.view(B, 1, 1, 1))
+    scores = pool_to_blocks(s, nb)[:, :, 0]
+    for b, h in (got != want).any(-1).nonzero().tolist():
+        a, w = scores[b, h, got[b, h]].sort().values, scores[b, h, want[b, h]].sort().values
+        torch.testing.assert_close(a, w, rtol=2e-3, atol=1e-5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 Triton needs a GPU")
 def test_sparse_decode_bf16_gpu():
     q, kp, vp, blocks, slots, lengths = _case(4, 32, 8, 128, 96, 4000, torch.bfloat16, seed=11)
