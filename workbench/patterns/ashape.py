@@ -15,6 +15,7 @@ from workbench.patterns.base import (
     PatternBase,
     Shapes,
     band_poly,
+    band_tiles,
     causal_rows,
     check_head,
     check_rows,
@@ -44,6 +45,7 @@ class AShape(PatternBase):
     kind = "ashape"
     params = ("sink", "window")
     bench_kernel = "a_shape"
+    static = True
 
     def __init__(self, sink: int | torch.Tensor, window: int | torch.Tensor, n_heads: int = 1):
         if isinstance(sink, torch.Tensor) and sink.numel() > 1:
@@ -104,10 +106,10 @@ class AShape(PatternBase):
     @classmethod
     def layer_tiles(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
                     block: int, triton: bool = False) -> tuple[VSTiles, tuple[torch.Tensor, torch.Tensor]]:
-        """Tiles built on q's device (arange arithmetic, no index, no copy) and the band itself."""
-        sink, window = per_head(params, "sink"), per_head(params, "window")
-        tiles = ashape_to_tiles(sink, window, q.shape[2], q.shape[0], block, device=q.device)
-        return tiles, (sink.to(q.device), window.to(q.device))
+        """Tiles on q's device (arange arithmetic, no index) and the band itself, built once per (band,
+        length, batch, device) and cached (`band_tiles`): a prefill makes no op and no copy for them."""
+        return band_tiles([p["sink"] for p in params], [p["window"] for p in params], q.shape[2], q.shape[0],
+                          block, q.device)
 
     def __repr__(self) -> str:
         return f"AShape(sink={self.sink.tolist()}, window={self.window.tolist()})"

@@ -140,6 +140,33 @@ def per_head(params: Sequence[dict[str, int]], key: str) -> torch.Tensor:
     return torch.tensor([p[key] for p in params], dtype=torch.long)
 
 
+@functools.lru_cache(maxsize=256)
+def _host_values_on(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def per_head_on(params: Sequence[dict[str, int]], key: str, device: torch.device | str) -> torch.Tensor:
+    """`per_head` already on `device`, copied there once per distinct value list (cached: the config is
+    static, so repeated prefills make no host-to-device copy). Read it, never write into it."""
+    return _host_values_on(tuple(int(p[key]) for p in params), torch.device(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _band_tiles(sink: tuple[int, ...], window: tuple[int, ...], n: int, batch: int, block: int,
+                device: torch.device) -> tuple[VSTiles, Band]:
+    tiles = ashape_to_tiles(list(sink), list(window), n, batch, block, device=device)
+    return tiles, (_host_values_on(sink, device), _host_values_on(window, device))
+
+
+def band_tiles(sink: Sequence[int], window: Sequence[int], n: int, batch: int, block: int,
+               device: torch.device | str) -> tuple[VSTiles, Band]:
+    """(`ashape_to_tiles` of the band, (sink, window) Long `[H]`) on `device`, built once per (band, n,
+    batch, block, device) and cached: A-shape and dense tiles depend on the config and the prompt length
+    only, so a prefill rebuilds none of them. Read them, never write into them."""
+    return _band_tiles(tuple(int(x) for x in sink), tuple(int(x) for x in window), n, batch, block,
+                       torch.device(device))
+
+
 def check_rows(r0: int, r1: int, n: int) -> None:
     if not 0 <= r0 <= r1 <= n:
         raise ValueError(f"rows [{r0}, {r1}) are not inside a prompt of {n} tokens: need 0 <= r0 <= r1 <= n")
@@ -188,10 +215,14 @@ def causal_edges(n: int) -> int:
 
 
 class PatternBase:
-    """What every pattern computes the same way from its other parts."""
+    """What every pattern computes the same way from its other parts.
+
+    `static`: `layer_tiles` reads only q's shape and device (not its values, nor k's): no online index, so
+    the prefill neither gathers q/k for these heads nor rebuilds their tiles per call."""
 
     n_heads: int
     kind: ClassVar[str]
+    static: ClassVar[bool] = False
 
     def to_mask(self, n: int) -> torch.Tensor:
         return to_mask(self, n)
@@ -233,6 +264,7 @@ class Dense(PatternBase):
     kind = "dense"
     params = ()
     bench_kernel = "dense_sdpa"
+    static = True
 
     def __init__(self, n_heads: int):
         self.n_heads = n_heads
@@ -267,9 +299,9 @@ class Dense(PatternBase):
 
     @classmethod
     def layer_tiles(cls, params, q, k, scale, proxy, block, triton=False) -> tuple[VSTiles, None]:
-        """A window of n built on q's device: every causal key, no band needed."""
+        """A window of n on q's device (cached per length): every causal key, no band needed."""
         n, h = q.shape[2], len(params)
-        return ashape_to_tiles([0] * h, [max(n, 1)] * h, n, q.shape[0], block, device=q.device), None
+        return band_tiles([0] * h, [max(n, 1)] * h, n, q.shape[0], block, q.device)[0], None
 
     def __repr__(self) -> str:
         return f"Dense(n_heads={self.n_heads})"

@@ -24,6 +24,7 @@ from workbench.patterns.base import (
     check_rows,
     column_poly,
     per_head,
+    per_head_on,
     register_pattern,
     runs,
     toeplitz_rows,
@@ -109,15 +110,15 @@ class VerticalSlash(PatternBase):
                     block: int, triton: bool = False) -> tuple[VSTiles, None]:
         """The proxy on all heads of the batch at once; with `triton` (and proxy settings the Triton
         builder computes) the Triton column / diagonal sums and the Triton tile expansion."""
-        vertical, slash = per_head(params, "vertical"), per_head(params, "slash")  # host ints: widths need no sync
         n = q.shape[2]
         if triton and all(proxy.get(key, value) == value for key, value in TRITON_PROXY.items()):
             from workbench_kernels.index_build import vs_scores
 
             col, diag = vs_scores(q, k, scale)
-            cols = top_positions(col, proxy["sink"], int(vertical.max()), vertical)
-            offs = top_positions(diag, max(proxy["local"], 1), int(slash.max()), slash)
+            cols = top_positions(col, proxy["sink"], *_budget_on(params, "vertical", q.device))
+            offs = top_positions(diag, max(proxy["local"], 1), *_budget_on(params, "slash", q.device))
         else:
+            vertical, slash = per_head(params, "vertical"), per_head(params, "slash")  # host ints: no sync
             cols, offs = vs_proxy(q, k, scale, vertical, slash, **proxy)
         if triton:
             from workbench_kernels.index_build import vs_tiles
@@ -127,6 +128,14 @@ class VerticalSlash(PatternBase):
 
     def __repr__(self) -> str:
         return f"VerticalSlash(columns {tuple(self.columns.shape)}, offsets {tuple(self.offsets.shape)})"
+
+
+def _budget_on(params, key: str, device: torch.device) -> tuple[int, torch.Tensor | None]:
+    """(largest budget, per-head budgets Long `[H]` on `device`, or None when every head has the largest:
+    the cut would keep everything) from the config's host ints: no reduction, sync or copy per call."""
+    sizes = [int(p[key]) for p in params]
+    top = max(sizes)
+    return top, None if all(s == top for s in sizes) else per_head_on(params, key, device)
 
 
 def vs_tile_count(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int = BLOCK) -> torch.Tensor:

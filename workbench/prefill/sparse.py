@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from workbench_kernels import NO_WINDOW
+from workbench_kernels.index_ref import VSTiles, merge_tiles
 
 from workbench.core.attention import attention_override, dense_attention
 from workbench.core.device import model_device
@@ -106,6 +107,8 @@ class SparsePrefill:
         self.density: dict[int, float] = {}
         self.timer = LayerTimer(model) if timing else None
         self._stack: contextlib.ExitStack | None = None
+        self._head_index: dict[tuple, tuple[slice | torch.Tensor, slice | torch.Tensor]] = {}
+        self._static: dict[tuple, Any] = {}  # per layer: what its static kinds add to the merged launch
 
     # ---- context manager -----------------------------------------------------------------------
     def __enter__(self) -> SparsePrefill:
@@ -181,7 +184,7 @@ class SparsePrefill:
         """The online index of one layer as `backend` consumes it: triton / flex -> (VSTiles over all
         heads, sink, window) for one launch; torch -> the kinds' tiles (`group_tiles`)."""
         groups = self.group_tiles(layer, q, k, scale, triton=backend == "triton" or (backend == "flex" and q.is_cuda))
-        return groups if backend == "torch" else self.merge(groups, q)
+        return groups if backend == "torch" else self.merge(groups, q, layer)
 
     def layer_kernel(self, layer: int, index: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scale: float, backend: str) -> torch.Tensor:
@@ -204,40 +207,105 @@ class SparsePrefill:
         return o
 
     # ---- the index: physical tiles of one layer ---------------------------------------------------
+    def _heads_on(self, layer: int, kind: str, heads: list[int], group: int, device: torch.device):
+        """(query-head index, KV-head index) of one kind on `device`, each a slice where the heads are a
+        contiguous run (a view, no gather) or a Long tensor copied there once and cached."""
+        key = (layer, kind, group, device)
+        if key not in self._head_index:
+            def index(ids: list[int]) -> slice | torch.Tensor:
+                if ids == list(range(ids[0], ids[0] + len(ids))):
+                    return slice(ids[0], ids[0] + len(ids))
+                return torch.tensor(ids, dtype=torch.long, device=device)
+            self._head_index[key] = (index(heads), index([h // group for h in heads]))
+        return self._head_index[key]
+
     @torch.no_grad()
     def group_tiles(self, layer: int, q: torch.Tensor, k: torch.Tensor, scale: float,
                     triton: bool = True) -> dict[str, tuple[list[int], Any, Band | None]]:
         """Per config kind of the layer: (its query heads, their tiles `[B, h, M]`, their token band or
         None), from the kind's pattern class (`layer_tiles`: online index on q's device, the Triton
         builders with `triton` where the kind has them). Tiles are the keys the kernel computes (the
-        logical index plus its tile expansion). q `[B, Hq, N, D]`, k `[B, Hkv, N, D]`."""
+        logical index plus its tile expansion). q `[B, Hq, N, D]`, k `[B, Hkv, N, D]`.
+        Static kinds (`PatternBase.static`: A-shape, dense) get views of q's shape, no gather."""
         plan, G = self.plans[layer], q.shape[1] // k.shape[1]
         out = {}
         for kind, heads in plan.heads.items():
-            h = torch.tensor(heads, device=q.device)
-            qh, kh = (q, k) if G == 1 and len(heads) == q.shape[1] else (q[:, h], k[:, h // G])
-            out[kind] = (heads, *pattern_class(kind).layer_tiles(plan.params[kind], qh, kh, scale, self.config.proxy,
-                                                               self.config.block, triton=triton))
+            cls = pattern_class(kind)
+            if G == 1 and len(heads) == q.shape[1]:
+                qh, kh = q, k
+            elif getattr(cls, "static", False):  # reads q's shape and device only
+                shape = (q.shape[0], len(heads), *q.shape[2:])
+                qh, kh = q[:, :1].expand(shape), k[:, :1].expand(shape[:3] + k.shape[3:])
+            else:
+                h, hk = self._heads_on(layer, kind, heads, G, q.device)
+                qh, kh = q[:, h], k[:, hk]
+            out[kind] = (heads, *cls.layer_tiles(plan.params[kind], qh, kh, scale, self.config.proxy,
+                                                 self.config.block, triton=triton))
         return out
 
-    @staticmethod
-    def merge(groups: dict[str, tuple[list[int], Any, Band | None]], q: torch.Tensor):
+    def merge(self, groups: dict[str, tuple[list[int], Any, Band | None]], q: torch.Tensor, layer: int | None = None):
         """One launch's (VSTiles over all Hq heads, sink `[Hq]` | None, window `[Hq]` | None): the kinds'
-        tiles scattered into head order; heads without a band get none (sink 0, window NO_WINDOW)."""
-        from workbench_kernels.index_ref import merge_tiles
+        tiles scattered into head order; heads without a band get none (sink 0, window NO_WINDOW).
 
-        hq = q.shape[1]
+        With `layer`, what the layer's static kinds contribute (their tiles scattered into a full-width
+        layout, and the whole sink / window, which only static kinds set) is built once per (layer, batch,
+        length, device) and cached: a call then clones that layout and writes the online kinds into it."""
+        B, hq, n = q.shape[:3]
+        dev = q.device
         parts = [(heads, tiles) for heads, tiles, _ in groups.values()]
-        tiles = parts[0][1] if len(parts) == 1 else merge_tiles(parts, hq)
-        if all(band is None for _, _, band in groups.values()):
-            return tiles, None, None
-        sink = torch.zeros(hq, dtype=torch.int32, device=q.device)
-        window = torch.full((hq,), NO_WINDOW, dtype=torch.int32, device=q.device)
-        for heads, _, band in groups.values():
-            if band is not None:
-                h = torch.tensor(heads, device=q.device)
-                sink[h], window[h] = band[0].to(q.device, torch.int32), band[1].to(q.device, torch.int32)
-        return tiles, sink, window
+        bands = [(heads, band) for heads, _, band in groups.values() if band is not None]
+        static = [] if layer is None else [kind for kind in groups if getattr(pattern_class(kind), "static", False)]
+        cached_band = bool(static) and all(getattr(pattern_class(kind), "static", False)
+                                           for kind, (_, _, band) in groups.items() if band is not None)
+
+        def band_of() -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            if not bands:
+                return None, None
+            if not cached_band:
+                return self._bands(bands, hq, dev)
+            key = (layer, "band", dev)
+            if key not in self._static:
+                self._static[key] = self._bands(bands, hq, dev)
+            return self._static[key]
+
+        if len(parts) == 1:
+            return (parts[0][1], *band_of())
+        if not static:
+            return (merge_parts(parts, hq, self._heads_on, layer), *band_of())
+        t0 = parts[0][1]
+        key = (layer, B, n, t0.block, t0.piece, dev)
+        if key not in self._static:
+            self._static[key] = merge_parts([groups[kind][:2] for kind in static], hq, self._heads_on, layer,
+                                            cover=False)
+        base = self._static[key]
+        online = [(kind, *groups[kind][:2]) for kind in groups if kind not in static]
+        if not online:
+            return (base, *band_of())
+        ns = max(base.block_offset.shape[-1], *(t.block_offset.shape[-1] for _, _, t in online))
+        nc = max(base.column_index.shape[-1], *(t.column_index.shape[-1] for _, _, t in online))
+
+        def widen(x: torch.Tensor, width: int | None) -> torch.Tensor:
+            if width is None or width == x.shape[-1]:
+                return x.clone()
+            return torch.nn.functional.pad(x, (0, width - x.shape[-1]), value=-1)
+
+        tiles = VSTiles(widen(base.block_count, None), widen(base.block_offset, ns), widen(base.column_count, None),
+                        widen(base.column_index, nc), base.block, base.width,
+                        base.disjoint and all(t.disjoint for _, _, t in online))
+        for kind, heads, t in online:
+            if t.shape != (B, len(heads), base.shape[2]):
+                raise ValueError(f"tiles for heads {heads} have shape {t.shape}, expected {(B, len(heads), base.shape[2])}")
+            write_heads(tiles, self._heads_on(layer, kind, heads, 1, dev)[0], t)
+        return (tiles, *band_of())
+
+    @staticmethod
+    def _bands(bands: list[tuple[list[int], Band]], hq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        sink = torch.zeros(hq, dtype=torch.int32, device=device)
+        window = torch.full((hq,), NO_WINDOW, dtype=torch.int32, device=device)
+        for heads, band in bands:
+            h = torch.tensor(heads, device=device)
+            sink[h], window[h] = band[0].to(device, torch.int32), band[1].to(device, torch.int32)
+        return sink, window
 
     @torch.no_grad()
     def reference(self, groups: dict[str, tuple[list[int], Any, Band | None]], q: torch.Tensor, k: torch.Tensor,
@@ -254,6 +322,43 @@ class SparsePrefill:
                 return keys, mask if band is None else mask & band_mask(*band, keys, r0, r1)
             o[:, h] = masked_prefill(q[:, h], k[:, h // G], v[:, h // G], rows, scale)
         return o
+
+
+def write_heads(out: Any, h: slice | torch.Tensor, t: Any) -> None:
+    """Write one kind's tiles (`[B, len(h), M]`) into the full-width `out` at heads `h`."""
+    out.block_count[:, h] = t.block_count
+    out.block_offset[:, h, :, : t.block_offset.shape[-1]] = t.block_offset
+    out.column_count[:, h] = t.column_count
+    out.column_index[:, h, :, : t.column_index.shape[-1]] = t.column_index
+
+
+def merge_parts(parts: list[tuple[list[int], Any]], hq: int, heads_on: Callable, layer: int | None,
+                cover: bool = True) -> Any:
+    """`index_ref.merge_tiles` with each kind's head index cached on the device (a slice for a contiguous
+    run): the same tiles, no host-to-device copy per kind. `cover=False`: heads outside `parts` keep
+    count 0 and -1 padding (the static part of a layer, filled in later by `write_heads`)."""
+    if layer is None:
+        return merge_tiles(parts, hq)
+    if len({(t.block, t.piece) for _, t in parts}) != 1:
+        raise ValueError("all tiles must use the same block size and piece width")
+    ids = sorted(h for heads, _ in parts for h in heads)
+    if (ids != list(range(hq))) if cover else (len(set(ids)) != len(ids) or not set(ids) <= set(range(hq))):
+        raise ValueError(f"head ids must cover 0..{hq - 1} exactly once; got {ids}")
+    t0 = parts[0][1]
+    B, _, M = t0.shape
+    ns = max(t.block_offset.shape[-1] for _, t in parts)
+    nc = max(t.column_index.shape[-1] for _, t in parts)
+    dev = t0.block_count.device
+    out = VSTiles(torch.zeros(B, hq, M, dtype=torch.int32, device=dev),
+                  torch.full((B, hq, M, ns), -1, dtype=torch.int32, device=dev),
+                  torch.zeros(B, hq, M, dtype=torch.int32, device=dev),
+                  torch.full((B, hq, M, nc), -1, dtype=torch.int32, device=dev), t0.block, t0.width,
+                  all(t.disjoint for _, t in parts))
+    for heads, t in parts:
+        if t.shape != (B, len(heads), M):
+            raise ValueError(f"tiles for heads {heads} have shape {t.shape}, expected {(B, len(heads), M)}")
+        write_heads(out, heads_on(layer, ("heads", tuple(heads)), heads, 1, dev)[0], t)
+    return out
 
 
 def band_mask(sink: torch.Tensor, window: torch.Tensor, keys: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
