@@ -187,6 +187,41 @@ def test_decode_cli_prints_summary_and_writes_json(embedded, one_thread, tmp_pat
     assert "--budget" in capsys.readouterr().err
 
 
+def test_decode_cli_all_modes_goes_through_compare_modes(embedded, one_thread, tmp_path, capsys):
+    import json
+
+    from workbench.cli import main
+    from workbench.decode.compare import ALL_MODES
+
+    out = tmp_path / "all.json"
+    assert main(["decode", "--mode", "all", "--context", "200", "--steps", "3", "--budget", "1,1,1", "--quality",
+                 "--measure-reuse", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "sparse-offload-forecast == sparse-resident/forecast: yes" in text and "top-1 agreement" in text
+    result = json.loads(out.read_text())
+    assert [r["mode"] for r in result["runs"]] == list(ALL_MODES)
+    assert all(r["steps"] == 3 and len(r["greedy_tokens"]) == 4 for r in result["runs"])
+    assert {r["mode"]: r["selector"] for r in result["runs"]}["sparse-resident/forecast"] == "forecast"
+    assert all(v for v in result["lossless"].values()) and len(result["lossless"]) == 3
+    assert all((r["dynamic_reuse"] is None) == (r["mode"] == "dense-resident") for r in result["runs"])
+    q = result["quality_vs_dense"]
+    assert set(q) == {"same-layer", "forecast"} and all(0 <= v["top1_agreement_teacher_forced"] <= 1 for v in q.values())
+    assert all(v["free_running_tokens_equal_to_dense"] is not None and v["kl_dense_to_sparse_mean"] >= -1e-6
+               for v in q.values())
+
+
+@pytest.mark.parametrize("argv,flag", [(["--mode", "fast"], "--mode"),
+                                       (["--mode", "sparse-offload-sync", "--selector", "forecast"], "--selector"),
+                                       (["--mode", "all", "--selector", "quest"], "--selector"),
+                                       (["--steps", "0"], "--steps"),
+                                       (["--measure-reuse", "--graph"], "--measure-reuse")])
+def test_decode_cli_bad_flags_are_named(argv, flag, capsys):
+    from workbench.cli import main
+
+    assert main(["decode", *argv]) == 2
+    assert flag in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- lifecycle and hooks
 
 def _tiny_llama(device: str):

@@ -38,3 +38,21 @@ def test_quest_offload_sync_is_lossless(embedded):
     assert torch.equal(out[("sparse-offload-sync", "quest")], out[("sparse-resident", "quest")])
     with pytest.raises(ValueError, match="quest"):
         EngineConfig(selector="nearest")
+
+
+def test_decode_cli_runs_quest_in_offload_sync(embedded, tmp_path, capsys):
+    import json
+
+    from workbench.cli import main
+
+    out = tmp_path / "quest.json"
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["decode", "--mode", "sparse-offload-sync", "--selector", "quest", "--context", "300", "--steps",
+                     "3", "--budget", "1,1,2", "--json", str(out)]) == 0
+    finally:
+        torch.set_num_threads(n)
+    assert "quest" in capsys.readouterr().out
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["mode"] == "sparse-offload-sync/quest" and run["selector"] == "quest" and run["bytes_moved_per_step"] > 0

@@ -1,4 +1,5 @@
-"""`workbench decode`: greedy decoding through the offload engine, one mode or all of them side by side."""
+"""`workbench decode`: greedy decoding through the offload engine, one mode or all of them side by side, through
+`workbench.decode.compare.compare_modes` (the call notebook 06 and the dashboard's Decode tab make)."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "hit rate, transfer hidden under compute and peak GPU memory.")
     p.add_argument("--mode", default="sparse-offload-forecast",
                    help="dense-resident, sparse-resident, sparse-offload-sync, sparse-offload-forecast, "
-                        "forecast-without-prefetch, or all")
+                        "forecast-without-prefetch, or all (a compare_modes spec such as sparse-resident/forecast "
+                        "also works)")
     p.add_argument("--selector", default="same-layer", choices=["same-layer", "forecast", "quest"],
                    help="selector of sparse-resident (offload modes fix theirs; quest also runs in sparse-offload-sync)")
     p.add_argument("--batch", type=int, default=1)
@@ -46,23 +48,40 @@ def _budget(text: str):
     return Budget(init=init, local=local, topk=topk)
 
 
+def _spec(mode: str, selector: str) -> str:
+    """--mode and --selector -> one mode spec of `compare_modes` (see `parse_mode`)."""
+    from workbench.decode.compare import parse_mode
+
+    if selector != "same-layer" and (mode == "sparse-resident" or (mode, selector) == ("sparse-offload-sync", "quest")):
+        mode = f"{mode}/{selector}"
+    try:
+        own = parse_mode(mode)[1]
+    except ValueError as e:
+        raise ValueError(f"--mode: {e}, or all") from None
+    if selector not in ("same-layer", own):
+        raise ValueError(f"--selector {selector} does not apply to --mode {mode}, which selects with {own}: it picks "
+                         "sparse-resident's selector (quest also runs in sparse-offload-sync)")
+    return mode
+
+
 def run(args: argparse.Namespace) -> int:
+    import sys
+
     import torch
 
     from workbench.core.corpus import make_sample
     from workbench.core.io import write_json
     from workbench.core.model import load_model
-    from workbench.decode.engine import MODES, DecodeEngine, EngineConfig
-    from workbench.decode.engine.llama import LlamaLayers
-    from workbench.decode.engine.reuse import ReuseMeter
+    from workbench.decode.compare import ALL_MODES, compare_modes, reference_of
 
-    modes = list(MODES) if args.mode == "all" else [args.mode]
-    for m in modes:
-        if m not in MODES:
-            raise ValueError(f"--mode {m!r} is unknown: choose one of {', '.join(MODES)} or all")
+    if args.mode == "all" and args.selector != "same-layer":
+        raise ValueError("--selector applies to one --mode: all runs sparse-resident with same-layer and forecast")
+    specs = list(ALL_MODES) if args.mode == "all" else [_spec(args.mode, args.selector)]
     for name in ("batch", "context", "steps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.graph and args.measure_reuse:
+        raise ValueError("--measure-reuse counts blocks in Python at every step: drop --graph")
     budget = _budget(args.budget)
     where = resolve_device_args(args, gpu_dtype=torch.bfloat16)
     device = where["device"].type if where["device"].index is None else str(where["device"])
@@ -75,65 +94,19 @@ def run(args: argparse.Namespace) -> int:
         heads = ForecastHeads.load(args.heads, shape)
     lengths = [max(64, args.context - 97 * b) for b in range(args.batch)]  # different lengths in one batch
     prompts = [make_sample(args.task, tok, n, seed=b).input_ids for b, n in enumerate(lengths)]
-    lm = LlamaLayers(model)
-    prefilled = [lm.prefill(p) for p in prompts]
-    n_blocks = -(-(args.context + args.steps) // 64)
-
-    def decode(mode: str, selector: str, force=None, keep_logits=False):
-        meter = ReuseMeter(budget, n_blocks) if args.measure_reuse and mode != "dense-resident" else None
-        cfg = EngineConfig(mode=mode, budget=budget, selector=selector, ctas=args.ctas)
-        eng = DecodeEngine(model, cfg, batch=args.batch, max_tokens=args.context + args.steps, heads=heads,
-                           select_hook=meter)
-        first = eng.prefill(prompts, args.steps, prefilled=prefilled)
-        graph = args.graph and eng.cuda
-        tokens, logits, stats = eng.run(first, args.steps, force=force, keep_logits=keep_logits,
-                                        timing=eng.cuda and not graph, graph=graph)
-        eng.close()
-        row = stats.to_dict()
-        row["selector"] = selector if mode == "sparse-resident" or (selector == "quest" and mode == MODES[2]) else (
-            "same-layer" if mode in MODES[:3] else "forecast")
-        row["dynamic_reuse"] = meter.rate if meter else None
-        return tokens, logits, row
-
-    rows: list[dict[str, Any]] = []
-    tokens: dict[str, Any] = {}
-    for mode in modes:
-        selectors = ["same-layer", "forecast"] if (mode == "sparse-resident" and args.mode == "all") else [args.selector]
-        for sel in selectors:
-            t, _, row = decode(mode, sel)
-            tokens[f"{mode}/{row['selector']}"] = t
-            rows.append(row)
-    import sys
-
+    cmp = compare_modes(model, prompts, modes=specs, new_tokens=args.steps + 1, budget=budget, heads=heads,
+                        graph=args.graph and where["device"].type == "cuda", trace=False, ctas=args.ctas,
+                        measure_reuse=args.measure_reuse, quality=args.quality)
+    rows = cmp.rows()
     result: dict[str, Any] = {"command": "workbench " + " ".join(sys.argv[1:]), "model": shape.name, "device": device,
-                              "batch": args.batch, "lengths": lengths, "steps": args.steps, "budget": budget.to_dict(),
-                              "task": args.task, "runs": rows}
-    if args.mode == "all":
-        same = tokens["sparse-resident/same-layer"]
-        fc = tokens["sparse-resident/forecast"]
-        pairs = {"sparse-offload-sync == sparse-resident(same-layer)": ("sparse-offload-sync/same-layer", same),
-                 "sparse-offload-forecast == sparse-resident(forecast)": ("sparse-offload-forecast/forecast", fc),
-                 "forecast-without-prefetch == sparse-resident(forecast)": ("forecast-without-prefetch/forecast", fc)}
-        result["lossless"] = {name: bool(torch.equal(tokens[run], ref)) for name, (run, ref) in pairs.items()}
-    if args.quality:
-        dense_tokens, dense_logits, _ = decode("dense-resident", "same-layer", keep_logits=True)
-        force = dense_tokens
-        quality = {}
-        for sel in ("same-layer", "forecast"):
-            t, logits, _ = decode("sparse-resident", sel, force=force, keep_logits=True)
-            lp, lq = dense_logits.log_softmax(-1), logits.log_softmax(-1)
-            free = tokens.get(f"sparse-resident/{sel}")
-            quality[sel] = {
-                "top1_agreement_teacher_forced": float((t.cpu() == dense_tokens.cpu()).float().mean()),
-                "kl_dense_to_sparse_mean": float((lp.exp() * (lp - lq)).sum(-1).mean()),
-                "free_running_tokens_equal_to_dense":
-                    None if free is None else float((free.cpu() == dense_tokens.cpu()).float().mean())}
-        result["quality_vs_dense"] = quality
+                              "engine": cmp.device, "batch": args.batch, "lengths": lengths, "steps": args.steps,
+                              "budget": budget.to_dict(), "task": args.task, "runs": rows, "lossless": cmp.lossless}
+    if cmp.quality is not None:
+        result["quality_vs_dense"] = cmp.quality
     _print_table(rows)
-    if "lossless" in result:
-        for k, v in result["lossless"].items():
-            print(f"  {k}: {'yes' if v else 'NO'}")
-    for sel, q in result.get("quality_vs_dense", {}).items():
+    for spec, same in cmp.lossless.items():
+        print(f"  {spec} == {reference_of(spec)}: {'yes' if same else 'NO'}")
+    for sel, q in (cmp.quality or {}).items():
         print(f"  sparse({sel}) vs dense: top-1 agreement {q['top1_agreement_teacher_forced']:.3f}, "
               f"KL {q['kl_dense_to_sparse_mean']:.4f}")
     if args.json:
@@ -150,6 +123,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['mode']:<26}{r['selector']:<11}{r['tokens_per_s']:>9.2f}{r['bytes_moved_per_step'] / 1e6:>9.2f}"
+        mode = r["mode"].partition("/")[0]  # the selector has its own column
+        print(f"{mode:<26}{r['selector']:<11}{r['tokens_per_s']:>9.2f}{r['bytes_moved_per_step'] / 1e6:>9.2f}"
               f"{f(r['hit_rate'], '.3f'):>6}{f(r['dynamic_reuse'], '.3f'):>7}{f(r['hidden_fraction'], '.2f'):>8}"
               f"{f(r['copy_gbps'], '.1f'):>10}{f(r['peak_gpu_bytes'] and r['peak_gpu_bytes'] / 2**30, '.2f'):>13}")

@@ -3,7 +3,8 @@ tab make.
 
 A *mode spec* is an engine mode, optionally with the selector of sparse-resident after a slash:
 `"sparse-resident"` (same-layer selection) and `"sparse-resident/forecast"` are the lossless references of
-`sparse-offload-sync` and of the two forecast modes. Every mode decodes the same prefilled prompt(s) greedily;
+`sparse-offload-sync` and of the two forecast modes (`"sparse-offload-sync/quest"` offloads Quest's selection,
+whose reference is `"sparse-resident/quest"`). Every mode decodes the same prefilled prompt(s) greedily;
 on CUDA the speed run replays CUDA graphs (Triton kernels), then a few eager steps with CUDA events measure
 how much of the copy is hidden and one more eager step is traced as a compute/copy timeline. On the CPU the
 engine runs the PyTorch reference kernels with no streams: nothing overlaps, so no share hidden is reported.
@@ -18,6 +19,7 @@ import torch
 
 from workbench.decode.engine.decoder import MODES, OFFLOAD, DecodeEngine, EngineConfig
 from workbench.decode.engine.llama import LlamaLayers
+from workbench.decode.engine.reuse import ReuseMeter
 from workbench.decode.timeline import trace_step
 from workbench.patterns.infllm import Budget
 
@@ -29,12 +31,13 @@ Progress = Callable[[str, int, int], None]  # (what, done, total)
 
 
 def parse_mode(spec: str) -> tuple[str, str]:
-    """`"mode"` or `"sparse-resident/<selector>"` -> (engine mode, selector)."""
+    """`"mode"`, `"sparse-resident/<selector>"` or `"sparse-offload-sync/quest"` -> (engine mode, selector)."""
     mode, _, selector = spec.partition("/")
     if mode not in MODES:
         raise ValueError(f"mode {spec!r} is unknown: choose from {', '.join(ALL_MODES)}")
-    if selector and mode != "sparse-resident":
-        raise ValueError(f"mode {spec!r}: only sparse-resident takes a selector (e.g. sparse-resident/forecast)")
+    if selector and mode != "sparse-resident" and (mode, selector) != ("sparse-offload-sync", "quest"):
+        raise ValueError(f"mode {spec!r}: only sparse-resident takes a selector (e.g. sparse-resident/forecast); "
+                         "sparse-offload-sync takes quest")
     fixed = "forecast" if mode in ("sparse-offload-forecast", "forecast-without-prefetch") else "same-layer"
     return mode, selector or fixed
 
@@ -71,13 +74,16 @@ class ModeRun:
     cuda_graph: bool
     timeline: list[dict[str, Any]]
     note: str = ""
+    dynamic_reuse: float | None = None  # with measure_reuse: share of dynamic blocks selected at the previous step
+    logits: torch.Tensor | None = None  # quality runs only: `[B, new_tokens - 1, V]` of the decode steps (CPU)
 
     def row(self) -> dict[str, Any]:
         """Table row (no tensors, no spans): greedy tokens of the first sequence as a list."""
-        return {"mode": self.spec, "tokens_per_s": self.tokens_per_s, "bytes_moved_per_step": self.bytes_moved_per_step,
+        return {"mode": self.spec, "selector": parse_mode(self.spec)[1], "tokens_per_s": self.tokens_per_s,
+                "bytes_moved_per_step": self.bytes_moved_per_step,
                 "hit_rate": self.hit_rate, "hidden_fraction": self.hidden_fraction, "copy_gbps": self.copy_gbps,
                 "peak_gpu_bytes": self.peak_gpu_bytes, "cuda_graph": self.cuda_graph,
-                "greedy_tokens": self.tokens[0].tolist(), "note": self.note}
+                "dynamic_reuse": self.dynamic_reuse, "greedy_tokens": self.tokens[0].tolist(), "note": self.note}
 
 
 @dataclass
@@ -89,6 +95,7 @@ class Comparison:
     prompt_tokens: list[int]
     new_tokens: int
     runs: dict[str, ModeRun] = field(default_factory=dict)
+    quality: dict[str, dict[str, float | None]] | None = None  # with quality=True: selector -> vs dense-resident
 
     @property
     def lossless(self) -> dict[str, bool]:
@@ -102,13 +109,16 @@ class Comparison:
 
     def rows(self) -> list[dict[str, Any]]:
         lossless = self.lossless
-        return [{**r.row(), "equals_reference": lossless.get(spec), "reference": reference_of(spec)}
-                for spec, r in self.runs.items()]
+        return [{**r.row(), "steps": self.new_tokens - 1, "equals_reference": lossless.get(spec),
+                 "reference": reference_of(spec)} for spec, r in self.runs.items()]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"device": self.device, "budget": self.budget.to_dict(), "prompt_tokens": self.prompt_tokens,
-                "new_tokens": self.new_tokens, "runs": self.rows(), "lossless": self.lossless,
-                "timelines": {spec: r.timeline for spec, r in self.runs.items()}}
+        out = {"device": self.device, "budget": self.budget.to_dict(), "prompt_tokens": self.prompt_tokens,
+               "new_tokens": self.new_tokens, "runs": self.rows(), "lossless": self.lossless,
+               "timelines": {spec: r.timeline for spec, r in self.runs.items()}}
+        if self.quality is not None:
+            out["quality_vs_dense"] = self.quality
+        return out
 
 
 def _tqdm_progress() -> tuple[Progress, Callable[[], None]]:
@@ -127,15 +137,20 @@ def _tqdm_progress() -> tuple[Progress, Callable[[], None]]:
 @torch.no_grad()
 def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch.Tensor], *,
                   modes: Sequence[str] = DEFAULT_MODES, new_tokens: int = 16, budget: Budget | None = None,
-                  heads: Any = None, graph: bool | None = None, trace: bool = True,
+                  heads: Any = None, graph: bool | None = None, trace: bool = True, ctas: int = 16,
+                  measure_reuse: bool = False, quality: bool = False,
                   progress: bool | Progress = True) -> Comparison:
     """Greedy-generate `new_tokens` (the prefill's token, then new_tokens - 1 decode steps) after each prompt
     (`[N]` one sequence, or a list of `[N_b]`: a batch) in every mode of `modes` (see `parse_mode`) with the
     same `budget` (default init 1, local 2, top-k 8 blocks).
 
-    `graph` (default: on CUDA) times CUDA-graph replay; `trace` records one step's compute/copy spans
-    (`workbench.decode.timeline`). `progress`: True draws a tqdm bar, a callable gets (what, done, total)
-    after each decoded step, False is silent. Raises ValueError naming a bad mode or size before decoding.
+    `graph` (default: on CUDA, unless measure_reuse) times CUDA-graph replay; `trace` records one step's compute/copy spans
+    (`workbench.decode.timeline`); `ctas` = programs of the UVA gather kernel. `measure_reuse` (eager steps, a
+    host sync per layer) counts how many dynamic blocks stay selected from one step to the next. `quality` also
+    decodes dense-resident and sparse-resident (same-layer, forecast) teacher-forced on dense's tokens, eagerly,
+    and fills `Comparison.quality` (top-1 agreement, KL dense -> sparse, free-running agreement).
+    `progress`: True draws a tqdm bar, a callable gets (what, done, total) after each decoded step, False is
+    silent. Raises ValueError naming a bad mode or size before decoding.
     """
     specs = [s.strip() for s in modes]
     if not specs:
@@ -150,9 +165,11 @@ def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch
     budget = budget or Budget(init=1, local=2, topk=8)
     lm = LlamaLayers(model)
     cuda = lm.device.type == "cuda"
-    use_graph = cuda if graph is None else graph
+    use_graph = cuda and not measure_reuse if graph is None else graph
     if use_graph and not cuda:
         raise ValueError("graph=True needs the model on CUDA: pass graph=None or False on the CPU")
+    if use_graph and measure_reuse:
+        raise ValueError("measure_reuse counts blocks in Python at every step: pass graph=None or False")
     extra = (EVENT_STEPS if cuda else 0) + (1 if trace else 0)
     max_tokens = max(p.numel() for p in prompts) + new_tokens + extra + 1
     if max_tokens > lm.max_positions:
@@ -162,7 +179,7 @@ def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch
     if progress is True:
         progress, close = _tqdm_progress()
     report = progress or (lambda what, done, total: None)
-    total = len(specs) * (new_tokens - 1) + len(prompts)
+    total = (len(specs) + 3 * quality) * (new_tokens - 1) + len(prompts)
     result = Comparison(device_label(model), budget, [int(p.numel()) for p in prompts], new_tokens)
     try:
         prefilled = []
@@ -170,22 +187,54 @@ def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch
             report(f"prefill {i + 1}/{len(prompts)}", i, total)
             prefilled.append(lm.prefill(p))
         done = len(prompts)
+        def config(mode: str, selector: str) -> EngineConfig:
+            return EngineConfig(mode=mode, budget=budget, selector=selector, ctas=ctas)
+
         for spec, (mode, selector) in zip(specs, parsed):
             def on_step(s: int, _n: int, spec: str = spec, base: int = done) -> None:
                 report(spec, base + s, total)
 
-            result.runs[spec] = _run_mode(model, spec, EngineConfig(mode=mode, budget=budget, selector=selector),
-                                          prompts, prefilled, new_tokens, max_tokens, heads, use_graph, trace, on_step)
+            result.runs[spec] = _run_mode(model, spec, config(mode, selector), prompts, prefilled, new_tokens,
+                                          max_tokens, heads, use_graph, trace, on_step, measure_reuse)
             done += new_tokens - 1
+        if quality:
+            result.quality = _quality(model, result, config, prompts, prefilled, max_tokens, heads, report, done, total)
     finally:
         if close:
             close()
     return result
 
 
-def _run_mode(model, spec, cfg, prompts, prefilled, new_tokens, max_tokens, heads, use_graph, trace, on_step) -> ModeRun:
+def _quality(model, result, config, prompts, prefilled, max_tokens, heads, report, done, total) -> dict[str, dict]:
+    """Dense-resident's logits beside sparse-resident's (same-layer, forecast), teacher-forced on dense's tokens."""
+    steps = result.new_tokens - 1
+
+    def forced(k: int, mode: str, selector: str, force: torch.Tensor | None) -> ModeRun:  # eager, logits kept
+        def on_step(s: int, _n: int) -> None:
+            report(f"quality: {mode}/{selector}", done + k * steps + s, total)
+
+        return _decode(model, mode, config(mode, selector), prompts, prefilled, result.new_tokens, max_tokens, heads,
+                       False, on_step, False, False, force, True)
+
+    dense = forced(0, "dense-resident", "same-layer", None)
+    lp = dense.logits.log_softmax(-1)
+    out = {}
+    for k, selector in enumerate(("same-layer", "forecast"), 1):
+        sparse = forced(k, "sparse-resident", selector, dense.tokens[:, 1:])
+        lq = sparse.logits.log_softmax(-1)
+        free = result.runs.get("sparse-resident" if selector == "same-layer" else "sparse-resident/forecast")
+        out[selector] = {
+            "top1_agreement_teacher_forced": float((sparse.tokens == dense.tokens).float()[:, 1:].mean()),
+            "kl_dense_to_sparse_mean": float((lp.exp() * (lp - lq)).sum(-1).mean()),
+            "free_running_tokens_equal_to_dense":
+                None if free is None else float((free.tokens == dense.tokens).float()[:, 1:].mean())}
+    return out
+
+
+def _run_mode(model, spec, cfg, prompts, prefilled, new_tokens, max_tokens, heads, use_graph, trace, on_step,
+              measure_reuse) -> ModeRun:
     """One mode; if CUDA-graph capture fails the mode is decoded again eagerly by a fresh engine, and says so."""
-    args = (model, spec, cfg, prompts, prefilled, new_tokens, max_tokens, heads, trace, on_step)
+    args = (model, spec, cfg, prompts, prefilled, new_tokens, max_tokens, heads, trace, on_step, measure_reuse)
     try:
         return _decode(*args, use_graph)
     except RuntimeError as e:
@@ -196,25 +245,30 @@ def _run_mode(model, spec, cfg, prompts, prefilled, new_tokens, max_tokens, head
         return run
 
 
-def _decode(model, spec, cfg, prompts, prefilled, new_tokens, max_tokens, heads, trace, on_step, use_graph) -> ModeRun:
+def _decode(model, spec, cfg, prompts, prefilled, new_tokens, max_tokens, heads, trace, on_step, measure_reuse,
+            use_graph, force=None, keep_logits=False) -> ModeRun:
     """Greedy tokens and speed (with graphs: `warm` steps capture the graph, the rest replay it and are timed),
-    then CUDA-event timing of a few eager steps (offload modes on CUDA) and one traced step."""
-    with DecodeEngine(model, cfg, batch=len(prompts), max_tokens=max_tokens, heads=heads) as eng:
-        steps = new_tokens - 1
+    then CUDA-event timing of a few eager steps (offload modes on CUDA) and one traced step. `force` `[B, steps]`
+    (eager only) teacher-forces the decode steps; `keep_logits` (eager only) keeps their logits."""
+    steps = new_tokens - 1
+    reuse = measure_reuse and cfg.mode != "dense-resident"
+    meter = ReuseMeter(cfg.budget, -(-max_tokens // cfg.budget.block)) if reuse else None
+    with DecodeEngine(model, cfg, batch=len(prompts), max_tokens=max_tokens, heads=heads, select_hook=meter) as eng:
         first = eng.prefill(prompts, steps, prefilled=prefilled)
         warm = min(2, steps - 1) if use_graph else 0
         head = first[:, None]
         if warm:
             head = torch.cat([head, eng.run(first, warm, graph=True, progress=False, on_step=on_step)[0]], 1)
-        tail, _, stats = eng.run(head[:, -1], steps - warm, graph=use_graph, progress=False,
-                                 on_step=lambda s, n: on_step(warm + s, steps))
+        tail, logits, stats = eng.run(head[:, -1], steps - warm, force=force, keep_logits=keep_logits,
+                                      graph=use_graph, progress=False, on_step=lambda s, n: on_step(warm + s, steps))
         tokens = torch.cat([head, tail], 1)
         last = tokens[:, -1]
         hidden = copy_gbps = None
-        if eng.cuda and eng.offload:
+        if eng.cuda and eng.offload and not keep_logits:
             eng.drop_graph()
             timed, _, ev = eng.run(last, EVENT_STEPS, timing=True, graph=False, progress=False)
             hidden, copy_gbps, last = ev.hidden_fraction, ev.copy_gbps, timed[:, -1]
         spans = trace_step(eng, last)[1] if trace else []
     return ModeRun(spec, tokens.cpu(), stats.tokens_per_s, stats.bytes_moved_per_step, stats.hit_rate, hidden,
-                   copy_gbps, stats.peak_gpu_bytes, use_graph, spans)
+                   copy_gbps, stats.peak_gpu_bytes, use_graph, spans, dynamic_reuse=meter.rate if meter else None,
+                   logits=logits)
