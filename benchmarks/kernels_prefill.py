@@ -590,9 +590,9 @@ def compare_minference(args: argparse.Namespace) -> int:
                      "minference_physical_density": mi_area / (hq * causal),
                      "vs_minference_output": {**agreement(out, mi_fn()),
                                               "key_sets": "both cover the logical VS set; the physical "
-                                                          "extras differ (ours: pieces chopped from the range "
-                                                          "end, cut at the next piece; theirs: 64-wide steps "
-                                                          "from the range start)"}}
+                                                          "extras differ (ours: the fewest 64-wide pieces "
+                                                          "covering the ranges, greedy from the diagonal; "
+                                                          "theirs: 64-wide steps from each range's start)"}}
             row("vertical_slash" + ("_group_shared" if shared else ""), tiles, area, ms, cfg, times, mi_ms, **extra)
             del out
         q = k = v = kx = vx = None  # free this length's tensors before the next

@@ -4,11 +4,13 @@ A sparse prefill kernel walks, for every (batch, head, query row block m of `blo
 key *pieces* (`block`-wide key ranges, start positions in `block_offset`) and a list of single key
 *columns* (`column_index`, gathered `block` at a time). `VSTiles` holds both for every pattern:
 
-- Vertical-Slash: slash offset s covers, for row block m, the key range [m*b - s, (m+1)*b - s). The
-  ranges of all offsets are merged (overlapping or adjacent) and each merged range is chopped into
-  `block`-wide pieces **from its end**, so the lowest piece may stick out below the range (and below
-  key 0: starts lie in (-block, n)). Chopping from the end makes every piece's distance from the row
-  block independent of m, which is what lets `vs_to_tiles` run vectorised with no host sync.
+- Vertical-Slash: slash offset s covers, for row block m, the key range [m*b - s, (m+1)*b - s). In
+  d-space (d = m*b - key) these ranges are the same for every row block; their union is covered by
+  the fewest `block`-wide pieces (greedy from the diagonal down the keys: each piece starts at the
+  highest key not yet covered), so a piece may stick out below a range, across a gap into the next
+  range, and below key 0 (starts lie in (-block, n)). Pieces never overlap. Placing them in d-space
+  makes every piece's distance from the row block independent of m, which is what lets `vs_to_tiles`
+  run vectorised with no host sync.
   Columns inside any piece of a row block, or >= m*b, are dropped from its column list, so every
   remaining column is < m*b (strictly causal). Offset 0 is always present.
 - Block-sparse: the pieces are the selected key blocks (`block_sparse_to_tiles`).
@@ -157,11 +159,8 @@ def vs_pieces(offsets: torch.Tensor, n: int, block: int = BLOCK, static: bool = 
     cnt = torch.nn.functional.pad(bitmap[..., :n].cumsum(-1), (1, 0))  # cnt[x] = #offsets < x
     d = torch.arange(-(block - 1), n, device=dev)
     hit = (cnt[..., (d + block).clamp(max=n)] - cnt[..., d.clamp(min=0)]) > 0  # [B, H, n + block - 1]
-    # Runs of `hit` (merged ranges); pieces start at run_start + k*w in d (chopped from the key end).
     idx = torch.arange(hit.shape[-1], device=dev)
-    prev = torch.nn.functional.pad(hit[..., :-1], (1, 0), value=False)
-    run_start = torch.where(hit & ~prev, idx, -1).cummax(-1).values
-    piece = hit & ((idx - run_start) % w == 0)
+    piece = greedy_cover(hit, w)
     size = max_pieces_total(n, offsets.shape[-1], block, w) if static else None
     ends, count = _compact((d + w - 1).expand(B, H, -1), piece, size)  # ends may be < 0 when w < block
     live = torch.arange(ends.shape[-1], device=dev) < count.unsqueeze(-1)
@@ -169,6 +168,23 @@ def vs_pieces(offsets: torch.Tensor, n: int, block: int = BLOCK, static: bool = 
     pc = torch.nn.functional.pad(piece.int().cumsum(-1), (1, 0))
     covered = (pc[..., (idx + 1)] - pc[..., (idx + 1 - w).clamp(min=0)]) > 0
     return ends.contiguous(), covered
+
+
+def greedy_cover(hit: torch.Tensor, width: int) -> torch.Tensor:
+    """Fewest `width`-wide intervals covering every True of `hit` Bool `[..., L]`: their starts, Bool
+    `[..., L]`. The greedy cover (each interval starts at the first hit not yet covered) is optimal for
+    fixed widths; its starts are the orbit of the first hit under next(i) = first hit >= i + width,
+    computed by pointer doubling (log2(L / width) gather/scatter passes, no host sync)."""
+    L = hit.shape[-1]
+    idx = torch.arange(L + 1, device=hit.device)
+    first_hit = torch.where(torch.nn.functional.pad(hit, (0, 1)), idx, L)  # [..., L + 1], L = none
+    first_hit = first_hit.flip(-1).cummin(-1).values.flip(-1)  # first hit >= i
+    jump = first_hit.gather(-1, (idx + width).clamp(max=L).expand_as(first_hit))
+    start = torch.zeros_like(first_hit).scatter_(-1, first_hit[..., :1], 1)
+    for _ in range(max(L // width + 1, 1).bit_length()):  # the orbit has at most L / width + 1 members
+        start = start.scatter_add(-1, jump, start).clamp_(max=1)
+        jump = jump.gather(-1, jump)
+    return start[..., :L].bool()
 
 
 def max_pieces_total(n: int, n_offsets: int, block: int = BLOCK, width: int = 0) -> int:

@@ -91,6 +91,33 @@ def test_vs_tiles_cover_logical_keys_exactly_once(n, block, width):
     assert torch.equal(tiles_to_mask(static, n), phys)
 
 
+@pytest.mark.parametrize("block,width", [(64, 0), (128, 0), (128, 64)])
+@pytest.mark.parametrize("n", [65, 333, 700])
+def test_vs_pieces_are_the_fewest_that_cover_each_row_block(n, block, width):
+    """Per row block, the piece count equals the minimum number of `piece`-wide key intervals covering
+    its slash ranges (a plain sequential greedy over keys); pieces never overlap. The old chopping of
+    each merged range from its own end failed this wherever a range's overhang reached the next."""
+    g = torch.Generator().manual_seed(n + block + width)
+    offs = torch.cat([torch.randint(0, n, (2, 3, 12), generator=g), torch.randint(0, 200, (2, 3, 8), generator=g)], -1)
+    tiles = vs_to_tiles(torch.full((2, 3, 1), -1), offs, n, block, width=width)
+    w = tiles.piece
+    for b in range(2):
+        for h in range(3):
+            off = set(offs[b, h].tolist()) | {0}
+            for m in range(tiles.shape[-1]):
+                top = m * block + block - 1  # highest key a row of this block reaches
+                keys = [j for j in range(min(top, n - 1), -1, -1) if any(m * block - j <= o <= top - j for o in off)]
+                fewest, reach = 0, None
+                for j in keys:  # from the diagonal down: open an interval at the first key not covered
+                    if reach is None or j < reach:
+                        fewest, reach = fewest + 1, j - w + 1
+                st = tiles.block_offset[b, h, m, : int(tiles.block_count[b, h, m])].tolist()
+                # full row blocks: the minimum; a last partial one may pay one piece for the d-space
+                # cover of its missing rows (shared by all row blocks)
+                assert fewest <= len(st) <= fewest + (top >= n), (b, h, m)
+                assert all(p + w <= q for p, q in zip(st, st[1:]))
+
+
 def test_vs_tiles_drop_covered_and_duplicate_columns():
     n = 256
     cols = torch.tensor([[[5, 5, 5, 130, 190, -1, 999]]])  # 130 and 190 lie under slash ranges of block 3

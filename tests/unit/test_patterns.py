@@ -31,10 +31,12 @@ def vs_tiles_loop(cols: list[int], offs: list[int], n: int) -> int:
                 merged[-1][1] = max(merged[-1][1], hi)
             else:
                 merged.append([lo, hi])
-        pieces = []
-        for lo, hi in merged:  # chopped into 64-wide pieces from the range's end
-            count = -(-(hi - lo) // B)
-            pieces += [(hi - (t + 1) * B, hi - t * B) for t in range(count)]
+        pieces: list[tuple[int, int]] = []
+        for lo, hi in reversed(merged):  # 64-wide pieces from the top key down, each at the highest key not covered
+            top = hi if not pieces else min(hi, pieces[-1][0])
+            while top > lo:
+                pieces.append((top - B, top))
+                top -= B
         left = [c for c in cols if c < m * B and not any(a <= c < b for a, b in pieces)]
         total += len(pieces) + -(-len(left) // B)
     return total
