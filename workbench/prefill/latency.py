@@ -1,8 +1,10 @@
 """Latency of sparse attention: estimated from a committed GPU benchmark, or timed live on one layer.
 
-`tile_rates(bench)` turns a `workbench bench kernels` JSON (assets/benchmarks/prefill_h200.json) into
+`tile_rates(bench, shape)` turns a `workbench bench kernels` JSON (assets/benchmarks/prefill_h200.json) into
 {pattern: {"per_tile_ms", "index_ms"}} per query head (median over the measured lengths), the table
-`search.choose(latency=...)` takes; `estimate_ms` applies it to a head's 64x64 tile count.
+`search.choose(latency=...)` takes; `estimate_ms` applies it to a head's 64x64 tile count. Given a model's
+shape, `match_shape` picks the measured shape to read (the model's own, else the same head_dim, else the
+nearest) and says which.
 `time_model_layer` times one of the model's own captured layers under its heads from a HeadConfig, as
 the deployed prefill runs it (online index + Triton kernel on a GPU; on the CPU the PyTorch reference
 path, dense math under a mask that does not get faster with sparsity, labelled as such) against dense
@@ -11,6 +13,7 @@ SDPA on the same q/k/v. Notebook 05 and the dashboard's Latency tab both call it
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -31,23 +34,66 @@ def load_bench(path: str | Path = BENCH) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def tile_rates(bench: dict[str, Any], shape: str = "embedded", block: int = 64) -> dict[str, dict[str, float]]:
-    """{pattern: {"per_tile_ms": ms per 64x64 tile of one query head, "index_ms": index build per query
-    head}} from the benchmark rows of `shape` at `block` (median over lengths)."""
+def _usable_rows(bench: dict[str, Any], block: int):
+    """(pattern, row) for every benchmark row of a kernel a pattern runs on, at `block`."""
     kernels = {cls.bench_kernel: kind for kind, cls in PATTERNS.items() if cls.bench_kernel}
-    rates: dict[str, dict[str, list[float]]] = {}
     for row in bench.get("rows", []):
         pattern = kernels.get(str(row.get("kernel")).split("@")[0])  # "vertical_slash@512": a second budget
-        if pattern is None or row.get("shape") != shape or str(row.get("block", block)) != str(block):
+        if pattern is not None and str(row.get("block", block)) == str(block):
+            yield pattern, row
+
+
+def bench_shapes(bench: dict[str, Any], block: int = 64) -> dict[str, tuple[int, int, int]]:
+    """{shape name: (query heads, KV heads, head_dim)} of every shape the benchmark timed at `block`."""
+    return {row["shape"]: (row["q_heads"], row["kv_heads"], row["head_dim"]) for _, row in _usable_rows(bench, block)}
+
+
+def match_shape(bench: dict[str, Any], model: Any, block: int = 64) -> tuple[str, str]:
+    """The benchmark shape to estimate `model` (a `ModelShape`: n_heads, n_kv_heads, head_dim) from, and a
+    sentence naming it: the model's own (heads, KV heads, head_dim) if measured, else the shape with the
+    same head_dim and the nearest head counts, else the nearest head_dim (`tile_rates` then scales the
+    per-tile times by head_dim)."""
+    shapes = bench_shapes(bench, block)
+    if not shapes:
+        raise ValueError(f"the benchmark has no kernel rows at block {block}: run `workbench bench prefill` on a GPU")
+    own = (model.n_heads, model.n_kv_heads, model.head_dim)
+
+    def distance(name: str) -> tuple[float, ...]:
+        hq, hkv, d = shapes[name]
+        return (abs(math.log2(d / own[2])), abs(math.log2(hq / own[0])) + abs(math.log2(hkv / own[1])))
+
+    name = min(sorted(shapes), key=distance)
+    hq, hkv, d = shapes[name]
+    what = f"shape {name!r} ({hq} q / {hkv} kv heads, head_dim {d})"
+    if (hq, hkv, d) == own:
+        return name, f"{what}: this model's attention shape"
+    if d == own[2]:
+        return name, f"{what}: nearest to this model's {own[0]} / {own[1]} heads, same head_dim (per-query-head rates)"
+    return name, (f"{what}: nearest head_dim to this model's {own[2]} (none measured at {own[2]}); "
+                  f"per-tile times scaled by {own[2]}/{d}")
+
+
+def tile_rates(bench: dict[str, Any], shape: str | Any = "embedded", block: int = 64) -> dict[str, dict[str, float]]:
+    """{pattern: {"per_tile_ms": ms per 64x64 tile of one query head, "index_ms": index build per query
+    head}} from the benchmark rows of `shape` at `block` (median over lengths). `shape`: a shape name the
+    benchmark measured, or a model's `ModelShape`, whose rows `match_shape` picks (per-tile times scaled
+    by head_dim when the picked shape's differs: a tile's FLOPs and bytes grow with it)."""
+    scale = 1.0
+    if not isinstance(shape, str):
+        model, (shape, _) = shape, match_shape(bench, shape, block)
+        scale = model.head_dim / bench_shapes(bench, block)[shape][2]
+    rates: dict[str, dict[str, list[float]]] = {}
+    for pattern, row in _usable_rows(bench, block):
+        if row.get("shape") != shape:
             continue
         heads = row["q_heads"]
         tiles = causal_tiles(row["n"], block) * heads * row.get("physical_density", 1.0)
         r = rates.setdefault(pattern, {"per_tile_ms": [], "index_ms": []})
-        r["per_tile_ms"].append(row["time_ms"] / tiles)
+        r["per_tile_ms"].append(row["time_ms"] / tiles * scale)
         r["index_ms"].append(row.get("index_ms", 0.0) / heads)
     if not rates:
         raise ValueError(f"the benchmark has no rows for shape {shape!r} at block {block}: "
-                         "pick a shape it measured (see its 'rows')")
+                         f"pick a shape it measured ({sorted(bench_shapes(bench, block))}) or pass the model's shape")
     return {p: {k: statistics.median(v) for k, v in r.items()} for p, r in rates.items()}
 
 
