@@ -22,6 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(default: configs/<model>.json if it exists, else search)")
     p.add_argument("--configs-dir", default="configs", help="folder that 'Save' writes into (default configs)")
     p.add_argument("--forecast-report", default=None, help="forecast report JSON for the Forecast tab")
+    p.add_argument("--bench", default=None, help="kernel benchmark JSON of the latency estimate "
+                   "(default assets/benchmarks/prefill_h200.json)")
     p.add_argument("--show", action="store_true", help="open a browser tab")
     add_device_arguments(p)
     p.set_defaults(func=run)
@@ -43,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     where = resolve_device_args(args)
     device, dtype = str(where["device"]), str(where["dtype"]).removeprefix("torch.")
     settings = Settings(model=args.model, task=args.task, length=args.length, seed=args.seed, config=args.config,
-                        configs_dir=args.configs_dir, forecast_report=args.forecast_report,
+                        configs_dir=args.configs_dir, forecast_report=args.forecast_report, bench=args.bench,
                         layers=Settings.parse_layers(args.layers), device=device, dtype=dtype)
     t0 = time.perf_counter()
     threading.Thread(target=SHARED.model, args=(args.model, device, dtype), daemon=True).start()  # shared by all sessions

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import io
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -78,7 +79,15 @@ class _View(pn.viewable.Viewer):
 
     def refresh(self) -> None:
         self._stale = False
-        self._draw()
+        self._safely(self._draw)
+
+    def _safely(self, draw: Callable[[], None]) -> None:
+        """Run `draw`; an error shows in the sidebar's Alert (raised on the page loop it reached only the log)."""
+        try:
+            draw()
+        except Exception as e:
+            logging.getLogger(__name__).exception("drawing %s failed", type(self).__name__)
+            self.session.error = f"{type(self).__name__} could not draw: {e or type(e).__name__}"
 
     def run(self, start, then=None) -> None:
         """Start a session job from a button; `then` redraws when it is done. Refusals show in the sidebar."""
@@ -88,7 +97,7 @@ class _View(pn.viewable.Viewer):
             self.session.error = str(e)
             return
         if then is not None:
-            job.add_done_callback(on_page_loop(lambda _: then()))
+            job.add_done_callback(on_page_loop(lambda _: self._safely(then)))
 
     def _draw(self) -> None:
         raise NotImplementedError
@@ -148,6 +157,9 @@ class HeadView(_View):
         self._show_sizes()
         seg = r["segments"]
         est = r["estimate_ms"]
+        estimate = r["estimate_source"] if est is None else (
+            f"{est * 1e3:.2f} us (of which index share {r['estimate_index_ms'] * 1e3:.2f} us) vs dense "
+            f"{r['dense_estimate_ms'] * 1e3:.2f} us: {r['estimate_source']}")
         self.numbers.object = _table([
             ("head", f"layer {s.layer}, head {s.head}: {e.label()}"),
             ("captured mass", _fmt(r["mass"])),
@@ -157,9 +169,7 @@ class HeadView(_View):
             ("output error (rel. L2)", _fmt(r["rel_l2"])), ("output cosine", _fmt(r["cosine"], 5)),
             ("logical density", _fmt(r["logical"])), ("physical density", _fmt(r["physical"])),
             ("64x64 tiles", str(r["tiles"])),
-            ("estimated latency", "-" if est is None else
-             f"{est * 1e3:.2f} us (of which index share {r['estimate_index_ms'] * 1e3:.2f} us) vs dense "
-             f"{r['dense_estimate_ms'] * 1e3:.2f} us: H200 per-tile model from 16K-128K runs, not measured here"),
+            ("estimated latency", estimate),
             ("edit time", f"{s.last_edit_ms:.0f} ms to compute (server)" if s.last_edit_ms == s.last_edit_ms else "-"),
         ], "wb-head")
         self.proxy.object = "VS proxy: " + ", ".join(f"{k}={v}" for k, v in s.config.proxy.items())
@@ -264,10 +274,9 @@ class LatencyView(_View):
                 ("dense SDPA", f"{r['dense_ms']:.2f} ms"), ("sparse", f"{r['sparse_ms']:.2f} ms"),
                 ("online index", f"{r['index_ms']:.2f} ms"), ("speed-up", f"{r['speedup']:.2f}x")]
         bars = {"dense SDPA": {"T_sparse": r["dense_ms"]}, "sparse": {"T_index": r["index_ms"], "T_sparse": r["sparse_ms"]}}
-        est = r.get("h200_estimate")
-        if est:
-            rows.append(("H200 estimate", f"dense {est['dense_ms'] * 1e3:.1f} us, sparse {est['sparse_ms'] * 1e3:.1f} us "
-                                          f"(per-tile model from {est['source']}, not measured here)"))
+        est = r["estimate"]
+        rows.append(("estimate", r["estimate_source"] if est is None else
+                     f"dense {est['dense_ms'] * 1e3:.1f} us, sparse {est['sparse_ms'] * 1e3:.1f} us ({r['estimate_source']})"))
         self.text.object = _table(rows, "wb-lat")
         self.plot.object = viz.latency_breakdown(bars, title=f"layer {r['layer']}: {r['path'][:60]}", reference="dense SDPA")
 
@@ -328,7 +337,7 @@ class ExportView(_View):
             else:
                 self._say(f"imported {self.upload.filename}: {self.session.config.summary()} heads{notes}",
                           "warning" if notes else "success")
-        job.add_done_callback(done)
+        job.add_done_callback(on_page_loop(done))
 
     def __panel__(self):
         return pn.Column(self.download, pn.Row(self.config_name, self.save), "Import a HeadConfig or MInference JSON:",
@@ -343,7 +352,8 @@ class Dashboard(pn.viewable.Viewer):
         s = self.session = Session(settings or Settings.from_env(dict(os.environ)))
         self.model = pn.widgets.TextInput(name="model", value=s.model_name, disabled=True)
         self.task = pn.widgets.Select.from_param(s.param.task, name="task")
-        self.length = pn.widgets.IntInput.from_param(s.param.length, name="length (tokens)", step=256)
+        self.length = pn.widgets.IntInput.from_param(s.param.length, name="length (tokens)", step=256,
+                                                    css_classes=["wb-length"])
         self.seed = pn.widgets.IntInput.from_param(s.param.seed, name="seed")
         self.target = pn.widgets.FloatInput.from_param(s.param.target, name="search target (captured mass)", step=0.01,
                                                        css_classes=["wb-target"])
@@ -351,7 +361,8 @@ class Dashboard(pn.viewable.Viewer):
         self.layer = pn.widgets.IntInput(name="layer", value=0, start=0, css_classes=["wb-layer"])
         self.head = pn.widgets.IntInput(name="head", value=0, start=0, css_classes=["wb-head-index"])
         self.open = pn.widgets.Button(name="Open head", css_classes=["wb-open"])
-        self.progress = pn.indicators.Progress(value=0, max=100, active=False, sizing_mode="stretch_width")
+        self.progress = pn.indicators.Progress(value=0, max=100, active=False, sizing_mode="stretch_width",
+                                               css_classes=["wb-progress"])
         self.status = pn.pane.HTML("", css_classes=["wb-status"])
         self.error = pn.pane.Alert("", alert_type="danger", visible=False, css_classes=["wb-error"])
         self.reload.on_click(lambda _: self._start(s.load))
@@ -382,7 +393,7 @@ class Dashboard(pn.viewable.Viewer):
 
     def _progress(self, _event) -> None:
         s = self.session
-        self.progress.param.update(value=max(s.progress, 0), active=s.busy and s.progress <= 0)
+        self.progress.param.update(**s.progress_bar())
         state = "busy" if s.busy else s.status
         self.status.object = f"<span class='wb-state' data-state='{html.escape(state)}'>{html.escape(s.status)}</span>"
         self.error.param.update(object=s.error, visible=bool(s.error))

@@ -100,7 +100,7 @@ class DecodeView(pn.viewable.Viewer):
 
     def _follow(self, _event: Any = None) -> None:
         s = self.session
-        self.progress.param.update(value=max(s.progress, 0), active=s.busy and s.progress <= 0)
+        self.progress.param.update(**s.progress_bar())
         self.button.disabled = s.busy
 
     def _draw(self) -> None:

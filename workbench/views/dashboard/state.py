@@ -5,13 +5,15 @@ capture do not depend on anyone's edits), behind a lock. Everything a user chang
 `Session` (a `param.Parameterized` made per browser tab): its HeadConfig copy, the selected head and
 the recall of every head under its edits. The analysis itself is library calls: `search` (evaluate,
 search, `rescore_head`), `headview` (segments, output error, density of an edited head), `latency`,
-`forecast_report`.
+`forecast_report`. A job that raises leaves its message in `error` and status "failed"; the latency
+estimate is optional: without a usable benchmark it says why instead of failing the job.
 """
 from __future__ import annotations
 
 import copy
 import hashlib
 import json
+import logging
 import re
 import threading
 import time
@@ -32,6 +34,7 @@ from workbench.search.search import TARGET
 CONFIG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 FORECAST_REPORTS = ("reports/forecast/forecast.json", "assets/benchmarks/forecast_cpu.json")
 FORECAST_HEADS = "configs/forecast/smollm2-135m.safetensors"
+LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class Settings:
     layers: tuple[int, ...] | None = None  # capture only these layers (quick looks and UI tests); None = all
     device: str | None = None  # where the model runs (None: cuda when available); views read CPU copies
     dtype: str | None = None  # model dtype (None: float32)
+    bench: str | None = None  # kernel benchmark JSON of the latency estimate (None: prefill.latency.BENCH)
 
     @staticmethod
     def parse_layers(text: str | None) -> tuple[int, ...] | None:
@@ -69,7 +73,7 @@ class Settings:
         return cls(model=get("MODEL"), task=get("TASK", "passkey"), length=int(get("LENGTH", 4096)),
                    seed=int(get("SEED", 0)), config=get("CONFIG"), configs_dir=get("CONFIGS_DIR", "configs"),
                    forecast_report=get("FORECAST_REPORT"), layers=cls.parse_layers(get("LAYERS")),
-                   device=get("DEVICE"), dtype=get("DTYPE"))
+                   device=get("DEVICE"), dtype=get("DTYPE"), bench=get("BENCH"))
 
 
 class Shared:
@@ -104,10 +108,13 @@ class Shared:
             with self._lock:
                 if key in self._memo:
                     return self._memo[key]
-            value = make()
+            try:
+                value = make()
+            finally:  # a failed make() is not cached: the next caller tries again
+                with self._lock:
+                    self._pending.pop(key, None)
             with self._lock:
                 self._memo[key] = value
-                self._pending.pop(key, None)
                 while len(self._memo) > self._max:
                     self._memo.popitem(last=False)
             return value
@@ -134,6 +141,22 @@ def config_path(folder: str | Path, name: str) -> Path:
     if path.parent != root:
         raise ValueError(f"config name {name!r} would leave {root}: use a plain file name")
     return path
+
+
+def latency_rates(path: str | Path, shape: Any) -> tuple[dict[str, dict[str, float]] | None, str]:
+    """Per-tile rates for a model of `shape` from the kernel benchmark at `path` (`latency.tile_rates` of
+    the shape `latency.match_shape` picks) and a sentence naming their source; (None, "no estimate: <why>")
+    when the file is missing, unreadable or has no usable rows. The estimate is optional: it never fails a job."""
+    from workbench.prefill.latency import load_bench, match_shape, tile_rates
+
+    try:
+        bench = load_bench(path)
+        _, picked = match_shape(bench, shape)
+        rates = tile_rates(bench, shape)
+    except (OSError, ValueError, KeyError) as e:
+        return None, f"no estimate: {Path(path).name}: {e}"
+    gpu = bench.get("environment", {}).get("gpu", "GPU")
+    return rates, f"{gpu} per-tile model from {Path(path).name}, {picked}; not measured here"
 
 
 def parse_config(text: str | bytes, shape: Any, source: str = "uploaded config", fill_missing: bool = False) -> HeadConfig:
@@ -196,7 +219,8 @@ class Session(param.Parameterized):
                 fn()
                 self.status = "ready"
             except Exception as e:  # shown in the UI; the session stays usable
-                self.error = f"{name} failed: {e}"
+                LOG.exception("dashboard job %r failed", name)
+                self.error = f"{name} failed: {e or type(e).__name__}"
                 self.status = "failed"
             finally:
                 self.progress = -1
@@ -211,6 +235,13 @@ class Session(param.Parameterized):
 
     def _step(self, text: str, done: int, total: int) -> None:
         self.status, self.progress = text, int(100 * done / max(total, 1))
+
+    def progress_bar(self) -> dict[str, Any]:
+        """Settings of a Panel `Progress` that follows the jobs: the job's percentage, an animated
+        indeterminate bar (value -1) until it reports one, stopped at 0 when no job runs."""
+        if not self.busy:
+            return {"value": 0, "active": False}
+        return {"value": self.progress if self.progress > 0 else -1, "active": self.progress <= 0}
 
     # ---- loading a sample ------------------------------------------------------------------------
     def load(self, config: HeadConfig | None = None) -> Future:
@@ -330,10 +361,10 @@ class Session(param.Parameterized):
         self.config.heads[i] = HeadEntry(old.layer, old.head, pattern, params)
         try:
             self.config.check("edit")
-        except ConfigError:
+            result = self._score_head(publish=False)
+        except Exception:
             self.config.heads[i] = old
             raise
-        result = self._score_head(publish=False)
         self.config.provenance.setdefault("edits", []).append(
             {"layer": self.layer, "head": self.head, "pattern": pattern, "params": params, "sample": self.sample.describe()})
         self.last_edit_ms = (time.perf_counter() - t0) * 1e3  # the numbers; then the views redraw
@@ -348,7 +379,7 @@ class Session(param.Parameterized):
     def _score_head(self, publish: bool = True) -> dict[str, Any]:
         """Numbers of the selected head under its current entry; updates the grid row too."""
         from workbench.patterns import causal_tiles
-        from workbench.prefill.latency import BENCH, estimate_ms, load_bench, tile_rates
+        from workbench.prefill.latency import estimate_ms
         from workbench.search.search import Candidate, rescore_head
         from workbench.views.headview import head_index
 
@@ -358,8 +389,14 @@ class Session(param.Parameterized):
         q, k, _ = cap.head_qkv(self.layer, self.head)
         index = head_index(e, q, k, cap.scale, self.config.proxy, self.config.block)
         view = self.head_view.evaluate(index)
-        rates = SHARED.memo(("rates",), lambda: tile_rates(load_bench(BENCH)) if BENCH.exists() else None)
         mass, oracle, tiles = scores["mass"][0], scores["oracle"][0], scores["tiles"][0]
+        rates, source = self.latency_rates()
+        try:
+            estimate = None if rates is None else {
+                "estimate_ms": estimate_ms(rates, e.pattern, tiles), "estimate_index_ms": rates[e.pattern]["index_ms"],
+                "dense_estimate_ms": estimate_ms(rates, "dense", causal_tiles(cap.n))}
+        except ValueError as err:  # a pattern the benchmark did not time
+            estimate, source = None, f"no estimate: {err}"
         self.config.heads[self.layer * self.config.model["n_heads"] + self.head] = HeadEntry(
             e.layer, e.head, e.pattern, e.params, recall={"mean": round(mass, 6), "worst": round(mass, 6)},
             density={"logical": round(view["logical"], 6), "physical": round(view["physical"], 6)},
@@ -369,9 +406,8 @@ class Session(param.Parameterized):
             "entry": self.entry(), "index": index, "mass": mass, "oracle": oracle, "tiles": tiles,
             "segments": view["segments"], "rel_l2": view["rel_l2"], "cosine": view["cosine"],
             "logical": view["logical"], "physical": view["physical"],
-            "estimate_ms": estimate_ms(rates, e.pattern, tiles) if rates and e.pattern in rates and "dense" in rates else None,
-            "estimate_index_ms": rates[e.pattern]["index_ms"] if rates and e.pattern in rates else None,
-            "dense_estimate_ms": estimate_ms(rates, "dense", causal_tiles(cap.n)) if rates and "dense" in rates else None,
+            **(estimate or dict.fromkeys(("estimate_ms", "estimate_index_ms", "dense_estimate_ms"))),
+            "estimate_source": source,
         }
         if publish:
             self._publish()
@@ -440,22 +476,33 @@ class Session(param.Parameterized):
     def time_latency(self) -> Future:
         return self.run_job(f"timing layer {self.layer}", self._time_latency)
 
+    def latency_rates(self) -> tuple[dict[str, dict[str, float]] | None, str]:
+        """`latency_rates` of the settings' benchmark (default `prefill.latency.BENCH`) for the loaded
+        model, shared; re-read when the file changes."""
+        from workbench.prefill.latency import BENCH
+
+        path = Path(self.settings.bench or BENCH)
+        stamp = path.stat().st_mtime_ns if path.exists() else None
+        dims = (self.shape.n_heads, self.shape.n_kv_heads, self.shape.head_dim)
+        return SHARED.memo(("rates", str(path.resolve()), stamp, dims), lambda: latency_rates(path, self.shape))
+
     def _time_latency(self) -> None:
         from workbench.patterns import causal_tiles
-        from workbench.prefill.latency import BENCH, estimate_ms, load_bench, tile_rates, time_model_layer
+        from workbench.prefill.latency import estimate_ms, time_model_layer
 
         cap = self.capture
         q, k, v = cap.layer_qkv(self.layer)
         index = self.config.layer_index(self.layer, q, k, cap.scale)
         out = time_model_layer(cap, self.config, self.layer)
-        if BENCH.exists():
-            rates = tile_rates(load_bench(BENCH))
+        rates, source = self.latency_rates()
+        try:
             tiles = index.tiles(cap.n).tolist()
-            out["h200_estimate"] = {
+            out["estimate"] = None if rates is None else {
                 "dense_ms": len(tiles) * estimate_ms(rates, "dense", causal_tiles(cap.n)),
-                "sparse_ms": sum(estimate_ms(rates, e.pattern, t) for e, t in zip(self.config.layer(self.layer), tiles)),
-                "source": str(BENCH.name)}
-        self.latency = {**out, "layer": self.layer}
+                "sparse_ms": sum(estimate_ms(rates, e.pattern, t) for e, t in zip(self.config.layer(self.layer), tiles))}
+        except ValueError as err:  # a pattern the benchmark did not time
+            out["estimate"], source = None, f"no estimate: {err}"
+        self.latency = {**out, "layer": self.layer, "estimate_source": source}
 
 
 def _on_cpu(cap: Any) -> Any:

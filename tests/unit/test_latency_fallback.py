@@ -1,0 +1,103 @@
+"""The latency estimate's benchmark shape: the model's own when measured, else the same head_dim, else the
+nearest (scaled); the dashboard says which, or "no estimate: <why>", and never fails a job over it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from workbench.core.model import ModelShape
+from workbench.prefill.latency import BENCH, load_bench, match_shape, tile_rates
+from workbench.views.dashboard.state import Session, Settings, Shared, latency_rates
+
+EMBEDDED = ModelShape(name="SmolLM2-135M-Instruct", architecture="llama", n_layers=30, n_heads=9, n_kv_heads=3,
+                      head_dim=64, hidden_size=576, rope_type="default", rope_theta=1e5, max_positions=8192,
+                      fingerprint="f")
+LLAMA3_ONLY = BENCH.parent / "prefill_llama3_h200.json"  # this round's rerun: Llama-3-8B rows only
+
+
+def _bench(*shapes: tuple[str, int, int, int]) -> dict:
+    """A kernel benchmark with one dense and one block-sparse row per (name, q heads, kv heads, head_dim)."""
+    rows = []
+    for name, hq, hkv, d in shapes:
+        common = {"shape": name, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "n": 16384}
+        rows += [{**common, "kernel": "dense_sdpa", "time_ms": 1.0 * hq},
+                 {**common, "kernel": "block_sparse", "block": "64", "time_ms": 0.5 * hq, "index_ms": 0.1 * hq,
+                  "physical_density": 0.5}]
+    return {"environment": {"gpu": "Test GPU"}, "rows": rows}
+
+
+def test_the_models_own_shape_when_measured():
+    bench = load_bench(BENCH)
+    name, note = match_shape(bench, EMBEDDED)
+    assert name == "embedded" and "this model's attention shape" in note
+    assert tile_rates(bench, EMBEDDED) == tile_rates(bench, "embedded")
+
+
+def test_without_the_models_shape_the_nearest_head_dim_scaled():
+    bench = load_bench(LLAMA3_ONLY)
+    with pytest.raises(ValueError, match=r"no rows for shape 'embedded'.*\['llama3-8b'\]"):
+        tile_rates(bench)  # the default name, as the dashboard used to ask for it
+    name, note = match_shape(bench, EMBEDDED)
+    assert name == "llama3-8b" and "head_dim 128" in note and "scaled by 64/128" in note
+    rates, theirs = tile_rates(bench, EMBEDDED), tile_rates(bench, "llama3-8b")
+    assert set(rates) == set(theirs) == {"vs", "block", "ashape", "dense"}
+    for p in rates:
+        assert rates[p]["per_tile_ms"] == pytest.approx(theirs[p]["per_tile_ms"] * 64 / 128)
+        assert rates[p]["index_ms"] == theirs[p]["index_ms"]
+
+
+def test_same_head_dim_wins_then_nearest_head_counts():
+    bench = _bench(("big64", 64, 8, 64), ("mid128", 8, 2, 128), ("mid64", 16, 4, 64))
+    name, note = match_shape(bench, EMBEDDED)
+    assert name == "mid64" and "same head_dim" in note and "9 / 3 heads" in note
+    rates = tile_rates(bench, EMBEDDED)
+    assert rates["dense"]["per_tile_ms"] == pytest.approx(tile_rates(bench, "mid64")["dense"]["per_tile_ms"])
+    with pytest.raises(ValueError, match="no kernel rows"):
+        match_shape({"rows": []}, EMBEDDED)
+
+
+def test_dashboard_rates_name_their_source_or_say_why_none(tmp_path):
+    rates, source = latency_rates(BENCH, EMBEDDED)
+    assert rates == tile_rates(load_bench(BENCH), "embedded") and "shape 'embedded'" in source
+    rates, source = latency_rates(LLAMA3_ONLY, EMBEDDED)
+    assert rates is not None and source.startswith("NVIDIA H200 per-tile model from prefill_llama3_h200.json")
+    assert "shape 'llama3-8b'" in source and "not measured here" in source
+    rates, source = latency_rates(tmp_path / "missing.json", EMBEDDED)
+    assert rates is None and source.startswith("no estimate: missing.json:") and "does not exist" in source
+    (tmp_path / "junk.json").write_text("{not json")
+    assert latency_rates(tmp_path / "junk.json", EMBEDDED)[1].startswith("no estimate: junk.json:")
+    (tmp_path / "empty.json").write_text(json.dumps({"rows": []}))
+    assert "no kernel rows" in latency_rates(tmp_path / "empty.json", EMBEDDED)[1]
+
+
+def test_bench_is_a_setting():
+    assert Settings.from_env({"WORKBENCH_DASHBOARD_BENCH": "x.json"}).bench == "x.json"
+    assert Settings().bench is None
+
+
+def test_a_failed_memo_is_retried_not_cached():
+    shared, calls = Shared(), []
+
+    def make():
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("first call fails")
+        return 7
+
+    with pytest.raises(ValueError, match="first call fails"):
+        shared.memo(("k",), make)
+    assert shared.memo(("k",), make) == 7 and shared.memo(("k",), make) == 7 and len(calls) == 2
+    assert not shared._pending
+
+
+def test_a_failed_job_shows_its_error_and_stops_the_progress_bar():
+    s = Session(Settings())
+    s.run_job("working", lambda: (s._step("half way", 1, 2), 1 / 0)).result(timeout=30)
+    assert (s.status, s.busy, s.progress) == ("failed", False, -1)
+    assert s.error == "working failed: division by zero"
+    assert s.progress_bar() == {"value": 0, "active": False}
+    s.busy, s.progress = True, 0
+    assert s.progress_bar() == {"value": -1, "active": True}  # animated until the job reports a percentage
+    s.progress = 40
+    assert s.progress_bar() == {"value": 40, "active": False}
