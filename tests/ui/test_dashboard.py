@@ -1,6 +1,8 @@
 """The dashboard in a real browser: a real `workbench dashboard` server on a free port, driven by
 Playwright through Debian's headless Chromium. The sample is short (512 tokens, layers 0-3) so the
-whole file stays within a few minutes on 2 cores."""
+whole file stays within a few minutes on 2 cores. The server's kernel benchmark lacks the embedded model's
+shape (Llama-3-8B rows only), so the latency estimate runs on its fallback throughout. Every wait also ends,
+failing with the page's message, as soon as the sidebar's error Alert shows."""
 from __future__ import annotations
 
 import json
@@ -22,6 +24,8 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 READY = ".wb-state[data-state='ready']"
+ERROR = ".wb-error:visible"  # the sidebar's Alert: a failed job, a refused edit
+LLAMA3_ONLY = Path(__file__).parents[2] / "assets" / "benchmarks" / "prefill_llama3_h200.json"
 LOAD_S = 600  # the first session captures and searches the sample on a busy 2-core machine
 STEP_MS = 300_000  # any one click's effect; generous because CI shares 2 cores with other tests
 
@@ -38,10 +42,13 @@ def server(tmp_path_factory):
     if not Path(CHROMIUM).exists():
         pytest.skip("Chromium is not installed: `make browser` (apt-get install chromium)")
     configs = tmp_path_factory.mktemp("configs")
+    bench = configs.parent / "bench_llama3_only.json"
+    shutil.copy(LLAMA3_ONLY, bench)
     port = _free_port()
     log = open(configs.parent / "dashboard.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "workbench", "dashboard", "--port", str(port), "--length", "512",
-                             "--layers", "0-3", "--config", "search", "--configs-dir", str(configs)],
+                             "--layers", "0-3", "--config", "search", "--configs-dir", str(configs),
+                             "--bench", str(bench)],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}/"
     try:
@@ -69,11 +76,18 @@ def browser():
         b.close()
 
 
+def _until(page, locator, timeout_ms=STEP_MS):
+    """Wait for `locator`; fail at once, with its text, if the error Alert shows first."""
+    locator.or_(page.locator(ERROR)).first.wait_for(timeout=timeout_ms)
+    if page.locator(ERROR).count():
+        pytest.fail(f"the page shows an error: {page.locator('.wb-error p').inner_text()}")
+
+
 def _open(browser, url):
     page = browser.new_context(accept_downloads=True).new_page()
     page.set_default_timeout(STEP_MS)
     page.goto(url)
-    page.wait_for_selector(READY, timeout=LOAD_S * 1000)
+    _wait_ready(page)
     return page
 
 
@@ -82,7 +96,7 @@ def _tab(page, name):
 
 
 def _wait_ready(page):
-    page.wait_for_selector(READY, timeout=LOAD_S * 1000)
+    _until(page, page.locator(READY), LOAD_S * 1000)
 
 
 def _number(page, key) -> float:
@@ -96,7 +110,7 @@ def _open_head(page, layer, head):
     page.locator(".wb-head-index input").press("Enter")
     page.locator(".wb-open button").click()
     _tab(page, "Head")
-    page.locator(".wb-head-head", has_text=f"layer {layer}, head {head}:").wait_for(timeout=LOAD_S * 1000)
+    _until(page, page.locator(".wb-head-head", has_text=f"layer {layer}, head {head}:"), LOAD_S * 1000)
     _wait_ready(page)
 
 
@@ -108,7 +122,7 @@ def _edit(page, pattern, **sizes):
         page.locator(f".wb-{k} input").fill(str(v))
         page.locator(f".wb-{k} input").press("Enter")
     want = ", ".join(f"{k}={v}" for k, v in sizes.items())
-    page.locator(".wb-head-head", has_text=f"{pattern}({want})").wait_for(timeout=STEP_MS)
+    _until(page, page.locator(".wb-head-head", has_text=f"{pattern}({want})"))
     assert page.locator(".wb-head-head").inner_text() != before
     return _number(page, "captured")
 
@@ -127,7 +141,7 @@ def test_grid_click_opens_a_head_and_an_edit_changes_its_recall(server, browser)
     layer, head = 2, 3  # the grid shows 30 layers x 9 heads; cell centres
     page.mouse.click(box["x"] + (head + 0.5) / 9 * box["width"], box["y"] + (layer + 0.5) / 30 * box["height"])
     _tab(page, "Head")
-    page.locator(".wb-head-head", has_text=f"layer {layer}, head {head}:").wait_for(timeout=LOAD_S * 1000)
+    _until(page, page.locator(".wb-head-head", has_text=f"layer {layer}, head {head}:"), LOAD_S * 1000)
     _wait_ready(page)
     wide = _edit(page, "ashape", sink=64, window=256)
     narrow = _edit(page, "ashape", sink=1, window=8)
@@ -187,8 +201,9 @@ def test_malformed_config_shows_the_field_and_other_tabs_fill(server, browser, t
     _tab(page, "Latency")
     page.get_by_role("button", name="Time the selected layer").click()
     # on the CPU the path is labelled: the PyTorch reference (no speed-up), or dense SDPA for an all-dense layer
-    page.locator(".wb-lat-device", has_text="cpu").wait_for(timeout=LOAD_S * 1000)
+    _until(page, page.locator(".wb-lat-device", has_text="cpu"), LOAD_S * 1000)
     assert re.search(r"PyTorch reference path|all heads dense", page.locator(".wb-lat-path").inner_text())
+    assert "shape 'llama3-8b'" in page.locator(".wb-lat-estimate").inner_text()  # the fallback, named
     data = _download(page)
     del data["heads"][5]["params"]
     bad = tmp_path / "bad.json"
@@ -241,3 +256,34 @@ def test_two_sessions_edit_different_heads_in_isolation(server, browser):
     assert {(e["layer"], e["head"]) for e in cfg_b["provenance"]["edits"]} == {(3, 4)}
     a.close()
     b.close()
+
+
+def test_estimate_names_its_fallback_and_a_failed_job_shows_in_the_alert(server, browser):
+    """The benchmark lacks the embedded shape: the page still loads and the estimate names the shape it
+    reads instead. A job that fails shows its message in the Alert within seconds, the progress bar
+    stops, and the next load works."""
+    url, _ = server
+    page = _open(browser, url)
+    _tab(page, "Head")
+    _until(page, page.locator(".wb-head-head", has_text="layer 0, head 0:"))
+    estimate = page.locator(".wb-head-estimated").inner_text()
+    assert re.search(r"\d+\.\d+ us .* vs dense \d+\.\d+ us: NVIDIA H200 per-tile model from bench_llama3_only\.json, "
+                     r"shape 'llama3-8b' .*head_dim 128.*nearest head_dim to this model's 64.*scaled by 64/128", estimate)
+
+    length = page.locator(".wb-length input")
+    assert length.input_value() == "512"
+    length.fill("100000")
+    length.press("Enter")
+    page.locator(".wb-load button").click()  # the model allows 8192 positions: the load job raises
+    alert = page.locator(".wb-error p", has_text=re.compile(r"loading failed: the prompt has 100000 tokens.*at most 8192"))
+    alert.wait_for(timeout=15_000)
+    page.locator(".wb-state[data-state='failed']").wait_for(timeout=5_000)
+    assert page.locator(".wb-progress progress").get_attribute("value") == "0"  # stopped, not animated
+    assert page.locator(".wb-load button").is_enabled()
+
+    length.fill("512")
+    length.press("Enter")
+    page.locator(".wb-load button").click()
+    page.locator(ERROR).wait_for(state="hidden", timeout=15_000)  # a new job clears the old error
+    _wait_ready(page)
+    page.close()

@@ -20,6 +20,7 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 READY = ".wb-state[data-state='ready']"
+SETTLED = f"{READY}, .wb-error:visible"  # ready, or the sidebar's error Alert: fail at once with its text
 WAIT_MS = 600_000  # a shared 2-core machine
 MODES = ("dense-resident", "sparse-resident", "sparse-offload-sync", "sparse-resident/forecast", "sparse-offload-forecast")
 
@@ -52,6 +53,11 @@ def url(tmp_path_factory):
         log.close()
 
 
+def _settle(page) -> None:
+    page.wait_for_selector(SETTLED)
+    assert page.locator(READY).count(), f"the page shows an error: {page.locator('.wb-error p').inner_text()}"
+
+
 def test_decode_tab_shows_every_mode_and_offload_is_lossless(url):
     from playwright.sync_api import sync_playwright
 
@@ -61,13 +67,13 @@ def test_decode_tab_shows_every_mode_and_offload_is_lossless(url):
             page = browser.new_page()
             page.set_default_timeout(WAIT_MS)
             page.goto(url)
-            page.wait_for_selector(READY)
+            _settle(page)
             page.locator(".bk-tab").filter(has_text=re.compile("^Decode$")).click()
             page.locator(".wb-decode-tokens input").fill("3")
             page.locator(".wb-decode-tokens input").press("Enter")
             page.locator(".wb-decode-run button").click()
-            page.wait_for_selector("table.wb-decode tr[data-mode]")
-            page.wait_for_selector(READY)
+            page.wait_for_selector("table.wb-decode tr[data-mode], .wb-error:visible")
+            _settle(page)
             assert "cpu reference path" in page.locator(".wb-decode-device").inner_text()
             rows = {}
             for mode in MODES:
