@@ -135,7 +135,7 @@ class HeadView(_View):
         self.sizes = {k: pn.widgets.IntInput(name=k, value=v, start=0, css_classes=[f"wb-{k}"], width=110)
                       for k, v in _DEFAULTS.items()}
         self.proxy = pn.pane.HTML("", css_classes=["wb-proxy-settings"])
-        self.numbers = pn.pane.HTML("", css_classes=["wb-numbers"], min_width=380)
+        self.numbers = pn.pane.HTML("", css_classes=["wb-numbers"], width=560)
         self.segments = pn.pane.Plotly(None, config={"displayModeBar": False})
         self.map = pn.pane.Plotly(None, config={"displayModeBar": False})
         self._syncing = False
