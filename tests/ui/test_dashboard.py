@@ -77,8 +77,16 @@ def browser():
 
 
 def _until(page, locator, timeout_ms=STEP_MS):
-    """Wait for `locator`; fail at once, with its text, if the error Alert shows first."""
-    locator.or_(page.locator(ERROR)).first.wait_for(timeout=timeout_ms)
+    """Wait for `locator`; fail at once, with its text, if the error Alert shows first; on a timeout,
+    say what the page's status line shows."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        locator.or_(page.locator(ERROR)).first.wait_for(timeout=timeout_ms)
+    except PlaywrightTimeout:
+        state = page.locator(".wb-state")
+        pytest.fail(f"waited {timeout_ms / 1000:.0f} s for {locator}; the page's state is "
+                    f"{state.get_attribute('data-state')!r}: {state.inner_text()!r}")
     if page.locator(ERROR).count():
         pytest.fail(f"the page shows an error: {page.locator('.wb-error p').inner_text()}")
 

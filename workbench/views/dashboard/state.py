@@ -110,11 +110,13 @@ class Shared:
                     return self._memo[key]
             try:
                 value = make()
-            finally:  # a failed make() is not cached: the next caller tries again
+            except BaseException:  # not cached: the next caller tries again
                 with self._lock:
                     self._pending.pop(key, None)
+                raise
             with self._lock:
                 self._memo[key] = value
+                self._pending.pop(key, None)
                 while len(self._memo) > self._max:
                     self._memo.popitem(last=False)
             return value
