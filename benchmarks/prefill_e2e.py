@@ -64,7 +64,7 @@ def compile_other(model) -> None:
 
 
 def _config(shape, make):
-    from workbench.search.config import HeadConfig, HeadEntry
+    from workbench.config import HeadConfig, HeadEntry
 
     heads = [HeadEntry(l, h, *make(h)) for l in range(shape.n_layers) for h in range(shape.n_heads)]
     return HeadConfig(model=shape.to_dict(), heads=heads, provenance={"source": "prefill bench (synthetic budgets)"})

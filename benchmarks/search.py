@@ -64,12 +64,12 @@ def embedded_search(args: argparse.Namespace) -> int:
 
     from workbench.cli import build_parser
     from workbench.cli.search import task_depth
+    from workbench.config import HeadConfig
     from workbench.core.capture import capture_attention
     from workbench.core.corpus import make_sample
     from workbench.core.io import write_json
     from workbench.core.model import load_model
     from workbench.core.timing import environment, measure
-    from workbench.search.config import HeadConfig
     from workbench.search.search import Candidate, HeadCache, compare_proxies, rescore_head
 
     n = args.length or 4096

@@ -62,7 +62,7 @@ def attention_figures(length: int) -> dict:
 
 
 def benchmark_figures() -> dict:
-    from workbench.search.config import HeadConfig
+    from workbench.config import HeadConfig
     from workbench.views import viz
 
     figs = {}

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from workbench.config import HeadConfig, HeadEntry
 from workbench.core.model import ModelShape
-from workbench.search.config import HeadConfig, HeadEntry
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

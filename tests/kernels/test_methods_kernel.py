@@ -81,9 +81,9 @@ PARITY_ABS = 1e-3  # tests/model/test_prefill_parity.py's bar
 
 def mixed_prefill(entries, n=200, hkv=3, d=16, seed=0, **kw):
     """(SparsePrefill over one layer of `entries`, q, k, v) for a toy model shape, batch 2."""
+    from workbench.config import HeadConfig, HeadEntry
     from workbench.core.model import ModelShape
     from workbench.prefill.sparse import SparsePrefill
-    from workbench.search.config import HeadConfig, HeadEntry
 
     shape = ModelShape("toy", "llama", 1, len(entries), hkv, d, 64, "default", 10000.0, 4096, "toy")
     config = HeadConfig(model=shape.to_dict(), heads=[HeadEntry(0, h, p, a) for h, (p, a) in enumerate(entries)])
@@ -148,8 +148,8 @@ def test_compare_kernel_path_runs_on_the_models_device(embedded):
     kernel, the searched config through the deployed Triton path) at a tiny size; on the CPU under the
     Triton interpreter (the times mean nothing there, the path and the report fields do)."""
     from workbench.analysis.compare import default_methods
+    from workbench.config import HeadConfig
     from workbench.prefill.compare import SEARCHED, compare
-    from workbench.search.config import HeadConfig
 
     model, tok, shape = embedded
     model = model if DEV == "cpu" else copy.deepcopy(model).to(DEV)

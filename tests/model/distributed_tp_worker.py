@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
+from workbench.config import ConfigError, HeadConfig, HeadEntry, global_head
 from workbench.core.capture import capture_attention
 from workbench.core.io import write_json
 from workbench.core.model import load_model
 from workbench.prefill.sparse import SparsePrefill
 from workbench.search import distributed
-from workbench.search.config import ConfigError, HeadConfig, HeadEntry, global_head
 
 
 def remapped_view(cfg: HeadConfig, rank: int, tp: int, to_global) -> HeadConfig:

@@ -1,7 +1,7 @@
 """Head configs the sparse-prefill tests share (a helper module, not a test module)."""
 from __future__ import annotations
 
-from workbench.search.config import HeadConfig, HeadEntry
+from workbench.config import HeadConfig, HeadEntry
 
 
 def make_config(shape, pattern_of) -> HeadConfig:

@@ -24,8 +24,8 @@ def test_pareto_front_is_the_non_dominated_set():
 
 
 def test_compare_small(embedded, tmp_path):
+    from workbench.config import HeadConfig
     from workbench.prefill.compare import SEARCHED, compare
-    from workbench.search.config import HeadConfig
     from workbench.views.methods import report_html
 
     model, tok, shape = embedded

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from workbench.config import HeadConfig
 from workbench.prefill.quality import backend_agreement
-from workbench.search.config import HeadConfig
 
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 

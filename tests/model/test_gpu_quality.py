@@ -20,10 +20,10 @@ KL_MEAN_BAR = 0.005
 def test_triton_path_keeps_the_dense_outcome_on_the_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    from workbench.config import HeadConfig
     from workbench.core.io import write_json
     from workbench.core.model import load_model
     from workbench.prefill.quality import quality_report
-    from workbench.search.config import HeadConfig
 
     model, tok, shape = load_model(device="cuda", dtype=torch.bfloat16)
     fp32, _, _ = load_model(device="cuda", dtype=torch.float32)

@@ -17,8 +17,8 @@ import dataclasses  # noqa: E402
 import pytest  # noqa: E402
 from prefill_configs import covering, make_config, tight  # noqa: E402
 
+from workbench.config import ConfigError  # noqa: E402
 from workbench.prefill.sparse import SparsePrefill, generate_greedy  # noqa: E402
-from workbench.search.config import ConfigError  # noqa: E402
 
 N = 256
 

@@ -20,9 +20,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
+from workbench.config import HeadConfig  # noqa: E402
 from workbench.core.corpus import make_sample  # noqa: E402
 from workbench.prefill.sparse import SparsePrefill  # noqa: E402
-from workbench.search.config import HeadConfig  # noqa: E402
 
 SHIPPED = "configs/SmolLM2-135M-Instruct.json"
 MAX_ABS = 1e-3

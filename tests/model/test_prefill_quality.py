@@ -91,8 +91,8 @@ def test_config_fixes_from_stored_evidence():
     costlier candidates; dense fallback makes exactly the given layers dense."""
     from pathlib import Path
 
+    from workbench.config import HeadConfig
     from workbench.prefill.quality import dense_fallback, rechoose
-    from workbench.search.config import HeadConfig
 
     shipped = HeadConfig.load(Path(__file__).parents[2] / "configs" / "SmolLM2-135M-Instruct.json")
     same = rechoose(shipped, shipped.provenance["target"], shipped.provenance.get("tail_target"))

@@ -8,8 +8,8 @@ import torch
 
 from workbench.analysis.metrics import layer_sums, vs_oracle
 from workbench.analysis.stats import captured_mass
+from workbench.config import HeadConfig
 from workbench.patterns import AShape, BlockSparse, Dense, VerticalSlash, block_proxy, vs_proxy
-from workbench.search.config import HeadConfig
 from workbench.search.search import (
     TAIL_ROWS,
     Candidate,

@@ -228,7 +228,7 @@ def test_malformed_config_shows_the_field_and_other_tabs_fill(server, browser, t
 def test_minference_upload_with_missing_heads_is_refused_then_filled_with_a_warning(server, browser, tmp_path):
     """Strict by default (the message points at the page's control, not a CLI flag); with "fill missing
     heads" ticked the import goes through and the page names each filled head."""
-    from workbench.search.config import HeadConfig
+    from workbench.config import HeadConfig
 
     url, _ = server
     page = _open(browser, url)

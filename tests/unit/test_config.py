@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from workbench.config import SCHEMA, ConfigError, HeadConfig, HeadEntry, global_head, local_head, tp_split
 from workbench.core.model import ModelShape
 from workbench.patterns import AShape, Dense
-from workbench.search.config import SCHEMA, ConfigError, HeadConfig, HeadEntry, global_head, local_head, tp_split
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPE = ModelShape(name="tiny", architecture="llama", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from workbench.cli import main
+from workbench.config import ConfigError, HeadConfig
 from workbench.core.model import ModelError
 from workbench.core.shapes import NAMED, SHAPE_ONLY, named_shape, resolve_shape
-from workbench.search.config import ConfigError, HeadConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "configs" / "SmolLM2-135M-Instruct.json"

@@ -92,7 +92,7 @@ def test_layer_tiles_cover_exactly_the_stack():
 
 
 def test_head_index_is_the_configs_index_for_that_head():
-    from workbench.search.config import PROXY_DEFAULTS, HeadConfig, HeadEntry
+    from workbench.config import PROXY_DEFAULTS, HeadConfig, HeadEntry
     from workbench.views.headview import head_index
 
     g = torch.Generator().manual_seed(2)

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
+from workbench.config import ConfigError, HeadConfig, HeadEntry
 from workbench.core.model import ModelShape
-from workbench.search.config import ConfigError, HeadConfig, HeadEntry
 from workbench.views.dashboard.state import Settings, config_path, parse_config
 
 SHAPE = ModelShape(name="tiny", architecture="llama", n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, hidden_size=16,

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from workbench.config import ConfigError, HeadConfig, HeadEntry
 from workbench.core.model import ModelShape
 from workbench.prefill.flex import block_mask, flex, load_masks, save_masks, static_layers
 from workbench.prefill.sparse import SparsePrefill
-from workbench.search.config import ConfigError, HeadConfig, HeadEntry
 
 SHAPE = ModelShape(name="tiny", architecture="llama", n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16,
                    hidden_size=64, rope_type="default", rope_theta=10000.0, max_positions=2048, fingerprint="f")

@@ -234,8 +234,8 @@ def test_quest_select_forces_init_and_local_and_ranks_by_bound():
 # ------------------------------------------------------------------------------ config and search
 
 def test_config_runs_and_refuses_to_export_the_new_kinds():
+    from workbench.config import ConfigError, HeadConfig
     from workbench.patterns import Stack
-    from workbench.search.config import ConfigError, HeadConfig
 
     cfg = HeadConfig.load("configs/SmolLM2-135M-Instruct.json")
     cfg.edit(3, 0, "xattention", {"tau_milli": 900, "stride": 8}, keep_score=False)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from workbench_kernels.index_ref import tiles_to_mask
 
+from workbench.config import HeadConfig, HeadEntry
 from workbench.core.model import ModelShape
 from workbench.prefill.sparse import SparsePrefill
-from workbench.search.config import HeadConfig, HeadEntry
 
 N = 256
 

@@ -130,7 +130,7 @@ def test_grids_and_thumbnails():
 
 
 def test_pattern_grid_from_a_head_config(embedded):
-    from workbench.search.config import HeadConfig, HeadEntry
+    from workbench.config import HeadConfig, HeadEntry
 
     _, _, shape = embedded
     heads = [HeadEntry(l, h, "ashape", {"sink": 64, "window": 256}, recall={"mean": 0.9 + h / 100, "worst": 0.8})

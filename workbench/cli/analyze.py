@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
                      "kinds": ", ".join(sorted({p.kind for p in ps}))})
     rep.table(rows)
     if not args.no_fits:
-        from workbench.search.config import HeadConfig
+        from workbench.config import HeadConfig
         from workbench.search.search import pattern_fits
 
         config = HeadConfig.load(args.config, shape) if args.config else None

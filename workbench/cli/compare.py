@@ -51,10 +51,10 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from workbench.config import HeadConfig
     from workbench.core.io import write_json
     from workbench.core.model import load_model
     from workbench.prefill.compare import compare
-    from workbench.search.config import HeadConfig
 
     if args.render:
         import json

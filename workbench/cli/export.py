@@ -54,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
+    from workbench.config import SCHEMA, HeadConfig
     from workbench.core.io import write_json
-    from workbench.search.config import SCHEMA, HeadConfig
 
     if args.format == "schema":
         data = SCHEMA

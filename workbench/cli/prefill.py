@@ -40,9 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_quality(args: argparse.Namespace) -> int:
     import torch
 
+    from workbench.config import HeadConfig
     from workbench.core.model import load_model
     from workbench.prefill.quality import quality_report
-    from workbench.search.config import HeadConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from workbench.analysis.compare import Method, default_methods, pareto_front, sweep_layer, timed
+from workbench.config import HeadConfig
 from workbench.core.attention import attention_override, dense_attention
 from workbench.core.capture import capture_attention
 from workbench.core.corpus import make_sample
@@ -33,7 +34,6 @@ from workbench.core.model import ModelShape
 from workbench.patterns import Pattern
 from workbench.prefill.quality import dense_greedy, kl_top1
 from workbench.prefill.sparse import SparsePrefill, generate_greedy, masked_prefill
-from workbench.search.config import HeadConfig
 
 LayerBuilder = Callable[[int, torch.Tensor, torch.Tensor, float], Pattern]  # (layer, q [Hq,N,D], k, scale)
 QUALITY = ("all", "mid", "none")

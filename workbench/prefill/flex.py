@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
+from workbench.config import ConfigError, HeadConfig
 from workbench.prefill.tiles import tile_rows
-from workbench.search.config import ConfigError, HeadConfig
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 ROW_BLOCKS = 64  # row blocks per chunk when packing tiles into bits (bounds the temporary mask)

@@ -33,11 +33,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from workbench.config import HeadConfig
 from workbench.core.device import model_device
 from workbench.core.io import write_json
 from workbench.core.model import ModelShape
 from workbench.prefill.sparse import SparsePrefill, generate_greedy
-from workbench.search.config import HeadConfig
 
 KL_BAR = 0.05
 BACKENDS = {"torch": "PyTorch reference of the sparse kernel's tiles",
@@ -338,7 +338,7 @@ def write_html(report: dict[str, Any], path: str | Path) -> Path:
 
 def dense_fallback(config: HeadConfig, layers: Sequence[int], note: str = "") -> HeadConfig:
     """A copy of `config` whose `layers` run dense (every head), with the change in its provenance."""
-    from workbench.search.config import HeadEntry
+    from workbench.config import HeadEntry
 
     layers = sorted(set(layers))
     heads = [HeadEntry(e.layer, e.head, "dense", {}, recall={"mean": 1.0, "worst": 1.0}) if e.layer in layers

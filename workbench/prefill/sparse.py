@@ -32,6 +32,7 @@ import torch
 from workbench_kernels import NO_WINDOW
 from workbench_kernels.index_ref import VSTiles, merge_tiles
 
+from workbench.config import HeadConfig
 from workbench.core.attention import attention_override, dense_attention
 from workbench.core.device import model_device
 from workbench.core.model import ModelShape
@@ -39,7 +40,6 @@ from workbench.core.timing import stamp
 from workbench.patterns import Dense, pattern_class
 from workbench.patterns.base import Band
 from workbench.prefill.tiles import tile_rows
-from workbench.search.config import HeadConfig
 
 # Prefill length below which prompts run dense: the first measured length at which the sparse model
 # (block-sparse top-100 and A-shape configs, Llama-3-8B shape, bf16, H200) beats dense SDPA end to end;

@@ -1,2 +1,2 @@
-"""Per-head pattern search (evidence, choice), the head config it writes (schema, MInference and
-tensor-parallel views) and the distributed search."""
+"""Per-head pattern search: evidence over the pattern registry, the choice, and the distributed search.
+The head config it writes lives in `workbench.config`."""

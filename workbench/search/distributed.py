@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from workbench.config import ConfigError, HeadConfig, global_head, rank_kv_heads, tp_split
 from workbench.core.model import ModelShape
-from workbench.search.config import ConfigError, HeadConfig, global_head, rank_kv_heads, tp_split
 from workbench.search.search import TARGET, Candidate, Evidence, build_config, choose, collect_evidence, default_candidates
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

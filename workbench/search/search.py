@@ -41,6 +41,7 @@ from workbench.analysis.metrics import (
     vs_mass,
 )
 from workbench.analysis.stats import attention_rows, captured_mass
+from workbench.config import PARAMS, PROXY_DEFAULTS, HeadConfig, HeadEntry
 from workbench.core.timing import environment
 from workbench.patterns import (
     BLOCK,
@@ -56,7 +57,6 @@ from workbench.patterns import (
     vs_tile_count,
 )
 from workbench.patterns.proxy import top_positions
-from workbench.search.config import PARAMS, PROXY_DEFAULTS, HeadConfig, HeadEntry
 
 TARGET = 0.95
 TAIL_ROWS = 64

@@ -19,7 +19,7 @@ import pandas as pd
 import panel as pn
 import param
 
-from workbench.search.config import MINFERENCE_DEFAULT, PARAMS
+from workbench.config import MINFERENCE_DEFAULT, PARAMS
 from workbench.views import viz  # absolute imports: `panel serve` runs this file as a script
 from workbench.views.dashboard.decode_tab import DecodeView
 from workbench.views.dashboard.state import Session, Settings

@@ -27,8 +27,8 @@ from typing import Any
 import param
 import torch
 
+from workbench.config import PARAMS, ConfigError, HeadConfig, HeadEntry
 from workbench.core.corpus import TASKS
-from workbench.search.config import PARAMS, ConfigError, HeadConfig, HeadEntry
 from workbench.search.search import TARGET
 
 CONFIG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
