@@ -109,3 +109,32 @@ def test_bad_input_is_refused():
         layer_stats(q, torch.randn(2, 8, 4), 1.0)
     with pytest.raises(ValueError, match="expected"):
         captured_mass(torch.randn(3, 8, 4), torch.randn(1, 8, 4), 1.0, ColumnIndex([0], 2))
+
+
+@pytest.mark.parametrize("rows", [(0, 200), (136, 200), (13, 77), (190, 200)])
+def test_layer_sums_over_a_row_segment_equal_the_dense_softmax_of_those_rows(rows):
+    from workbench.analysis.metrics import column_offset_mass, layer_sums
+
+    torch.manual_seed(0)
+    h, n, r0, r1 = 6, 200, *rows
+    q, k = torch.randn(h, n, 16), torch.randn(2, n, 16)
+    s = (q @ k.repeat_interleave(3, 0).transpose(1, 2)) * 0.3
+    p = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    seg = torch.zeros_like(p)
+    seg[:, r0:r1] = p[:, r0:r1]
+    sums = layer_sums(q, k, 0.3, chunk=64, rows=rows)
+    assert sums.n_rows == r1 - r0
+    torch.testing.assert_close(sums.column_mass, seg.sum(1), atol=1e-5, rtol=0)
+    i, j = torch.tril_indices(n, n)
+    diag = torch.zeros(h, n).index_add_(1, i - j, seg[:, i, j])
+    torch.testing.assert_close(sums.diag_mass, diag, atol=1e-5, rtol=0)
+    pad = torch.nn.functional.pad(seg, (0, -n % 64, 0, -n % 64))
+    m = pad.shape[-1] // 64
+    torch.testing.assert_close(sums.block_mass, pad.reshape(h, m, 64, m, 64).sum((2, 4)), atol=1e-5, rtol=0)
+    torch.testing.assert_close(sums.lse[:, r0:r1], s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1),
+                                                                  float("-inf")).logsumexp(-1)[:, r0:r1], atol=1e-4, rtol=0)
+    cols = torch.stack([torch.randperm(n)[:10] for _ in range(h)])
+    overlap = column_offset_mass(q, k, 0.3, sums.lse, [cols], rows=rows)[0]
+    on_cols = torch.zeros(h, n, n, dtype=torch.bool).scatter_(2, cols[:, None, :].expand(-1, n, -1), True)
+    ref = torch.zeros(h, n).index_add_(1, i - j, (seg * on_cols)[:, i, j])
+    torch.testing.assert_close(overlap, ref, atol=1e-5, rtol=0)

@@ -91,54 +91,68 @@ def index_iou(a: torch.Tensor, b: torch.Tensor, n: int) -> torch.Tensor:
 
 @dataclass
 class LayerSums:
-    """Exact sums of one layer's dense attention (units: rows; divide by n for fractions).
+    """Exact sums of one layer's dense attention over the query rows `rows` = [r0, r1) (units: rows of
+    that segment; divide by r1 - r0 for fractions).
 
-    column_mass `[H, N]`, diag_mass `[H, N]` (by offset i - j), block_mass `[H, M, M]` (64x64 tiles),
-    lse `[H, N]`: each row's log-normaliser, so p[i, j] = exp(scale q_i.k_j - lse[i]) for j <= i."""
+    column_mass `[H, N]`, diag_mass `[H, N]` (by offset i - j), block_mass `[H, M, M]` (64x64 tiles; row
+    blocks outside the segment stay 0), lse `[H, N]`: each row's log-normaliser, so p[i, j] =
+    exp(scale q_i.k_j - lse[i]) for j <= i (rows outside the segment hold 0)."""
 
     column_mass: torch.Tensor
     diag_mass: torch.Tensor
     block_mass: torch.Tensor
     lse: torch.Tensor
+    rows: tuple[int, int] = (0, 0)
+
+    @property
+    def n_rows(self) -> int:
+        """How many query rows the sums cover (the denominator of a mass fraction)."""
+        return self.rows[1] - self.rows[0]
 
 
 @torch.no_grad()
-def layer_sums(q: torch.Tensor, k: torch.Tensor, scale: float, block: int = BLOCK, chunk: int = 256) -> LayerSums:
-    """One pass over the rows: the sums the search needs (a lean `workbench.analysis.stats.layer_stats` plus lse)."""
+def layer_sums(q: torch.Tensor, k: torch.Tensor, scale: float, block: int = BLOCK, chunk: int = 256,
+               rows: tuple[int, int] | None = None) -> LayerSums:
+    """One pass over the query rows `rows` (default all): the sums the search needs (a lean
+    `workbench.analysis.stats.layer_stats` plus lse). `rows=(n - 64, n)` gives the answer rows' sums."""
     hq, n, d = q.shape
+    r_start, r_stop = (0, n) if rows is None else rows
     g = hq // k.shape[0]
     m = -(-n // block)
     chunk = max(block, chunk // block * block)
     col, diag = torch.zeros(hq, n), torch.zeros(hq, n)
-    tiles, lse = torch.zeros(hq, m, m), torch.empty(hq, n)
+    tiles, lse = torch.zeros(hq, m, m), torch.zeros(hq, n)
     kq = k.float().repeat_interleave(g, 0)  # [Hq, N, D]
-    for r0, r1, p, _ in attention_rows(q, k, scale, chunk=chunk):
+    for r0, r1, p, _ in attention_rows(q, k, scale, chunk=chunk, rows=(r_start, r_stop)):
         col[:, :r1] += p.sum(1)
         diag[:, :r1] += diagonal_sums(p)
-        pad_r, pad_c = -(r1 - r0) % block, -r1 % block
-        tiles[:, r0 // block:-(-r1 // block), :-(-r1 // block)] = torch.nn.functional.pad(p, (0, pad_c, 0, pad_r)).reshape(
-            hq, (r1 - r0 + pad_r) // block, block, (r1 + pad_c) // block, block).sum((2, 4))
+        pad_top, pad_c = r0 % block, -r1 % block  # rows r0..r1-1 sit inside whole row blocks once padded
+        pad_r = -(r1 - r0 + pad_top) % block
+        b0 = r0 // block
+        tiles[:, b0:-(-r1 // block), :-(-r1 // block)] += torch.nn.functional.pad(p, (0, pad_c, pad_top, pad_r)).reshape(
+            hq, (r1 - r0 + pad_top + pad_r) // block, block, (r1 + pad_c) // block, block).sum((2, 4))
         # the row maximum has p = 1 / z, so lse = s_max - log p_max (p_max >= 1/n: no underflow)
         p_max, j_max = p.max(-1)
         k_max = kq.gather(1, j_max[..., None].expand(-1, -1, d))
         lse[:, r0:r1] = (q[:, r0:r1].float() * k_max).sum(-1) * scale - p_max.log()
-    return LayerSums(col, diag, tiles, lse)
+    return LayerSums(col, diag, tiles, lse, (r_start, r_stop))
 
 
 @torch.no_grad()
 def column_offset_mass(q: torch.Tensor, k: torch.Tensor, scale: float, lse: torch.Tensor,
                        column_sets: list[torch.Tensor], prefixes: list[list[int]] | None = None,
-                       rows: int | None = None, chunk: int | None = None) -> list[torch.Tensor]:
+                       rows: int | tuple[int, int] | None = None, chunk: int | None = None) -> list[torch.Tensor]:
     """Mass that sets of columns hold at each offset: for columns `[Hq, V]` (-1 padded, no duplicates)
     `[Hq, N]` = sum over j in the set of p[j + d, j] (units: rows), with p recomputed only at those
-    columns from the row log-normalisers `lse` `[Hq, N]` (`layer_sums`). `rows` limits the sum to rows < rows.
+    columns from the row log-normalisers `lse` `[Hq, N]` (`layer_sums`). `rows` limits the sum to query rows
+    < rows (an int) or to rows [r0, r1) (a pair; `lse` must hold those rows).
 
     With `prefixes[i]` (ascending budgets), set i is read in preference order and its result is
     `[P, Hq, N]`: the sums of its first prefixes[i][0], [1], ... columns (nested budgets at the cost of
     the largest)."""
     hq, n, _ = q.shape
     g = hq // k.shape[0]
-    rows = n if rows is None else min(rows, n)
+    r_start, rows = (0, n) if rows is None else (0, min(rows, n)) if isinstance(rows, int) else rows
     nested = prefixes is not None
     prefixes = prefixes or [[cols.shape[-1]] for cols in column_sets]
     out = []
@@ -154,7 +168,7 @@ def column_offset_mass(q: torch.Tensor, k: torch.Tensor, scale: float, lse: torc
         keys = kf.repeat_interleave(g, 0).gather(1, safe[..., None].expand(-1, -1, kf.shape[-1]))  # [Hq, V, D]
         acc = torch.zeros(hq, levels * (n + 1))
         step = chunk or max(64, (1 << 22) // max(1, hq * cols.shape[-1]))  # ~4M probabilities at a time
-        for r0 in range(0, rows, step):
+        for r0 in range(r_start, rows, step):
             r1 = min(rows, r0 + step)
             i = torch.arange(r0, r1)[None, :, None]
             s = (q[:, r0:r1].float() @ keys.transpose(1, 2)).mul_(scale).sub_(lse[:, r0:r1, None])  # [Hq, C, V]
