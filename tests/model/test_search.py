@@ -6,10 +6,11 @@ import json
 import pytest
 import torch
 
-from workbench.analysis.metrics import layer_sums, vs_oracle
+from workbench.analysis.metrics import LayerReductions, layer_sums
 from workbench.analysis.stats import captured_mass
 from workbench.config import HeadConfig
 from workbench.patterns import AShape, BlockSparse, Dense, VerticalSlash, block_proxy, vs_proxy
+from workbench.patterns.vertical_slash import vs_oracle
 from workbench.search.search import (
     TAIL_ROWS,
     Candidate,
@@ -109,8 +110,7 @@ def test_oracle_beats_proxy_on_real_attention(capture_256):
         q, k, _ = capture_256.layer_qkv(layer)
         sc = layer_scores(q, k, capture_256.scale, cands)
         assert (sc["oracle"] >= sc["mass"] - 1e-9).all()
-        sums = layer_sums(q, k, capture_256.scale)
-        cols, offs, mass = vs_oracle(q, k, capture_256.scale, sums, 30, 50)
+        cols, offs, mass = vs_oracle(LayerReductions(q, k, capture_256.scale), 30, 50)
         truth = captured_mass(q, k, capture_256.scale, VerticalSlash(cols, offs)).mean(-1).double()
         torch.testing.assert_close(mass.double(), truth, atol=1e-5, rtol=0)
 

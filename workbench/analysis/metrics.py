@@ -1,4 +1,6 @@
-"""How good is a sparse index? Captured mass, output error, the geometry oracle, density and overlap.
+"""How good is a sparse index? Captured mass, output error, density and overlap, and the exact reductions
+of one layer's attention (`LayerSums`, `column_offset_mass`, bundled per layer as `LayerReductions`) from
+which each pattern class computes its own evidence and oracle (`PatternBase.evidence`).
 
 Everything is exact dense attention, computed in row chunks by `workbench.analysis.stats` (no n x n matrix per
 head). Masses are fractions of each head's attention: 1.0 means the index keeps every probability.
@@ -6,18 +8,19 @@ q `[Hq, N, D]`, k/v `[Hkv, N, D]`; query head h reads KV head h // (Hq // Hkv).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from workbench.analysis.stats import attention_rows, captured_mass, diagonal_sums
 from workbench.patterns import BLOCK, Pattern, causal_edges, causal_tiles, membership
-from workbench.patterns.proxy import top_blocks, top_positions
 
 SEGMENTS = ("all", "first", "middle", "last", "last64")
+TAIL_ROWS = 64  # the answer rows: the last 64 query rows, where a retrieval prompt asks its question
 
-__all__ = ["SEGMENTS", "LayerSums", "layer_sums", "captured_mass", "segment_mass", "sparse_attention", "output_error",
-           "density", "index_iou", "column_offset_mass", "vs_mass", "best_offsets", "vs_oracle", "block_oracle", "block_mass_of"]
+__all__ = ["SEGMENTS", "TAIL_ROWS", "LayerReductions", "LayerSums", "layer_sums", "captured_mass", "segment_mass",
+           "sparse_attention", "output_error", "density", "index_iou", "column_offset_mass"]
 
 
 def segment_mass(rows: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -183,54 +186,47 @@ def column_offset_mass(q: torch.Tensor, k: torch.Tensor, scale: float, lse: torc
     return out if nested else [t[0] for t in out]
 
 
-def vs_mass(column_mass: torch.Tensor, diag_mass: torch.Tensor, overlap: torch.Tensor,
-            columns: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Captured mass `[H]` (fraction) of a VS index from exact sums (all `[H, N]`, units: rows):
-    column sums + slash sums - the pairs counted twice (`overlap` = `column_offset_mass` of `columns`)."""
-    n = column_mass.shape[-1]
-    c = membership(columns.long(), n)
-    d = membership(offsets.long(), n)
-    d[:, 0] = True
-    total = (column_mass * c).sum(-1) + (diag_mass * d).sum(-1) - (overlap * d).sum(-1)
-    return total / n
+@dataclass
+class LayerReductions:
+    """One layer of one prompt and the exact reductions a pattern's `evidence` reads
+    (`workbench.patterns.Reductions`), each computed once, when first read.
 
+    q `[Hq, N, D]`, k `[Hkv, N, D]`; `proxy`: the online proxy settings (config `proxy`, complete). `sums`:
+    `layer_sums` of all rows (pass one already computed to reuse it); `tail`: of the answer rows
+    `tail_rows` (the last `TAIL_ROWS`), O(n) sums like the others."""
 
-def best_offsets(diag_mass: torch.Tensor, overlap: torch.Tensor, slash: int) -> torch.Tensor:
-    """The `slash` offsets (0 always) holding the most mass not already on the chosen columns."""
-    return top_positions(diag_mass - overlap, 1, slash, None)
+    q: torch.Tensor
+    k: torch.Tensor
+    scale: float
+    proxy: dict[str, Any] = field(default_factory=dict)
+    all_rows: LayerSums | None = None
+    answer_rows: LayerSums | None = None
 
+    @property
+    def n(self) -> int:
+        return self.q.shape[1]
 
-def vs_oracle(q: torch.Tensor, k: torch.Tensor, scale: float, sums: LayerSums, vertical: int, slash: int,
-              proxy: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Best-known VS index of a budget from the full attention -> (columns, offsets, mass `[H]`).
+    @property
+    def tail_rows(self) -> tuple[int, int]:
+        return max(0, self.n - TAIL_ROWS), self.n
 
-    Greedy: the `vertical` columns with the most mass, then the `slash` offsets with the most mass not
-    already on those columns. With `proxy` = (columns, offsets) of a proxy index, the proxy's columns
-    with their best offsets are tried too, so the oracle is never below the proxy at equal budget."""
-    starts = [top_positions(sums.column_mass, 0, vertical)]
-    if proxy is not None:
-        starts.append(proxy[0])
-    best = None
-    for cols, overlap in zip(starts, column_offset_mass(q, k, scale, sums.lse, starts)):
-        offs = best_offsets(sums.diag_mass, overlap, slash)
-        mass = vs_mass(sums.column_mass, sums.diag_mass, overlap, cols, offs)
-        if best is None:
-            best = (cols, offs, mass)
-        else:
-            better = (mass > best[2])[:, None]
-            best = (torch.where(better, cols, best[0]), torch.where(better, offs, best[1]), torch.maximum(mass, best[2]))
-    return best
+    @property
+    def sums(self) -> LayerSums:
+        if self.all_rows is None:
+            self.all_rows = layer_sums(self.q, self.k, self.scale)
+        return self.all_rows
 
+    @property
+    def tail(self) -> LayerSums:
+        if self.answer_rows is None:
+            self.answer_rows = layer_sums(self.q, self.k, self.scale, rows=self.tail_rows)
+        return self.answer_rows
 
-def block_oracle(block_mass: torch.Tensor, topk: int) -> torch.Tensor:
-    """Best block table of the same budget: per query block the diagonal plus the key blocks with the
-    most exact mass (`block_mass` `[H, M, M]`) -> Int `[H, M, topk]`. Exactly optimal for the budget."""
-    return top_blocks(block_mass, topk)
+    def offset_mass(self, column_sets: list[torch.Tensor], prefixes: list[list[int]] | None = None,
+                    rows: int | tuple[int, int] | None = None) -> list[torch.Tensor]:
+        """`column_offset_mass` of this layer (its lse from `sums`)."""
+        return column_offset_mass(self.q, self.k, self.scale, self.sums.lse, column_sets, prefixes, rows)
 
-
-def block_mass_of(block_mass: torch.Tensor, block_index: torch.Tensor, n: int) -> torch.Tensor:
-    """Captured mass `[H]` (fraction) of a block table from exact tile masses `[H, M, M]` (units: rows)."""
-    m = block_mass.shape[-1]
-    s = membership(block_index.long(), m)
-    s |= torch.eye(m, dtype=torch.bool)
-    return (block_mass * s).sum((1, 2)) / n
+    def captured(self, pattern: Pattern) -> torch.Tensor:
+        """`[Hq, N]`: `captured_mass` of `pattern` per query row."""
+        return captured_mass(self.q, self.k, self.scale, pattern)

@@ -26,17 +26,14 @@ import torch
 
 from workbench.core.io import write_json
 from workbench.core.model import ModelShape
-from workbench.patterns import Stack, pattern_class
+from workbench.patterns import PATTERNS, Stack, pattern_class
 
 FORMAT = "workbench.head_config"
 VERSION = 1
-PARAMS = {"vs": ("vertical", "slash"), "ashape": ("sink", "window"), "block": ("topk",), "dense": (),
-          # issue 19's kinds (workbench.patterns.*): adaptive ones record thresholds in thousandths
-          "trishape": ("sink", "window", "last"), "dilated": ("window", "dilation"), "strided": ("window", "stride"),
-          "xattention": ("tau_milli", "stride"), "flexprefill": ("gamma_milli", "tau_milli", "min_budget")}
-MINFERENCE_NAMES = {"vs": "vertical_and_slash", "ashape": "stream_llm", "block": "block_sparse"}
+PARAMS = {kind: cls.params for kind, cls in PATTERNS.items()}  # kind -> its per-head sizes (the pattern registry)
+MINFERENCE_NAMES = {kind: cls.minference_name for kind, cls in PATTERNS.items() if cls.minference_name}
 # MInference runs these model-wide (its `attn_type`), not per head: its per-head file has no entry for them
-MINFERENCE_ATTN_TYPES = {"trishape": "tri_shape", "xattention": "xattention", "flexprefill": "flexprefill"}
+MINFERENCE_ATTN_TYPES = {kind: cls.minference_attn_type for kind, cls in PATTERNS.items() if cls.minference_attn_type}
 MINFERENCE_DEFAULT = (1000, 6096)  # what MInference uses for a head its file does not list
 _MINFERENCE_FIELDS = ("pattern", "vertical_size", "slash_size", "score")
 PROXY_DEFAULTS = {"last_rows": 64, "aggregate": "sum", "diag_norm": "sum", "sink": 30, "local": 100, "prior": 16.0}

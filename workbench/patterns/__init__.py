@@ -2,38 +2,63 @@
 
 `AShape(sink, window)`, `VerticalSlash(columns, offsets)`, `BlockSparse(block_index)`, `Dense(H)` and
 `Stack([...])` (different patterns for different heads of one layer) implement the `Pattern` protocol
-(`base.py`): each owns its geometry once - logical `row_mask` / `edges` / FlexAttention `mask_mod`,
-the kernel's physical `to_tiles` / `token_band` / `tiles`, the latency `cost`, and the overlay
-`shapes` - and every consumer (prefill, latency, config, headview, viz, benchmarks) calls these.
-`PATTERNS` maps a head config's kind ("vs", "ashape", "block", "dense") to its class; `cls.kind` goes back.
-`vs_proxy` / `block_proxy` build VS and block-sparse indexes from q and k online.
+(`base.py`): each owns its geometry once - logical `row_mask` / `edges` / FlexAttention `mask_mod`
+(from the predicates of `workbench_kernels.masks`), the kernel's physical `to_tiles` / `token_band` /
+`tiles`, the latency `cost`, and the overlay `shapes` - and every consumer (prefill, latency, config,
+headview, viz, benchmarks) calls these.
 
-How to add a pattern: write one module here with a class that subclasses `PatternBase`, sets the class
-attributes `kind` (its config name), `params` (its per-head sizes in a config entry) and `bench_kernel`
-(its row name in `workbench bench kernels`, or None), implements every method of `Pattern` (`row_mask`,
-`edges`, `tiles`, `to_tiles`, `mask_mod`, `shapes`, the classmethod `build` that indexes one layer
-online; `token_band` only if the kernel needs a per-token mask on top of the tiles), and carries the
-`@register_pattern` decorator; then import it below so that it registers when `workbench.patterns` is
-imported. `tests/unit/test_patterns.py::PROTOCOL_CASES` checks that the parts agree: add one instance.
+The registry is the only list of kinds. `PATTERNS` maps a head config's kind ("ashape", "vs", "block",
+"dense", ...) to its class in the classes' `order`; `cls.kind` goes back. Everything else derives from it:
+the config's params and schema (`workbench.config.PARAMS`), MInference's names, the search's grids
+(`default_candidates`, `method_candidates`) and evidence (`layer_scores`, `rescore_head`), the default
+sizes of a head switched to a kind (`default_params(kind, n)`: the dashboard, notebooks), the `workbench
+compare` sweeps and the latency table's kernels. `vs_proxy` / `block_proxy` build VS and block-sparse
+indexes from q and k online.
+
+How to add a pattern: write one module here with one class that subclasses `PatternBase`, carries the
+`@register_pattern` decorator, and is imported below so that it registers when `workbench.patterns` is
+imported. In its own body (the decorator refuses a class that misses one, or that would inherit a
+kind's member from another registered kind):
+
+- `kind` (its config name), `params` (the names of its per-head sizes, whole numbers >= 0), `order` (its
+  place in every list of kinds: an unused number), `defaults(n)` (the sizes a head switched to it gets at
+  prompt length n; keep budgets well below n / 4);
+- the `Pattern` methods (`row_mask`, `edges`, `tiles`, `to_tiles`, `mask_mod`, `shapes`, `head`, and the
+  classmethod `for_heads` that indexes one layer's heads, online from q and k where it needs them;
+  `token_band` only if the kernel needs a per-token mask on top of the tiles; `static = True` if its index
+  needs no prompt and its whole mask is `token_band` plus causality);
+- where it applies: `grid(n)` (search candidates; `default_search = True` puts them in
+  `default_candidates`, else they are `method_candidates`), `evidence(params, sums)` (closed-form scores
+  from the exact reductions; the default is one exact pass per candidate), `sweep` (`Sweep`: its
+  `workbench compare` row), `bench_kernel` (its kernel's row in `workbench bench kernels`),
+  `minference_name` / `minference_attn_type` (its name in MInference's per-head config / model-wide).
+
+`tests/unit/test_patterns.py::PROTOCOL_CASES` checks that the geometric parts agree (add one instance),
+and `tests/unit/test_registry.py` walks every registered kind through config, search, export and the
+dashboard, and fails for a kind it cannot walk.
 """
-from workbench.patterns import dilated, flexprefill, trishape, xattention  # noqa: E402,F401  (issue 19's kinds register)
+from workbench.patterns import dilated, flexprefill, trishape, xattention  # noqa: F401  (register their kinds)
 from workbench.patterns.ashape import AShape
 from workbench.patterns.base import (
-                                     BLOCK,
-                                     PATTERNS,
-                                     Dense,
-                                     Pattern,
-                                     PatternBase,
-                                     Stack,
-                                     causal_edges,
-                                     causal_tiles,
-                                     pattern_class,
-                                     register_pattern,
+    BLOCK,
+    EVIDENCE,
+    PATTERNS,
+    Pattern,
+    PatternBase,
+    Reductions,
+    Stack,
+    Sweep,
+    causal_edges,
+    causal_tiles,
+    default_params,
+    pattern_class,
+    register_pattern,
 )
 from workbench.patterns.block_sparse import BlockSparse
+from workbench.patterns.dense import Dense
 from workbench.patterns.proxy import block_proxy, vs_proxy
 from workbench.patterns.vertical_slash import VerticalSlash, membership, vs_tile_count
 
-__all__ = ["AShape", "BLOCK", "BlockSparse", "Dense", "PATTERNS", "Pattern", "PatternBase", "Stack",
-           "VerticalSlash", "block_proxy", "causal_edges", "causal_tiles", "membership", "pattern_class",
-           "register_pattern", "vs_proxy", "vs_tile_count"]
+__all__ = ["AShape", "BLOCK", "BlockSparse", "Dense", "EVIDENCE", "PATTERNS", "Pattern", "PatternBase", "Reductions",
+           "Stack", "Sweep", "VerticalSlash", "block_proxy", "causal_edges", "causal_tiles", "default_params",
+           "membership", "pattern_class", "register_pattern", "vs_proxy", "vs_tile_count"]

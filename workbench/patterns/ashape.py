@@ -4,24 +4,31 @@ N(i) = {0 .. min(sink, i+1) - 1} U {max(0, i - window + 1) .. i}.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from workbench_kernels import BLOCK
+from workbench_kernels import BLOCK, masks
 from workbench_kernels.index_ref import VSTiles, ashape_to_tiles
 
 from workbench.patterns.base import (
     MaskMod,
     PatternBase,
+    Reductions,
+    Scores,
     Shapes,
+    Sweep,
     band_poly,
     band_tiles,
     causal_rows,
     check_head,
     check_rows,
     column_poly,
+    default_budget,
     per_head,
     register_pattern,
+    search_budgets,
+    stack_scores,
     toeplitz_rows,
 )
 
@@ -44,8 +51,12 @@ class AShape(PatternBase):
 
     kind = "ashape"
     params = ("sink", "window")
+    order = 10
     bench_kernel = "a_shape"
+    minference_name = "stream_llm"
+    default_search = True
     static = True
+    sweep = Sweep("a-shape", "window", (256, 512, 1024), lambda v: {"sink": 64, "window": int(v)}, online=False)
 
     def __init__(self, sink: int | torch.Tensor, window: int | torch.Tensor, n_heads: int = 1):
         if isinstance(sink, torch.Tensor) and sink.numel() > 1:
@@ -56,11 +67,42 @@ class AShape(PatternBase):
         self.sink = _per_head(sink, n_heads, "sink", 0)
         self.window = _per_head(window, n_heads, "window", 1)
 
+    @classmethod
+    def defaults(cls, n: int) -> dict[str, int]:
+        return {"sink": 64, "window": default_budget(n)}
+
+    @classmethod
+    def grid(cls, n: int) -> list[dict[str, int]]:
+        """64 sink tokens + a window of each search budget (n/64 .. n/4)."""
+        return [{"sink": 64, "window": b} for b in search_budgets(n)]
+
+    @classmethod
+    def evidence(cls, params: Sequence[dict[str, int]], sums: Reductions) -> Scores:
+        """Closed form from the exact sums: the sink columns plus the window's offsets, minus the pairs
+        counted twice (the sink columns' mass at offsets below the window, one `offset_mass` pass for all
+        sinks as prefixes of the largest, over the rows where sink and window meet). Nothing is chosen
+        online: oracle = mass."""
+        hq, n = sums.q.shape[0], sums.n
+        sink_of = [min(p["sink"], n) for p in params]
+        sinks = sorted(set(sink_of))
+        cols = [torch.arange(sinks[-1]).expand(hq, -1)]
+        over = sums.offset_mass(cols, prefixes=[sinks], rows=max(p["sink"] + p["window"] for p in params))[0]
+        tail_over = sums.offset_mass(cols, prefixes=[sinks], rows=sums.tail_rows)[0]
+        index = cls(per_head(params, "sink"), per_head(params, "window"), len(params))  # one "head" per candidate
+        tiles, edges = index.tiles(n), index.edges(n)
+        parts = []
+        for c, (g, p) in enumerate(zip(sink_of, params)):
+            level, w = sinks.index(g), p["window"]
+            mass = _kept(sums.sums, over[level], g, w)
+            parts.append({"mass": mass, "tail": _kept(sums.tail, tail_over[level], g, w), "oracle": mass,
+                          "tiles": tiles[c].expand(hq), "edges": edges[c].expand(hq)})
+        return stack_scores(parts)
+
     def row_mask(self, r0: int, r1: int, n: int) -> torch.Tensor:
         check_rows(r0, r1, n)
         pos = torch.arange(n)
-        band = toeplitz_rows(pos[None, :] < self.window[:, None], r0, r1, n)
-        return band.logical_or_((pos[None, :] < self.sink[:, None])[:, None, :] & causal_rows(r0, r1, n))
+        band = toeplitz_rows(masks.local(pos[None, :], self.window[:, None]), r0, r1, n)
+        return band.logical_or_(masks.sink(pos[None, :], self.sink[:, None])[:, None, :] & causal_rows(r0, r1, n))
 
     def edges(self, n: int) -> torch.Tensor:
         i = torch.arange(n)[None, :]
@@ -87,8 +129,8 @@ class AShape(PatternBase):
         return self.sink, self.window
 
     def mask_mod(self, n: int, device: torch.device | str | None = None) -> MaskMod:
-        sink, window = self.sink.to(device), self.window.to(device)
-        return lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & ((kv_idx < sink[h]) | (q_idx - kv_idx < window[h]))
+        sinks, windows = self.sink.to(device), self.window.to(device)
+        return lambda b, h, q_idx, kv_idx: masks.ashape(q_idx, kv_idx, sinks[h], windows[h])
 
     def shapes(self, head: int, n: int) -> Shapes:
         check_head(self, head)
@@ -113,3 +155,10 @@ class AShape(PatternBase):
 
     def __repr__(self) -> str:
         return f"AShape(sink={self.sink.tolist()}, window={self.window.tolist()})"
+
+
+def _kept(sums: Any, overlap: torch.Tensor, sink: int, window: int) -> torch.Tensor:
+    """Captured fraction `[H]` of A-shape(sink, window) over the rows of `sums` (`LayerSums`): column
+    masses of the sinks + diagonal masses of the window - `overlap` (the sinks' mass per offset) inside it."""
+    return ((sums.column_mass[:, :sink].sum(-1) + sums.diag_mass[:, :window].sum(-1)
+             - overlap[:, :window].sum(-1)) / sums.n_rows).double()

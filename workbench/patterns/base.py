@@ -1,5 +1,4 @@
-"""The `Pattern` protocol every sparse pattern implements, its registry, the dense pattern and a per-head
-stack of patterns.
+"""The `Pattern` protocol every sparse pattern implements, its registry and a per-head stack of patterns.
 
 A pattern object holds the index of all H heads of one layer for one prompt and owns its geometry once:
 
@@ -9,13 +8,19 @@ A pattern object holds the index of all H heads of one layer for one prompt and 
   per-token A-shape mask the kernel applies on top), `tiles(n)` and the latency `cost(n, rates)`;
 - pictures: `shapes(head, n)`, polygons whose lattice points are exactly the kept causal pairs.
 
-All counts exclude non-causal entries (j > i). Config kinds ("vs", "ashape", "block", "dense", ...) map
-to pattern classes through `PATTERNS`, filled by the `register_pattern` class decorator.
+A pattern class also says everything the rest of the workbench asks about its kind (`PatternBase`):
+its config params, default sizes, search grid, evidence (captured mass, answer-row mass and oracle of
+candidates, from exact reductions), `workbench compare` sweep and MInference names.
+
+All counts exclude non-causal entries (j > i). Config kinds ("ashape", "vs", "block", "dense", ...) map
+to pattern classes through `PATTERNS`, filled by the `register_pattern` class decorator and kept in the
+classes' `order`.
 """
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -31,6 +36,65 @@ Shapes = dict[str, list[Polygon]]  # overlay part name ("window", "columns", ...
 MaskMod = Callable[[Any, Any, Any, Any], Any]  # FlexAttention (b, h, q_idx, kv_idx) -> bool
 Rates = dict[str, dict[str, float]]  # {kind: {"per_tile_ms", "index_ms"}} (`prefill.latency.tile_rates`)
 Band = tuple[torch.Tensor, torch.Tensor]  # (sink, window) Long `[H]` tokens: the kernel's per-token A-shape mask
+Scores = dict[str, torch.Tensor]  # EVIDENCE name -> float64 `[H, C]` on the CPU (heads x candidates)
+EVIDENCE = ("mass", "tail", "oracle", "tiles", "edges")  # what `evidence` returns for each candidate
+
+
+class Reductions(Protocol):
+    """One layer of one prompt and the exact reductions of its dense attention, each computed once when
+    first read: what a pattern's `evidence` reads (`workbench.analysis.metrics.LayerReductions`).
+
+    q `[Hq, N, D]`, k `[Hkv, N, D]` (query head h reads KV head h // (Hq // Hkv)); `proxy`: the online
+    proxy settings (config `proxy`); `sums` / `tail`: `LayerSums` of all query rows and of the answer rows
+    `tail_rows` (the last 64): column, diagonal and 64x64 tile masses in units of rows, and lse."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    scale: float
+    proxy: dict[str, Any]
+
+    @property
+    def n(self) -> int: ...
+
+    @property
+    def tail_rows(self) -> tuple[int, int]: ...
+
+    @property
+    def sums(self) -> Any: ...
+
+    @property
+    def tail(self) -> Any: ...
+
+    def offset_mass(self, column_sets: list[torch.Tensor], prefixes: list[list[int]] | None = None,
+                    rows: int | tuple[int, int] | None = None) -> list[torch.Tensor]:
+        """`metrics.column_offset_mass` of this layer: mass each column set holds at each offset (rows)."""
+
+    def captured(self, pattern: Pattern) -> torch.Tensor:
+        """`[Hq, N]`: exact captured mass of `pattern` per query row (one pass over the rows)."""
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """How `workbench compare` sweeps a pattern: its `name` in reports, the `knob` and its `values`, the
+    config params at a value (`params(value)`), `adaptive` (a threshold the index meets per prompt, not a
+    budget) and `online` (the index is built from the prompt's q and k, so its build is timed)."""
+
+    name: str
+    knob: str
+    values: tuple[float, ...]
+    params: Callable[[float], dict[str, int]]
+    adaptive: bool = False
+    online: bool = True
+
+
+def default_budget(n: int) -> int:
+    """Keys per query a head gets when switched to a kind at prompt length n: n / 16 (at least 64)."""
+    return max(64, n // 16)
+
+
+def search_budgets(n: int) -> list[int]:
+    """The search grid's budgets at prompt length n: n/64 .. n/4 keys per query (at least 64), ascending."""
+    return sorted({max(64, round(n / f)) for f in (64, 32, 16, 8, 4)})
 
 
 class Pattern(Protocol):
@@ -96,17 +160,36 @@ class Pattern(Protocol):
         `triton`: use the kind's Triton index builder where it has one."""
 
 
-PATTERNS: dict[str, type] = {}
+PATTERNS: dict[str, type] = {}  # config kind -> pattern class, in the classes' `order`
+_OWN = ("kind", "params", "order", "defaults")  # what each registered class sets in its own body
+_NOT_FROM_ANOTHER_KIND = ("bench_kernel", "minference_name", "minference_attn_type", "default_search", "grid",
+                          "evidence", "sweep")  # PatternBase's defaults are safe; another kind's are not
 
 
 def register_pattern(cls: type) -> type:
-    """Class decorator: make `cls` the pattern of config kind `cls.kind` (PATTERNS[cls.kind] = cls)."""
-    kind = getattr(cls, "kind", None)
+    """Class decorator: make `cls` the pattern of config kind `cls.kind` (PATTERNS[cls.kind] = cls, the
+    registry kept in `order`). Refuses a class that misses one of `_OWN` in its own body, or that would
+    inherit a kind-specific member (`_NOT_FROM_ANOTHER_KIND`) from another registered kind."""
+    kind = cls.__dict__.get("kind")
     if not isinstance(kind, str) or not kind:
         raise ValueError(f"{cls.__name__} needs a class attribute `kind` (its config name) to be registered")
     if PATTERNS.get(kind, cls) is not cls:
         raise ValueError(f"pattern kind {kind!r} is already {PATTERNS[kind].__name__}: pick another `kind`")
-    PATTERNS[kind] = cls
+    missing = [name for name in _OWN if name not in cls.__dict__]
+    if missing:
+        raise ValueError(f"{cls.__name__} (kind {kind!r}) must set {missing} in its own body: see the note in "
+                         "workbench/patterns/__init__.py")
+    for name in _NOT_FROM_ANOTHER_KIND:
+        owner = next(c for c in cls.__mro__ if name in c.__dict__)
+        if owner is not cls and PATTERNS.get(owner.__dict__.get("kind")) is owner:
+            raise ValueError(f"{cls.__name__} would inherit `{name}` from {owner.__name__} (kind {owner.kind!r}): "
+                             f"set it in {cls.__name__}'s own body")
+    clash = [other.__name__ for k, other in PATTERNS.items() if other.order == cls.order and k != kind]
+    if clash:
+        raise ValueError(f"{cls.__name__}.order = {cls.order} is already {clash[0]}'s: pick an unused `order`")
+    ordered = sorted({**PATTERNS, kind: cls}.items(), key=lambda item: item[1].order)
+    PATTERNS.clear()
+    PATTERNS.update(ordered)
     return cls
 
 
@@ -116,6 +199,11 @@ def pattern_class(kind: str) -> type:
         raise ValueError(f"unknown pattern {kind!r}: registered kinds are {sorted(PATTERNS)} (a new pattern "
                          "module registers with @register_pattern and is imported in workbench/patterns/__init__.py)")
     return PATTERNS[kind]
+
+
+def default_params(kind: str, n: int) -> dict[str, int]:
+    """Sizes a head gets when a user switches it to `kind` at prompt length n (`cls.defaults(n)`)."""
+    return pattern_class(kind).defaults(n)
 
 
 # ----------------------------------------------------------------------------- shared geometry
@@ -214,15 +302,76 @@ def causal_edges(n: int) -> int:
     return n * (n + 1) // 2
 
 
+def stack_scores(parts: Sequence[dict[str, torch.Tensor]]) -> Scores:
+    """One candidate's scores `[H]` each -> `EVIDENCE` name -> float64 `[H, C]` on the CPU."""
+    return {name: torch.stack([p[name].double().cpu() for p in parts], -1) for name in EVIDENCE}
+
+
+def generic_evidence(cls: type, params: Sequence[dict[str, int]], sums: Reductions) -> Scores:
+    """`evidence` of any kind, one exact pass per candidate: its index built online over all heads (as the
+    prefill builds it), then its captured mass per query row (`sums.captured`), whose mean over all rows
+    is the mass and over the answer rows the tail. No same-budget oracle is known: oracle = mass."""
+    hq, n = sums.q.shape[0], sums.n
+    k = sums.k.repeat_interleave(hq // sums.k.shape[0], 0)  # each query head's own KV head
+    r0, r1 = sums.tail_rows
+    parts = []
+    for p in params:
+        index = cls.for_heads([p] * hq, sums.q, k, sums.scale, sums.proxy, BLOCK)
+        rows = sums.captured(index).double()
+        parts.append({"mass": rows.mean(-1), "tail": rows[:, r0:r1].mean(-1), "oracle": rows.mean(-1),
+                      "tiles": index.tiles(n), "edges": index.edges(n)})
+    return stack_scores(parts)
+
+
 class PatternBase:
-    """What every pattern computes the same way from its other parts.
+    """What every pattern computes the same way from its other parts, and what the workbench asks a
+    pattern class about its kind (each registered class sets the starred ones in its own body):
+
+    - `kind`*, `params`* (config name and the names of its per-head sizes), `order`* (its place in every
+      list of kinds: schema, menus, search grids, sweeps);
+    - `defaults(n)`*: the sizes a head gets when a user switches it to this kind at prompt length n;
+    - `grid(n)`: its search candidates at length n, part of `default_candidates` when `default_search`,
+      else of `method_candidates` (default: none);
+    - `evidence(params, sums)`: the scores of those candidates on one layer (default: one exact pass
+      each, `generic_evidence`);
+    - `sweep`: its `workbench compare` sweep (`Sweep`, or None);
+    - `bench_kernel` (its row in `workbench bench kernels`), `minference_name` (its per-head name in an
+      MInference config) and `minference_attn_type` (the model-wide `attn_type` MInference runs it as),
+      None where there is none.
 
     `static`: `layer_tiles` reads only q's shape and device (not its values, nor k's): no online index, so
-    the prefill neither gathers q/k for these heads nor rebuilds their tiles per call."""
+    the prefill neither gathers q/k for these heads nor rebuilds their tiles per call, and a FlexAttention
+    export writes the mask from `token_band` alone."""
 
     n_heads: int
     kind: ClassVar[str]
+    params: ClassVar[tuple[str, ...]]
+    order: ClassVar[int]
     static: ClassVar[bool] = False
+    bench_kernel: ClassVar[str | None] = None
+    minference_name: ClassVar[str | None] = None
+    minference_attn_type: ClassVar[str | None] = None
+    default_search: ClassVar[bool] = False
+    sweep: ClassVar[Sweep | None] = None
+
+    @classmethod
+    def defaults(cls, n: int) -> dict[str, int]:
+        """Config params of a head switched to this kind at prompt length n (budgets well below n / 4)."""
+        raise NotImplementedError(f"{cls.__name__} sets no default sizes: define `defaults(n)`")
+
+    @classmethod
+    def grid(cls, n: int) -> list[dict[str, int]]:
+        """Config params of this kind's search candidates at prompt length n (none by default)."""
+        return []
+
+    @classmethod
+    def evidence(cls, params: Sequence[dict[str, int]], sums: Reductions) -> Scores:
+        """Scores of C candidates of this kind (their config `params`) on all Hq heads of one layer: each
+        `EVIDENCE` name -> float64 `[Hq, C]` on the CPU. mass = exact captured fraction of the index the
+        candidate runs online (what the prefill runs), tail = the same over the answer rows
+        (`sums.tail_rows`), oracle = the best known index of the same budget chosen from full attention
+        (= mass where none is known), tiles = physical 64x64 tiles, edges = logical edges (causal pairs)."""
+        return generic_evidence(cls, params, sums)
 
     def to_mask(self, n: int) -> torch.Tensor:
         return to_mask(self, n)
@@ -255,56 +404,6 @@ class PatternBase:
             raise ValueError(f"no rate for pattern {self.kind!r}: the benchmark measured {sorted(rates)}")
         r = rates[self.kind]
         return self.tiles(n).double() * r["per_tile_ms"] + r["index_ms"]
-
-
-@register_pattern
-class Dense(PatternBase):
-    """Full causal attention for H heads (the fallback when no sparse candidate is good enough)."""
-
-    kind = "dense"
-    params = ()
-    bench_kernel = "dense_sdpa"
-    static = True
-
-    def __init__(self, n_heads: int):
-        self.n_heads = n_heads
-
-    def row_mask(self, r0: int, r1: int, n: int) -> torch.Tensor:
-        check_rows(r0, r1, n)
-        return causal_rows(r0, r1, n).expand(self.n_heads, -1, -1)
-
-    def edges(self, n: int) -> torch.Tensor:
-        return torch.full((self.n_heads,), causal_edges(n), dtype=torch.long)
-
-    def tiles(self, n: int) -> torch.Tensor:
-        return torch.full((self.n_heads,), causal_tiles(n), dtype=torch.long)
-
-    def to_tiles(self, n: int, batch: int = 1) -> VSTiles:
-        return ashape_to_tiles([0] * self.n_heads, [max(n, 1)] * self.n_heads, n, batch)  # a window of n
-
-    def mask_mod(self, n: int, device: torch.device | str | None = None) -> MaskMod:
-        return lambda b, h, q_idx, kv_idx: kv_idx <= q_idx
-
-    def shapes(self, head: int, n: int) -> Shapes:
-        check_head(self, head)
-        return {"dense": [column_poly(0, n, n)]}
-
-    def head(self, h: int) -> Dense:
-        check_head(self, h)
-        return Dense(1)
-
-    @classmethod
-    def for_heads(cls, params, q, k, scale, proxy, block) -> Dense:
-        return cls(len(params))
-
-    @classmethod
-    def layer_tiles(cls, params, q, k, scale, proxy, block, triton=False) -> tuple[VSTiles, None]:
-        """A window of n on q's device (cached per length): every causal key, no band needed."""
-        n, h = q.shape[2], len(params)
-        return band_tiles([0] * h, [max(n, 1)] * h, n, q.shape[0], block, q.device)[0], None
-
-    def __repr__(self) -> str:
-        return f"Dense(n_heads={self.n_heads})"
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

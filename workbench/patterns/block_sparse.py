@@ -6,24 +6,31 @@ duplicates are ignored.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from workbench_kernels import BLOCK
+from workbench_kernels import BLOCK, masks
 from workbench_kernels.index_ref import VSTiles, block_sparse_to_tiles
 
 from workbench.patterns.base import (
     MaskMod,
     PatternBase,
+    Reductions,
+    Scores,
     Shapes,
+    Sweep,
     causal_rows,
     check_head,
     check_rows,
+    default_budget,
     per_head,
     register_pattern,
     runs,
+    search_budgets,
+    stack_scores,
 )
-from workbench.patterns.proxy import block_proxy
+from workbench.patterns.proxy import block_proxy, top_blocks
 from workbench.patterns.vertical_slash import membership
 
 
@@ -33,7 +40,11 @@ class BlockSparse(PatternBase):
 
     kind = "block"
     params = ("topk",)
+    order = 30
     bench_kernel = "block_sparse"
+    minference_name = "block_sparse"
+    default_search = True
+    sweep = Sweep("block-sparse", "topk", (8, 16, 32), lambda v: {"topk": int(v)})
 
     def __init__(self, block_index: torch.Tensor, block: int = BLOCK):
         if block_index.dim() != 3:
@@ -42,6 +53,29 @@ class BlockSparse(PatternBase):
         self.block_index = block_index
         self.block = block
         self.n_heads = block_index.shape[0]
+
+    @classmethod
+    def defaults(cls, n: int) -> dict[str, int]:
+        return {"topk": max(2, default_budget(n) // BLOCK)}
+
+    @classmethod
+    def grid(cls, n: int) -> list[dict[str, int]]:
+        """Each search budget b as b / 64 blocks (>= 2), once each, ascending."""
+        return [{"topk": t} for t in sorted({max(2, round(b / BLOCK)) for b in search_budgets(n)})]
+
+    @classmethod
+    def evidence(cls, params: Sequence[dict[str, int]], sums: Reductions) -> Scores:
+        """Closed form from the exact 64x64 tile masses (`block_mass_of`): the `block_proxy` table this
+        prompt gets, over all rows and the answer rows; its oracle is the exact best table of the same
+        budget (`block_oracle`)."""
+        n, parts = sums.n, []
+        for p in params:
+            index = cls(block_proxy(sums.q, sums.k, p["topk"]))
+            parts.append({"mass": block_mass_of(sums.sums, index.block_index),
+                          "tail": block_mass_of(sums.tail, index.block_index),
+                          "oracle": block_mass_of(sums.sums, block_oracle(sums.sums.block_mass, p["topk"])),
+                          "tiles": index.tiles(n), "edges": index.edges(n)})
+        return stack_scores(parts)
 
     def n_blocks(self, n: int) -> int:
         m = -(-n // self.block)
@@ -83,7 +117,7 @@ class BlockSparse(PatternBase):
 
     def mask_mod(self, n: int, device: torch.device | str | None = None) -> MaskMod:
         s, b = self.block_set(n).to(device), self.block
-        return lambda bi, h, q_idx, kv_idx: (kv_idx <= q_idx) & s[h, q_idx // b, kv_idx // b]
+        return lambda bi, h, q_idx, kv_idx: masks.causal(q_idx, kv_idx) & masks.tile(s, q_idx, kv_idx, b, b, head=h)
 
     def shapes(self, head: int, n: int) -> Shapes:
         """{"blocks": tiles}; a diagonal tile is drawn whole (causality is the map's own)."""
@@ -120,3 +154,18 @@ class BlockSparse(PatternBase):
 
     def __repr__(self) -> str:
         return f"BlockSparse(block_index {tuple(self.block_index.shape)}, block={self.block})"
+
+
+def block_oracle(block_mass: torch.Tensor, topk: int) -> torch.Tensor:
+    """Best block table of the same budget: per query block the diagonal plus the key blocks with the
+    most exact mass (`block_mass` `[H, M, M]`) -> Int `[H, M, topk]`. Exactly optimal for the budget."""
+    return top_blocks(block_mass, topk)
+
+
+def block_mass_of(sums: Any, block_index: torch.Tensor) -> torch.Tensor:
+    """Captured fraction `[H]` of a block table over the rows of `sums` (`LayerSums`: exact 64x64 tile
+    masses `[H, M, M]` in units of rows)."""
+    m = sums.block_mass.shape[-1]
+    s = membership(block_index.long(), m)
+    s |= torch.eye(m, dtype=torch.bool, device=s.device)
+    return ((sums.block_mass * s).sum((1, 2)) / sums.n_rows).double()

@@ -13,15 +13,23 @@ import torch
 from workbench_kernels.index_ref import VSTiles, vs_to_tiles
 
 from workbench.patterns.ashape import _per_head
-from workbench.patterns.base import BLOCK, MaskMod, PatternBase, Shapes, check_head, per_head, register_pattern
+from workbench.patterns.base import (
+    BLOCK,
+    MaskMod,
+    PatternBase,
+    Shapes,
+    Sweep,
+    check_head,
+    default_budget,
+    per_head,
+    register_pattern,
+)
 from workbench.patterns.tile_select import repeat_batch
 from workbench.patterns.vertical_slash import VerticalSlash
 
 
 class _Offsets(PatternBase):
     """A pattern given by per-head slash offsets that depend only on n."""
-
-    bench_kernel = None
 
     def offsets(self, n: int) -> torch.Tensor:  # Long [H, K], -1 padded
         raise NotImplementedError
@@ -63,6 +71,12 @@ class Dilated(_Offsets):
 
     kind = "dilated"
     params = ("window", "dilation")
+    order = 60
+    sweep = Sweep("dilated", "taps", (128, 256, 512), lambda v: {"window": int(v), "dilation": 2}, online=False)
+
+    @classmethod
+    def defaults(cls, n: int) -> dict[str, int]:
+        return {"window": default_budget(n), "dilation": 2}
 
     def __init__(self, window: int | torch.Tensor, dilation: int | torch.Tensor, n_heads: int = 1):
         self.n_heads = max([n_heads] + [x.numel() for x in (window, dilation) if isinstance(x, torch.Tensor)])
@@ -84,6 +98,14 @@ class Strided(_Offsets):
 
     kind = "strided"
     params = ("window", "stride")
+    order = 70
+    sweep = Sweep("strided", "stride", (256, 128, 64), lambda v: {"window": 128, "stride": int(v)}, online=False)
+
+    @classmethod
+    def defaults(cls, n: int) -> dict[str, int]:
+        """A window of the default budget b plus about b / 2 strided keys (stride 2n / b)."""
+        b = default_budget(n)
+        return {"window": b, "stride": max(1, 2 * n // b)}
 
     def __init__(self, window: int | torch.Tensor, stride: int | torch.Tensor, n_heads: int = 1):
         self.n_heads = max([n_heads] + [x.numel() for x in (window, stride) if isinstance(x, torch.Tensor)])

@@ -20,7 +20,18 @@ from typing import Any
 import torch
 from workbench_kernels.index_ref import VSTiles, block_sparse_to_tiles, vs_to_tiles
 
-from workbench.patterns.base import BLOCK, MaskMod, PatternBase, Shapes, check_head, check_rows, per_head, register_pattern
+from workbench.patterns.base import (
+    BLOCK,
+    MaskMod,
+    PatternBase,
+    Shapes,
+    Sweep,
+    check_head,
+    check_rows,
+    default_budget,
+    per_head,
+    register_pattern,
+)
 from workbench.patterns.block_sparse import BlockSparse
 from workbench.patterns.tile_select import cumulative_keep, positions, repeat_batch, select_tiles, tile_count
 from workbench.patterns.vertical_slash import VerticalSlash
@@ -35,7 +46,20 @@ class FlexPrefill(PatternBase):
 
     kind = "flexprefill"
     params = ("gamma_milli", "tau_milli", "min_budget")
+    order = 90
     bench_kernel = None
+    minference_attn_type = "flexprefill"
+    sweep = Sweep("flexprefill", "gamma", (0.8, 0.9, 0.95),
+                  lambda v: {"gamma_milli": round(v * 1000), "tau_milli": 100, "min_budget": 256}, adaptive=True)
+
+    @classmethod
+    def defaults(cls, n: int) -> dict[str, int]:
+        return {"gamma_milli": 900, "tau_milli": 100, "min_budget": default_budget(n)}
+
+    @classmethod
+    def grid(cls, n: int) -> list[dict[str, int]]:
+        """gamma 0.9 / 0.95, tau 0.1, at least 256 tokens (thresholds: the same at every length)."""
+        return [{"gamma_milli": gamma, "tau_milli": 100, "min_budget": 256} for gamma in (900, 950)]
 
     def __init__(self, use_vs: torch.Tensor, vs: VerticalSlash, blocks: BlockSparse):
         if not (use_vs.numel() == vs.n_heads == blocks.n_heads):

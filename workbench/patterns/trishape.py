@@ -10,10 +10,22 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from workbench_kernels import masks
 from workbench_kernels.index_ref import VSTiles, block_sparse_to_tiles, vs_to_tiles
 
 from workbench.patterns.ashape import AShape, _per_head
-from workbench.patterns.base import BLOCK, MaskMod, PatternBase, Shapes, check_head, check_rows, per_head, register_pattern
+from workbench.patterns.base import (
+    BLOCK,
+    MaskMod,
+    PatternBase,
+    Shapes,
+    Sweep,
+    check_head,
+    check_rows,
+    default_budget,
+    per_head,
+    register_pattern,
+)
 from workbench.patterns.tile_select import repeat_batch, select_tiles, tile_count
 
 
@@ -23,7 +35,20 @@ class TriShape(PatternBase):
 
     kind = "trishape"
     params = ("sink", "window", "last")
+    order = 50
     bench_kernel = None
+    minference_attn_type = "tri_shape"
+    sweep = Sweep("tri-shape", "window", (256, 512, 1024), lambda v: {"sink": 64, "window": int(v), "last": 64},
+                  online=False)
+
+    @classmethod
+    def defaults(cls, n: int) -> dict[str, int]:
+        return {"sink": 64, "window": default_budget(n), "last": 64}
+
+    @classmethod
+    def grid(cls, n: int) -> list[dict[str, int]]:
+        """64 sink tokens, a window of n/16 .. n/4, the last 64 rows (the question) dense."""
+        return [{"sink": 64, "window": w, "last": 64} for w in sorted({max(64, round(n / f)) for f in (16, 8, 4)})]
 
     def __init__(self, sink: int | torch.Tensor, window: int | torch.Tensor, last: int | torch.Tensor = 64,
                  n_heads: int = 1):
@@ -64,8 +89,8 @@ class TriShape(PatternBase):
 
     def mask_mod(self, n: int, device: torch.device | str | None = None) -> MaskMod:
         g, w, first = (x.to(device) for x in (self.ashape.sink, self.ashape.window, n - self.last))
-        return lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (
-            (kv_idx < g[h]) | (q_idx - kv_idx < w[h]) | (q_idx >= first[h]))
+        return lambda b, h, q_idx, kv_idx: masks.causal(q_idx, kv_idx) & (
+            masks.band(q_idx, kv_idx, g[h], w[h]) | (q_idx >= first[h]))
 
     def shapes(self, head: int, n: int) -> Shapes:
         check_head(self, head)

@@ -8,25 +8,32 @@ packed 64 at a time) is `workbench_kernels.index_ref.vs_to_tiles`, the same one 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from workbench_kernels import BLOCK
+from workbench_kernels import BLOCK, masks
 from workbench_kernels.index_ref import VSTiles, vs_to_tiles
 
 from workbench.patterns.base import (
     MaskMod,
     PatternBase,
+    Reductions,
+    Scores,
     Shapes,
+    Sweep,
     band_poly,
     causal_rows,
     check_head,
     check_rows,
     column_poly,
+    default_budget,
     per_head,
     per_head_on,
     register_pattern,
     runs,
+    search_budgets,
+    stack_scores,
     toeplitz_rows,
 )
 from workbench.patterns.proxy import top_positions, vs_proxy
@@ -48,7 +55,11 @@ class VerticalSlash(PatternBase):
 
     kind = "vs"
     params = ("vertical", "slash")
+    order = 20
     bench_kernel = "vertical_slash"
+    minference_name = "vertical_and_slash"
+    default_search = True
+    sweep = Sweep("vertical-slash", "vertical", (256, 512, 1024), lambda v: {"vertical": int(v), "slash": 2 * int(v)})
 
     def __init__(self, columns: torch.Tensor, offsets: torch.Tensor):
         if columns.dim() != 2 or offsets.dim() != 2 or columns.shape[0] != offsets.shape[0]:
@@ -57,6 +68,45 @@ class VerticalSlash(PatternBase):
         self.columns = columns.long()
         self.offsets = offsets.long()
         self.n_heads = columns.shape[0]
+
+    @classmethod
+    def defaults(cls, n: int) -> dict[str, int]:
+        return _sizes(default_budget(n))
+
+    @classmethod
+    def grid(cls, n: int) -> list[dict[str, int]]:
+        """Budget b -> b/2 columns (>= 30) + b slashes (>= 50), as MInference clamps them, for the search
+        budgets up to n/8 (larger VS budgets already cost about as many tiles as dense)."""
+        return [_sizes(b) for b in search_budgets(n)[:-1]]
+
+    @classmethod
+    def evidence(cls, params: Sequence[dict[str, int]], sums: Reductions) -> Scores:
+        """Closed form from the exact sums (`vs_mass`): the index the online proxy (`vs_proxy`) picks for
+        this prompt, i.e. what the kernel runs; its oracle is the best known same-budget index (`vs_oracle`'s
+        greedy choice from the proxy's and the heaviest columns). Budgets are nested: one ranked proxy
+        (and one ranked column list) at the largest budget serves every candidate as a prefix, and one
+        `offset_mass` pass over all rows (one over the answer rows) gives all their overlaps."""
+        n, st = sums.n, sums.sums
+        sizes = [(p["vertical"], p["slash"]) for p in params]
+        levels = sorted({v for v, _ in sizes})
+        cols_all, offs_all = vs_proxy(sums.q, sums.k, sums.scale, levels[-1], max(s for _, s in sizes), ranked=True,
+                                      **sums.proxy)
+        best_all = top_positions(st.column_mass, 0, levels[-1], None, ranked=True)
+        proxy_ov, best_ov = sums.offset_mass([cols_all, best_all], prefixes=[levels, levels])
+        tail_ov = sums.offset_mass([cols_all], prefixes=[levels], rows=sums.tail_rows)[0]
+        pad = lambda t, width: torch.nn.functional.pad(t, (0, width - t.shape[-1]), value=-1)  # noqa: E731
+        tiles = vs_tile_count(torch.stack([pad(cols_all[:, :v], max(levels[-1], 1)) for v, _ in sizes]),
+                              torch.stack([pad(offs_all[:, :s], offs_all.shape[-1]) for _, s in sizes]), n)
+        parts = []
+        for (v, s), t in zip(sizes, tiles):
+            li = levels.index(v)
+            cols, offs, best = cols_all[:, :v], offs_all[:, :s], best_all[:, :v]
+            mass = vs_mass(st, proxy_ov[li], cols, offs)
+            oracle = torch.maximum(mass, vs_mass(st, proxy_ov[li], cols, best_offsets(st.diag_mass, proxy_ov[li], s)))
+            oracle = torch.maximum(oracle, vs_mass(st, best_ov[li], best, best_offsets(st.diag_mass, best_ov[li], s)))
+            parts.append({"mass": mass, "tail": vs_mass(sums.tail, tail_ov[li], cols, offs), "oracle": oracle,
+                          "tiles": t, "edges": cls(cols, offs).edges(n)})
+        return stack_scores(parts)
 
     def column_set(self, n: int) -> torch.Tensor:
         """Bool `[H, n]`: which keys are columns."""
@@ -89,7 +139,8 @@ class VerticalSlash(PatternBase):
 
     def mask_mod(self, n: int, device: torch.device | str | None = None) -> MaskMod:
         cols, offs = self.column_set(n).to(device), self.offset_set(n).to(device)
-        return lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (cols[h, kv_idx] | offs[h, (q_idx - kv_idx).clamp(min=0)])
+        return lambda b, h, q_idx, kv_idx: masks.causal(q_idx, kv_idx) & (
+            cols[h, kv_idx] | offs[h, (q_idx - kv_idx).clamp(min=0)])
 
     def shapes(self, head: int, n: int) -> Shapes:
         check_head(self, head)
@@ -143,3 +194,47 @@ def vs_tile_count(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: i
     its remaining columns packed 64 at a time. columns `[B, H, Kv]`, offsets `[B, H, Ks]`."""
     t = vs_to_tiles(columns, offsets, n, block=block)
     return t.block_count.long().sum(-1) + (-(-t.column_count.long() // block)).sum(-1)
+
+
+def _sizes(budget: int) -> dict[str, int]:
+    """VS config params of a budget of b keys per query: b/2 columns (>= 30), b slashes (>= 50)."""
+    return {"vertical": max(30, budget // 2), "slash": max(50, budget)}
+
+
+def vs_mass(sums: Any, overlap: torch.Tensor, columns: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Captured fraction `[H]` of a VS index over the rows of `sums` (`LayerSums`): column sums + slash
+    sums - the pairs counted twice (`overlap` `[H, N]` = `column_offset_mass` of `columns` over those rows)."""
+    n = sums.column_mass.shape[-1]
+    c = membership(columns.long(), n)
+    d = membership(offsets.long(), n)
+    d[:, 0] = True
+    total = (sums.column_mass * c).sum(-1) + (sums.diag_mass * d).sum(-1) - (overlap * d).sum(-1)
+    return (total / sums.n_rows).double()
+
+
+def best_offsets(diag_mass: torch.Tensor, overlap: torch.Tensor, slash: int) -> torch.Tensor:
+    """The `slash` offsets (0 always) holding the most mass not already on the chosen columns."""
+    return top_positions(diag_mass - overlap, 1, slash, None)
+
+
+def vs_oracle(sums: Reductions, vertical: int, slash: int, proxy: tuple[torch.Tensor, torch.Tensor] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Best-known VS index of a budget from the full attention of one layer -> (columns, offsets, mass `[H]`).
+
+    Greedy: the `vertical` columns with the most mass, then the `slash` offsets with the most mass not
+    already on those columns. With `proxy` = (columns, offsets) of a proxy index, the proxy's columns
+    with their best offsets are tried too, so the oracle is never below the proxy at equal budget."""
+    st = sums.sums
+    starts = [top_positions(st.column_mass, 0, vertical)]
+    if proxy is not None:
+        starts.append(proxy[0])
+    best = None
+    for cols, overlap in zip(starts, sums.offset_mass(starts)):
+        offs = best_offsets(st.diag_mass, overlap, slash)
+        mass = vs_mass(st, overlap, cols, offs)
+        if best is None:
+            best = (cols, offs, mass)
+        else:
+            better = (mass > best[2])[:, None]
+            best = (torch.where(better, cols, best[0]), torch.where(better, offs, best[1]), torch.maximum(mass, best[2]))
+    return best

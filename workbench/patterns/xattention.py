@@ -12,11 +12,21 @@ The head config records tau and S, not a block budget. q `[..., Hq, N, D]`, k `[
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from workbench.patterns.base import BLOCK, PatternBase, per_head, register_pattern
+from workbench.patterns.base import (
+    BLOCK,
+    PatternBase,
+    Reductions,
+    Scores,
+    Sweep,
+    generic_evidence,
+    per_head,
+    register_pattern,
+)
 from workbench.patterns.block_sparse import BlockSparse
 from workbench.patterns.tile_select import cumulative_keep, positions
 
@@ -82,7 +92,27 @@ class XAttention(BlockSparse):
 
     kind = "xattention"
     params = ("tau_milli", "stride")
+    order = 80
     bench_kernel = None
+    minference_name = None
+    minference_attn_type = "xattention"
+    default_search = False
+    sweep = Sweep("xattention", "tau", (0.8, 0.9, 0.95), lambda v: {"tau_milli": round(v * 1000), "stride": 8},
+                  adaptive=True)
+
+    @classmethod
+    def defaults(cls, n: int) -> dict[str, int]:
+        return {"tau_milli": 900, "stride": 8}
+
+    @classmethod
+    def grid(cls, n: int) -> list[dict[str, int]]:
+        """tau 0.9 / 0.95 at stride 8 (thresholds, not budgets: the same at every length)."""
+        return [{"tau_milli": tau, "stride": 8} for tau in (900, 950)]
+
+    @classmethod
+    def evidence(cls, params: Sequence[dict[str, int]], sums: Reductions) -> Scores:
+        """Adaptive (its table depends on the prompt and a threshold): one exact pass per candidate."""
+        return generic_evidence(cls, params, sums)
 
     @classmethod
     def layer_tiles(cls, *args: Any, **kwargs: Any) -> Any:

@@ -1,20 +1,17 @@
 """Per-head pattern search: score every candidate on every calibration sample, keep the cheapest that
 captures enough attention on the worst sample.
 
-For each (sample, layer) one exact pass over the rows (`metrics.layer_sums`) gives column, diagonal
-and tile masses and each row's log-normaliser; then the probabilities at the chosen columns alone give
-the mass those columns hold on each diagonal (the pairs a VS index would count twice). From those
-sums the captured mass of every candidate is exact:
+For each (sample, layer) the exact reductions of the layer's dense attention (`metrics.LayerReductions`:
+column, diagonal and tile masses and each row's log-normaliser, over all rows and over the answer rows)
+are computed once, and each registered pattern class scores its own candidates from them
+(`PatternBase.evidence`): the captured mass of the index the candidate runs online (what the kernel
+will really run), the same over the answer rows, and the mass of the best known index of the same
+budget (the oracle). Closed forms for A-shape, Vertical-Slash, block-sparse and dense; one exact pass
+per candidate for the adaptive kinds.
 
-- A-shape(sink, window): columns 0..sink-1 plus offsets 0..window-1.
-- VS(vertical, slash): the index the online proxy (`vs_proxy`) picks for this prompt, i.e. what the
-  kernel will really run; its oracle is the best known same-budget index chosen from full attention.
-- block(topk): the `block_proxy` table; its oracle is the exact best table of the same budget.
-- dense: mass 1, every causal tile.
-
-Besides the mass over all rows, every candidate is scored on the answer rows: the last `TAIL_ROWS`
-query rows, where a retrieval prompt asks its question. A head can hold 95% of its mass in a local
-window and still lose the one far-away needle those rows read; `choose` requires both.
+The answer rows are the last `TAIL_ROWS` query rows, where a retrieval prompt asks its question. A head
+can hold 95% of its mass in a local window and still lose the one far-away needle those rows read;
+`choose` requires both.
 
 The evidence is a few plain tensors `[S, L, H, C]` (samples, layers, heads, candidates) that can be
 summed across workers (each fills its own (sample, layer) slices), and the choice is deterministic.
@@ -31,42 +28,23 @@ import torch
 from tqdm.auto import tqdm
 
 from workbench import __version__
-from workbench.analysis.metrics import (
-    best_offsets,
-    block_mass_of,
-    block_oracle,
-    column_offset_mass,
-    layer_sums,
-    segment_mass,
-    vs_mass,
-)
-from workbench.analysis.stats import attention_rows, captured_mass
+from workbench.analysis.metrics import TAIL_ROWS, LayerReductions, layer_sums, segment_mass
+from workbench.analysis.stats import captured_mass
 from workbench.config import PARAMS, PROXY_DEFAULTS, HeadConfig, HeadEntry
 from workbench.core.timing import environment
-from workbench.patterns import (
-    BLOCK,
-    AShape,
-    BlockSparse,
-    Stack,
-    VerticalSlash,
-    block_proxy,
-    causal_edges,
-    causal_tiles,
-    pattern_class,
-    vs_proxy,
-    vs_tile_count,
-)
+from workbench.patterns import BLOCK, EVIDENCE, PATTERNS, causal_edges, causal_tiles, pattern_class, vs_proxy
+from workbench.patterns.base import default_budget
 from workbench.patterns.proxy import top_positions
+from workbench.patterns.vertical_slash import best_offsets, vs_mass
 
 TARGET = 0.95
-TAIL_ROWS = 64
-METRICS = ("mass", "tail", "oracle", "tiles", "edges")
+METRICS = EVIDENCE  # ("mass", "tail", "oracle", "tiles", "edges")
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One pattern with its sizes: ("vs", (vertical, slash)), ("ashape", (sink, window)),
-    ("block", (topk,)) or ("dense", ())."""
+    """One pattern kind with its sizes in the order of its class's `params`, e.g. ("vs", (vertical, slash))
+    or ("dense", ())."""
 
     pattern: str
     sizes: tuple[int, ...] = ()
@@ -103,46 +81,19 @@ class Candidate:
 
 
 def default_candidates(n: int) -> list[Candidate]:
-    """A grid that scales with the prompt length n: budgets of n/64 .. n/4 keys per query.
-
-    A-shape: 64 sink tokens + window b. VS: b/2 columns (>= 30) + b slashes (>= 50), as MInference
-    clamps them, up to b = n/8 (larger VS budgets already cost about as many tiles as dense).
-    Block-sparse: b / 64 blocks (>= 2). Dense last (always reaches the target)."""
-    out: list[Candidate] = []
-    budgets = sorted({max(64, round(n / f)) for f in (64, 32, 16, 8, 4)})
-    out += [Candidate("ashape", (64, b)) for b in budgets]
-    out += [Candidate("vs", (max(30, b // 2), max(50, b))) for b in budgets[:-1]]
-    out += sorted({Candidate("block", (max(2, round(b / BLOCK)),)) for b in budgets}, key=lambda c: c.sizes)
-    out.append(Candidate("dense"))
-    return out
+    """The search grid at prompt length n: the `grid(n)` of every kind with `default_search`, in registry
+    order (A-shape, VS, block-sparse at budgets of n/64 .. n/4 keys per query; dense last, always reaching
+    the target)."""
+    return [Candidate.from_dict({"pattern": kind, "params": p})
+            for kind, cls in PATTERNS.items() if cls.default_search for p in cls.grid(n)]
 
 
 def method_candidates(n: int) -> list[Candidate]:
-    """Issue 19's methods as extra candidates (pass `default_candidates(n) + method_candidates(n)`):
-    Tri-shape (64 sink, window n/16 .. n/4, 64 answer rows), XAttention (tau 0.9 / 0.95, stride 8),
-    FlexPrefill (gamma 0.9 / 0.95, tau 0.1, min budget 256). Scored by a generic exact pass each (slower
-    than the closed forms above); the adaptive ones are recorded with their thresholds, not budgets."""
-    windows = sorted({max(64, round(n / f)) for f in (16, 8, 4)})
-    return ([Candidate("trishape", (64, w, 64)) for w in windows]
-            + [Candidate("xattention", (tau, 8)) for tau in (900, 950)]
-            + [Candidate("flexprefill", (gamma, 100, 256)) for gamma in (900, 950)])
-
-
-def _ashape_overlap(q: torch.Tensor, k: torch.Tensor, scale: float, lse: torch.Tensor, sink: int,
-                    n_rows: int) -> torch.Tensor:
-    """`[Hq, N]`: mass the first `sink` columns hold at each offset, from rows < n_rows only (the
-    sink-window overlap of A-shape(sink, w) lies in rows < sink + w)."""
-    cols = torch.arange(min(sink, q.shape[1])).expand(q.shape[0], -1)
-    return column_offset_mass(q, k, scale, lse, [cols], rows=n_rows)[0]
-
-
-def _vs_scores(colm, diagm, overlaps, cols, offs, vertical_best, slash):
-    """(proxy mass, oracle mass) `[H]` from the overlaps of the proxy's columns and the best columns."""
-    mass = vs_mass(colm, diagm, overlaps[0], cols, offs)
-    oracle = mass
-    for c, ov in zip((cols, vertical_best), overlaps):
-        oracle = torch.maximum(oracle, vs_mass(colm, diagm, ov, c, best_offsets(diagm, ov, slash)))
-    return mass, oracle
+    """The other kinds' grids as extra candidates (pass `default_candidates(n) + method_candidates(n)`):
+    Tri-shape, XAttention, FlexPrefill today. Scored by one exact pass each (slower than the closed forms
+    of the default grid); the adaptive ones are recorded with their thresholds, not budgets."""
+    return [Candidate.from_dict({"pattern": kind, "params": p})
+            for kind, cls in PATTERNS.items() if not cls.default_search for p in cls.grid(n)]
 
 
 @torch.no_grad()
@@ -152,68 +103,20 @@ def layer_scores(q: torch.Tensor, k: torch.Tensor, scale: float, candidates: Seq
 
     q `[Hq, N, D]`, k `[Hkv, N, D]`. Returns {"mass", "tail", "oracle", "tiles", "edges"}: `[Hq, C]` float64;
     mass = exact captured fraction of the index the candidate would run, tail = the same over the
-    last `TAIL_ROWS` query rows only (the answer rows), oracle = the same-budget
-    oracle's mass (`metrics.vs_oracle`, `metrics.block_oracle`; = mass where the pattern has no online
-    choice), tiles = physical 64x64 tiles, edges = logical edges. Computed on q's device, returned on the CPU.
+    last `TAIL_ROWS` query rows only (the answer rows), oracle = the same-budget oracle's mass (= mass
+    where the pattern has no online choice), tiles = physical 64x64 tiles, edges = logical edges: each kind's
+    `evidence` from one set of exact reductions. Computed on q's device, returned on the CPU.
     """
+    out = {name: torch.zeros(q.shape[0], len(candidates), dtype=torch.float64) for name in METRICS}
     with torch.device(q.device):  # factories below follow the capture onto its device
-        proxy = {**PROXY_DEFAULTS, **(proxy or {})}
-        hq, n, _ = q.shape
-        st = layer_sums(q, k, scale)
-        colm, diagm = st.column_mass, st.diag_mass
-        out = {name: torch.zeros(hq, len(candidates), dtype=torch.float64) for name in METRICS}
-        vs_cands = [(c, cand.sizes) for c, cand in enumerate(candidates) if cand.pattern == "vs"]
-        indexes: dict[int, Any] = {}  # candidate -> the pattern it runs on this prompt (dense: none)
-        for c, cand in enumerate(candidates):
-            if cand.pattern == "ashape":
-                p = indexes[c] = AShape(*cand.sizes, n_heads=hq)
-                out["tiles"][:, c], out["edges"][:, c] = p.tiles(n), p.edges(n)
-            elif cand.pattern == "block":
-                table = block_proxy(q, k, cand.sizes[0])
-                p = indexes[c] = BlockSparse(table)
-                out["tiles"][:, c], out["edges"][:, c] = p.tiles(n), p.edges(n)
-                out["mass"][:, c] = block_mass_of(st.block_mass, table, n)
-                out["oracle"][:, c] = block_mass_of(st.block_mass, block_oracle(st.block_mass, cand.sizes[0]), n)
-            elif cand.pattern == "dense":
-                out["tiles"][:, c], out["edges"][:, c] = causal_tiles(n), causal_edges(n)
-                out["mass"][:, c] = out["oracle"][:, c] = 1.0
-            elif cand.pattern not in ("vs", "ashape"):  # any other registered pattern: built online, one exact pass
-                built = pattern_class(cand.pattern).build([cand.params] * hq, q, k, scale, proxy, BLOCK)
-                p = indexes[c] = Stack([built[h] for h in range(hq)])
-                out["tiles"][:, c], out["edges"][:, c] = p.tiles(n), p.edges(n)
-                out["mass"][:, c] = out["oracle"][:, c] = captured_mass(q, k, scale, p).mean(-1).double()
-        if vs_cands:
-            # budgets are nested: one ranked proxy (and one ranked column list for the oracle) at the largest
-            # budget serves every VS candidate as a prefix, and one pass gives all their overlaps
-            levels = sorted({v for _, (v, _) in vs_cands})
-            cols_all, offs_all = vs_proxy(q, k, scale, levels[-1], max(s for _, (_, s) in vs_cands), ranked=True, **proxy)
-            best_all = top_positions(colm, 0, levels[-1], None, ranked=True)
-            proxy_ov, best_ov = column_offset_mass(q, k, scale, st.lse, [cols_all, best_all], prefixes=[levels, levels])
-            pad = lambda t, size: torch.nn.functional.pad(t, (0, t.shape[-1] and size - t.shape[-1]), value=-1)  # noqa: E731
-            tiles = vs_tile_count(torch.stack([pad(cols_all[:, :v], levels[-1]) for _, (v, _) in vs_cands]),
-                                  torch.stack([pad(offs_all[:, :s], offs_all.shape[-1]) for _, (_, s) in vs_cands]), n)
-            for (c, (v, s)), t in zip(vs_cands, tiles):
-                li = levels.index(v)
-                cols, offs, best = cols_all[:, :v], offs_all[:, :s], best_all[:, :v]
-                indexes[c] = VerticalSlash(cols, offs)
-                out["tiles"][:, c] = t
-                out["edges"][:, c] = indexes[c].edges(n)
-                out["mass"][:, c], out["oracle"][:, c] = _vs_scores(colm, diagm, (proxy_ov[li], best_ov[li]),
-                                                                    cols, offs, best, s)
-        ashape_later = [(c, *cand.sizes) for c, cand in enumerate(candidates) if cand.pattern == "ashape"]
-        if ashape_later:
-            sinks = {g for _, g, _ in ashape_later}
-            rows = max(g + w for _, g, w in ashape_later)
-            by_sink = {g: _ashape_overlap(q, k, scale, st.lse, g, rows) for g in sinks}
-            for c, g, w in ashape_later:
-                mass = (colm[:, :g].sum(-1) + diagm[:, :w].sum(-1) - by_sink[g][:, :w].sum(-1)) / n
-                out["mass"][:, c] = out["oracle"][:, c] = mass
-        r0 = max(0, n - TAIL_ROWS)
-        p_tail = next(attention_rows(q, k, scale, chunk=n - r0, rows=(r0, n)))[2]  # [Hq, T, n] exact
-        for c in range(len(candidates)):
-            kept = p_tail * indexes[c].row_mask(r0, n, n) if c in indexes else p_tail
-            out["tail"][:, c] = kept.sum(-1).mean(-1)
-    return {name: (t.clamp(max=1.0) if name in ("mass", "tail", "oracle") else t).cpu() for name, t in out.items()}
+        sums = LayerReductions(q, k, scale, {**PROXY_DEFAULTS, **(proxy or {})})
+        for kind, cls in PATTERNS.items():
+            mine = [c for c, cand in enumerate(candidates) if cand.pattern == kind]
+            if mine:
+                scores = cls.evidence([candidates[c].params for c in mine], sums)
+                for name in METRICS:
+                    out[name][:, mine] = scores[name]
+    return {name: t.clamp(max=1.0) if name in ("mass", "tail", "oracle") else t for name, t in out.items()}
 
 
 @dataclass
@@ -426,12 +329,18 @@ def evaluate_config(config: HeadConfig, capture: Any, progress: bool = False) ->
 @dataclass
 class HeadCache:
     """What re-scoring one head needs, per sample: its q `[N, D]`, its KV head's k `[N, D]`, and its
-    exact sums (`metrics.LayerSums` of that head alone: column, diagonal, tile masses and lse)."""
+    exact sums (`metrics.LayerSums` of that head alone: column, diagonal, tile masses and lse); the
+    answer rows' sums are computed on the first re-score and kept."""
 
     scale: float
     q: list[torch.Tensor]
     k: list[torch.Tensor]
     sums: list[Any]
+    _reductions: list[LayerReductions] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self._reductions = [LayerReductions(q[None], k[None], self.scale, all_rows=st)
+                            for q, k, st in zip(self.q, self.k, self.sums)]
 
     @classmethod
     def from_captures(cls, captures: Sequence[Any], layer: int, head: int) -> HeadCache:
@@ -443,50 +352,28 @@ class HeadCache:
             sums.append(layer_sums(q[None], k[None], cap.scale))
         return cls(scale=captures[0].scale, q=qs, k=ks, sums=sums)
 
+    def reductions(self, proxy: dict[str, Any]) -> list[LayerReductions]:
+        """Each sample's `LayerReductions` of this head under `proxy` (its cached sums shared)."""
+        return [LayerReductions(r.q, r.k, r.scale, proxy, r.sums, r.tail) for r in self._reductions]
+
 
 @torch.no_grad()
 def rescore_head(cache: HeadCache, candidate: Candidate, proxy: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Score one (edited) head on every cached sample: captured mass, oracle mass, tiles and density.
+    """Score one (edited) head on every cached sample: captured mass, answer-row mass, oracle mass, tiles
+    and density, from the cached exact sums (the kind's `evidence` on this head alone).
 
-    Reuses the cached exact statistics; VS and A-shape need one extra row pass over this head only.
-    Returns {"mass": [S], "oracle": [S], "tiles": [S], "physical_density": [S], "worst": float, "mean": float}."""
+    Returns {"mass": [S], "tail": [S], "oracle": [S], "tiles": [S], "physical_density": [S], "worst": float,
+    "mean": float}."""
     proxy = {**PROXY_DEFAULTS, **(proxy or {})}
-    out: dict[str, list[float]] = {"mass": [], "oracle": [], "tiles": [], "physical_density": []}
-    for q, k, st in zip(cache.q, cache.k, cache.sums):
-        n = q.shape[0]
-        q1, k1, colm, diagm, bm = q[None], k[None], st.column_mass, st.diag_mass, st.block_mass
-        if candidate.pattern == "dense":
-            mass = oracle = 1.0
-            tiles = causal_tiles(n)
-        elif candidate.pattern == "block":
-            table = block_proxy(q1, k1, candidate.sizes[0])
-            mass = float(block_mass_of(bm, table, n))
-            oracle = float(block_mass_of(bm, block_oracle(bm, candidate.sizes[0]), n))
-            tiles = int(BlockSparse(table).tiles(n))
-        elif candidate.pattern == "ashape":
-            g, w = candidate.sizes
-            tiles = int(AShape(g, w).tiles(n))
-            overlap = _ashape_overlap(q1, k1, cache.scale, st.lse, g, g + w)
-            mass = float((colm[0, :g].sum() + diagm[0, :w].sum() - overlap[0, :w].sum()) / n)
-            oracle = mass
-        elif candidate.pattern != "vs":  # any other registered pattern: its own builder, one exact pass
-            index = pattern_class(candidate.pattern).build([candidate.params], q1, k1, cache.scale, proxy, BLOCK)[0]
-            mass = oracle = float(captured_mass(q1, k1, cache.scale, index).mean())
-            tiles = int(index.tiles(n))
-        else:
-            v, s = candidate.sizes
-            cols, offs = vs_proxy(q1, k1, cache.scale, v, s, **proxy)
-            tiles = int(vs_tile_count(cols[None], offs[None], n))
-            best_cols = top_positions(colm, 0, v)
-            # one pass for both column sets: prefix v is the proxy's, prefix 2v adds the best columns
-            both = column_offset_mass(q1, k1, cache.scale, st.lse, [torch.cat([cols, best_cols], -1)],
-                                      prefixes=[[v, 2 * v]])[0]
-            m, o = _vs_scores(colm, diagm, (both[0], both[1] - both[0]), cols, offs, best_cols, s)
-            mass, oracle = float(m), float(o)
-        out["mass"].append(min(mass, 1.0))
-        out["oracle"].append(min(oracle, 1.0))
+    cls = pattern_class(candidate.pattern)
+    out: dict[str, list[float]] = {"mass": [], "tail": [], "oracle": [], "tiles": [], "physical_density": []}
+    for sums in cache.reductions(proxy):
+        scores = cls.evidence([candidate.params], sums)
+        for name in ("mass", "tail", "oracle"):
+            out[name].append(min(float(scores[name][0, 0]), 1.0))
+        tiles = int(scores["tiles"][0, 0])
         out["tiles"].append(tiles)
-        out["physical_density"].append(tiles / causal_tiles(n))
+        out["physical_density"].append(tiles / causal_tiles(sums.n))
     return {**out, "worst": min(out["mass"]), "mean": sum(out["mass"]) / len(out["mass"])}
 
 
@@ -501,7 +388,7 @@ def pattern_fits(capture: Any, config: HeadConfig | None = None, target: float =
     the config's own indexes (overall and per segment). Returns {"heads": [...], "layers": [...],
     "summary": {...}}, all plain JSON."""
     n = capture.n
-    b = budget or max(64, n // 16)
+    b = budget or default_budget(n)
     fixed = [Candidate("ashape", (64, b)), Candidate("vs", (max(30, b // 2), max(50, b))),
              Candidate("block", (max(2, b // BLOCK),))]
     grid = default_candidates(n)
@@ -563,17 +450,16 @@ def compare_proxies(capture: Any, vertical: int, slash: int, variants: Sequence[
     oracles: list[torch.Tensor] = []
     for layer in tqdm(capture.layers, desc="proxies", unit="layer", disable=not progress, leave=False):
         q, k, _ = capture.layer_qkv(layer)
-        st = layer_sums(q, k, capture.scale)
+        sums = LayerReductions(q, k, capture.scale)
+        st = sums.sums
         indexes = [vs_proxy(q, k, capture.scale, vertical, slash, **{**PROXY_DEFAULTS, **v}) for v in variants]
         best_cols = top_positions(st.column_mass, 0, vertical)
-        overlaps = column_offset_mass(q, k, capture.scale, st.lse, [cols for cols, _ in indexes] + [best_cols])
-        oracle = vs_mass(st.column_mass, st.diag_mass, overlaps[-1], best_cols,
-                         best_offsets(st.diag_mass, overlaps[-1], slash))
+        overlaps = sums.offset_mass([cols for cols, _ in indexes] + [best_cols])
+        oracle = vs_mass(st, overlaps[-1], best_cols, best_offsets(st.diag_mass, overlaps[-1], slash))
         for i, ((cols, offs), ov) in enumerate(zip(indexes, overlaps)):
-            mass = vs_mass(st.column_mass, st.diag_mass, ov, cols, offs)
+            mass = vs_mass(st, ov, cols, offs)
             masses[i].append(mass)
-            oracle = torch.maximum(oracle, vs_mass(st.column_mass, st.diag_mass, ov, cols,
-                                                   best_offsets(st.diag_mass, ov, slash)))
+            oracle = torch.maximum(oracle, vs_mass(st, ov, cols, best_offsets(st.diag_mass, ov, slash)))
         oracles.append(oracle)
     oracle = torch.cat(oracles).double()
     rows = []
