@@ -174,7 +174,7 @@ def flex_block_mask(touched, full, mask_mod, n: int):
 def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm.auto import tqdm
-    from workbench_kernels import NO_WINDOW
+    from workbench_kernels import NO_WINDOW, masks
     from workbench_kernels.index_build import block_index, vs_index, vs_tiles
     from workbench_kernels.index_ref import (
         ashape_to_tiles,
@@ -341,10 +341,9 @@ def run(args: argparse.Namespace) -> int:
                 elif pattern == "block_sparse":
                     full = touched & ~eye
                 else:
-                    mb = torch.arange(M, device=dev)
-                    kb_hi = mb[None, :] * 64 + 63
-                    in_window = mb[None, :] * 64 >= mb[:, None] * 64 + 63 - args.window + 1
-                    full = touched & ~eye & ((kb_hi < args.sink) | in_window)
+                    first = torch.arange(M, device=dev) * 64  # full: every key a sink, or the farthest pair in the window
+                    full = touched & ~eye & (masks.sink(first[None, :] + 63, args.sink)
+                                             | masks.window(first[:, None] + 63, first[None, :], args.window))
                 ref = fn()[0] if pattern != "vertical_slash" else None
                 flex_jobs.append((row, shape, n, q, k, v, touched, full, mask_mod, ref, scale))
         # one mixed layer (a third of the heads per pattern) in a single launch

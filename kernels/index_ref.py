@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import BLOCK
+from . import BLOCK, masks
 
 
 @dataclass
@@ -338,13 +338,12 @@ def tiles_to_mask(tiles: VSTiles, n: int, sink: torch.Tensor | None = None,
     col = torch.zeros(B, H, M, n + 1, dtype=torch.bool, device=dev)
     col.scatter_(-1, torch.where(cl, tiles.column_index.long(), n), True)
     blk = blk | col[..., :n]
-    mask = blk.repeat_interleave(b, 2)[:, :, :n]  # [B, H, n, n]
-    i = torch.arange(n, device=dev)
-    mask &= j.view(1, -1) <= i.view(-1, 1)
+    i, j = torch.arange(n, device=dev).view(-1, 1), j.view(1, -1)
+    mask = masks.tile(blk, i, j, b, key_block=1) & masks.causal(i, j)  # [B, H, n, n]
     if window is not None:
         sink = torch.as_tensor(sink, device=dev).view(1, H, 1, 1)
         window = torch.as_tensor(window, device=dev).view(1, H, 1, 1)
-        mask &= ((i.view(-1, 1) - j.view(1, -1)) < window) | (j.view(1, -1) < sink)
+        mask &= masks.band(i, j, sink, window)
     return mask
 
 

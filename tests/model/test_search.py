@@ -9,7 +9,8 @@ import torch
 from workbench.analysis.metrics import LayerReductions, layer_sums
 from workbench.analysis.stats import captured_mass
 from workbench.config import HeadConfig
-from workbench.patterns import AShape, BlockSparse, Dense, VerticalSlash, block_proxy, vs_proxy
+from workbench.patterns import AShape, BlockSparse, Dense, Stack, VerticalSlash, block_proxy, membership, pattern_class, vs_proxy
+from workbench.patterns.proxy import top_blocks, top_positions
 from workbench.patterns.vertical_slash import vs_oracle
 from workbench.search.search import (
     TAIL_ROWS,
@@ -20,6 +21,7 @@ from workbench.search.search import (
     default_candidates,
     evaluate_config,
     layer_scores,
+    method_candidates,
     pattern_fits,
     rescore_head,
     search_heads,
@@ -88,6 +90,81 @@ def test_layer_scores_are_exact():
     # but loses more of the answer rows' mass
     short = CANDS.index(Candidate("ashape", (16, 40)))
     assert (sc["tail"][:, short] < sc["mass"][:, short]).any()
+
+
+def dense_probs(q, k, scale) -> torch.Tensor:
+    """Float64 causal softmax `[Hq, N, N]` (query head h reads KV head h // (Hq // Hkv))."""
+    n, g = q.shape[1], q.shape[0] // k.shape[0]
+    s = (q.double() @ k.double().repeat_interleave(g, 0).transpose(1, 2)) * scale
+    return torch.softmax(s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")), -1)
+
+
+def expected_scores(p, q, k, scale, cand: Candidate) -> dict[str, torch.Tensor]:
+    """mass, tail, oracle `[Hq]` of a candidate from the dense softmax `p`, by definition: the kept
+    probability of the index the candidate runs online (mean over all rows / the last 64), and of the
+    best same-budget index (VS: the proxy's or the heaviest columns, each with the offsets holding the most
+    mass off those columns; block-sparse: the heaviest key blocks per query block; else the index itself)."""
+    hq, n = q.shape[0], q.shape[1]
+    kept = lambda mask: (p * mask).sum(-1)  # noqa: E731  [Hq, N]
+    if cand.pattern == "vs":
+        v, s = cand.sizes
+        cols, offs = vs_proxy(q, k, scale, v, s)
+        rows = kept(VerticalSlash(cols, offs).to_mask(n))
+        oracle = rows.mean(-1)
+        for c in (cols, top_positions(p.sum(1), 0, v)):
+            off_columns = p * ~membership(c, n)[:, None, :]
+            by_offset = torch.stack([off_columns.diagonal(-d, 1, 2).sum(-1) for d in range(n)], -1)
+            best = kept(VerticalSlash(c, top_positions(by_offset, 1, s)).to_mask(n)).mean(-1)
+            oracle = torch.maximum(oracle, best)
+    elif cand.pattern == "block":
+        rows = kept(BlockSparse(block_proxy(q, k, cand.sizes[0])).to_mask(n))
+        m = -(-n // 64)
+        tiles = torch.nn.functional.pad(p, (0, m * 64 - n, 0, m * 64 - n)).reshape(hq, m, 64, m, 64).sum((2, 4))
+        oracle = kept(BlockSparse(top_blocks(tiles, cand.sizes[0])).to_mask(n)).mean(-1)
+    else:
+        built = pattern_class(cand.pattern).build([cand.params] * hq, q, k, scale, {}, 64)
+        rows = kept(Stack([built[h] for h in range(hq)]).to_mask(n))
+        oracle = rows.mean(-1)
+    return {"mass": rows.mean(-1), "tail": rows[:, -TAIL_ROWS:].mean(-1), "oracle": oracle}
+
+
+EXTRA = [Candidate("ashape", (0, 50)), Candidate("ashape", (16, 40)), Candidate("ashape", (4, 100)),
+         Candidate("vs", (0, 30)), Candidate("vs", (8, 20)), Candidate("vs", (20, 60)), Candidate("vs", (20, 100)),
+         Candidate("block", (3,)), Candidate("dilated", (32, 2)), Candidate("strided", (16, 8)),
+         Candidate("flexprefill", (900, 100, 64))]
+
+
+def check_against_dense(q, k, scale, head: int = 4):
+    """layer_scores and rescore_head of every default, method and extra candidate equal the dense
+    softmax's values within 1e-6."""
+    n, g = q.shape[1], q.shape[0] // k.shape[0]
+    cands = list(dict.fromkeys(default_candidates(n) + method_candidates(n) + EXTRA + OVERSIZED))
+    sc, p = layer_scores(q, k, scale, cands), dense_probs(q, k, scale)
+    cache = HeadCache(scale, [q[head]], [k[head // g]], [layer_sums(q[head][None], k[head // g][None], scale)])
+    for c, cand in enumerate(cands):
+        want = expected_scores(p, q, k, scale, cand)
+        again = rescore_head(cache, cand)
+        for name in ("mass", "tail", "oracle"):
+            torch.testing.assert_close(sc[name][:, c], want[name].clamp(max=1), atol=1e-6, rtol=0,
+                                       msg=lambda m: f"{cand.label()} {name}: {m}")
+            assert again[name][0] == pytest.approx(float(want[name][head].clamp(max=1)), abs=1e-6), (cand, name)
+        assert again["tiles"][0] == sc["tiles"][head, c]
+
+
+@pytest.mark.parametrize("hq,hkv,n", [(6, 2, 300), (8, 2, 200)])
+def test_scores_equal_the_dense_softmax_gqa(hq, hkv, n):
+    g = torch.Generator().manual_seed(n)
+    q, k = torch.randn(hq, n, 16, generator=g), torch.randn(hkv, n, 16, generator=g)
+    k[:, 0] *= 3
+    k[:, [57, 140, n - 9]] += 2 * q.mean((0, 1))
+    check_against_dense(q, k, 0.3)
+
+
+@pytest.mark.model
+def test_scores_equal_the_dense_softmax_real(capture_256):
+    for layer in (0, 15):
+        q, k, _ = capture_256.layer_qkv(layer)
+        check_against_dense(q, k, capture_256.scale)
 
 
 def test_layer_sums_match_stats():

@@ -272,20 +272,52 @@ def inside_polygons(polys: list, n: int) -> torch.Tensor:
 
 
 def test_registry_maps_config_kinds_to_classes_and_back():
-    from workbench.patterns import PATTERNS, PatternBase, pattern_class, register_pattern
+    from workbench.patterns import PATTERNS, PatternBase, default_params, pattern_class, register_pattern
 
     assert {k: c.__name__ for k, c in PATTERNS.items()} == {
-        "vs": "VerticalSlash", "ashape": "AShape", "block": "BlockSparse", "dense": "Dense", "trishape": "TriShape",
+        "ashape": "AShape", "vs": "VerticalSlash", "block": "BlockSparse", "dense": "Dense", "trishape": "TriShape",
         "dilated": "Dilated", "strided": "Strided", "xattention": "XAttention", "flexprefill": "FlexPrefill"}
+    assert list(PATTERNS) == sorted(PATTERNS, key=lambda kind: PATTERNS[kind].order)
     for kind, cls in PATTERNS.items():
-        assert pattern_class(kind) is cls and cls.kind == kind
+        assert pattern_class(kind) is cls and cls.kind == kind and default_params(kind, 1024) == cls.defaults(1024)
     with pytest.raises(ValueError, match="unknown pattern 'tri'.*register_pattern"):
         pattern_class("tri")
+    own = {"params": (), "order": 1000, "defaults": classmethod(lambda cls, n: {})}
     with pytest.raises(ValueError, match="already VerticalSlash"):
-        register_pattern(type("Other", (PatternBase,), {"kind": "vs"}))
+        register_pattern(type("Other", (PatternBase,), {"kind": "vs", **own}))
     with pytest.raises(ValueError, match="`kind`"):
         register_pattern(type("Nameless", (PatternBase,), {}))
-    assert PATTERNS["vs"] is VerticalSlash
+    with pytest.raises(ValueError, match=r"must set \['order', 'defaults'\]"):
+        register_pattern(type("Bare", (PatternBase,), {"kind": "bare", "params": ()}))
+    with pytest.raises(ValueError, match="inherit `bench_kernel` from BlockSparse"):
+        register_pattern(type("Child", (BlockSparse,), {"kind": "child", **own}))
+    with pytest.raises(ValueError, match="order = 10 is already AShape's"):
+        register_pattern(type("Twin", (PatternBase,), {"kind": "twin", **own, "order": 10}))
+    assert PATTERNS["vs"] is VerticalSlash and "child" not in PATTERNS and "twin" not in PATTERNS
+
+
+def test_mask_algebra_is_every_consumers_mask():
+    """A-shape as its definition (N(i) = sinks up to i plus the window ending at i), the pattern's mask,
+    the kernel reference's physical mask and the CPU prefill's band: one set, from `workbench_kernels.masks`;
+    block tiles through `masks.tile`."""
+    from workbench_kernels import masks
+    from workbench_kernels.index_ref import ashape_to_tiles, tiles_to_mask
+
+    from workbench.prefill.sparse import band_mask
+
+    n, sink, window = 150, torch.tensor([0, 3, 20, 70]), torch.tensor([1, 10, 200, 64])
+    want = torch.zeros(4, n, n, dtype=torch.bool)
+    for h in range(4):
+        for i in range(n):
+            want[h, i, :min(int(sink[h]), i + 1)] = True
+            want[h, i, max(0, i - int(window[h]) + 1):i + 1] = True
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    assert torch.equal(masks.ashape(i, j, sink.view(-1, 1, 1), window.view(-1, 1, 1)), want)
+    assert torch.equal(AShape(sink, window).to_mask(n), want)
+    assert torch.equal(tiles_to_mask(ashape_to_tiles(sink, window, n), n, sink, window)[0], want)
+    assert torch.equal(band_mask(sink, window, torch.arange(n), 0, n) & masks.causal(i, j), want)
+    table = BlockSparse(torch.tensor([[[0], [0], [-1]]]))
+    assert torch.equal(masks.tile(table.block_set(n), i, j) & masks.causal(i, j), table.to_mask(n))
 
 
 @pytest.mark.parametrize("n", [1, 37, 64, 130, 200])

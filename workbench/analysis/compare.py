@@ -18,13 +18,7 @@ import torch
 
 from workbench.analysis.metrics import density
 from workbench.analysis.stats import attention_rows
-from workbench.patterns import AShape, Pattern, block_proxy, vs_proxy
-from workbench.patterns.block_sparse import BlockSparse
-from workbench.patterns.dilated import Dilated, Strided
-from workbench.patterns.flexprefill import flexprefill
-from workbench.patterns.trishape import TriShape
-from workbench.patterns.vertical_slash import VerticalSlash
-from workbench.patterns.xattention import xattention
+from workbench.patterns import BLOCK, PATTERNS, Pattern
 
 ANSWER_ROWS = 64
 Builder = Callable[[torch.Tensor, torch.Tensor, float, float], Pattern]
@@ -46,31 +40,21 @@ class Method:
         return self.values[len(self.values) // 2]
 
 
-def _vs(q, k, scale, v):
-    cols, offs = vs_proxy(q, k, scale, int(v), 2 * int(v))
-    return VerticalSlash(cols, offs)
+def sweep_builder(cls: type) -> Builder:
+    """(q, k, scale, value) -> the kind's pattern over all Hq heads of one layer at the config params
+    `cls.sweep.params(value)`, built as the prefill builds it (`for_heads`, the proxies' default settings)."""
+    def build(q: torch.Tensor, k: torch.Tensor, scale: float, value: float) -> Pattern:
+        hq = q.shape[0]
+        return cls.for_heads([cls.sweep.params(value)] * hq, q, k.repeat_interleave(hq // k.shape[0], 0), scale, {},
+                             BLOCK)
+    return build
 
 
-def default_methods(sink: int = 64, question: int = 64) -> list[Method]:
-    """Every method with a sweep sized for 4K-8K-token prompts (windows and budgets in tokens)."""
-    h = lambda q: q.shape[0]  # noqa: E731
-    return [
-        Method("a-shape", "window", (256, 512, 1024), False, False,
-               lambda q, k, s, v: AShape(sink, int(v), h(q))),
-        Method("tri-shape", "window", (256, 512, 1024), False, False,
-               lambda q, k, s, v: TriShape(sink, int(v), question, h(q))),
-        Method("dilated", "taps", (128, 256, 512), False, False,
-               lambda q, k, s, v: Dilated(int(v), 2, h(q))),
-        Method("strided", "stride", (256, 128, 64), False, False,
-               lambda q, k, s, v: Strided(128, int(v), h(q))),
-        Method("vertical-slash", "vertical", (256, 512, 1024), False, True, _vs),
-        Method("block-sparse", "topk", (8, 16, 32), False, True,
-               lambda q, k, s, v: BlockSparse(block_proxy(q, k, int(v)))),
-        Method("xattention", "tau", (0.8, 0.9, 0.95), True, True,
-               lambda q, k, s, v: xattention(q, k, s, v, stride=8)),
-        Method("flexprefill", "gamma", (0.8, 0.9, 0.95), True, True,
-               lambda q, k, s, v: flexprefill(q, k, s, gamma=v, tau=0.1, min_budget=256)),
-    ]
+def default_methods() -> list[Method]:
+    """The `sweep` of every registered kind that has one (sized for 4K-8K-token prompts: windows and
+    budgets in tokens), in registry order."""
+    return [Method(cls.sweep.name, cls.sweep.knob, cls.sweep.values, cls.sweep.adaptive, cls.sweep.online,
+                   sweep_builder(cls)) for cls in PATTERNS.values() if cls.sweep is not None]
 
 
 def timed(fn: Callable[[], Any], device: torch.device | str = "cpu") -> tuple[Any, float]:

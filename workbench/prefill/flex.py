@@ -25,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from workbench_kernels import masks
 
 from workbench.config import ConfigError, HeadConfig
+from workbench.patterns import PATTERNS
 from workbench.prefill.tiles import tile_rows
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -68,15 +70,14 @@ def tiles_mask_mod(tiles: Any, n: int, sink: torch.Tensor | None = None,
     if window is None:
         def mask_mod(b, h, q_idx, kv_idx):
             word = bits[h, q_idx // block, kv_idx // 8].to(torch.int32)
-            return (kv_idx <= q_idx) & (((word >> (kv_idx % 8)) & 1) == 1)
+            return masks.causal(q_idx, kv_idx) & (((word >> (kv_idx % 8)) & 1) == 1)
         return mask_mod
     sink = sink.to(bits.device)
     window = window.to(bits.device)
 
     def banded(b, h, q_idx, kv_idx):
         word = bits[h, q_idx // block, kv_idx // 8].to(torch.int32)
-        band = (kv_idx < sink[h]) | (q_idx - kv_idx < window[h])
-        return (kv_idx <= q_idx) & band & (((word >> (kv_idx % 8)) & 1) == 1)
+        return masks.ashape(q_idx, kv_idx, sink[h], window[h]) & (((word >> (kv_idx % 8)) & 1) == 1)
     return banded
 
 
@@ -135,7 +136,7 @@ def tiles_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: An
     return out
 
 
-STATIC_KINDS = ("ashape", "dense")  # kinds whose mask needs no prompt (others are treated as online)
+STATIC_KINDS = tuple(kind for kind, cls in PATTERNS.items() if cls.static)  # masks from the config alone (A-shape, dense)
 
 
 def online_heads(config: HeadConfig, layer: int) -> list[int]:
@@ -212,6 +213,6 @@ def load_masks(path: str | Path, device: torch.device | str = "cpu") -> dict[int
         sink, window = d["sink"].to(device), d["window"].to(device)
 
         def mask_mod(b, h, q_idx, kv_idx, sink=sink, window=window):
-            return (kv_idx <= q_idx) & ((kv_idx < sink[h]) | (q_idx - kv_idx < window[h]))
+            return masks.ashape(q_idx, kv_idx, sink[h], window[h])
         out[l] = make_block_mask(mask_mod, data["n_heads"], data["n"], device)
     return out

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from workbench_kernels import NO_WINDOW
+from workbench_kernels import NO_WINDOW, masks
 from workbench_kernels.index_ref import VSTiles, merge_tiles
 
 from workbench.config import HeadConfig
@@ -364,9 +364,8 @@ def merge_parts(parts: list[tuple[list[int], Any]], hq: int, heads_on: Callable,
 def band_mask(sink: torch.Tensor, window: torch.Tensor, keys: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
     """Bool `[H, r1 - r0, K]`: the A-shape token mask (j < sink or i - j < window) of rows r0..r1-1 over
     the key positions `keys` `[K]` (not causal by itself), on keys' device."""
-    d = torch.arange(r0, r1, device=keys.device)[:, None] - keys[None, :]
-    sink, window = sink.to(keys.device).view(-1, 1, 1), window.to(keys.device).view(-1, 1, 1)
-    return (d < window) | (keys < sink)
+    rows = torch.arange(r0, r1, device=keys.device)[:, None]
+    return masks.band(rows, keys[None, :], sink.to(keys.device).view(-1, 1, 1), window.to(keys.device).view(-1, 1, 1))
 
 
 def band_rows(sink: torch.Tensor, window: torch.Tensor, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:

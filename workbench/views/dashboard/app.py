@@ -46,8 +46,7 @@ def on_page_loop(fn: Callable) -> Callable:
     return call
 
 
-_DEFAULTS = {"vertical": 1000, "slash": 6096, "sink": 64, "window": 512, "topk": 16, "last": 64, "dilation": 2,
-             "stride": 8, "tau_milli": 900, "gamma_milli": 900, "min_budget": 256}  # issue 19 kinds: last .. min_budget
+_SIZES = list(dict.fromkeys(name for names in PARAMS.values() for name in names))  # every kind's size fields
 
 
 def _table(rows: list[tuple[str, str]], css: str) -> str:
@@ -132,8 +131,8 @@ class HeadView(_View):
     def __init__(self, **params):
         super().__init__(**params)
         self.pattern = pn.widgets.Select(name="pattern", options=list(PARAMS), css_classes=["wb-pattern"], width=160)
-        self.sizes = {k: pn.widgets.IntInput(name=k, value=v, start=0, css_classes=[f"wb-{k}"], width=110)
-                      for k, v in _DEFAULTS.items()}
+        self.sizes = {k: pn.widgets.IntInput(name=k, value=0, start=0, css_classes=[f"wb-{k}"], width=110)
+                      for k in _SIZES}
         self.proxy = pn.pane.HTML("", css_classes=["wb-proxy-settings"])
         self.numbers = pn.pane.HTML("", css_classes=["wb-numbers"], width=560)
         self.segments = pn.pane.Plotly(None, config={"displayModeBar": False})
@@ -182,12 +181,13 @@ class HeadView(_View):
         for k, w in self.sizes.items():
             w.visible = k in PARAMS[self.pattern.value]
 
-    def _edited(self, _event) -> None:
+    def _edited(self, event) -> None:
         if self._syncing or self.session.head_view is None:
             return
         pattern = self.pattern.value
-        try:
-            self.session.edit(pattern, {k: self.sizes[k].value for k in PARAMS[pattern]})
+        try:  # a new kind starts from its default sizes at this length (`default_params`), a size edit from the boxes
+            self.session.edit(pattern, None if event.obj is self.pattern else
+                              {k: self.sizes[k].value for k in PARAMS[pattern]})
         except Exception as e:
             self.session.error = f"edit refused: {e}"
 

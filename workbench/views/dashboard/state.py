@@ -29,6 +29,7 @@ import torch
 
 from workbench.config import PARAMS, ConfigError, HeadConfig, HeadEntry
 from workbench.core.corpus import TASKS
+from workbench.patterns import default_params
 from workbench.search.search import TARGET
 
 CONFIG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -350,13 +351,15 @@ class Session(param.Parameterized):
     def entry(self) -> HeadEntry:
         return self.config.entry(self.layer, self.head)
 
-    def edit(self, pattern: str, params: dict[str, int]) -> dict[str, Any]:
-        """Give the selected head a new pattern and sizes, re-score it (no capture, no other head)."""
+    def edit(self, pattern: str, params: dict[str, int] | None = None) -> dict[str, Any]:
+        """Give the selected head a new pattern and sizes (default: the kind's `default_params` at this
+        prompt's length), re-score it (no capture, no other head)."""
         if self.busy or self.head_view is None:
             raise RuntimeError("wait until the head is loaded")
         if pattern not in PARAMS:
             raise ValueError(f"pattern {pattern!r} is unknown: use one of {list(PARAMS)}")
         t0 = time.perf_counter()
+        params = default_params(pattern, self.capture.n) if params is None else params
         params = {k: int(params[k]) for k in PARAMS[pattern]}
         i = self.layer * self.config.model["n_heads"] + self.head
         old = self.config.heads[i]
