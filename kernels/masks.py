@@ -24,7 +24,8 @@ built from these (`AShape.to_mask`, `index_ref.tiles_to_mask`).
 from __future__ import annotations
 
 import torch
-from workbench_kernels import BLOCK
+
+from . import BLOCK
 
 Index = torch.Tensor | int
 

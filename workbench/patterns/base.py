@@ -98,11 +98,8 @@ def search_budgets(n: int) -> list[int]:
 
 
 class Pattern(Protocol):
-    """A sparse attention index for H heads of one layer (see the module docstring).
-
-    Class attributes of a registered pattern: `kind` (its name in head configs), `params` (the names of
-    its per-head sizes in a config entry) and `bench_kernel` (its kernel's name in `workbench bench
-    prefill` rows, None when unmeasured)."""
+    """A sparse attention index for H heads of one layer (see the module docstring). What a registered
+    pattern class says about its kind (`kind`, `params`, defaults, grid, evidence, ...): `PatternBase`."""
 
     kind: ClassVar[str]
     params: ClassVar[tuple[str, ...]]
