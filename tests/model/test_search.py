@@ -167,6 +167,16 @@ def test_scores_equal_the_dense_softmax_real(capture_256):
         check_against_dense(q, k, capture_256.scale)
 
 
+@pytest.mark.gpu
+def test_scores_on_the_gpu_equal_the_cpu():
+    """layer_scores on CUDA (every kind's evidence on q's device) equals the CPU's within 1e-5."""
+    q, k = structured_qk(1000)
+    cands = list(dict.fromkeys(default_candidates(1000) + method_candidates(1000) + EXTRA))
+    cpu, gpu = layer_scores(q, k, 0.3, cands), layer_scores(q.cuda(), k.cuda(), 0.3, cands)
+    for name in ("mass", "tail", "oracle", "tiles", "edges"):
+        torch.testing.assert_close(gpu[name], cpu[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
 def test_layer_sums_match_stats():
     from workbench.analysis.stats import layer_stats
 

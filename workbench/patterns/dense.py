@@ -52,11 +52,10 @@ class Dense(PatternBase):
     @classmethod
     def evidence(cls, params: Sequence[dict[str, int]], sums: Reductions) -> Scores:
         """Every causal pair: mass, tail and oracle 1, every causal tile and edge."""
-        shape = (sums.q.shape[0], len(params))
-        return {"mass": torch.ones(shape, dtype=torch.float64), "tail": torch.ones(shape, dtype=torch.float64),
-                "oracle": torch.ones(shape, dtype=torch.float64),
-                "tiles": torch.full(shape, causal_tiles(sums.n), dtype=torch.float64),
-                "edges": torch.full(shape, causal_edges(sums.n), dtype=torch.float64)}
+        shape, n = (sums.q.shape[0], len(params)), sums.n
+        full = lambda value: torch.full(shape, float(value), dtype=torch.float64, device="cpu")  # noqa: E731
+        return {"mass": full(1), "tail": full(1), "oracle": full(1), "tiles": full(causal_tiles(n)),
+                "edges": full(causal_edges(n))}
 
     def row_mask(self, r0: int, r1: int, n: int) -> torch.Tensor:
         check_rows(r0, r1, n)
