@@ -33,9 +33,10 @@ kind's member from another registered kind):
   `workbench compare` row), `bench_kernel` (its kernel's row in `workbench bench kernels`),
   `minference_name` / `minference_attn_type` (its name in MInference's per-head config / model-wide).
 
-`tests/unit/test_patterns.py::PROTOCOL_CASES` checks that the geometric parts agree (add one instance),
-and `tests/unit/test_registry.py` walks every registered kind through config, search, export and the
-dashboard, and fails for a kind it cannot walk.
+Tests: `tests/unit/test_registry.py` walks every registered kind through config, search, export and the
+dashboard, and fails for a kind it cannot walk; add one instance to `tests/unit/test_patterns.py::
+PROTOCOL_CASES` (the geometric parts agree) and one head to `tests/kernels/test_methods_kernel.py::MIXED`
+(every prefill backend runs it).
 """
 from workbench.patterns import dilated, flexprefill, trishape, xattention  # noqa: F401  (register their kinds)
 from workbench.patterns.ashape import AShape
