@@ -73,7 +73,7 @@ def embedded_search(args: argparse.Namespace) -> int:
     from workbench.search.search import Candidate, HeadCache, compare_proxies, rescore_head
 
     n = args.length or 4096
-    argv = ["search", "--tasks", args.tasks, "--length", str(n), "--seed", str(args.seed), "--target",
+    argv = ["search", "--tasks", args.tasks, "--lengths", str(n), "--seed", str(args.seed), "--target",
             str(args.target), "--holdout", args.holdout, "--out", args.config_out, "--no-progress"]
     argv += ["--tail-target", str(args.tail_target)] if args.tail_target is not None else []
     search = build_parser().parse_args(argv)

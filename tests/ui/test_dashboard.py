@@ -47,7 +47,7 @@ def server(tmp_path_factory):
     port = _free_port()
     log = open(configs.parent / "dashboard.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "workbench", "dashboard", "--port", str(port), "--length", "512",
-                             "--layers", "0-3", "--config", "search", "--configs-dir", str(configs),
+                             "--layers", "0-3", "--config", "search", "--out", str(configs),
                              "--bench", str(bench)],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}/"
