@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    name = f"workbench {args.command}"
+    name = " ".join(["workbench", args.command, *(getattr(args, k) for k in ("what", "verb") if getattr(args, k, None))])
     with warnings.catch_warnings():
         warnings.showwarning = lambda message, *_, **__: print(f"{name}: warning: {message}", file=sys.stderr)
         try:
