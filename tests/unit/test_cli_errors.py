@@ -303,3 +303,16 @@ def test_an_offline_hub_id_fails_fast_with_the_fix(tmp_path):
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "not in the local Hugging Face cache" in done.stderr and "hf download nobody/no-such-model" in done.stderr
+
+
+def test_a_heads_file_that_is_not_safetensors_is_named(tmp_path):
+    from workbench.core.model import ModelError
+    from workbench.core.shapes import named_shape
+    from workbench.decode.forecast.heads import ForecastHeads
+
+    path = tmp_path / "heads.safetensors"
+    path.write_text("{\"not\": \"safetensors\"}")
+    with pytest.raises(ModelError, match=f"{path} is not a safetensors file.*workbench forecast train"):
+        ForecastHeads.load(path, named_shape("embedded"))
+    with pytest.raises(IsADirectoryError, match="is a folder"):
+        ForecastHeads.load(tmp_path, named_shape("embedded"))
