@@ -107,10 +107,9 @@ def run(args: argparse.Namespace) -> int:
         where = {**where, "device": d.device, "device_map": None}
     model, tok, shape = load_model(args.model, **where)
     check_lengths(lengths, shape.max_positions, shape.name)
-    latency = None
+    latency = latency_source = None
     if bench is not None:  # the benchmark shape nearest this model's, as the dashboard's estimate picks it
-        latency = tile_rates(bench, shape)
-        latency_source = f"{args.latency}: {match_shape(bench, shape)[1]}"
+        latency, latency_source = tile_rates(bench, shape), f"{args.latency}: {match_shape(bench, shape)[1]}"
         print(f"latency cost from {latency_source}")
     samples = [make_sample(t, tok, n, seed=args.seed, **d) for t, d in map(task_depth, tasks) for n in lengths]
     command = (f"workbench search --tasks {','.join(tasks)} --lengths {','.join(map(str, lengths))} --seed {args.seed} "
