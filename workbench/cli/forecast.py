@@ -20,9 +20,9 @@ TASKS = "passkey,multikey,vartrack,code"
 
 def _budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model folder or hub id (default: the embedded SmolLM2-135M)")
-    p.add_argument("--init", type=positive_int, default=1, help="forced initial blocks (default 1)")
-    p.add_argument("--local", type=positive_int, default=2, help="forced local blocks incl. the query's own (default 2)")
-    p.add_argument("--topk", type=positive_int, default=8,
+    p.add_argument("--init", type=int, default=1, help="forced initial blocks (default 1)")
+    p.add_argument("--local", type=int, default=2, help="forced local blocks incl. the query's own (default 2)")
+    p.add_argument("--topk", type=int, default=8,
                    help="dynamic blocks per query (default 8; the paper uses 64 at 128K)")
     add_tasks(p, TASKS)
     p.add_argument("--rows", type=positive_int, default=256, help="random query rows kept per prompt (default 256)")

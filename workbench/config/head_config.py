@@ -46,14 +46,15 @@ MINFERENCE_NAMES = {"vs": "vertical_and_slash", "ashape": "stream_llm", "block":
 # MInference runs these model-wide (its `attn_type`), not per head: its per-head file has no entry for them
 MINFERENCE_ATTN_TYPES = {"trishape": "tri_shape", "xattention": "xattention", "flexprefill": "flexprefill"}
 MINFERENCE_DEFAULT = (1000, 6096)  # what MInference uses for a head its file does not list
-MINFERENCE_BLOCK_TOPK = 100  # MInference's block_sparse kernel runs top-100 blocks whatever the entry's sizes
-MAX_TOKENS = 1 << 26  # no length (max_positions) above this: sizes stay far from integer overflow
 _MINFERENCE_FIELDS = ("pattern", "vertical_size", "slash_size", "score")
 PROXY_DEFAULTS = {"last_rows": 64, "aggregate": "sum", "diag_norm": "sum", "sink": 30, "local": 100, "prior": 16.0}
 _SHAPE_FIELDS = {  # ModelShape field -> (what to call it, how to fix a mismatch)
     "n_layers": "layers", "n_heads": "query heads", "n_kv_heads": "KV heads", "head_dim": "head_dim",
     "rope_type": "RoPE type", "rope_theta": "RoPE theta", "max_positions": "max length (max_position_embeddings)",
 }
+
+MINFERENCE_BLOCK_TOPK = 100  # MInference's block_sparse kernel runs top-100 blocks whatever the entry's sizes
+MAX_TOKENS = 1 << 26  # no length (max_positions) above this: sizes stay far from integer overflow
 
 _int = {"type": "integer"}
 _num = {"type": "number"}
