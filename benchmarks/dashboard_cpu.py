@@ -98,7 +98,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", default="0-3", help="captured layers (the edit cost does not depend on them)")
     p.add_argument("--reps", type=int, default=12, help="timed head edits (default 12)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds to wait for the first session")
-    p.add_argument("--out", default="assets/benchmarks/dashboard_cpu.json", help="JSON output path")
+    p.add_argument("--out", default="reports/benchmarks/dashboard_cpu.json", help="JSON output path")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--maps", default="all", help="comma-separated LayerStats maps to compute (default all: "
                    "max_map,mean_map,block_mass,column_mass,diag_mass,row_entropy)")
-    p.add_argument("--out", default="assets/benchmarks/foundation_cpu.json", help="JSON output path")
+    p.add_argument("--out", default="reports/benchmarks/foundation_cpu.json", help="JSON output path")
 
 
 def rss_mb(field: str) -> float:

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vertical", type=int, default=128, help="VS columns per head")
     p.add_argument("--slash", type=int, default=256, help="VS slash offsets per head")
     p.add_argument("--every", type=int, default=5, help="score every k-th layer (1 = all 30; ~1 min per layer)")
-    p.add_argument("--out", default="assets/benchmarks/group_shared_mass_cpu.json")
+    p.add_argument("--out", default="reports/benchmarks/group_shared_mass_cpu.json")
     args = p.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the VS index builder is a Triton kernel
     import torch

@@ -55,11 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-limit", type=float, default=480.0, help="seconds; later FlexAttention runs are skipped")
     p.add_argument("--device", default="cuda", help="cuda (benchmark) or cpu (a dry run of the code path under "
                    "TRITON_INTERPRET=1 at tiny lengths; timings meaningless)")
-    p.add_argument("--out", default="assets/benchmarks/prefill_h200.json", help="JSON output path")
+    p.add_argument("--out", default="reports/benchmarks/prefill_h200.json", help="JSON output path")
     p.add_argument("--minference", default=None, metavar="PATH",
                    help="a MInference source checkout: run only the side-by-side comparison with its own kernels "
                         "on the same indices (first shape of --shapes, each of --lengths)")
-    p.add_argument("--minference-out", default="assets/benchmarks/prefill_minference_h200.json",
+    p.add_argument("--minference-out", default="reports/benchmarks/prefill_minference_h200.json",
                    help="JSON output path of the --minference comparison")
     p.add_argument("--variants", default="split,tma,single",
                    help="--minference: our kernel variants timed side by side (split: masked prefix / unmasked "

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=int, default=900, help="seconds per cell (default 900)")
-    p.add_argument("--out", default="assets/benchmarks/notebooks_cpu.json", help="JSON output path")
+    p.add_argument("--out", default="reports/benchmarks/notebooks_cpu.json", help="JSON output path")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=3, help="timed forwards per point (median; one warm-up first)")
     p.add_argument("--compile-other", action="store_true",
                    help="torch.compile each layer's MLP and RMSNorms (dense and sparse alike; attention untouched)")
-    p.add_argument("--out", default="assets/benchmarks/prefill_e2e_h200.json", help="JSON output path")
+    p.add_argument("--out", default="reports/benchmarks/prefill_e2e_h200.json", help="JSON output path")
 
 
 def _model(n_layers: int):

@@ -3,7 +3,7 @@
 Embedded (default, CPU): `workbench search` of the embedded SmolLM2 as a user runs it (every head, the
 calibration tasks at --length, held-out recall), timed end to end, then the re-scoring of one edited
 head (what the dashboard does per edit) and the VS proxy's settings compared on the held-out prompt
--> assets/benchmarks/search_cpu.json. The searched config goes to --config-out, not to configs/.
+-> reports/benchmarks/search_cpu.json (committed results: --out assets/benchmarks/...). The searched config goes to --config-out.
 
 --random-llama: the search of a random-weight Llama-3-8B shape (random-token samples) over the ranks of
 a torchrun job (NCCL on GPUs, gloo on the CPU), to compare N GPUs against one; run once per world size
@@ -46,8 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=4, help="--random-llama: random-token samples (default 4)")
     p.add_argument("--tiny", action="store_true",
                    help="--random-llama: a tiny Llama shape (hidden 256, 4 q / 2 KV heads, d 64) for a CPU smoke run")
-    p.add_argument("--out", default=None, help="JSON output path (default assets/benchmarks/search_cpu.json, "
-                   "with --random-llama assets/benchmarks/search_distributed.json; rank 0 writes)")
+    p.add_argument("--out", default=None, help="JSON output path (default reports/benchmarks/search_cpu.json, "
+                   "with --random-llama reports/benchmarks/search_distributed.json; rank 0 writes)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,7 +73,7 @@ def embedded_search(args: argparse.Namespace) -> int:
     from workbench.search.search import Candidate, HeadCache, compare_proxies, rescore_head
 
     n = args.length or 4096
-    argv = ["search", "--tasks", args.tasks, "--length", str(n), "--seed", str(args.seed), "--target",
+    argv = ["search", "--tasks", args.tasks, "--lengths", str(n), "--seed", str(args.seed), "--target",
             str(args.target), "--holdout", args.holdout, "--out", args.config_out, "--no-progress"]
     argv += ["--tail-target", str(args.tail_target)] if args.tail_target is not None else []
     search = build_parser().parse_args(argv)
@@ -124,7 +124,7 @@ def embedded_search(args: argparse.Namespace) -> int:
             "mean_physical_density": round(sum(e.density["physical"] for e in cfg.heads) / len(cfg.heads), 5)},
         "torch_threads": torch.get_num_threads(),
     }
-    out = args.out or "assets/benchmarks/search_cpu.json"
+    out = args.out or "reports/benchmarks/search_cpu.json"
     write_json(out, data)
     print(f"wrote {out}: search {seconds:.0f} s (bar 300 s); re-score one head "
           + ", ".join(f"{k} {v['median_ms_all_samples']} ms" for k, v in rescore.items()) + " (bar 300 ms)")
@@ -181,7 +181,7 @@ def random_llama_search(args: argparse.Namespace) -> int:
             "heads_sha256": hashlib.sha256(heads).hexdigest(), "patterns": cfg.summary(),
             "note": "compare search_seconds between world sizes; heads_sha256 equal = same config as one process",
         }
-        out = args.out or "assets/benchmarks/search_distributed.json"
+        out = args.out or "reports/benchmarks/search_distributed.json"
         write_json(out, data)
         print(f"wrote {out}: {d.world_size} rank(s), search {seconds:.1f} s, heads {data['heads_sha256'][:12]}")
     distributed.close()

@@ -104,7 +104,7 @@ def run_lane(name: str, lane: dict[str, object], share: float, tmp: Path, env: d
 def main() -> int:
     every = lanes()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="assets/benchmarks/gpu_check.json", help="where the JSON goes")
+    p.add_argument("--out", default="reports/benchmarks/gpu_check.json", help="where the JSON goes")
     p.add_argument("--lanes", default=",".join(every), help=f"comma-separated subset of {list(every)}")
     p.add_argument("--budget", type=float, default=470,
                    help="seconds for all lanes together, split by their estimates (default 470: with the wheel "

@@ -66,7 +66,7 @@ def benchmark_figures() -> dict:
     from workbench.views import viz
 
     figs = {}
-    cfg_path = ROOT / "configs" / "SmolLM2-135M-Instruct.json"
+    cfg_path = ROOT / "workbench" / "data" / "configs" / "SmolLM2-135M-Instruct.json"
     if cfg_path.exists():
         cfg = HeadConfig.load(cfg_path)
         figs["pattern_grid"] = viz.pattern_grid(cfg, title="shipped config: pattern per head (shade = calibration recall)")

@@ -154,7 +154,7 @@ def test_compare_kernel_path_runs_on_the_models_device(embedded):
     model, tok, shape = embedded
     model = model if DEV == "cpu" else copy.deepcopy(model).to(DEV)
     methods = [m for m in default_methods() if m.name in ("tri-shape", "vertical-slash", "xattention", "flexprefill")]
-    config = HeadConfig.load("configs/SmolLM2-135M-Instruct.json", shape)
+    config = HeadConfig.load("workbench/data/configs/SmolLM2-135M-Instruct.json", shape)
     rep = compare(model, tok, shape, tasks=["passkey"], lengths=[256], layers=[3], methods=methods, config=config,
                   rows=64, quality="none", progress=False, kernels=True, reps=1)
     pts = rep["points"]

@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -24,4 +25,21 @@ def test_analyze_writes_report(tmp_path):
 def test_analyze_reports_bad_length_clearly(tmp_path):
     r = subprocess.run([sys.executable, "-m", "workbench", "analyze", "--length", "9000", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=600)
-    assert r.returncode == 2 and "exceeds the model's maximum of 8192" in r.stderr
+    assert r.returncode == 2 and "--length 9000 exceeds" in r.stderr and "at most 8192" in r.stderr
+
+
+def test_a_failed_config_leaves_the_report_as_it_was(tmp_path):
+    """The bad config is read before the long work and the report is written only after every step: an
+    earlier report keeps its summary.json and index.html byte for byte."""
+    from workbench.cli import main
+
+    out = tmp_path / "rep"
+    assert main(["analyze", "--length", "256", "--layers", "0", "--no-fits", "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    bad = tmp_path / "other_model.json"
+    data = json.loads((Path(__file__).resolve().parents[2] / "workbench/data/configs/SmolLM2-135M-Instruct.json").read_text())
+    data["model"]["n_layers"] = 29
+    data["heads"] = data["heads"][:29 * 9]
+    bad.write_text(json.dumps(data))
+    assert main(["analyze", "--length", "256", "--layers", "0", "--config", str(bad), "--out", str(out)]) == 2
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -31,7 +31,7 @@ def test_compare_small(embedded, tmp_path):
     model, tok, shape = embedded
     dense_like = Method("xattention@1", "tau", (1.0,), True, True, lambda q, k, s, v: xattention(q, k, s, v, 8))
     methods = [m for m in default_methods() if m.name in ("tri-shape", "flexprefill")] + [dense_like]
-    config = HeadConfig.load("configs/SmolLM2-135M-Instruct.json", shape)
+    config = HeadConfig.load("workbench/data/configs/SmolLM2-135M-Instruct.json", shape)
     rep = compare(model, tok, shape, tasks=["passkey"], lengths=[N], layers=[2, 20], methods=methods, config=config,
                   rows=128, quality="mid", progress=False)
     pts = rep["points"]

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CANDIDATES = [{"pattern": "ashape", "params": {"sink": 16, "window": 64}},
               {"pattern": "vs", "params": {"vertical": 30, "slash": 64}},
               {"pattern": "block", "params": {"topk": 2}}, {"pattern": "dense", "params": {}}]
-SEARCH = ["search", "--length", "256", "--tasks", "passkey,code", "--seed", "3", "--holdout", "",
+SEARCH = ["search", "--lengths", "256", "--tasks", "passkey,code", "--seed", "3", "--holdout", "",
           "--threads", "1", "--no-progress"]
 VARIES = ("created", "hardware", "search_seconds", "search_cpu_seconds", "distributed")
 

@@ -179,8 +179,8 @@ def test_decode_cli_prints_summary_and_writes_json(embedded, one_thread, tmp_pat
     from workbench.cli import main
 
     out = tmp_path / "decode.json"
-    assert main(["decode", "--mode", "sparse-offload-sync", "--batch", "2", "--context", "300", "--steps", "4",
-                 "--budget", "1,1,2", "--json", str(out)]) == 0
+    assert main(["decode", "--mode", "sparse-offload-sync", "--batch", "2", "--length", "300", "--steps", "4",
+                 "--budget", "1,1,2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "tok/s" in text and "sparse-offload-sync" in text
     run = json.loads(out.read_text())["runs"][0]
@@ -196,8 +196,8 @@ def test_decode_cli_all_modes_goes_through_compare_modes(embedded, one_thread, t
     from workbench.decode.compare import ALL_MODES
 
     out = tmp_path / "all.json"
-    assert main(["decode", "--mode", "all", "--context", "200", "--steps", "3", "--budget", "1,1,1", "--quality",
-                 "--measure-reuse", "--json", str(out)]) == 0
+    assert main(["decode", "--mode", "all", "--length", "200", "--steps", "3", "--budget", "1,1,1", "--quality",
+                 "--measure-reuse", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "sparse-offload-forecast == sparse-resident/forecast: yes" in text and "top-1 agreement" in text
     result = json.loads(out.read_text())

@@ -17,7 +17,7 @@ from workbench.prefill.quality import backend_agreement
 
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
-SHIPPED = Path(__file__).resolve().parents[2] / "configs" / "SmolLM2-135M-Instruct.json"
+SHIPPED = Path(__file__).resolve().parents[2] / "workbench" / "data" / "configs" / "SmolLM2-135M-Instruct.json"
 MAX_ABS = 1e-3  # fp32, as the parity test
 
 

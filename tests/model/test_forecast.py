@@ -197,7 +197,7 @@ def test_cli_train_and_report(tmp_path):
     out = tmp_path / "rep"
     assert main(["forecast", "report", "--heads", str(ckpt), "--tasks", "passkey", "--length", "512",
                  "--rows", "32", "--steps", "4", "--local", "1", "--topk", "2", "--shallow", "3", "--calib", "1",
-                 "--out", str(out)]) == 0
+                 "--out", str(out / "forecast.json")]) == 0
     rep = json.loads((out / "forecast.json").read_text())
     assert rep["heads"]["steps"] == 3 and "<table>" in (out / "forecast.html").read_text()
     L = rep["model"]["n_layers"]

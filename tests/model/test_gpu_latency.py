@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 from workbench.config import HeadConfig  # noqa: E402
 from workbench.prefill.latency import time_model_layer  # noqa: E402
 
-SHIPPED = "configs/SmolLM2-135M-Instruct.json"
+SHIPPED = "workbench/data/configs/SmolLM2-135M-Instruct.json"
 MIXED_LAYER = 12  # VS and A-shape heads in the shipped config
 
 

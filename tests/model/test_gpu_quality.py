@@ -13,7 +13,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.model]
 
-SHIPPED = "configs/SmolLM2-135M-Instruct.json"
+SHIPPED = "workbench/data/configs/SmolLM2-135M-Instruct.json"
 KL_MEAN_BAR = 0.005
 
 

@@ -24,7 +24,7 @@ from workbench.config import HeadConfig  # noqa: E402
 from workbench.core.corpus import make_sample  # noqa: E402
 from workbench.prefill.sparse import SparsePrefill  # noqa: E402
 
-SHIPPED = "configs/SmolLM2-135M-Instruct.json"
+SHIPPED = "workbench/data/configs/SmolLM2-135M-Instruct.json"
 MAX_ABS = 1e-3
 MAX_KL = 1e-4
 

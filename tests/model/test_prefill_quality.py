@@ -94,7 +94,7 @@ def test_config_fixes_from_stored_evidence():
     from workbench.config import HeadConfig
     from workbench.prefill.quality import dense_fallback, rechoose
 
-    shipped = HeadConfig.load(Path(__file__).parents[2] / "configs" / "SmolLM2-135M-Instruct.json")
+    shipped = HeadConfig.load(Path(__file__).parents[2] / "workbench" / "data" / "configs" / "SmolLM2-135M-Instruct.json")
     same = rechoose(shipped, shipped.provenance["target"], shipped.provenance.get("tail_target"))
     assert [(e.pattern, e.params) for e in same.heads] == [(e.pattern, e.params) for e in shipped.heads]
     higher = rechoose(shipped, 0.99)

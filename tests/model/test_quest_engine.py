@@ -49,8 +49,8 @@ def test_decode_cli_runs_quest_in_offload_sync(embedded, tmp_path, capsys):
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert main(["decode", "--mode", "sparse-offload-sync", "--selector", "quest", "--context", "300", "--steps",
-                     "3", "--budget", "1,1,2", "--json", str(out)]) == 0
+        assert main(["decode", "--mode", "sparse-offload-sync", "--selector", "quest", "--length", "300", "--steps",
+                     "3", "--budget", "1,1,2", "--out", str(out)]) == 0
     finally:
         torch.set_num_threads(n)
     assert "quest" in capsys.readouterr().out

@@ -308,7 +308,7 @@ def test_cli_search_and_export(embedded, tmp_path, capsys):
     out = tmp_path / "cfg.json"
     cands = tmp_path / "cands.json"
     cands.write_text(json.dumps([{"pattern": "ashape", "params": {"sink": 64, "window": 64}}]))
-    assert main(["search", "--length", "128", "--tasks", "passkey@0.3", "--holdout", "code", "--candidates", str(cands),
+    assert main(["search", "--lengths", "128", "--tasks", "passkey@0.3", "--holdout", "code", "--candidates", str(cands),
                  "--tail-target", "0.9", "--out", str(out), "--no-progress"]) == 0
     cfg = HeadConfig.load(out, embedded[2])
     assert set(cfg.summary()) >= {"ashape", "dense"} and cfg.provenance["holdout"]["sample"]["task"] == "code"
@@ -320,9 +320,9 @@ def test_cli_search_and_export(embedded, tmp_path, capsys):
     assert main(["export", str(mi), "--from", "minference", "--shape", "SmolLM2-135M-Instruct", "--format", "minference",
                  "--out", str(tmp_path / "b.json")]) == 0
     assert json.loads((tmp_path / "b.json").read_text()) == data
-    assert main(["search", "--length", "64", "--tasks", "code", "--holdout", "code"]) == 2
+    assert main(["search", "--lengths", "64", "--tasks", "code", "--holdout", "code"]) == 2
     assert "also a calibration task" in capsys.readouterr().err
-    assert main(["search", "--length", "64", "--tasks", "passkey@1.5"]) == 2
+    assert main(["search", "--lengths", "64", "--tasks", "passkey@1.5"]) == 2
     assert "passkey@0.1" in capsys.readouterr().err  # the error shows the fix
 
 

@@ -35,7 +35,7 @@ def url(tmp_path_factory):
         port = sock.getsockname()[1]
     log = open(folder / "dashboard.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "workbench", "dashboard", "--port", str(port), "--length", "256",
-                             "--layers", "0-1", "--config", "search", "--configs-dir", str(folder), "--device", "cpu"],
+                             "--layers", "0-1", "--config", "search", "--out", str(folder), "--device", "cpu"],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     address = f"http://127.0.0.1:{port}/"
     try:

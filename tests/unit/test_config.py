@@ -4,16 +4,15 @@ from __future__ import annotations
 import json
 import warnings
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
 from workbench.config import SCHEMA, ConfigError, HeadConfig, HeadEntry, global_head, local_head, tp_split
 from workbench.core.model import ModelShape
+from workbench.data import SCHEMA_FILE
 from workbench.patterns import AShape, Dense
 
-ROOT = Path(__file__).resolve().parents[2]
 SHAPE = ModelShape(name="tiny", architecture="llama", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                    hidden_size=32, rope_type="default", rope_theta=10000.0, max_positions=2048, fingerprint="abc123")
 PICKS = [("vs", {"vertical": 64, "slash": 128}), ("ashape", {"sink": 64, "window": 256}), ("block", {"topk": 4}),
@@ -43,7 +42,7 @@ def test_round_trip_is_exact(tmp_path):
 
 
 def test_shipped_schema_matches_code():
-    assert json.loads((ROOT / "configs" / "head_config.schema.json").read_text()) == SCHEMA
+    assert json.loads(SCHEMA_FILE.read_text()) == SCHEMA
 
 
 @pytest.mark.parametrize("field,value", [("n_layers", 3), ("n_heads", 8), ("n_kv_heads", 4), ("head_dim", 16),
@@ -98,9 +97,9 @@ def test_load_errors_for_files(tmp_path):
 
 
 def minference_file() -> list[dict]:
-    return [{"0": ["vertical_and_slash", 1000, 6096, 0.97], "1": ["stream_llm", 100, 800, 12345],
+    return [{"0": ["vertical_and_slash", 1000, 1536, 0.97], "1": ["stream_llm", 100, 800, 12345],
              "2": ["block_sparse", 100, 800, 0.5], "3": ["vertical_and_slash", 30, 50, 1]},
-            {"0": ["vertical_and_slash", 2048, 2048, 0.99], "1": ["vertical_and_slash", 64, 4096, 0.0],
+            {"0": ["vertical_and_slash", 2048, 2048, 0.99], "1": ["vertical_and_slash", 64, 1024, 0.0],
              "2": ["stream_llm", 4, 60, 0.91], "3": ["block_sparse", 2, 0, 0.8]}]
 
 
@@ -118,7 +117,7 @@ def test_minference_round_trips_both_ways():
            [(e.layer, e.head, e.pattern, e.params) for e in ours.heads]
     # an imported head changed in place is exported from its new params, without MInference's stale score
     cfg.entry(0, 0).params["vertical"] = 500
-    assert cfg.to_minference()[0]["0"] == ["vertical_and_slash", 500, 6096, None]
+    assert cfg.to_minference()[0]["0"] == ["vertical_and_slash", 500, 1536, None]
 
 
 def test_minference_import_errors_and_defaults():
@@ -132,7 +131,8 @@ def test_minference_import_errors_and_defaults():
         HeadConfig.from_minference([{}, {}], SHAPE)
     with pytest.warns(UserWarning, match="8 heads missing .*layer 0 head 0, layer 0 head 1"):
         cfg = HeadConfig.from_minference([{}, {}], SHAPE, fill_missing=True)
-    assert all(e.pattern == "vs" and e.params == {"vertical": 1000, "slash": 6096} for e in cfg.heads)
+    # MInference's default (1000, 6096), its slash clamped to the model's 2048 tokens (no prompt is longer)
+    assert all(e.pattern == "vs" and e.params == {"vertical": 1000, "slash": 2048} for e in cfg.heads)
     assert cfg.provenance["filled"] == [[l, h] for l in range(2) for h in range(4)]
 
 
@@ -152,8 +152,9 @@ def test_tensor_parallel_mapping():
         for e in view.heads:
             g = cfg.entry(e.layer, rank * 2 + e.head)
             assert (e.pattern, e.params) == (g.pattern, g.params)
-        assert view.provenance["tensor_parallel"] == {"size": 2, "rank": rank, "head_offset": rank * 2,
-                                                      "kv_heads": [rank], "kv_replicas": 1}
+        assert view.provenance["tensor_parallel"] == {"size": 2, "rank": rank, "heads": [rank * 2, rank * 2 + 1],
+                                                      "head_offset": rank * 2, "kv_heads": [rank], "kv_replicas": 1,
+                                                      "n_heads": 4, "n_kv_heads": 2}
     # TP 4 > 2 KV heads: each rank holds one query head and one KV head shared by two ranks (vLLM)
     views = [cfg.for_rank(r, 4) for r in range(4)]
     assert [v.provenance["tensor_parallel"]["kv_heads"] for v in views] == [[0], [0], [1], [1]]

@@ -13,9 +13,9 @@ from workbench.cli import main
 from workbench.config import ConfigError, HeadConfig
 from workbench.core.model import ModelError
 from workbench.core.shapes import NAMED, SHAPE_ONLY, named_shape, resolve_shape
+from workbench.data import shipped_config
 
-ROOT = Path(__file__).resolve().parents[2]
-SHIPPED = ROOT / "configs" / "SmolLM2-135M-Instruct.json"
+SHIPPED = shipped_config("SmolLM2-135M-Instruct")
 
 
 def generated_file(shape, seed: int = 0, patterns=("vertical_and_slash", "stream_llm", "block_sparse"),

@@ -6,14 +6,15 @@ import json
 
 import pytest
 
+from workbench.core.io import write_json
 from workbench.core.model import ModelShape
-from workbench.prefill.latency import BENCH, load_bench, match_shape, tile_rates
+from workbench.data import DATA
+from workbench.prefill.latency import BENCH, load_bench, match_shape, rate_table, tile_rates
 from workbench.views.dashboard.state import Session, Settings, Shared, latency_rates
 
 EMBEDDED = ModelShape(name="SmolLM2-135M-Instruct", architecture="llama", n_layers=30, n_heads=9, n_kv_heads=3,
                       head_dim=64, hidden_size=576, rope_type="default", rope_theta=1e5, max_positions=8192,
                       fingerprint="f")
-LLAMA3_ONLY = BENCH.parent / "prefill_llama3_h200.json"  # this round's rerun: Llama-3-8B rows only
 
 
 def _bench(*shapes: tuple[str, int, int, int]) -> dict:
@@ -27,24 +28,38 @@ def _bench(*shapes: tuple[str, int, int, int]) -> dict:
     return {"environment": {"gpu": "Test GPU"}, "rows": rows}
 
 
+BOTH = _bench(("embedded", 9, 3, 64), ("llama3-8b", 32, 8, 128))
+LLAMA3_ONLY = _bench(("llama3-8b", 32, 8, 128))
+
+
 def test_the_models_own_shape_when_measured():
-    bench = load_bench(BENCH)
-    name, note = match_shape(bench, EMBEDDED)
+    name, note = match_shape(BOTH, EMBEDDED)
     assert name == "embedded" and "this model's attention shape" in note
-    assert tile_rates(bench, EMBEDDED) == tile_rates(bench, "embedded")
+    assert tile_rates(BOTH, EMBEDDED) == tile_rates(BOTH, "embedded")
 
 
 def test_without_the_models_shape_the_nearest_head_dim_scaled():
-    bench = load_bench(LLAMA3_ONLY)
     with pytest.raises(ValueError, match=r"no rows for shape 'embedded'.*\['llama3-8b'\]"):
-        tile_rates(bench)  # the default name, as the dashboard used to ask for it
-    name, note = match_shape(bench, EMBEDDED)
+        tile_rates(LLAMA3_ONLY)  # the default name, as the dashboard used to ask for it
+    name, note = match_shape(LLAMA3_ONLY, EMBEDDED)
     assert name == "llama3-8b" and "head_dim 128" in note and "scaled by 64/128" in note
-    rates, theirs = tile_rates(bench, EMBEDDED), tile_rates(bench, "llama3-8b")
-    assert set(rates) == set(theirs) == {"vs", "block", "ashape", "dense"}
+    rates, theirs = tile_rates(LLAMA3_ONLY, EMBEDDED), tile_rates(LLAMA3_ONLY, "llama3-8b")
+    assert set(rates) == set(theirs) == {"block", "dense"}
     for p in rates:
         assert rates[p]["per_tile_ms"] == pytest.approx(theirs[p]["per_tile_ms"] * 64 / 128)
         assert rates[p]["index_ms"] == theirs[p]["index_ms"]
+
+
+def test_the_shipped_table_is_package_data_in_the_rate_table_form():
+    """The estimate reads a table shipped inside the package (no repo folder needed); `rate_table` keeps
+    exactly the rows and fields the estimate reads."""
+    assert BENCH.is_relative_to(DATA)
+    shipped = load_bench(BENCH)
+    assert set(shipped) == {"environment", "source", "rows"} and shipped["rows"]
+    table = rate_table({**BOTH, "rows": BOTH["rows"] + [{"kernel": "flex", "time_ms": 1.0}]}, "full.json")
+    assert table["source"] == "full.json" and len(table["rows"]) == len(BOTH["rows"])
+    for shape in ("embedded", "llama3-8b"):
+        assert tile_rates(table, shape) == tile_rates(BOTH, shape)
 
 
 def test_same_head_dim_wins_then_nearest_head_counts():
@@ -58,10 +73,11 @@ def test_same_head_dim_wins_then_nearest_head_counts():
 
 
 def test_dashboard_rates_name_their_source_or_say_why_none(tmp_path):
-    rates, source = latency_rates(BENCH, EMBEDDED)
-    assert rates == tile_rates(load_bench(BENCH), "embedded") and "shape 'embedded'" in source
-    rates, source = latency_rates(LLAMA3_ONLY, EMBEDDED)
-    assert rates is not None and source.startswith("NVIDIA H200 per-tile model from prefill_llama3_h200.json")
+    both, llama = write_json(tmp_path / "both.json", BOTH), write_json(tmp_path / "llama3_only.json", LLAMA3_ONLY)
+    rates, source = latency_rates(both, EMBEDDED)
+    assert rates == tile_rates(BOTH, "embedded") and "shape 'embedded'" in source
+    rates, source = latency_rates(llama, EMBEDDED)
+    assert rates is not None and source.startswith("Test GPU per-tile model from llama3_only.json")
     assert "shape 'llama3-8b'" in source and "not measured here" in source
     rates, source = latency_rates(tmp_path / "missing.json", EMBEDDED)
     assert rates is None and source.startswith("no estimate: missing.json:") and "does not exist" in source

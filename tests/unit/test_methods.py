@@ -237,7 +237,7 @@ def test_config_runs_and_refuses_to_export_the_new_kinds():
     from workbench.config import ConfigError, HeadConfig
     from workbench.patterns import Stack
 
-    cfg = HeadConfig.load("configs/SmolLM2-135M-Instruct.json")
+    cfg = HeadConfig.load("workbench/data/configs/SmolLM2-135M-Instruct.json")
     cfg.edit(3, 0, "xattention", {"tau_milli": 900, "stride": 8}, keep_score=False)
     cfg.edit(3, 4, "trishape", {"sink": 64, "window": 128, "last": 64}, keep_score=False)
     cfg.edit(3, 5, "flexprefill", {"gamma_milli": 950, "tau_milli": 100, "min_budget": 64}, keep_score=False)

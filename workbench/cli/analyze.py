@@ -3,20 +3,20 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
-from workbench.cli._device import add_device_arguments, resolve_device_args
+from workbench.cli._args import add_device, add_layers, add_length, add_out, add_tasks, resolve_device_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("analyze", help="capture attention on a sample and report every head's statistics")
+    p = sub.add_parser("analyze", help="capture attention on a sample and report every head's statistics",
+                       description=__doc__)
     p.add_argument("--model", default=None, help="local HF model folder or hub id (default: embedded SmolLM2-135M)")
-    p.add_argument("--sample", default="passkey", help="passkey | multikey | vartrack | code | path to a text file")
-    p.add_argument("--length", type=int, default=4096, help="prompt length in tokens (default 4096)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layers", default=None, help="comma-separated layer indices (default: all)")
-    add_device_arguments(p, device_map=True)
-    p.add_argument("--out", default="reports/analyze", help="report folder")
+    add_tasks(p, "passkey", what="the sample's task", one=True)
+    add_length(p, 4096)
+    p.add_argument("--seed", type=int, default=0, help="sample seed (default 0)")
+    add_layers(p, None, what="layers to capture")
+    add_device(p, device_map=True)
+    add_out(p, "reports/analyze", "report folder: summary.json and index.html, replaced only when the run succeeds")
     p.add_argument("--config", default=None, help="a head config: also report the recall of its indexes")
     p.add_argument("--no-fits", action="store_true", help="skip pattern fits and proxy-vs-oracle recall")
     p.set_defaults(func=run)
@@ -27,19 +27,31 @@ def run(args: argparse.Namespace) -> int:
 
     from workbench.analysis.head_kinds import profile_layer
     from workbench.analysis.stats import layer_stats
+    from workbench.cli._args import check_layers, check_lengths, check_tasks, one_task, out_dir
     from workbench.core.capture import capture_attention
-    from workbench.core.corpus import make_sample
+    from workbench.core.corpus import TASKS, make_sample
     from workbench.core.io import write_json
     from workbench.core.model import load_model
     from workbench.core.report import Report
     from workbench.views.viz import attention_map, head_grid
 
+    task = one_task(args.tasks)
+    check_tasks([task], TASKS)
+    out = out_dir(args.out)
+    if args.config and args.no_fits:
+        raise ValueError("--config is reported in the pattern fits: drop --no-fits, or drop --config")
     t0 = time.perf_counter()
     model, tok, shape = load_model(args.model, **resolve_device_args(args))
-    sample = make_sample(args.sample, tok, args.length, seed=args.seed, max_length=shape.max_positions)
-    layers = None if args.layers is None else [int(x) for x in args.layers.split(",")]
+    check_lengths([args.length], shape.max_positions, shape.name, "--length")
+    check_layers(args.layers, shape.n_layers)
+    config = None
+    if args.config:  # read before the long work: a bad config fails in seconds and leaves the report alone
+        from workbench.config import HeadConfig
+
+        config = HeadConfig.load(args.config, shape)
+    sample = make_sample(task, tok, args.length, seed=args.seed, max_length=shape.max_positions)
     t1 = time.perf_counter()
-    cap = capture_attention(model, shape, sample.input_ids, layers=layers)
+    cap = capture_attention(model, shape, sample.input_ids, layers=args.layers)
     t2 = time.perf_counter()
     profiles, maps = [], {}
     for layer in tqdm(cap.layers, desc="statistics", unit="layer"):
@@ -50,7 +62,6 @@ def run(args: argparse.Namespace) -> int:
         maps[layer] = st
     t3 = time.perf_counter()
 
-    out = Path(args.out)
     kinds: dict[str, int] = {}
     for p in profiles:
         kinds[p.kind] = kinds.get(p.kind, 0) + 1
@@ -59,7 +70,6 @@ def run(args: argparse.Namespace) -> int:
         "seconds": {"load": round(t1 - t0, 2), "capture": round(t2 - t1, 2), "statistics": round(t3 - t2, 2)},
         "kinds": kinds, "heads": [p.to_dict() for p in profiles],
     }
-    write_json(out / "summary.json", summary)
     rep = Report(f"Attention analysis: {shape.name}, {sample.task}, {sample.length} tokens")
     rep.text(f"{len(profiles)} heads in {len(cap.layers)} layers. Head kinds: "
              + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) + ". Timings (s): "
@@ -81,13 +91,10 @@ def run(args: argparse.Namespace) -> int:
                      "kinds": ", ".join(sorted({p.kind for p in ps}))})
     rep.table(rows)
     if not args.no_fits:
-        from workbench.config import HeadConfig
         from workbench.search.search import pattern_fits
 
-        config = HeadConfig.load(args.config, shape) if args.config else None
         fits = pattern_fits(cap, config=config, progress=True)
         summary["pattern_fits"] = fits
-        write_json(out / "summary.json", summary)
         s = fits["summary"]
         rep.heading("Pattern fits and proxy vs oracle")
         rep.text(f"Cheapest pattern reaching {s['target']} captured mass on this prompt: "
@@ -98,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
                  + (f" Config {args.config}: mean {s['config_mass_mean']}, worst head {s['config_mass_worst']}."
                     if config is not None else ""))
         rep.table(fits["layers"])
+    # both files only now, after every step succeeded: a failed run leaves an earlier report as it was
+    write_json(out / "summary.json", summary)
     rep.write(out / "index.html")
     print(f"wrote {out / 'index.html'} and {out / 'summary.json'} ({len(profiles)} heads; "
           f"capture {t2 - t1:.1f}s, statistics {t3 - t2:.1f}s)")

@@ -1,6 +1,9 @@
 """`workbench bench WHAT`: every benchmark of the project; each prints what it measured and writes JSON
 with its environment (`workbench.core.timing.environment`: GPU, driver, versions, CPU, load, command).
 
+Results go under reports/benchmarks/ unless --out says otherwise: a committed result is written with an
+explicit `--out assets/benchmarks/NAME.json`, so no default run replaces one.
+
 Each benchmark is a module of `workbench_benchmarks` (the folder benchmarks/) with `add_arguments(parser)`
 and `run(args) -> int`; `python -m workbench_benchmarks.MODULE` runs the same code. Add one by adding a
 line to `BENCHMARKS`.

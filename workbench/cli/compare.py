@@ -8,77 +8,85 @@ import argparse
 import shlex
 import sys
 
-from workbench.cli._device import add_device_arguments, resolve_device_args
-
-
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{flag} {text!r} must be comma-separated integers, e.g. 4096,8192") from None
+from workbench.cli._args import (
+    add_device,
+    add_layers,
+    add_lengths,
+    add_out,
+    add_tasks,
+    int_list,
+    name_list,
+    positive_int,
+    resolve_device_args,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="every prefill method through one harness: mass, cost, KL, retrieval (JSON + HTML)",
                        description=__doc__)
     p.add_argument("--model", default=None, help="model folder or hub id (default: the embedded SmolLM2-135M)")
-    p.add_argument("--tasks", default="passkey,multikey,code", help="comma-separated tasks (default passkey,multikey,code)")
-    p.add_argument("--lengths", default="4096,8192", help="comma-separated prompt lengths (default 4096,8192)")
-    p.add_argument("--layers", default="3,11,19,27", help="layers whose masses and kernel times are measured")
+    add_tasks(p, "passkey,multikey,code")
+    add_lengths(p, "4096,8192")
+    add_layers(p, "3,11,19,27", what="layers whose masses and kernel times are measured")
     p.add_argument("--rows", type=int, default=256, help="sampled query rows per layer for the masses, plus the "
                    "64 answer rows (0 = all rows, exact; default 256)")
-    p.add_argument("--config", default="configs/SmolLM2-135M-Instruct.json",
-                   help="the searched head config shown beside the methods ('none' to leave it out)")
+    p.add_argument("--config", default=None,
+                   help="the searched head config shown beside the methods (default: the one the package ships for "
+                        "the model, if any; 'none' leaves it out)")
     p.add_argument("--quality", choices=("all", "mid", "none"), default="mid",
                    help="KL / retrieval with every layer sparse at all sweep values, the middle one (default), or none")
-    p.add_argument("--quality-lengths", default=None, help="lengths with quality runs (default: all lengths)")
-    p.add_argument("--quality-tasks", default=None, help="tasks with quality runs (default: those with an answer)")
-    p.add_argument("--max-new-tokens", type=int, default=8, help="greedy decoding length (default 8)")
+    p.add_argument("--quality-lengths", type=int_list, default=None, help="lengths with quality runs (default: all lengths)")
+    p.add_argument("--quality-tasks", type=name_list, default=None,
+                   help="tasks with quality runs (default: those with an answer)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=8, help="greedy decoding length (default 8)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
-    p.add_argument("--out", default="reports/methods.json", help="JSON path; HTML beside it")
+    add_out(p, "reports/methods.json", "JSON file; the HTML goes beside it")
     p.add_argument("--png", default=None, help="also write the Pareto figure of the first length as PNG (kaleido)")
     p.add_argument("--render", default=None, metavar="JSON",
                    help="only re-render a report JSON (e.g. one from a GPU machine without plotly) as HTML "
                         "beside --out and the --png figure; runs nothing")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="quiet")
-    add_device_arguments(p)  # on cuda: Triton kernel and GPU index times too
+    add_device(p)  # on cuda: Triton kernel and GPU index times too
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     import torch
 
+    from workbench.cli._args import check_layers, check_lengths, check_tasks, out_file
     from workbench.config import HeadConfig
-    from workbench.core.io import write_json
+    from workbench.core.corpus import TASKS
+    from workbench.core.io import read_json, write_json
     from workbench.core.model import load_model
+    from workbench.data import shipped_config
     from workbench.prefill.compare import compare
 
+    out = out_file(args.out)
+    if args.png:
+        out_file(args.png, "--png")
     if args.render:
-        import json
-
-        report = json.loads(Path(args.render).read_text())
-        _write(report, Path(args.out), args.png)
+        _write(read_json(args.render, "--render report"), out, args.png)
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
-    tasks = [t for t in args.tasks.split(",") if t.strip()]
+    check_tasks(args.tasks + (args.quality_tasks or []), TASKS)
     model, tok, shape = load_model(args.model, **resolve_device_args(args))
-    config = None if args.config == "none" else HeadConfig.load(args.config, shape)
-    report = compare(model, tok, shape, tasks=tasks, lengths=_ints(args.lengths, "--lengths"),
-                     layers=_ints(args.layers, "--layers"), config=config, rows=args.rows or None,
-                     quality=args.quality,
-                     quality_lengths=None if args.quality_lengths is None else _ints(args.quality_lengths, "--quality-lengths"),
-                     quality_tasks=None if args.quality_tasks is None else args.quality_tasks.split(","),
-                     max_new_tokens=args.max_new_tokens, seed=args.seed, progress=not args.no_progress)
+    check_lengths(args.lengths + (args.quality_lengths or []), shape.max_positions, shape.name)
+    check_layers(args.layers, shape.n_layers)
+    path = None if args.config == "none" else args.config or shipped_config(shape.name)
+    config = None if path is None else HeadConfig.load(path, shape)
+    report = compare(model, tok, shape, tasks=args.tasks, lengths=args.lengths, layers=args.layers, config=config,
+                     rows=args.rows or None, quality=args.quality, quality_lengths=args.quality_lengths,
+                     quality_tasks=args.quality_tasks, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                     progress=not args.no_progress)
     report["command"] = "workbench compare " + " ".join(shlex.quote(a) for a in sys.argv[sys.argv.index("compare") + 1:]) \
         if "compare" in sys.argv else "workbench compare"
-    out = Path(args.out)
     write_json(out, report)
     _write(report, out, args.png)
-    print(f"wrote {out} ({len(report['points'])} points)")
+    note = "" if config is not None or args.config == "none" else \
+        f"; no head config beside the methods (none ships for {shape.name}: pass --config FILE)"
+    print(f"wrote {out} ({len(report['points'])} points){note}")
     return 0
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from workbench.cli._device import add_device_arguments, resolve_device_args
+from workbench.cli._args import add_device, add_layers, add_length, add_out, add_tasks, renamed, resolve_device_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -13,19 +13,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=5006, help="port (default 5006; 0 picks a free one)")
     p.add_argument("--address", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it to the network)")
-    p.add_argument("--task", default="passkey", help="first sample's task (default passkey)")
-    p.add_argument("--length", type=int, default=4096, help="first sample's length in tokens (default 4096)")
+    add_tasks(p, "passkey", what="first sample's task", one=True)
+    add_length(p, 4096, what="first sample's length in tokens")
     p.add_argument("--seed", type=int, default=0, help="first sample's seed (default 0)")
-    p.add_argument("--layers", default=None, help="capture only these layers, e.g. 0-3 (default: all)")
+    add_layers(p, None, what="capture only these layers")
     p.add_argument("--config", default=None,
-                   help="HeadConfig to start from, or 'search' to fit one on the sample "
-                        "(default: configs/<model>.json if it exists, else search)")
-    p.add_argument("--configs-dir", default="configs", help="folder that 'Save' writes into (default configs)")
+                   help="HeadConfig to start from, or 'search' to fit one on the sample (default: <--out>/<model>.json "
+                        "if saved there, else the config the package ships for the model, else search)")
+    add_out(p, "reports/configs", "folder that 'Save' writes head configs into")
     p.add_argument("--forecast-report", default=None, help="forecast report JSON for the Forecast tab")
     p.add_argument("--bench", default=None, help="kernel benchmark JSON of the latency estimate "
-                   "(default assets/benchmarks/prefill_h200.json)")
+                   "(default: the H200 kernel times the package ships)")
     p.add_argument("--show", action="store_true", help="open a browser tab")
-    add_device_arguments(p)
+    add_device(p)
+    renamed(p, configs_dir="--out")
     p.set_defaults(func=run)
 
 
@@ -33,20 +34,28 @@ def run(args: argparse.Namespace) -> int:
     import threading
     import time
 
-    import panel as pn
+    from workbench.cli._args import check_tasks, one_task, out_dir
+    from workbench.core.corpus import TASKS
 
+    try:
+        import panel as pn
+    except ImportError:
+        raise ValueError("the dashboard needs Panel: pip install 'sparse-attention-workbench[dashboard]'") from None
     from workbench.views.dashboard.app import create_app
     from workbench.views.dashboard.state import SHARED, Settings
 
+    task = one_task(args.tasks)
+    check_tasks([task], TASKS)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} must be in 0..65535")
     if args.length < 128:
         raise ValueError(f"--length {args.length} is too short: use at least 128 tokens")
+    out_dir(args.out)
     where = resolve_device_args(args)
     device, dtype = str(where["device"]), str(where["dtype"]).removeprefix("torch.")
-    settings = Settings(model=args.model, task=args.task, length=args.length, seed=args.seed, config=args.config,
-                        configs_dir=args.configs_dir, forecast_report=args.forecast_report, bench=args.bench,
-                        layers=Settings.parse_layers(args.layers), device=device, dtype=dtype)
+    settings = Settings(model=args.model, task=task, length=args.length, seed=args.seed, config=args.config,
+                        configs_dir=args.out, forecast_report=args.forecast_report, bench=args.bench,
+                        layers=None if args.layers is None else tuple(args.layers), device=device, dtype=dtype)
     t0 = time.perf_counter()
     threading.Thread(target=SHARED.model, args=(args.model, device, dtype), daemon=True).start()  # shared by all sessions
     server = pn.serve({"/": lambda: create_app(settings)}, port=args.port, address=args.address, show=args.show,

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from workbench.cli._device import add_device_arguments, resolve_device_args
+from workbench.cli._args import add_device, add_length, add_out, add_tasks, positive_int, renamed, resolve_device_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("decode", help="decode with the sparse / offloaded engine and report speed and traffic",
-                       description="Decode --steps tokens for --batch prompts of about --context tokens with the "
+                       description="Decode --steps tokens for --batch prompts of about --length tokens with the "
                                    "engine in --mode (or 'all'), then print tokens/s, bytes moved per step, cache "
                                    "hit rate, transfer hidden under compute and peak GPU memory.")
     p.add_argument("--mode", default="sparse-offload-forecast",
@@ -19,22 +19,23 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "also works)")
     p.add_argument("--selector", default="same-layer", choices=["same-layer", "forecast", "quest"],
                    help="selector of sparse-resident (offload modes fix theirs; quest also runs in sparse-offload-sync)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--context", type=int, default=2048, help="prompt tokens of the longest sequence")
-    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--batch", type=positive_int, default=1, help="sequences decoded together (default 1)")
+    add_length(p, 2048, what="prompt tokens of the longest sequence")
+    p.add_argument("--steps", type=positive_int, default=64, help="decoded tokens per sequence (default 64)")
     p.add_argument("--model", default=None, help="model folder or hub id (default: the embedded SmolLM2-135M)")
-    p.add_argument("--task", default="passkey", help="corpus task of the prompts (passkey, multikey, vartrack, code)")
+    add_tasks(p, "passkey", what="corpus task of the prompts", one=True)
     p.add_argument("--budget", default="1,2,8", help="init,local,topk blocks of 64 tokens")
     p.add_argument("--heads", default=None, help="trained Forecast heads (.safetensors); default: q_proj warm start")
-    p.add_argument("--ctas", type=int, default=16, help="programs of the UVA gather kernel")
-    add_device_arguments(p)  # --dtype default: bfloat16 on a GPU
+    p.add_argument("--ctas", type=positive_int, default=16, help="programs of the UVA gather kernel")
+    add_device(p)  # --dtype default: bfloat16 on a GPU
     p.add_argument("--graph", action="store_true",
                    help="CUDA only: replay each step as a CUDA graph (faster; no per-copy event timings)")
     p.add_argument("--quality", action="store_true",
                    help="also compare each sparse mode with dense-resident (teacher-forced top-1 agreement, KL)")
     p.add_argument("--measure-reuse", action="store_true",
                    help="count how many dynamic blocks stay selected from one step to the next (adds host syncs)")
-    p.add_argument("--json", default=None, help="write the results here (atomic)")
+    add_out(p, None, "JSON file for the results (atomic); none only prints the table")
+    renamed(p, context="--length", json="--out")
     p.set_defaults(func=run)
 
 
@@ -69,38 +70,43 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from workbench.core.corpus import make_sample
+    from workbench.cli._args import check_lengths, check_tasks, one_task, out_file
+    from workbench.core.corpus import TASKS, make_sample
     from workbench.core.io import write_json
     from workbench.core.model import load_model
     from workbench.decode.compare import ALL_MODES, compare_modes, reference_of
 
+    task = one_task(args.tasks)
+    check_tasks([task], TASKS)
     if args.mode == "all" and args.selector != "same-layer":
         raise ValueError("--selector applies to one --mode: all runs sparse-resident with same-layer and forecast")
     specs = list(ALL_MODES) if args.mode == "all" else [_spec(args.mode, args.selector)]
-    for name in ("batch", "context", "steps"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.graph and args.measure_reuse:
         raise ValueError("--measure-reuse counts blocks in Python at every step: drop --graph")
+    if args.out:
+        out_file(args.out)
     budget = _budget(args.budget)
     where = resolve_device_args(args, gpu_dtype=torch.bfloat16)
+    if args.graph and where["device"].type != "cuda":
+        raise ValueError(f"--graph replays CUDA graphs, which need a GPU, but the device is {where['device']}: "
+                         "drop --graph, or add --device cuda on a GPU machine")
     device = where["device"].type if where["device"].index is None else str(where["device"])
     model, tok, shape = load_model(args.model, **where)
-    shape.check_length(args.context + args.steps)
+    check_lengths([args.length + args.steps], shape.max_positions, shape.name, "--length + --steps")
     heads = None
     if args.heads:
         from workbench.decode.forecast.heads import ForecastHeads
 
         heads = ForecastHeads.load(args.heads, shape)
-    lengths = [max(64, args.context - 97 * b) for b in range(args.batch)]  # different lengths in one batch
-    prompts = [make_sample(args.task, tok, n, seed=b).input_ids for b, n in enumerate(lengths)]
+    lengths = [max(64, args.length - 97 * b) for b in range(args.batch)]  # different lengths in one batch
+    prompts = [make_sample(task, tok, n, seed=b).input_ids for b, n in enumerate(lengths)]
     cmp = compare_modes(model, prompts, modes=specs, new_tokens=args.steps + 1, budget=budget, heads=heads,
-                        graph=args.graph and where["device"].type == "cuda", trace=False, ctas=args.ctas,
+                        graph=args.graph, trace=False, ctas=args.ctas,
                         measure_reuse=args.measure_reuse, quality=args.quality)
     rows = cmp.rows()
     result: dict[str, Any] = {"command": "workbench " + " ".join(sys.argv[1:]), "model": shape.name, "device": device,
                               "engine": cmp.device, "batch": args.batch, "lengths": lengths, "steps": args.steps,
-                              "budget": budget.to_dict(), "task": args.task, "runs": rows, "lossless": cmp.lossless}
+                              "budget": budget.to_dict(), "task": task, "runs": rows, "lossless": cmp.lossless}
     if cmp.quality is not None:
         result["quality_vs_dense"] = cmp.quality
     _print_table(rows)
@@ -109,8 +115,9 @@ def run(args: argparse.Namespace) -> int:
     for sel, q in (cmp.quality or {}).items():
         print(f"  sparse({sel}) vs dense: top-1 agreement {q['top1_agreement_teacher_forced']:.3f}, "
               f"KL {q['kl_dense_to_sparse_mean']:.4f}")
-    if args.json:
-        write_json(args.json, result)
+    if args.out:
+        write_json(args.out, result)
+        print(f"wrote {args.out}")
     return 0
 
 

@@ -1,8 +1,13 @@
 """`workbench export`: convert head configs: to MInference's format (whole or one tensor-parallel rank),
-from it (strict; only the model's shape is needed), to FlexAttention masks, or print the JSON Schema."""
+from it (strict; only the model's shape is needed), to FlexAttention masks, or print the JSON Schema.
+
+A rank's view (`--tp T --rank R`) records that it is one: exporting a view again writes its heads under
+their global ids, and splitting it again maps through them (or refuses, naming the heads it lacks)."""
 from __future__ import annotations
 
 import argparse
+
+from workbench.cli._args import add_device, add_length, add_out, positive_int, resolve_device_args
 
 SHAPE_HELP = ("the model's shape without weights: a config.json path (or its folder), a hub id in the local "
               "Hugging Face cache, or a named shape ({names})")
@@ -23,15 +28,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shape", default=None, help=SHAPE_HELP.format(names=", ".join(NAMED)))
     p.add_argument("--model", default=None,
                    help="or load the model itself (weights; a folder, a hub id, or 'embedded') to get its shape")
+    add_device(p)
     p.add_argument("--fill-missing", action="store_true",
                    help="with --from minference: give heads the file lacks MInference's default vertical_and_slash "
                         "(1000, 6096) and read keys with int(), warning for each, instead of refusing the file")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: with --rank, export one rank's view")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size: with --rank, export one rank's view")
     p.add_argument("--rank", type=int, default=None,
                    help="tensor-parallel rank to export: workbench format numbers its heads locally; minference format "
                         "keys them rank * H/T + local, the ids MInference's vLLM path looks up on that rank")
-    p.add_argument("--length", type=int, default=None, help="sequence length of the flex masks (tokens)")
-    p.add_argument("--out", default=None, help="output file (default: print to stdout; required for flex)")
+    add_length(p, None, what="sequence length of the flex masks in tokens, at most the model's max length")
+    add_out(p, None, "output file: JSON, or a torch file for --format flex (required there); none prints the JSON")
     p.set_defaults(func=run)
 
 
@@ -46,7 +52,7 @@ def shape_of(args: argparse.Namespace):
     if args.model:
         from workbench.core.model import load_model
 
-        return load_model(args.model)[2]
+        return load_model(args.model, **resolve_device_args(args))[2]
     return None
 
 
@@ -54,14 +60,19 @@ def run(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
+    from workbench.cli._args import out_file
     from workbench.config import SCHEMA, HeadConfig
-    from workbench.core.io import write_json
+    from workbench.core.io import json_safe, write_json
 
+    if args.out:
+        out_file(args.out)
     if args.format == "schema":
         data = SCHEMA
     else:
         if not args.config:
-            raise ValueError("give the config file to export, e.g. `workbench export configs/SmolLM2-135M-Instruct.json`")
+            raise ValueError("give the config file to export, e.g. `workbench export reports/configs/MODEL.json`")
+        if args.format == "flex" and not (args.out and args.length):
+            raise ValueError("--format flex writes a torch file: give --length N (tokens) and --out FILE.pt")
         shape = shape_of(args)
         if args.source == "minference":
             if shape is None:
@@ -71,20 +82,26 @@ def run(args: argparse.Namespace) -> int:
         else:
             if args.fill_missing:
                 raise ValueError("--fill-missing applies to MInference files: add --from minference")
-            cfg = HeadConfig.load(Path(args.config), shape)
+            cfg = HeadConfig.load(Path(args.config))
+            if shape is not None:  # a rank's view matches the shape one rank of that model sees
+                view = cfg.rank_view
+                cfg.validate(shape if view is None else _rank_shape(shape, view["size"]))
         if args.rank is not None:
             cfg = cfg.for_rank(args.rank, args.tp)
         elif args.tp != 1:
             raise ValueError("--tp needs --rank: say which rank's view to export")
         if args.format == "check":
             where = f" matches {shape.name}" if shape is not None else " is well formed (add --shape to check a model)"
-            print(f"{args.config}{where}: {len(cfg.heads)} heads, {cfg.summary()}")
+            kind = f" ({cfg.describe_rank_view()})" if cfg.rank_view else ""
+            print(f"{args.config}{where}{kind}: {len(cfg.heads)} heads, {cfg.summary()}")
             return 0
         if args.format == "flex":
             from workbench.prefill.flex import save_masks
 
-            if not args.out or not args.length:
-                raise ValueError("--format flex writes a torch file: give --length N (tokens) and --out FILE.pt")
+            limit = cfg.model["max_positions"]
+            if args.length > limit:
+                raise ValueError(f"--length {args.length} exceeds the config's model max length {limit} tokens "
+                                 f"(model.max_positions of {cfg.model['name']}): use at most {limit}")
             saved = save_masks(cfg, args.length, args.out)
             print(f"wrote {args.out}: FlexAttention masks of {len(saved['layers'])} static layers at n={args.length}; "
                   f"{len(saved['online'])} layers with Vertical-Slash / block heads need the prompt's q/k "
@@ -95,5 +112,12 @@ def run(args: argparse.Namespace) -> int:
         write_json(args.out, data)
         print(f"wrote {args.out}")
     else:
-        print(json.dumps(data, indent=1))
+        print(json.dumps(json_safe(data), indent=1, allow_nan=False))
     return 0
+
+
+def _rank_shape(shape, tp_size: int):
+    """The shape one of `tp_size` tensor-parallel ranks sees (`search.distributed.local_shape`)."""
+    from workbench.search.distributed import local_shape
+
+    return local_shape(shape, tp_size)

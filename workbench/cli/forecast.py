@@ -4,9 +4,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from workbench.cli._device import add_device_arguments, resolve_device_args
+from workbench.cli._args import (
+    add_device,
+    add_length,
+    add_lengths,
+    add_out,
+    add_tasks,
+    positive_int,
+    renamed,
+    resolve_device_args,
+)
 
-DEFAULT_HEADS = "configs/forecast/smollm2-135m.safetensors"
 TASKS = "passkey,multikey,vartrack,code"
 
 
@@ -14,11 +22,12 @@ def _budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model folder or hub id (default: the embedded SmolLM2-135M)")
     p.add_argument("--init", type=int, default=1, help="forced initial blocks (default 1)")
     p.add_argument("--local", type=int, default=2, help="forced local blocks incl. the query's own (default 2)")
-    p.add_argument("--topk", type=int, default=8, help="dynamic blocks per query (default 8; the paper uses 64 at 128K)")
-    p.add_argument("--tasks", default=TASKS, help=f"comma-separated tasks or text files as in search (default {TASKS})")
-    p.add_argument("--rows", type=int, default=256, help="random query rows kept per prompt (default 256)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    add_device_arguments(p)
+    p.add_argument("--topk", type=int, default=8,
+                   help="dynamic blocks per query (default 8; the paper uses 64 at 128K)")
+    add_tasks(p, TASKS)
+    p.add_argument("--rows", type=positive_int, default=256, help="random query rows kept per prompt (default 256)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_device(p)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,39 +36,31 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     t = verbs.add_parser("train", help="train Forecast heads on built-in samples (backbone frozen)")
     _budget_args(t)
-    t.add_argument("--lengths", default="2048,4096", help="prompt lengths in tokens (default 2048,4096)")
-    t.add_argument("--seeds", type=int, default=1, help="prompts per task and length (default 1)")
+    add_lengths(t, "2048,4096")
+    t.add_argument("--seeds", type=positive_int, default=1, help="prompts per task and length (default 1)")
     t.add_argument("--held-out", type=int, default=1, help="held-out prompts for the KL curve (default 1)")
-    t.add_argument("--steps", type=int, default=None, help="optimiser steps (default: TrainConfig)")
+    t.add_argument("--steps", type=positive_int, default=None, help="optimiser steps (default: TrainConfig)")
     t.add_argument("--lr", type=float, default=None, help="AdamW learning rate, constant (default: TrainConfig)")
-    t.add_argument("--batch-rows", type=int, default=None, help="query rows per step (default: TrainConfig)")
+    t.add_argument("--batch-rows", type=positive_int, default=None, help="query rows per step (default: TrainConfig)")
     t.add_argument("--teacher", choices=("fine", "coarse"), default="fine",
                    help="fine: keys compressed 2/1 then max-pooled to 32/16 (SparDA); coarse: the 32/16 grid (ablation)")
     t.add_argument("--init-from", choices=("queries", "random"), default="queries",
                    help="start from the group mean of the target layer's q_proj (default) or random")
-    t.add_argument("--out", default=DEFAULT_HEADS, help=f"checkpoint path (default {DEFAULT_HEADS})")
+    add_out(t, None, "checkpoint file to write", shown="reports/forecast/<model>.safetensors")
     t.set_defaults(func=run)
 
     r = verbs.add_parser("report", help="recall and IoU per target layer for every selector; JSON + HTML")
     _budget_args(r)
-    r.add_argument("--heads", default=DEFAULT_HEADS, help=f"trained heads (default {DEFAULT_HEADS})")
+    r.add_argument("--heads", default=None, help="trained heads (default: the heads the package ships for the model)")
     r.add_argument("--coarse-heads", default=None, help="heads trained with --teacher coarse (ablation row)")
-    r.add_argument("--length", type=int, default=4096, help="prompt length in tokens (default 4096)")
-    r.add_argument("--seeds", type=int, default=1, help="held-out prompts per task (default 1)")
-    r.add_argument("--steps", type=int, default=64, help="consecutive decode steps for churn (default 64)")
-    r.add_argument("--shallow", type=int, default=6, help="reuse calibration tries layers 0..N-1 (default 6)")
+    add_length(r, 4096)
+    r.add_argument("--seeds", type=positive_int, default=1, help="held-out prompts per task (default 1)")
+    r.add_argument("--steps", type=positive_int, default=64, help="consecutive decode steps for churn (default 64)")
+    r.add_argument("--shallow", type=positive_int, default=6, help="reuse calibration tries layers 0..N-1 (default 6)")
     r.add_argument("--calib", type=int, default=2, help="calibration prompts for the reuse layer (default 2)")
-    r.add_argument("--out", default="reports/forecast", help="folder for forecast.json and forecast.html")
-    r.add_argument("--json", default=None, help="also write the JSON (and the HTML beside it) here, "
-                   "e.g. assets/benchmarks/forecast_cpu.json")
+    add_out(r, "reports/forecast/forecast.json", "JSON file; the HTML goes beside it")
+    renamed(r, json="--out")
     r.set_defaults(func=run)
-
-
-def _ints(text: str, name: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--{name} must be comma-separated integers, got {text!r}") from None
 
 
 def _env(argv: list[str]) -> dict:
@@ -74,15 +75,18 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from workbench.cli._args import check_tasks, out_file
+    from workbench.core.corpus import TASKS as TASK_NAMES
     from workbench.core.model import load_model
     from workbench.patterns.infllm import Budget
 
     if args.threads:
         torch.set_num_threads(args.threads)
     budget = Budget(init=args.init, local=args.local, topk=args.topk)
-    tasks = [x.strip() for x in args.tasks.split(",") if x.strip()]
-    if not tasks:
-        raise ValueError("--tasks is empty: give tasks such as passkey,code or text file paths")
+    tasks = args.tasks
+    check_tasks(tasks, TASK_NAMES)
+    if args.out:
+        out_file(args.out)
     argv = sys.argv[1:]
     t0 = time.perf_counter()
     where = resolve_device_args(args)
@@ -98,15 +102,17 @@ def _train(args, model, tok, shape, budget, tasks, argv, t0) -> int:
     import time
     from dataclasses import asdict, replace
 
+    from workbench.cli._args import check_lengths
+    from workbench.data import file_stem
     from workbench.decode.forecast.heads import ForecastHeads
     from workbench.decode.forecast.train import TrainConfig, lengths_ok, make_prompts, train
 
-    lengths = _ints(args.lengths, "lengths")
+    lengths = args.lengths
+    check_lengths(lengths, shape.max_positions, shape.name)
     for n in lengths:
         lengths_ok(n, budget)
-        shape.check_length(n)
-    if args.seeds < 1 or args.held_out < 0:
-        raise ValueError(f"--seeds must be >= 1 and --held-out >= 0, got {args.seeds} and {args.held_out}")
+    if args.held_out < 0:
+        raise ValueError(f"--held-out must be >= 0, got {args.held_out}")
     cfg = TrainConfig()
     cfg = replace(cfg, **{k: v for k, v in {"steps": args.steps, "lr": args.lr, "batch_rows": args.batch_rows}.items()
                           if v is not None})
@@ -127,7 +133,7 @@ def _train(args, model, tok, shape, budget, tasks, argv, t0) -> int:
         "prepare_seconds": round(prep, 1), "total_seconds": round(time.perf_counter() - t0, 1), **_env(argv),
         "device": str(next(model.parameters()).device),
     }
-    path = heads.save(args.out)
+    path = heads.save(args.out or f"reports/forecast/{file_stem(shape.name)}.safetensors")
     kl = "" if kl0 is None else (f"; held-out partition KL {sum(kl0) / len(kl0):.4f} -> {sum(kl1) / len(kl1):.4f} "
                                  f"(mean over {len(kl0)} target layers)")
     print(f"wrote {path}: {cfg.steps} steps in {hist['train_seconds']} s (total {heads.meta['total_seconds']} s){kl}")
@@ -138,14 +144,20 @@ def _report(args, model, tok, shape, budget, tasks, argv, t0) -> int:
     import time
     from pathlib import Path
 
+    from workbench.cli._args import check_lengths
     from workbench.core.io import write_json, write_text
+    from workbench.data import shipped_forecast_heads
     from workbench.decode.forecast.heads import ForecastHeads
     from workbench.decode.forecast.report import build_report, report_html
     from workbench.decode.forecast.train import lengths_ok
 
+    check_lengths([args.length], shape.max_positions, shape.name, "--length")
     lengths_ok(args.length, budget)
-    shape.check_length(args.length)
-    heads = ForecastHeads.load(args.heads, shape)
+    heads_path = args.heads or shipped_forecast_heads(shape.name)
+    if heads_path is None:
+        raise ValueError(f"no Forecast heads ship for {shape.name}: train them with `workbench forecast train` and "
+                         "pass the file with --heads")
+    heads = ForecastHeads.load(heads_path, shape)
     coarse = ForecastHeads.load(args.coarse_heads, shape) if args.coarse_heads else None
     for h, name in ((heads, "--heads"), (coarse, "--coarse-heads")):
         if h is not None and h.meta.get("budget", budget.to_dict()) != budget.to_dict():
@@ -158,7 +170,7 @@ def _report(args, model, tok, shape, budget, tasks, argv, t0) -> int:
                        steps=args.steps, coarse_heads=coarse)
     m = heads.meta
     kl0, kl1 = m.get("held_out_kl_before"), m.get("held_out_kl_after")
-    rep = {"heads": {"path": args.heads, "teacher": m.get("teacher"), "steps": m.get("train_config", {}).get("steps"),
+    rep = {"heads": {"path": str(heads_path), "teacher": m.get("teacher"), "steps": m.get("train_config", {}).get("steps"),
                      "train_command": m.get("command"), "train_prompts": len(m.get("train_prompts", [])),
                      "prepare_seconds": m.get("prepare_seconds"), "train_seconds": m.get("train_seconds"),
                      "total_train_seconds": m.get("total_seconds"), "train_threads": m.get("torch_threads"),
@@ -168,12 +180,9 @@ def _report(args, model, tok, shape, budget, tasks, argv, t0) -> int:
            "coarse_heads": None if coarse is None else {"path": args.coarse_heads, "teacher": coarse.meta.get("teacher")},
            "model": shape.to_dict(), **rep, "report_seconds": round(time.perf_counter() - t0, 1), **_env(argv)}
     out = Path(args.out)
-    write_json(out / "forecast.json", rep)
-    write_text(out / "forecast.html", report_html(rep))
-    if args.json:
-        write_json(args.json, rep)
-        write_text(Path(args.json).with_suffix(".html"), report_html(rep))
+    write_json(out, rep)
+    write_text(out.with_suffix(".html"), report_html(rep))
     s = rep["summary"]
-    print(f"wrote {out}/forecast.json and forecast.html: Forecast recall / same-layer recall = "
+    print(f"wrote {out} and {out.with_suffix('.html').name}: Forecast recall / same-layer recall = "
           f"{s['forecast_over_same_layer']} (mean over {shape.n_layers} layers); short layers: {s['short_layers']}")
     return 0

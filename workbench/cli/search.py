@@ -2,22 +2,20 @@
 from __future__ import annotations
 
 import argparse
-import re
 import time
 
-from workbench.cli._device import add_device_arguments, resolve_device_args
+from workbench.cli._args import add_device, add_lengths, add_out, add_tasks, resolve_device_args
 
 TASKS = "passkey,code,vartrack"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("search", help="fit a sparse pattern per head and write configs/<model>.json",
+    p = sub.add_parser("search", help="fit a sparse pattern per head and write a head config",
                        description=__doc__)
     p.add_argument("--model", default=None, help="model folder or hub id (default: the embedded SmolLM2-135M)")
-    p.add_argument("--tasks", default=TASKS, help=f"comma-separated calibration tasks or text files, a needle depth as task@0.1 "
-                        f"(default {TASKS})")
-    p.add_argument("--length", default="4096", help="prompt length(s) in tokens, comma-separated (default 4096); "
-                        "calibrate at the length you deploy at: A-shape windows and VS budgets are in tokens")
+    add_tasks(p, TASKS, what="calibration tasks (a needle depth as task@0.1)")
+    add_lengths(p, "4096", what="prompt lengths in tokens; calibrate at the length you deploy at: A-shape windows "
+                "and VS budgets are in tokens")
     p.add_argument("--seed", type=int, default=0, help="sample seed (default 0); the search itself is deterministic")
     p.add_argument("--target", type=float, default=0.95,
                    help="captured attention mass each head must reach on its worst calibration sample (default 0.95)")
@@ -32,21 +30,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--aggregate", choices=("sum", "max", "logits"), default="sum", help="VS proxy aggregation")
     p.add_argument("--diag-norm", choices=("sum", "mean", "prior"), default="sum", help="VS proxy diagonal normalisation")
     p.add_argument("--latency", default=None,
-                   help="`workbench bench kernels` JSON: cost = measured time per tile + index time "
-                        "(default cost: physical 64x64 tiles)")
-    p.add_argument("--out", default=None, help="output path (default configs/<model name>.json)")
+                   help="`workbench bench kernels` JSON: cost = measured time per tile + index time, from the rows of "
+                        "the benchmark shape nearest this model's (default cost: physical 64x64 tiles)")
+    add_out(p, None, "head config file to write", shown="reports/configs/<model>.json")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is faster on a busy shared machine)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    add_device_arguments(p, device_map=True)
+    add_device(p, device_map=True)
     p.add_argument("--distributed", action="store_true",
                    help="spread calibration over the ranks of a torchrun job (implied under torchrun with WORLD_SIZE > 1): "
                         "torchrun --nproc_per_node N -m workbench search --distributed ...; rank 0 writes the config")
     p.set_defaults(func=run)
-
-
-def _split(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def task_depth(task: str) -> tuple[str, dict[str, float]]:
@@ -64,15 +58,18 @@ def task_depth(task: str) -> tuple[str, dict[str, float]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
     import os
     from pathlib import Path
 
     import torch
 
+    from workbench.cli._args import check_lengths, check_tasks, out_file
     from workbench.core.capture import capture_attention
+    from workbench.core.corpus import TASKS as TASK_NAMES
     from workbench.core.corpus import make_sample
+    from workbench.core.io import read_json
     from workbench.core.model import load_model
+    from workbench.data import file_stem
     from workbench.search import distributed
     from workbench.search.search import Candidate, evaluate_config, search_heads
 
@@ -80,18 +77,17 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if not 0 < args.target <= 1:
         raise ValueError(f"--target {args.target} must be a captured-mass fraction in (0, 1], e.g. 0.95")
-    try:
-        lengths = [int(x) for x in _split(args.length)]
-    except ValueError:
-        raise ValueError(f"--length {args.length!r} must be comma-separated integers, e.g. 4096 or 2048,4096") from None
-    tasks = _split(args.tasks)
-    if not tasks or not lengths:
-        raise ValueError("give at least one calibration task (--tasks) and one length (--length)")
+    tasks, lengths = args.tasks, args.lengths
+    check_tasks([name for name, _ in map(task_depth, tasks)], TASK_NAMES)
+    if args.holdout:
+        check_tasks([args.holdout], TASK_NAMES, "--holdout")
     if args.holdout and args.holdout in [name for name, _ in map(task_depth, tasks)]:
         raise ValueError(f"--holdout {args.holdout} is also a calibration task: hold out a task not in --tasks")
+    if args.out:
+        out_file(args.out)
     candidates = None
     if args.candidates:
-        data = json.loads(Path(args.candidates).read_text())
+        data = read_json(args.candidates, "--candidates file")
         if not isinstance(data, list) or not data:
             raise ValueError(f"--candidates {args.candidates}: expected a non-empty JSON list of "
                              "{\"pattern\": ..., \"params\": {...}}")
@@ -99,27 +95,30 @@ def run(args: argparse.Namespace) -> int:
         if not any(c.pattern == "dense" for c in candidates):
             candidates.append(Candidate("dense"))
     proxy = {"last_rows": args.last_rows, "aggregate": args.aggregate, "diag_norm": args.diag_norm}
-    latency = None
+    bench = None
     if args.latency:
-        from workbench.prefill.latency import load_bench, tile_rates
+        from workbench.prefill.latency import load_bench, match_shape, tile_rates
 
-        latency = tile_rates(load_bench(args.latency))
+        bench = load_bench(args.latency)
     t0, c0 = time.perf_counter(), time.process_time()
     d = distributed.init() if args.distributed or int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     where = resolve_device_args(args)
     if d:  # one device per rank
         where = {**where, "device": d.device, "device_map": None}
     model, tok, shape = load_model(args.model, **where)
-    for n in lengths:
-        shape.check_length(n)
+    check_lengths(lengths, shape.max_positions, shape.name)
+    latency = latency_source = None
+    if bench is not None:  # the benchmark shape nearest this model's, as the dashboard's estimate picks it
+        latency, latency_source = tile_rates(bench, shape), f"{args.latency}: {match_shape(bench, shape)[1]}"
+        print(f"latency cost from {latency_source}")
     samples = [make_sample(t, tok, n, seed=args.seed, **d) for t, d in map(task_depth, tasks) for n in lengths]
-    command = (f"workbench search --tasks {','.join(tasks)} --length {','.join(map(str, lengths))} --seed {args.seed} "
+    command = (f"workbench search --tasks {','.join(tasks)} --lengths {','.join(map(str, lengths))} --seed {args.seed} "
                f"--target {args.target}" + (f" --tail-target {args.tail_target}" if args.tail_target is not None else "")
                + f" --holdout '{args.holdout}'" + (f" --model {args.model}" if args.model else ""))
     settings = dict(candidates=candidates, target=args.target, tail_target=args.tail_target, proxy=proxy,
                     progress=not args.no_progress,
                     latency=latency, provenance={"command": command, "seed": args.seed, "threads": torch.get_num_threads(),
-                                                 **({"latency": {"bench": args.latency, "rates": latency},
+                                                 **({"latency": {"bench": latency_source, "rates": latency},
                                                     "cost": "estimated time: measured ms per 64x64 tile x tiles + index ms"}
                                                    if latency else {})})
     if d is None:
@@ -138,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         cap = capture_attention(model, shape, hold.input_ids, progress=False)
         cfg.provenance["holdout"] = holdout_summary(evaluate_config(cfg, cap, progress=not args.no_progress), cfg,
                                                     hold.describe())
-    out = Path(args.out or f"configs/{re.sub(r'[^A-Za-z0-9_.-]+', '-', shape.name)}.json")
+    out = Path(args.out or f"reports/configs/{file_stem(shape.name)}.json")
     cfg.save(out)
     print(f"wrote {out}: {cfg.summary()} heads; search {seconds:.0f} s")
     if "holdout" in cfg.provenance:

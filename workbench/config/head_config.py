@@ -6,17 +6,24 @@ the density, and the evidence behind the choice. The file also records the model
 (`validate(model_shape)` refuses another one), the online proxy settings, and provenance (weights
 fingerprint, calibration samples, candidates, target, tool version, date, hardware).
 
-`SCHEMA` is the JSON Schema of the file (also shipped as configs/head_config.schema.json).
-MInference's format (one dict per layer: head -> [pattern, vertical_size, slash_size, score]) is
+`SCHEMA` is the JSON Schema of the file (also shipped as workbench/data/configs/head_config.schema.json).
+Numbers follow one rule in every format: sizes are JSON integers (16, never 16.0 or "16") from 0 up to the
+model's max length (`model.max_positions`; `*_milli` thresholds up to 1000), and no number is NaN or
+infinite. MInference's format (one dict per layer: head -> [pattern, vertical_size, slash_size, score]) is
 imported strictly (every layer and head, canonical keys, integer sizes; `fill_missing` accepts what
 MInference would default) and exported; MInference's score is kept as an opaque field (`HeadEntry.minference`),
-never read as a recall. Tensor-parallel helpers map global heads to (rank, local head), with KV heads
-replicated when the TP size exceeds their number (as vLLM does).
+never read as a recall. MInference runs every `block_sparse` head at top-100 blocks whatever its sizes say
+(`MINFERENCE_BLOCK_TOPK`): import and export warn, and an imported config records it
+(`provenance.minference_block_topk`). Tensor-parallel helpers map global heads to (rank, local head), with
+KV heads replicated when the TP size exceeds their number (as vLLM does); a rank's view (`for_rank`)
+records that it is one (`provenance.tensor_parallel`: size, rank, the global ids of its heads, the whole
+model's head counts), so it is never split again as if it were a whole model.
 """
 from __future__ import annotations
 
 import copy
 import json
+import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,8 +31,9 @@ from typing import Any
 
 import torch
 
-from workbench.core.io import write_json
+from workbench.core.io import read_json, write_json
 from workbench.core.model import ModelShape
+from workbench.core.ranges import format_ranges
 from workbench.patterns import PATTERNS, Stack, pattern_class
 
 FORMAT = "workbench.head_config"
@@ -41,6 +49,9 @@ _SHAPE_FIELDS = {  # ModelShape field -> (what to call it, how to fix a mismatch
     "n_layers": "layers", "n_heads": "query heads", "n_kv_heads": "KV heads", "head_dim": "head_dim",
     "rope_type": "RoPE type", "rope_theta": "RoPE theta", "max_positions": "max length (max_position_embeddings)",
 }
+
+MINFERENCE_BLOCK_TOPK = 100  # MInference's block_sparse kernel runs top-100 blocks whatever the entry's sizes
+MAX_TOKENS = 1 << 26  # no length (max_positions) above this: sizes stay far from integer overflow
 
 _int = {"type": "integer"}
 _num = {"type": "number"}
@@ -64,7 +75,8 @@ SCHEMA: dict[str, Any] = {
                            "n_kv_heads": {"type": "integer", "minimum": 1},
                            "head_dim": {"type": "integer", "minimum": 1}, "hidden_size": {"type": "integer", "minimum": 1},
                            "rope_type": {"type": "string"}, "rope_theta": _num,
-                           "max_positions": {"type": "integer", "minimum": 1}, "fingerprint": {"type": "string"}},
+                           "max_positions": {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS},
+                           "fingerprint": {"type": "string"}},
         },
         "block": {"const": 64},
         "proxy": {
@@ -179,9 +191,9 @@ class HeadConfig:
         if not path.exists():
             raise FileNotFoundError(f"head config {path} does not exist: run `workbench search` to make one")
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON ({e}): restore it or run `workbench search` again") from e
+            data = read_json(path, "head config")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if isinstance(data, list):
             raise ConfigError(f"{path} is a list, which looks like a MInference config: convert it with "
                               f"`workbench export {path} --from minference --shape MODEL --format workbench --out OUT` "
@@ -194,34 +206,60 @@ class HeadConfig:
 
     # ---- checks --------------------------------------------------------------------------------
     def check(self, source: str = "config") -> None:
-        """Every (layer, head) of the model exactly once, in order, with the parameters its pattern needs."""
+        """Every (layer, head) of the model exactly once, in order, with the parameters its pattern needs,
+        each an integer in [low, model.max_positions] (`*_milli` thresholds: <= 1000); a rank view's
+        `provenance.tensor_parallel` consistent with its heads."""
         n_layers, n_heads = self.model["n_layers"], self.model["n_heads"]
-        expected = [(l, h) for l in range(n_layers) for h in range(n_heads)]
+        total = n_layers * n_heads
         got = [(e.layer, e.head) for e in self.heads]
-        if got != expected:
-            missing = sorted(set(expected) - set(got))
-            extra = sorted(set(got) - set(expected))
-            dup = len(got) - len(set(got))
-            what = (f"missing (layer, head) {missing[:5]}" if missing else
-                    f"(layer, head) {extra[:5]} outside the model's {n_layers} layers x {n_heads} heads" if extra else
-                    f"{dup} duplicate entries" if dup else "entries out of (layer, head) order")
-            raise ConfigError(f"{source}: heads has {what}: list each of the {n_layers * n_heads} heads once, "
+        if len(got) != total or got != [divmod(i, n_heads) for i in range(total)]:
+            if total > 8 * len(got) + 4096:  # do not list the heads of an absurd model section
+                what = f"{len(got)} entries, but model says {n_layers} layers x {n_heads} heads"
+            else:
+                expected = {divmod(i, n_heads) for i in range(total)}
+                missing, extra = sorted(expected - set(got)), sorted(set(got) - expected)
+                dup = len(got) - len(set(got))
+                what = (f"missing (layer, head) {missing[:5]}" if missing else
+                        f"(layer, head) {extra[:5]} outside the model's {n_layers} layers x {n_heads} heads" if extra
+                        else f"{dup} duplicate entries" if dup else "entries out of (layer, head) order")
+            raise ConfigError(f"{source}: heads has {what}: list each of the {total} heads once, "
                               "sorted by layer then head")
+        limit = self.model["max_positions"]
         for i, e in enumerate(self.heads):
-            want = PARAMS[e.pattern]
+            want = PARAMS.get(e.pattern)
+            if want is None:
+                raise ConfigError(f"{source}: heads[{i}] (layer {e.layer}, head {e.head}) pattern {e.pattern!r} is "
+                                  f"unknown: use one of {list(PARAMS)}")
             if set(e.params) != set(want):
                 raise ConfigError(f"{source}: heads[{i}] (layer {e.layer}, head {e.head}) pattern {e.pattern!r} "
                                   f"needs params {list(want)}, got {sorted(e.params)}: set exactly those")
             for k, v in e.params.items():
-                low = 0 if k in ("sink", "vertical") else 1
-                if v < low:
-                    raise ConfigError(f"{source}: heads[{i}].params.{k} = {v} (layer {e.layer}, head {e.head}) "
-                                      f"must be >= {low}: use a size of at least {low}")
+                low, high = (0 if k in ("sink", "vertical") else 1), (1000 if k.endswith("_milli") else limit)
+                where = f"{source}: heads[{i}].params.{k} = {v!r} (layer {e.layer}, head {e.head})"
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise ConfigError(f"{where} is not a whole number: write an integer such as {low + 1} "
+                                      "(no decimals, quotes or booleans)")
+                if not low <= v <= high:
+                    unit = ("thousandths (1000 = 1.0)" if k.endswith("_milli") else
+                            f"the model's max length model.max_positions = {limit}")
+                    raise ConfigError(f"{where} is outside [{low}, {high}]: sizes cannot exceed {unit}; "
+                                      f"use a value from {low} to {high}")
+            score = e.minference[3] if e.minference and len(e.minference) == 4 else None
+            if isinstance(score, float) and not math.isfinite(score):
+                raise ConfigError(f"{source}: heads[{i}].minference score is {score} (layer {e.layer}, head "
+                                  f"{e.head}): JSON has no such number; write null")
+        self._rank_view(source)
 
     def validate(self, shape: ModelShape, strict_weights: bool = False) -> None:
         """Raise ConfigError naming the first mismatch between this config and `shape` (layers, heads, KV
         heads, head_dim, RoPE, max length). Different weights of the same shape only warn, unless
         `strict_weights`."""
+        view = self.rank_view
+        if view and (shape.n_heads, shape.n_kv_heads) == (view["n_heads"], view["n_kv_heads"]) \
+                and shape.n_heads != self.model["n_heads"]:
+            raise ConfigError(f"head config is {self.describe_rank_view()}, not a config of the whole {shape.name}: "
+                              f"use it on that rank only (its shape has {self.model['n_heads']} query heads), or load "
+                              "the whole model's config")
         for key, what in _SHAPE_FIELDS.items():
             mine, theirs = self.model.get(key), getattr(shape, key)
             if mine != theirs:
@@ -278,7 +316,8 @@ class HeadConfig:
         entries = self.layer(layer)
         hq = q.shape[0]
         if hq != len(entries):
-            raise ConfigError(f"q has {hq} heads but the config's layer {layer} has {len(entries)}: "
+            what = f" ({self.describe_rank_view()})" if self.rank_view else ""
+            raise ConfigError(f"q has {hq} heads but the config's layer {layer} has {len(entries)}{what}: "
                               "use the config made for this model")
         parts: dict[int, Any] = {}
         for kind in dict.fromkeys(e.pattern for e in entries):  # each kind's online index, once for all its heads
@@ -291,7 +330,8 @@ class HeadConfig:
         """MInference's format: one dict per layer, head id (str) -> [pattern, vertical, slash, score].
 
         A-shape -> stream_llm [sink, window]; block -> block_sparse [topk, 0] (MInference itself runs
-        top-100 whatever the sizes); dense -> vertical_and_slash with both sizes = max length. Imported
+        top-100 whatever the sizes: a warning names block heads whose topk differs); dense ->
+        vertical_and_slash with both sizes = max length. Imported
         heads that still have their imported pattern and sizes are written back verbatim (score included);
         other heads get as score our worst calibration recall, or null when there is none (an imported head
         changed without `HeadEntry.edit(..., keep_score=True)`).
@@ -301,7 +341,8 @@ class HeadConfig:
         looks up on rank r: it reads `{int(key): entry}` of `config[layer_idx]` and asks for
         `head + get_tensor_model_parallel_rank() * q.size(-2)` (local head plus rank times local heads).
         """
-        offset = (self.provenance.get("tensor_parallel") or {}).get("head_offset", 0)
+        view = self.rank_view
+        global_ids = view["heads"] if view else range(self.model["n_heads"])
         out: list[dict[str, list]] = [{} for _ in range(self.model["n_layers"])]
         for e in self.heads:
             raw = e.minference
@@ -311,7 +352,8 @@ class HeadConfig:
             else:
                 score = e.recall.get("worst") if e.recall and raw is None else None
                 entry = _to_minference(e, self.model["max_positions"], score)
-            out[e.layer][str(e.head + offset)] = entry
+            out[e.layer][str(global_ids[e.head])] = entry
+        _warn_block_topk([e for e in self.heads if e.pattern == "block"], "the export")
         return out
 
     @classmethod
@@ -330,7 +372,10 @@ class HeadConfig:
         MInference itself would run: a missing head (or an empty layer) gets its default
         vertical_and_slash (1000, 6096), and keys are read with int() as its vLLM path does; a warning
         names each filled head and `provenance.filled` lists them. stream_llm sizes become (sink, window);
-        the score (4th field) is kept verbatim in `HeadEntry.minference` and never read.
+        sizes above the shape's max length are refused. block_sparse heads keep the file's vertical_size as
+        topk, with a warning that MInference runs them at top-100 (`provenance.minference_block_topk`).
+        The score (4th field) is kept verbatim in `HeadEntry.minference` and never read; a NaN or infinite
+        score (which is not JSON) becomes null, with a warning.
         """
         where = f"{source}:"
         if isinstance(data, dict):
@@ -344,7 +389,7 @@ class HeadConfig:
         if len(data) != shape.n_layers:
             raise ConfigError(f"{where} has {len(data)} layers but {shape.name} has {shape.n_layers}: give the --shape "
                               "of the model this file was made for")
-        heads, filled, renamed = [], [], []
+        heads, filled, renamed, nonfinite = [], [], [], []
         for l, layer in enumerate(data):
             if not isinstance(layer, dict):
                 raise ConfigError(f"{where} layer {l} is {type(layer).__name__}, not a {{head: entry}} dict: write "
@@ -361,17 +406,22 @@ class HeadConfig:
                 if key != str(h):
                     renamed.append((l, key))
                 pattern, params = _parse_minference_entry(raw, shape.max_positions, f"{where} layer {l}, head {h}")
-                entries[h] = HeadEntry(l, h, pattern, params, minference=list(raw))
+                raw = list(raw)
+                if isinstance(raw[3], float) and not math.isfinite(raw[3]):
+                    nonfinite.append((l, h, raw[3]))
+                    raw[3] = None
+                entries[h] = HeadEntry(l, h, pattern, params, minference=raw)
             missing = [h for h in range(shape.n_heads) if h not in entries]
             if missing and not fill_missing:
-                what = "is empty" if not entries else f"lacks heads {_ranges(missing)}"
+                what = "is empty" if not entries else f"lacks heads {format_ranges(missing)}"
                 raise ConfigError(f"{where} layer {l} {what} ({shape.name} has heads 0..{shape.n_heads - 1}): MInference "
                                   f"would run them as vertical_and_slash {MINFERENCE_DEFAULT}; add them to the file, or "
                                   "pass --fill-missing (fill_missing=True) to accept that default")
             for h in range(shape.n_heads):
                 if h not in entries:
                     filled.append([l, h])
-                    heads.append(HeadEntry(l, h, "vs", dict(zip(PARAMS["vs"], MINFERENCE_DEFAULT))))
+                    sizes = (min(x, shape.max_positions) for x in MINFERENCE_DEFAULT)  # no prompt is longer
+                    heads.append(HeadEntry(l, h, "vs", dict(zip(PARAMS["vs"], sizes))))
                     continue
                 heads.append(entries[h])
         if filled:
@@ -382,7 +432,15 @@ class HeadConfig:
             warnings.warn(f"{source}: read {len(renamed)} non-canonical head keys with int() as MInference's vLLM "
                           f"path does (e.g. layer {renamed[0][0]} key {renamed[0][1]!r}); the export writes plain numbers",
                           stacklevel=2)
+        if nonfinite:
+            l, h, v = nonfinite[0]
+            warnings.warn(f"{source}: {len(nonfinite)} scores are NaN or infinite (e.g. layer {l} head {h}: {v}), "
+                          "which JSON has no number for: kept as null (MInference never reads the score)", stacklevel=2)
+        blocks = [e for e in heads if e.pattern == "block"]
+        _warn_block_topk(blocks, f"{source} (import)")
         prov = {"source": "minference", **(provenance or {})}
+        if blocks:
+            prov["minference_block_topk"] = MINFERENCE_BLOCK_TOPK
         if filled:
             prov["filled"] = filled
         cfg = cls(model=shape.to_dict(), heads=heads, provenance=prov)
@@ -390,44 +448,117 @@ class HeadConfig:
         return cfg
 
     # ---- tensor parallelism --------------------------------------------------------------------
+    @property
+    def rank_view(self) -> dict[str, Any] | None:
+        """`provenance.tensor_parallel` of a rank's view (`for_rank`): {"size", "rank", "heads" (the global
+        query head of each local head), "head_offset", "kv_heads" (global), "kv_replicas", "n_heads",
+        "n_kv_heads" (the whole model's)}; None for a whole model's config."""
+        return self._rank_view("config")
+
+    def describe_rank_view(self) -> str:
+        v = self.rank_view
+        if v is None:
+            return "the whole model's config"
+        return (f"the view of tensor-parallel rank {v['rank']} of {v['size']} (global heads "
+                f"{format_ranges(v['heads'])} of the model's {v['n_heads']})")
+
+    def _rank_view(self, source: str) -> dict[str, Any] | None:
+        """The normalised rank record, completing one written before it listed its global heads and the
+        model's head counts; ConfigError when it does not fit the heads."""
+        tp = self.provenance.get("tensor_parallel")
+        if tp is None:
+            return None
+        where = f"{source}: provenance.tensor_parallel"
+        if not isinstance(tp, dict) or not all(_is_int(tp.get(k)) for k in ("size", "rank")):
+            raise ConfigError(f"{where} must be an object with integer size and rank (a rank's view records them): "
+                              "make the view again with `workbench export FULL_CONFIG --tp T --rank R`")
+        size, rank, h_local, kv_local = tp["size"], tp["rank"], self.model["n_heads"], self.model["n_kv_heads"]
+        replicas = tp.get("kv_replicas", 1)
+        full = {"n_heads": tp.get("n_heads", h_local * size),
+                "n_kv_heads": tp.get("n_kv_heads", size // replicas if replicas > 1 else kv_local * size)}
+        try:
+            if tp_split(full["n_heads"], full["n_kv_heads"], size) != (h_local, kv_local) or not 0 <= rank < size:
+                raise ConfigError("inconsistent")
+        except (ConfigError, TypeError, ZeroDivisionError):
+            raise ConfigError(f"{where} (size {size}, rank {rank}, model heads {full['n_heads']} / KV heads "
+                              f"{full['n_kv_heads']}) does not fit the view's {h_local} query / {kv_local} KV heads: "
+                              "make the view again with `workbench export FULL_CONFIG --tp T --rank R`") from None
+        heads = list(range(rank * h_local, (rank + 1) * h_local))
+        kv = list(rank_kv_heads(rank, full["n_kv_heads"], size))
+        view = {"size": size, "rank": rank, "heads": heads, "head_offset": heads[0], "kv_heads": kv,
+                "kv_replicas": max(1, size // full["n_kv_heads"]), **full}
+        for key in ("heads", "head_offset", "kv_heads"):
+            if key in tp and tp[key] != view[key]:
+                raise ConfigError(f"{where}.{key} is {tp[key]} but rank {rank} of {size} holds {view[key]}: the "
+                                  "view was edited by hand; make it again with `workbench export FULL_CONFIG --tp "
+                                  f"{size} --rank {rank}`")
+        return view
+
     def for_rank(self, rank: int, tp_size: int) -> HeadConfig:
         """The config one tensor-parallel rank sees: its H / tp query heads, numbered locally from 0
         (global head = rank * H_local + local head), with the model shape of one rank (KV heads
         replicated when tp exceeds their number). `provenance.tensor_parallel` records the size, rank,
-        head offset and the rank's global KV heads; `to_minference()` of the view writes global keys."""
-        h_local, kv_local = tp_split(self.model["n_heads"], self.model["n_kv_heads"], tp_size)
-        if not 0 <= rank < tp_size:
+        the global id of every local head, the rank's global KV heads and the whole model's head counts;
+        `to_minference()` of the view writes global keys.
+
+        A view can be split again only into heads it holds (the same rank, or a rank of a larger tp
+        size inside it): it maps through its global ids, and refuses other ranks naming the heads they need."""
+        view = self.rank_view
+        n_heads, n_kv = (view["n_heads"], view["n_kv_heads"]) if view else (self.model["n_heads"], self.model["n_kv_heads"])
+        if not (_is_int(tp_size) and tp_size >= 1):
+            raise ConfigError(f"tensor-parallel size {tp_size!r} must be an integer >= 1: use a size that divides "
+                              f"the model's {n_heads} query heads")
+        h_local, kv_local = tp_split(n_heads, n_kv, tp_size)
+        if not (_is_int(rank) and 0 <= rank < tp_size):
             raise ConfigError(f"rank {rank} is outside tensor-parallel size {tp_size}: use 0..{tp_size - 1}")
+        global_ids = view["heads"] if view else list(range(n_heads))
+        wanted = range(rank * h_local, (rank + 1) * h_local)
+        lacking = [g for g in wanted if g not in global_ids]
+        if lacking:
+            which = "none of them" if len(lacking) == len(wanted) else f"not {format_ranges(lacking)}"
+            raise ConfigError(f"this head config is {self.describe_rank_view()}: rank {rank} of {tp_size} needs "
+                              f"global heads {format_ranges(list(wanted))}, and it holds {which}: split the whole "
+                              f"model's config instead (`workbench export FULL_CONFIG --tp {tp_size} --rank {rank}`)")
         model = dict(self.model, n_heads=h_local, n_kv_heads=kv_local)
-        kv0 = rank_kv_heads(rank, self.model["n_kv_heads"], tp_size).start
-        heads = []
-        for e in self.heads:
-            r, local = local_head(e.head, tp_size, self.model["n_heads"])
-            if r == rank:
-                heads.append(HeadEntry.from_dict({**e.to_dict(), "head": local}))
+        kv0 = rank_kv_heads(rank, n_kv, tp_size).start
+        heads = [HeadEntry.from_dict({**e.to_dict(), "head": global_ids[e.head] - wanted.start})
+                 for e in self.heads if global_ids[e.head] in wanted]
         prov = dict(self.provenance, tensor_parallel={
-            "size": tp_size, "rank": rank, "head_offset": rank * h_local, "kv_heads": list(range(kv0, kv0 + kv_local)),
-            "kv_replicas": max(1, tp_size // self.model["n_kv_heads"])})
+            "size": tp_size, "rank": rank, "heads": list(wanted), "head_offset": wanted.start,
+            "kv_heads": list(range(kv0, kv0 + kv_local)), "kv_replicas": max(1, tp_size // n_kv),
+            "n_heads": n_heads, "n_kv_heads": n_kv})
         return HeadConfig(model=model, heads=heads, provenance=prov, proxy=dict(self.proxy), block=self.block)
 
 
 def check_schema(d: Any, source: str = "config") -> None:
-    """Raise ConfigError naming the first field that breaks `SCHEMA`."""
-    import jsonschema
-
-    errors = sorted(jsonschema.Draft202012Validator(SCHEMA).iter_errors(d), key=lambda e: list(e.absolute_path))
+    """Raise ConfigError naming the first field that breaks `SCHEMA`. Integers are strict (16, not 16.0, as
+    in the MInference import) and numbers finite (NaN is not JSON)."""
+    errors = sorted(_validator().iter_errors(d), key=lambda e: list(e.absolute_path))
     if errors:
         e = errors[0]
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path).lstrip(".") or "top level"
-        raise ConfigError(f"{source}: field {where}: {e.message}: fix that field (see configs/head_config.schema.json)")
+        raise ConfigError(f"{source}: field {where}: {e.message}: fix that field "
+                          "(`workbench export --format schema` prints the schema)")
+
+
+def _validator() -> Any:
+    import jsonschema
+
+    checker = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine_many({
+        "integer": lambda _, v: _is_int(v),
+        "number": lambda _, v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)})
+    return jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=checker)(SCHEMA)
 
 
 def tp_split(n_heads: int, n_kv_heads: int, tp_size: int) -> tuple[int, int]:
     """(query heads, KV heads) per rank. Query heads must split evenly; KV heads either split evenly or,
     when tp_size exceeds their number and is a multiple of it, are replicated: each rank holds one KV
     head (the one its query heads read), shared by tp_size / n_kv_heads ranks (vLLM's rule)."""
+    if not (_is_int(tp_size) and tp_size >= 1):
+        raise ConfigError(f"tensor-parallel size {tp_size!r} must be an integer >= 1: use a size that divides "
+                          f"{n_heads} query heads, e.g. 1, 2 or 4")
     kv_ok = n_kv_heads % tp_size == 0 if n_kv_heads >= tp_size else tp_size % n_kv_heads == 0
-    if tp_size < 1 or n_heads % tp_size or not kv_ok:
+    if n_heads % tp_size or not kv_ok:
         raise ConfigError(f"tensor-parallel size {tp_size} does not split {n_heads} query heads and {n_kv_heads} "
                           f"KV heads: use a size that divides {n_heads} and either divides {n_kv_heads} or is a "
                           f"multiple of it (KV heads are then replicated)")
@@ -497,9 +628,13 @@ def _parse_minference_entry(raw: Any, max_positions: int, where: str) -> tuple[s
                           f"{sorted(MINFERENCE_NAMES.values())}")
     for i in (1, 2):
         value = raw[i]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if not _is_int(value) or value < 0:
             raise ConfigError(f"{where}: field {_MINFERENCE_FIELDS[i]} is {json.dumps(value)}: write a whole number "
                               "of tokens >= 0 (no quotes, booleans or decimals), e.g. 1000")
+        if value > max_positions:
+            raise ConfigError(f"{where}: field {_MINFERENCE_FIELDS[i]} is {value}, above the model's max length "
+                              f"{max_positions}: use at most {max_positions} (both sizes = {max_positions} is a "
+                              "dense head), or give the --shape of the model this file was made for")
     return _from_minference_entry(raw, max_positions)
 
 
@@ -521,14 +656,19 @@ def _head_key(key: str, layer: int, shape: ModelShape, where: str, lenient: bool
     return h
 
 
-def _ranges(ids: list[int]) -> str:
-    """[28, 29, 30, 31, 40] -> "28-31, 40"."""
-    out, start = [], ids[0]
-    for a, b in zip(ids, ids[1:] + [None]):
-        if b != a + 1:
-            out.append(f"{start}" if start == a else f"{start}-{a}")
-            start = b
-    return ", ".join(out)
+def _warn_block_topk(blocks: list[HeadEntry], what: str) -> None:
+    """Say that MInference runs block_sparse heads at top-100 blocks when some of `blocks` ask otherwise."""
+    other = [e for e in blocks if e.params["topk"] != MINFERENCE_BLOCK_TOPK]
+    if other:
+        e = other[0]
+        warnings.warn(f"{what}: {len(other)} block_sparse heads (e.g. layer {e.layer} head {e.head}: topk "
+                      f"{e.params['topk']}) run at top-{MINFERENCE_BLOCK_TOPK} blocks in MInference, whose "
+                      "block_sparse kernel ignores the entry's sizes; the workbench runs the topk written there",
+                      stacklevel=3)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 class _Layer(dict):
@@ -550,11 +690,7 @@ def read_minference(path: str | Path) -> Any:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: give an existing MInference config file")
-    text = path.read_text(encoding="utf-8")
-    if not text.strip():
-        raise ConfigError(f"{path} is empty: give the MInference config file (a JSON list of per-layer dicts)")
     try:
-        return json.loads(text, object_pairs_hook=_pairs)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}): the file looks "
-                          "truncated or edited by hand; restore the complete file") from e
+        return read_json(path, "MInference config", object_pairs_hook=_pairs)
+    except ValueError as e:
+        raise ConfigError(f"{e} (a MInference config is a JSON list of per-layer dicts)") from None

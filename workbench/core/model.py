@@ -165,6 +165,23 @@ def _cached_embedded(dtype: torch.dtype, device_map: Any = None) -> tuple[Any, A
     return model, tok, fp
 
 
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """False when HF_HUB_OFFLINE is set or the hub's host does not answer within `timeout` seconds."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def load_model(name_or_path: str | None = None, *, device: str | torch.device | None = "cpu",
                dtype: str | torch.dtype = torch.float32,
                device_map: str | dict[str, Any] | None = None) -> tuple[Any, Any, ModelShape]:
@@ -192,10 +209,16 @@ def load_model(name_or_path: str | None = None, *, device: str | torch.device | 
         if not local.exists() and (name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1):
             raise ModelError(f"model {name_or_path!r} not found: give an existing local folder, a hub id "
                              "such as 'org/name', or omit --model for the embedded default")
+        offline = not local.exists() and not _hub_reachable()  # then only the local cache: fail in seconds
         try:
-            tok = AutoTokenizer.from_pretrained(name_or_path)
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, device_map=device_map)
+            tok = AutoTokenizer.from_pretrained(name_or_path, local_files_only=offline)
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, device_map=device_map,
+                                                         local_files_only=offline)
         except (OSError, ValueError) as e:
+            if offline:
+                raise ModelError(f"model {name_or_path!r} is not in the local Hugging Face cache and the hub is out of "
+                                 "reach (HF_HUB_OFFLINE is set or there is no network): download it where there is "
+                                 f"network (`hf download {name_or_path}`) or give a local model folder") from e
             raise ModelError(f"could not load model {name_or_path!r}: {e}") from e
         fp, name = None, local.name if local.exists() else name_or_path
     model.eval()

@@ -1,10 +1,11 @@
 """Latency of sparse attention: estimated from a committed GPU benchmark, or timed live on one layer.
 
-`tile_rates(bench, shape)` turns a `workbench bench kernels` JSON (assets/benchmarks/prefill_h200.json) into
-{pattern: {"per_tile_ms", "index_ms"}} per query head (median over the measured lengths), the table
+`tile_rates(bench, shape)` turns a `workbench bench kernels` JSON into {pattern: {"per_tile_ms", "index_ms"}}
+per query head (median over the measured lengths), the table
 `search.choose(latency=...)` takes; `estimate_ms` applies it to a head's 64x64 tile count. Given a model's
 shape, `match_shape` picks the measured shape to read (the model's own, else the same head_dim, else the
-nearest) and says which.
+nearest) and says which. The package ships the rows it reads (`BENCH`, workbench/data/latency: `rate_table` of
+the committed H200 run assets/benchmarks/prefill_h200.json), so the estimate works from any folder.
 `time_model_layer` times one of the model's own captured layers under its heads from a HeadConfig, as
 the deployed prefill runs it (online index + Triton kernel on a GPU; on the CPU the PyTorch reference
 path, dense math under a mask that does not get faster with sparsity, labelled as such) against dense
@@ -12,7 +13,6 @@ SDPA on the same q/k/v. Notebook 05 and the dashboard's Latency tab both call it
 """
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from pathlib import Path
@@ -20,26 +20,43 @@ from typing import Any
 
 import torch
 
+from workbench.core.io import read_json
 from workbench.core.timing import time_ms
+from workbench.data import LATENCY_BENCH
 from workbench.patterns import PATTERNS, Stack, causal_tiles
 from workbench.patterns.base import NO_WINDOW
 
-BENCH = Path(__file__).resolve().parents[2] / "assets" / "benchmarks" / "prefill_h200.json"
+BENCH = LATENCY_BENCH
+_ROW_FIELDS = ("shape", "q_heads", "kv_heads", "head_dim", "n", "kernel", "block", "time_ms", "index_ms",
+               "physical_density")
 
 
 def load_bench(path: str | Path = BENCH) -> dict[str, Any]:
+    """A kernel benchmark JSON (`workbench bench kernels`, or the shipped `rate_table` of one)."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"benchmark {path} does not exist: run `workbench bench kernels --out {path}` on a GPU")
-    return json.loads(path.read_text())
+        raise FileNotFoundError(f"kernel benchmark {path} does not exist: run `workbench bench kernels --out {path}` "
+                                "on a GPU, or leave the benchmark out to use the one the package ships")
+    bench = read_json(path, "kernel benchmark")
+    if not isinstance(bench, dict) or not isinstance(bench.get("rows"), list):
+        raise ValueError(f"kernel benchmark {path} has no list of rows: give a `workbench bench kernels` JSON")
+    return bench
 
 
-def _usable_rows(bench: dict[str, Any], block: int):
-    """(pattern, row) for every benchmark row of a kernel a pattern runs on, at `block`."""
+def rate_table(bench: dict[str, Any], source: str) -> dict[str, Any]:
+    """The part of a kernel benchmark that `tile_rates` and `match_shape` read: its environment and the
+    pattern kernels' rows (their timing fields only), with `source` naming the full result. The package
+    ships one as `BENCH`: `write_json(BENCH, rate_table(load_bench(FULL), FULL))`."""
+    rows = [{k: row[k] for k in _ROW_FIELDS if k in row} for _, row in _usable_rows(bench, None)]
+    return {"environment": bench.get("environment", {}), "source": source, "rows": rows}
+
+
+def _usable_rows(bench: dict[str, Any], block: int | None):
+    """(pattern, row) for every benchmark row of a kernel a pattern runs on, at `block` (None: any)."""
     kernels = {cls.bench_kernel: kind for kind, cls in PATTERNS.items() if cls.bench_kernel}
     for row in bench.get("rows", []):
         pattern = kernels.get(str(row.get("kernel")).split("@")[0])  # "vertical_slash@512": a second budget
-        if pattern is not None and str(row.get("block", block)) == str(block):
+        if pattern is not None and (block is None or str(row.get("block", block)) == str(block)):
             yield pattern, row
 
 

@@ -264,6 +264,7 @@ def collect_evidence(captures: Iterable[Any], samples: Sequence[dict[str, Any]],
     mine = [(s, l) for s in range(len(samples)) for l in range(n_layers) if (s * n_layers + l) % world == rank]
     bar = tqdm(total=len(mine), desc="search", unit="layer", disable=not progress)
     for s, cap in enumerate(captures):
+        bar.unpause()  # leave the capture just made out of the per-layer rate: the first ETA is one layer's, not a capture's
         for layer in cap.layers:
             if (s * n_layers + layer) % world != rank:
                 continue

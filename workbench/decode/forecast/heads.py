@@ -133,17 +133,23 @@ class ForecastHeads(nn.Module):
     @classmethod
     def load(cls, path: str | Path, shape: ModelShape, *, check_fingerprint: bool = True) -> ForecastHeads:
         """Load heads saved by `save`; refuses files made for another model shape (or other weights)."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"forecast heads {path} not found: train them with `workbench forecast train`")
-        with safe_open(str(path), "pt") as f:
-            md = f.metadata() or {}
-            if md.get("format") not in FORMATS or "weight" not in f.keys():
-                raise ModelError(f"{path} is not a forecast-heads file (format {md.get('format')!r}, "
-                                 f"expected {FORMAT!r}): give a file written by `workbench forecast train`")
-            weight = f.get_tensor("weight")
+        if path.is_dir():
+            raise IsADirectoryError(f"forecast heads {path} is a folder: give the .safetensors file")
+        try:
+            with safe_open(str(path), "pt") as f:
+                md = f.metadata() or {}
+                if md.get("format") not in FORMATS or "weight" not in f.keys():
+                    raise ModelError(f"{path} is not a forecast-heads file (format {md.get('format')!r}, "
+                                     f"expected {FORMAT!r}): give a file written by `workbench forecast train`")
+                weight = f.get_tensor("weight")
+        except SafetensorError as e:
+            raise ModelError(f"{path} is not a safetensors file ({e}): give the .safetensors file written by "
+                             "`workbench forecast train`") from None
         saved = ModelShape.from_dict(json.loads(md["shape"]))
         for field in ("n_layers", "n_kv_heads", "head_dim", "hidden_size"):
             if getattr(saved, field) != getattr(shape, field):

@@ -293,7 +293,7 @@ class ExportView(_View):
                                                 filename="head_config.json", label="Download edited config (JSON)",
                                                 button_type="primary", css_classes=["wb-download"])
         self.config_name = pn.widgets.TextInput(name="config name", placeholder="my-edit", css_classes=["wb-name"])
-        self.save = pn.widgets.Button(name="Save into configs/", css_classes=["wb-save"])
+        self.save = pn.widgets.Button(name=f"Save into {self.session.settings.configs_dir}/", css_classes=["wb-save"])
         self.upload = pn.widgets.FileInput(accept=".json", css_classes=["wb-upload"])
         self.fill_missing = pn.widgets.Checkbox(
             name=f"fill missing heads (MInference files: its default vertical_and_slash {MINFERENCE_DEFAULT})",

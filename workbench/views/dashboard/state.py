@@ -29,12 +29,13 @@ import torch
 
 from workbench.config import PARAMS, ConfigError, HeadConfig, HeadEntry
 from workbench.core.corpus import TASKS
+from workbench.core.ranges import parse_ranges
+from workbench.data import file_stem, shipped_config, shipped_forecast_heads
 from workbench.patterns import default_params
 from workbench.search.search import TARGET
 
 CONFIG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 FORECAST_REPORTS = ("reports/forecast/forecast.json", "assets/benchmarks/forecast_cpu.json")
-FORECAST_HEADS = "configs/forecast/smollm2-135m.safetensors"
 LOG = logging.getLogger(__name__)
 
 
@@ -46,8 +47,8 @@ class Settings:
     task: str = "passkey"
     length: int = 4096
     seed: int = 0
-    config: str | None = None  # a HeadConfig path, "search" (fit one on the sample), or None: configs/<model>.json if present
-    configs_dir: str = "configs"
+    config: str | None = None  # a HeadConfig path, "search" (fit one on the sample), or None: see _default_config
+    configs_dir: str = "reports/configs"  # where Save writes
     forecast_report: str | None = None
     layers: tuple[int, ...] | None = None  # capture only these layers (quick looks and UI tests); None = all
     device: str | None = None  # where the model runs (None: cuda when available); views read CPU copies
@@ -57,22 +58,13 @@ class Settings:
     @staticmethod
     def parse_layers(text: str | None) -> tuple[int, ...] | None:
         """"0-3" or "0,5,9" -> layer indices; None or "" -> all layers."""
-        if not text:
-            return None
-        try:
-            out = []
-            for part in text.split(","):
-                a, _, b = part.strip().partition("-")
-                out += range(int(a), int(b or a) + 1)
-            return tuple(sorted(set(out)))
-        except ValueError:
-            raise ValueError(f"layers {text!r} must look like 0-3 or 0,5,9") from None
+        return tuple(parse_ranges(text)) if text else None
 
     @classmethod
     def from_env(cls, env: dict[str, str]) -> Settings:
         get = lambda key, default=None: env.get(f"WORKBENCH_DASHBOARD_{key}") or default  # noqa: E731
         return cls(model=get("MODEL"), task=get("TASK", "passkey"), length=int(get("LENGTH", 4096)),
-                   seed=int(get("SEED", 0)), config=get("CONFIG"), configs_dir=get("CONFIGS_DIR", "configs"),
+                   seed=int(get("SEED", 0)), config=get("CONFIG"), configs_dir=get("CONFIGS_DIR", cls.configs_dir),
                    forecast_report=get("FORECAST_REPORT"), layers=cls.parse_layers(get("LAYERS")),
                    device=get("DEVICE"), dtype=get("DTYPE"), bench=get("BENCH"))
 
@@ -273,10 +265,12 @@ class Session(param.Parameterized):
         self.ready = True
 
     def _default_config(self) -> HeadConfig:
+        """The settings' config; without one, <configs_dir>/<model>.json (a saved one), else the config
+        the package ships for the model, else a search on the sample."""
         choice = self.settings.config
         if choice is None:
-            path = Path(self.settings.configs_dir) / f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', self.shape.name)}.json"
-            choice = str(path) if path.exists() else "search"
+            path = Path(self.settings.configs_dir) / f"{file_stem(self.shape.name)}.json"
+            choice = str(path if path.exists() else shipped_config(self.shape.name) or "search")
         if choice != "search":
             return HeadConfig.load(choice, self.shape)
         return SHARED.memo(("search", self.capture_key, self.target), self._search)
@@ -468,15 +462,16 @@ class Session(param.Parameterized):
         budget = Budget()
         lengths_ok(self.length, budget)
         spec = (self.task, self.length, self.seed)
-        if Path(FORECAST_HEADS).exists():
-            heads = ForecastHeads.load(FORECAST_HEADS, shape)
+        shipped = shipped_forecast_heads(shape.name)
+        if shipped is not None:
+            heads = ForecastHeads.load(shipped, shape)
             rep = build_report(model, tok, shape, heads, budget, eval_specs=[spec], calib_specs=[], progress=False)
-            self.forecast = {**rep, "source": f"computed on {self.task}/{self.length} with {FORECAST_HEADS}"}
+            self.forecast = {**rep, "source": f"computed on {self.task}/{self.length} with the shipped {shipped.name}"}
         else:
             sets = exact_sets(model, shape, self.sample.input_ids, budget, rows=256, seed=self.seed)
             self.forecast = {"iou_matrix": iou_matrix(sets).tolist(), "layers": None,
-                             "source": f"computed on {self.task}/{self.length}; no trained Forecast heads at "
-                                       f"{FORECAST_HEADS} (run `workbench forecast train`), so no per-selector recall"}
+                             "source": f"computed on {self.task}/{self.length}; no Forecast heads ship for "
+                                       f"{shape.name} (`workbench forecast train` makes them), so no per-selector recall"}
 
     def time_latency(self) -> Future:
         return self.run_job(f"timing layer {self.layer}", self._time_latency)

@@ -1,0 +1,37 @@
+"""Files shipped inside the package, found from any folder (also after a wheel install). README.md says
+how each was made.
+
+    configs/<model>.json              the head config searched for a model (`shipped_config`)
+    configs/head_config.schema.json   the head-config JSON Schema (`SCHEMA_FILE`)
+    forecast/<model>.safetensors      trained SparDA Forecast heads for a model (`shipped_forecast_heads`)
+    latency/prefill_h200.json         the kernel times the latency estimate reads (`LATENCY_BENCH`): the
+                                      rows of the committed `workbench bench kernels` result it uses
+
+<model> is `ModelShape.name` with characters other than letters, digits, '.', '_' and '-' replaced by
+'-' (`file_stem`). Nothing writes here: commands write under reports/ unless --out says otherwise.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent
+SCHEMA_FILE = DATA / "configs" / "head_config.schema.json"
+LATENCY_BENCH = DATA / "latency" / "prefill_h200.json"
+
+
+def file_stem(model_name: str) -> str:
+    """A model name as a file name: "org/My Model" -> "org-My-Model"."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", model_name)
+
+
+def shipped_config(model_name: str) -> Path | None:
+    """The head config shipped for `model_name`, or None when there is none."""
+    path = DATA / "configs" / f"{file_stem(model_name)}.json"
+    return path if path.is_file() else None
+
+
+def shipped_forecast_heads(model_name: str) -> Path | None:
+    """The Forecast heads shipped for `model_name`, or None when there are none."""
+    path = DATA / "forecast" / f"{file_stem(model_name)}.safetensors"
+    return path if path.is_file() else None
