@@ -1,0 +1,408 @@
+"""Layer-major forward: the model's own decoder layers, one at a time over the whole prompt, in query chunks.
+
+`capture_attention` runs the model once and keeps q/k/v of every layer (~51 GB at 128K for an 8B model).
+Here layer l runs over the prompt chunk by chunk before layer l + 1 starts: its attention sees q of the
+chunk and the layer's keys/values of [0, end), so after the last chunk the layer's full q, k and v are
+in one buffer each, ready to be reduced (statistics, search evidence) and overwritten by the next layer.
+Peak memory is the model + one hidden state `[N, hidden]` + one layer's q/k/v + one chunk's work (the
+MLP of a 1M-token prompt at once would need 57 GB for Llama-3-8B; per 32K chunk it needs 2 GB).
+
+Nothing of the model is re-implemented: the per-layer inputs (position embeddings, position ids, ...)
+come from the model's own forward, run once with recording stand-ins for its decoder layers, and each
+chunk calls the model's decoder-layer module. Masks are not materialised (a [32K, 1M] mask is 32 GB):
+the attention function here is causal with the chunk's offset (lower-right aligned) and honours the
+layer's `sliding_window` (Gemma-3, Mistral), which is what those models' masks encode for one prompt.
+
+- `LayerRunner(model).layers(ids, keep)`: yields (layer, q, k, v) of the kept layers, in order.
+- `LayerRunner(model).forward(ids)`: the final normed hidden state (no analysis: the dense prefill).
+- `stream_capture(model, shape, ids, layers)`: a `Capture`-like view whose `layer_qkv(layer)` runs the
+  forward up to that layer; `collect_evidence`, `pattern_fits` and `evaluate_config` read it as a Capture.
+- `check_memory(...)`: refuses, before the forward, a prompt whose estimated peak does not fit.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from workbench.core.attention import attention_override, dense_attention
+from workbench.core.device import model_device
+from workbench.core.model import ModelError, ModelShape
+
+GPU_CHUNK = 32768  # query rows per chunk on a GPU: the MLP of a chunk of Llama-3-8B is ~2 GB in bf16
+CPU_CHUNK = 4096   # on the CPU: up to this length one chunk, i.e. exactly the model's own forward
+GIB = 2 ** 30
+
+
+class RunStopped(ModelError):
+    """A streaming run stopped midway (Ctrl-C, out of memory); the message says where."""
+
+
+def default_chunk(device: torch.device | str) -> int:
+    return GPU_CHUNK if torch.device(device).type == "cuda" else CPU_CHUNK
+
+
+class _Recorded(Exception):
+    """Raised by the last recording stand-in: the model's forward stops before its final norm."""
+
+
+class _Record(torch.nn.Module):
+    """Stands in for decoder layer `index` during one forward: keeps the arguments the model passes it."""
+
+    def __init__(self, index: int, store: list[Any], last: int):
+        super().__init__()
+        self.index, self.store, self.last = index, store, last
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.store[self.index] = (args, kwargs)
+        if self.index == self.last:
+            raise _Recorded
+        return hidden_states
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """Mask builder for the streaming forward: masks are applied inside `chunk_attention` instead."""
+    return None
+
+
+def _tokens(obj: Any, n: int, start: int, end: int) -> Any:
+    """`obj` with every tensor cut to tokens [start, end) along its first dimension of size n (position
+    ids `[1, N]`, cos/sin `[1, N, D]`, cache positions `[N]`); tuples, lists and dicts are followed."""
+    if isinstance(obj, torch.Tensor):
+        dims = [d for d, size in enumerate(obj.shape) if size == n]
+        return obj.narrow(dims[0], start, end - start) if dims else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_tokens(x, n, start, end) for x in obj)
+    if isinstance(obj, dict):
+        return {key: _tokens(x, n, start, end) for key, x in obj.items()}
+    return obj
+
+
+def chunk_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    start: int, window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Causal attention of query rows [start, start + C) over keys [0, start + C).
+
+    query `[1, Hq, C, D]`, key/value `[1, Hkv, start + C, D]` -> `[1, C, Hq, D]`. `window` (a sliding
+    layer): row i sees keys (i - window, i]. The first chunk of a full layer is the model's own SDPA call;
+    later chunks are lower-right causal (flash attention on a GPU, no mask tensor)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    c, e = query.shape[2], key.shape[2]
+    if window is not None and window < e:
+        k0 = max(0, start - window + 1)  # the first key any row of this chunk sees
+        rows = torch.arange(start, e, device=query.device)[:, None]
+        cols = torch.arange(k0, e, device=query.device)[None]
+        mask = (cols <= rows) & (cols > rows - window)
+        return dense_attention(module, query, key[:, :, k0:], value[:, :, k0:], mask[None, None], **kwargs)
+    if start == 0:
+        return dense_attention(module, query, key, value, None, **kwargs)
+    scale = kwargs.get("scaling") or module.scaling
+    gqa = query.shape[1] != key.shape[1]
+    if gqa and query.is_cuda:
+        from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+        if not can_use_flash_attention(SDPAParams(query, key, value, None, 0.0, False, True)):
+            group = query.shape[1] // key.shape[1]  # flash cannot take these inputs: no GQA in the other kernels
+            key, value, gqa = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1), False
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(c, e),
+                                                           scale=scale, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@dataclass
+class _LayerState:
+    """What the attention function of the running layer writes: the chunk offset and the layer's buffers."""
+
+    start: int = 0
+    keep_q: bool = False
+    q: torch.Tensor | None = None  # [1, Hq, N, D]
+    k: torch.Tensor | None = None  # [1, Hkv, N, D]
+    v: torch.Tensor | None = None
+
+
+def _buffer(old: torch.Tensor | None, like: torch.Tensor, n: int) -> torch.Tensor:
+    shape = (like.shape[0], like.shape[1], n, like.shape[3])
+    if old is not None and old.shape == shape and old.dtype == like.dtype and old.device == like.device:
+        return old
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+@dataclass
+class LayerRunner:
+    """Runs `model`'s decoder layers one at a time over a whole prompt, `chunk` query rows per call.
+
+    `position` is (layer, token) of the work in progress, for messages when a run stops midway;
+    `forward_seconds` the wall time spent inside the layers (the consumer's work between layers excluded).
+    """
+
+    model: torch.nn.Module
+    chunk: int | None = None
+    progress: bool = True
+    position: tuple[int, int] = (0, 0)
+    forward_seconds: float = 0.0
+    _state: _LayerState = field(default_factory=_LayerState)
+
+    def __post_init__(self):
+        self.device = model_device(self.model)
+        self.chunk = self.chunk or default_chunk(self.device)
+        if self.chunk < 1:
+            raise ModelError(f"chunk={self.chunk}: give a positive number of query rows per chunk (--chunk)")
+
+    @property
+    def decoder(self) -> Any:
+        return self.model.model
+
+    def _attend(self, module, query, key, value, attention_mask, **kwargs):
+        st = self._state
+        s, e = st.start, st.start + query.shape[2]
+        n = self._n
+        st.k, st.v = _buffer(st.k, key, n), _buffer(st.v, value, n)
+        st.k[:, :, s:e] = key
+        st.v[:, :, s:e] = value
+        if st.keep_q:
+            st.q = _buffer(st.q, query, n)
+            st.q[:, :, s:e] = query
+        window = kwargs.pop("sliding_window", None) or getattr(module, "sliding_window", None)
+        return chunk_attention(module, query, st.k[:, :, :e], st.v[:, :, :e], s, window, **kwargs)
+
+    def _layer_inputs(self, hidden: torch.Tensor, last: int) -> list[Any]:
+        """(args, kwargs) the model's own forward passes to decoder layers 0..last (hidden state left out)."""
+        store: list[Any] = [None] * (last + 1)
+        layers = self.decoder.layers
+        self.decoder.layers = torch.nn.ModuleList(_Record(i, store, last) for i in range(len(layers)))
+        try:
+            self.decoder(inputs_embeds=hidden, use_cache=False)
+        except _Recorded:
+            pass
+        finally:
+            self.decoder.layers = layers
+        return store
+
+    @torch.no_grad()
+    def _run(self, input_ids: torch.Tensor, keep: Sequence[int], last: int
+             ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Run layers 0..last; after each, yield (layer, hidden `[1, N, hidden]`); q is kept for `keep`."""
+        ids = input_ids.reshape(1, -1).to(self.device)
+        n = self._n = ids.shape[1]
+        keep = set(keep)
+        bar = tqdm(total=(last + 1) * n, unit="tok", unit_scale=True, disable=not self.progress, leave=False,
+                   desc=f"layer 0/{last + 1}")
+        self._state = st = _LayerState()
+        try:
+            with attention_override(self.model, self._attend, mask=_no_mask):
+                t0 = time.perf_counter()
+                hidden = self.decoder.embed_tokens(ids)  # the running hidden state, updated in place chunk by chunk
+                inputs = self._layer_inputs(hidden, last)
+                for layer in range(last + 1):
+                    bar.set_description(f"layer {layer + 1}/{last + 1}")
+                    args, kwargs = inputs[layer]
+                    module = self.decoder.layers[layer]
+                    st.keep_q = layer in keep
+                    for s in range(0, n, self.chunk):
+                        e = min(n, s + self.chunk)
+                        st.start, self.position = s, (layer, s)
+                        out = module(hidden[:, s:e], *_tokens(args, n, s, e), **_tokens(kwargs, n, s, e))
+                        hidden[:, s:e] = (out[0] if isinstance(out, tuple) else out).to(hidden.device)
+                        bar.update(e - s)
+                    self.position = (layer, n)
+                    if hidden.is_cuda:
+                        torch.cuda.synchronize(hidden.device)
+                    self.forward_seconds += time.perf_counter() - t0
+                    yield layer, hidden
+                    t0 = time.perf_counter()
+        finally:
+            bar.close()
+            self._state = _LayerState()  # drop the buffers
+
+    def layers(self, input_ids: torch.Tensor, keep: Sequence[int]
+               ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Yield (layer, q `[Hq, N, D]`, k `[Hkv, N, D]`, v) for each layer of `keep`, in order; the
+        forward stops after the last. The tensors are reused: they hold a layer until the next is asked for."""
+        keep = sorted(set(keep))
+        for layer, _ in self._run(input_ids, keep, keep[-1]):
+            if layer in keep:
+                st = self._state
+                yield layer, st.q[0], st.k[0], st.v[0]
+
+    def forward(self, input_ids: torch.Tensor, last: int | None = None) -> torch.Tensor:
+        """The model's final normed hidden state `[1, N, hidden]` (of the `last` positions only, if given),
+        layer by layer with no analysis: the dense prefill of this runner."""
+        _, hidden = deque(self._run(input_ids, (), len(self.decoder.layers) - 1), maxlen=1)[0]
+        return self.decoder.norm(hidden if last is None else hidden[:, -last:])
+
+
+# ---- a Capture whose layers are computed on demand -------------------------------------------------------
+
+LayerFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], Any]
+
+
+class StreamCapture:
+    """A `Capture` of one prompt whose q/k/v are computed when asked, one layer at a time.
+
+    Reads like a Capture (`layers`, `n`, `scale`, `shape`, `input_ids`, `layer_qkv`, `head_qkv`) for code that
+    visits layers in order (`collect_evidence`, `pattern_fits`, `evaluate_config`): asking for a layer runs
+    the forward up to it; asking for an earlier one starts a new forward (`passes` counts them). A layer's
+    tensors are valid until the next layer is asked for. `on_layer(fn)` calls fn(layer, q, k, v) once per
+    layer when the forward first reaches it (e.g. the statistics, computed in the same pass as the evidence).
+    """
+
+    def __init__(self, model: torch.nn.Module, shape: ModelShape, input_ids: torch.Tensor,
+                 layers: Sequence[int], *, chunk: int | None = None, progress: bool = True):
+        self.model, self.shape = model, shape
+        self.input_ids = input_ids.reshape(-1).cpu()
+        self.layers = tuple(layers)
+        self.runner = LayerRunner(model, chunk=chunk, progress=progress)
+        self.scale = float(model.model.layers[self.layers[0]].self_attn.scaling)
+        self.hidden = None
+        self.meta: dict[str, Any] = {"streamed": True, "chunk": self.runner.chunk}
+        self.passes = 0
+        self._observers: list[LayerFn] = []
+        self._seen: set[int] = set()
+        self._stream: Iterator[Any] | None = None
+        self._current: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def n(self) -> int:
+        return int(self.input_ids.numel())
+
+    def on_layer(self, fn: LayerFn) -> None:
+        self._observers.append(fn)
+
+    def index(self, layer: int) -> int:
+        if layer not in self.layers:
+            raise ModelError(f"layer {layer} was not captured: captured layers are {list(self.layers)}")
+        return self.layers.index(layer)
+
+    def layer_qkv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q `[Hq, N, D]`, k and v `[Hkv, N, D]` of one model layer (runs the forward up to it)."""
+        self.index(layer)
+        if self._current is None or self._current[0] > layer:
+            self._stream, self._current = self.runner.layers(self.input_ids, self.layers), None
+            self.passes += 1
+        while self._current is None or self._current[0] < layer:
+            self._current = None  # drop the previous layer's tensors before the next is computed
+            self._current = next(self._stream)
+            if self._current[0] not in self._seen:
+                self._seen.add(self._current[0])
+                for fn in self._observers:
+                    fn(*self._current)
+        return self._current[1], self._current[2], self._current[3]
+
+    def head_qkv(self, layer: int, head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not 0 <= head < self.shape.n_heads:
+            raise ModelError(f"head {head} is out of range: the model has query heads 0..{self.shape.n_heads - 1}")
+        q, k, v = self.layer_qkv(layer)
+        kv = self.shape.kv_head(head)
+        return q[head], k[kv], v[kv]
+
+    def run(self) -> None:
+        """Visit every layer once (for observers that need no consumer)."""
+        for layer in self.layers:
+            self.layer_qkv(layer)
+        self.close()
+
+    def close(self) -> None:
+        """End the forward and free its buffers."""
+        self._current = None
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def where(self) -> str:
+        """Where the forward is: for a message when a run stops midway."""
+        layer, token = self.runner.position
+        if token >= self.n:
+            return f"after layer {layer} of {self.shape.n_layers} (its analysis), pass {self.passes}"
+        return f"in layer {layer} of {self.shape.n_layers} at token {token} of {self.n}, pass {self.passes}"
+
+
+def stream_capture(model: torch.nn.Module, shape: ModelShape, input_ids: torch.Tensor,
+                   layers: Sequence[int] | None = None, *, chunk: int | None = None, progress: bool = True,
+                   analysis: bool = True) -> StreamCapture:
+    """`capture_attention`'s streaming counterpart: checks the length, the layers and (with `analysis`, the
+    statistics/evidence workspace included) the memory before anything runs, then returns a `StreamCapture`."""
+    n = shape.check_length(int(input_ids.numel()))
+    layers = tuple(range(shape.n_layers)) if layers is None else tuple(sorted({shape.check_layer(l) for l in layers}))
+    if not layers:
+        raise ModelError("no layers to capture: give at least one layer index")
+    cap = StreamCapture(model, shape, input_ids, layers, chunk=chunk, progress=progress)
+    check_memory(model, shape, n, cap.runner.chunk, analysis=analysis)
+    return cap
+
+
+# ---- will it fit? ---------------------------------------------------------------------------------------
+
+def _intermediate(model: torch.nn.Module, shape: ModelShape) -> int:
+    return int(getattr(model.config, "intermediate_size", None) or 4 * shape.hidden_size)
+
+
+def peak_bytes(shape: ModelShape, n: int, chunk: int, *, intermediate: int, dtype_bytes: int, cuda: bool,
+               analysis: bool = True) -> dict[str, int]:
+    """Estimated peak memory of a streaming run beyond the model's weights, by part (bytes).
+
+    hidden state `[N, hidden]`; one layer's q/k/v; RoPE tables; one chunk's projections, MLP and attention
+    (on the CPU the attention scores `[Hq, C, N]` in fp32); the analysis workspace: on a GPU the O(n)
+    reductions of the statistics kernels (fp32 `[Hq, N]` maps and row sums, tile masses of the default
+    tile size), on the CPU the torch reference's `[Hq, 256, N]` probability rows."""
+    b, hq, hkv, d = dtype_bytes, shape.n_heads, shape.n_kv_heads, shape.head_dim
+    c = min(chunk, n)
+    parts = {
+        "hidden": n * shape.hidden_size * b,
+        "qkv": n * (hq + 2 * hkv) * d * b,
+        "rope": 4 * n * d * 4,
+        "chunk": c * (6 * shape.hidden_size + 3 * intermediate + 2 * (hq + 2 * hkv) * d) * b
+        + (c * hq * 4 * 2 if cuda else 3 * hq * c * n * 4),
+    }
+    if analysis:
+        m = math.ceil(n / tile_size(n))
+        parts["analysis"] = (16 * hq * n * 4 + hq * m * m * 4 + GIB) if cuda else (4 * hq * 256 * n * 4 + hq * n * 64)
+    return parts
+
+
+def tile_size(n: int, max_tiles: int = 4096) -> int:
+    """Side of the tiles whose masses the per-layer profile keeps: 64, doubled until at most `max_tiles`
+    tiles span the prompt (a 64-token tile map of a 1M prompt would be 34 GB per layer)."""
+    size = 64
+    while math.ceil(n / size) > max_tiles:
+        size *= 2
+    return size
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory a run can still use on `device`: free GPU memory plus torch's unused cache, or the
+    system's available memory on the CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    return info.get("MemAvailable", info.get("MemFree", 0))
+
+
+def check_memory(model: torch.nn.Module, shape: ModelShape, n: int, chunk: int, *, analysis: bool = True,
+                 free: int | None = None) -> dict[str, int]:
+    """Refuse (ModelError naming the length that fits and the flags) a streaming run of n tokens whose
+    estimated peak (`peak_bytes`) exceeds the free memory of the model's device; returns the estimate."""
+    device = model_device(model)
+    param = next(model.parameters())
+    kw = dict(intermediate=_intermediate(model, shape), dtype_bytes=param.element_size(), cuda=device.type == "cuda",
+              analysis=analysis)
+    parts = peak_bytes(shape, n, chunk, **kw)
+    free = free_bytes(device) if free is None else free
+    if sum(parts.values()) <= free:
+        return parts
+    lo, hi = 0, n  # the longest prompt whose estimate fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if sum(peak_bytes(shape, mid, chunk, **kw).values()) <= free else (lo, mid - 1)
+    detail = ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items())
+    raise ModelError(
+        f"a {n}-token prompt needs about {sum(parts.values()) / GIB:.1f} GiB on {device} beyond the model's "
+        f"weights ({detail} GiB) but {free / GIB:.1f} GiB are free: at most {lo} tokens fit. Use --length <= {lo}, "
+        f"a smaller --chunk (now {chunk}), or --dtype bf16 (halves the activations)")
