@@ -21,8 +21,10 @@ layer's `sliding_window` (Gemma-3, Mistral), which is what those models' masks e
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -125,12 +127,26 @@ class _LayerState:
     k: torch.Tensor | None = None  # [1, Hkv, N, D]
     v: torch.Tensor | None = None
 
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {name: t for name, t in (("q", self.q), ("k", self.k), ("v", self.v)) if t is not None}
+
+
+# The buffers of the last finished run, by weak reference: alive only while a caller still holds a layer's
+# tensors (e.g. the last q/k of the previous sample), and then reused by the next run instead of a second copy.
+_spare: dict[str, weakref.ref] = {}
+
 
 def _buffer(old: torch.Tensor | None, like: torch.Tensor, n: int) -> torch.Tensor:
     shape = (like.shape[0], like.shape[1], n, like.shape[3])
     if old is not None and old.shape == shape and old.dtype == like.dtype and old.device == like.device:
         return old
     return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+def spare_bytes(device: torch.device) -> int:
+    """Bytes of the last run's buffers on `device` that callers still hold (the next run reuses them)."""
+    alive = [ref() for ref in _spare.values()]
+    return sum(t.numel() * t.element_size() for t in alive if t is not None and t.device == device)
 
 
 @dataclass
@@ -150,7 +166,7 @@ class LayerRunner:
 
     def __post_init__(self):
         self.device = model_device(self.model)
-        self.chunk = self.chunk or default_chunk(self.device)
+        self.chunk = default_chunk(self.device) if self.chunk is None else self.chunk
         if self.chunk < 1:
             raise ModelError(f"chunk={self.chunk}: give a positive number of query rows per chunk (--chunk)")
 
@@ -193,7 +209,8 @@ class LayerRunner:
         keep = set(keep)
         bar = tqdm(total=(last + 1) * n, unit="tok", unit_scale=True, disable=not self.progress, leave=False,
                    desc=f"layer 0/{last + 1}")
-        self._state = st = _LayerState()
+        self._state = st = _LayerState(**{name: ref() for name, ref in _spare.items()})
+        _spare.clear()
         try:
             with attention_override(self.model, self._attend, mask=_no_mask):
                 t0 = time.perf_counter()
@@ -218,7 +235,8 @@ class LayerRunner:
                     t0 = time.perf_counter()
         finally:
             bar.close()
-            self._state = _LayerState()  # drop the buffers
+            _spare.update({name: weakref.ref(t) for name, t in st.buffers().items()})
+            self._state = _LayerState()  # the buffers live on only where a caller holds a layer's tensors
 
     def layers(self, input_ids: torch.Tensor, keep: Sequence[int]
                ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -248,8 +266,10 @@ class StreamCapture:
     Reads like a Capture (`layers`, `n`, `scale`, `shape`, `input_ids`, `layer_qkv`, `head_qkv`) for code that
     visits layers in order (`collect_evidence`, `pattern_fits`, `evaluate_config`): asking for a layer runs
     the forward up to it; asking for an earlier one starts a new forward (`passes` counts them). A layer's
-    tensors are valid until the next layer is asked for. `on_layer(fn)` calls fn(layer, q, k, v) once per
-    layer when the forward first reaches it (e.g. the statistics, computed in the same pass as the evidence).
+    tensors are valid until the next layer is asked for, of this or of another streaming capture (one
+    streaming forward at a time: asking another capture for a layer ends this one's forward and its buffers
+    are reused). `on_layer(fn)` calls fn(layer, q, k, v) once per layer when the forward first reaches it
+    (e.g. the statistics, computed in the same pass as the evidence).
     """
 
     def __init__(self, model: torch.nn.Module, shape: ModelShape, input_ids: torch.Tensor,
@@ -281,9 +301,14 @@ class StreamCapture:
 
     def layer_qkv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q `[Hq, N, D]`, k and v `[Hkv, N, D]` of one model layer (runs the forward up to it)."""
+        global _active
         self.index(layer)
+        if _active is not None and _active is not self:
+            _active.close()  # one streaming forward at a time: the other capture's buffers are handed over
+        _active = self
         if self._current is None or self._current[0] > layer:
-            self._stream, self._current = self.runner.layers(self.input_ids, self.layers), None
+            self.close()
+            self._stream = self.runner.layers(self.input_ids, self.layers)
             self.passes += 1
         while self._current is None or self._current[0] < layer:
             self._current = None  # drop the previous layer's tensors before the next is computed
@@ -317,21 +342,45 @@ class StreamCapture:
     def where(self) -> str:
         """Where the forward is: for a message when a run stops midway."""
         layer, token = self.runner.position
+        of = f"layers 0..{self.shape.n_layers - 1}, {self.n}-token prompt, forward pass {self.passes}"
         if token >= self.n:
-            return f"after layer {layer} of {self.shape.n_layers} (its analysis), pass {self.passes}"
-        return f"in layer {layer} of {self.shape.n_layers} at token {token} of {self.n}, pass {self.passes}"
+            return f"while analysing layer {layer} ({of})"
+        return f"in layer {layer} at token {token} ({of})"
+
+
+_active: StreamCapture | None = None  # the capture whose layers were asked for last (where a run stopped)
+
+
+@contextlib.contextmanager
+def stopped_midway(what: str = "nothing was written") -> Iterator[None]:
+    """Turn Ctrl-C and out-of-memory inside the block into `RunStopped` saying which layer the streaming
+    run had reached and `what` (e.g. "no report was written": outputs are written after the block)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise RunStopped(f"interrupted {_where()}: {what}") from None
+    except (torch.cuda.OutOfMemoryError, MemoryError) as e:
+        chunk = _active.runner.chunk if _active else None
+        raise RunStopped(f"out of memory {_where()}: {what}. Use a smaller --chunk (now {chunk}) or a shorter "
+                         f"--length ({str(e).splitlines()[0][:200]})") from None
+
+
+def _where() -> str:
+    return _active.where() if _active is not None else "before the first layer"
 
 
 def stream_capture(model: torch.nn.Module, shape: ModelShape, input_ids: torch.Tensor,
                    layers: Sequence[int] | None = None, *, chunk: int | None = None, progress: bool = True,
-                   analysis: bool = True) -> StreamCapture:
-    """`capture_attention`'s streaming counterpart: checks the length, the layers and (with `analysis`, the
-    statistics/evidence workspace included) the memory before anything runs, then returns a `StreamCapture`."""
+                   analysis: str | None = "evidence") -> StreamCapture:
+    """`capture_attention`'s streaming counterpart: checks the length, the layers and the memory (with the
+    workspace of `analysis`, as in `peak_bytes`) before anything runs, then returns a `StreamCapture`."""
     n = shape.check_length(int(input_ids.numel()))
     layers = tuple(range(shape.n_layers)) if layers is None else tuple(sorted({shape.check_layer(l) for l in layers}))
     if not layers:
         raise ModelError("no layers to capture: give at least one layer index")
     cap = StreamCapture(model, shape, input_ids, layers, chunk=chunk, progress=progress)
+    if _active is not None:
+        _active.close()  # its buffers count as free: this capture's forward reuses them
     check_memory(model, shape, n, cap.runner.chunk, analysis=analysis)
     return cap
 
@@ -342,14 +391,21 @@ def _intermediate(model: torch.nn.Module, shape: ModelShape) -> int:
     return int(getattr(model.config, "intermediate_size", None) or 4 * shape.hidden_size)
 
 
+ANALYSES = (None, "stats", "evidence")
+
+
 def peak_bytes(shape: ModelShape, n: int, chunk: int, *, intermediate: int, dtype_bytes: int, cuda: bool,
-               analysis: bool = True) -> dict[str, int]:
+               analysis: str | None = "evidence") -> dict[str, int]:
     """Estimated peak memory of a streaming run beyond the model's weights, by part (bytes).
 
     hidden state `[N, hidden]`; one layer's q/k/v; RoPE tables; one chunk's projections, MLP and attention
-    (on the CPU the attention scores `[Hq, C, N]` in fp32); the analysis workspace: on a GPU the O(n)
-    reductions of the statistics kernels (fp32 `[Hq, N]` maps and row sums, tile masses of the default
-    tile size), on the CPU the torch reference's `[Hq, 256, N]` probability rows."""
+    (on the CPU the attention scores `[Hq, C, N]` in fp32); the workspace of `analysis` (None: a plain
+    forward; "stats": the head profiles; "evidence": also the search's per-layer sums): on a GPU the O(n)
+    reductions of the statistics kernels (fp32 `[Hq, N]` maps and row sums, the profile's tile masses
+    (`tile_size`), for evidence the 64-token tile masses `[Hq, N/64, N/64]`), on the CPU the torch
+    reference's `[Hq, 256, N]` probability rows besides."""
+    if analysis not in ANALYSES:
+        raise ValueError(f"analysis={analysis!r}: use one of {ANALYSES}")
     b, hq, hkv, d = dtype_bytes, shape.n_heads, shape.n_kv_heads, shape.head_dim
     c = min(chunk, n)
     parts = {
@@ -360,8 +416,9 @@ def peak_bytes(shape: ModelShape, n: int, chunk: int, *, intermediate: int, dtyp
         + (c * hq * 4 * 2 if cuda else 3 * hq * c * n * 4),
     }
     if analysis:
-        m = math.ceil(n / tile_size(n))
-        parts["analysis"] = (16 * hq * n * 4 + hq * m * m * 4 + GIB) if cuda else (4 * hq * 256 * n * 4 + hq * n * 64)
+        tiles = math.ceil(n / tile_size(n)) ** 2 + (math.ceil(n / 64) ** 2 if analysis == "evidence" else 0)
+        rows = GIB if cuda else 4 * hq * 256 * n * 4
+        parts["analysis"] = 16 * hq * n * 4 + hq * tiles * 4 + rows
     return parts
 
 
@@ -385,8 +442,8 @@ def free_bytes(device: torch.device) -> int:
     return info.get("MemAvailable", info.get("MemFree", 0))
 
 
-def check_memory(model: torch.nn.Module, shape: ModelShape, n: int, chunk: int, *, analysis: bool = True,
-                 free: int | None = None) -> dict[str, int]:
+def check_memory(model: torch.nn.Module, shape: ModelShape, n: int, chunk: int, *,
+                 analysis: str | None = "evidence", free: int | None = None) -> dict[str, int]:
     """Refuse (ModelError naming the length that fits and the flags) a streaming run of n tokens whose
     estimated peak (`peak_bytes`) exceeds the free memory of the model's device; returns the estimate."""
     device = model_device(model)
@@ -394,7 +451,7 @@ def check_memory(model: torch.nn.Module, shape: ModelShape, n: int, chunk: int, 
     kw = dict(intermediate=_intermediate(model, shape), dtype_bytes=param.element_size(), cuda=device.type == "cuda",
               analysis=analysis)
     parts = peak_bytes(shape, n, chunk, **kw)
-    free = free_bytes(device) if free is None else free
+    free = free_bytes(device) + spare_bytes(device) if free is None else free
     if sum(parts.values()) <= free:
         return parts
     lo, hi = 0, n  # the longest prompt whose estimate fits
