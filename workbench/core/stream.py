@@ -14,7 +14,8 @@ the attention function here is causal with the chunk's offset (lower-right align
 layer's `sliding_window` (Gemma-3, Mistral), which is what those models' masks encode for one prompt.
 
 - `LayerRunner(model).layers(ids, keep)`: yields (layer, q, k, v) of the kept layers, in order.
-- `LayerRunner(model).forward(ids)`: the final normed hidden state (no analysis: the dense prefill).
+- `LayerRunner(model).steps(ids)`: yields (layer, hidden state) after each layer (no analysis: the dense
+  prefill); `.forward(ids)` the final normed hidden state.
 - `stream_capture(model, shape, ids, layers)`: a `Capture`-like view whose `layer_qkv(layer)` runs the
   forward up to that layer; `collect_evidence`, `pattern_fits` and `evaluate_config` read it as a Capture.
 - `check_memory(...)`: refuses, before the forward, a prompt whose estimated peak does not fit.
@@ -154,7 +155,7 @@ class LayerRunner:
     """Runs `model`'s decoder layers one at a time over a whole prompt, `chunk` query rows per call.
 
     `position` is (layer, token) of the work in progress, for messages when a run stops midway;
-    `forward_seconds` the wall time spent inside the layers (the consumer's work between layers excluded).
+    `forward_seconds` the wall time spent in the forward (the consumer's work between layers excluded).
     """
 
     model: torch.nn.Module
@@ -162,6 +163,8 @@ class LayerRunner:
     progress: bool = True
     position: tuple[int, int] = (0, 0)
     forward_seconds: float = 0.0
+    setup_seconds: float = 0.0
+    layer_seconds: list[float] = field(default_factory=list)
     _state: _LayerState = field(default_factory=_LayerState)
 
     def __post_init__(self):
@@ -200,10 +203,20 @@ class LayerRunner:
             self.decoder.layers = layers
         return store
 
+    def _sync(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
     @torch.no_grad()
-    def _run(self, input_ids: torch.Tensor, keep: Sequence[int], last: int
-             ) -> Iterator[tuple[int, torch.Tensor]]:
-        """Run layers 0..last; after each, yield (layer, hidden `[1, N, hidden]`); q is kept for `keep`."""
+    def steps(self, input_ids: torch.Tensor, keep: Sequence[int] = (), last: int | None = None
+              ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Run decoder layers 0..`last` (default: all) over `input_ids` (`[N]`); after each, yield (layer,
+        hidden state `[1, N, hidden]` leaving it). The layers of `keep` also keep their q (`layers` reads it).
+
+        Times (wall, synchronised on a GPU): `setup_seconds` (embedding and the recorded layer inputs),
+        `layer_seconds[i]` (layer i over all chunks), `forward_seconds` (their sum over every run)."""
+        last = len(self.decoder.layers) - 1 if last is None else last
         ids = input_ids.reshape(1, -1).to(self.device)
         n = self._n = ids.shape[1]
         keep = set(keep)
@@ -211,11 +224,15 @@ class LayerRunner:
                    desc=f"layer 0/{last + 1}")
         self._state = st = _LayerState(**{name: ref() for name, ref in _spare.items()})
         _spare.clear()
+        self.layer_seconds = []
         try:
             with attention_override(self.model, self._attend, mask=_no_mask):
                 t0 = time.perf_counter()
                 hidden = self.decoder.embed_tokens(ids)  # the running hidden state, updated in place chunk by chunk
                 inputs = self._layer_inputs(hidden, last)
+                t1 = self._sync()
+                self.setup_seconds = t1 - t0
+                self.forward_seconds += t1 - t0
                 for layer in range(last + 1):
                     bar.set_description(f"layer {layer + 1}/{last + 1}")
                     args, kwargs = inputs[layer]
@@ -228,11 +245,11 @@ class LayerRunner:
                         hidden[:, s:e] = (out[0] if isinstance(out, tuple) else out).to(hidden.device)
                         bar.update(e - s)
                     self.position = (layer, n)
-                    if hidden.is_cuda:
-                        torch.cuda.synchronize(hidden.device)
-                    self.forward_seconds += time.perf_counter() - t0
+                    t2 = self._sync()
+                    self.layer_seconds.append(t2 - t1)
+                    self.forward_seconds += t2 - t1
                     yield layer, hidden
-                    t0 = time.perf_counter()
+                    t1 = time.perf_counter()
         finally:
             bar.close()
             _spare.update({name: weakref.ref(t) for name, t in st.buffers().items()})
@@ -243,7 +260,7 @@ class LayerRunner:
         """Yield (layer, q `[Hq, N, D]`, k `[Hkv, N, D]`, v) for each layer of `keep`, in order; the
         forward stops after the last. The tensors are reused: they hold a layer until the next is asked for."""
         keep = sorted(set(keep))
-        for layer, _ in self._run(input_ids, keep, keep[-1]):
+        for layer, _ in self.steps(input_ids, keep, keep[-1]):
             if layer in keep:
                 st = self._state
                 yield layer, st.q[0], st.k[0], st.v[0]
@@ -251,7 +268,7 @@ class LayerRunner:
     def forward(self, input_ids: torch.Tensor, last: int | None = None) -> torch.Tensor:
         """The model's final normed hidden state `[1, N, hidden]` (of the `last` positions only, if given),
         layer by layer with no analysis: the dense prefill of this runner."""
-        _, hidden = deque(self._run(input_ids, (), len(self.decoder.layers) - 1), maxlen=1)[0]
+        _, hidden = deque(self.steps(input_ids), maxlen=1)[0]
         return self.decoder.norm(hidden if last is None else hidden[:, -last:])
 
 
