@@ -416,7 +416,8 @@ def peak_bytes(shape: ModelShape, n: int, chunk: int, *, intermediate: int, dtyp
     """Estimated peak memory of a streaming run beyond the model's weights, by part (bytes).
 
     hidden state `[N, hidden]`; one layer's q/k/v; RoPE tables; one chunk's projections, MLP and attention
-    (on the CPU the attention scores `[Hq, C, N]` in fp32); the workspace of `analysis` (None: a plain
+    (flash attention's row sums; on the CPU, when the prompt takes several chunks, a `[C, N]` mask and
+    `[Hq, C, N]` fp32 scores); the workspace of `analysis` (None: a plain
     forward; "stats": the head profiles; "evidence": also the search's per-layer sums): on a GPU the O(n)
     reductions of the statistics kernels (fp32 `[Hq, N]` maps and row sums, the profile's tile masses
     (`tile_size`), for evidence the 64-token tile masses `[Hq, N/64, N/64]`), on the CPU the torch
@@ -430,7 +431,7 @@ def peak_bytes(shape: ModelShape, n: int, chunk: int, *, intermediate: int, dtyp
         "qkv": n * (hq + 2 * hkv) * d * b,
         "rope": 4 * n * d * 4,
         "chunk": c * (6 * shape.hidden_size + 3 * intermediate + 2 * (hq + 2 * hkv) * d) * b
-        + (c * hq * 4 * 2 if cuda else 3 * hq * c * n * 4),
+        + (c * n * (4 * hq + 5) if c < n and not cuda else c * hq * 8),  # CPU chunks after the first: mask, scores
     }
     if analysis:
         tiles = math.ceil(n / tile_size(n)) ** 2 + (math.ceil(n / 64) ** 2 if analysis == "evidence" else 0)
