@@ -12,7 +12,15 @@ from workbench.analysis.layer_profiles import PROFILE_MAPS, LayerProfiles
 from workbench.analysis.stats import layer_stats
 from workbench.core.capture import capture_attention
 from workbench.core.model import ModelError
-from workbench.core.stream import LayerRunner, RunStopped, check_memory, stopped_midway, stream_capture
+from workbench.core.stream import (
+    LayerRunner,
+    ModelMask,
+    RunStopped,
+    check_mask,
+    check_memory,
+    stopped_midway,
+    stream_capture,
+)
 from workbench.search.search import choose, collect_evidence, default_candidates
 
 pytestmark = pytest.mark.model
@@ -106,6 +114,22 @@ def test_sliding_window_layers_follow_the_model():
     for chunk in (37, 100):
         got = LayerRunner(model, chunk=chunk, progress=False).forward(ids)
         assert (got - want).abs().max() <= 1e-4, chunk
+    model.config.use_bidirectional_attention = True  # the model's own masks change: the runner refuses
+    with pytest.raises(ModelError, match="mask is not causal"):
+        LayerRunner(model, chunk=100, progress=False).forward(ids)
+
+
+def test_the_mask_check_reads_the_models_mask_function():
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
+    from transformers.masking_utils import sliding_window_causal_mask_function as sliding
+
+    check_mask(ModelMask(causal_mask_function), None, 300)
+    check_mask(ModelMask(sliding(48)), 48, 300)
+    check_mask(None, None, 300)  # no mask function given: nothing to check
+    for fn, window in ((bidirectional_mask_function, None), (causal_mask_function, 48), (sliding(48), None),
+                       (sliding(47), 48)):
+        with pytest.raises(ModelError, match="mask is not causal"):
+            check_mask(ModelMask(fn), window, 300)
 
 
 def test_bad_input_is_refused_before_the_forward(embedded, prompt):

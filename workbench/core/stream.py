@@ -7,11 +7,12 @@ in one buffer each, ready to be reduced (statistics, search evidence) and overwr
 Peak memory is the model + one hidden state `[N, hidden]` + one layer's q/k/v + one chunk's work (the
 MLP of a 1M-token prompt at once would need 57 GB for Llama-3-8B; per 32K chunk it needs 2 GB).
 
-Nothing of the model is re-implemented: the per-layer inputs (position embeddings, position ids, ...)
+Nothing of the model is re-implemented: the per-layer inputs (position embeddings, position ids, masks)
 come from the model's own forward, run once with recording stand-ins for its decoder layers, and each
 chunk calls the model's decoder-layer module. Masks are not materialised (a [32K, 1M] mask is 32 GB):
-the attention function here is causal with the chunk's offset (lower-right aligned) and honours the
-layer's `sliding_window` (Gemma-3, Mistral), which is what those models' masks encode for one prompt.
+each layer receives the model's own mask function (`ModelMask`), checked against what the attention
+here computes - causal with the chunk's offset (lower-right aligned), within the layer's
+`sliding_window` (Gemma-3, Mistral) - and a model whose mask differs (bidirectional, chunked) is refused.
 
 - `LayerRunner(model).layers(ids, keep)`: yields (layer, q, k, v) of the kept layers, in order.
 - `LayerRunner(model).steps(ids)`: yields (layer, hidden state) after each layer (no analysis: the dense
@@ -69,9 +70,35 @@ class _Record(torch.nn.Module):
         return hidden_states
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    """Mask builder for the streaming forward: masks are applied inside `chunk_attention` instead."""
-    return None
+@dataclass(frozen=True)
+class ModelMask:
+    """What the model asked its mask builder for (its mask function of (batch, head, query, key)), kept in
+    place of the `[N, N]` tensor: the attention checks it against causal / sliding-window attention."""
+
+    mask_function: Callable[..., Any] | None
+
+
+def _model_mask(*args: Any, **kwargs: Any) -> ModelMask:
+    return ModelMask(kwargs.get("mask_function"))
+
+
+def check_mask(mask: Any, window: int | None, n: int) -> None:
+    """Refuse a layer whose own mask function (`ModelMask`) is not causal attention (row i sees keys
+    (i - window, i] with a sliding `window`) at probe positions of an n-token prompt: the streaming forward
+    computes exactly that, without the mask tensor."""
+    fn = getattr(mask, "mask_function", None)
+    if fn is None:
+        return
+    w = window or n
+    rows = torch.tensor(sorted({r for r in (0, 1, w - 1, w, w + 1, n // 2, n - 1) if 0 <= r < n}))[:, None]
+    cols = (rows + torch.tensor([-w - 1, -w, 1 - w, -1, 0, 1, n])).clamp(0, n - 1)
+    cols = torch.cat([cols, torch.zeros_like(rows)], 1)
+    want = (cols <= rows) & (cols > rows - w)
+    got = torch.as_tensor(fn(torch.tensor(0), torch.tensor(0), rows, cols)).to(torch.bool).expand_as(want).cpu()
+    if not torch.equal(got, want):
+        raise ModelError("this model's attention mask is not causal" + (f" with a {window}-token window" if window else "")
+                         + " (bidirectional or chunked attention, packed prompts?): the streaming forward cannot "
+                         "run it; use capture_attention on a shorter prompt")
 
 
 def _tokens(obj: Any, n: int, start: int, end: int) -> Any:
@@ -188,6 +215,8 @@ class LayerRunner:
             st.q = _buffer(st.q, query, n)
             st.q[:, :, s:e] = query
         window = kwargs.pop("sliding_window", None) or getattr(module, "sliding_window", None)
+        if s == 0:
+            check_mask(attention_mask, window, n)
         return chunk_attention(module, query, st.k[:, :, :e], st.v[:, :, :e], s, window, **kwargs)
 
     def _layer_inputs(self, hidden: torch.Tensor, last: int) -> list[Any]:
@@ -226,7 +255,7 @@ class LayerRunner:
         _spare.clear()
         self.layer_seconds = []
         try:
-            with attention_override(self.model, self._attend, mask=_no_mask):
+            with attention_override(self.model, self._attend, mask=_model_mask):
                 t0 = time.perf_counter()
                 hidden = self.decoder.embed_tokens(ids)  # the running hidden state, updated in place chunk by chunk
                 inputs = self._layer_inputs(hidden, last)
