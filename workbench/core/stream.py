@@ -5,7 +5,7 @@ Here layer l runs over the prompt chunk by chunk before layer l + 1 starts: its 
 chunk and the layer's keys/values of [0, end), so after the last chunk the layer's full q, k and v are
 in one buffer each, ready to be reduced (statistics, search evidence) and overwritten by the next layer.
 Peak memory is the model + one hidden state `[N, hidden]` + one layer's q/k/v + one chunk's work (the
-MLP of a 1M-token prompt at once would need 57 GB for Llama-3-8B; per 32K chunk it needs 2 GB).
+MLP of a 1M-token prompt at once would need 57 GB for Llama-3-8B; per 32K chunk it needs ~3 GB).
 
 Nothing of the model is re-implemented: the per-layer inputs (position embeddings, position ids, masks)
 come from the model's own forward, run once with recording stand-ins for its decoder layers, and each
@@ -39,7 +39,7 @@ from workbench.core.attention import attention_override, dense_attention
 from workbench.core.device import model_device
 from workbench.core.model import ModelError, ModelShape
 
-GPU_CHUNK = 32768  # query rows per chunk on a GPU: the MLP of a chunk of Llama-3-8B is ~2 GB in bf16
+GPU_CHUNK = 32768  # query rows per chunk on a GPU: the MLP of a chunk of Llama-3-8B is ~3 GB in bf16
 CPU_CHUNK = 4096   # on the CPU: up to this length one chunk, i.e. exactly the model's own forward
 GIB = 2 ** 30
 
