@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from workbench.cli._args import add_device, add_layers, add_length, add_out, add_tasks, resolve_device_args
+from workbench.cli._args import add_device, add_layers, add_length, add_out, add_tasks
+from workbench.cli._stream import add_stream_arguments, load_for_stream, stream_sample
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,20 +20,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_out(p, "reports/analyze", "report folder: summary.json and index.html, replaced only when the run succeeds")
     p.add_argument("--config", default=None, help="a head config: also report the recall of its indexes")
     p.add_argument("--no-fits", action="store_true", help="skip pattern fits and proxy-vs-oracle recall")
+    add_stream_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
-
-    from workbench.analysis.head_kinds import profile_layer
-    from workbench.analysis.stats import layer_stats
+    from workbench.analysis.layer_profiles import LayerProfiles
     from workbench.cli._args import check_layers, check_lengths, check_tasks, one_task, out_dir
-    from workbench.core.capture import capture_attention
-    from workbench.core.corpus import TASKS, make_sample
+    from workbench.core.corpus import TASKS
     from workbench.core.io import write_json
-    from workbench.core.model import load_model
     from workbench.core.report import Report
+    from workbench.core.stream import stopped_midway, stream_capture
     from workbench.views.viz import attention_map, head_grid
 
     task = one_task(args.tasks)
@@ -41,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     if args.config and args.no_fits:
         raise ValueError("--config is reported in the pattern fits: drop --no-fits, or drop --config")
     t0 = time.perf_counter()
-    model, tok, shape = load_model(args.model, **resolve_device_args(args))
+    model, tok, shape = load_for_stream(args, args.layers)
     check_lengths([args.length], shape.max_positions, shape.name, "--length")
     check_layers(args.layers, shape.n_layers)
     config = None
@@ -49,28 +47,39 @@ def run(args: argparse.Namespace) -> int:
         from workbench.config import HeadConfig
 
         config = HeadConfig.load(args.config, shape)
-    sample = make_sample(task, tok, args.length, seed=args.seed, max_length=shape.max_positions)
+    sample = stream_sample(args, tok, shape, task, model)
     t1 = time.perf_counter()
-    cap = capture_attention(model, shape, sample.input_ids, layers=args.layers)
-    t2 = time.perf_counter()
-    profiles, maps = [], {}
-    for layer in tqdm(cap.layers, desc="statistics", unit="layer"):
-        q, k, _ = cap.layer_qkv(layer)
-        st = layer_stats(q, k, cap.scale, maps=("max_map", "block_mass", "column_mass", "diag_mass",
-                                                "row_entropy"))  # what profile_layer and attention_map read
-        profiles += profile_layer(st, layer)
-        maps[layer] = st
-    t3 = time.perf_counter()
+    cap = stream_capture(model, shape, sample.input_ids, layers=args.layers, chunk=args.chunk,
+                         analysis="stats" if args.no_fits else "evidence")
+    stats = LayerProfiles(cap.scale)
+    cap.on_layer(stats)  # statistics in the same pass as the fits: one forward, each layer's q/k dropped after
+    fits = None
+    with stopped_midway("no report was written"):
+        if args.no_fits:
+            cap.run()
+        else:
+            from workbench.search.search import pattern_fits
 
+            fits = pattern_fits(cap, config=config, progress=True)
+            cap.close()
+    t3 = time.perf_counter()
+    t2 = t1 + cap.runner.forward_seconds
+    profiles = stats.profiles
     kinds: dict[str, int] = {}
     for p in profiles:
         kinds[p.kind] = kinds.get(p.kind, 0) + 1
     summary = {
         "model": shape.to_dict(), "sample": sample.describe(), "layers": list(cap.layers),
-        "seconds": {"load": round(t1 - t0, 2), "capture": round(t2 - t1, 2), "statistics": round(t3 - t2, 2)},
+        "seconds": {"load": round(t1 - t0, 2), "capture": round(t2 - t1, 2), "statistics": round(stats.seconds, 2),
+                    **({"fits": round(t3 - t2 - stats.seconds, 2)} if fits else {})},
+        "stream": {"chunk": cap.runner.chunk, "forward_passes": cap.passes},
         "kinds": kinds, "heads": [p.to_dict() for p in profiles],
     }
-    rep = Report(f"Attention analysis: {shape.name}, {sample.task}, {sample.length} tokens")
+    random = getattr(model, "workbench_random", None)
+    if random:
+        summary["random_weights"] = random
+    rep = Report(f"Attention analysis: {shape.name}, {sample.task}, {sample.length} tokens"
+                 + (" - RANDOM WEIGHTS: time and memory only" if random else ""))
     rep.text(f"{len(profiles)} heads in {len(cap.layers)} layers. Head kinds: "
              + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) + ". Timings (s): "
              + ", ".join(f"{k} {v}" for k, v in summary["seconds"].items()))
@@ -79,9 +88,9 @@ def run(args: argparse.Namespace) -> int:
         rep.figure(head_grid(profiles, metric))
     rep.heading("Most vertical, slash and block heads")
     for metric in ("vertical", "slash", "block"):
-        top = max(profiles, key=lambda p: getattr(p, metric))
+        top, top_map = stats.top[metric]
         title = f"L{top.layer} H{top.head}: strongest {metric} ({getattr(top, metric):.2f})"
-        rep.figure(attention_map(maps[top.layer], top.head, max_cells=256, title=title))
+        rep.figure(attention_map(top_map, 0, max_cells=256, title=title))
     rep.heading("Per-layer summary")
     rows = []
     for layer in cap.layers:
@@ -90,10 +99,7 @@ def run(args: argparse.Namespace) -> int:
                                          for m in ("sink", "local", "vertical", "slash", "block", "entropy")},
                      "kinds": ", ".join(sorted({p.kind for p in ps}))})
     rep.table(rows)
-    if not args.no_fits:
-        from workbench.search.search import pattern_fits
-
-        fits = pattern_fits(cap, config=config, progress=True)
+    if fits is not None:
         summary["pattern_fits"] = fits
         s = fits["summary"]
         rep.heading("Pattern fits and proxy vs oracle")
@@ -109,5 +115,5 @@ def run(args: argparse.Namespace) -> int:
     write_json(out / "summary.json", summary)
     rep.write(out / "index.html")
     print(f"wrote {out / 'index.html'} and {out / 'summary.json'} ({len(profiles)} heads; "
-          f"capture {t2 - t1:.1f}s, statistics {t3 - t2:.1f}s)")
+          f"capture {t2 - t1:.1f}s, statistics {stats.seconds:.1f}s)" + (f"; {random}" if random else ""))
     return 0

@@ -5,6 +5,7 @@ import argparse
 import time
 
 from workbench.cli._args import add_device, add_lengths, add_out, add_tasks, resolve_device_args
+from workbench.cli._stream import add_stream_arguments, load_for_stream, random_sample
 
 TASKS = "passkey,code,vartrack"
 
@@ -40,6 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--distributed", action="store_true",
                    help="spread calibration over the ranks of a torchrun job (implied under torchrun with WORLD_SIZE > 1): "
                         "torchrun --nproc_per_node N -m workbench search --distributed ...; rank 0 writes the config")
+    add_stream_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -64,11 +66,11 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from workbench.cli._args import check_lengths, check_tasks, out_file
-    from workbench.core.capture import capture_attention
     from workbench.core.corpus import TASKS as TASK_NAMES
     from workbench.core.corpus import make_sample
     from workbench.core.io import read_json
     from workbench.core.model import load_model
+    from workbench.core.stream import check_memory, default_chunk, stopped_midway, stream_capture
     from workbench.data import file_stem
     from workbench.search import distributed
     from workbench.search.search import Candidate, evaluate_config, search_heads
@@ -105,13 +107,21 @@ def run(args: argparse.Namespace) -> int:
     where = resolve_device_args(args)
     if d:  # one device per rank
         where = {**where, "device": d.device, "device_map": None}
-    model, tok, shape = load_model(args.model, **where)
+    if d is None:
+        model, tok, shape = load_for_stream(args, None)
+    else:
+        model, tok, shape = load_model(args.model, **where)
     check_lengths(lengths, shape.max_positions, shape.name)
     latency = latency_source = None
     if bench is not None:  # the benchmark shape nearest this model's, as the dashboard's estimate picks it
         latency, latency_source = tile_rates(bench, shape), f"{args.latency}: {match_shape(bench, shape)[1]}"
         print(f"latency cost from {latency_source}")
-    samples = [make_sample(t, tok, n, seed=args.seed, **d) for t, d in map(task_depth, tasks) for n in lengths]
+    if tok is None:  # random weights: random ids, one sample per task and length (time and memory only)
+        samples = [random_sample(model, n, args.seed, t) for t in tasks for n in lengths]
+    else:
+        samples = [make_sample(t, tok, n, seed=args.seed, **d) for t, d in map(task_depth, tasks) for n in lengths]
+    if d is None:  # refuse a prompt that does not fit before the first forward
+        check_memory(model, shape, max(lengths), args.chunk or default_chunk(model.device))
     command = (f"workbench search --tasks {','.join(tasks)} --lengths {','.join(map(str, lengths))} --seed {args.seed} "
                f"--target {args.target}" + (f" --tail-target {args.tail_target}" if args.tail_target is not None else "")
                + f" --holdout '{args.holdout}'" + (f" --model {args.model}" if args.model else ""))
@@ -122,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
                                                     "cost": "estimated time: measured ms per 64x64 tile x tiles + index ms"}
                                                    if latency else {})})
     if d is None:
-        cfg, ev = search_heads(model, tok, shape, samples, **settings)
+        with stopped_midway("no config was written"):
+            cfg, ev = search_heads(model, tok, shape, samples, chunk=args.chunk, **settings)
     else:
         cfg, ev = distributed.search_heads_distributed(model, shape, samples, d, **settings)
         if cfg is None:  # ranks > 0 are done: rank 0 writes the config
@@ -133,13 +144,21 @@ def run(args: argparse.Namespace) -> int:
     cfg.provenance["search_seconds"] = round(seconds, 1)
     cfg.provenance["search_cpu_seconds"] = round(cpu_seconds, 1)
     if args.holdout:
-        hold = make_sample(args.holdout, tok, max(lengths), seed=args.seed)
-        cap = capture_attention(model, shape, hold.input_ids, progress=False)
-        cfg.provenance["holdout"] = holdout_summary(evaluate_config(cfg, cap, progress=not args.no_progress), cfg,
-                                                    hold.describe())
-    out = Path(args.out or f"reports/configs/{file_stem(shape.name)}.json")
+        hold = (make_sample(args.holdout, tok, max(lengths), seed=args.seed) if tok is not None
+                else random_sample(model, max(lengths), args.seed, args.holdout))
+        with stopped_midway("no config was written"):
+            cap = stream_capture(model, shape, hold.input_ids, chunk=args.chunk, progress=False)
+            cfg.provenance["holdout"] = holdout_summary(evaluate_config(cfg, cap, progress=not args.no_progress), cfg,
+                                                        hold.describe())
+            cap.close()
+    random = getattr(model, "workbench_random", None)
+    if random:
+        cfg.provenance["random_weights"] = random
+    folder = "reports/random-weights" if random else "reports/configs"  # random-weight configs never sit beside real ones
+    out = Path(args.out or f"{folder}/{file_stem(shape.name)}.json")
     cfg.save(out)
-    print(f"wrote {out}: {cfg.summary()} heads; search {seconds:.0f} s")
+    print(f"wrote {out}: {cfg.summary()} heads; search {seconds:.0f} s"
+          + (f" - {model.workbench_random}" if getattr(model, "workbench_random", None) else ""))
     if "holdout" in cfg.provenance:
         h = cfg.provenance["holdout"]
         print(f"held-out {h['sample']['task']}: captured mass mean {h['mass_mean']:.4f}, worst head "

@@ -25,14 +25,15 @@ def dense_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 
 
 @contextlib.contextmanager
-def attention_override(model: torch.nn.Module, fn: AttentionFn) -> Iterator[None]:
-    """Run `model` with `fn` as its attention function (same signature as `dense_attention`)."""
+def attention_override(model: torch.nn.Module, fn: AttentionFn, mask: Callable[..., Any] | None = None) -> Iterator[None]:
+    """Run `model` with `fn` as its attention function (same signature as `dense_attention`); `mask` builds
+    the masks `fn` receives (transformers' mask-interface signature; default: SDPA's)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     name = f"workbench_{next(_names)}"
     AttentionInterface.register(name, fn)
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionMaskInterface.register(name, mask or ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     previous = model.config._attn_implementation
     model.set_attn_implementation(name)
     try:

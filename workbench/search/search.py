@@ -280,17 +280,18 @@ def search_heads(model: torch.nn.Module, tokenizer: Any, shape: Any, samples: Se
                  proxy: dict[str, Any] | None = None, progress: bool = True,
                  latency: dict[str, dict[str, float]] | None = None,
                  provenance: dict[str, Any] | None = None,
-                 tail_target: float | None = None) -> tuple[HeadConfig, Evidence]:
+                 tail_target: float | None = None, chunk: int | None = None) -> tuple[HeadConfig, Evidence]:
     """Capture each calibration sample (`workbench.core.corpus.Sample`), score all heads, choose (cost:
     physical tiles, or `latency` rates as in `choose`; `tail_target` as there), and return
-    (HeadConfig, Evidence). Default candidates scale with the longest sample."""
-    from workbench.core.capture import capture_attention
+    (HeadConfig, Evidence). Default candidates scale with the longest sample. Samples are captured layer
+    by layer (`stream_capture`, `chunk` query rows per call): one layer's q/k/v in memory at a time."""
+    from workbench.core.stream import stream_capture
 
     if not samples:
         raise ValueError("no calibration samples: give at least one (e.g. --tasks passkey,code,vartrack)")
     lengths = [int(s.input_ids.numel()) for s in samples]
     candidates = list(candidates or default_candidates(max(lengths)))
-    captures = (capture_attention(model, shape, s.input_ids, progress=False) for s in samples)
+    captures = (stream_capture(model, shape, s.input_ids, chunk=chunk, progress=False) for s in samples)
     ev = collect_evidence(captures, [s.describe() for s in samples], lengths, candidates,
                           shape.n_layers, shape.n_heads, proxy, progress)
     cfg = build_config(ev, choose(ev, target, latency, tail_target), shape.to_dict(), target=target,
