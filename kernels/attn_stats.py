@@ -127,7 +127,9 @@ def _pool_tile(p, OUT, m, kb, R, BLOCK: tl.constexpr, CELL: tl.constexpr, MAX: t
     """Pool tile p (rows m*BLOCK.., keys kb*BLOCK..) into the cells of OUT `[R, R]` (CELL x CELL squares):
     sum, or max with MAX. A cell that divides BLOCK belongs to one tile (stores); a larger one adds up
     over the tiles it covers (atomics; a tile straddles at most 2 x 2 cells)."""
-    if CELL <= BLOCK:
+    if CELL == BLOCK:
+        tl.store(OUT + m * R + kb, _reduce(p, MAX), mask=(m < R) & (kb < R))
+    elif CELL < BLOCK:
         A: tl.constexpr = BLOCK // CELL
         x = tl.reshape(p, (A, CELL, A, CELL))
         if MAX:
