@@ -33,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-ms", type=float, default=3000.0,
                    help="timed calls per measurement: at least 2, more while their total stays under this (default 3000)")
     p.add_argument("--reference", action="store_true", help="also time the PyTorch reference (slow)")
+    p.add_argument("--sweep", action="store_true", help="instead: time the launch settings of pass 1 (rows per program, "
+                   "warps, stages) and pass 2 (tiles per program, warps, stages) at the first of --lengths")
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a dry run under TRITON_INTERPRET=1 "
                    "at tiny lengths)")
     p.add_argument("--out", default="reports/bench/analysis_layer.json", help="JSON output path "
@@ -89,6 +91,11 @@ def layer_part(args: argparse.Namespace, lengths: list[int]) -> int:
               "bars": {"stats_ratio": 3.0, "scores_ratio": 4.0, "peak_gb_128k": 2.0}, "rows": []}
     print(f"{'n':>7} {'dense ms':>9} {'stats ms':>9} {'x':>6} {'scores ms':>10} {'x':>6} "
           f"{'peak GB stats/scores':>21}  parts ms: lse / sums / layer_sums / overlap")
+    if args.sweep:
+        report["sweep"] = sweep(lengths[0], args, dtype)
+        write_json(args.out, report)
+        print(f"wrote {args.out}")
+        return 0
     for n in lengths:
         row = layer_row(n, args, dtype)
         report["rows"].append(row)
@@ -149,6 +156,43 @@ def layer_row(n: int, args: argparse.Namespace, dtype: Any) -> dict[str, Any]:
                 row[f"{name}_reference"] = measure(fn, cuda=cuda, warmup=1, min_reps=1, max_reps=3,
                                                    budget_ms=args.budget_ms).to_dict()
     return row
+
+
+def sweep(n: int, args: argparse.Namespace, dtype: Any) -> list[dict[str, Any]]:
+    """Median ms of pass 1 (with entropy) and pass 2 (every `layer_stats` reduction) per launch setting."""
+    import itertools
+
+    import torch
+    from workbench_kernels import attn_stats
+
+    from workbench.core.timing import measure
+
+    cuda = args.device == "cuda"
+    hq, hkv, d = SHAPE
+    scale = d ** -0.5
+    g = torch.Generator(device=args.device).manual_seed(n)
+    q, k = (torch.randn(h, n, d, generator=g, device=args.device).to(dtype) for h in (hq, hkv))
+    lse = attn_stats.row_lse(q, k, scale)[0]
+    cell = math.ceil(n / 1024)
+    runs = [("lse", dict(block_m=bm, num_warps=w, num_stages=st), lambda c: attn_stats.row_lse(q, k, scale, entropy=True, **c))
+            for bm, w, st in itertools.product((64, 128), (4, 8), (1, 2, 3))]
+    runs += [("sums", dict(chunk=ch, num_warps=w, num_stages=st),
+              lambda c: attn_stats.attention_sums(q, k, scale, lse, block=64, cell=cell, max_map=True, mean_map=True, **c))
+             for ch, w, st in itertools.product((16, 32, 64), (4, 8), (1, 2, 3))]
+    out = []
+    for name, config, fn in runs:
+        try:
+            ms = measure(lambda: fn(config), cuda=cuda, warmup=1, min_reps=2, max_reps=5, budget_ms=args.budget_ms).median_ms
+        except Exception as e:  # a setting the compiler refuses (out of shared memory): record it, go on
+            out.append({"pass": name, **config, "error": f"{type(e).__name__}: {e}"[:200]})
+            print(f"{name} {config}: {type(e).__name__}", flush=True)
+            continue
+        out.append({"pass": name, **config, "median_ms": round(ms, 3)})
+        print(f"{name} {config}: {ms:.2f} ms", flush=True)
+    for name in ("lse", "sums"):
+        best = min((r for r in out if r["pass"] == name and "median_ms" in r), key=lambda r: r["median_ms"], default=None)
+        print(f"fastest {name} at n={n}: {best}")
+    return out
 
 
 if __name__ == "__main__":

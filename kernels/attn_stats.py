@@ -76,7 +76,7 @@ def _online(s, m_i, l_i, t_i, ENTROPY: tl.constexpr):
 def _row_lse_kernel(Q, K, LSE, ENT, qk_scale, N, G, ROW0, ROW1, sqh, sqn, skh, skn,
                     D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     ENTROPY: tl.constexpr, PREC: tl.constexpr):
-    h = tl.program_id(1)
+    h = tl.program_id(1).to(tl.int64)  # head offsets pass 2^31 elements at 1M tokens
     start = ROW0 // BLOCK_M * BLOCK_M + (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # late rows first
     rows = start + tl.arange(0, BLOCK_M)
     row_ok = (rows >= ROW0) & (rows < ROW1)
@@ -166,7 +166,7 @@ def _tile_sums_kernel(Q, K, LSE2, COL, DIAG, TILE, MAXM, SUMM, qk_scale, N, G, R
                       DIAGS: tl.constexpr, TILE_CELL: tl.constexpr, MAP_CELL: tl.constexpr,
                       MAX_MAP: tl.constexpr, MEAN_MAP: tl.constexpr, PREC: tl.constexpr):
     t = tl.program_id(0)  # the tile diagonal: row block m reads key block m - t
-    h = tl.program_id(2)
+    h = tl.program_id(2).to(tl.int64)  # head offsets pass 2^31 elements at 1M tokens
     m_hi = (ROW1 - 1) // BLOCK
     first = tl.maximum(ROW0 // BLOCK, t) + tl.program_id(1) * CHUNK_T
     last = tl.minimum(first + CHUNK_T, m_hi + 1)
@@ -174,7 +174,7 @@ def _tile_sums_kernel(Q, K, LSE2, COL, DIAG, TILE, MAXM, SUMM, qk_scale, N, G, R
     dims = tl.arange(0, DP)
     qbase = Q + h * sqh
     kbase = K + (h // G) * skh
-    hN = h.to(tl.int64) * N
+    hN = h * N
     acc = tl.zeros([BLOCK, BLOCK], tl.float32)
     for m in range(first, last):
         kb = m - t
@@ -194,11 +194,11 @@ def _tile_sums_kernel(Q, K, LSE2, COL, DIAG, TILE, MAXM, SUMM, qk_scale, N, G, R
         if COLS:
             tl.atomic_add(COL + hN + keys, tl.sum(p, 0), mask=keys < N, sem="relaxed")
         if TILE_CELL > 0:
-            _pool_tile(p, TILE + h.to(tl.int64) * TR * TR, m, kb, TR, BLOCK, TILE_CELL, False)
+            _pool_tile(p, TILE + h * TR * TR, m, kb, TR, BLOCK, TILE_CELL, False)
         if MAX_MAP:
-            _pool_tile(p, MAXM + h.to(tl.int64) * MR * MR, m, kb, MR, BLOCK, MAP_CELL, True)
+            _pool_tile(p, MAXM + h * MR * MR, m, kb, MR, BLOCK, MAP_CELL, True)
         if MEAN_MAP:
-            _pool_tile(p, SUMM + h.to(tl.int64) * MR * MR, m, kb, MR, BLOCK, MAP_CELL, False)
+            _pool_tile(p, SUMM + h * MR * MR, m, kb, MR, BLOCK, MAP_CELL, False)
     if DIAGS:
         if last > first:
             # acc[r, c] holds offset BLOCK t + r - c; skew[r, x] = acc[r, (r - x) mod BLOCK]
@@ -216,7 +216,7 @@ def _column_offset_kernel(Q, K, LSE2, COLS, LEVEL, OUT, qk_scale, N, G, V, L, RO
                           sqh, sqn, skh, skn, sch,
                           D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
                           PREC: tl.constexpr):
-    h = tl.program_id(2)
+    h = tl.program_id(2).to(tl.int64)  # head offsets pass 2^31 elements at 1M tokens
     ci = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col = tl.load(COLS + h * sch + ci, mask=ci < V, other=-1)
     lvl = tl.load(LEVEL + ci, mask=ci < V, other=0)
@@ -229,8 +229,8 @@ def _column_offset_kernel(Q, K, LSE2, COLS, LEVEL, OUT, qk_scale, N, G, V, L, RO
     lo = tl.maximum(start, jmin // BLOCK_M * BLOCK_M)  # rows above every column read nothing
     hi = tl.minimum(start + RCHUNK, ROW1)
     r = tl.arange(0, BLOCK_M)
-    hN = h.to(tl.int64) * N
-    out = OUT + (h.to(tl.int64) * L + lvl[None, :]) * N
+    hN = h * N
+    out = OUT + (h * L + lvl[None, :]) * N
     for r0 in range(lo, hi, BLOCK_M):
         rows = r0 + r
         row_ok = (rows >= ROW0) & (rows < ROW1)
@@ -266,12 +266,12 @@ def _captured_kernel(Q, K, LSE2, MASS, COUNT, BlockCount, BlockOffset, ColumnCou
                      D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
                      SETS: tl.constexpr, PREC: tl.constexpr):
     m = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(1).to(tl.int64)  # head offsets pass 2^31 elements at 1M tokens
     rows = m * BLOCK + tl.arange(0, BLOCK)
     row_ok = rows < N
     dims = tl.arange(0, DP)
     lanes = tl.arange(0, BLOCK_N)
-    hN = h.to(tl.int64) * N
+    hN = h * N
     q = tl.load(Q + h * sqh + rows[:, None] * sqn + dims[None, :], mask=row_ok[:, None] & (dims[None, :] < D),
                 other=0.0)
     lse = tl.load(LSE2 + hN + rows, mask=row_ok, other=0.0)
@@ -285,11 +285,11 @@ def _captured_kernel(Q, K, LSE2, MASS, COUNT, BlockCount, BlockOffset, ColumnCou
     n_col = tl.load(ColumnCount + tile)
     for c0 in range(0, n_col, BLOCK_N):  # column strips
         ok = c0 + lanes < n_col
-        keys = tl.load(ColumnIndex + tile.to(tl.int64) * NC + c0 + lanes, mask=ok, other=0)
+        keys = tl.load(ColumnIndex + tile * NC + c0 + lanes, mask=ok, other=0)
         mass, count = _kept_sum(q, kbase, keys, ok, rows, row_ok, lse, KEYS + hN, OFFS + hN, first, qk_scale, skn,
                                 dims, mass, count, D, SETS, PREC)
     n_blk = tl.load(BlockCount + tile)
-    base = BlockOffset + tile.to(tl.int64) * NS
+    base = BlockOffset + tile * NS
     for t in range(0, n_blk):  # piece t covers [p_t, min(p_t + BLOCK_N, p_t+1))
         p0 = tl.load(base + t)
         nxt = tl.load(base + t + 1, mask=t + 1 < n_blk, other=1 << 30)
@@ -311,18 +311,21 @@ def _geometry(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int
 
 @torch.no_grad()
 def row_lse(q: torch.Tensor, k: torch.Tensor, scale: float, rows: tuple[int, int] | None = None,
-            entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+            entropy: bool = False, block_m: int | None = None, num_warps: int | None = None,
+            num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pass 1: (lse `[Hq, N]` natural log, entropy `[Hq, N]` in nats or None) of the query rows `rows`
-    (default all; other rows hold 0). q `[Hq, N, D]`, k `[Hkv, N, D]`."""
+    (default all; other rows hold 0). q `[Hq, N, D]`, k `[Hkv, N, D]`. `block_m` rows per program (64 or
+    128; default 128, 64 for head_dim > 128), `num_warps` (default 8 for 128 rows, else 4), `num_stages`:
+    launch settings (`workbench bench analysis --sweep` compares them)."""
     Hq, n, d, dp, g, prec = _geometry(q, k)
     r0, r1 = check_rows(rows, n)
     lse = torch.zeros(Hq, n, device=q.device)
     ent = torch.zeros(Hq, n, device=q.device) if entropy else lse
-    block_m = 64 if dp > 128 else 128
+    block_m = block_m or (64 if dp > 128 else 128)
     grid = (triton.cdiv(r1, block_m) - r0 // block_m, Hq)
     _row_lse_kernel[grid](q, k, lse, ent, scale * LOG2E, n, g, r0, r1, q.stride(0), q.stride(1), k.stride(0),
                           k.stride(1), D=d, DP=dp, BLOCK_M=block_m, BLOCK_N=64, ENTROPY=entropy, PREC=prec,
-                          num_warps=8 if block_m == 128 else 4, num_stages=2)
+                          num_warps=num_warps or (8 if block_m == 128 else 4), num_stages=num_stages)
     return lse, ent if entropy else None
 
 
@@ -330,13 +333,14 @@ def row_lse(q: torch.Tensor, k: torch.Tensor, scale: float, rows: tuple[int, int
 def attention_sums(q: torch.Tensor, k: torch.Tensor, scale: float, lse: torch.Tensor,
                    rows: tuple[int, int] | None = None, *, columns: bool = True, diagonals: bool = True,
                    block: int = 0, cell: int = 0, max_map: bool = False, mean_map: bool = False,
-                   chunk: int = CHUNK) -> dict[str, torch.Tensor]:
+                   chunk: int = CHUNK, num_warps: int = 4, num_stages: int = 2) -> dict[str, torch.Tensor]:
     """Pass 2: reductions of p = exp(scale q.k - lse) over the query rows `rows` (default all).
 
     Returns the requested ones, fp32: "column_mass" `[Hq, N]` (sum over rows), "diag_mass" `[Hq, N]`
     (by offset i - j), "block_mass" `[Hq, M, M]` (`block` x `block` tile sums, M = ceil(N / block)),
     "max_map" / "sum_map" `[Hq, R, R]` (max / sum over `cell` x `cell` squares, R = ceil(N / cell)).
-    `block` and `cell` must satisfy `pooling_supported`; 0 = not requested."""
+    `block` and `cell` must satisfy `pooling_supported`; 0 = not requested. `chunk` (tiles per program
+    along its diagonal), `num_warps`, `num_stages`: launch settings."""
     Hq, n, d, dp, g, prec = _geometry(q, k)
     r0, r1 = check_rows(rows, n)
     for name, size in (("block", block), ("cell", cell)):
@@ -358,7 +362,8 @@ def attention_sums(q: torch.Tensor, k: torch.Tensor, scale: float, lse: torch.Te
     _tile_sums_kernel[grid](q, k, lse2, *(empty if out[name] is None else out[name] for name in out),
                             scale * LOG2E, n, g, r0, r1, chunk, TR, MR, q.stride(0), q.stride(1), k.stride(0),
                             k.stride(1), D=d, DP=dp, BLOCK=BLOCK, COLS=columns, DIAGS=diagonals, TILE_CELL=block,
-                            MAP_CELL=cell, MAX_MAP=max_map, MEAN_MAP=mean_map, PREC=prec, num_warps=4, num_stages=2)
+                            MAP_CELL=cell, MAX_MAP=max_map, MEAN_MAP=mean_map, PREC=prec, num_warps=num_warps,
+                            num_stages=num_stages)
     return {name: t for name, t in out.items() if t is not None}
 
 
