@@ -304,9 +304,14 @@ def _captured_kernel(Q, K, LSE2, MASS, COUNT, BlockCount, BlockOffset, ColumnCou
 def _geometry(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int, str]:
     """(Hq, N, D, padded D, group size, dot precision) of a checked layer; fp32 dots in IEEE fp32."""
     Hq, n, d = q.shape
-    if q.stride(-1) != 1 or k.stride(-1) != 1:
-        raise ValueError("q and k must be contiguous in the last (head_dim) dimension")
     return Hq, n, d, max(16, triton.next_power_of_2(d)), Hq // k.shape[0], "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def _rows_contiguous(q: torch.Tensor, k: torch.Tensor) -> list[torch.Tensor]:
+    """q and k in one dtype (fp32 when they differ), head_dim with stride 1 (any strides for heads, tokens)."""
+    if q.dtype != k.dtype:
+        q, k = q.float(), k.float()
+    return [x if x.stride(-1) == 1 else x.contiguous() for x in (q, k)]
 
 
 @torch.no_grad()
@@ -317,6 +322,7 @@ def row_lse(q: torch.Tensor, k: torch.Tensor, scale: float, rows: tuple[int, int
     (default all; other rows hold 0). q `[Hq, N, D]`, k `[Hkv, N, D]`. `block_m` rows per program (64 or
     128; default 128, 64 for head_dim > 128), `num_warps` (default 8 for 128 rows, else 4), `num_stages`:
     launch settings (`workbench bench analysis --sweep` compares them)."""
+    q, k = _rows_contiguous(q, k)
     Hq, n, d, dp, g, prec = _geometry(q, k)
     r0, r1 = check_rows(rows, n)
     lse = torch.zeros(Hq, n, device=q.device)
@@ -341,6 +347,7 @@ def attention_sums(q: torch.Tensor, k: torch.Tensor, scale: float, lse: torch.Te
     "max_map" / "sum_map" `[Hq, R, R]` (max / sum over `cell` x `cell` squares, R = ceil(N / cell)).
     `block` and `cell` must satisfy `pooling_supported`; 0 = not requested. `chunk` (tiles per program
     along its diagonal), `num_warps`, `num_stages`: launch settings."""
+    q, k = _rows_contiguous(q, k)
     Hq, n, d, dp, g, prec = _geometry(q, k)
     r0, r1 = check_rows(rows, n)
     for name, size in (("block", block), ("cell", cell)):
@@ -402,6 +409,7 @@ def column_offset_mass(q: torch.Tensor, k: torch.Tensor, scale: float, lse: torc
                        column_sets: list[torch.Tensor], prefixes: list[list[int]] | None = None,
                        rows: int | tuple[int, int] | None = None, row_chunk: int = 1024) -> list[torch.Tensor]:
     """`attn_stats_ref.column_offset_mass` (same arguments and results) in one launch per column set."""
+    q, k = _rows_contiguous(q, k)
     Hq, n, d, dp, g, prec = _geometry(q, k)
     r0, r1 = offset_rows(rows, n)
     nested = prefixes is not None
@@ -431,6 +439,7 @@ def captured_mass(q: torch.Tensor, k: torch.Tensor, scale: float, rule: TokenRul
     """Per query row, the dense probability mass of the tokens `rule` keeps and how many it keeps:
     (mass `[Hq, N]` fp32 in [0, 1], count `[Hq, N]` int32). `lse` `[Hq, N]` (natural log) saves pass 1."""
     check_qk(q, k)
+    q, k = _rows_contiguous(q, k)
     Hq, n, d, dp, g, prec = _geometry(q, k)
     tiles = rule.tiles.to(q.device)
     if tiles.shape[1] != Hq and Hq % tiles.shape[1] == 0:

@@ -11,12 +11,11 @@ q `[Hq, N, D]`, k `[Hkv, N, D]`; query head h reads KV head h // (Hq // Hkv). Ma
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from tqdm.auto import tqdm
 
 from . import BLOCK
 from .index_ref import VSTiles, tiles_to_mask
@@ -156,11 +155,13 @@ def _pool(x: torch.Tensor, rows: int, cols: int, reduce: Callable[..., torch.Ten
 
 
 def layer_stats(q: torch.Tensor, k: torch.Tensor, scale: float, resolution: int = 1024, block: int = BLOCK,
-                chunk: int = 256, progress: bool = False, maps: Collection[str] = MAPS) -> LayerStats:
+                chunk: int = 256, progress: Callable[[Iterable, int], Iterable] | None = None,
+                maps: Collection[str] = MAPS) -> LayerStats:
     """The requested statistics (`maps`, a subset of `MAPS`) of one layer in one pass over row chunks.
 
     `resolution` caps the pooled maps at R x R cells. Every map costs passes over the `[Hq, chunk, N]`
-    probabilities: request only those you read.
+    probabilities: request only those you read. `progress(chunks, total)` may wrap the walk over the
+    row chunks (a progress bar).
     """
     check_qk(q, k)
     Hq, n, _ = q.shape
@@ -177,7 +178,7 @@ def layer_stats(q: torch.Tensor, k: torch.Tensor, scale: float, resolution: int 
     pooled = bool(want & {"max_map", "mean_map", "block_mass"})
     nested = block % cell == 0  # block row sums are sums of cell row sums
     rows = attention_rows(q, k, scale, chunk=chunk, entropy="row_entropy" in want)
-    for r0, r1, p, h in tqdm(rows, total=math.ceil(n / chunk), desc="stats", leave=False, disable=not progress):
+    for r0, r1, p, h in (rows if progress is None else progress(rows, math.ceil(n / chunk))):
         if h is not None:
             out.row_entropy[:, r0:r1] = h
         if out.diag_mass is not None:

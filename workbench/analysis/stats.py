@@ -19,6 +19,7 @@ import os
 from collections.abc import Collection, Iterator
 
 import torch
+from tqdm.auto import tqdm
 from workbench_kernels import BLOCK
 from workbench_kernels import attn_stats_ref as ref
 from workbench_kernels.attn_stats_ref import MAPS, LayerStats, RowMasked, TokenRule, attention_rows
@@ -68,7 +69,8 @@ def layer_stats(q: torch.Tensor, k: torch.Tensor, scale: float, resolution: int 
         if (attn_stats.pooling_supported(cell) or not want & {"max_map", "mean_map"}) and (
                 attn_stats.pooling_supported(block) or "block_mass" not in want):
             return attn_stats.layer_stats(q, k, scale, resolution, block, maps)
-    return ref.layer_stats(q, k, scale, resolution, block, chunk, progress, maps)
+    bar = (lambda chunks, total: tqdm(chunks, total=total, desc="stats", leave=False)) if progress else None
+    return ref.layer_stats(q, k, scale, resolution, block, chunk, bar, maps)
 
 
 def kernel_rule(index: RowMasked, n: int) -> TokenRule | None:
