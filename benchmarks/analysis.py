@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="timed calls per measurement: at least 2, more while their total stays under this (default 3000)")
     p.add_argument("--reference", action="store_true", help="also time the PyTorch reference (slow)")
     p.add_argument("--sweep", action="store_true", help="instead: time the launch settings of pass 1 (rows per program, "
-                   "warps, stages) and pass 2 (tiles per program, warps, stages) at the first of --lengths")
+                   "warps, stages) and pass 2 (walk order, tiles per program, warps, stages) at the first of --lengths")
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a dry run under TRITON_INTERPRET=1 "
                    "at tiny lengths)")
     p.add_argument("--out", default="reports/bench/analysis_layer.json", help="JSON output path "
@@ -176,9 +176,11 @@ def sweep(n: int, args: argparse.Namespace, dtype: Any) -> list[dict[str, Any]]:
     cell = math.ceil(n / 1024)
     runs = [("lse", dict(block_m=bm, num_warps=w, num_stages=st), lambda c: attn_stats.row_lse(q, k, scale, entropy=True, **c))
             for bm, w, st in itertools.product((64, 128), (4, 8), (1, 2, 3))]
-    runs += [("sums", dict(chunk=ch, num_warps=w, num_stages=st),
-              lambda c: attn_stats.attention_sums(q, k, scale, lse, block=64, cell=cell, max_map=True, mean_map=True, **c))
+    sums = lambda c: attn_stats.attention_sums(q, k, scale, lse, block=64, cell=cell, max_map=True,  # noqa: E731
+                                               mean_map=True, **c)
+    runs += [("sums", dict(walk="diagonal", chunk=ch, num_warps=w, num_stages=st), sums)
              for ch, w, st in itertools.product((16, 32, 64), (4, 8), (1, 2, 3))]
+    runs += [("sums", dict(walk="rows", num_warps=w, num_stages=st), sums) for w, st in itertools.product((4, 8), (1, 2, 3))]
     out = []
     for name, config, fn in runs:
         try:

@@ -14,7 +14,9 @@ every sum is fp32. Extra memory is the outputs: O(n) per head, plus the pooled m
   `tl.gather` at the end. Column sums of each tile go out by atomic adds (64 per tile), tile masses
   and pooled maps by plain stores where a tile owns its cells (cell divides 64) or atomic add / max
   where a cell spans tiles (cell > 64). Programs of neighbouring diagonals run side by side and read
-  the same key block at the same step (L2 reuse).
+  the same key block at the same step (L2 reuse), but each step loads its q tile too. The other walk
+  (`walk="rows"`: a program per row block, q loaded once, one skew and 128 atomic adds per tile) is
+  kept to be timed against it (`workbench bench analysis --sweep`).
 - `column_offset_mass`: a query-block x gathered-column-block product, p from lse, scattered by
   offset i - j (atomic adds) into one row per prefix level; the nested budgets are a cumulative sum.
 - `captured_mass`: one program per (head, row block) walks a `TokenRule`'s tiles (pieces and column
@@ -160,55 +162,101 @@ def _pool_tile(p, OUT, m, kb, R, BLOCK: tl.constexpr, CELL: tl.constexpr, MAX: t
 
 
 @triton.jit
-def _tile_sums_kernel(Q, K, LSE2, COL, DIAG, TILE, MAXM, SUMM, qk_scale, N, G, ROW0, ROW1, CHUNK_T, TR, MR,
-                      sqh, sqn, skh, skn,
-                      D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, COLS: tl.constexpr,
-                      DIAGS: tl.constexpr, TILE_CELL: tl.constexpr, MAP_CELL: tl.constexpr,
-                      MAX_MAP: tl.constexpr, MEAN_MAP: tl.constexpr, PREC: tl.constexpr):
-    t = tl.program_id(0)  # the tile diagonal: row block m reads key block m - t
+def _tile_probs(q, kbase, LSE2, hN, m, kb, ROW0, ROW1, N, qk_scale, skn, dims, r,
+                D: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr):
+    """p `[BLOCK, BLOCK]` of rows m*BLOCK.. and keys kb*BLOCK.. (0 outside causal rows [ROW0, ROW1))."""
+    rows = m * BLOCK + r
+    keys = kb * BLOCK + r
+    row_ok = (rows >= ROW0) & (rows < ROW1)
+    k = tl.load(kbase + keys[:, None] * skn + dims[None, :], mask=(keys[:, None] < N) & (dims[None, :] < D), other=0.0)
+    lse = tl.load(LSE2 + hN + rows, mask=row_ok, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC)
+    keep = row_ok[:, None] & (keys[None, :] <= rows[:, None])
+    return tl.where(keep, tl.math.exp2(s * qk_scale - lse[:, None]), 0.0)
+
+
+@triton.jit
+def _tile_out(p, m, kb, h, hN, COL, TILE, MAXM, SUMM, N, TR, MR, r, BLOCK: tl.constexpr, COLS: tl.constexpr,
+              TILE_CELL: tl.constexpr, MAP_CELL: tl.constexpr, MAX_MAP: tl.constexpr, MEAN_MAP: tl.constexpr):
+    """Everything of one tile but its offsets: column sums, tile masses, pooled maps."""
+    if COLS:
+        keys = kb * BLOCK + r
+        tl.atomic_add(COL + hN + keys, tl.sum(p, 0), mask=keys < N, sem="relaxed")
+    if TILE_CELL > 0:
+        _pool_tile(p, TILE + h * TR * TR, m, kb, TR, BLOCK, TILE_CELL, False)
+    if MAX_MAP:
+        _pool_tile(p, MAXM + h * MR * MR, m, kb, MR, BLOCK, MAP_CELL, True)
+    if MEAN_MAP:
+        _pool_tile(p, SUMM + h * MR * MR, m, kb, MR, BLOCK, MAP_CELL, False)
+
+
+@triton.jit
+def _offsets_out(acc, t, DIAG, hN, N, r, BLOCK: tl.constexpr):
+    """Add tile(s) `acc` of tile diagonal t (entry (r, c) at offset BLOCK t + r - c) to the offset sums."""
+    skew = tl.gather(acc, ((r[:, None] - r[None, :]) & (BLOCK - 1)).to(tl.int32), 1)  # [r, x] = acc[r, r - x mod B]
+    below = r[:, None] >= r[None, :]
+    near = tl.sum(tl.where(below, skew, 0.0), 0)  # offset BLOCK t + x
+    far = tl.sum(tl.where(below, 0.0, skew), 0)  # offset BLOCK t + x - BLOCK
+    off = t * BLOCK + r
+    tl.atomic_add(DIAG + hN + off, near, mask=off < N, sem="relaxed")
+    tl.atomic_add(DIAG + hN + off - BLOCK, far, mask=(r > 0) & (off >= BLOCK) & (off - BLOCK < N), sem="relaxed")
+
+
+@triton.jit
+def _diagonal_walk_kernel(Q, K, LSE2, COL, DIAG, TILE, MAXM, SUMM, qk_scale, N, G, ROW0, ROW1, CHUNK_T, TR, MR,
+                          sqh, sqn, skh, skn,
+                          D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, COLS: tl.constexpr,
+                          DIAGS: tl.constexpr, TILE_CELL: tl.constexpr, MAP_CELL: tl.constexpr,
+                          MAX_MAP: tl.constexpr, MEAN_MAP: tl.constexpr, PREC: tl.constexpr):
+    # One program: CHUNK_T tiles of tile diagonal t (row block m reads key block m - t); their sum is
+    # skewed once at the end.
+    t = tl.program_id(0)
     h = tl.program_id(2).to(tl.int64)  # head offsets pass 2^31 elements at 1M tokens
     m_hi = (ROW1 - 1) // BLOCK
     first = tl.maximum(ROW0 // BLOCK, t) + tl.program_id(1) * CHUNK_T
     last = tl.minimum(first + CHUNK_T, m_hi + 1)
     r = tl.arange(0, BLOCK)
     dims = tl.arange(0, DP)
-    qbase = Q + h * sqh
     kbase = K + (h // G) * skh
     hN = h * N
     acc = tl.zeros([BLOCK, BLOCK], tl.float32)
     for m in range(first, last):
-        kb = m - t
         rows = m * BLOCK + r
-        keys = kb * BLOCK + r
-        row_ok = (rows >= ROW0) & (rows < ROW1)
-        q = tl.load(qbase + rows[:, None] * sqn + dims[None, :], mask=(rows[:, None] < N) & (dims[None, :] < D),
+        q = tl.load(Q + h * sqh + rows[:, None] * sqn + dims[None, :], mask=(rows[:, None] < N) & (dims[None, :] < D),
                     other=0.0)
-        k = tl.load(kbase + keys[:, None] * skn + dims[None, :], mask=(keys[:, None] < N) & (dims[None, :] < D),
-                    other=0.0)
-        lse = tl.load(LSE2 + hN + rows, mask=row_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC)
-        keep = row_ok[:, None] & (keys[None, :] <= rows[:, None])
-        p = tl.where(keep, tl.math.exp2(s * qk_scale - lse[:, None]), 0.0)
+        p = _tile_probs(q, kbase, LSE2, hN, m, m - t, ROW0, ROW1, N, qk_scale, skn, dims, r, D, BLOCK, PREC)
         if DIAGS:
             acc += p
-        if COLS:
-            tl.atomic_add(COL + hN + keys, tl.sum(p, 0), mask=keys < N, sem="relaxed")
-        if TILE_CELL > 0:
-            _pool_tile(p, TILE + h * TR * TR, m, kb, TR, BLOCK, TILE_CELL, False)
-        if MAX_MAP:
-            _pool_tile(p, MAXM + h * MR * MR, m, kb, MR, BLOCK, MAP_CELL, True)
-        if MEAN_MAP:
-            _pool_tile(p, SUMM + h * MR * MR, m, kb, MR, BLOCK, MAP_CELL, False)
+        _tile_out(p, m, m - t, h, hN, COL, TILE, MAXM, SUMM, N, TR, MR, r, BLOCK, COLS, TILE_CELL, MAP_CELL, MAX_MAP,
+                  MEAN_MAP)
     if DIAGS:
         if last > first:
-            # acc[r, c] holds offset BLOCK t + r - c; skew[r, x] = acc[r, (r - x) mod BLOCK]
-            skew = tl.gather(acc, ((r[:, None] - r[None, :]) & (BLOCK - 1)).to(tl.int32), 1)
-            below = r[:, None] >= r[None, :]
-            near = tl.sum(tl.where(below, skew, 0.0), 0)  # offset BLOCK t + x
-            far = tl.sum(tl.where(below, 0.0, skew), 0)  # offset BLOCK t + x - BLOCK
-            off = t * BLOCK + r
-            tl.atomic_add(DIAG + hN + off, near, mask=off < N, sem="relaxed")
-            tl.atomic_add(DIAG + hN + off - BLOCK, far, mask=(r > 0) & (off >= BLOCK) & (off - BLOCK < N), sem="relaxed")
+            _offsets_out(acc, t, DIAG, hN, N, r, BLOCK)
+
+
+@triton.jit
+def _row_walk_kernel(Q, K, LSE2, COL, DIAG, TILE, MAXM, SUMM, qk_scale, N, G, ROW0, ROW1, TR, MR,
+                     sqh, sqn, skh, skn,
+                     D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, COLS: tl.constexpr,
+                     DIAGS: tl.constexpr, TILE_CELL: tl.constexpr, MAP_CELL: tl.constexpr,
+                     MAX_MAP: tl.constexpr, MEAN_MAP: tl.constexpr, PREC: tl.constexpr):
+    # One program: row block m (late ones first) against key blocks 0..m, q loaded once; every tile
+    # is skewed on its own.
+    m = ROW0 // BLOCK + tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)  # head offsets pass 2^31 elements at 1M tokens
+    r = tl.arange(0, BLOCK)
+    dims = tl.arange(0, DP)
+    rows = m * BLOCK + r
+    q = tl.load(Q + h * sqh + rows[:, None] * sqn + dims[None, :], mask=(rows[:, None] < N) & (dims[None, :] < D),
+                other=0.0)
+    kbase = K + (h // G) * skh
+    hN = h * N
+    for kb in range(0, m + 1):
+        p = _tile_probs(q, kbase, LSE2, hN, m, kb, ROW0, ROW1, N, qk_scale, skn, dims, r, D, BLOCK, PREC)
+        _tile_out(p, m, kb, h, hN, COL, TILE, MAXM, SUMM, N, TR, MR, r, BLOCK, COLS, TILE_CELL, MAP_CELL, MAX_MAP,
+                  MEAN_MAP)
+        if DIAGS:
+            _offsets_out(p, m - kb, DIAG, hN, N, r, BLOCK)
 
 
 @triton.jit
@@ -339,14 +387,16 @@ def row_lse(q: torch.Tensor, k: torch.Tensor, scale: float, rows: tuple[int, int
 def attention_sums(q: torch.Tensor, k: torch.Tensor, scale: float, lse: torch.Tensor,
                    rows: tuple[int, int] | None = None, *, columns: bool = True, diagonals: bool = True,
                    block: int = 0, cell: int = 0, max_map: bool = False, mean_map: bool = False,
-                   chunk: int = CHUNK, num_warps: int = 4, num_stages: int = 2) -> dict[str, torch.Tensor]:
+                   walk: str = "diagonal", chunk: int = CHUNK, num_warps: int = 4,
+                   num_stages: int = 2) -> dict[str, torch.Tensor]:
     """Pass 2: reductions of p = exp(scale q.k - lse) over the query rows `rows` (default all).
 
     Returns the requested ones, fp32: "column_mass" `[Hq, N]` (sum over rows), "diag_mass" `[Hq, N]`
     (by offset i - j), "block_mass" `[Hq, M, M]` (`block` x `block` tile sums, M = ceil(N / block)),
     "max_map" / "sum_map" `[Hq, R, R]` (max / sum over `cell` x `cell` squares, R = ceil(N / cell)).
-    `block` and `cell` must satisfy `pooling_supported`; 0 = not requested. `chunk` (tiles per program
-    along its diagonal), `num_warps`, `num_stages`: launch settings."""
+    `block` and `cell` must satisfy `pooling_supported`; 0 = not requested. `walk`: "diagonal" (programs
+    along tile diagonals, `chunk` tiles each, one skew per program) or "rows" (a program per row block,
+    one skew per tile); `num_warps`, `num_stages`: launch settings."""
     q, k = _rows_contiguous(q, k)
     Hq, n, d, dp, g, prec = _geometry(q, k)
     r0, r1 = check_rows(rows, n)
@@ -365,12 +415,18 @@ def attention_sums(q: torch.Tensor, k: torch.Tensor, scale: float, lse: torch.Te
            "sum_map": torch.zeros(Hq, MR, MR, device=dev) if mean_map else None}
     lse2 = (lse.float() * LOG2E).contiguous()
     m_lo, m_hi = r0 // BLOCK, (r1 - 1) // BLOCK
-    grid = (m_hi + 1, triton.cdiv(m_hi - m_lo + 1, chunk), Hq)
-    _tile_sums_kernel[grid](q, k, lse2, *(empty if out[name] is None else out[name] for name in out),
-                            scale * LOG2E, n, g, r0, r1, chunk, TR, MR, q.stride(0), q.stride(1), k.stride(0),
-                            k.stride(1), D=d, DP=dp, BLOCK=BLOCK, COLS=columns, DIAGS=diagonals, TILE_CELL=block,
-                            MAP_CELL=cell, MAX_MAP=max_map, MEAN_MAP=mean_map, PREC=prec, num_warps=num_warps,
-                            num_stages=num_stages)
+    outs = [empty if out[name] is None else out[name] for name in out]
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1))
+    flags = dict(D=d, DP=dp, BLOCK=BLOCK, COLS=columns, DIAGS=diagonals, TILE_CELL=block, MAP_CELL=cell,
+                 MAX_MAP=max_map, MEAN_MAP=mean_map, PREC=prec, num_warps=num_warps, num_stages=num_stages)
+    if walk == "diagonal":
+        grid = (m_hi + 1, triton.cdiv(m_hi - m_lo + 1, chunk), Hq)
+        _diagonal_walk_kernel[grid](q, k, lse2, *outs, scale * LOG2E, n, g, r0, r1, chunk, TR, MR, *strides, **flags)
+    elif walk == "rows":
+        _row_walk_kernel[(m_hi - m_lo + 1, Hq)](q, k, lse2, *outs, scale * LOG2E, n, g, r0, r1, TR, MR, *strides,
+                                                **flags)
+    else:
+        raise ValueError(f"walk={walk!r}: use 'diagonal' or 'rows'")
     return {name: t for name, t in out.items() if t is not None}
 
 

@@ -58,6 +58,17 @@ def test_layer_stats_kernel_computes_only_the_requested_maps():
         close(getattr(st, name), getattr(full, name))
 
 
+def test_both_walks_of_pass_two_give_the_same_sums():
+    n = 150
+    q, k = qk(3, 1, n, 32, seed=4)
+    lse = attn_stats.row_lse(q, k, 0.2)[0]
+    want = ref.layer_stats(q, k, 0.2, resolution=75, block=16)
+    for walk, chunk in (("diagonal", 1), ("rows", 0)):
+        got = attn_stats.attention_sums(q, k, 0.2, lse, block=16, cell=2, max_map=True, walk=walk, chunk=chunk or 32)
+        for name in ("column_mass", "diag_mass", "block_mass", "max_map"):
+            close(got[name], getattr(want, name))
+
+
 @pytest.mark.parametrize("rows", [None, (136, 200), (13, 77), (199, 200)])
 def test_layer_sums_kernel_equals_reference_on_row_segments(rows):
     q, k = qk(6, 2, 200, 64, seed=1)
