@@ -439,9 +439,10 @@ def layer_stats(q: torch.Tensor, k: torch.Tensor, scale: float, resolution: int 
     want, cell = stats_layout(n, resolution, block, maps)
     lse, ent = row_lse(q, k, scale, entropy="row_entropy" in want)
     pooled = bool(want & {"max_map", "mean_map"})
-    sums = attention_sums(q, k, scale, lse, columns="column_mass" in want, diagonals="diag_mass" in want,
-                          block=block if "block_mass" in want else 0, cell=cell if pooled else 0,
-                          max_map="max_map" in want, mean_map="mean_map" in want)
+    sums = {} if want == {"row_entropy"} else attention_sums(
+        q, k, scale, lse, columns="column_mass" in want, diagonals="diag_mass" in want,
+        block=block if "block_mass" in want else 0, cell=cell if pooled else 0, max_map="max_map" in want,
+        mean_map="mean_map" in want)
     mean = sums.get("sum_map")
     if mean is not None:
         sizes = cell_sizes(n, cell, q.device)
