@@ -37,7 +37,6 @@ import triton.language as tl
 from . import BLOCK
 from .attn_stats_ref import (
     MAPS,
-    MASKED,
     LayerStats,
     LayerSums,
     TokenRule,
@@ -51,7 +50,8 @@ from .attn_stats_ref import (
 from .index_ref import expand_groups
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)
+MASKED = tl.constexpr(-1e30)  # finite "minus infinity" of a score (log2 units): 2^(MASKED - m) = 0, 0 * MASKED = 0
 CHUNK = 32  # tiles per pass-2 program along its diagonal
 
 
@@ -102,9 +102,9 @@ def _row_lse_kernel(Q, K, LSE, ENT, qk_scale, N, G, ROW0, ROW1, sqh, sqn, skh, s
         s = tl.where(keys[None, :] <= rows[:, None], s, MASKED)
         m_i, l_i, t_i = _online(s, m_i, l_i, t_i, ENTROPY)
     log_l = tl.math.log2(l_i)
-    tl.store(LSE + h * N + rows, (m_i + log_l) * 0.6931471805599453, mask=row_ok)
+    tl.store(LSE + h * N + rows, (m_i + log_l) * LN2, mask=row_ok)
     if ENTROPY:
-        tl.store(ENT + h * N + rows, (log_l - t_i / l_i) * 0.6931471805599453, mask=row_ok)
+        tl.store(ENT + h * N + rows, (log_l - t_i / l_i) * LN2, mask=row_ok)
 
 
 @triton.jit
@@ -112,9 +112,9 @@ def _combine(OUT, v, a, b, W, R, ok, MAX: tl.constexpr):
     """Atomically add (or max) the scalar v into OUT[a, b] (row stride W) when ok and both < R."""
     mask = ok & (a < R) & (b < R)
     if MAX:
-        tl.atomic_max(OUT + a.to(tl.int64) * W + b, v, mask=mask, sem="relaxed")
+        tl.atomic_max(OUT + a * W + b, v, mask=mask, sem="relaxed")
     else:
-        tl.atomic_add(OUT + a.to(tl.int64) * W + b, v, mask=mask, sem="relaxed")
+        tl.atomic_add(OUT + a * W + b, v, mask=mask, sem="relaxed")
 
 
 @triton.jit
@@ -125,12 +125,13 @@ def _reduce(x, MAX: tl.constexpr):
 
 
 @triton.jit
-def _pool_tile(p, OUT, m, kb, R, BLOCK: tl.constexpr, CELL: tl.constexpr, MAX: tl.constexpr):
+def _pool_tile(p, whole, OUT, m, kb, R, BLOCK: tl.constexpr, CELL: tl.constexpr, MAX: tl.constexpr):
     """Pool tile p (rows m*BLOCK.., keys kb*BLOCK..) into the cells of OUT `[R, R]` (CELL x CELL squares):
-    sum, or max with MAX. A cell that divides BLOCK belongs to one tile (stores); a larger one adds up
-    over the tiles it covers (atomics; a tile straddles at most 2 x 2 cells)."""
+    sum, or max with MAX (`whole`: the tile's sum or max, computed once by the caller). A cell that
+    divides BLOCK belongs to one tile (stores); a larger one adds up over the tiles it covers (atomics;
+    a tile lies in one cell when BLOCK divides CELL, else it may straddle 2 x 2)."""
     if CELL == BLOCK:
-        tl.store(OUT + m * R + kb, _reduce(p, MAX), mask=(m < R) & (kb < R))
+        tl.store(OUT + m * R + kb, whole, mask=(m < R) & (kb < R))
     elif CELL < BLOCK:
         A: tl.constexpr = BLOCK // CELL
         x = tl.reshape(p, (A, CELL, A, CELL))
@@ -142,6 +143,8 @@ def _pool_tile(p, OUT, m, kb, R, BLOCK: tl.constexpr, CELL: tl.constexpr, MAX: t
         ra = m * A + a
         cb = kb * A + a
         tl.store(OUT + ra[:, None].to(tl.int64) * R + cb[None, :], y, mask=(ra[:, None] < R) & (cb[None, :] < R))
+    elif CELL % BLOCK == 0:  # the tile lies in one cell
+        _combine(OUT, whole, m * BLOCK // CELL, kb * BLOCK // CELL, R, R, True, MAX)
     else:
         i0 = m * BLOCK
         j0 = kb * BLOCK
@@ -150,7 +153,7 @@ def _pool_tile(p, OUT, m, kb, R, BLOCK: tl.constexpr, CELL: tl.constexpr, MAX: t
         a1 = (i0 + BLOCK - 1) // CELL
         b1 = (j0 + BLOCK - 1) // CELL
         if (a0 == a1) & (b0 == b1):
-            _combine(OUT, _reduce(p, MAX), a0, b0, R, R, True, MAX)
+            _combine(OUT, whole, a0, b0, R, R, True, MAX)
         else:
             r = tl.arange(0, BLOCK)
             top = (r < (a0 + 1) * CELL - i0)[:, None]
@@ -167,27 +170,34 @@ def _tile_probs(q, kbase, LSE2, hN, m, kb, ROW0, ROW1, N, qk_scale, skn, dims, r
     """p `[BLOCK, BLOCK]` of rows m*BLOCK.. and keys kb*BLOCK.. (0 outside causal rows [ROW0, ROW1))."""
     rows = m * BLOCK + r
     keys = kb * BLOCK + r
-    row_ok = (rows >= ROW0) & (rows < ROW1)
     k = tl.load(kbase + keys[:, None] * skn + dims[None, :], mask=(keys[:, None] < N) & (dims[None, :] < D), other=0.0)
-    lse = tl.load(LSE2 + hN + rows, mask=row_ok, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PREC)
-    keep = row_ok[:, None] & (keys[None, :] <= rows[:, None])
-    return tl.where(keep, tl.math.exp2(s * qk_scale - lse[:, None]), 0.0)
+    if (kb < m) & (m * BLOCK >= ROW0) & (m * BLOCK + BLOCK <= ROW1):  # below the diagonal, every row in range
+        p = tl.math.exp2(s * qk_scale - tl.load(LSE2 + hN + rows)[:, None])
+    else:
+        row_ok = (rows >= ROW0) & (rows < ROW1)
+        lse = tl.load(LSE2 + hN + rows, mask=row_ok, other=0.0)
+        keep = row_ok[:, None] & (keys[None, :] <= rows[:, None])
+        p = tl.where(keep, tl.math.exp2(s * qk_scale - lse[:, None]), 0.0)
+    return p
 
 
 @triton.jit
 def _tile_out(p, m, kb, h, hN, COL, TILE, MAXM, SUMM, N, TR, MR, r, BLOCK: tl.constexpr, COLS: tl.constexpr,
               TILE_CELL: tl.constexpr, MAP_CELL: tl.constexpr, MAX_MAP: tl.constexpr, MEAN_MAP: tl.constexpr):
-    """Everything of one tile but its offsets: column sums, tile masses, pooled maps."""
+    """Everything of one tile but its offsets: column sums, tile masses, pooled maps (the tile's sum is
+    the sum of its column sums; what a setting does not read, the compiler drops)."""
+    col = tl.sum(p, 0)
+    whole = tl.sum(col, 0)
     if COLS:
         keys = kb * BLOCK + r
-        tl.atomic_add(COL + hN + keys, tl.sum(p, 0), mask=keys < N, sem="relaxed")
+        tl.atomic_add(COL + hN + keys, col, mask=keys < N, sem="relaxed")
     if TILE_CELL > 0:
-        _pool_tile(p, TILE + h * TR * TR, m, kb, TR, BLOCK, TILE_CELL, False)
+        _pool_tile(p, whole, TILE + h * TR * TR, m, kb, TR, BLOCK, TILE_CELL, False)
     if MAX_MAP:
-        _pool_tile(p, MAXM + h * MR * MR, m, kb, MR, BLOCK, MAP_CELL, True)
+        _pool_tile(p, _reduce(p, True), MAXM + h * MR * MR, m, kb, MR, BLOCK, MAP_CELL, True)
     if MEAN_MAP:
-        _pool_tile(p, SUMM + h * MR * MR, m, kb, MR, BLOCK, MAP_CELL, False)
+        _pool_tile(p, whole, SUMM + h * MR * MR, m, kb, MR, BLOCK, MAP_CELL, False)
 
 
 @triton.jit
@@ -278,7 +288,8 @@ def _column_offset_kernel(Q, K, LSE2, COLS, LEVEL, OUT, qk_scale, N, G, V, L, RO
     hi = tl.minimum(start + RCHUNK, ROW1)
     r = tl.arange(0, BLOCK_M)
     hN = h * N
-    out = OUT + (h * L + lvl[None, :]) * N
+    out = OUT + h * L * N  # + level * N + offset: 32-bit offsets into this head's [L, N] sums
+    slot = lvl[None, :] * N - col[None, :]
     for r0 in range(lo, hi, BLOCK_M):
         rows = r0 + r
         row_ok = (rows >= ROW0) & (rows < ROW1)
@@ -289,7 +300,7 @@ def _column_offset_kernel(Q, K, LSE2, COLS, LEVEL, OUT, qk_scale, N, G, V, L, RO
         d = rows[:, None] - col[None, :]
         keep = row_ok[:, None] & valid[None, :] & (d >= 0)
         p = tl.math.exp2(s * qk_scale - lse[:, None])
-        tl.atomic_add(out + d, p, mask=keep, sem="relaxed")
+        tl.atomic_add(out + (slot + rows[:, None]), p, mask=keep, sem="relaxed")
 
 
 @triton.jit
@@ -484,7 +495,7 @@ def column_offset_mass(q: torch.Tensor, k: torch.Tensor, scale: float, lse: torc
             grid = (triton.cdiv(V, block_c), triton.cdiv(r1 - r0 // block_m * block_m, row_chunk), Hq)
             _column_offset_kernel[grid](q, k, lse2, cols, level, acc, scale * LOG2E, n, g, V, L, r0, r1, row_chunk,
                                         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cols.stride(0),
-                                        D=d, DP=dp, BLOCK_M=block_m, BLOCK_C=block_c, PREC=prec, num_warps=4,
+                                        D=d, DP=dp, BLOCK_M=block_m, BLOCK_C=block_c, PREC=prec, num_warps=8,
                                         num_stages=2)
         out.append(acc.cumsum(1).transpose(0, 1))
     return out if nested else [t[0] for t in out]
