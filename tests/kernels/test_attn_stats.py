@@ -3,9 +3,12 @@ and the reference's token rules against the patterns' own masks."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
+import triton
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -210,3 +213,45 @@ def test_gpu_bf16_statistics_equal_the_reference(n, hq, hkv, d):
         with stats.backend("torch"):
             want_m = stats.captured_mass(q, k, scale, index)
         close(stats.captured_mass(q, k, scale, index), want_m, atol=1e-5)
+
+
+POINTERS = {"Q": "*bf16", "K": "*bf16", "COLS": "*i32", "LEVEL": "*i32", "COUNT": "*i32", "BlockCount": "*i32",
+            "BlockOffset": "*i32", "ColumnCount": "*i32", "ColumnIndex": "*i32", "KEYS": "*i8", "OFFS": "*i8", "FIRST": "*i32"}
+INTS = {"N", "G", "ROW0", "ROW1", "CHUNK_T", "TR", "MR", "V", "L", "RCHUNK", "M", "NS", "NC"}
+
+
+def compile_for_hopper() -> None:
+    """Compile every kernel of `attn_stats` for sm_90 as the launcher would at 128K tokens (bf16 q/k, 16-divisible
+    pointers and strides): Triton's whole compiler and ptxas, no GPU needed. Run without TRITON_INTERPRET."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    dims = dict(D=128, DP=128, PREC="tf32")
+    sums = dict(dims, BLOCK=64, COLS=True, DIAGS=True, TILE_CELL=64, MAX_MAP=True, MEAN_MAP=True)
+    cases = [(attn_stats._row_lse_kernel, 8, dict(dims, BLOCK_M=128, BLOCK_N=64, ENTROPY=True)),
+             *[(attn_stats._diagonal_walk_kernel, 4, dict(sums, MAP_CELL=c)) for c in (16, 128, 80)],
+             (attn_stats._row_walk_kernel, 4, dict(sums, MAP_CELL=128)),
+             (attn_stats._column_offset_kernel, 8, dict(dims, BLOCK_M=64, BLOCK_C=64)),
+             (attn_stats._captured_kernel, 4, dict(dims, BLOCK=64, BLOCK_N=64, SETS=True))]
+    for kernel, warps, constexprs in cases:
+        names = kernel.arg_names
+        sig = {a: "constexpr" if a in constexprs else "fp32" if a == "qk_scale" else "i32" if a in INTS or a.islower()
+               else POINTERS.get(a, "*fp32") for a in names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
+                 if sig[a].startswith("*") or a in ("N", "ROW1", "sqh", "sqn", "skh", "skn", "sch")}
+        compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": warps, "num_stages": 2})
+        assert 0 < compiled.metadata.shared <= 200 * 1024 and ".entry" in compiled.asm["ptx"]
+        print(kernel.fn.__name__, "compiled")
+
+
+def test_kernels_compile_for_the_gpu():
+    """The interpreter runs Python; this runs Triton's compiler down to sm_90 code (globals, layouts, gathers,
+    atomics, reshapes that only the compiler checks), in a process without TRITON_INTERPRET."""
+    pytest.importorskip("triton.backends.nvidia")
+    code = "import test_attn_stats as t; t.compile_for_hopper()"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("compiled") == 7
