@@ -24,8 +24,8 @@ from workbench_kernels import BLOCK
 from workbench_kernels import attn_stats_ref as ref
 from workbench_kernels.attn_stats_ref import MAPS, LayerStats, RowMasked, TokenRule, attention_rows
 
-__all__ = ["MAPS", "LayerStats", "RowMasked", "attention_rows", "backend", "captured_mass", "layer_stats",
-           "use_triton"]
+__all__ = ["MAPS", "LayerStats", "RowMasked", "attention_rows", "backend", "captured_mass", "kernel_rule",
+           "layer_stats", "use_triton"]
 
 BACKENDS = ("auto", "triton", "torch")
 _backend = os.environ.get("WORKBENCH_STATS_BACKEND", "auto")
