@@ -24,7 +24,7 @@ def test_every_benchmark_help_parses(what, capsys):
 
 
 def test_one_command_per_benchmark(capsys):
-    assert {"kernels", "prefill", "decode", "search", "dashboard", "notebooks", "foundation"} == set(BENCHMARKS)
+    assert {"analysis", "kernels", "prefill", "decode", "search", "dashboard", "notebooks", "foundation"} == set(BENCHMARKS)
     for argv in (["prefill", "bench"], ["search", "--bench-json", "x.json"]):  # the old spellings are gone
         with pytest.raises(SystemExit) as e:
             build_parser().parse_args(argv)

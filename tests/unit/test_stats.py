@@ -138,3 +138,20 @@ def test_layer_sums_over_a_row_segment_equal_the_dense_softmax_of_those_rows(row
     on_cols = torch.zeros(h, n, n, dtype=torch.bool).scatter_(2, cols[:, None, :].expand(-1, n, -1), True)
     ref = torch.zeros(h, n).index_add_(1, i - j, (seg * on_cols)[:, i, j])
     torch.testing.assert_close(overlap, ref, atol=1e-5, rtol=0)
+
+
+def test_backend_choice_is_checked_and_cpu_tensors_default_to_the_reference(monkeypatch):
+    from workbench.analysis import stats
+
+    q, k = torch.randn(2, 40, 8), torch.randn(1, 40, 8)
+    assert not stats.use_triton(q)  # "auto": Triton only for CUDA tensors
+    with stats.backend("triton"):
+        assert stats.use_triton(q)
+    assert not stats.use_triton(q)
+    with pytest.raises(ValueError, match="backend 'gpu' is unknown"):
+        with stats.backend("gpu"):
+            pass
+    torch.testing.assert_close(layer_stats(q, k, 0.5, progress=True).diag_mass, layer_stats(q, k, 0.5).diag_mass)
+    monkeypatch.setattr(stats, "_backend", "cuda")
+    with pytest.raises(ValueError, match="WORKBENCH_STATS_BACKEND='cuda' is unknown"):
+        layer_stats(q, k, 0.5)

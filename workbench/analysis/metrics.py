@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from workbench_kernels import attn_stats_ref as ref
+from workbench_kernels.attn_stats_ref import LayerSums
 
-from workbench.analysis.stats import attention_rows, captured_mass, diagonal_sums
+from workbench.analysis.stats import attention_rows, captured_mass, use_triton
 from workbench.patterns import BLOCK, Pattern, causal_edges, causal_tiles, membership
 
 SEGMENTS = ("all", "first", "middle", "last", "last64")
@@ -92,53 +94,19 @@ def index_iou(a: torch.Tensor, b: torch.Tensor, n: int) -> torch.Tensor:
     return torch.where(union > 0, inter / union.clamp(min=1), torch.ones_like(union))
 
 
-@dataclass
-class LayerSums:
-    """Exact sums of one layer's dense attention over the query rows `rows` = [r0, r1) (units: rows of
-    that segment; divide by r1 - r0 for fractions).
-
-    column_mass `[H, N]`, diag_mass `[H, N]` (by offset i - j), block_mass `[H, M, M]` (64x64 tiles; row
-    blocks outside the segment stay 0), lse `[H, N]`: each row's log-normaliser, so p[i, j] =
-    exp(scale q_i.k_j - lse[i]) for j <= i (rows outside the segment hold 0)."""
-
-    column_mass: torch.Tensor
-    diag_mass: torch.Tensor
-    block_mass: torch.Tensor
-    lse: torch.Tensor
-    rows: tuple[int, int] = (0, 0)
-
-    @property
-    def n_rows(self) -> int:
-        """How many query rows the sums cover (the denominator of a mass fraction)."""
-        return self.rows[1] - self.rows[0]
-
-
 @torch.no_grad()
 def layer_sums(q: torch.Tensor, k: torch.Tensor, scale: float, block: int = BLOCK, chunk: int = 256,
                rows: tuple[int, int] | None = None) -> LayerSums:
-    """One pass over the query rows `rows` (default all): the sums the search needs (a lean
-    `workbench.analysis.stats.layer_stats` plus lse). `rows=(n - 64, n)` gives the answer rows' sums."""
-    hq, n, d = q.shape
-    r_start, r_stop = (0, n) if rows is None else rows
-    g = hq // k.shape[0]
-    m = -(-n // block)
-    chunk = max(block, chunk // block * block)
-    col, diag = torch.zeros(hq, n), torch.zeros(hq, n)
-    tiles, lse = torch.zeros(hq, m, m), torch.zeros(hq, n)
-    kq = k.float().repeat_interleave(g, 0)  # [Hq, N, D]
-    for r0, r1, p, _ in attention_rows(q, k, scale, chunk=chunk, rows=(r_start, r_stop)):
-        col[:, :r1] += p.sum(1)
-        diag[:, :r1] += diagonal_sums(p)
-        pad_top, pad_c = r0 % block, -r1 % block  # rows r0..r1-1 sit inside whole row blocks once padded
-        pad_r = -(r1 - r0 + pad_top) % block
-        b0 = r0 // block
-        tiles[:, b0:-(-r1 // block), :-(-r1 // block)] += torch.nn.functional.pad(p, (0, pad_c, pad_top, pad_r)).reshape(
-            hq, (r1 - r0 + pad_top + pad_r) // block, block, (r1 + pad_c) // block, block).sum((2, 4))
-        # the row maximum has p = 1 / z, so lse = s_max - log p_max (p_max >= 1/n: no underflow)
-        p_max, j_max = p.max(-1)
-        k_max = kq.gather(1, j_max[..., None].expand(-1, -1, d))
-        lse[:, r0:r1] = (q[:, r0:r1].float() * k_max).sum(-1) * scale - p_max.log()
-    return LayerSums(col, diag, tiles, lse, (r_start, r_stop))
+    """One exact pass over the query rows `rows` (default all): the sums the search needs (a lean
+    `workbench.analysis.stats.layer_stats` plus lse) -> `LayerSums`. `rows=(n - 64, n)` gives the answer
+    rows' sums. Triton on CUDA tensors (two passes over q.k), the reference (`chunk` rows at a time)
+    otherwise; see `workbench.analysis.stats.backend`."""
+    if use_triton(q):
+        from workbench_kernels import attn_stats
+
+        if attn_stats.pooling_supported(block):
+            return attn_stats.layer_sums(q, k, scale, block, rows)
+    return ref.layer_sums(q, k, scale, block, chunk, rows)
 
 
 @torch.no_grad()
@@ -152,38 +120,12 @@ def column_offset_mass(q: torch.Tensor, k: torch.Tensor, scale: float, lse: torc
 
     With `prefixes[i]` (ascending budgets), set i is read in preference order and its result is
     `[P, Hq, N]`: the sums of its first prefixes[i][0], [1], ... columns (nested budgets at the cost of
-    the largest)."""
-    hq, n, _ = q.shape
-    g = hq // k.shape[0]
-    r_start, rows = (0, n) if rows is None else (0, min(rows, n)) if isinstance(rows, int) else rows
-    nested = prefixes is not None
-    prefixes = prefixes or [[cols.shape[-1]] for cols in column_sets]
-    out = []
-    kf = k.float()
-    for cols, pre in zip(column_sets, prefixes):
-        cols = cols[:, :max(pre)].long()
-        levels = len(pre)
-        level = torch.searchsorted(torch.tensor(pre), torch.arange(cols.shape[-1]), right=True)  # [V]
-        valid = cols >= 0
-        all_valid = bool(valid.all())
-        safe = torch.where(valid, cols, 0)
-        level_offset = (level * (n + 1))[None, None, :]
-        keys = kf.repeat_interleave(g, 0).gather(1, safe[..., None].expand(-1, -1, kf.shape[-1]))  # [Hq, V, D]
-        acc = torch.zeros(hq, levels * (n + 1))
-        step = chunk or max(64, (1 << 22) // max(1, hq * cols.shape[-1]))  # ~4M probabilities at a time
-        for r0 in range(r_start, rows, step):
-            r1 = min(rows, r0 + step)
-            i = torch.arange(r0, r1)[None, :, None]
-            s = (q[:, r0:r1].float() @ keys.transpose(1, 2)).mul_(scale).sub_(lse[:, r0:r1, None])  # [Hq, C, V]
-            d = i - safe[:, None, :]
-            dead = d < 0
-            if not all_valid:
-                dead |= ~valid[:, None, :]
-            vals = s.masked_fill_(dead, float("-inf")).exp_()
-            slot = d.clamp_(min=0).add_(level_offset)  # dead entries add 0 wherever they land
-            acc.scatter_add_(1, slot.reshape(hq, -1), vals.reshape(hq, -1))
-        out.append(acc.view(hq, levels, n + 1)[:, :, :n].cumsum(1).transpose(0, 1))
-    return out if nested else [t[0] for t in out]
+    the largest). Triton on CUDA tensors, the reference (`chunk` rows at a time) otherwise."""
+    if use_triton(q):
+        from workbench_kernels import attn_stats
+
+        return attn_stats.column_offset_mass(q, k, scale, lse, column_sets, prefixes, rows)
+    return ref.column_offset_mass(q, k, scale, lse, column_sets, prefixes, rows, chunk)
 
 
 @dataclass

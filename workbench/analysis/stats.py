@@ -1,200 +1,109 @@
-"""Exact dense attention statistics, computed blockwise.
+"""Exact dense attention statistics of one layer: Triton kernels on the GPU, a PyTorch reference elsewhere.
 
-The softmax runs over the true causal row but only `chunk` query rows at a time, so memory holds
-`[H, chunk, N]` probabilities, never an n x n matrix per head. Every statistic is a reduction of
-those row chunks (`attention_rows`), which the pattern metrics reuse.
+`layer_stats` and `captured_mass` (and `metrics.layer_sums` / `metrics.column_offset_mass`) run the
+two-pass Triton kernels of `workbench_kernels.attn_stats` when q is on a CUDA device, and the blockwise
+PyTorch reference `workbench_kernels.attn_stats_ref` otherwise (same arguments, same results up to fp32
+summation order). `backend("triton")` forces the kernels (on the CPU they need TRITON_INTERPRET=1),
+`backend("torch")` the reference; the environment variable WORKBENCH_STATS_BACKEND sets the default.
+
+The kernel path pools the maps at a cell (ceil(N / resolution)) and a `block` that divide 64 or are
+larger than 64; other sizes (a cell of 20 or 48, say) run the reference. `captured_mass` runs the
+kernel when the index's tiles plus its token band (`Pattern.to_tiles`, `token_band`) keep exactly its
+logical edges (`edges`), or when the index says which tokens it keeps (`token_sets(n)`); otherwise
+the reference.
 """
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass
-from typing import Protocol
+import contextlib
+import os
+from collections.abc import Collection, Iterator
 
 import torch
 from tqdm.auto import tqdm
+from workbench_kernels import BLOCK
+from workbench_kernels import attn_stats_ref as ref
+from workbench_kernels.attn_stats_ref import MAPS, LayerStats, RowMasked, TokenRule, attention_rows
 
-_MASKED = -1e30  # finite "minus infinity": exp() underflows to exactly 0 and 0 * _MASKED stays finite
+__all__ = ["MAPS", "LayerStats", "RowMasked", "attention_rows", "backend", "captured_mass", "kernel_rule",
+           "layer_stats", "use_triton"]
 
-
-class RowMasked(Protocol):
-    """A sparse index that can say which keys each query row keeps."""
-
-    def row_mask(self, r0: int, r1: int, n: int) -> torch.Tensor:
-        """Bool `[H, r1 - r0, n]`: True where query row r0 + t keeps key j."""
-        ...
-
-
-def _check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
-    if q.dim() != 3 or k.dim() != 3 or q.shape[1:] != k.shape[1:] or q.shape[0] % k.shape[0]:
-        raise ValueError(f"expected q [Hq, N, D] and k [Hkv, N, D] with Hq a multiple of Hkv, "
-                         f"got q {tuple(q.shape)} and k {tuple(k.shape)}")
-    if q.shape[1] == 0:
-        raise ValueError("the capture is empty (N = 0): capture at least one token")
-    if not all(torch.isfinite(x).all() for x in (*torch.aminmax(q), *torch.aminmax(k))):  # NaN propagates
-        raise ValueError("q or k contains NaN/inf: check the model dtype (fp16 overflow?) and the capture")
+BACKENDS = ("auto", "triton", "torch")
+_backend = os.environ.get("WORKBENCH_STATS_BACKEND", "auto")
 
 
-def attention_rows(q: torch.Tensor, k: torch.Tensor, scale: float, chunk: int = 256, entropy: bool = False,
-                   rows: tuple[int, int] | None = None
-                   ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor | None]]:
-    """Yield (r0, r1, p, h) for query rows [r0, r1): p `[Hq, r1 - r0, r1]` fp32 causal softmax over
-    keys 0..r1-1 (zeros where j > i), contiguous; h `[Hq, r1 - r0]` row entropy in nats when `entropy`.
-
-    q `[Hq, N, D]`, k `[Hkv, N, D]`; query head h reads KV head h // (Hq // Hkv).
-    `rows=(start, stop)` walks only query rows [start, stop) (exact: each row still sees all its keys).
-    p lives in a buffer that the next chunk overwrites (no allocation per chunk): use or copy it
-    before advancing the iterator.
-    """
-    _check_qk(q, k)
-    Hq, n, d = q.shape
-    Hkv = k.shape[0]
-    g = Hq // Hkv
-    start, stop = (0, n) if rows is None else rows
-    if not 0 <= start < stop <= n:
-        raise ValueError(f"rows={rows} must satisfy 0 <= start < stop <= N = {n}: pick query rows inside the capture")
-    kt = k.float().transpose(1, 2)
-    width = min(chunk, stop - start)
-    scores = torch.empty(Hq * width * stop, device=q.device)
-    probs = torch.empty_like(scores) if entropy else None  # the entropy reads scores and p together
-    causal = torch.full((width, width), _MASKED, device=q.device).triu_(1)  # added to the diagonal block
-    for r0 in range(start, stop, chunk):
-        r1 = min(stop, r0 + chunk)
-        c = r1 - r0
-        s = scores[:Hq * c * r1].view(Hkv, g * c, r1)
-        torch.matmul((q[:, r0:r1].float() * scale).reshape(Hkv, g * c, d), kt[:, :, :r1], out=s)
-        s = s.view(Hq, c, r1)
-        s[:, :, r0:].add_(causal[:c, :c])  # |s| << 1e30: masked scores become exactly _MASKED
-        if not entropy:  # one fused pass per row, in place
-            yield r0, r1, torch.softmax(s, -1, out=s), None
-            continue
-        s.sub_(s.amax(-1, keepdim=True))  # s - max s <= 0 keeps the entropy's dot product well conditioned
-        p = torch.softmax(s, -1, out=probs[:Hq * c * r1].view(Hq, c, r1))
-        # H = log z - sum_j p_j (s_j - max s), and the row maximum has p = 1 / z; masked keys add 0 * -1e30 = 0
-        h = p.amax(-1).log_().neg_() - s.mul_(p).sum(-1)
-        yield r0, r1, p, h
+@contextlib.contextmanager
+def backend(name: str) -> Iterator[None]:
+    """Within the block, statistics run on `name`: "auto" (Triton for CUDA tensors, PyTorch otherwise),
+    "triton" (always the kernels) or "torch" (always the reference)."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"backend {name!r} is unknown: use one of {BACKENDS}")
+    previous, _backend = _backend, name
+    try:
+        yield
+    finally:
+        _backend = previous
 
 
-MAPS = ("max_map", "mean_map", "block_mass", "column_mass", "diag_mass", "row_entropy")
+def use_triton(q: torch.Tensor) -> bool:
+    """Whether the statistics of q run on the Triton kernels (see `backend`)."""
+    if _backend not in BACKENDS:
+        raise ValueError(f"WORKBENCH_STATS_BACKEND={_backend!r} is unknown: use one of {BACKENDS}")
+    return _backend == "triton" or (_backend == "auto" and q.is_cuda)
 
 
-@dataclass
-class LayerStats:
-    """Statistics of all query heads of one layer (fp32); a map that was not requested is None.
-
-    max_map / mean_map `[H, R, R]`: probability pooled over `cell` x `cell` squares (R = ceil(N / cell)).
-    block_mass `[H, M, M]`: probability mass of each `block` x `block` tile (sums over its rows).
-    column_mass `[H, N]`: mass each key receives, summed over rows. diag_mass `[H, N]`: mass at offset
-    i - j = d, summed over rows. row_entropy `[H, N]` in nats. All masses are in "rows": divide by N
-    for a fraction of the head's total attention.
-    """
-
-    n: int
-    cell: int
-    block: int
-    max_map: torch.Tensor | None
-    mean_map: torch.Tensor | None
-    block_mass: torch.Tensor | None
-    column_mass: torch.Tensor | None
-    diag_mass: torch.Tensor | None
-    row_entropy: torch.Tensor | None
-
-
-def diagonal_sums(p: torch.Tensor) -> torch.Tensor:
-    """The last C rows of a causal probability chunk `[H, C, W]` -> `[H, W]` sums by offset d = i - j.
-
-    Row t is query i = W - C + t. Viewing p with row stride W + 1 shifts row t right by t, which puts
-    offset d <= W - C of every row in column W - C - d; a product with ones sums those diagonals. The
-    larger offsets lie in the first C keys: the same view of that corner, left-padded by C zeros.
-    """
-    H, c, w = p.shape
-    p = p.contiguous()
-    ones = p.new_ones(H, 1, c)
-    near = p.as_strided((H, c, w - c + 1), (c * w, w + 1, 1), p.storage_offset())
-    corner = torch.nn.functional.pad(p[:, :, :c - 1], (c, 0))  # [H, C, 2C - 1]: key j at column C + j
-    far = corner.as_strided((H, c, c), (c * (2 * c - 1), 2 * c, 1))  # column x = C - (t - j)
-    return torch.cat([torch.matmul(ones, near)[:, 0].flip(-1), torch.matmul(ones, far)[:, 0, 1:].flip(-1)], -1)
-
-
-def _pool(x: torch.Tensor, rows: int, cols: int, reduce: Callable[..., torch.Tensor]) -> torch.Tensor:
-    """Reduce `[H, A, W]` over groups of `rows` rows, then of `cols` columns -> `[H, A / rows, W / cols]`.
-
-    Rows first: that reduction runs along contiguous rows (vectorised) and shrinks the data for the next."""
-    H, a, w = x.shape
-    if rows > 1:
-        x = reduce(x.view(H, a // rows, rows, w), dim=2)
-    return x if cols == 1 else reduce(x.view(H, a // rows, w // cols, cols), dim=3)
-
-
-def layer_stats(q: torch.Tensor, k: torch.Tensor, scale: float, resolution: int = 1024, block: int = 64,
+def layer_stats(q: torch.Tensor, k: torch.Tensor, scale: float, resolution: int = 1024, block: int = BLOCK,
                 chunk: int = 256, progress: bool = False, maps: Collection[str] = MAPS) -> LayerStats:
-    """The requested statistics (`maps`, a subset of `MAPS`) of one layer in one pass over row chunks.
+    """The requested statistics (`maps`, a subset of `MAPS`) of one layer, exact.
 
-    q `[Hq, N, D]`, k `[Hkv, N, D]`. `resolution` caps the pooled maps at R x R cells. Every map costs
-    passes over the `[Hq, chunk, N]` probabilities: request only those you read.
+    q `[Hq, N, D]`, k `[Hkv, N, D]`; query head h reads KV head h // (Hq // Hkv). `resolution` caps the
+    pooled maps at R x R cells (cell = ceil(N / resolution)). On the reference path `chunk` query rows
+    are in memory at a time (`[Hq, chunk, N]` fp32) and every map costs passes over them: request only
+    those you read; `progress` shows a bar there (the kernels take one launch per pass).
     """
-    _check_qk(q, k)
-    if resolution < 1 or block < 1:
-        raise ValueError(f"resolution and block must be >= 1, got resolution={resolution}, block={block}")
-    want = set(maps)
-    if not want or want - set(MAPS):
-        raise ValueError(f"maps={sorted(want)} must be a non-empty subset of {MAPS}")
-    Hq, n, _ = q.shape
-    cell = math.ceil(n / resolution)
-    unit = math.lcm(cell, block)
-    chunk = max(unit, chunk // unit * unit)
-    R, M = math.ceil(n / cell), math.ceil(n / block)
-    padded = math.ceil(n / unit) * unit  # maps are filled at the padded size, then cropped
-    Rp, Mp = padded // cell, padded // block
-    dev = q.device
-    shapes = {"max_map": (Rp, Rp), "mean_map": (Rp, Rp), "block_mass": (Mp, Mp), "column_mass": (n,),
-              "diag_mass": (n,), "row_entropy": (n,)}
-    out = LayerStats(n, cell, block, **{m: torch.zeros(Hq, *shapes[m], device=dev) if m in want else None for m in MAPS})
-    pooled = bool(want & {"max_map", "mean_map", "block_mass"})
-    nested = block % cell == 0  # block row sums are sums of cell row sums
-    rows = attention_rows(q, k, scale, chunk=chunk, entropy="row_entropy" in want)
-    for r0, r1, p, h in tqdm(rows, total=math.ceil(n / chunk), desc="stats", leave=False, disable=not progress):
-        if h is not None:
-            out.row_entropy[:, r0:r1] = h
-        if out.diag_mass is not None:
-            out.diag_mass[:, :r1] += diagonal_sums(p)
-        if pooled and r1 % unit:  # only the last chunk is ragged: pad it to whole cells and blocks
-            c, w = math.ceil((r1 - r0) / unit) * unit, math.ceil(r1 / unit) * unit
-            p = torch.nn.functional.pad(p, (0, w - r1, 0, c - (r1 - r0)))
-        c, w = p.shape[1:]
-        a, b = r0 // cell, w // cell  # this chunk's cells: rows a.., columns ..b
-        if out.max_map is not None:
-            out.max_map[:, a:a + c // cell, :b] = _pool(p, cell, cell, torch.amax)
-        sums = p  # the finest row sums computed so far: [Hq, c / rows, w]
-        if out.mean_map is not None or (nested and out.block_mass is not None):
-            sums = _pool(p, cell, 1, torch.sum)
-            if out.mean_map is not None:
-                out.mean_map[:, a:a + c // cell, :b] = _pool(sums, 1, cell, torch.sum)
-        if out.block_mass is not None:
-            sums = _pool(sums, block // cell, 1, torch.sum) if nested else _pool(p, block, 1, torch.sum)
-            out.block_mass[:, r0 // block:(r0 + c) // block, :w // block] = _pool(sums, 1, block, torch.sum)
-        if out.column_mass is not None:
-            out.column_mass[:, :r1] += sums.sum(1)[:, :r1]
-    if out.max_map is not None:
-        out.max_map = out.max_map[:, :R, :R].contiguous()
-    if out.mean_map is not None:  # mean over the in-range positions of each cell (the last cell may be smaller)
-        sizes = torch.full((R,), float(cell), device=dev)
-        sizes[-1] = n - (R - 1) * cell
-        out.mean_map = out.mean_map[:, :R, :R] / (sizes[:, None] * sizes[None, :])
-    if out.block_mass is not None:
-        out.block_mass = out.block_mass[:, :M, :M].contiguous()
-    return out
+    ref.check_qk(q, k)
+    want, cell = ref.stats_layout(q.shape[1], resolution, block, maps)
+    if use_triton(q):
+        from workbench_kernels import attn_stats
+
+        if (attn_stats.pooling_supported(cell) or not want & {"max_map", "mean_map"}) and (
+                attn_stats.pooling_supported(block) or "block_mass" not in want):
+            return attn_stats.layer_stats(q, k, scale, resolution, block, maps)
+    bar = (lambda chunks, total: tqdm(chunks, total=total, desc="stats", leave=False)) if progress else None
+    return ref.layer_stats(q, k, scale, resolution, block, chunk, bar, maps)
+
+
+def kernel_rule(index: RowMasked, n: int) -> TokenRule | None:
+    """The index as the captured-mass kernel reads it: its tiles plus its token band, or its own token
+    sets when it has `token_sets(n)` (keys, offsets, first; see `TokenRule`). None when the index has
+    no tiles (the reference reads `row_mask` only)."""
+    to_tiles = getattr(index, "to_tiles", None)
+    if to_tiles is None:
+        return None
+    tiles = to_tiles(n)
+    sets = getattr(index, "token_sets", None)
+    if sets is not None:
+        return TokenRule(tiles, *sets(n))
+    band = index.token_band() if hasattr(index, "token_band") else None
+    return TokenRule(tiles) if band is None else TokenRule.banded(tiles, band[0], band[1], n)
 
 
 def captured_mass(q: torch.Tensor, k: torch.Tensor, scale: float, index: RowMasked,
                   chunk: int = 256) -> torch.Tensor:
-    """Exact dense probability mass that `index` keeps, per query row: `[Hq, N]` in [0, 1]."""
-    Hq, n, _ = q.shape
-    out = torch.empty(Hq, n, device=q.device)
-    for r0, r1, p, _ in attention_rows(q, k, scale, chunk=chunk):
-        keep = index.row_mask(r0, r1, n)
-        if keep.shape != (Hq, r1 - r0, n):
-            raise ValueError(f"index.row_mask({r0}, {r1}, {n}) returned shape {tuple(keep.shape)}, "
-                             f"expected {(Hq, r1 - r0, n)}: build the index for all {Hq} query heads")
-        out[:, r0:r1] = (p * keep[:, :, :r1]).sum(-1)
-    return out
+    """Exact dense probability mass that `index` keeps, per query row: `[Hq, N]` in [0, 1].
+
+    The kernel path counts the tokens it kept per head; when that is not the index's logical edge
+    count (`edges(n)`: its tiles cover more than its mask, as Vertical-Slash pieces do) and the index
+    has no `token_sets`, the reference recomputes the mass from `row_mask`."""
+    ref.check_qk(q, k)
+    n = q.shape[1]
+    if use_triton(q):
+        rule = kernel_rule(index, n)
+        if rule is not None:
+            from workbench_kernels import attn_stats
+
+            mass, count = attn_stats.captured_mass(q, k, scale, rule)
+            if hasattr(index, "token_sets") or torch.equal(count.sum(1, dtype=torch.int64).cpu(),
+                                                           index.edges(n).cpu().long()):
+                return mass
+    return ref.captured_mass(q, k, scale, index, chunk)

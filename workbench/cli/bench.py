@@ -14,6 +14,7 @@ import argparse
 import importlib
 
 BENCHMARKS = {  # what: (module, one-line help)
+    "analysis": ("workbench_benchmarks.analysis", "GPU: statistics and search scoring of one layer vs dense SDPA, random q/k/v"),
     "kernels": ("workbench_benchmarks.kernels_prefill",
                 "GPU: sparse prefill kernels (index + Triton kernel) vs dense SDPA and FlexAttention, synthetic q/k/v"),
     "prefill": ("workbench_benchmarks.prefill_e2e",
