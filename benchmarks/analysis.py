@@ -22,12 +22,14 @@ from collections.abc import Callable
 from typing import Any
 
 SHAPE = (32, 8, 128)  # Llama-3-8B attention: query heads, KV heads, head_dim
-PARTS = ("layer",)
+PARTS = ("layer", "model")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--part", choices=PARTS, default="layer", help="what to measure (default layer: one attention "
-                   "layer at each length)")
+    from workbench_benchmarks.analysis_model import add_model_arguments
+
+    p.add_argument("--part", choices=PARTS, default="layer", help="what to measure: layer (default: one attention "
+                   "layer at each of --lengths) or model (a whole random-weight model at each of --points)")
     p.add_argument("--lengths", default="16384,32768,65536,131072", help="comma-separated sequence lengths "
                    "(default 16384,32768,65536,131072)")
     p.add_argument("--budget-ms", type=float, default=3000.0,
@@ -37,8 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "warps, stages) and pass 2 (walk order, tiles per program, warps, stages) at the first of --lengths")
     p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a dry run under TRITON_INTERPRET=1 "
                    "at tiny lengths)")
-    p.add_argument("--out", default="reports/bench/analysis_layer.json", help="JSON output path "
-                   "(default reports/bench/analysis_layer.json)")
+    p.add_argument("--out", default="reports/benchmarks/analysis.json", help="JSON output path: each part writes its "
+                   "own key (layer, whole_model) and keeps the others (default reports/benchmarks/analysis.json)")
+    add_model_arguments(p)
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -57,7 +60,24 @@ def run(args: argparse.Namespace) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
     elif args.device != "cuda":
         raise ValueError(f"--device {args.device!r}: use cuda, or cpu for a dry run")
+    if args.part == "model":
+        from workbench_benchmarks.analysis_model import run as model_part
+
+        return model_part(args)
     return layer_part(args, lengths)
+
+
+def write_part(path: str, key: str, result: dict[str, Any]) -> None:
+    """Put one part's `result` under `key` of the JSON at `path` (atomic), keeping the other parts."""
+    import json
+    from pathlib import Path
+
+    from workbench.core.io import write_json
+
+    p = Path(path)
+    data = json.loads(p.read_text()) if p.exists() else {}
+    data[key] = result
+    write_json(p, data)
 
 
 def peak_gb(fn: Callable[[], Any], cuda: bool) -> float | None:
@@ -78,7 +98,6 @@ def peak_gb(fn: Callable[[], Any], cuda: bool) -> float | None:
 def layer_part(args: argparse.Namespace, lengths: list[int]) -> int:
     import torch
 
-    from workbench.core.io import write_json
     from workbench.core.timing import environment
 
     cuda = args.device == "cuda"
@@ -93,13 +112,13 @@ def layer_part(args: argparse.Namespace, lengths: list[int]) -> int:
           f"{'peak GB stats/scores':>21}  parts ms: lse / sums / layer_sums / overlap")
     if args.sweep:
         report["sweep"] = sweep(lengths[0], args, dtype)
-        write_json(args.out, report)
+        write_part(args.out, "layer", report)
         print(f"wrote {args.out}")
         return 0
     for n in lengths:
         row = layer_row(n, args, dtype)
         report["rows"].append(row)
-        write_json(args.out, report)  # rows are kept as they are measured
+        write_part(args.out, "layer", report)  # rows are kept as they are measured
         peaks = "/".join("-" if row[x]["peak_gb"] is None else f"{row[x]['peak_gb']:.2f}" for x in ("stats", "scores"))
         print(f"{n:>7} {row['dense']['median_ms']:>9.2f} {row['stats']['median_ms']:>9.1f} "
               f"{row['stats']['ratio_to_dense']:>6.2f} {row['scores']['median_ms']:>10.1f} "

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 FULL_LAYERS = 32
@@ -34,6 +33,14 @@ GIB = 2 ** 30
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of this part alone (`python -m workbench_benchmarks.analysis_model`)."""
+    add_model_arguments(p)
+    p.add_argument("--device", default=None, help="cuda (default when present) or cpu for a smoke run")
+    p.add_argument("--out", default="reports/benchmarks/analysis.json", help="JSON file (key whole_model)")
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags `workbench bench analysis --part model` adds to the shared ones (--device, --out)."""
     p.add_argument("--points", default="131072:32,1048576:4",
                    help="comma-separated n:layers (prompt length : decoder layers run); default 131072:32,1048576:4")
     p.add_argument("--shape", default=SHAPE, help=f"named shape or config.json of the random model (default {SHAPE})")
@@ -42,8 +49,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stop adding layers when the next would end later than this many seconds after the start")
     p.add_argument("--model-forward-max", type=int, default=131072,
                    help="also time the model's own forward (transformers, all layers at once) up to this length")
-    p.add_argument("--device", default=None, help="cuda (default when present) or cpu for a smoke run")
-    p.add_argument("--out", default="assets/benchmarks/analysis_scale_h200.json", help="JSON file (key whole_model)")
 
 
 def _points(text: str) -> list[tuple[int, int]]:
@@ -164,9 +169,9 @@ def _summarise(dense: dict, ana: dict | None) -> dict[str, Any]:
 
 def run(argv: list[str] | argparse.Namespace | None = None) -> int:
     import torch
+    from workbench_benchmarks.analysis import write_part
 
     from workbench.core.device import resolve_device
-    from workbench.core.io import write_json
     from workbench.core.model import ModelError
     from workbench.core.shapes import random_model, resolve_shape
     from workbench.core.stream import check_memory, default_chunk
@@ -244,10 +249,10 @@ def run(argv: list[str] | argparse.Namespace | None = None) -> int:
         print(json.dumps({k: row.get(k) for k in ("n", "summary", "error", "skipped", "analysis_skipped")},
                          default=str), flush=True)
         del ids
-        _write(args.out, result, write_json)
+        write_part(args.out, "whole_model", result)
     result["bars"] = _bars(result["points"])
     result["elapsed_s"] = round(args.deadline_s - clock.left(), 1)
-    _write(args.out, result, write_json)
+    write_part(args.out, "whole_model", result)
     print(json.dumps(result["bars"], indent=1))
     return 0
 
@@ -265,14 +270,6 @@ def _bars(points: list[dict[str, Any]]) -> dict[str, Any]:
             "search_evidence_minutes_32_layers": round(s["search_evidence_minutes"], 2),
             "search_evidence_bar_30_min": s["search_evidence_minutes"] <= 30,
             "longest_measurement_s": round(longest, 1), "measurement_bar_600_s": longest <= 600}
-
-
-def _write(path: str, result: dict[str, Any], write_json) -> None:
-    """Put `result` under "whole_model" in the JSON at `path`, keeping its other keys."""
-    p = Path(path)
-    data = json.loads(p.read_text()) if p.exists() else {}
-    data["whole_model"] = result
-    write_json(p, data)
 
 
 if __name__ == "__main__":
