@@ -167,18 +167,16 @@ def _pool_tile(p, whole, OUT, m, kb, R, BLOCK: tl.constexpr, CELL: tl.constexpr,
 @triton.jit
 def _tile_probs(q, kbase, LSE2, hN, m, kb, ROW0, ROW1, N, qk_scale, skn, dims, r,
                 D: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr):
-    """p `[BLOCK, BLOCK]` of rows m*BLOCK.. and keys kb*BLOCK.. (0 outside causal rows [ROW0, ROW1))."""
+    """p `[BLOCK, BLOCK]` of rows m*BLOCK.. and keys kb*BLOCK.. (0 outside causal rows [ROW0, ROW1)).
+    Always masked: a branch on the tile's position around the dot breaks Triton 3.6's software pipeliner."""
     rows = m * BLOCK + r
     keys = kb * BLOCK + r
     k = tl.load(kbase + keys[:, None] * skn + dims[None, :], mask=(keys[:, None] < N) & (dims[None, :] < D), other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PREC)
-    if (kb < m) & (m * BLOCK >= ROW0) & (m * BLOCK + BLOCK <= ROW1):  # below the diagonal, every row in range
-        p = tl.math.exp2(s * qk_scale - tl.load(LSE2 + hN + rows)[:, None])
-    else:
-        row_ok = (rows >= ROW0) & (rows < ROW1)
-        lse = tl.load(LSE2 + hN + rows, mask=row_ok, other=0.0)
-        keep = row_ok[:, None] & (keys[None, :] <= rows[:, None])
-        p = tl.where(keep, tl.math.exp2(s * qk_scale - lse[:, None]), 0.0)
+    row_ok = (rows >= ROW0) & (rows < ROW1)
+    lse = tl.load(LSE2 + hN + rows, mask=row_ok, other=0.0)
+    keep = row_ok[:, None] & (keys[None, :] <= rows[:, None])
+    p = tl.where(keep, tl.math.exp2(s * qk_scale - lse[:, None]), 0.0)
     return p
 
 
