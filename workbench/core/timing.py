@@ -123,6 +123,9 @@ def _version(package: str) -> str | None:
 
 
 def _commit() -> str | None:
+    """The checkout's commit; $WORKBENCH_COMMIT where a copy of the tree runs whose .git says otherwise (the GPU machine)."""
+    if os.environ.get("WORKBENCH_COMMIT"):
+        return os.environ["WORKBENCH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
                              cwd=os.path.dirname(os.path.abspath(__file__)))
