@@ -73,7 +73,31 @@ def test_vs_tiles_kernel_equals_reference_conversion(n, block, width):
     ref = vs_to_tiles(cols, offs, n, block, width=width)
     assert torch.equal(fast.block_count.cpu(), ref.block_count)
     assert torch.equal(fast.column_count.cpu(), ref.column_count)
+    assert fast.disjoint and ref.disjoint
+    ns = ref.block_offset.shape[-1]  # the exact widest row block
+    live = torch.arange(ns) < ref.block_count.unsqueeze(-1)
+    assert torch.equal(torch.where(live, fast.block_offset.cpu()[..., :ns], -1), ref.block_offset)
     assert torch.equal(tiles_to_mask(fast, n).cpu(), tiles_to_mask(ref, n))
+
+
+@pytest.mark.parametrize("block,width", [(64, 0), (128, 64), (128, 0)])
+def test_vs_cover_kernel_places_the_reference_pieces(block, width):
+    """The Triton cover (one program per head, resets found by fixed-point iteration) writes the same
+    piece ends and covered d's as `vs_pieces`' greedy cover by pointer doubling, on offsets whose gaps
+    sit around the row block (where a range's overhang decides whether the next range restarts)."""
+    from workbench_kernels.index_build import vs_cover
+    from workbench_kernels.index_ref import vs_pieces
+
+    w = width or block
+    g = torch.Generator().manual_seed(block + w)
+    gaps = torch.randint(block - 3, block + w + 3, (2, 3, 40), generator=g)
+    gaps[..., ::7] = torch.randint(0, 10, gaps[..., ::7].shape, generator=g)
+    offs = torch.cat([gaps.cumsum(-1), torch.full((2, 3, 2), -1), torch.randint(0, 9, (2, 3, 4), generator=g)], -1)
+    n = int(offs.max()) - 40  # some offsets >= n
+    ends, covered = vs_cover(offs.to(DEV), n, block, width)
+    ref_ends, ref_covered = vs_pieces(offs, n, block, static=True, width=width)
+    assert torch.equal(ends.cpu(), ref_ends)
+    assert torch.equal(covered.cpu().bool(), ref_covered)
 
 
 @pytest.mark.parametrize("n", [1, 130, 256])
