@@ -1,8 +1,9 @@
 """The GPU lane (`make gpu-check` on the GPU machine): the kernel tests (bf16 on CUDA), every other
 `gpu`-marked test, and the notebooks on the GPU, as three pytest runs ("lanes"), shortest first, within one
-time budget (the kernels lane as 4 pytest processes side by side, so that its cold Triton compiles overlap). Writes one JSON (default assets/benchmarks/gpu_check.json) with the GPU, driver, versions, the
-exact commands, pass/fail per test, the quality / latency / parity figures the tests measured and `green`;
-the JSON is rewritten as each lane ends, so a lane that runs out of time still leaves the others.
+time budget (the kernels lane as 4 pytest processes side by side, so that its cold Triton compiles overlap).
+Writes one JSON (default assets/benchmarks/gpu_check.json) with the GPU, driver, versions, the exact
+commands, pass/fail per test, the quality / latency / parity figures the tests measured and `green`; the
+JSON is rewritten as each lane ends, so a lane that runs out of time still leaves the others.
 
 --budget S (less one grace period) is split across the lanes in proportion to their estimated times; time
 a lane leaves unused goes to the lanes after it. Inside a lane every test has a time limit
