@@ -285,18 +285,11 @@ def _block_topk_kernel(Score, Budget, Out, M, H, K, R: tl.constexpr, NPAD: tl.co
 
 
 @torch.no_grad()
-def block_index(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100, block: int = 64,
-                group_shared: bool = False) -> torch.Tensor:
-    """Block-sparse index of every head of a layer: the selection of `workbench.patterns.block_proxy`
-    (64-token mean-pooled q.k, block-causal, diagonal forced, top-k; `topk` an int or Long `[Hq]`)
-    -> Int32 `[B, Hq, M, max topk]`, ascending, -1 padded.
-
-    Pools bf16/fp16 inputs with fp32 accumulation (no fp32 copy of q and k), scores all heads with one
-    grouped fp32 matmul, then each Triton program selects the blocks of several query blocks from their
-    score rows (exact k-th value by bisection, no sort, no host sync). On the CPU without the Triton interpreter
-    the selection is `topk.top_blocks` (the same blocks). `group_shared`: one table per KV head
-    (`[B, Hkv, M, K]`, InfLLM-V2 style) from the pooled scores added over its G query heads (budget:
-    the group's largest), for the GQA-packed kernel."""
+def pooled_scores(q: torch.Tensor, k: torch.Tensor, block: int = 64, group_shared: bool = False) -> torch.Tensor:
+    """Block scores of every head of a layer, Float32 `[B, Hq (Hkv if group_shared), M, M]`: 64-token
+    means of q and k (bf16/fp16 pooled with fp32 accumulation, no fp32 copy of q and k; a last partial
+    block averages its own tokens), one grouped fp32 matmul; group_shared: summed over each KV head's
+    G query heads."""
     if q.dim() != 4 or k.dim() != 4 or q.shape[1] % k.shape[1]:
         raise ValueError(f"q must be [B, Hq, N, D] and k [B, Hkv, N, D] with Hq a multiple of Hkv; "
                          f"got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -313,19 +306,43 @@ def block_index(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100
     qp, kp = pool(q), pool(k)  # [B, H, M, D]
     M = qp.shape[2]
     score = (qp.view(B, Hkv, (Hq // Hkv) * M, D) @ kp.transpose(-1, -2)).view(B, Hq, M, M)
-    k_max, per_head = budget(topk, Hq, "topk")
-    if group_shared:
-        score = score.unflatten(1, (Hkv, -1)).sum(2)
-        per_head = per_head.view(Hkv, -1).amax(1) if per_head is not None else None
-    H = score.shape[1]
-    kernel = q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return score.unflatten(1, (Hkv, -1)).sum(2) if group_shared else score
+
+
+@torch.no_grad()
+def select_blocks(score: torch.Tensor, topk: int | torch.Tensor = 100) -> torch.Tensor:
+    """Per query block its diagonal plus the best causal key blocks of `pooled_scores` `[B, H, M, M]`,
+    `topk` in all (an int, or Long per query head: tables per KV head take their group's largest)
+    -> Int32 `[B, H, M, max topk]`, ascending, -1 padded. Each Triton program selects several query
+    blocks (exact k-th value by bisection, no sort, no host sync); on the CPU without the Triton
+    interpreter `topk.top_blocks` (the same blocks)."""
+    B, H, M, _ = score.shape
+    n_budgets = torch.as_tensor(topk).numel()
+    if n_budgets > 1 and n_budgets % H:
+        raise ValueError(f"topk has {n_budgets} budgets: give one, or one per query head (a multiple of {H})")
+    k_max, per_head = budget(topk, max(n_budgets, H) if n_budgets > 1 else H, "topk")
+    if per_head is not None:
+        per_head = per_head.view(H, -1).amax(1)  # tables per KV head: the group's largest
+    kernel = score.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
     if not kernel or k_max == 0 or M > MAX_TOPK_BLOCKS:
         return top_blocks(score, k_max, per_head)
-    budgets = (per_head if per_head is not None else torch.full((H,), k_max)).to(q.device, torch.int32)
-    out = torch.empty(B, H, M, k_max, dtype=torch.int32, device=q.device)
+    budgets = (per_head if per_head is not None else torch.full((H,), k_max)).to(score.device, torch.int32)
+    out = torch.empty(B, H, M, k_max, dtype=torch.int32, device=score.device)
     npad = triton.next_power_of_2(M)
     rows = max(1, min(16, 8192 // npad))  # query blocks per program: ~8K scores in registers
     _block_topk_kernel[(B * H * triton.cdiv(M, rows),)](score.contiguous(), budgets, out, M, H, k_max, R=rows,
                                                         NPAD=npad, KPAD=triton.next_power_of_2(k_max),
                                                         num_warps=4 if rows * npad <= 4096 else 8)
     return out
+
+
+@torch.no_grad()
+def block_index(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100, block: int = 64,
+                group_shared: bool = False) -> torch.Tensor:
+    """Block-sparse index of every head of a layer: the selection of `workbench.patterns.block_proxy`
+    (64-token mean-pooled q.k, block-causal, diagonal forced, top-k; `topk` an int or Long `[Hq]`)
+    -> Int32 `[B, Hq, M, max topk]`, ascending, -1 padded: `select_blocks(pooled_scores(...))`.
+    `group_shared`: one table per KV head (`[B, Hkv, M, K]`, InfLLM-V2 style) from the pooled scores
+    added over its G query heads (budget: the group's largest), for the GQA-packed kernel."""
+    budget(topk, q.shape[1], "topk")  # a per-head budget must match the query heads
+    return select_blocks(pooled_scores(q, k, block, group_shared), topk)

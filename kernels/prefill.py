@@ -48,8 +48,11 @@ def _pieces(q, Kbase, Vbase, kdesc, vdesc, Offsets, lo, hi, n_blk, rows, N, sink
     piece, causal, sink/window); else no mask but, with CUT, the cut where a piece overlaps the next.
     TMA: K/V through tensor descriptors over this KV head's [N, D] rows (rows outside [0, N) read as
     zeros), else pointer loads. WS: warp-specialised loop (Hopper/Blackwell; the unmasked run only)."""
+    p = tl.load(Offsets + lo, mask=lo < n_blk, other=0)
     for t in tl.range(lo, hi, warp_specialize=WS and not MASK):
-        p = tl.load(Offsets + t)
+        # the next start, carried as a value: K/V addresses then never wait on a load of this iteration,
+        # so the pipeliner can prefetch the tiles num_stages - 1 pieces ahead
+        nxt = tl.load(Offsets + t + 1, mask=t + 1 < n_blk, other=1 << 30)
         keys = p + lanes
         if MASK:
             in_seq = (keys >= 0) & (keys < N)
@@ -58,7 +61,6 @@ def _pieces(q, Kbase, Vbase, kdesc, vdesc, Offsets, lo, hi, n_blk, rows, N, sink
             else:
                 k = tl.load(Kbase + keys[:, None] * skn + dims[None, :], mask=in_seq[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k))
-            nxt = tl.load(Offsets + t + 1, mask=t + 1 < n_blk, other=1 << 30)
             keep = in_seq[None, :] & (keys[None, :] < nxt) & (keys[None, :] <= rows[:, None])
             if HAS_WINDOW:
                 keep = keep & ((rows[:, None] - keys[None, :] < window[:, None]) | (keys[None, :] < sink[:, None]))
@@ -74,7 +76,6 @@ def _pieces(q, Kbase, Vbase, kdesc, vdesc, Offsets, lo, hi, n_blk, rows, N, sink
                 k = tl.load(Kbase + keys[:, None] * skn + dims[None, :])
             s = tl.dot(q, tl.trans(k))
             if CUT:
-                nxt = tl.load(Offsets + t + 1, mask=t + 1 < n_blk, other=1 << 30)
                 if p + BLOCK_N > nxt:
                     s = tl.where(keys[None, :] < nxt, s, float("-inf"))
             if TMA:
@@ -82,6 +83,7 @@ def _pieces(q, Kbase, Vbase, kdesc, vdesc, Offsets, lo, hi, n_blk, rows, N, sink
             else:
                 v = tl.load(Vbase + keys[:, None] * svn + dims[None, :])
         m_i, l_i, acc = _online_update(s, qk_scale, v, m_i, l_i, acc)
+        p = nxt
     return m_i, l_i, acc
 
 
@@ -126,9 +128,12 @@ def _row_block(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount, ColumnInde
     tile = bh * M + m
     # Vertical columns: packed strips, every column < m * BLOCK (strictly causal).
     n_col = tl.load(ColumnCount + tile)
+    cols = ColumnIndex + tile.to(tl.int64) * NC
+    col_next = tl.load(cols + lanes, mask=lanes < n_col, other=0)
     for c0 in range(0, n_col, BLOCK_N):
         ok = c0 + lanes < n_col
-        col = tl.load(ColumnIndex + tile.to(tl.int64) * NC + c0 + lanes, mask=ok, other=0)
+        col = col_next  # loaded one strip ahead, as the pieces' starts below
+        col_next = tl.load(cols + c0 + BLOCK_N + lanes, mask=c0 + BLOCK_N + lanes < n_col, other=0)
         k = tl.load(Kbase + col[:, None] * skn + dims[None, :], mask=ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k))
         s = tl.where(ok[None, :], s, float("-inf"))
@@ -172,8 +177,8 @@ def _row_block(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount, ColumnInde
                                 window, qk_scale, m_i, l_i, acc, skn, svn, dims, lanes, BLOCK_N, True, False,
                                 HAS_WINDOW, TMA, WS)
     else:
+        p = tl.load(BlockOffset + base, mask=n_blk > 0, other=0)
         for t in range(0, n_blk):
-            p = tl.load(BlockOffset + base + t)
             nxt = tl.load(BlockOffset + base + t + 1, mask=t + 1 < n_blk, other=1 << 30)
             keys = p + lanes
             in_seq = (keys >= 0) & (keys < N)
@@ -189,6 +194,7 @@ def _row_block(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount, ColumnInde
                 s = tl.where(keep, s, float("-inf"))
             v = tl.load(Vbase + keys[:, None] * svn + dims[None, :], mask=in_seq[:, None], other=0.0)
             m_i, l_i, acc = _online_update(s, qk_scale, v, m_i, l_i, acc)
+            p = nxt
     out = acc / l_i[:, None]
     row_ok = rows < N
     if TMA and PACK == 1:
@@ -230,21 +236,23 @@ def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount
                    D, BLOCK, BLOCK_N, PACK, ROWS, HAS_WINDOW, SPLIT, CUT, TMA, WS)
 
 
-def loop_variant(pack: int, columns: bool, hopper: bool) -> tuple[bool, bool]:
+def loop_variant(pack: int, columns: bool, hopper: bool, head_dim: int = 128) -> tuple[bool, bool]:
     """(split, tma) that ran fastest on the H200 (bf16, 32/8/128, 64K and 128K; kernels/NOTES.md):
-    GQA-packed programs over tiles without columns (block-sparse, A-shape): the single loop; per-head
-    programs over tiles with columns (Vertical-Slash): split with pointer loads; the rest (per-head
-    block-sparse and A-shape, packed Vertical-Slash): split with TMA loads where there is TMA."""
-    if pack > 1 and not columns:
+    GQA-packed programs over tiles without columns (block-sparse, A-shape): the single loop (split at
+    head_dim 256, where the single loop's three stages overflow shared memory); per-head programs over
+    tiles with columns (Vertical-Slash): split with pointer loads; the rest (per-head block-sparse and
+    A-shape, packed Vertical-Slash): split with TMA loads where there is TMA."""
+    if pack > 1 and not columns and head_dim <= 128:
         return False, False
     return True, hopper and not (pack == 1 and columns)
 
 
 def default_config(d: int, rows: int, pack: int) -> tuple[int, int]:
-    """(num_warps, num_stages) per program shape: 4 warps for 64-row programs of head_dim <= 128, else
-    8; 3 stages up to head_dim 128 (the H200 sweep's best), 2 at 256 (three K/V stages of 256-wide
-    rows overflow the 227 KB of shared memory)."""
-    return (4 if pack * rows == 64 and d <= 128 else 8), (3 if d <= 128 else 2)
+    """(num_warps, num_stages) per program shape: 4 warps for 64-row programs of head_dim <= 128, else 8;
+    3 stages: K/V tiles load two pieces ahead (2 stages load the next piece only after this one's math,
+    no overlap). Shared memory at 3 stages (Triton 3.9, sm_90): 64 rows x 128 dims 112 KB (two programs
+    per SM), 128 rows 128 KB, 64 rows x 256 dims 224 KB (of 227)."""
+    return (4 if pack * rows == 64 and d <= 128 else 8), 3
 
 
 def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -305,7 +313,7 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
         raise ValueError("give both sink and window (per-head A-shape mask) or neither")
     hopper = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 9
     columns = tiles.column_index.shape[-1] > 1 and window is None  # Vertical-Slash column lists (a static width)
-    auto_split, auto_tma = loop_variant(pack, columns, hopper)
+    auto_split, auto_tma = loop_variant(pack, columns, hopper, D)
     split = auto_split if split is None else split
     tma = (auto_tma and split) if tma is None else tma
     if tma and not (split and (q.device.type != "cuda" or hopper)):

@@ -1,0 +1,75 @@
+"""The Triton kernels compile for the H200 (sm_90) on any machine, and their default configurations fit its
+shared memory: Triton's own compiler pipeline ahead of time (`triton.compile` for a `GPUTarget`, with the
+ptxas the triton wheel ships), no GPU needed. Catches what the CPU interpreter cannot: layout and lowering
+errors, TMA descriptors, software pipelining (K/V tiles two pieces ahead) and shared-memory overflows."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from workbench_kernels.index_build import _block_topk_kernel, _expand_tiles_kernel, _vs_cover_kernel
+from workbench_kernels.prefill import _sparse_prefill_kernel, default_config
+
+SM90 = GPUTarget("cuda", 90, 32)
+SMEM_SM90 = 232448  # bytes of shared memory one H100 / H200 program may use
+PREFILL_PTRS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "BlockCount": "*i32",
+                "BlockOffset": "*i32", "ColumnCount": "*i32", "ColumnIndex": "*i32", "Sink": "*i32", "Window": "*i32",
+                "Order": "*i32"}
+STRIDES = ("sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "sob", "soh", "son")
+
+
+def compile_sm90(fn, types: dict[str, str], constants: dict[str, object], aligned: tuple[str, ...], num_warps: int,
+                 num_stages: int = 3):
+    """`fn` compiled for sm_90: pointers and `aligned` integers 16-divisible (as torch tensors and their
+    strides are at run time), other arguments i32 unless `types` says otherwise."""
+    signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in fn.arg_names}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = ASTSource(fn, signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def loop_waits(ttgir: str) -> list[list[int]]:
+    """Per scf.for loop with async copies: the `num` of its async_wait ops (pending copy groups allowed)."""
+    loops = []
+    for body in ttgir.split("scf.for")[1:]:
+        body = body.split("scf.yield")[0]
+        if "async_copy_global_to_local" in body:
+            loops.append([int(x) for x in re.findall(r"async_wait[^{]*\{num = (\d+)", body)])
+    return loops
+
+
+@pytest.mark.parametrize("d,pack,rows,block,piece,split,tma,window,persistent", [
+    (128, 1, 64, 64, 64, True, False, False, False),  # Vertical-Slash per head (the default)
+    (128, 1, 64, 64, 64, True, True, True, True),  # A-shape per head, TMA, persistent
+    (128, 4, 32, 64, 64, False, False, False, False),  # block-sparse GQA-packed (the default)
+    (128, 1, 128, 128, 64, True, False, False, False),  # 128-row tiles over 64-wide pieces
+    (256, 1, 64, 64, 64, True, True, True, False),  # Gemma-3 head_dim 256, per head
+    (256, 4, 16, 64, 64, True, False, True, False),  # head_dim 256, GQA-packed (split: `loop_variant`)
+    (64, 1, 64, 64, 64, True, False, False, False),  # the embedded model's head_dim
+])
+def test_prefill_kernel_compiles_for_sm90_within_shared_memory(d, pack, rows, block, piece, split, tma, window,
+                                                                persistent):
+    warps, stages = default_config(d, rows, pack)
+    kernel = compile_sm90(_sparse_prefill_kernel, {**PREFILL_PTRS, "qk_scale": "fp32"},
+                          dict(D=d, BLOCK=block, BLOCK_N=piece, PACK=pack, ROWS=rows, HAS_WINDOW=window,
+                               LONGEST_FIRST=True, SPLIT=split, CUT=False, TMA=tma, WS=False, PERSISTENT=persistent),
+                          (*PREFILL_PTRS, *STRIDES), warps, stages)
+    assert kernel.metadata.shared <= SMEM_SM90
+    if not tma:  # cp.async K/V tiles: every piece loop keeps the next pieces' copies in flight
+        waits = loop_waits(kernel.asm["ttgir"])
+        assert waits and all(w and min(w) >= 1 for w in waits), waits
+
+
+def test_index_kernels_compile_for_sm90():
+    """The VS cover, tile expansion and block top-k kernels at the sizes a 128K-token layer gives them."""
+    compile_sm90(_vs_cover_kernel, {"Offs": "*i32", "Ends": "*i32", "Covered": "*i8"},
+                 dict(B_ROW=64, W=64, KPAD=8192), ("Offs", "Ends", "Covered"), 16)
+    compile_sm90(_expand_tiles_kernel, {name: "*i32" for name in ("Ends", "Hi", "Cols", "BlockCount", "BlockOffset",
+                                                                  "ColumnCount", "ColumnIndex")} | {"Covered": "*i8"},
+                 dict(BLOCK=64, CHUNK=256), ("Ends", "Hi", "Covered", "Cols"), 4)
+    compile_sm90(_block_topk_kernel, {"Score": "*fp32", "Budget": "*i32", "Out": "*i32"},
+                 dict(R=4, NPAD=2048, KPAD=128), ("Score", "Budget", "Out"), 8)
