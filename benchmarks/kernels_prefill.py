@@ -424,7 +424,9 @@ def run(args: argparse.Namespace) -> int:
 def load_minference(path: str) -> dict:
     """MInference's Triton kernels from a local source checkout (its `minference/ops` files, never copied
     into this repo) and, when `csrc/` is there and a CUDA compiler works, its VS index conversion built
-    with torch's cpp_extension. Returns {"block": module, "vs": module, "convert": fn | None, "note"}."""
+    with torch's cpp_extension in a background thread (nvcc takes ~1 minute; the benchmark goes on
+    meanwhile). Returns {"block": module, "vs": module, "convert": Future of (fn | None, note, seconds)}."""
+    import concurrent.futures
     import importlib
     import types
     from pathlib import Path
@@ -435,27 +437,35 @@ def load_minference(path: str) -> dict:
     if not all(f.exists() for f in need):
         raise ValueError(f"--minference {path}: expected a MInference source checkout with {need[0].relative_to(root)} "
                          f"and {need[1].relative_to(root)}; clone github.com/microsoft/MInference and pass its root")
-    convert, note = None, "no csrc/ in the checkout: MInference's kernel ran on our VS tiles"
     csrc = root / "csrc"
-    if (csrc / "vertical_slash_index.cu").exists():
+
+    def build():
+        t0 = time.time()
+        if not (csrc / "vertical_slash_index.cu").exists():
+            return None, "no csrc/ in the checkout: MInference's kernel ran on our VS tiles", 0.0
         try:
             from torch.utils.cpp_extension import load
 
             ext = load("minference_vs_index", [str(csrc / "kernels.cpp"), str(csrc / "vertical_slash_index.cu")],
                        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90"], verbose=False)
-            convert, note = ext.convert_vertical_slash_indexes, "MInference's own VS index conversion (CUDA extension)"
+            return (ext.convert_vertical_slash_indexes, "MInference's own VS index conversion (CUDA extension)",
+                    time.time() - t0)
         except Exception as e:  # noqa: BLE001 - fall back to our tiles, say why
-            note = f"CUDA extension build failed ({type(e).__name__}: {str(e)[:200]}): MInference's kernel ran on our VS tiles"
+            return (None, f"CUDA extension build failed ({type(e).__name__}: {str(e)[:200]}): MInference's kernel "
+                          f"ran on our VS tiles", time.time() - t0)
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    convert = pool.submit(build)
+    pool.shutdown(wait=False)
     for name, sub in (("minference", root / "minference"), ("minference.ops", ops)):
         pkg = types.ModuleType(name)
         pkg.__path__ = [str(sub)]  # a namespace: its __init__ (which imports the whole package) never runs
         sys.modules[name] = pkg
     cuda = types.ModuleType("minference.cuda")
-    cuda.convert_vertical_slash_indexes = convert
+    cuda.convert_vertical_slash_indexes = None  # imported by pit_sparse_flash_attention_v2; the kernel never calls it
     sys.modules["minference.cuda"] = cuda
     return {"block": importlib.import_module("minference.ops.block_sparse_flash_attention"),
-            "vs": importlib.import_module("minference.ops.pit_sparse_flash_attention_v2"),
-            "convert": convert, "note": note}
+            "vs": importlib.import_module("minference.ops.pit_sparse_flash_attention_v2"), "convert": convert}
 
 
 def agreement(a, b) -> dict:
@@ -486,7 +496,7 @@ def compiles_apart(kwargs: dict, d: int) -> str | None:
 def compare_minference(args: argparse.Namespace) -> int:
     """Ours vs MInference's kernels on the same indices, for each shape of --shapes and length of --lengths:
     dense SDPA; block-sparse (per-head and group-shared tables; index: pooled scores + selection beside
-    MInference's pool + topk); A-shape (4 tile shapes, ours only); Vertical-Slash (per head, 128-row tiles,
+    MInference's pool + topk); A-shape (3 tile shapes, ours only); Vertical-Slash (per head, 128-row tiles,
     group-shared; the tiles beside MInference's CUDA conversion; a same-work run with contiguous column
     strips bounds what gathering the columns into a packed buffer could gain); FlexAttention on the same
     64-aligned blocks (per-head rows of the first shape). Each of our rows times every --variants entry
@@ -513,7 +523,7 @@ def compare_minference(args: argparse.Namespace) -> int:
     mi = load_minference(args.minference)
     hopper = dev == "cuda" and torch.cuda.get_device_capability()[0] >= 9
     result = {"environment": environment(), "settings": {k: v for k, v in vars(args).items() if k != "func"},
-              "minference": {"path": args.minference, "vs_index": mi["note"], "load_s": time.time() - t0,
+              "minference": {"path": args.minference, "load_s": time.time() - t0,
                              "kernels": "minference/ops/block_sparse_flash_attention.py "
                                         "(_triton_block_sparse_attention), pit_sparse_flash_attention_v2.py "
                                         "(_triton_mixed_sparse_attention), both at their own settings "
@@ -545,7 +555,7 @@ def compare_minference(args: argparse.Namespace) -> int:
     for si, shape in enumerate(shapes):
         hq, hkv, d, theta = SHAPES[shape]
         G = hq // hkv
-        names = variants if si == 0 else [v for v in ("default", "tma") if v in variants] or variants[:1]
+        names = variants if si == 0 else ["default"]
         with_mi = d <= 128
         for n in [int(x) for x in args.lengths.split(",") if x]:
             q, k, v = planted_inputs(hq, hkv, d, n, theta, dev=dev, dtype=dtype)
@@ -559,13 +569,19 @@ def compare_minference(args: argparse.Namespace) -> int:
                     "dense_tflops": dense_tflops}
             found = {}  # pattern -> row, for the bars
 
-            def ours(tiles, **kw):
-                """Every variant on these tiles -> ({variant: ms or error}, best variant, default's output)."""
+            def ours(tiles, only=None, **kw):
+                """The variants (`only` of them if given) on these tiles -> ({variant: ms or error}, best
+                variant, default's output). A variant that resolves to the default's loop is not run twice."""
                 pack = hq // tiles.shape[1]
+                rows_per_program = (128 if d <= 128 else 64) // pack if pack > 1 else tiles.block
+                split, tma = loop_variant(pack, tiles.column_index.shape[-1] > 1 and kw.get("sink") is None, hopper, d)
+                same = {"split": split and not tma, "tma": split and tma, "single": not split}
                 times = {}
-                for name in names:
+                for name in names if only is None else [x for x in names if x in only]:
                     if name == "ws" and (pack > 1 or kw.get("sink") is not None):
                         continue  # compile-checked for per-head programs without a window only
+                    if same.get(name):
+                        continue  # the default's loop
                     try:
                         times[name] = time_ms(lambda: sparse_prefill(q, k, v, tiles, scale=scale, **VARIANTS[name],
                                                                      **kw))
@@ -573,8 +589,6 @@ def compare_minference(args: argparse.Namespace) -> int:
                         times[name] = f"{type(e).__name__}: {str(e)[:200]}"
                 timed = {name: ms for name, ms in times.items() if isinstance(ms, float)}
                 out = sparse_prefill(q, k, v, tiles, scale=scale, **kw)[0]
-                rows_per_program = 128 // pack if pack > 1 else tiles.block
-                split, tma = loop_variant(pack, tiles.column_index.shape[-1] > 1 and kw.get("sink") is None, hopper, d)
                 warps, stages = default_config(d, rows_per_program, pack)
                 times["default_is"] = {"split": split, "tma": tma and split, "num_warps": warps, "num_stages": stages}
                 return times, min(timed, key=timed.get), out
@@ -624,12 +638,14 @@ def compare_minference(args: argparse.Namespace) -> int:
 
             # block-sparse: our index (pooled scores + selection) vs MInference's pool + topk, both kernels on our table
             score_ms = time_ms(lambda: pooled_scores(q, k))
+            score_ieee_ms = time_ms(lambda: pooled_scores(q, k, precision="ieee"))
             score = pooled_scores(q, k)
             select_ms = time_ms(lambda: select_blocks(score, args.topk))
             score = None
             idx_ms = time_ms(lambda: selected_block_tiles(block_index(q, k, args.topk)))
             mi_idx_ms = time_ms(lambda: mi["block"]._build_block_index(q, kx, args.topk, 64, 64)) if with_mi else None
-            index = {"index_ms": idx_ms, "pool_and_score_ms": score_ms, "select_ms": select_ms,
+            index = {"index_ms": idx_ms, "pool_and_score_ms": score_ms, "pool_and_score_ieee_ms": score_ieee_ms,
+                     "select_ms": select_ms,
                      "minference_index_ms": mi_idx_ms,
                      "index_ratio_to_minference": idx_ms / mi_idx_ms if mi_idx_ms else None}
             for shared in (False, True):
@@ -650,7 +666,7 @@ def compare_minference(args: argparse.Namespace) -> int:
 
             # A-shape: per-head tiles vs group-shared (all heads share sink/window: packed, no quality change)
             sink, window = [args.sink] * hq, [args.window] * hq
-            for shared, block, width in ((False, 64, 0), (True, 64, 0), (True, 128, 64), (True, 128, 0)):
+            for shared, block, width in ((False, 64, 0), (True, 64, 0), (True, 128, 0)):
                 if d > 128 and block * (width or block) > 128 * 64:
                     continue  # 128x128 tiles of head_dim 256 do not fit shared memory
                 h = hkv if shared else hq
@@ -675,10 +691,12 @@ def compare_minference(args: argparse.Namespace) -> int:
                 if with_mi:
                     full_c = cols.repeat_interleave(G, 1) if shared else cols
                     full_o = offs.repeat_interleave(G, 1) if shared else offs
-                    if mi["convert"] is not None:
+                    convert, note, build_s = mi["convert"].result()
+                    result["minference"].update(vs_index=note, vs_index_build_s=build_s)
+                    if convert is not None:
                         v_idx = full_c.to(torch.int32).sort(-1).values.contiguous()
                         s_idx = full_o.to(torch.int32).sort(-1, descending=True).values.contiguous()
-                        conv = lambda: mi["convert"](seqlens, v_idx, s_idx, n, 64, 64)  # noqa: E731
+                        conv = lambda: convert(seqlens, v_idx, s_idx, n, 64, 64)  # noqa: E731
                         mi_tiles_ms = time_ms(conv)
                         bc, bo, cc, ci = conv()
                         mi_area = (bc.long().sum() * 64 * 64 + cc.long().sum() * 64).item()
@@ -719,7 +737,7 @@ def compare_minference(args: argparse.Namespace) -> int:
                 packed = None
                 # 128-row tiles over 64-wide pieces (the greedy cover of each 128-row block's ranges)
                 tiles = vs_tiles(cols, offs, n, 128, 64)
-                times, best, out = ours(tiles)
+                times, best, out = ours(tiles, only=("default", "tma"))
                 row(name + "_128x64", tiles, times, best, mi_ms)
                 del out, tiles
             result["bars"].setdefault(shape, {})[n] = bars(found)

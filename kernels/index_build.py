@@ -284,15 +284,40 @@ def _block_topk_kernel(Score, Budget, Out, M, H, K, R: tl.constexpr, NPAD: tl.co
     tl.store(out[:, None] + slot[None, :], -1, mask=(slot[None, :] > k[:, None]) & (slot[None, :] < K) & row_ok[:, None])
 
 
+@triton.jit
+def _block_scores_kernel(QP, KP, Score, M, H, G, D: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr):
+    """Scores of one BT x BT tile (query blocks x key blocks) of one head; tiles wholly above the
+    diagonal are left unwritten (the selection never reads past the diagonal)."""
+    bh = tl.program_id(0)
+    i = tl.program_id(1)
+    j = tl.program_id(2)
+    if j <= i:
+        rows = i * BT + tl.arange(0, BT)
+        cols = j * BT + tl.arange(0, BT)
+        dims = tl.arange(0, D)
+        kvh = (bh // H) * (H // G) + (bh % H) // G
+        qp = tl.load(QP + (bh * M + rows).to(tl.int64)[:, None] * D + dims[None, :], mask=rows[:, None] < M, other=0.0)
+        kp = tl.load(KP + (kvh * M + cols).to(tl.int64)[:, None] * D + dims[None, :], mask=cols[:, None] < M,
+                     other=0.0)
+        s = tl.dot(qp, tl.trans(kp), input_precision=PRECISION)
+        tl.store(Score + (bh * M + rows).to(tl.int64)[:, None] * M + cols[None, :], s,
+                 mask=(rows < M)[:, None] & (cols < M)[None, :])
+
+
 @torch.no_grad()
-def pooled_scores(q: torch.Tensor, k: torch.Tensor, block: int = 64, group_shared: bool = False) -> torch.Tensor:
-    """Block scores of every head of a layer, Float32 `[B, Hq (Hkv if group_shared), M, M]`: 64-token
-    means of q and k (bf16/fp16 pooled with fp32 accumulation, no fp32 copy of q and k; a last partial
-    block averages its own tokens), one grouped fp32 matmul; group_shared: summed over each KV head's
-    G query heads."""
+def pooled_scores(q: torch.Tensor, k: torch.Tensor, block: int = 64, group_shared: bool = False,
+                  precision: str = "tf32x3") -> torch.Tensor:
+    """Block scores of every head of a layer, Float32 `[B, Hq (Hkv if group_shared), M, M]` (only the
+    causal part j <= m is written): 64-token means of q and k (bf16/fp16 pooled with fp32 accumulation,
+    no fp32 copy of q and k; a last partial block averages its own tokens), then q-means . k-means.
+    On CUDA (or under the Triton interpreter) one Triton launch over the lower-triangle tiles, products
+    in `precision` ("tf32x3": three TF32 tensor-core products, about fp32 accuracy; "ieee": fp32 FMA);
+    else one grouped fp32 matmul. group_shared: summed over each KV head's G query heads."""
     if q.dim() != 4 or k.dim() != 4 or q.shape[1] % k.shape[1]:
         raise ValueError(f"q must be [B, Hq, N, D] and k [B, Hkv, N, D] with Hq a multiple of Hkv; "
                          f"got {tuple(q.shape)} and {tuple(k.shape)}")
+    if precision not in ("tf32x3", "ieee"):
+        raise ValueError(f"precision={precision!r}: use 'tf32x3' or 'ieee'")
     B, Hq, n, D = q.shape
     Hkv = k.shape[1]
     full = n // block
@@ -305,7 +330,14 @@ def pooled_scores(q: torch.Tensor, k: torch.Tensor, block: int = 64, group_share
 
     qp, kp = pool(q), pool(k)  # [B, H, M, D]
     M = qp.shape[2]
-    score = (qp.view(B, Hkv, (Hq // Hkv) * M, D) @ kp.transpose(-1, -2)).view(B, Hq, M, M)
+    if q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        score = torch.empty(B, Hq, M, M, dtype=torch.float32, device=q.device)
+        bt = 64 if D <= 128 else 32
+        grid = (B * Hq, triton.cdiv(M, bt), triton.cdiv(M, bt))
+        _block_scores_kernel[grid](qp.contiguous(), kp.contiguous(), score, M, Hq, Hq // Hkv, D=D, BT=bt,
+                                   PRECISION="ieee" if q.device.type == "cpu" else precision, num_warps=4)
+    else:
+        score = (qp.view(B, Hkv, (Hq // Hkv) * M, D) @ kp.transpose(-1, -2)).view(B, Hq, M, M)
     return score.unflatten(1, (Hkv, -1)).sum(2) if group_shared else score
 
 

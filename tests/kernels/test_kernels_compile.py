@@ -11,7 +11,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from workbench_kernels.index_build import _block_topk_kernel, _expand_tiles_kernel, _vs_cover_kernel
+from workbench_kernels.index_build import (
+    _block_scores_kernel,
+    _block_topk_kernel,
+    _expand_tiles_kernel,
+    _vs_cover_kernel,
+)
 from workbench_kernels.prefill import _sparse_prefill_kernel, default_config
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -65,7 +70,7 @@ def test_prefill_kernel_compiles_for_sm90_within_shared_memory(d, pack, rows, bl
 
 
 def test_index_kernels_compile_for_sm90():
-    """The VS cover, tile expansion and block top-k kernels at the sizes a 128K-token layer gives them."""
+    """The VS cover, tile expansion, block scores and top-k kernels at the sizes a 128K-token layer gives them."""
     compile_sm90(_vs_cover_kernel, {"Offs": "*i32", "Ends": "*i32", "Covered": "*i8"},
                  dict(B_ROW=64, W=64, KPAD=8192), ("Offs", "Ends", "Covered"), 16)
     compile_sm90(_expand_tiles_kernel, {name: "*i32" for name in ("Ends", "Hi", "Cols", "BlockCount", "BlockOffset",
@@ -73,3 +78,6 @@ def test_index_kernels_compile_for_sm90():
                  dict(BLOCK=64, CHUNK=256), ("Ends", "Hi", "Covered", "Cols"), 4)
     compile_sm90(_block_topk_kernel, {"Score": "*fp32", "Budget": "*i32", "Out": "*i32"},
                  dict(R=4, NPAD=2048, KPAD=128), ("Score", "Budget", "Out"), 8)
+    scores = compile_sm90(_block_scores_kernel, {"QP": "*fp32", "KP": "*fp32", "Score": "*fp32"},
+                          dict(D=128, BT=64, PRECISION="tf32x3"), ("QP", "KP", "Score"), 4)
+    assert scores.asm["ttgir"].count("warp_group_dot ") == 3  # 3xTF32 on the tensor cores
