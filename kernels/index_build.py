@@ -306,13 +306,14 @@ def _block_scores_kernel(QP, KP, Score, M, H, G, D: tl.constexpr, BT: tl.constex
 
 @torch.no_grad()
 def pooled_scores(q: torch.Tensor, k: torch.Tensor, block: int = 64, group_shared: bool = False,
-                  precision: str = "tf32x3") -> torch.Tensor:
+                  precision: str = "ieee") -> torch.Tensor:
     """Block scores of every head of a layer, Float32 `[B, Hq (Hkv if group_shared), M, M]` (only the
     causal part j <= m is written): 64-token means of q and k (bf16/fp16 pooled with fp32 accumulation,
     no fp32 copy of q and k; a last partial block averages its own tokens), then q-means . k-means.
     On CUDA (or under the Triton interpreter) one Triton launch over the lower-triangle tiles, products
-    in `precision` ("tf32x3": three TF32 tensor-core products, about fp32 accuracy; "ieee": fp32 FMA);
-    else one grouped fp32 matmul. group_shared: summed over each KV head's G query heads."""
+    in `precision` ("ieee": fp32 FMA, as `block_proxy`'s fp32 matmul up to summation order; "tf32x3":
+    three TF32 tensor-core products, about fp32 accuracy and faster, so near-ties may select apart from
+    the reference); else one grouped fp32 matmul. group_shared: summed over each KV head's G query heads."""
     if q.dim() != 4 or k.dim() != 4 or q.shape[1] % k.shape[1]:
         raise ValueError(f"q must be [B, Hq, N, D] and k [B, Hkv, N, D] with Hq a multiple of Hkv; "
                          f"got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -335,7 +336,7 @@ def pooled_scores(q: torch.Tensor, k: torch.Tensor, block: int = 64, group_share
         bt = 64 if D <= 128 else 32
         grid = (B * Hq, triton.cdiv(M, bt), triton.cdiv(M, bt))
         _block_scores_kernel[grid](qp.contiguous(), kp.contiguous(), score, M, Hq, Hq // Hkv, D=D, BT=bt,
-                                   PRECISION="ieee" if q.device.type == "cpu" else precision, num_warps=4)
+                                   PRECISION=precision, num_warps=4)
     else:
         score = (qp.view(B, Hkv, (Hq // Hkv) * M, D) @ kp.transpose(-1, -2)).view(B, Hq, M, M)
     return score.unflatten(1, (Hkv, -1)).sum(2) if group_shared else score

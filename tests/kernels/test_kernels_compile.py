@@ -78,6 +78,7 @@ def test_index_kernels_compile_for_sm90():
                  dict(BLOCK=64, CHUNK=256), ("Ends", "Hi", "Covered", "Cols"), 4)
     compile_sm90(_block_topk_kernel, {"Score": "*fp32", "Budget": "*i32", "Out": "*i32"},
                  dict(R=4, NPAD=2048, KPAD=128), ("Score", "Budget", "Out"), 8)
-    scores = compile_sm90(_block_scores_kernel, {"QP": "*fp32", "KP": "*fp32", "Score": "*fp32"},
-                          dict(D=128, BT=64, PRECISION="tf32x3"), ("QP", "KP", "Score"), 4)
-    assert scores.asm["ttgir"].count("warp_group_dot ") == 3  # 3xTF32 on the tensor cores
+    for precision, tensor_core_dots in (("ieee", 0), ("tf32x3", 3)):
+        scores = compile_sm90(_block_scores_kernel, {"QP": "*fp32", "KP": "*fp32", "Score": "*fp32"},
+                              dict(D=128, BT=64, PRECISION=precision), ("QP", "KP", "Score"), 4)
+        assert scores.asm["ttgir"].count("warp_group_dot ") == tensor_core_dots
