@@ -82,6 +82,13 @@ def compile_all() -> dict[str, dict]:
                      {name: "*i32" for name in ("Ends", "Hi", "Cols", "BlockCount", "BlockOffset", "ColumnCount",
                                                 "ColumnIndex")} | {"Covered": "*i8"},
                      dict(BLOCK=64, CHUNK=256), ("Ends", "Hi", "Covered", "Cols"), 4)
+        qk_strides = ("sqb", "sqh", "sqn", "skb", "skh", "skn")
+        compile_sm90(index_build._row_stats_kernel, {"Q": "*bf16", "K": "*bf16", "Mpart": "*fp32", "Lpart": "*fp32",
+                                                     "qk_scale": "fp32"},
+                     dict(D=256, R=64, BN=64), ("Q", "K", "Mpart", "Lpart", *qk_strides), 4)
+        compile_sm90(index_build._col_diag_kernel, {"Q": "*bf16", "K": "*bf16", "Lse": "*fp32", "Col": "*fp32",
+                                                    "Diag": "*fp32", "qk_scale": "fp32"},
+                     dict(D=256, R=64), ("Q", "K", "Lse", "Col", "Diag", *qk_strides), 4)
         compile_sm90(index_build._block_topk_kernel, {"Score": "*fp32", "Budget": "*i32", "Out": "*i32"},
                      dict(R=4, NPAD=2048, KPAD=128), ("Score", "Budget", "Out"), 8)
         dots = {}
@@ -113,8 +120,8 @@ def test_prefill_kernel_compiles_for_sm90_within_shared_memory(compiled, case):
 
 
 def test_index_kernels_compile_for_sm90(compiled):
-    """The VS cover, tile expansion, block scores and top-k kernels at the sizes a 128K-token layer gives them;
-    the 3xTF32 scores on the tensor cores, the IEEE ones on FMA."""
+    """The VS score passes at head_dim 256, the VS cover, tile expansion, block scores and top-k kernels at
+    the sizes a 128K-token layer gives them; the 3xTF32 scores on the tensor cores, the IEEE ones on FMA."""
     result = compiled["index"]
     assert "error" not in result, result.get("error")
     assert result["tensor_core_dots"] == {"ieee": 0, "tf32x3": 3}
