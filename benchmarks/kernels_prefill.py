@@ -33,6 +33,17 @@ from workbench.core.timing import environment as timing_environment
 SHAPES = {  # name: (query heads, KV heads, head_dim, rope theta)
     "llama3-8b": (32, 8, 128, 500000.0),
     "embedded": (9, 3, 64, 100000.0),
+    "gemma3-270m": (4, 1, 256, 1000000.0),  # Gemma-3-270M's global layers
+}
+
+
+VARIANTS = {  # --variants: our kernel timed side by side on the same tiles (`sparse_prefill` keyword arguments)
+    "default": {},  # the library's choice: `loop_variant` (split / TMA per program shape) and `default_config`
+    "split": {"split": True, "tma": False},  # masked prefix / unmasked interior / masked suffix, pointer loads
+    "tma": {"split": True, "tma": True},  # split, every K/V tile (and a per-head program's Q/O) through TMA
+    "single": {"split": False},  # one loop masking the pieces on an edge
+    "persistent": {"persistent": True},  # the default loop on a persistent grid, most pieces first
+    "ws": {"split": True, "tma": True, "warp_specialize": True},  # + warp-specialised interior (compile-checked)
 }
 
 
@@ -61,11 +72,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "on the same indices (first shape of --shapes, each of --lengths)")
     p.add_argument("--minference-out", default="reports/benchmarks/prefill_minference_h200.json",
                    help="JSON output path of the --minference comparison")
-    p.add_argument("--variants", default="split,tma,single",
-                   help="--minference: our kernel variants timed side by side (split: masked prefix / unmasked "
-                        "interior / masked suffix piece loops; tma: split with TMA descriptor loads in the interior "
-                        "(Hopper); single: one loop masking edge pieces); the row's time is the fastest, the "
-                        "kernel's default (`loop_variant`) is what the library runs")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"--minference: our kernel variants timed side by side on the same tiles, some of "
+                        f"{list(VARIANTS)} (default: the library's choice; split: masked prefix / unmasked interior / "
+                        f"masked suffix piece loops; tma: split with every K/V tile through TMA (Hopper); single: one "
+                        f"loop masking edge pieces; persistent: the default on a persistent longest-first grid; ws: "
+                        f"warp-specialised interior, compile-checked in a subprocess first); a row's time is its "
+                        f"fastest variant, `default_ms` what the library runs")
 
 
 def environment() -> dict:
@@ -242,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
                                  dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
         scale = 1.0 / math.sqrt(d)
         causal_pairs = n * (n + 1) // 2
+        tile_shapes = [b for b in blocks if d <= 128 or b != "128"]  # 128x128 tiles of head_dim 256 overflow smem
         kx, vx = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
         dense_ms = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))
         kx = vx = None  # free the expanded copies
@@ -260,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
             (vs_cols, vs_offs), t_vs_idx = sync_ms(lambda: vs_index(q, k, scale, nv, ns))
             _, t_vs_idx = sync_ms(lambda: vs_index(q, k, scale, nv, ns))  # warm
             vs_sets[name] = (vs_cols, vs_offs)
-            for blk in blocks:
+            for blk in tile_shapes:
                 rb, pw = shape_of[blk]
                 tiles, t_vs_tiles = sync_ms(lambda: vs_tiles(vs_cols, vs_offs, n, rb, pw))
                 _, t_vs_tiles = sync_ms(lambda: vs_tiles(vs_cols, vs_offs, n, rb, pw))
@@ -268,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
         vs_cols, vs_offs = vs_sets["vertical_slash"]
         bidx, t_bs_idx = sync_ms(lambda: block_index(q, k, args.topk))
         bidx, t_bs_idx = sync_ms(lambda: block_index(q, k, args.topk))
-        for blk in blocks:
+        for blk in tile_shapes:
             rb, pw = shape_of[blk]
             # the 64-row tiles of a table that is already clean need no sort (selected_block_tiles)
             convert = (lambda: selected_block_tiles(bidx)) if blk == "64" else (
@@ -409,7 +423,9 @@ def run(args: argparse.Namespace) -> int:
 def load_minference(path: str) -> dict:
     """MInference's Triton kernels from a local source checkout (its `minference/ops` files, never copied
     into this repo) and, when `csrc/` is there and a CUDA compiler works, its VS index conversion built
-    with torch's cpp_extension. Returns {"block": module, "vs": module, "convert": fn | None, "note"}."""
+    with torch's cpp_extension in a background thread (nvcc takes ~1 minute; the benchmark goes on
+    meanwhile). Returns {"block": module, "vs": module, "convert": Future of (fn | None, note, seconds)}."""
+    import concurrent.futures
     import importlib
     import types
     from pathlib import Path
@@ -420,27 +436,35 @@ def load_minference(path: str) -> dict:
     if not all(f.exists() for f in need):
         raise ValueError(f"--minference {path}: expected a MInference source checkout with {need[0].relative_to(root)} "
                          f"and {need[1].relative_to(root)}; clone github.com/microsoft/MInference and pass its root")
-    convert, note = None, "no csrc/ in the checkout: MInference's kernel ran on our VS tiles"
     csrc = root / "csrc"
-    if (csrc / "vertical_slash_index.cu").exists():
+
+    def build():
+        t0 = time.time()
+        if not (csrc / "vertical_slash_index.cu").exists():
+            return None, "no csrc/ in the checkout: MInference's kernel ran on our VS tiles", 0.0
         try:
             from torch.utils.cpp_extension import load
 
             ext = load("minference_vs_index", [str(csrc / "kernels.cpp"), str(csrc / "vertical_slash_index.cu")],
                        extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90"], verbose=False)
-            convert, note = ext.convert_vertical_slash_indexes, "MInference's own VS index conversion (CUDA extension)"
+            return (ext.convert_vertical_slash_indexes, "MInference's own VS index conversion (CUDA extension)",
+                    time.time() - t0)
         except Exception as e:  # noqa: BLE001 - fall back to our tiles, say why
-            note = f"CUDA extension build failed ({type(e).__name__}: {str(e)[:200]}): MInference's kernel ran on our VS tiles"
+            return (None, f"CUDA extension build failed ({type(e).__name__}: {str(e)[:200]}): MInference's kernel "
+                          f"ran on our VS tiles", time.time() - t0)
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    convert = pool.submit(build)
+    pool.shutdown(wait=False)
     for name, sub in (("minference", root / "minference"), ("minference.ops", ops)):
         pkg = types.ModuleType(name)
         pkg.__path__ = [str(sub)]  # a namespace: its __init__ (which imports the whole package) never runs
         sys.modules[name] = pkg
     cuda = types.ModuleType("minference.cuda")
-    cuda.convert_vertical_slash_indexes = convert
+    cuda.convert_vertical_slash_indexes = None  # imported by pit_sparse_flash_attention_v2; the kernel never calls it
     sys.modules["minference.cuda"] = cuda
     return {"block": importlib.import_module("minference.ops.block_sparse_flash_attention"),
-            "vs": importlib.import_module("minference.ops.pit_sparse_flash_attention_v2"),
-            "convert": convert, "note": note}
+            "vs": importlib.import_module("minference.ops.pit_sparse_flash_attention_v2"), "convert": convert}
 
 
 def agreement(a, b) -> dict:
@@ -449,157 +473,305 @@ def agreement(a, b) -> dict:
     return {"max_abs_diff": d.abs().max().item(), "rel_err": (d.norm() / b.float().norm()).item()}
 
 
+def compiles_apart(kwargs: dict, d: int) -> str | None:
+    """None if `sparse_prefill(**kwargs)` compiles and runs on a tiny bf16 input in a fresh process, else
+    its last error line: a compiler crash (Triton's Hopper warp specialisation may abort) must not take
+    the benchmark down."""
+    import subprocess
+
+    code = ("import torch\nfrom workbench_kernels.index_ref import block_sparse_to_tiles\n"
+            "from workbench_kernels.prefill import sparse_prefill\n"
+            f"q = torch.randn(1, 2, 256, {d}, device='cuda', dtype=torch.bfloat16)\n"
+            f"k = torch.randn(1, 1, 256, {d}, device='cuda', dtype=torch.bfloat16)\n"
+            "tiles = block_sparse_to_tiles(torch.zeros(1, 2, 4, 1, dtype=torch.int32, device='cuda'), 256)\n"
+            f"sparse_prefill(q, k, k, tiles, **{kwargs!r})\ntorch.cuda.synchronize()\n")
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        return "compile check timed out (180 s)"
+    return None if r.returncode == 0 else ((r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1])[:300]
+
+
 def compare_minference(args: argparse.Namespace) -> int:
-    """Ours vs MInference's kernels on the same indices, per length: block-sparse (per-head and
-    group-shared tables), Vertical-Slash (per-head and group-shared), index build times, and A-shape
-    (ours only, against dense). MInference's kernels have no GQA: they read K/V repeated to Hq heads."""
+    """Ours vs MInference's kernels on the same indices, for each shape of --shapes and length of --lengths:
+    dense SDPA; block-sparse (per-head and group-shared tables; index: pooled scores + selection beside
+    MInference's pool + topk); A-shape (3 tile shapes, ours only); Vertical-Slash (per head, 128-row tiles,
+    group-shared; the tiles beside MInference's CUDA conversion; a same-work run with contiguous column
+    strips bounds what gathering the columns into a packed buffer could gain); FlexAttention on the same
+    64-aligned blocks (per-head rows of the first shape). Each of our rows times every --variants entry
+    on the same tiles (the first shape; the others: default and tma). MInference's kernels have no GQA:
+    they read K/V repeated to Hq heads, and take head_dim <= 128 only. `bars` sums up the issue's ratios."""
     import torch
-    from workbench_kernels.index_build import block_index, vs_index, vs_tiles
-    from workbench_kernels.index_ref import ashape_to_tiles, expand_groups, selected_block_tiles, tile_area
-    from workbench_kernels.prefill import loop_variant, sparse_prefill
+    from workbench_kernels.index_build import block_index, pooled_scores, select_blocks, vs_index, vs_tiles
+    from workbench_kernels.index_ref import VSTiles, ashape_to_tiles, expand_groups, selected_block_tiles, tile_area
+    from workbench_kernels.prefill import default_config, loop_variant, sparse_prefill
 
     from workbench.core.io import write_json
+    from workbench.patterns import AShape, BlockSparse, VerticalSlash
 
     dev = args.device
+    t_start = time.time()
+    shapes = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        raise ValueError(f"--shapes: unknown shape(s) {unknown}; use some of {sorted(SHAPES)}")
+    variants = [x for x in args.variants.split(",") if x]
+    if not variants or any(x not in VARIANTS for x in variants):
+        raise ValueError(f"--variants: use some of {sorted(VARIANTS)}, got {args.variants!r}")
+    t0 = time.time()
     mi = load_minference(args.minference)
     hopper = dev == "cuda" and torch.cuda.get_device_capability()[0] >= 9
-    shape = args.shapes.split(",")[0]
-    hq, hkv, d, theta = SHAPES[shape]
-    G = hq // hkv
     result = {"environment": environment(), "settings": {k: v for k, v in vars(args).items() if k != "func"},
-              "minference": {"path": args.minference, "vs_index": mi["note"],
+              "minference": {"path": args.minference, "load_s": time.time() - t0,
                              "kernels": "minference/ops/block_sparse_flash_attention.py "
                                         "(_triton_block_sparse_attention), pit_sparse_flash_attention_v2.py "
                                         "(_triton_mixed_sparse_attention), both at their own settings "
                                         "(64x64 tiles, num_warps 4, num_stages 2)"},
-              "rows": []}
+              "variants": {v: VARIANTS[v] for v in variants}, "skipped": {}, "rows": [], "bars": {}}
     rows = result["rows"]
-    configs = {1: [(4, 3)], G: [(8, 3)]}  # (num_warps, num_stages) per pack: the earlier sweeps' best
-    kernel_variants = {"split": {"split": True}, "tma": {"split": True, "tma": True}, "single": {"split": False}}
-    variants = [x for x in args.variants.split(",") if x]
-    if not variants or any(x not in kernel_variants for x in variants):
-        raise ValueError(f"--variants: use some of {sorted(kernel_variants)}, got {args.variants!r}")
+    ws_check = None  # the warp-specialised variant compiles in a fresh process first (meanwhile the rest runs)
+    if "ws" in variants and dev == "cuda":
+        import concurrent.futures
+
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        ws_check = pool.submit(compiles_apart, VARIANTS["ws"], SHAPES[shapes[0]][2])
+        pool.shutdown(wait=False)
     dtype = torch.bfloat16 if dev == "cuda" else torch.float16  # MInference's kernels take 16-bit inputs only
+    flex = None
+    if not args.no_flex:
+        from torch.nn.attention.flex_attention import flex_attention
 
-    def ours(q, k, v, tiles, **kw):
-        """Best of the variants x configs for these tiles -> (ms, config, output, all times)."""
-        pack = hq // tiles.shape[1]
-        times = {}
-        for variant in variants:
-            for warps, stages in configs[pack] if pack in configs else [(4 if pack == 1 else 8, 3)]:
-                name = f"{variant}/w{warps}s{stages}"
+        torch._dynamo.config.cache_size_limit = 256
+        flex = torch.compile(flex_attention, dynamic=False)
+
+    def save():
+        result["elapsed_s"] = time.time() - t_start
+        write_json(args.minference_out, result)
+
+    def sync_ms(fn):  # one call: (its output, ms)
+        a = stamp(dev == "cuda")
+        out = fn()
+        return out, elapsed_ms(a, stamp(dev == "cuda"))
+
+    for si, shape in enumerate(shapes):
+        hq, hkv, d, theta = SHAPES[shape]
+        G = hq // hkv
+        names = variants if si == 0 else ["default"]
+        with_mi = d <= 128
+        for n in [int(x) for x in args.lengths.split(",") if x]:
+            q, k, v = planted_inputs(hq, hkv, d, n, theta, dev=dev, dtype=dtype)
+            scale = 1.0 / math.sqrt(d)
+            causal = n * (n + 1) // 2
+            kx, vx = k.repeat_interleave(G, 1).contiguous(), v.repeat_interleave(G, 1).contiguous()
+            seqlens = torch.tensor([n], dtype=torch.int32, device=dev)
+            dense_ms = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))
+            dense_tflops = 4 * d * hq * causal / dense_ms / 1e9
+            base = {"shape": shape, "n": n, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "dense_ms": dense_ms,
+                    "dense_tflops": dense_tflops}
+            found = {}  # pattern -> row, for the bars
+
+            def ours(tiles, only=None, **kw):
+                """The variants (`only` of them if given) on these tiles -> ({variant: ms or error}, best
+                variant, default's output). A variant that resolves to the default's loop is not run twice."""
+                pack = hq // tiles.shape[1]
+                rows_per_program = (128 if d <= 128 else 64) // pack if pack > 1 else tiles.block
+                split, tma = loop_variant(pack, tiles.column_index.shape[-1] > 1 and kw.get("sink") is None, hopper, d)
+                same = {"split": split and not tma, "tma": split and tma, "single": not split}
+                times = {}
+                for name in names if only is None else [x for x in names if x in only]:
+                    if name == "ws" and (pack > 1 or kw.get("sink") is not None):
+                        continue  # compile-checked for per-head programs without a window only
+                    if name == "ws" and ws_check is not None and ws_check.result():
+                        result["skipped"]["ws"] = ws_check.result()
+                        continue
+                    if same.get(name):
+                        continue  # the default's loop
+                    try:
+                        times[name] = time_ms(lambda: sparse_prefill(q, k, v, tiles, scale=scale, **VARIANTS[name],
+                                                                     **kw))
+                    except Exception as e:  # noqa: BLE001 - a variant that does not compile here: say why
+                        times[name] = f"{type(e).__name__}: {str(e)[:200]}"
+                timed = {name: ms for name, ms in times.items() if isinstance(ms, float)}
+                out = sparse_prefill(q, k, v, tiles, scale=scale, **kw)[0]
+                warps, stages = default_config(d, rows_per_program, pack)
+                times["default_is"] = {"split": split, "tma": tma and split, "num_warps": warps, "num_stages": stages}
+                return times, min(timed, key=timed.get), out
+
+            def row(pattern, tiles, times, best, mi_ms=None, area=None, **extra):
+                area = area if area is not None else tile_area(tiles, n).sum().item() * (hq // tiles.shape[1])
+                ms = times[best]
+                tf = 4 * d * area / ms / 1e9
+                r = {**base, "pattern": pattern, "block": f"{tiles.block}x{tiles.piece}",
+                     "physical_density": area / (hq * causal), "time_ms": ms, "best_variant": best,
+                     "default_ms": times.get("default") if isinstance(times.get("default"), float) else None,
+                     "variant_ms": times, "effective_tflops": tf, "ratio_to_dense_tflops": tf / dense_tflops,
+                     "speedup_vs_dense": dense_ms / ms, **extra}
+                if mi_ms is not None:
+                    r.update({"minference_ms": mi_ms, "speedup_vs_minference": mi_ms / ms})
+                rows.append(r)
+                found[pattern] = r
+                print({k_: (round(v_, 3) if isinstance(v_, float) else v_) for k_, v_ in r.items()
+                       if k_ not in ("variant_ms", "q_heads", "kv_heads", "head_dim", "shape", "dense_tflops")},
+                      flush=True)
+                save()
+                return r
+
+            def with_flex(r, tiles, pattern, mask_mod, **kw):
+                """FlexAttention on the 64-aligned blocks these per-head tiles touch, the pattern's exact mask."""
+                if flex is None or si or time.time() - t_start > args.time_limit:
+                    return
                 try:
-                    times[name] = time_ms(lambda: sparse_prefill(q, k, v, tiles, num_warps=warps, num_stages=stages,
-                                                                 **kernel_variants[variant], **kw))
-                except Exception as e:  # noqa: BLE001 - a config that does not compile (registers): say so
-                    print(f"{name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        best = min(times, key=times.get)
-        variant, cfg = best.split("/")
-        warps, stages = (int(x) for x in cfg[1:].split("s"))
-        out = sparse_prefill(q, k, v, tiles, num_warps=warps, num_stages=stages, **kernel_variants[variant], **kw)[0]
-        times["default"] = dict(zip(("split", "tma"), loop_variant(pack, tiles.disjoint, hopper)))
-        return times[best], best, out, times
+                    touched = touched_blocks(tiles, n)
+                    blocks = touched.shape[-1]
+                    eye = torch.eye(blocks, dtype=torch.bool, device=dev)
+                    full = torch.zeros_like(touched) if pattern.startswith("vertical") else touched & ~eye
+                    if pattern.startswith("a_shape"):
+                        mb = torch.arange(blocks, device=dev)
+                        in_window = mb[None, :] * 64 >= mb[:, None] * 64 + 63 - args.window + 1
+                        full = full & (((mb[None, :] * 64 + 63) < args.sink) | in_window)
+                    bm = flex_block_mask(touched, full, mask_mod, n)
+                    call = lambda: flex(q, k, v, block_mask=bm, scale=scale, enable_gqa=True,  # noqa: E731
+                                        kernel_options={"BLOCK_M": 64, "BLOCK_N": 64})
+                    out, first_ms = sync_ms(call)
+                    ms = time_ms(call)
+                    r.update({"flex_ms": ms, "flex_compile_s": (first_ms - ms) / 1e3, "speedup_vs_flex": ms / r["time_ms"],
+                              "vs_flex_output": agreement(out, sparse_prefill(q, k, v, tiles, scale=scale, **kw)[0])})
+                except Exception as e:  # noqa: BLE001 - keep the row, say why flex is missing
+                    r["flex_error"] = f"{type(e).__name__}: {e}"[:300]
+                save()
 
-    def by_variant(times: dict, mi_ms: float | None) -> dict:
-        """Per variant: its best time (and its speedup over MInference); "default": the library's choice."""
-        out = {"default": times["default"]}
-        for variant in variants:
-            t = [ms for name, ms in times.items() if name.startswith(variant + "/") and isinstance(ms, float)]
-            if t:
-                out[variant] = {"ms": min(t), **({"speedup_vs_minference": mi_ms / min(t)} if mi_ms else {})}
-        return out
+            # block-sparse: our index (pooled scores + selection) vs MInference's pool + topk, both kernels on our table
+            score_ms = time_ms(lambda: pooled_scores(q, k))
+            score_tf32x3_ms = time_ms(lambda: pooled_scores(q, k, precision="tf32x3"))
+            score = pooled_scores(q, k)
+            select_ms = time_ms(lambda: select_blocks(score, args.topk))
+            score = None
+            idx_ms = time_ms(lambda: selected_block_tiles(block_index(q, k, args.topk)))
+            mi_idx_ms = time_ms(lambda: mi["block"]._build_block_index(q, kx, args.topk, 64, 64)) if with_mi else None
+            index = {"index_ms": idx_ms, "pool_and_score_ms": score_ms, "pool_and_score_tf32x3_ms": score_tf32x3_ms,
+                     "select_ms": select_ms,
+                     "minference_index_ms": mi_idx_ms,
+                     "index_ratio_to_minference": idx_ms / mi_idx_ms if mi_idx_ms else None}
+            for shared in (False, True):
+                table = block_index(q, k, args.topk, group_shared=shared)
+                tiles = selected_block_tiles(table)
+                times, best, out = ours(tiles)
+                mi_ms, extra = None, {}
+                if with_mi:
+                    full_table = table.repeat_interleave(G, 1).contiguous() if shared else table
+                    mi_fn = lambda: mi["block"]._triton_block_sparse_attention(q, kx, vx, seqlens, full_table, scale)  # noqa: E731
+                    mi_ms = time_ms(mi_fn)
+                    extra["vs_minference_output"] = {**agreement(out, mi_fn()), "key_sets": "identical (same table)"}
+                r = row("block_sparse" + ("_group_shared" if shared else ""), tiles, times, best, mi_ms,
+                        **({} if shared else index), **extra)
+                if not shared:
+                    with_flex(r, tiles, "block_sparse", BlockSparse(table[0]).mask_mod(n, dev))
+                del out, table
 
-    for n in [int(x) for x in args.lengths.split(",") if x]:
-        q, k, v = planted_inputs(hq, hkv, d, n, theta, dev=dev, dtype=dtype)
-        scale = 1.0 / math.sqrt(d)
-        causal = n * (n + 1) // 2
-        kx, vx = k.repeat_interleave(G, 1).contiguous(), v.repeat_interleave(G, 1).contiguous()
-        seqlens = torch.tensor([n], dtype=torch.int32, device=dev)
-        dense_ms = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))
-        dense_tflops = 4 * d * hq * causal / dense_ms / 1e9
-        base = {"shape": shape, "n": n, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "dense_ms": dense_ms,
-                "dense_tflops": dense_tflops}
+            # A-shape: per-head tiles vs group-shared (all heads share sink/window: packed, no quality change)
+            sink, window = [args.sink] * hq, [args.window] * hq
+            for shared, block, width in ((False, 64, 0), (True, 64, 0), (True, 128, 0)):
+                if d > 128 and block * (width or block) > 128 * 64:
+                    continue  # 128x128 tiles of head_dim 256 do not fit shared memory
+                h = hkv if shared else hq
+                t_a = time_ms(lambda: ashape_to_tiles([args.sink] * h, [args.window] * h, n, 1, block, dev, width))
+                tiles = ashape_to_tiles([args.sink] * h, [args.window] * h, n, 1, block, dev, width)
+                times, best, out = ours(tiles, sink=sink, window=window)
+                r = row("a_shape" + ("_packed" if shared else ""), tiles, times, best, index_ms=t_a)
+                if not shared:
+                    with_flex(r, tiles, "a_shape", AShape(args.sink, args.window, hq).mask_mod(n, dev), sink=sink,
+                              window=window)
+                del out
 
-        def row(pattern, tiles, area, ms, cfg, times, mi_ms=None, **extra):
-            tf = 4 * d * area / ms / 1e9
-            r = {**base, "pattern": pattern, "physical_density": area / (hq * causal), "time_ms": ms,
-                 "config": cfg, "config_times_ms": times, "variants": by_variant(times, mi_ms),
-                 "effective_tflops": tf,
-                 "ratio_to_dense_tflops": tf / dense_tflops, "speedup_vs_dense": dense_ms / ms, **extra}
-            if mi_ms is not None:
-                r.update({"minference_ms": mi_ms, "speedup_vs_minference": mi_ms / ms})
-            rows.append(r)
-            print({k_: (round(v_, 3) if isinstance(v_, float) else v_) for k_, v_ in r.items()
-                   if k_ not in ("config_times_ms", "q_heads", "kv_heads", "head_dim", "shape")}, flush=True)
-            write_json(args.minference_out, result)
-
-        # block-sparse: our index (fused top-k) vs MInference's pool + topk, then both kernels on our table
-        ours_idx_ms = time_ms(lambda: selected_block_tiles(block_index(q, k, args.topk)))
-        mi_idx_ms = time_ms(lambda: mi["block"]._build_block_index(q, kx, args.topk, 64, 64))
-        for shared in (False, True):
-            table = block_index(q, k, args.topk, group_shared=shared)
-            tiles = selected_block_tiles(table)
-            full = table.repeat_interleave(G, 1).contiguous() if shared else table
-            area = tile_area(tiles, n).sum().item() * (G if shared else 1)
-            ms, cfg, out, times = ours(q, k, v, tiles, scale=scale)
-            mi_ms = time_ms(lambda: mi["block"]._triton_block_sparse_attention(q, kx, vx, seqlens, full, scale))
-            mo = mi["block"]._triton_block_sparse_attention(q, kx, vx, seqlens, full, scale)
-            extra = {"index_ms": ours_idx_ms if not shared else None, "minference_index_ms": mi_idx_ms,
-                     "index_ratio_to_minference": ours_idx_ms / mi_idx_ms if not shared else None,
-                     "index_share_of_kernel": ours_idx_ms / ms if not shared else None,
-                     "vs_minference_output": {**agreement(out, mo), "key_sets": "identical (same table)"}}
-            row("block_sparse" + ("_group_shared" if shared else ""), tiles, area, ms, cfg, times, mi_ms, **extra)
-            del out, mo
-
-        # A-shape: per-head tiles vs group-shared (all heads share sink/window: packed, no quality change)
-        sink, window = [args.sink] * hq, [args.window] * hq
-        for shared, block, width in ((False, 64, 0), (True, 64, 0), (True, 128, 64), (True, 128, 0)):
-            h = hkv if shared else hq
-            t_a = time_ms(lambda: ashape_to_tiles([args.sink] * h, [args.window] * h, n, 1, block, dev, width))
-            tiles = ashape_to_tiles([args.sink] * h, [args.window] * h, n, 1, block, dev, width)
-            area = tile_area(tiles, n).sum().item() * (G if shared else 1)
-            ms, cfg, _, times = ours(q, k, v, tiles, sink=sink, window=window, scale=scale)
-            row("a_shape" + ("_packed" if shared else ""), tiles, area, ms, cfg, times, index_ms=t_a,
-                block=f"{block}x{width or block}")
-
-        # Vertical-Slash: same (columns, offsets) to both; MInference converts them with its own extension
-        for shared in (False, True):
-            cols, offs = vs_index(q, k, scale, args.vertical, min(args.slash, n), group_shared=shared)
-            t_idx = time_ms(lambda: vs_index(q, k, scale, args.vertical, min(args.slash, n), group_shared=shared))
-            tiles = vs_tiles(cols, offs, n)
-            t_tiles = time_ms(lambda: vs_tiles(cols, offs, n))
-            area = tile_area(tiles, n).sum().item() * (G if shared else 1)
-            ms, cfg, out, times = ours(q, k, v, tiles, scale=scale)
-            full_c = cols.repeat_interleave(G, 1) if shared else cols
-            full_o = offs.repeat_interleave(G, 1) if shared else offs
-            if mi["convert"] is not None:
-                v_idx = full_c.to(torch.int32).sort(-1).values.contiguous()
-                s_idx = full_o.to(torch.int32).sort(-1, descending=True).values.contiguous()
-                conv = lambda: mi["convert"](seqlens, v_idx, s_idx, n, 64, 64)  # noqa: E731
-                mi_tiles_ms = time_ms(conv)
-                bc, bo, cc, ci = conv()
-                mi_area = (bc.long().sum() * 64 * 64 + cc.long().sum() * 64).item()
-            else:
-                t = expand_groups(tiles, G) if shared else tiles
-                bc, bo, cc, ci = t.block_count, t.block_offset, t.column_count, t.column_index
-                mi_tiles_ms, mi_area = None, area
-            mi_fn = lambda: mi["vs"]._triton_mixed_sparse_attention(q, kx, vx, seqlens, bc, bo, cc, ci, scale)  # noqa: E731
-            mi_ms = time_ms(mi_fn)
-            extra = {"index_ms": t_idx + t_tiles, "tiles_ms": t_tiles, "minference_tiles_ms": mi_tiles_ms,
-                     "minference_physical_density": mi_area / (hq * causal),
-                     "vs_minference_output": {**agreement(out, mi_fn()),
-                                              "key_sets": "both cover the logical VS set; the physical "
-                                                          "extras differ (ours: the fewest 64-wide pieces "
-                                                          "covering the ranges, greedy from the diagonal; "
-                                                          "theirs: 64-wide steps from each range's start)"}}
-            row("vertical_slash" + ("_group_shared" if shared else ""), tiles, area, ms, cfg, times, mi_ms, **extra)
-            del out
-        q = k = v = kx = vx = None  # free this length's tensors before the next
-        if dev == "cuda":
-            torch.cuda.empty_cache()
-    write_json(args.minference_out, result)
-    print(f"wrote {args.minference_out} ({len(rows)} rows)")
+            # Vertical-Slash: the same (columns, offsets) to both; MInference converts them with its own extension
+            for shared in (False, True):
+                slash = min(args.slash, n)
+                cols, offs = vs_index(q, k, scale, args.vertical, slash, group_shared=shared)
+                t_idx = time_ms(lambda: vs_index(q, k, scale, args.vertical, slash, group_shared=shared))
+                tiles = vs_tiles(cols, offs, n)
+                t_tiles = time_ms(lambda: vs_tiles(cols, offs, n))
+                times, best, out = ours(tiles)
+                mi_ms, extra = None, {"index_ms": t_idx + t_tiles, "tiles_ms": t_tiles}
+                if with_mi:
+                    full_c = cols.repeat_interleave(G, 1) if shared else cols
+                    full_o = offs.repeat_interleave(G, 1) if shared else offs
+                    convert, note, build_s = mi["convert"].result()
+                    result["minference"].update(vs_index=note, vs_index_build_s=build_s)
+                    if convert is not None:
+                        v_idx = full_c.to(torch.int32).sort(-1).values.contiguous()
+                        s_idx = full_o.to(torch.int32).sort(-1, descending=True).values.contiguous()
+                        conv = lambda: convert(seqlens, v_idx, s_idx, n, 64, 64)  # noqa: E731
+                        mi_tiles_ms = time_ms(conv)
+                        bc, bo, cc, ci = conv()
+                        mi_area = (bc.long().sum() * 64 * 64 + cc.long().sum() * 64).item()
+                    else:
+                        t = expand_groups(tiles, G) if shared else tiles
+                        bc, bo, cc, ci = t.block_count, t.block_offset, t.column_count, t.column_index
+                        mi_tiles_ms, mi_area = None, tile_area(t, n).sum().item()
+                    mi_fn = lambda: mi["vs"]._triton_mixed_sparse_attention(q, kx, vx, seqlens, bc, bo, cc, ci, scale)  # noqa: E731
+                    mi_ms = time_ms(mi_fn)
+                    extra.update({"minference_tiles_ms": mi_tiles_ms,
+                                  "tiles_ratio_to_minference": t_tiles / mi_tiles_ms if mi_tiles_ms else None,
+                                  "minference_physical_density": mi_area / (hq * causal),
+                                  "vs_minference_output": {**agreement(out, mi_fn()),
+                                                           "key_sets": "both cover the logical VS set; the physical "
+                                                                       "extras differ (ours: the fewest 64-wide "
+                                                                       "pieces, greedy from the diagonal; theirs: "
+                                                                       "64-wide steps from each range's start)"}})
+                    del bc, bo, cc, ci
+                name = "vertical_slash" + ("_group_shared" if shared else "")
+                r = row(name, tiles, times, best, mi_ms, **extra)
+                del out
+                if shared:
+                    continue
+                with_flex(r, tiles, "vertical_slash", VerticalSlash(cols[0], offs[0]).mask_mod(n, dev))
+                # the same work with contiguous column strips (positions 0.. of each row block: a wrong
+                # output, the time a packed column buffer could at best reach)
+                strips = torch.arange(tiles.column_index.shape[-1], device=dev, dtype=torch.int32)
+                packed = VSTiles(tiles.block_count, tiles.block_offset, tiles.column_count,
+                                 strips.expand_as(tiles.column_index).contiguous(), tiles.block, tiles.width,
+                                 tiles.disjoint)
+                contiguous_ms = time_ms(lambda: sparse_prefill(q, k, v, packed, scale=scale))
+                strip_share = (tiles.column_count.long().sum() / (tiles.column_count.long().sum()
+                               + tiles.block_count.long().sum() * tiles.piece)).item()
+                r.update({"contiguous_columns_ms": contiguous_ms,
+                          "contiguous_columns_gain": r["default_ms"] / contiguous_ms if r["default_ms"] else None,
+                          "column_share_of_keys": strip_share})
+                save()
+                packed = None
+                # 128-row tiles over 64-wide pieces (the greedy cover of each 128-row block's ranges)
+                tiles = vs_tiles(cols, offs, n, 128, 64)
+                times, best, out = ours(tiles, only=("default", "tma"))
+                row(name + "_128x64", tiles, times, best, mi_ms)
+                del out, tiles
+            result["bars"].setdefault(shape, {})[n] = bars(found)
+            save()
+            q = k = v = kx = vx = None  # free this length's tensors before the next
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+    save()
+    print(f"wrote {args.minference_out} ({len(rows)} rows, {time.time() - t_start:.0f} s)")
     return 0
+
+
+def bars(found: dict[str, dict]) -> dict[str, float | None]:
+    """The issue's ratios at one (shape, length) from its rows (best variant each)."""
+    def get(pattern, key):
+        return found.get(pattern, {}).get(key)
+
+    ashape = [r["ratio_to_dense_tflops"] for p, r in found.items() if p.startswith("a_shape")]
+    return {"vs_ratio_to_dense": get("vertical_slash", "ratio_to_dense_tflops"),
+            "vs_speedup_vs_minference": get("vertical_slash", "speedup_vs_minference"),
+            "vs_128x64_ratio_to_dense": get("vertical_slash_128x64", "ratio_to_dense_tflops"),
+            "vs_group_shared_ratio_to_dense": get("vertical_slash_group_shared", "ratio_to_dense_tflops"),
+            "vs_speedup_vs_dense": get("vertical_slash", "speedup_vs_dense"),
+            "vs_physical_density": get("vertical_slash", "physical_density"),
+            "block_ratio_to_dense": get("block_sparse", "ratio_to_dense_tflops"),
+            "block_speedup_vs_minference": get("block_sparse", "speedup_vs_minference"),
+            "block_group_shared_ratio_to_dense": get("block_sparse_group_shared", "ratio_to_dense_tflops"),
+            "ashape_best_ratio_to_dense": max(ashape) if ashape else None,
+            "vs_tiles_ratio_to_minference": get("vertical_slash", "tiles_ratio_to_minference"),
+            "block_index_ratio_to_minference": get("block_sparse", "index_ratio_to_minference")}
 
 
 if __name__ == "__main__":

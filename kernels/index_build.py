@@ -10,8 +10,12 @@ rows' log-sum-exp in torch); pass 2 recomputes the scores of blocks u+1 and u si
 64 x 128 tile X, sums the probabilities of block u over rows (column sums) and reads X along its
 diagonals with one `tl.gather` (row r, offset 64u + t sits at column 64 + r - t), so each program
 owns the diagonal sums of offsets [64u, 64u + 64) without atomics. Top-k selection is the shared
-`topk.top_positions` (the one `workbench.patterns.vs_proxy` uses); the tile conversion is `vs_pieces`
-(torch) plus one Triton pass that expands pieces and packs surviving columns per row block.
+`topk.top_positions` (the one `workbench.patterns.vs_proxy` uses).
+
+The tile conversion (`vs_tiles`, the same tiles as `index_ref.vs_to_tiles`) runs in two Triton passes
+over the sorted offsets, never over n-sized arrays: `vs_cover` places each head's pieces (the greedy
+cover of `index_ref.vs_pieces`, one program per head), then one program per row block expands the
+pieces and packs the surviving columns.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .index_ref import VSTiles, max_pieces_total, piece_ranges, unique_columns, vs_pieces
+from .index_ref import VSTiles, max_pieces_total, piece_ranges, unique_columns
 from .topk import budget, top_blocks, top_positions
 
 LOG2E = 1.4426950408889634
@@ -118,6 +122,69 @@ def vs_index(q: torch.Tensor, k: torch.Tensor, scale: float, vertical: int = 100
 
 
 @triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _vs_cover_kernel(Offs, Ends, Covered, KS, P, L, N, B_ROW: tl.constexpr, W: tl.constexpr, KPAD: tl.constexpr):
+    """One head's greedy cover in d-space from its sorted offsets (invalid ones = N, at the end).
+
+    Offset o_i covers d in [o_i - B_ROW + 1, o_i]. Walking the offsets in order with `reach` = the
+    last d covered so far: if reach <= o_i - B_ROW (a reset) the pieces restart at o_i - B_ROW + 1 and
+    reach becomes o_i; else they continue at reach + 1 and reach becomes the first value >= o_i in
+    reach's residue mod W. So reach_i = o_r + W * ceil((o_i - o_r) / W), r = the last reset <= i,
+    and a reset needs a gap o_i - o_{i-1} >= B_ROW. The resets are found by fixed-point iteration
+    (start: every such gap; each pass settles at least the first unsettled one, usually 2-4 passes),
+    then offset i writes its ceil((o_i - lo_i) / W) <= B_ROW / W pieces (lo_i: the d below its
+    first piece) and marks their d's in `Covered`."""
+    bh = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, KPAD)
+    o = tl.load(Offs + bh * KS + i, mask=i < KS, other=N)
+    o_prev = tl.load(Offs + bh * KS + i - 1, mask=(i >= 1) & (i < KS), other=-(1 << 30))
+    gap = o - o_prev >= B_ROW  # i = 0 (offset 0) always
+    reset = gap
+    reach_prev = o_prev
+    changed = 1
+    while changed > 0:
+        last = tl.associative_scan(tl.where(reset, o, -(1 << 30)), 0, _max)  # value of the last reset <= i
+        o_r = tl.gather(last, tl.maximum(i - 1, 0), 0)
+        reach_prev = o_r + tl.cdiv(o_prev - o_r, W) * W  # reach after offset i - 1
+        new = gap & ((i == 0) | (reach_prev <= o - B_ROW))
+        changed = tl.sum((new != reset).to(tl.int32), 0)
+        reset = new
+    lo = tl.where(reset, o - B_ROW, reach_prev)
+    count = tl.where(o < N, tl.maximum(tl.cdiv(o - lo, W), 0), 0)
+    pos = tl.cumsum(count, 0) - count
+    for k in tl.static_range(B_ROW // W):
+        end = lo + (k + 1) * W  # the piece's d of its lowest key
+        tl.store(Ends + bh * P + pos + k, end, mask=k < count)
+        for j in range(W):
+            d = end - j
+            tl.store(Covered + bh * L + d + B_ROW - 1, 1, mask=(k < count) & (d < N))
+    for s in range(tl.sum(count, 0), P, KPAD):
+        tl.store(Ends + bh * P + s + i, 2147483647, mask=s + i < P)
+
+
+@torch.no_grad()
+def vs_cover(offsets: torch.Tensor, n: int, block: int = 64, width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`index_ref.vs_pieces(offsets, n, block, static=True, width=width)` by one Triton program per head:
+    (ends Int32 `[B, H, max_pieces_total]` ascending, INT32_MAX padded; covered Int8 `[B, H, n + block - 1]`)."""
+    B, H, KS = offsets.shape
+    w = width or block
+    off = offsets.long()
+    off = torch.where((off >= 0) & (off < n), off, n)
+    off = torch.cat([torch.zeros_like(off[..., :1]), off], -1).to(torch.int32).sort(-1).values.contiguous()
+    P = max_pieces_total(n, KS, block, w)
+    ends = torch.empty(B, H, P, dtype=torch.int32, device=offsets.device)
+    covered = torch.zeros(B, H, n + block - 1, dtype=torch.int8, device=offsets.device)
+    kpad = triton.next_power_of_2(KS + 1)
+    _vs_cover_kernel[(B * H,)](off, ends, covered, KS + 1, P, n + block - 1, n, B_ROW=block, W=w, KPAD=kpad,
+                               num_warps=max(4, min(16, kpad // 256)))
+    return ends, covered
+
+
+@triton.jit
 def _expand_tiles_kernel(Ends, Hi, Covered, Cols, BlockCount, BlockOffset, ColumnCount, ColumnIndex,
                          P, L, KV, NS, NC, M, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     bh = tl.program_id(0)
@@ -152,7 +219,7 @@ def vs_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int = 
     B, H, KV = columns.shape
     M = -(-n // block)
     w = width or block
-    ends, covered = vs_pieces(offsets, n, block, static=True, width=w)
+    ends, cov = vs_cover(offsets, n, block, w)
     cols = unique_columns(columns, n).to(torch.int32).contiguous()
     P = ends.shape[-1]
     NS = min(2 * (-(-n // w)) + 4, max_pieces_total(n, offsets.shape[-1], block, w))
@@ -162,8 +229,7 @@ def vs_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int = 
     tiles = VSTiles(count.clamp(max=NS).contiguous(),
                     torch.empty(B, H, M, NS, dtype=torch.int32, device=dev),
                     torch.empty(B, H, M, dtype=torch.int32, device=dev),
-                    torch.empty(B, H, M, NC, dtype=torch.int32, device=dev), block, width)
-    cov = covered.to(torch.int8).contiguous()
+                    torch.empty(B, H, M, NC, dtype=torch.int32, device=dev), block, width, disjoint=True)
     _expand_tiles_kernel[(B * H, M)](ends, hi.contiguous(), cov, cols, tiles.block_count, tiles.block_offset,
                                      tiles.column_count,
                                      tiles.column_index, P, cov.shape[-1], KV, NS, NC, M, BLOCK=block,
@@ -172,55 +238,87 @@ def vs_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int = 
 
 
 @triton.jit
-def _block_topk_kernel(Score, Budget, Out, M, H, K, NPAD: tl.constexpr, KPAD: tl.constexpr):
-    """One query block (row of Score): its diagonal plus the best causal key blocks, k = min(budget,
-    m + 1) of them, written ascending. The k-th largest score is found exactly by bisection on the
-    order-preserving int32 image of the fp32 scores (32 counting passes over the row in registers);
-    ties at the threshold go to the lowest block ids."""
-    row = tl.program_id(0)
-    m = row % M
-    h = (row // M) % H
+def _block_topk_kernel(Score, Budget, Out, M, H, K, R: tl.constexpr, NPAD: tl.constexpr, KPAD: tl.constexpr):
+    """R consecutive query blocks (rows of Score) of one head: each keeps its diagonal plus the best
+    k - 1 causal key blocks before it, k = min(budget, m + 1), written ascending. The threshold is
+    found exactly by bisection on the order-preserving int32 image of the fp32 scores, between the
+    row's smallest and largest candidate, stopping as soon as exactly k - 1 candidates reach it (a
+    gap between the (k-1)-th and k-th score: ~15-25 passes instead of 32); ties at the threshold go
+    to the lowest block ids."""
+    pid = tl.program_id(0)
+    per_head = tl.cdiv(M, R)
+    bh = pid // per_head
+    m = (pid % per_head) * R + tl.arange(0, R)  # [R]
     j = tl.arange(0, NPAD)
-    valid = j <= m
-    x = tl.load(Score + row.to(tl.int64) * M + j, mask=valid, other=0.0)
+    row_ok = m < M
+    cand = (j[None, :] < m[:, None]) & row_ok[:, None]
+    rows = (bh * M + m).to(tl.int64)
+    x = tl.load(Score + rows[:, None] * M + j[None, :], mask=cand, other=0.0)
     bits = x.to(tl.int32, bitcast=True)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed int order == float order
-    key = tl.where(j == m, 2147483647, tl.where(valid, key, -2147483647 - 1))
-    k = tl.minimum(tl.maximum(tl.load(Budget + h), 1), m + 1)
-    lo = tl.full([], -2147483648, tl.int64)
-    hi = tl.full([], 2147483647, tl.int64)
-    key64 = key.to(tl.int64)
-    for _ in range(32):  # largest T with #(key >= T) >= k
+    key = tl.where(cand, bits ^ ((bits >> 31) & 0x7FFFFFFF), -2147483647 - 1)  # signed int order == float order
+    k = tl.minimum(tl.maximum(tl.load(Budget + bh % H), 1), m + 1) - 1  # candidates to keep, <= m
+    # invariant: count(key >= lo) = cnt >= k and count(key > hi) < k; done when cnt == k or lo == hi
+    lo = tl.min(tl.where(cand, key, 2147483647), 1).to(tl.int64)
+    hi = tl.max(key, 1).to(tl.int64)
+    lo = tl.where(k == 0, 2147483647, lo)
+    cnt = m
+    active = (cnt > k) & (lo < hi)
+    while tl.sum(active.to(tl.int32), 0) > 0:
         mid = (lo + hi + 1) >> 1
-        enough = tl.sum((key64 >= mid).to(tl.int32), 0) >= k
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid - 1)
-    above = key64 > lo
-    tie = (key64 == lo) & valid
-    keep = valid & (above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= k - tl.sum(above.to(tl.int32), 0))))
-    pos = tl.cumsum(keep.to(tl.int32), 0) - 1
-    out = Out + row.to(tl.int64) * K
-    tl.store(out + pos, j, mask=keep)
+        c = tl.sum((key >= mid.to(tl.int32)[:, None]).to(tl.int32), 1)
+        enough = c >= k
+        lo = tl.where(active & enough, mid, lo)
+        hi = tl.where(active & ~enough, mid - 1, hi)
+        cnt = tl.where(active & enough, c, cnt)
+        active = (cnt > k) & (lo < hi)
+    t = lo.to(tl.int32)[:, None]
+    above = cand & (key > t)
+    tie = cand & (key == t)
+    n_above = tl.sum(above.to(tl.int32), 1)
+    keep = above | (tie & (tl.cumsum(tie.to(tl.int32), 1) <= (k - n_above)[:, None]))
+    pos = tl.cumsum(keep.to(tl.int32), 1) - 1
+    out = Out + rows * K
+    tl.store(out[:, None] + pos, j[None, :], mask=keep)
+    tl.store(out + k, m, mask=row_ok)  # the diagonal, after the k kept candidates
     slot = tl.arange(0, KPAD)
-    tl.store(out + slot, -1, mask=(slot >= k) & (slot < K))
+    tl.store(out[:, None] + slot[None, :], -1, mask=(slot[None, :] > k[:, None]) & (slot[None, :] < K) & row_ok[:, None])
+
+
+@triton.jit
+def _block_scores_kernel(QP, KP, Score, M, H, G, D: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr):
+    """Scores of one BT x BT tile (query blocks x key blocks) of one head; tiles wholly above the
+    diagonal are left unwritten (the selection never reads past the diagonal)."""
+    bh = tl.program_id(0)
+    i = tl.program_id(1)
+    j = tl.program_id(2)
+    if j <= i:
+        rows = i * BT + tl.arange(0, BT)
+        cols = j * BT + tl.arange(0, BT)
+        dims = tl.arange(0, D)
+        kvh = (bh // H) * (H // G) + (bh % H) // G
+        qp = tl.load(QP + (bh * M + rows).to(tl.int64)[:, None] * D + dims[None, :], mask=rows[:, None] < M, other=0.0)
+        kp = tl.load(KP + (kvh * M + cols).to(tl.int64)[:, None] * D + dims[None, :], mask=cols[:, None] < M,
+                     other=0.0)
+        s = tl.dot(qp, tl.trans(kp), input_precision=PRECISION)
+        tl.store(Score + (bh * M + rows).to(tl.int64)[:, None] * M + cols[None, :], s,
+                 mask=(rows < M)[:, None] & (cols < M)[None, :])
 
 
 @torch.no_grad()
-def block_index(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100, block: int = 64,
-                group_shared: bool = False) -> torch.Tensor:
-    """Block-sparse index of every head of a layer: the selection of `workbench.patterns.block_proxy`
-    (64-token mean-pooled q.k, block-causal, diagonal forced, top-k; `topk` an int or Long `[Hq]`)
-    -> Int32 `[B, Hq, M, max topk]`, ascending, -1 padded.
-
-    Pools bf16/fp16 inputs with fp32 accumulation (no fp32 copy of q and k), scores all heads with one
-    grouped fp32 matmul, then one Triton program per query block selects its blocks from the score row
-    (exact k-th value by bisection, no sort, no host sync). On the CPU without the Triton interpreter
-    the selection is `topk.top_blocks` (the same blocks). `group_shared`: one table per KV head
-    (`[B, Hkv, M, K]`, InfLLM-V2 style) from the pooled scores added over its G query heads (budget:
-    the group's largest), for the GQA-packed kernel."""
+def pooled_scores(q: torch.Tensor, k: torch.Tensor, block: int = 64, group_shared: bool = False,
+                  precision: str = "ieee") -> torch.Tensor:
+    """Block scores of every head of a layer, Float32 `[B, Hq (Hkv if group_shared), M, M]` (only the
+    causal part j <= m is written): 64-token means of q and k (bf16/fp16 pooled with fp32 accumulation,
+    no fp32 copy of q and k; a last partial block averages its own tokens), then q-means . k-means.
+    On CUDA (or under the Triton interpreter) one Triton launch over the lower-triangle tiles, products
+    in `precision` ("ieee": fp32 FMA, as `block_proxy`'s fp32 matmul up to summation order; "tf32x3":
+    three TF32 tensor-core products, about fp32 accuracy and faster, so near-ties may select apart from
+    the reference); else one grouped fp32 matmul. group_shared: summed over each KV head's G query heads."""
     if q.dim() != 4 or k.dim() != 4 or q.shape[1] % k.shape[1]:
         raise ValueError(f"q must be [B, Hq, N, D] and k [B, Hkv, N, D] with Hq a multiple of Hkv; "
                          f"got {tuple(q.shape)} and {tuple(k.shape)}")
+    if precision not in ("tf32x3", "ieee"):
+        raise ValueError(f"precision={precision!r}: use 'tf32x3' or 'ieee'")
     B, Hq, n, D = q.shape
     Hkv = k.shape[1]
     full = n // block
@@ -233,18 +331,51 @@ def block_index(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100
 
     qp, kp = pool(q), pool(k)  # [B, H, M, D]
     M = qp.shape[2]
-    score = (qp.view(B, Hkv, (Hq // Hkv) * M, D) @ kp.transpose(-1, -2)).view(B, Hq, M, M)
-    k_max, per_head = budget(topk, Hq, "topk")
-    if group_shared:
-        score = score.unflatten(1, (Hkv, -1)).sum(2)
-        per_head = per_head.view(Hkv, -1).amax(1) if per_head is not None else None
-    H = score.shape[1]
-    kernel = q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    if q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        score = torch.empty(B, Hq, M, M, dtype=torch.float32, device=q.device)
+        bt = 64 if D <= 128 else 32
+        grid = (B * Hq, triton.cdiv(M, bt), triton.cdiv(M, bt))
+        _block_scores_kernel[grid](qp.contiguous(), kp.contiguous(), score, M, Hq, Hq // Hkv, D=D, BT=bt,
+                                   PRECISION=precision, num_warps=4)
+    else:
+        score = (qp.view(B, Hkv, (Hq // Hkv) * M, D) @ kp.transpose(-1, -2)).view(B, Hq, M, M)
+    return score.unflatten(1, (Hkv, -1)).sum(2) if group_shared else score
+
+
+@torch.no_grad()
+def select_blocks(score: torch.Tensor, topk: int | torch.Tensor = 100) -> torch.Tensor:
+    """Per query block its diagonal plus the best causal key blocks of `pooled_scores` `[B, H, M, M]`,
+    `topk` in all (an int, or Long per query head: tables per KV head take their group's largest)
+    -> Int32 `[B, H, M, max topk]`, ascending, -1 padded. Each Triton program selects several query
+    blocks (exact k-th value by bisection, no sort, no host sync); on the CPU without the Triton
+    interpreter `topk.top_blocks` (the same blocks)."""
+    B, H, M, _ = score.shape
+    n_budgets = torch.as_tensor(topk).numel()
+    if n_budgets > 1 and n_budgets % H:
+        raise ValueError(f"topk has {n_budgets} budgets: give one, or one per query head (a multiple of {H})")
+    k_max, per_head = budget(topk, max(n_budgets, H) if n_budgets > 1 else H, "topk")
+    if per_head is not None:
+        per_head = per_head.view(H, -1).amax(1)  # tables per KV head: the group's largest
+    kernel = score.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
     if not kernel or k_max == 0 or M > MAX_TOPK_BLOCKS:
         return top_blocks(score, k_max, per_head)
-    budgets = (per_head if per_head is not None else torch.full((H,), k_max)).to(q.device, torch.int32)
-    out = torch.empty(B, H, M, k_max, dtype=torch.int32, device=q.device)
+    budgets = (per_head if per_head is not None else torch.full((H,), k_max)).to(score.device, torch.int32)
+    out = torch.empty(B, H, M, k_max, dtype=torch.int32, device=score.device)
     npad = triton.next_power_of_2(M)
-    _block_topk_kernel[(B * H * M,)](score.contiguous(), budgets, out, M, H, k_max, NPAD=npad,
-                                      KPAD=triton.next_power_of_2(k_max), num_warps=4 if npad <= 4096 else 8)
+    rows = max(1, min(16, 8192 // npad))  # query blocks per program: ~8K scores in registers
+    _block_topk_kernel[(B * H * triton.cdiv(M, rows),)](score.contiguous(), budgets, out, M, H, k_max, R=rows,
+                                                        NPAD=npad, KPAD=triton.next_power_of_2(k_max),
+                                                        num_warps=4 if rows * npad <= 4096 else 8)
     return out
+
+
+@torch.no_grad()
+def block_index(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100, block: int = 64,
+                group_shared: bool = False) -> torch.Tensor:
+    """Block-sparse index of every head of a layer: the selection of `workbench.patterns.block_proxy`
+    (64-token mean-pooled q.k, block-causal, diagonal forced, top-k; `topk` an int or Long `[Hq]`)
+    -> Int32 `[B, Hq, M, max topk]`, ascending, -1 padded: `select_blocks(pooled_scores(...))`.
+    `group_shared`: one table per KV head (`[B, Hkv, M, K]`, InfLLM-V2 style) from the pooled scores
+    added over its G query heads (budget: the group's largest), for the GQA-packed kernel."""
+    budget(topk, q.shape[1], "topk")  # a per-head budget must match the query heads
+    return select_blocks(pooled_scores(q, k, block, group_shared), topk)

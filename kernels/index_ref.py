@@ -116,7 +116,7 @@ def vs_to_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int
     dc = (m0 - c).clamp(min=1, max=n - 1) + block - 1
     keep = (c < m0) & ~torch.gather(covered.unsqueeze(2).expand(B, H, M, -1), 3, dc.expand(B, H, M, -1))
     column_index, column_count = _compact(c.expand(B, H, M, -1), keep, max_columns)
-    return VSTiles(block_count, block_offset, column_count, column_index, block, width)
+    return VSTiles(block_count, block_offset, column_count, column_index, block, width, disjoint=True)
 
 
 def piece_ranges(ends: torch.Tensor, n: int, block: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:

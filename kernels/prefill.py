@@ -20,6 +20,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from .index_ref import VSTiles, ashape_to_tiles, block_sparse_to_tiles, expand_groups, vs_to_tiles
 from .prefill_ref import check_prefill_args
@@ -40,28 +41,34 @@ def _online_update(qk, qk_scale, v, m_i, l_i, acc):
 
 
 @triton.jit
-def _pieces(q, Kbase, Vbase, Offsets, lo, hi, n_blk, rows, N, sink, window, qk_scale, m_i, l_i, acc, skn, svn,
-            dims, lanes, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CUT: tl.constexpr, HAS_WINDOW: tl.constexpr,
-            TMA: tl.constexpr = False, D: tl.constexpr = 16):
+def _pieces(q, Kbase, Vbase, kdesc, vdesc, Offsets, lo, hi, n_blk, rows, N, sink, window, qk_scale, m_i, l_i, acc,
+            skn, svn, dims, lanes, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CUT: tl.constexpr,
+            HAS_WINDOW: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
     """Online softmax over pieces lo..hi-1 of one tile. MASK: every mask (key range, the cut at the next
-    piece, causal, sink/window); else unmasked loads (TMA: through tensor descriptors over this KV
-    head's [N, D] rows), and CUT: only the cut where a piece overlaps the next."""
-    if TMA:
-        kdesc = tl.make_tensor_descriptor(Kbase, shape=[N, D], strides=[skn, 1], block_shape=[BLOCK_N, D])
-        vdesc = tl.make_tensor_descriptor(Vbase, shape=[N, D], strides=[svn, 1], block_shape=[BLOCK_N, D])
-    for t in range(lo, hi):
-        p = tl.load(Offsets + t)
+    piece, causal, sink/window); else no mask but, with CUT, the cut where a piece overlaps the next.
+    TMA: K/V through tensor descriptors over this KV head's [N, D] rows (rows outside [0, N) read as
+    zeros), else pointer loads. WS: warp-specialised loop (Hopper/Blackwell; the unmasked run only)."""
+    p = tl.load(Offsets + lo, mask=lo < n_blk, other=0)
+    for t in tl.range(lo, hi, warp_specialize=WS and not MASK):
+        # the next start, carried as a value: K/V addresses then never wait on a load of this iteration,
+        # so the pipeliner can prefetch the tiles num_stages - 1 pieces ahead
+        nxt = tl.load(Offsets + t + 1, mask=t + 1 < n_blk, other=1 << 30)
         keys = p + lanes
         if MASK:
-            nxt = tl.load(Offsets + t + 1, mask=t + 1 < n_blk, other=1 << 30)
             in_seq = (keys >= 0) & (keys < N)
-            k = tl.load(Kbase + keys[:, None] * skn + dims[None, :], mask=in_seq[:, None], other=0.0)
+            if TMA:
+                k = kdesc.load([p, 0])
+            else:
+                k = tl.load(Kbase + keys[:, None] * skn + dims[None, :], mask=in_seq[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k))
             keep = in_seq[None, :] & (keys[None, :] < nxt) & (keys[None, :] <= rows[:, None])
             if HAS_WINDOW:
                 keep = keep & ((rows[:, None] - keys[None, :] < window[:, None]) | (keys[None, :] < sink[:, None]))
             s = tl.where(keep, s, float("-inf"))
-            v = tl.load(Vbase + keys[:, None] * svn + dims[None, :], mask=in_seq[:, None], other=0.0)
+            if TMA:
+                v = vdesc.load([p, 0])
+            else:
+                v = tl.load(Vbase + keys[:, None] * svn + dims[None, :], mask=in_seq[:, None], other=0.0)
         else:
             if TMA:
                 k = kdesc.load([p, 0])
@@ -69,7 +76,6 @@ def _pieces(q, Kbase, Vbase, Offsets, lo, hi, n_blk, rows, N, sink, window, qk_s
                 k = tl.load(Kbase + keys[:, None] * skn + dims[None, :])
             s = tl.dot(q, tl.trans(k))
             if CUT:
-                nxt = tl.load(Offsets + t + 1, mask=t + 1 < n_blk, other=1 << 30)
                 if p + BLOCK_N > nxt:
                     s = tl.where(keys[None, :] < nxt, s, float("-inf"))
             if TMA:
@@ -77,24 +83,20 @@ def _pieces(q, Kbase, Vbase, Offsets, lo, hi, n_blk, rows, N, sink, window, qk_s
             else:
                 v = tl.load(Vbase + keys[:, None] * svn + dims[None, :])
         m_i, l_i, acc = _online_update(s, qk_scale, v, m_i, l_i, acc)
+        p = nxt
     return m_i, l_i, acc
 
 
 @triton.jit
-def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount, ColumnIndex, Sink, Window,
-                           qk_scale, N, HT, G, M, NS, NC,
-                           sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
-                           D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr,
-                           ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr, LONGEST_FIRST: tl.constexpr,
-                           SPLIT: tl.constexpr, CUT: tl.constexpr, TMA: tl.constexpr):
-    # One program: ROWS query rows of each of PACK query heads that share one tile list (PACK = 1: one
-    # head, ROWS = BLOCK; PACK = G: the G heads of a KV head, ROWS = pack_rows / G of each), so each K/V
-    # tile loads once for PACK * ROWS rows. HT = heads of the tile list.
+def _row_block(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount, ColumnIndex, Sink, Window, bh, mid,
+               qk_scale, N, HT, G, M, NS, NC, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
+               D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr,
+               ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, CUT: tl.constexpr,
+               TMA: tl.constexpr, WS: tl.constexpr):
+    """Work item (bh, mid): ROWS query rows of each of PACK query heads that share one tile list (PACK =
+    1: one head, ROWS = BLOCK; PACK = G: the G heads of a KV head, ROWS = pack_rows / G of each), so each
+    K/V tile loads once for PACK * ROWS rows. HT = heads of the tile list; mid = row block m, sub-block."""
     SUB: tl.constexpr = BLOCK // ROWS
-    bh = tl.program_id(0)  # b * HT + tile head
-    mid = tl.program_id(1)
-    if LONGEST_FIRST:  # late row blocks (the most keys) start first
-        mid = M * SUB - 1 - mid
     m = mid // SUB
     b = (bh // HT).to(tl.int64)
     ht = bh % HT
@@ -105,19 +107,33 @@ def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount
     rows = row_lo + r % ROWS
     dims = tl.arange(0, D)
     lanes = tl.arange(0, BLOCK_N)
-    q = tl.load(Q + b * sqb + head[:, None] * sqh + rows[:, None] * sqn + dims[None, :], mask=rows[:, None] < N,
-                other=0.0)
     Kbase = K + b * skb + kvh * skh
     Vbase = V + b * svb + kvh * svh
+    if TMA:
+        kdesc = tl.make_tensor_descriptor(Kbase, shape=[N, D], strides=[skn, 1], block_shape=[BLOCK_N, D])
+        vdesc = tl.make_tensor_descriptor(Vbase, shape=[N, D], strides=[svn, 1], block_shape=[BLOCK_N, D])
+    else:
+        kdesc = Kbase  # unused
+        vdesc = Vbase
+    if TMA and PACK == 1:
+        qdesc = tl.make_tensor_descriptor(Q + b * sqb + ht * sqh, shape=[N, D], strides=[sqn, 1],
+                                          block_shape=[ROWS, D])
+        q = qdesc.load([row_lo, 0])
+    else:
+        q = tl.load(Q + b * sqb + head[:, None] * sqh + rows[:, None] * sqn + dims[None, :],
+                    mask=rows[:, None] < N, other=0.0)
     m_i = tl.full([PACK * ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([PACK * ROWS], tl.float32)
     acc = tl.zeros([PACK * ROWS, D], tl.float32)
     tile = bh * M + m
     # Vertical columns: packed strips, every column < m * BLOCK (strictly causal).
     n_col = tl.load(ColumnCount + tile)
+    cols = ColumnIndex + tile.to(tl.int64) * NC
+    col_next = tl.load(cols + lanes, mask=lanes < n_col, other=0)
     for c0 in range(0, n_col, BLOCK_N):
         ok = c0 + lanes < n_col
-        col = tl.load(ColumnIndex + tile.to(tl.int64) * NC + c0 + lanes, mask=ok, other=0)
+        col = col_next  # loaded one strip ahead, as the pieces' starts below
+        col_next = tl.load(cols + c0 + BLOCK_N + lanes, mask=c0 + BLOCK_N + lanes < n_col, other=0)
         k = tl.load(Kbase + col[:, None] * skn + dims[None, :], mask=ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k))
         s = tl.where(ok[None, :], s, float("-inf"))
@@ -151,16 +167,18 @@ def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount
         while (p_t + BLOCK_N - 1 > row_lo) | (p_t + BLOCK_N > N):
             t_hi -= 1
             p_t = tl.load(BlockOffset + base + t_hi - 1, mask=t_hi > t_lo, other=-(1 << 30))
-        m_i, l_i, acc = _pieces(q, Kbase, Vbase, BlockOffset + base, 0, t_lo, n_blk, rows, N, sink, window,
-                                qk_scale, m_i, l_i, acc, skn, svn, dims, lanes, BLOCK_N, True, False, HAS_WINDOW)
-        m_i, l_i, acc = _pieces(q, Kbase, Vbase, BlockOffset + base, t_lo, t_hi, n_blk, rows, N, sink, window,
-                                qk_scale, m_i, l_i, acc, skn, svn, dims, lanes, BLOCK_N, False, CUT, HAS_WINDOW,
-                                TMA, D)
-        m_i, l_i, acc = _pieces(q, Kbase, Vbase, BlockOffset + base, t_hi, n_blk, n_blk, rows, N, sink, window,
-                                qk_scale, m_i, l_i, acc, skn, svn, dims, lanes, BLOCK_N, True, False, HAS_WINDOW)
+        m_i, l_i, acc = _pieces(q, Kbase, Vbase, kdesc, vdesc, BlockOffset + base, 0, t_lo, n_blk, rows, N, sink,
+                                window, qk_scale, m_i, l_i, acc, skn, svn, dims, lanes, BLOCK_N, True, False,
+                                HAS_WINDOW, TMA, WS)
+        m_i, l_i, acc = _pieces(q, Kbase, Vbase, kdesc, vdesc, BlockOffset + base, t_lo, t_hi, n_blk, rows, N, sink,
+                                window, qk_scale, m_i, l_i, acc, skn, svn, dims, lanes, BLOCK_N, False, CUT,
+                                HAS_WINDOW, TMA, WS)
+        m_i, l_i, acc = _pieces(q, Kbase, Vbase, kdesc, vdesc, BlockOffset + base, t_hi, n_blk, n_blk, rows, N, sink,
+                                window, qk_scale, m_i, l_i, acc, skn, svn, dims, lanes, BLOCK_N, True, False,
+                                HAS_WINDOW, TMA, WS)
     else:
+        p = tl.load(BlockOffset + base, mask=n_blk > 0, other=0)
         for t in range(0, n_blk):
-            p = tl.load(BlockOffset + base + t)
             nxt = tl.load(BlockOffset + base + t + 1, mask=t + 1 < n_blk, other=1 << 30)
             keys = p + lanes
             in_seq = (keys >= 0) & (keys < N)
@@ -176,21 +194,65 @@ def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount
                 s = tl.where(keep, s, float("-inf"))
             v = tl.load(Vbase + keys[:, None] * svn + dims[None, :], mask=in_seq[:, None], other=0.0)
             m_i, l_i, acc = _online_update(s, qk_scale, v, m_i, l_i, acc)
+            p = nxt
     out = acc / l_i[:, None]
     row_ok = rows < N
-    tl.store(O + b * sob + head[:, None] * soh + rows[:, None] * son + dims[None, :], out.to(O.dtype.element_ty),
-             mask=row_ok[:, None])
+    if TMA and PACK == 1:
+        odesc = tl.make_tensor_descriptor(O + b * sob + ht * soh, shape=[N, D], strides=[son, 1],
+                                          block_shape=[ROWS, D])
+        odesc.store([row_lo, 0], out.to(O.dtype.element_ty))
+    else:
+        tl.store(O + b * sob + head[:, None] * soh + rows[:, None] * son + dims[None, :],
+                 out.to(O.dtype.element_ty), mask=row_ok[:, None])
     tl.store(LSE + (b * HT * PACK + head) * N + rows, (m_i + tl.math.log2(l_i)) / 1.4426950408889634, mask=row_ok)
 
 
-def loop_variant(pack: int, disjoint: bool, hopper: bool) -> tuple[bool, bool]:
+@triton.jit(do_not_specialize=["N", "HT", "G", "M", "NS", "NC", "n_work"])
+def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount, ColumnIndex, Sink, Window, Order,
+                           qk_scale, N, HT, G, M, NS, NC, n_work,
+                           sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
+                           D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr,
+                           ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr, LONGEST_FIRST: tl.constexpr,
+                           SPLIT: tl.constexpr, CUT: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+                           PERSISTENT: tl.constexpr):
+    # Work items (bh, mid), bh = b * HT + tile head, mid = m * SUB + sub-block. PERSISTENT: a fixed grid
+    # of programs, each taking items n_work apart from `Order` (most pieces first); else one program
+    # per item, late row blocks (the most keys) first when LONGEST_FIRST.
+    SUB: tl.constexpr = BLOCK // ROWS
+    if PERSISTENT:
+        for w in range(tl.program_id(0), n_work, tl.num_programs(0)):
+            item = tl.load(Order + w)
+            _row_block(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount, ColumnIndex, Sink, Window,
+                       item // (M * SUB), item % (M * SUB), qk_scale, N, HT, G, M, NS, NC,
+                       sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
+                       D, BLOCK, BLOCK_N, PACK, ROWS, HAS_WINDOW, SPLIT, CUT, TMA, WS)
+    else:
+        mid = tl.program_id(1)
+        if LONGEST_FIRST:
+            mid = M * SUB - 1 - mid
+        _row_block(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount, ColumnIndex, Sink, Window,
+                   tl.program_id(0), mid, qk_scale, N, HT, G, M, NS, NC,
+                   sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
+                   D, BLOCK, BLOCK_N, PACK, ROWS, HAS_WINDOW, SPLIT, CUT, TMA, WS)
+
+
+def loop_variant(pack: int, columns: bool, hopper: bool, head_dim: int = 128) -> tuple[bool, bool]:
     """(split, tma) that ran fastest on the H200 (bf16, 32/8/128, 64K and 128K; kernels/NOTES.md):
-    GQA-packed programs over disjoint pieces (block-sparse, A-shape): the single loop; per-head
-    programs over overlapping pieces (Vertical-Slash): split with pointer loads; the rest (per-head
-    block-sparse and A-shape, packed Vertical-Slash): split with TMA interior loads where there is TMA."""
-    if pack > 1 and disjoint:
+    GQA-packed programs over tiles without columns (block-sparse, A-shape): the single loop (split at
+    head_dim 256, where the single loop's three stages overflow shared memory); per-head programs over
+    tiles with columns (Vertical-Slash): split with pointer loads; the rest (per-head block-sparse and
+    A-shape, packed Vertical-Slash): split with TMA loads where there is TMA."""
+    if pack > 1 and not columns and head_dim <= 128:
         return False, False
-    return True, hopper and not (pack == 1 and not disjoint)
+    return True, hopper and not (pack == 1 and columns)
+
+
+def default_config(d: int, rows: int, pack: int) -> tuple[int, int]:
+    """(num_warps, num_stages) per program shape: 4 warps for 64-row programs of head_dim <= 128, else 8;
+    3 stages: K/V tiles load two pieces ahead (2 stages load the next piece only after this one's math,
+    no overlap). Shared memory at 3 stages (Triton 3.9, sm_90): 64 rows x 128 dims 112 KB (two programs
+    per SM), 128 rows 128 KB, 64 rows x 256 dims 224 KB (of 227)."""
+    return (4 if pack * rows == 64 and d <= 128 else 8), 3
 
 
 def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -198,26 +260,42 @@ def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+def work_order(tiles: VSTiles, sub: int) -> torch.Tensor:
+    """Work items (bh * M * sub + m * sub + s) of the persistent kernel, most pieces and column strips
+    first (longest-processing-time order: the long items start early, the short ones fill the tail)."""
+    cost = tiles.block_count + (tiles.column_count + tiles.piece - 1) // tiles.piece  # [B, H, M]
+    cost = cost.reshape(-1, 1).expand(-1, sub).reshape(-1)
+    return torch.argsort(cost, descending=True, stable=True).to(torch.int32)
+
+
 def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles,
                    sink: torch.Tensor | None = None, window: torch.Tensor | None = None,
                    scale: float | None = None, num_warps: int | None = None,
                    num_stages: int | None = None, longest_first: bool = True,
-                   pack_rows: int = 128, split: bool | None = None,
-                   tma: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   pack_rows: int | None = None, split: bool | None = None,
+                   tma: bool | None = None, persistent: bool = False,
+                   warp_specialize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over the keys of `tiles` (M = ceil(N / tiles.block)).
 
-    q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` (last dim contiguous; fp16/bf16/fp32). `tiles` are per
-    query head (H = Hq) or group-shared (H = Hkv: the G = Hq / Hkv query heads of a KV head attend to
-    the same keys, as InfLLM-V2 selects them); group-shared tiles run GQA-packed, `pack_rows` rows per
-    program (`pack_rows / G` of each head), so each K/V tile loads once for all G heads. Optional
-    per-head A-shape token mask: `sink`, `window` Int `[Hq]` (tokens; use `NO_WINDOW` / 0 for heads
-    without). `split`: walk the pieces of a tile as masked prefix, unmasked interior, masked suffix
-    (an interior with no per-piece branch when `tiles.disjoint`); False: one loop that masks the pieces
-    it finds on an edge. `tma` (with `split`, on Hopper or newer): interior K/V tiles load through
-    tensor descriptors (TMA). None: the fastest on the H200 for this program shape (`loop_variant`).
+    q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` (last dim contiguous; fp16/bf16/fp32; D a power of two,
+    16..256). `tiles` are per query head (H = Hq) or group-shared (H = Hkv: the G = Hq / Hkv query
+    heads of a KV head attend to the same keys, as InfLLM-V2 selects them); group-shared tiles run
+    GQA-packed, `pack_rows` rows per program (`pack_rows / G` of each head; default 128, 64 at head_dim
+    256), so each K/V tile loads once for all G heads. Optional per-head A-shape token mask: `sink`,
+    `window` Int `[Hq]` (tokens; use `NO_WINDOW` / 0 for heads without). `split`: walk the pieces of a
+    tile as masked prefix, unmasked interior, masked suffix (an interior with no per-piece branch when
+    `tiles.disjoint`); False: one loop that masks the pieces it finds on an edge. `tma` (with `split`,
+    on Hopper or newer): K/V tiles, and a per-head program's Q and O rows, through tensor descriptors
+    (TMA). None: the fastest on the H200 for this program shape (`loop_variant`). `persistent`: one
+    program per SM slot looping over the row blocks in `work_order`; `warp_specialize`: the unmasked
+    piece loop warp-specialised (Triton's `tl.range(warp_specialize=True)`; where the compiler has it).
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
     """
     B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
+    if D & (D - 1) or not 16 <= D <= 256:
+        raise ValueError(f"head_dim must be a power of two in 16..256 for the Triton kernel, got {D}")
+    if pack_rows is None:
+        pack_rows = 128 if D <= 128 else 64
     M = -(-N // tiles.block)
     if tiles.shape[1] == Hkv and Hq != Hkv:
         G = Hq // Hkv
@@ -229,21 +307,21 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
                          f"(block {tiles.block}); rebuild the tiles for this input")
     pack = Hq // tiles.shape[1]
     rows = pack_rows // pack if pack > 1 else tiles.block
-    if D & (D - 1) or D < 16:
-        raise ValueError(f"head_dim must be a power of two >= 16 for the Triton kernel, got {D}")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k and v must be contiguous in the last (head_dim) dimension")
     if (sink is None) != (window is None):
         raise ValueError("give both sink and window (per-head A-shape mask) or neither")
     hopper = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 9
-    auto_split, auto_tma = loop_variant(pack, tiles.disjoint, hopper)
+    columns = tiles.column_index.shape[-1] > 1 and window is None  # Vertical-Slash column lists (a static width)
+    auto_split, auto_tma = loop_variant(pack, columns, hopper, D)
     split = auto_split if split is None else split
     tma = (auto_tma and split) if tma is None else tma
-    if tma and not (split and (q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] >= 9)):
+    if tma and not (split and (q.device.type != "cuda" or hopper)):
         raise ValueError("tma=True needs split=True and a GPU of compute capability 9.0 or newer (Hopper)")
-    if tma and (k.stride(2) * k.element_size() % 16 or v.stride(2) * v.element_size() % 16):
-        raise ValueError("tma=True needs k and v rows 16-byte aligned (stride(2) * element size % 16 == 0)")
-    if tma:
+    strides16 = all(x.stride(2) * x.element_size() % 16 == 0 for x in (q, k, v))
+    if tma and not strides16:
+        raise ValueError("tma=True needs q, k and v rows 16-byte aligned (stride(2) * element size % 16 == 0)")
+    if tma or warp_specialize:
         triton.set_allocator(_descriptor_scratch)
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     dev = q.device
@@ -259,18 +337,34 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     bc, bo = tiles.block_count.contiguous(), tiles.block_offset.contiguous()
     cc, ci = tiles.column_count.contiguous(), tiles.column_index.contiguous()
     block = tiles.block
-    if num_warps is None:
-        num_warps = 4 if pack * rows == 64 else 8
-    if num_stages is None:
-        num_stages = 3  # the H200 sweep's best for 64- and 128-row programs
+    auto_warps, auto_stages = default_config(D, rows, pack)
     sub = block // rows
-    _sparse_prefill_kernel[(B * tiles.shape[1], M * sub)](
-        q, k, v, o, lse, bc, bo, cc, ci, sink, window,
-        scale * LOG2E, N, tiles.shape[1], Hq // Hkv, M, bo.shape[-1], ci.shape[-1],
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        D=D, BLOCK=block, BLOCK_N=tiles.piece, PACK=pack, ROWS=rows, HAS_WINDOW=has_window,
-        LONGEST_FIRST=longest_first, SPLIT=split, CUT=not tiles.disjoint, TMA=tma, num_warps=num_warps, num_stages=num_stages)
+    n_work = B * tiles.shape[1] * M * sub
+    if persistent:
+        order = work_order(tiles, sub)
+        slots = torch.cuda.get_device_properties(dev).multi_processor_count * 2 if dev.type == "cuda" else 4
+        grid = (min(n_work, slots),)
+    else:
+        order = bc  # unused
+        grid = (B * tiles.shape[1], M * sub)
+
+    def launch(stages: int):
+        _sparse_prefill_kernel[grid](
+            q, k, v, o, lse, bc, bo, cc, ci, sink, window, order,
+            scale * LOG2E, N, tiles.shape[1], Hq // Hkv, M, bo.shape[-1], ci.shape[-1], n_work,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+            D=D, BLOCK=block, BLOCK_N=tiles.piece, PACK=pack, ROWS=rows, HAS_WINDOW=has_window,
+            LONGEST_FIRST=longest_first, SPLIT=split, CUT=not tiles.disjoint, TMA=tma, WS=warp_specialize,
+            PERSISTENT=persistent, num_warps=num_warps or auto_warps, num_stages=stages)
+
+    if num_stages is not None:
+        launch(num_stages)
+    else:
+        try:
+            launch(auto_stages)
+        except OutOfResources:  # shared memory of this GPU: one stage less
+            launch(auto_stages - 1)
     return o, lse
 
 

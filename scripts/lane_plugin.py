@@ -11,6 +11,9 @@ no test may run past it.
 when it begins; later lines replace earlier ones).
 --run-last NAME (repeatable): tests whose id contains NAME run after all others (cold compiles: a slow one
 then cannot starve the rest of the lane).
+--shard I/K: run only shard I of K (0-based): the test functions are dealt to K shards, the function with
+the most cases first, each to the shard with the fewest cases so far (cases of one function share their
+kernel compiles), so K pytest processes of one lane compile and run side by side.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--lane-deadline", type=float, default=0.0, help="epoch seconds after which no test starts")
     group.addoption("--results-jsonl", default=None, help="append one JSON line per test start and end")
     group.addoption("--run-last", action="append", default=[], help="run tests whose id contains this last")
+    group.addoption("--shard", default=None, help="I/K: run only shard I (0-based) of K")
 
 
 class Lane:
@@ -39,6 +43,9 @@ class Lane:
         path = config.getoption("--results-jsonl")
         self.path = Path(path) if path else None
         self.last = config.getoption("--run-last")
+        self.config = config
+        shard = config.getoption("--shard")
+        self.shard = tuple(int(x) for x in shard.split("/")) if shard else None
         self.outcome: dict[str, tuple[str, str]] = {}
         self.started: dict[str, float] = {}
 
@@ -55,6 +62,21 @@ class Lane:
         return min(limits) if limits else 0.0
 
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        if self.shard is not None:
+            index, count = self.shard
+            group = lambda item: f"{item.path}::{getattr(item, 'originalname', item.name)}"  # noqa: E731
+            groups: dict[str, list[pytest.Item]] = {}
+            for item in items:
+                groups.setdefault(group(item), []).append(item)
+            load = [0] * count
+            mine: set[str] = set()
+            for key in sorted(groups, key=lambda key: -len(groups[key])):  # stable: collection order on ties
+                target = load.index(min(load))
+                load[target] += len(groups[key])
+                if target == index:
+                    mine.add(key)
+            self.config.hook.pytest_deselected(items=[item for item in items if group(item) not in mine])
+            items[:] = [item for item in items if group(item) in mine]
         items.sort(key=lambda item: any(name in item.nodeid for name in self.last))  # stable: order kept otherwise
 
     @pytest.hookimpl(hookwrapper=True)

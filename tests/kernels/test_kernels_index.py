@@ -32,9 +32,9 @@ def explicit_sums(q, k, scale):
     return col, diag
 
 
-@pytest.mark.parametrize("n", [1, 64, 65, 200])
-def test_vs_scores_match_explicit_sums(n):
-    B, Hq, Hkv, D = 2, 3, 1, 64
+@pytest.mark.parametrize("n,D", [(1, 64), (64, 64), (65, 64), (200, 64), (130, 256)])
+def test_vs_scores_match_explicit_sums(n, D):
+    B, Hq, Hkv = 2, 3, 1
     g = torch.Generator().manual_seed(n)
     q, k = torch.randn(B, Hq, n, D, generator=g), torch.randn(B, Hkv, n, D, generator=g)
     col, diag = vs_scores(q.to(DEV), k.to(DEV), 0.125)
@@ -73,7 +73,51 @@ def test_vs_tiles_kernel_equals_reference_conversion(n, block, width):
     ref = vs_to_tiles(cols, offs, n, block, width=width)
     assert torch.equal(fast.block_count.cpu(), ref.block_count)
     assert torch.equal(fast.column_count.cpu(), ref.column_count)
+    assert fast.disjoint and ref.disjoint
+    ns = ref.block_offset.shape[-1]  # the exact widest row block
+    live = torch.arange(ns) < ref.block_count.unsqueeze(-1)
+    assert torch.equal(torch.where(live, fast.block_offset.cpu()[..., :ns], -1), ref.block_offset)
     assert torch.equal(tiles_to_mask(fast, n).cpu(), tiles_to_mask(ref, n))
+
+
+@pytest.mark.parametrize("block,width", [(64, 0), (128, 64), (128, 0)])
+def test_vs_cover_kernel_places_the_reference_pieces(block, width):
+    """The Triton cover (one program per head, resets found by fixed-point iteration) writes the same
+    piece ends and covered d's as `vs_pieces`' greedy cover by pointer doubling, on offsets whose gaps
+    sit around the row block (where a range's overhang decides whether the next range restarts)."""
+    from workbench_kernels.index_build import vs_cover
+    from workbench_kernels.index_ref import vs_pieces
+
+    w = width or block
+    g = torch.Generator().manual_seed(block + w)
+    gaps = torch.randint(block - 3, block + w + 3, (2, 3, 40), generator=g)
+    gaps[..., ::7] = torch.randint(0, 10, gaps[..., ::7].shape, generator=g)
+    offs = torch.cat([gaps.cumsum(-1), torch.full((2, 3, 2), -1), torch.randint(0, 9, (2, 3, 4), generator=g)], -1)
+    n = int(offs.max()) - 40  # some offsets >= n
+    ends, covered = vs_cover(offs.to(DEV), n, block, width)
+    ref_ends, ref_covered = vs_pieces(offs, n, block, static=True, width=width)
+    assert torch.equal(ends.cpu(), ref_ends)
+    assert torch.equal(covered.cpu().bool(), ref_covered)
+
+
+def test_index_builders_at_head_dim_256():
+    """Gemma-3-270M's shape (4 query heads, 1 KV head, head_dim 256): the Triton VS and block indexes
+    select what the torch proxies select."""
+    from workbench_kernels.index_build import block_index
+
+    from workbench.patterns.proxy import block_proxy
+
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 4, 200, 256, generator=g), torch.randn(1, 1, 200, 256, generator=g)
+    cols, offs = vs_index(q.to(DEV), k.to(DEV), 0.0625, vertical=16, slash=12, sink=3, local=4)
+    ref_cols, ref_offs = vs_proxy(q, k, 0.0625, 16, 12, sink=3, local=4)
+    fast, ref = block_index(q.to(DEV), k.to(DEV), 2).cpu(), block_proxy(q, k, 2)
+    if DEV == "cpu":
+        assert torch.equal(cols, ref_cols) and torch.equal(offs, ref_offs) and torch.equal(fast, ref)
+    else:  # tf32 scores: near-tie swaps
+        for a, b in ((cols.cpu(), ref_cols), (offs.cpu(), ref_offs), (fast.flatten(1, 2), ref.flatten(1, 2))):
+            same = sum(len(set(x.tolist()) & set(y.tolist())) for x, y in zip(a.flatten(0, 1), b.flatten(0, 1)))
+            assert same >= 0.9 * b.numel()
 
 
 @pytest.mark.parametrize("n", [1, 130, 256])

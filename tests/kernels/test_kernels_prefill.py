@@ -276,34 +276,62 @@ def test_group_shared_tiles_run_gqa_packed_and_match_reference(Hq, Hkv, block, w
           masked_attention_ref(q, k, v, ashape_mask(sink, window, n).unsqueeze(0).to(DEV)), dtype)
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["per_head", "group_shared"])
+def test_head_dim_256_matches_reference(shared):
+    """Gemma-3-270M's attention shape (4 query heads, 1 KV head, head_dim 256): Vertical-Slash,
+    block-sparse and A-shape tiles, per head and GQA-packed (64 rows per program: 16 of each head)."""
+    n, B, Hq, Hkv, D, dtype = 130, 1, 4, 1, 256, DTYPES[0]
+    H = Hkv if shared else Hq
+    q, k, v = qkv(B, Hq, Hkv, n, D, dtype, seed=256)
+    g = torch.Generator().manual_seed(256)
+    cols, offs = torch.randint(0, n, (B, H, 7), generator=g), torch.randint(0, n, (B, H, 5), generator=g)
+    index = torch.randint(-1, 3, (B, H, 3, 2), generator=g)
+    for tiles in (vs_to_tiles(cols, offs, n), block_sparse_to_tiles(index, n)):
+        mask = tiles_to_mask(expand_groups(tiles, Hq // H), n)
+        check(sparse_prefill(q, k, v, tiles), masked_attention_ref(q, k, v, mask.to(DEV)), dtype)
+    sink, window = (torch.tensor([8] * 4), torch.tensor([70] * 4)) if shared else (
+        torch.tensor([4, 0, 70, 1]), torch.tensor([10, 64, 30, 129]))
+    check(ashape_prefill(q, k, v, sink, window),
+          masked_attention_ref(q, k, v, ashape_mask(sink, window, n).unsqueeze(0).to(DEV)), dtype)
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(DEV != "cuda", reason="bf16 at a Llama-like shape needs CUDA")
-def test_bf16_llama_shape_block_and_ashape_per_head_and_packed():
-    """bf16, head_dim 128, G = 4: the per-head and GQA-packed programs on tables from the Triton block
-    index, and A-shape, against fp32 attention under the tiles' mask (relative error of o)."""
-    from workbench_kernels.index_build import block_index
+@pytest.mark.skipif(DEV != "cuda", reason="bf16 at the models' shapes needs CUDA")
+@pytest.mark.parametrize("Hq,Hkv,D", [(8, 2, 128), (4, 1, 256)], ids=["llama", "gemma"])
+def test_bf16_model_shapes_every_pattern_per_head_and_packed(Hq, Hkv, D):
+    """bf16 at a Llama-like shape (G = 4, head_dim 128) and Gemma-3-270M's (4 / 1 heads, head_dim 256):
+    Vertical-Slash and block-sparse tiles from the Triton index builders, per head and GQA-packed, and
+    A-shape, against fp32 attention under the tiles' mask (relative error of o)."""
+    from workbench_kernels.index_build import block_index, vs_index, vs_tiles
     from workbench_kernels.index_ref import selected_block_tiles
 
-    n, Hq, Hkv, D = 2048, 8, 2, 128
+    n = 2048
     q, k, v = qkv(1, Hq, Hkv, n, D, torch.bfloat16, seed=21)
     for shared in (False, True):
-        tiles = selected_block_tiles(block_index(q, k, 6, group_shared=shared))
-        o, _ = sparse_prefill(q, k, v, tiles)
-        ro, _ = masked_attention_ref(q, k, v, tiles_to_mask(expand_groups(tiles, Hq // tiles.shape[1]), n))
-        assert torch.isfinite(o).all()
-        assert ((o.float() - ro.float()).norm() / ro.float().norm()).item() < 1e-2
+        cols, offs = vs_index(q, k, D ** -0.5, 100, 200, group_shared=shared)
+        for tiles in (selected_block_tiles(block_index(q, k, 6, group_shared=shared)), vs_tiles(cols, offs, n)):
+            o, _ = sparse_prefill(q, k, v, tiles)
+            ro, _ = masked_attention_ref(q, k, v, tiles_to_mask(expand_groups(tiles, Hq // tiles.shape[1]), n))
+            assert torch.isfinite(o).all()
+            assert ((o.float() - ro.float()).norm() / ro.float().norm()).item() < 1e-2
     sink, window = torch.full((Hq,), 64), torch.full((Hq,), 512)
     o, _ = ashape_prefill(q, k, v, sink, window)
     ro, _ = masked_attention_ref(q, k, v, ashape_mask(sink, window, n).unsqueeze(0).to(DEV))
     assert ((o.float() - ro.float()).norm() / ro.float().norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("variant", [{"split": True}, {"split": True, "tma": True}, {"split": False}],
-                         ids=["split", "tma", "single"])
-@pytest.mark.parametrize("block,width", [(64, 0), (128, 64), (128, 0)])
+VARIANTS = {"split": {"split": True}, "tma": {"split": True, "tma": True}, "single": {"split": False},
+            "tma_persistent": {"split": True, "tma": True, "persistent": True}}
+
+
+@pytest.mark.parametrize("variant,block,width", [(v, b, w) for v in ("split", "tma", "single")
+                                                 for b, w in ((64, 0), (128, 64), (128, 0))]
+                         + [("tma_persistent", 128, 64)])
 def test_long_tiles_prefix_interior_suffix_match_reference(variant, block, width):
     """n = 700: row blocks with masked prefix pieces (window edge, starts below 0), unmasked interior
-    pieces and masked suffix pieces, per head and GQA-packed, for every piece loop of the kernel."""
+    pieces and masked suffix pieces, per head and GQA-packed, for every piece loop of the kernel and
+    the persistent schedule (TMA: also the masked pieces, whose rows outside [0, n) read as zeros)."""
+    variant = VARIANTS[variant]
     n, B, Hq, Hkv, D, dtype = 700, 1, 4, 2, 64, DTYPES[0]
     q, k, v = qkv(B, Hq, Hkv, n, D, dtype, seed=block + width)
     g = torch.Generator().manual_seed(block)

@@ -82,8 +82,8 @@ class SparsePrefill:
     (`cosine[layer]`, one value per query head; costs a dense attention per layer).
     timing: record the per-layer time breakdown of each prefill (`breakdown()`).
     record_density: keep each sparse layer's physical density (tile area / causal pairs, `density[layer]`;
-    Triton backend). num_stages: the kernel's pipeline stages (3 was fastest for 64-row tiles in
-    assets/benchmarks/prefill_sweep_h200.json).
+    Triton backend). num_stages: the kernel's pipeline stages (None: the kernel's choice per head_dim,
+    `workbench_kernels.prefill.default_config`).
     After use, `calls` counts attention calls per (mode, reason). `model=None` gives only the per-layer
     methods (`layer_index`, `layer_kernel`) on captured q/k/v, without entering the context.
     """
@@ -91,7 +91,7 @@ class SparsePrefill:
     def __init__(self, model: torch.nn.Module | None, shape: ModelShape, config: HeadConfig, *,
                  min_length: int = DEFAULT_MIN_LENGTH, layers: Iterable[int] | None = None,
                  backend: str = "auto", compare: bool = False, timing: bool = False,
-                 record_density: bool = False, num_stages: int = 3, strict_weights: bool = False):
+                 record_density: bool = False, num_stages: int | None = None, strict_weights: bool = False):
         config.validate(shape, strict_weights=strict_weights)
         if backend not in ("auto", "triton", "torch", "flex"):
             raise ValueError(f"backend={backend!r} is unknown: use 'auto', 'triton', 'torch' or 'flex'")
