@@ -19,8 +19,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", default=None, help="capture only these layers, e.g. 0-3 (default: all)")
     p.add_argument("--config", default=None,
                    help="HeadConfig to start from, or 'search' to fit one on the sample "
-                        "(default: configs/<model>.json if it exists, else search)")
-    p.add_argument("--configs-dir", default="configs", help="folder that 'Save' writes into (default configs)")
+                        "(default: <configs-dir>/<model>.json if it exists, else search; the page says which)")
+    p.add_argument("--configs-dir", default="configs",
+                   help="folder of head configs (default configs): without --config a session starts from "
+                        "<configs-dir>/<model name>.json when it exists, else from a search on the sample; "
+                        "'Save' writes here")
     p.add_argument("--forecast-report", default=None, help="forecast report JSON for the Forecast tab")
     p.add_argument("--bench", default=None, help="kernel benchmark JSON of the latency estimate "
                    "(default assets/benchmarks/prefill_h200.json)")
@@ -36,12 +39,12 @@ def run(args: argparse.Namespace) -> int:
     import panel as pn
 
     from workbench.views.dashboard.app import create_app
-    from workbench.views.dashboard.state import SHARED, Settings
+    from workbench.views.dashboard.state import MIN_LENGTH, SHARED, Settings
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} must be in 0..65535")
-    if args.length < 128:
-        raise ValueError(f"--length {args.length} is too short: use at least 128 tokens")
+    if args.length < MIN_LENGTH:
+        raise ValueError(f"--length {args.length} is too short: use at least {MIN_LENGTH} tokens")
     where = resolve_device_args(args)
     device, dtype = str(where["device"]), str(where["dtype"]).removeprefix("torch.")
     settings = Settings(model=args.model, task=args.task, length=args.length, seed=args.seed, config=args.config,
