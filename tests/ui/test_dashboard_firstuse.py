@@ -1,4 +1,4 @@
-"""What a new user meets in the dashboard, in a real Chromium against a real server (512 tokens, layers 0-3, a
+"""What a new user meets in the dashboard, in a real Chromium against a real server (1024 tokens, layers 0-3, a
 search on the sample): nothing loaded from the internet, every sidebar input applied or refused with a message,
 plots whose axes show small gaps, nothing cut at 1400 px, determinate progress, honest latency labels, token
 text on the maps, and a server log without tracebacks."""
@@ -42,17 +42,15 @@ window.__deep = (selector) => {
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     configs = tmp_path_factory.mktemp("configs_firstuse")
-    with dashboard(configs, "--length", "512", "--layers", "0-3", "--config", "search") as (url, log):
+    with dashboard(configs, "--length", "1024", "--layers", "0-3", "--config", "search") as (url, log):
         yield url, configs, log
 
 
 def _plot(page, css: str) -> dict:
     """The drawn layout of the plotly figure inside `css`: y range, title and legend boxes, bar texts."""
-    page.evaluate(DEEP)
-    return page.evaluate("""(css) => {
-      const host = window.__deep(css)[0];
-      const div = host && (host.querySelector('.js-plotly-plot') || window.__deep(css + ' .js-plotly-plot')[0]);
-      const root = div.getRootNode();
+    div = page.locator(f"{css} .js-plotly-plot").first
+    div.wait_for(state="attached")
+    return div.evaluate("""(div) => {
       const box = (sel) => { const e = div.querySelector(sel); if (!e) return null;
                              const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
       return {yrange: div._fullLayout.yaxis.range, width: div.getBoundingClientRect().right,
@@ -60,7 +58,7 @@ def _plot(page, css: str) -> dict:
               colorbar: !!div.querySelector('.colorbar'),
               legend_texts: [...div.querySelectorAll('.legendtext')].map((e) => e.textContent),
               bar_texts: [...div.querySelectorAll('.bartext')].map((e) => e.textContent)};
-    }""", css)
+    }""")
 
 
 def _right_edges(page, css: str) -> list[float]:
@@ -92,12 +90,12 @@ def test_no_request_leaves_localhost_during_a_page_load_and_every_tab(server, br
 def test_sidebar_inputs_are_applied_or_refused_with_a_message(server, browser):
     url, configs, _ = server
     page = open_page(browser, url)
-    note = page.locator(".wb-config-note")
-    assert "searched on passkey/512 (seed 0) at target 0.95" in note.inner_text()
+    note = page.locator(".wb-config-text")
+    assert "searched on passkey/1024 (seed 0) at target 0.95" in note.inner_text()
     before = download(page)
     fill(page, ".wb-target", 0.5)  # a new target re-runs the search on Load
     page.locator(".wb-load button").click()
-    until(page, page.locator(".wb-config-note", has_text="at target 0.5"), LOAD_S * 1000)
+    until(page, page.locator(".wb-config-text", has_text="at target 0.5"), LOAD_S * 1000)
     wait_ready(page)
     after = download(page)
     assert after["provenance"]["target"] == 0.5 and before["provenance"]["target"] == 0.95
@@ -108,7 +106,7 @@ def test_sidebar_inputs_are_applied_or_refused_with_a_message(server, browser):
     page.locator(".wb-error p", has_text="length 40 is below the minimum of 128 tokens").wait_for(timeout=10_000)
     page.locator(".wb-load button").click()
     assert page.locator(".wb-progress progress").get_attribute("value") == "0"  # nothing started
-    fill(page, ".wb-length", 512)
+    fill(page, ".wb-length", 1024)
     page.locator(ERROR).wait_for(state="hidden", timeout=10_000)
 
     open_head(page, 1, 0)  # a negative budget is refused by the config's check, and the inputs go back
@@ -129,7 +127,7 @@ def test_sidebar_inputs_are_applied_or_refused_with_a_message(server, browser):
     choice = str(configs / "SmolLM2-135M-Instruct.json")
     page.locator(".wb-config select").select_option(choice)
     page.locator(".wb-load button").click()
-    until(page, page.locator(".wb-config-note", has_text=f"loaded from {choice}"), LOAD_S * 1000)
+    until(page, page.locator(".wb-config-text", has_text=f"loaded from {choice}"), LOAD_S * 1000)
     wait_ready(page)
     fill(page, ".wb-target", 0.8)
     page.locator(".wb-error p", has_text="search target 0.8 is not used: the config comes from").wait_for(timeout=10_000)
@@ -144,7 +142,7 @@ def test_plots_show_small_gaps_a_colour_scale_and_count_only_captured_heads(serv
     counts = [int(m.group(1)) for t in grid["legend_texts"] if (m := re.search(r"\((\d+)\)$", t))]
     assert sum(counts) == 4 * 9, grid["legend_texts"]  # 4 captured layers x 9 heads, not 30 x 9
     tab(page, "Proxy")
-    page.locator(".wb-proxy-bars .main-svg").first.wait_for()
+    page.locator(".wb-proxy-bars .bartext").first.wait_for()
     bars = _plot(page, ".wb-proxy-bars")
     values = [float(t) for t in bars["bar_texts"]]
     assert values and all(re.fullmatch(r"\d\.\d{3}", t) for t in bars["bar_texts"])  # every value printed
@@ -160,7 +158,7 @@ def test_nothing_is_cut_at_1400_px(server, browser):
     page = open_page(browser, server[0], width=1400)
     tab(page, "Forecast")
     page.locator(".wb-forecast-load button").click()
-    page.locator(".wb-forecast-recall .legend").first.wait_for()
+    page.locator(".wb-forecast-recall .legendtext").first.wait_for()
     recall = _plot(page, ".wb-forecast-recall")
     assert recall["legend"][2] <= 1400 and recall["width"] <= 1400, recall
     tab(page, "Latency")
@@ -180,6 +178,7 @@ def test_nothing_is_cut_at_1400_px(server, browser):
 
 def test_latency_tab_says_what_ran_where_and_its_chart_matches_its_legend(server, browser):
     page = open_page(browser, server[0])
+    open_head(page, 3, 0)  # the searched config makes some heads of layer 3 sparse
     tab(page, "Latency")
     page.locator(".wb-lat-run button").click()
     until(page, page.locator(".wb-lat-source"), LOAD_S * 1000)
@@ -187,16 +186,20 @@ def test_latency_tab_says_what_ran_where_and_its_chart_matches_its_legend(server
     assert page.locator(".wb-lat-takeaway").inner_text().strip()
     source = page.locator(".wb-lat-source").inner_text()
     assert re.search(r"^NVIDIA H200 estimate, not this machine: .* Takeaway: .+\.$", source), source
-    page.locator(".wb-lat-plot .legend").first.wait_for()
+    page.locator(".wb-lat-plot .legendtext").first.wait_for()
     chart = _plot(page, ".wb-lat-plot")
     assert set(chart["legend_texts"]) <= {"dense attention", "T_index (online index)", "T_sparse (sparse attention)"}
     assert "dense attention" in chart["legend_texts"]
+    if "PyTorch reference path" in page.locator(".wb-lat-path").inner_text():  # a layer with sparse heads
+        assert {"T_index (online index)", "T_sparse (sparse attention)"} <= set(chart["legend_texts"])
     assert not {"T_proj (projections)", "T_other (MLP, norms)"} & set(chart["legend_texts"])  # not drawn: not listed
     page.close()
 
 
 PROGRESS = """(css) => { window.__seen = window.__seen || {}; const seen = window.__seen[css] = [];
-  window.__timer = setInterval(() => { window.__deep(css).forEach((e) => seen.push(e.getAttribute('value'))); }, 20); }"""
+  const [host, inner] = css.split(' ');  // the bar is inside its pane's shadow root
+  setInterval(() => window.__deep(host).forEach((h) => (h.shadowRoot || h).querySelectorAll(inner)
+    .forEach((e) => seen.push(e.getAttribute('value')))), 20); }"""
 
 
 def _values(page, css) -> list[int]:
@@ -229,9 +232,10 @@ def test_the_head_map_shows_tokens_on_its_axes_and_under_the_pointer(server, bro
     ticks = page.locator(".wb-map .xtick").all_text_contents()
     assert any(re.search(r"^\d+\S", t) for t in ticks), ticks  # "position" + token text
     assert page.locator(".wb-map .annotation-text", has_text="needle").count() >= 1
+    page.locator(".wb-map .nsewdrag").first.scroll_into_view_if_needed()
     box = page.locator(".wb-map .nsewdrag").first.bounding_box()
     page.mouse.move(box["x"] + 0.3 * box["width"], box["y"] + 0.8 * box["height"])
-    hover = page.locator(".wb-hover", has_text="query")
+    hover = page.locator(".wb-hover-text", has_text="query")
     hover.wait_for(timeout=30_000)
     assert re.search(r"query \d+\.\.\d+: '.+'.*key \d+\.\.\d+: '.+'", hover.inner_text(), re.S), hover.inner_text()
     until(page, page.locator(HEAD_READY))

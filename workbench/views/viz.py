@@ -671,8 +671,10 @@ def latency_breakdown(rows: Mapping[str, Mapping[str, float]], title: str | None
         if reference is not None and totals[lab] > 0:
             text += f"<br>{totals[reference] / totals[lab]:.2f}x"
         fig.add_annotation(x=lab, y=totals[lab], text=text, showarrow=False, yshift=14)
-    fig.update_layout(barmode="stack", title=title or "time per layer: T = T_proj + T_index + T_sparse + T_other",
-                      yaxis_title=f"time ({unit})", width=max(480, 110 * len(labels) + 200), height=440)
+    width = max(520, 110 * len(labels) + 260)
+    fig.update_layout(barmode="stack", title=_wrap(title or "time per layer: T = T_proj + T_index + T_sparse + T_other",
+                                                   width - 100), showlegend=True,
+                      yaxis_title=f"time ({unit})", width=width, height=460, margin=dict(t=90))
     return fig
 
 

@@ -179,7 +179,8 @@ class HeadTab(Tab):
         if "x" not in point or "y" not in point or not self.session.tokens:
             return
         t = viz.hovered_tokens(self.session.tokens, float(point["x"]), float(point["y"]), self._cell)
-        self.hover.object = (f"<b>query</b> {html.escape(t['query'])}<br><b>key</b> {html.escape(t['key'])}")
+        self.hover.object = (f"<div class='wb-hover-text'><b>query</b> {html.escape(t['query'])}<br>"
+                             f"<b>key</b> {html.escape(t['key'])}</div>")
 
     def body(self):
         editor = pn.Row(self.pattern, *self.sizes.values())
@@ -463,7 +464,7 @@ class Dashboard(pn.viewable.Viewer):
             self.config.param.update(options=self._choices(), value=s.config_choice)
             note = s.config_source + (f" ({s.config_note})" if s.config_note else "")
             search = "" if s.config_choice == SEARCH else " The search target applies when 'config' is the search."
-            self.config_note.object = f"<small>{html.escape(note)}.{search}</small>"
+            self.config_note.object = f"<small class='wb-config-text'>{html.escape(note)}.{search}</small>"
 
     def __panel__(self):
         return self.template
