@@ -84,6 +84,10 @@ def test_no_request_leaves_localhost_during_a_page_load_and_every_tab(server, br
     page.locator(".wb-forecast-iou .main-svg").first.wait_for()
     outside = [u for u in seen if not re.match(r"^(https?|wss?)://127\.0\.0\.1:\d+/|^(data|blob|about):", u)]
     assert len(seen) > 10 and not outside, outside
+    page.evaluate(DEEP)
+    text = page.evaluate("() => window.__deep('*').map((e) => e.shadowRoot ? '' : (e.children.length ? '' : e.textContent))"
+                         ".join(' ')")
+    assert "{'" not in text and "': " not in text, re.findall(r".{40}\{'.{40}", text)  # no Python dicts in the page
     context.close()
 
 

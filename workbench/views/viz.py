@@ -506,8 +506,9 @@ def head_tradeoff(evidence: Any, layer: int, head: int, target: float | None = N
 
 def oracle_vs_proxy(labels: Sequence[str], proxy: Any, oracle: Any, title: str | None = None, sort: bool = True,
                     limit: int | None = None):
-    """Bars of the online proxy's captured mass beside the same-budget oracle's, per item (head, sample,
-    ...), worst proxy first when `sort`. The gap is the error of sampling the index online."""
+    """Bars of the online proxy's captured mass (value printed) with the same-budget oracle's as a tick above
+    each, per item (head, sample, ...), worst proxy first when `sort`; the axis is zoomed (`zoom_range`). The gap
+    is the error of sampling the index online."""
     go = _go()
     pr, orc = as_array(proxy, "proxy", 1), as_array(oracle, "oracle", 1)
     if not (len(labels) == pr.size == orc.size):
@@ -517,13 +518,16 @@ def oracle_vs_proxy(labels: Sequence[str], proxy: Any, oracle: Any, title: str |
         order = order[:limit]
     xs = [str(labels[i]) for i in order]
     lo, hi = zoom_range(np.concatenate([pr[order], orc[order]]))
-    bars = [go.Bar(x=xs, y=v[order].round(4), name=name, marker_color=color, text=[f"{x:.3f}" for x in v[order]],
-                   textposition="outside", textangle=-90, cliponaxis=False, textfont=dict(size=9))
-            for v, name, color in ((pr, "proxy (online)", "#f58518"), (orc, "oracle (same budget)", "#4c78a8"))]
-    fig = go.Figure(bars)
-    fig.update_layout(barmode="group", title=title or "proxy vs oracle captured mass" + (" (worst first)" if sort else ""),
+    fig = go.Figure([
+        go.Bar(x=xs, y=pr[order].round(4), name="proxy (online)", marker_color="#f58518",
+               text=[f"{x:.3f}" for x in pr[order]], textposition="inside", insidetextanchor="end", textangle=-90,
+               textfont=dict(size=10), hovertemplate="%{x}: proxy %{y:.4f}<extra></extra>"),
+        go.Scatter(x=xs, y=orc[order].round(4), name="oracle (same budget)", mode="markers",
+                   marker=dict(symbol="line-ew-open", size=16, line=dict(width=3, color="#1f3b73")),
+                   hovertemplate="%{x}: oracle %{y:.4f}<extra></extra>")])
+    fig.update_layout(title=title or "proxy vs oracle captured mass" + (" (worst first)" if sort else ""),
                       yaxis_title="captured mass" + (f" (axis from {lo:.2f})" if lo > 0 else ""), yaxis_range=[lo, hi],
-                      width=max(520, 16 * len(xs) + 200), height=440, margin=dict(t=70),
+                      width=max(520, 22 * len(xs) + 200), height=440, margin=dict(t=70), bargap=0.15,
                       legend=dict(orientation="h", y=1.0, yanchor="bottom", x=1, xanchor="right"))
     return fig
 
@@ -702,6 +706,6 @@ def decode_timeline(spans: Sequence[Mapping[str, Any]], title: str | None = None
             marker_line=dict(width=0.5, color="white"), text=[s.get("label", "") for s in mine], textposition="inside",
             insidetextanchor="middle", hovertemplate="%{text}<br>%{base:.3f} + %{x:.3f} " + unit + "<extra></extra>"))
     fig.update_layout(barmode="overlay", title=title or "decode step: compute and copy streams", xaxis_title=f"time ({unit})",
-                      yaxis=dict(categoryorder="array", categoryarray=streams[::-1]), width=900,
+                      yaxis=dict(categoryorder="array", categoryarray=streams[::-1]), width=840,
                       height=160 + 60 * len(streams), bargap=0.3)
     return fig
