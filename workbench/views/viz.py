@@ -523,7 +523,7 @@ def oracle_vs_proxy(labels: Sequence[str], proxy: Any, oracle: Any, title: str |
                text=[f"{x:.3f}" for x in pr[order]], textposition="inside", insidetextanchor="end", textangle=-90,
                textfont=dict(size=10), hovertemplate="%{x}: proxy %{y:.4f}<extra></extra>"),
         go.Scatter(x=xs, y=orc[order].round(4), name="oracle (same budget)", mode="markers",
-                   marker=dict(symbol="line-ew-open", size=16, line=dict(width=3, color="#1f3b73")),
+                   marker=dict(symbol="line-ew-open", size=16, color="#1f3b73", line=dict(width=3, color="#1f3b73")),
                    hovertemplate="%{x}: oracle %{y:.4f}<extra></extra>")])
     fig.update_layout(title=title or "proxy vs oracle captured mass" + (" (worst first)" if sort else ""),
                       yaxis_title="captured mass" + (f" (axis from {lo:.2f})" if lo > 0 else ""), yaxis_range=[lo, hi],
