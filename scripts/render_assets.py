@@ -1,6 +1,7 @@
 """Render the README figures into assets/ with the same `workbench.views.viz` functions the notebooks use.
 
     python scripts/render_assets.py [--length 2048] [--out assets] [--html]
+    python scripts/render_assets.py --dashboard [--length 2048]   # screenshots of every dashboard tab
 
 Attention figures come from the embedded model on the CPU (a passkey prompt of --length tokens); the
 head grid from the shipped config; the latency figures from the committed H200 benchmark JSON. PNGs are
@@ -77,6 +78,7 @@ def benchmark_figures() -> dict:
         rows = {r["config"]: {"T_proj": r["per_layer_mean"]["proj_ms"], "T_index": r["per_layer_mean"]["index_ms"],
                               "T_sparse": r["per_layer_mean"]["sparse_ms"], "T_other": r["per_layer_mean"]["other_ms"]}
                 for r in bench["rows"] if r["n"] == n}
+        rows["dense"] = {"T_dense" if k == "T_sparse" else k: v for k, v in rows["dense"].items()}  # dense attention
         figs["prefill_breakdown_h200"] = viz.latency_breakdown(
             rows, reference="dense", title=f"{bench['environment']['gpu']}: one layer at {n // 1024}K tokens "
                                            "(random-weight Llama-3-8B shape)")
@@ -95,13 +97,105 @@ def benchmark_figures() -> dict:
     return figs
 
 
+SHOWN_HEAD = (9, 4)  # a Vertical-Slash head of the shipped config (its layer also has dense heads)
+TAB_ACTIONS = {  # what each tab shows in its screenshot: the button pressed first, and what to wait for
+    "Heads": (None, ".wb-grid .main-svg"),
+    "Head": (None, ".wb-map .main-svg"),
+    "Proxy": (None, ".wb-proxy-bars .main-svg"),
+    "Forecast": (".wb-forecast-load button", ".wb-forecast-iou .main-svg"),
+    "Latency": (".wb-lat-run button", ".wb-lat-plot .main-svg"),
+    "Export/Import": (None, ".wb-download"),
+    "Decode": (".wb-decode-run button", ".wb-decode-timeline .main-svg"),
+}
+
+
+def dashboard_screenshots(out: Path, length: int, widths: tuple[int, ...] = (1280, 1920), timeout_s: float = 1800) -> list[Path]:
+    """Every dashboard tab at each window width: a real `workbench dashboard` (the shipped config, all layers,
+    a passkey prompt of `length` tokens, the CPU) in headless Chromium -> out/dashboard_<tab>_<width>.png."""
+    import shutil
+    import socket
+    import subprocess
+    import urllib.request
+
+    from playwright.sync_api import sync_playwright
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = open(out / ".dashboard_screenshots.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "workbench", "dashboard", "--port", str(port), "--length", str(length),
+                             "--device", "cpu"], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(url, timeout=5)
+                break
+            except OSError:
+                time.sleep(0.5)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=shutil.which("chromium") or "/usr/bin/chromium",
+                                        args=["--headless", "--no-sandbox", "--disable-gpu"])
+            paths = shoot_tabs(browser, url, out, widths, timeout_s)
+            browser.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+    return paths
+
+
+def shoot_tabs(browser, url: str, out: Path, widths: tuple[int, ...], timeout_s: float,
+               head: tuple[int, int] = SHOWN_HEAD) -> list[Path]:
+    """Open the dashboard at `url`, open `head` (layer, head), fill every tab (TAB_ACTIONS) and screenshot each
+    at each width."""
+    import re
+
+    page = browser.new_page(viewport={"width": widths[0], "height": 1000})
+    page.set_default_timeout(timeout_s * 1000)
+    page.goto(url)
+    page.wait_for_selector(".wb-state[data-state='ready']")
+    for css, value in ((".wb-layer", head[0]), (".wb-head-index", head[1])):
+        page.locator(f"{css} input").fill(str(value))
+        page.locator(f"{css} input").press("Enter")
+    page.locator(".wb-open button").click()
+    page.locator(".wb-head-head", has_text=f"layer {head[0]}, head {head[1]}:").wait_for()
+    paths = []
+    for width in widths:
+        for tab, (button, ready) in TAB_ACTIONS.items():
+            page.set_viewport_size({"width": width, "height": 1000})
+            page.locator(".bk-tab").filter(has_text=re.compile(f"^{re.escape(tab)}$")).click()
+            if button and width == widths[0]:
+                if tab == "Decode":  # a short run: 4 new tokens
+                    page.locator(".wb-decode-tokens input").fill("4")
+                    page.locator(".wb-decode-tokens input").press("Enter")
+                page.locator(button).click()
+            page.locator(ready).first.wait_for()
+            page.wait_for_timeout(1500)
+            main = page.locator("#main")  # the template's scrolling column: show all of it
+            tall = page.evaluate("(e) => e.getBoundingClientRect().top + e.scrollHeight", main.element_handle())
+            page.set_viewport_size({"width": width, "height": int(max(1000, tall + 20))})
+            page.wait_for_timeout(1000)
+            path = out / f"dashboard_{tab.split('/')[0].lower()}_{width}.png"
+            page.screenshot(path=str(path), full_page=True)
+            paths.append(path)
+    page.close()
+    return paths
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--length", type=int, default=2048, help="prompt tokens for the attention figures (default 2048)")
     p.add_argument("--out", default=str(ROOT / "assets"), help="output folder (default assets/)")
     p.add_argument("--html", action="store_true", help="write HTML instead of PNG (no kaleido/Chromium needed)")
     p.add_argument("--skip-model", action="store_true", help="only the figures from committed JSON and configs")
+    p.add_argument("--dashboard", action="store_true",
+                   help="only the dashboard screenshots: every tab at 1280 and 1920 px (Playwright + Chromium)")
     args = p.parse_args(argv)
+    if args.dashboard:
+        for path in dashboard_screenshots(Path(args.out), args.length):
+            print("wrote", path)
+        return 0
     if not args.html:
         try:
             import kaleido  # noqa: F401

@@ -58,20 +58,22 @@ def test_time_model_layer_on_the_gpu_runs_the_triton_path():
 @pytest.mark.gpu
 @pytest.mark.model
 def test_dashboard_latency_tab_times_the_model_layer_on_the_gpu():
-    """What the Latency tab's button runs (`Session.time_latency`), in a session whose model is on the GPU:
+    """What the Latency tab's button runs (`LatencyState.time`), in a session whose model is on the GPU:
     the sample's captured layer, its heads from the shipped config, through the Triton path."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     pytest.importorskip("param")
     from workbench.views.dashboard.state import Session, Settings
+    from workbench.views.dashboard.tab_state import LatencyState
 
     session = Session(Settings(length=4096, layers=(MIXED_LAYER,), config=SHIPPED, device="cuda"))
+    latency = LatencyState(session)
     session.load().result(timeout=120)
     assert session.ready and not session.error, session.error
     session.param.update(layer=MIXED_LAYER)
-    session.time_latency().result(timeout=120)
-    out = session.latency
-    assert not session.error and out is not None, session.error
+    latency.time().result(timeout=120)
+    out = latency.result
+    assert not latency.error and out is not None, latency.error
     write_figure("dashboard_latency", out)
     assert out["layer"] == MIXED_LAYER and out["n"] == 4096 and out["path"].startswith("Triton")
     assert out["patterns"]["vs"] + out["patterns"]["ashape"] > 0 and out["sparse_ms"] > 0 and out["dense_ms"] > 0

@@ -50,3 +50,8 @@ def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     figures = [o for o in outputs if "application/vnd.plotly.v1+json" in o.get("data", {})]
     widgets = [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
     assert figures or widgets, f"{path.name} drew no figure"
+    for cell in nb.cells:  # long work shows progress: a cell that captures the model draws a tqdm bar
+        if cell.cell_type == "code" and "capture_attention(" in cell.source and "progress=False" not in cell.source:
+            bars = [o for o in cell.outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+                    or (o.get("name") == "stderr" and "%|" in o.get("text", ""))]
+            assert bars, f"{path.name}: the capture cell shows no progress bar:\n{cell.source}"

@@ -55,3 +55,43 @@ def test_settings_layers():
         Settings.parse_layers("first")
     env = {"WORKBENCH_DASHBOARD_LENGTH": "512", "WORKBENCH_DASHBOARD_LAYERS": "0-1"}
     assert Settings.from_env(env) == Settings(length=512, layers=(0, 1))
+
+
+def test_sidebar_inputs_are_applied_or_refused_naming_the_field(tmp_path):
+    from workbench.views.dashboard.state import SEARCH, Session
+
+    s = Session(Settings(config="search"))
+    ok = dict(task="passkey", length=512, seed=0, target=0.95, config_choice=SEARCH)
+    s.configure(**ok)
+    assert (s.length, s.target) == (512, 0.95)
+    for bad, match in [({"length": 40}, "length 40 is below the minimum of 128"), ({"target": 0}, "search target 0"),
+                       ({"target": 1.5}, "must be in"), ({"seed": -1}, "seed -1 is negative"),
+                       ({"task": "poem"}, "task 'poem' is unknown"),
+                       ({"config_choice": str(tmp_path / "nope.json")}, "does not exist")]:
+        with pytest.raises(ValueError, match=match):
+            s.configure(**{**ok, **bad})
+        assert (s.length, s.target, s.seed) == (512, 0.95, 0)  # nothing applied
+    s._applied = (str(tmp_path), None)  # a session whose config came from a file: the target does not apply
+    with pytest.raises(ValueError, match="search target 0.5 is not used: the config comes from"):
+        s.configure(**{**ok, "target": 0.5, "config_choice": str(tmp_path)})
+    s.configure(**{**ok, "target": 0.5})  # with the search chosen it does
+
+
+def test_estimate_reads_the_nearest_measured_length_and_says_so():
+    from workbench.prefill.latency import BENCH
+    from workbench.views.dashboard.tab_state import Estimate
+
+    shape = ModelShape(name="SmolLM2-135M-Instruct", architecture="llama", n_layers=30, n_heads=9, n_kv_heads=3,
+                       head_dim=64, hidden_size=576, rope_type="default", rope_theta=1e5, max_positions=8192,
+                       fingerprint="f")
+    est, why = Estimate.load(BENCH, shape)
+    assert why == "" and min(est.by_length) == 16384 and len(est.by_length) >= 3
+    short, long = est.head("vs", 100, 4096), est.head("vs", 100, 131072)
+    assert short["measured_n"] == 16384 and long["measured_n"] == 131072
+    assert short["index_ms"] != long["index_ms"]  # the index time follows the measured lengths
+    text = est.sentence(short, 4096)
+    assert text.startswith("NVIDIA H200 estimate, not this machine") and "a 4096-token prompt was not timed" in text
+    assert "measured cost per query head" in text and "Takeaway: on the NVIDIA H200 sparse attention" in text
+    assert est.sentence(est.head("dense", 36, 512), 512).endswith("runs dense attention: nothing to gain or lose.")
+    missing, why = Estimate.load("/nonexistent/bench.json", shape)
+    assert missing is None and why.startswith("no estimate: bench.json")

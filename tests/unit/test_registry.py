@@ -110,17 +110,25 @@ def test_each_kind_through_config_search_and_export(kind, tmp_path):
 def test_each_kind_through_a_dashboard_edit(tmp_path):
     """The dashboard's head editor switches one head through every kind: default sizes at this length,
     then explicit sizes; the numbers are the search's own (`rescore_head`)."""
+    import time
+
     from workbench.views.dashboard.state import Session, Settings
+    from workbench.views.dashboard.tab_state import HeadState
 
     s = Session(Settings(length=256, layers=(1,), config="search", configs_dir=str(tmp_path),
                          bench=str(tmp_path / "no-bench.json")))
+    head = HeadState(s)
     s.load().result(timeout=600)
     assert s.error == "" and s.ready
-    s.select(1, 2).result(timeout=600)
+    s.select(1, 2)
+    deadline = time.monotonic() + 600
+    while (head.busy or head.view is None or (head.layer, head.head) != (1, 2)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert head.error == "" and (head.layer, head.head) == (1, 2)
     for kind in KINDS:
-        r = s.edit(kind)
+        r = head.edit(kind)
         assert (r["entry"].pattern, r["entry"].params) == (kind, default_params(kind, 256))
         assert 0 < r["mass"] <= 1 and r["oracle"] >= r["mass"] - 1e-6 and r["tiles"] > 0
         assert s.config.entry(1, 2).pattern == kind and s.config.provenance["edits"][-1]["pattern"] == kind
-    r = s.edit("ashape", {"sink": 4, "window": 16})
+    r = head.edit("ashape", {"sink": 4, "window": 16})
     assert r["entry"].params == {"sink": 4, "window": 16} and r["mass"] < 1

@@ -184,3 +184,44 @@ def test_curves_bars_and_matrices():
 def test_bad_input_names_the_problem(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_bars_zoom_to_show_small_gaps_and_print_their_values():
+    fig = viz.oracle_vs_proxy(["a", "b"], [0.93, 0.97], [0.99, 0.98])
+    lo, hi = fig.layout.yaxis.range
+    assert 0.85 <= lo <= 0.88 and hi > 1  # gaps of 0.01-0.06 fill the plot, not 2 % of a 0-1 axis
+    assert list(fig.data[0].text) == ["0.930", "0.970"] and "axis from 0.85" in fig.layout.yaxis.title.text
+    fig = viz.segment_recall({"first": [0.2], "last": [0.99]})
+    assert fig.layout.yaxis.range[0] == 0  # a low value keeps the axis at 0
+    assert viz.zoom_range([0.991, 0.999])[0] == pytest.approx(0.9)
+
+
+def test_pattern_grid_counts_only_captured_heads_and_has_a_shade_scale():
+    names = [["vs", "dense"], ["dense", "dense"], ["dense", "ashape"]]
+    recall = [[0.9, 1.0], [float("nan")] * 2, [1.0, 0.95]]  # layer 1 was not captured
+    fig = viz.pattern_grid(names, recall, title="a long title " * 12)
+    legend = sorted(t.name for t in fig.data if t.type == "scatter" and t.showlegend)
+    assert legend == ["A-shape (1)", "Vertical-Slash (1)", "dense (2)"]
+    assert any(t.marker.showscale for t in fig.data if t.type == "scatter")  # the captured-mass colour scale
+    title = fig.layout.title.text
+    assert "<br>" in title and "2 heads blank" in title  # wrapped, not cut
+    assert max(len(line) for line in title.split("<br>")) * 8 <= fig.layout.width
+
+
+def test_latency_legend_lists_only_the_parts_drawn():
+    fig = viz.latency_breakdown({"dense": {"T_dense": 4.0}, "sparse": {"T_index": 1.0, "T_sparse": 1.5}}, reference="dense")
+    assert [t.name for t in fig.data] == ["T_index (online index)", "T_sparse (sparse attention)", "dense attention"]
+    assert fig.data[2].marker.color != fig.data[1].marker.color  # dense is not drawn as T_sparse
+    assert "1.60x" in fig.layout.annotations[1].text
+
+
+def test_maps_carry_token_text_and_marks():
+    st = _stats(300, resolution=300)
+    tokens = [f"t{i}" for i in range(300)]
+    fig = viz.attention_map(st, 0, tokens=tokens, marks={"needle": [(100, 120)]})
+    assert fig.layout.xaxis.ticktext[0] == "0<br>t0" and fig.layout.yaxis.ticktext[-1] == "299 t299"
+    assert fig.layout.shapes[-1].x0 == 99.5 and fig.layout.annotations[-1].text == "needle"
+    assert viz.hovered_tokens(tokens, 41.5, 10.5, 4) == {"query": "9..12: 't9t10t11t12'", "key": "40..43: 't40t41t42t43'"}
+    assert viz.hovered_tokens(tokens * 10, 41.5, 10.5, 4, whole=2048) == {"query": "10: 't10'", "key": "42: 't42'"}
+    with pytest.raises(ValueError, match="outside the 10 tokens"):
+        viz.attention_map(st, 0, tokens=tokens[:10])

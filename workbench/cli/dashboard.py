@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_layers(p, None, what="capture only these layers")
     p.add_argument("--config", default=None,
                    help="HeadConfig to start from, or 'search' to fit one on the sample (default: <--out>/<model>.json "
-                        "if saved there, else the config the package ships for the model, else search)")
+                        "if saved there, else the config the package ships for the model, else search; the page says which)")
     add_out(p, "reports/configs", "folder that 'Save' writes head configs into")
     p.add_argument("--forecast-report", default=None, help="forecast report JSON for the Forecast tab")
     p.add_argument("--bench", default=None, help="kernel benchmark JSON of the latency estimate "
@@ -42,14 +42,14 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise ValueError("the dashboard needs Panel: pip install 'sparse-attention-workbench[dashboard]'") from None
     from workbench.views.dashboard.app import create_app
-    from workbench.views.dashboard.state import SHARED, Settings
+    from workbench.views.dashboard.state import MIN_LENGTH, SHARED, Settings
 
     task = one_task(args.tasks)
     check_tasks([task], TASKS)
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} must be in 0..65535")
-    if args.length < 128:
-        raise ValueError(f"--length {args.length} is too short: use at least 128 tokens")
+    if args.length < MIN_LENGTH:
+        raise ValueError(f"--length {args.length} is too short: use at least {MIN_LENGTH} tokens")
     out_dir(args.out)
     where = resolve_device_args(args)
     device, dtype = str(where["device"]), str(where["dtype"]).removeprefix("torch.")

@@ -26,8 +26,11 @@ KIND_COLORS = {"sink+local": "#4c78a8", "vertical": "#f58518", "slash": "#54a24b
 PATTERN_COLORS = {"vs": "#f58518", "ashape": "#4c78a8", "block": "#b279a2", "dense": "#7f7f7f"}
 PATTERN_NAMES = {"vs": "Vertical-Slash", "ashape": "A-shape", "block": "Block-Sparse", "dense": "dense"}
 _SPARE_COLORS = ["#e45756", "#72b7b2", "#eeca3b", "#ff9da6", "#9d755d", "#54a24b"]  # kinds registered later
-TIME_PARTS = ("T_proj", "T_index", "T_sparse", "T_other")
-TIME_COLORS = {"T_proj": "#4c78a8", "T_index": "#f58518", "T_sparse": "#54a24b", "T_other": "#9d9d9d"}
+TIME_PARTS = ("T_proj", "T_index", "T_sparse", "T_dense", "T_other")  # T_dense: dense attention (the reference)
+TIME_COLORS = {"T_proj": "#4c78a8", "T_index": "#f58518", "T_sparse": "#54a24b", "T_dense": "#e45756",
+               "T_other": "#9d9d9d"}
+TIME_NAMES = {"T_proj": "T_proj (projections)", "T_index": "T_index (online index)",
+              "T_sparse": "T_sparse (sparse attention)", "T_dense": "dense attention", "T_other": "T_other (MLP, norms)"}
 STREAM_COLORS = {"compute": "#4c78a8", "copy": "#f58518", "stall": "#e45756"}
 FLOOR_DB = -60
 MAX_CELLS = 1024
@@ -54,6 +57,16 @@ def as_array(x: Any, name: str, ndim: int | None = None) -> np.ndarray:
     if a.size == 0:
         raise ValueError(f"{name} is empty (shape {a.shape}): capture or measure something first")
     return a
+
+
+def zoom_range(values: Any, top: float = 1.0) -> tuple[float, float]:
+    """A y range from just below the smallest value to `top`, so that gaps of 0.01-0.09 between values
+    near 1 are visible: the floor is a multiple of 0.05 at least 0.05 below the minimum (0 for low values)."""
+    v = as_array(values, "values")
+    lo = float(np.nanmin(v)) if np.isfinite(v).any() else 0.0
+    floor = max(0.0, math.floor((lo - 0.05) * 20) / 20)
+    floor = floor if floor >= 0.3 else 0.0
+    return floor, top + 0.08 * (top - floor)
 
 
 def to_db(p: Any, floor_db: int = FLOOR_DB) -> np.ndarray:
@@ -177,20 +190,30 @@ def _tint(color: str, white: float) -> str:
     return "#" + "".join(f"{round(c + (255 - c) * white):02x}" for c in rgb)
 
 
+def _wrap(title: str, width: int) -> str:
+    """`title` broken into lines (plotly `<br>`) of about as many characters as `width` pixels hold at 14 px."""
+    import textwrap
+
+    return "<br>".join(textwrap.wrap(title, max(20, width // 8)))
+
+
 def pattern_grid(patterns: Any, recall: Any = None, title: str | None = None, floor: float | None = None):
     """Layers x heads grid: hue = the head's pattern, shade = its recall (captured mass; lightest = the
-    lowest recall in the grid or `floor`, full colour = 1).
+    lowest recall in the grid or `floor`, full colour = 1), with a grey colour scale of the shade.
 
     `patterns`: a HeadConfig (recall defaults to each head's calibration mean) or names `[L][H]` from
-    the registered kinds (`workbench.patterns.PATTERNS`) with `recall` `[L, H]`. Click data: x = head, y = layer."""
+    the registered kinds (`workbench.patterns.PATTERNS`) with `recall` `[L, H]`. Heads whose recall is
+    NaN (layers not captured) are left blank and not counted in the legend. Click data: x = head, y = layer."""
     go = _go()
     names, r, labels = _patterns_and_recall(patterns, recall)
     L, H = r.shape
-    lo = float(np.nanmin(r)) if floor is None else floor
+    seen = np.isfinite(r)
+    lo = (float(np.nanmin(r)) if seen.any() else 0.0) if floor is None else floor
     lo = min(lo, 0.99)
+    width = max(520, 36 * H + 330)
     fig = go.Figure()
     for pat, color in pattern_colors().items():
-        mask = np.array([[p == pat for p in row] for row in names])
+        mask = np.array([[p == pat for p in row] for row in names]) & seen
         if not mask.any():
             continue
         z = np.where(mask, np.round(r, 4), np.nan)
@@ -201,9 +224,20 @@ def pattern_grid(patterns: Any, recall: Any = None, title: str | None = None, fl
                                  xgap=1, ygap=1, name=PATTERN_NAMES.get(pat, pat)))
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", marker=dict(size=10, color=color, symbol="square"),
                                  name=f"{PATTERN_NAMES.get(pat, pat)} ({int(mask.sum())})", showlegend=True))
-    fig.update_layout(title=title or f"pattern per head (shade: recall {lo:.2f} .. 1)", plot_bgcolor="white",
+    gray = "#555555"  # the shade's scale: every hue goes from its 75 % tint (lowest recall) to full colour (1)
+    fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", hoverinfo="skip", showlegend=False, name="shade",
+                             marker=dict(color=[lo], cmin=lo, cmax=1, showscale=True,
+                                         colorscale=[[0, _tint(gray, 0.75)], [1, gray]],
+                                         colorbar=dict(title=dict(text="captured<br>mass", side="top"), x=1.02,
+                                                       len=0.5, y=0, yanchor="bottom", thickness=14))))
+    blank = int((~seen).sum())
+    full = title or f"pattern per head (shade: recall {lo:.2f} .. 1)"
+    if blank:
+        full += f"; {blank} heads blank (layers not captured)"
+    fig.update_layout(title=dict(text=_wrap(full, width - 120), font=dict(size=14)), plot_bgcolor="white",
                       xaxis_title="query head", yaxis_title="layer", yaxis_autorange="reversed",
-                      height=max(320, 16 * L + 140), width=max(380, 36 * H + 260))
+                      height=max(360, 16 * L + 170), width=width, margin=dict(t=90),
+                      legend=dict(x=1.02, y=1, yanchor="top"))
     return fig
 
 
@@ -271,11 +305,43 @@ def head_thumbnails(thumbs: Any, patterns: Any = None, recall: Any = None, title
 
 # ----------------------------------------------------------------------------- one head
 
+def token_texts(tokenizer: Any, ids: Any) -> list[str]:
+    """Each token id `[N]` as its own text (what the maps' axes and hover show)."""
+    return [tokenizer.decode([int(i)]) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+
+
+def _short(text: str, width: int = 10) -> str:
+    t = repr(text)[1:-1]
+    return t if len(t) <= width else t[:width - 1] + "…"
+
+
+def add_tokens(fig: Any, tokens: Sequence[str], rows: tuple[int, int], cols: tuple[int, int],
+               marks: Mapping[str, Sequence[tuple[int, int]]] | None = None, ticks: int = 8) -> Any:
+    """Label a map's axes with token text: `ticks` positions per axis show "position·token" (queries
+    rows = (r0, r1), keys cols = (c0, c1)); `marks` {name: [(start, end)]} outlines token spans (e.g. a
+    needle) as dotted key bands. Returns `fig`."""
+    for axis, (a, b) in (("x", cols), ("y", rows)):
+        if not 0 <= a < b <= len(tokens):
+            raise ValueError(f"{axis} range ({a}, {b}) is outside the {len(tokens)} tokens given")
+        pos = sorted({a + round(i * (b - 1 - a) / max(ticks - 1, 1)) for i in range(ticks)})
+        sep = "<br>" if axis == "x" else " "
+        getattr(fig, f"update_{axis}axes")(tickvals=pos, ticktext=[f"{p}{sep}{_short(tokens[p])}" for p in pos])
+    for name, spans in (marks or {}).items():
+        for start, end in spans:
+            if end > cols[0] and start < cols[1]:
+                fig.add_vrect(x0=max(start, cols[0]) - 0.5, x1=min(end, cols[1]) - 0.5, fillcolor="rgba(0,0,0,0)",
+                              line=dict(color="#00e5ff", dash="dot", width=1.5), annotation_text=name,
+                              annotation_position="bottom left", annotation_font=dict(color="#00b8d4", size=11))
+    return fig
+
+
 def attention_map(stats: LayerStats, head: int, title: str | None = None, max_cells: int = MAX_CELLS,
-                  pattern: Any = None, floor_db: int = FLOOR_DB):
+                  pattern: Any = None, floor_db: int = FLOOR_DB, tokens: Sequence[str] | None = None,
+                  marks: Mapping[str, Sequence[tuple[int, int]]] | None = None):
     """Max-pooled attention map of one head from `LayerStats.max_map` (max keeps thin vertical and slash
     lines visible), pooled further to at most `max_cells` x `max_cells`; `pattern` is overlaid
-    (`add_pattern`). Zoom in at full resolution with `attention_zoom`."""
+    (`add_pattern`); `tokens` (`[N]` texts, `token_texts`) label the axes and `marks` outline token
+    spans such as a needle (`add_tokens`). Zoom in at full resolution with `attention_zoom`."""
     if not isinstance(stats, LayerStats):
         raise ValueError(f"stats must be a LayerStats (workbench.analysis.stats.layer_stats), got {type(stats).__name__}")
     if not 0 <= head < stats.max_map.shape[0]:
@@ -286,13 +352,17 @@ def attention_map(stats: LayerStats, head: int, title: str | None = None, max_ce
                       title or f"head {head}: max over {cell}x{cell}-token cells (n = {stats.n})", floor_db)
     if pattern is not None:
         add_pattern(fig, pattern, head, stats.n)
+    if tokens is not None:
+        add_tokens(fig, tokens, (0, stats.n), (0, stats.n), marks)
     return fig
 
 
 def attention_zoom(q: torch.Tensor, k: torch.Tensor, scale: float, head: int, rows: tuple[int, int],
                    cols: tuple[int, int] | None = None, max_cells: int = MAX_CELLS, pattern: Any = None,
-                   title: str | None = None, floor_db: int = FLOOR_DB):
-    """Exact attention probabilities of one head in a region, one cell per (query, key).
+                   title: str | None = None, floor_db: int = FLOOR_DB, tokens: Sequence[str] | None = None,
+                   marks: Mapping[str, Sequence[tuple[int, int]]] | None = None):
+    """Exact attention probabilities of one head in a region, one cell per (query, key); `tokens` and
+    `marks` label it as in `attention_map`.
 
     q `[Hq, N, D]`, k `[Hkv, N, D]` (one layer); rows = (r0, r1) query rows, cols = (c0, c1) keys
     (default (0, r1)); each side at most `max_cells` tokens. Only rows r0..r1-1 are computed
@@ -321,7 +391,24 @@ def attention_zoom(q: torch.Tensor, k: torch.Tensor, scale: float, head: int, ro
                       title or f"head {head}: queries {r0}..{r1 - 1}, keys {c0}..{c1 - 1} (exact)", floor_db)
     if pattern is not None:
         add_pattern(fig, pattern, head, n)
+    if tokens is not None:
+        add_tokens(fig, tokens, (r0, r1), (c0, c1), marks)
     return fig
+
+
+def hovered_tokens(tokens: Sequence[str], x: float, y: float, cell: int, whole: int = 2048) -> dict[str, str]:
+    """What a map's hovered cell at (key x, query y) covers, as text: {"query", "key"}. A map of at most
+    `whole` tokens shows every token of the cell's rows and columns, a longer one the token at the cell's
+    centre (positions are the cell centres the heatmap reports)."""
+    def span(centre: float) -> str:
+        if len(tokens) <= whole:
+            a = max(0, int(round(centre - (cell - 1) / 2)))
+            b = min(len(tokens), a + cell)
+            return f"{a}..{b - 1}: " + repr("".join(tokens[a:b])) if b - a > 1 else f"{a}: {tokens[a]!r}"
+        p = min(len(tokens) - 1, max(0, int(round(centre))))
+        return f"{p}: {tokens[p]!r}"
+
+    return {"query": span(y), "key": span(x)}
 
 
 # ----------------------------------------------------------------------------- pattern overlays
@@ -419,8 +506,9 @@ def head_tradeoff(evidence: Any, layer: int, head: int, target: float | None = N
 
 def oracle_vs_proxy(labels: Sequence[str], proxy: Any, oracle: Any, title: str | None = None, sort: bool = True,
                     limit: int | None = None):
-    """Bars of the online proxy's captured mass beside the same-budget oracle's, per item (head, sample,
-    ...), worst proxy first when `sort`. The gap is the error of sampling the index online."""
+    """Bars of the online proxy's captured mass (value printed) with the same-budget oracle's as a tick above
+    each, per item (head, sample, ...), worst proxy first when `sort`; the axis is zoomed (`zoom_range`). The gap
+    is the error of sampling the index online."""
     go = _go()
     pr, orc = as_array(proxy, "proxy", 1), as_array(oracle, "oracle", 1)
     if not (len(labels) == pr.size == orc.size):
@@ -429,10 +517,18 @@ def oracle_vs_proxy(labels: Sequence[str], proxy: Any, oracle: Any, title: str |
     if limit is not None:
         order = order[:limit]
     xs = [str(labels[i]) for i in order]
-    fig = go.Figure([go.Bar(x=xs, y=pr[order].round(4), name="proxy (online)", marker_color="#f58518"),
-                     go.Bar(x=xs, y=orc[order].round(4), name="oracle (same budget)", marker_color="#4c78a8")])
-    fig.update_layout(barmode="group", title=title or "proxy vs oracle captured mass" + (" (worst first)" if sort else ""),
-                      yaxis_title="captured mass", yaxis_range=[0, 1.02], width=max(520, 16 * len(xs) + 200), height=420)
+    lo, hi = zoom_range(np.concatenate([pr[order], orc[order]]))
+    fig = go.Figure([
+        go.Bar(x=xs, y=pr[order].round(4), name="proxy (online)", marker_color="#f58518",
+               text=[f"{x:.3f}" for x in pr[order]], textposition="inside", insidetextanchor="end", textangle=-90,
+               textfont=dict(size=10), hovertemplate="%{x}: proxy %{y:.4f}<extra></extra>"),
+        go.Scatter(x=xs, y=orc[order].round(4), name="oracle (same budget)", mode="markers",
+                   marker=dict(symbol="line-ew-open", size=16, color="#1f3b73", line=dict(width=3, color="#1f3b73")),
+                   hovertemplate="%{x}: oracle %{y:.4f}<extra></extra>")])
+    fig.update_layout(title=title or "proxy vs oracle captured mass" + (" (worst first)" if sort else ""),
+                      yaxis_title="captured mass" + (f" (axis from {lo:.2f})" if lo > 0 else ""), yaxis_range=[lo, hi],
+                      width=max(520, 22 * len(xs) + 200), height=440, margin=dict(t=70), bargap=0.15,
+                      legend=dict(orientation="h", y=1.0, yanchor="bottom", x=1, xanchor="right"))
     return fig
 
 
@@ -450,10 +546,13 @@ def segment_recall(segments: Mapping[str, Any], labels: Sequence[str] | None = N
     labels = [str(x) for x in (labels if labels is not None else range(size))]
     if len(labels) != size:
         raise ValueError(f"{len(labels)} labels for {size} values per segment")
-    fig = go.Figure([go.Bar(x=labels, y=v.round(4), name=name) for name, v in vals.items()])
-    fig.update_layout(barmode="group", title=title or "captured mass per query segment", yaxis_title="captured mass",
-                      yaxis_range=[0, 1.02], xaxis_title="head" if size > 1 else "", width=max(520, 22 * size * len(vals) + 200),
-                      height=400)
+    lo, hi = zoom_range(np.concatenate(list(vals.values())))
+    fig = go.Figure([go.Bar(x=labels, y=v.round(4), name=name, text=[f"{x:.3f}" for x in v], textposition="outside",
+                            cliponaxis=False, textfont=dict(size=10)) for name, v in vals.items()])
+    fig.update_layout(barmode="group", title=title or "captured mass per query segment",
+                      yaxis_title="captured mass" + (f" (axis from {lo:.2f})" if lo > 0 else ""), yaxis_range=[lo, hi],
+                      xaxis_title="head" if size > 1 else "", width=max(420, 22 * size * len(vals) + 200), height=400,
+                      legend=dict(orientation="h", y=-0.15 if size > 1 else -0.08, yanchor="top"))
     return fig
 
 
@@ -551,8 +650,9 @@ def forecast_recall(recall: Mapping[str, Any], title: str | None = None, key: st
 
 def latency_breakdown(rows: Mapping[str, Mapping[str, float]], title: str | None = None, unit: str = "ms",
                       reference: str | None = None):
-    """Stacked bars of T_proj / T_index / T_sparse / T_other per configuration: {label: {part: time}}
-    (a missing part counts 0). With `reference` (a label), each bar is annotated with its speed-up."""
+    """Stacked bars of T_proj / T_index / T_sparse / T_dense / T_other per configuration: {label: {part: time}}
+    (a missing part counts 0; T_dense is dense attention, the reference's attention part). The legend lists
+    only the parts drawn. With `reference` (a label), each bar is annotated with its speed-up."""
     go = _go()
     if not rows:
         raise ValueError("rows is empty: give {label: {T_proj, T_index, T_sparse, T_other}}")
@@ -567,15 +667,18 @@ def latency_breakdown(rows: Mapping[str, Mapping[str, float]], title: str | None
     totals = {lab: sum(rows[lab].values()) for lab in labels}
     if reference is not None and reference not in rows:
         raise ValueError(f"reference {reference!r} is not one of the labels {labels}")
-    fig = go.Figure([go.Bar(x=labels, y=[round(rows[lab].get(part, 0.0), 4) for lab in labels], name=part,
-                            marker_color=TIME_COLORS[part]) for part in TIME_PARTS])
+    drawn = [part for part in TIME_PARTS if any(rows[lab].get(part, 0.0) > 0 for lab in labels)]
+    fig = go.Figure([go.Bar(x=labels, y=[round(rows[lab].get(part, 0.0), 4) for lab in labels], name=TIME_NAMES[part],
+                            marker_color=TIME_COLORS[part]) for part in drawn])
     for lab in labels:
         text = f"{totals[lab]:.3g} {unit}"
         if reference is not None and totals[lab] > 0:
             text += f"<br>{totals[reference] / totals[lab]:.2f}x"
         fig.add_annotation(x=lab, y=totals[lab], text=text, showarrow=False, yshift=14)
-    fig.update_layout(barmode="stack", title=title or "time per layer: T = T_proj + T_index + T_sparse + T_other",
-                      yaxis_title=f"time ({unit})", width=max(480, 110 * len(labels) + 200), height=440)
+    width = max(520, 110 * len(labels) + 260)
+    fig.update_layout(barmode="stack", title=_wrap(title or "time per layer: T = T_proj + T_index + T_sparse + T_other",
+                                                   width - 100), showlegend=True,
+                      yaxis_title=f"time ({unit})", width=width, height=460, margin=dict(t=90))
     return fig
 
 
@@ -603,6 +706,6 @@ def decode_timeline(spans: Sequence[Mapping[str, Any]], title: str | None = None
             marker_line=dict(width=0.5, color="white"), text=[s.get("label", "") for s in mine], textposition="inside",
             insidetextanchor="middle", hovertemplate="%{text}<br>%{base:.3f} + %{x:.3f} " + unit + "<extra></extra>"))
     fig.update_layout(barmode="overlay", title=title or "decode step: compute and copy streams", xaxis_title=f"time ({unit})",
-                      yaxis=dict(categoryorder="array", categoryarray=streams[::-1]), width=900,
+                      yaxis=dict(categoryorder="array", categoryarray=streams[::-1]), width=840,
                       height=160 + 60 * len(streams), bargap=0.3)
     return fig

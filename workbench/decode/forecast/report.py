@@ -14,7 +14,7 @@ Also: the layer x layer IoU matrix of exact top-k sets and decode-time churn wit
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from workbench.decode.forecast.heads import ForecastHeads, candidate_positions, 
 from workbench.patterns.infllm import Budget, compress_keys, row_block_scores
 from workbench.patterns.quest import group_page_scores, page_bounds
 
+Progress = Callable[[str, int, int], None]  # (what, done, total)
 SELECTORS = ("oracle", "teacher", "same_layer", "forecast", "quest", "proxy", "reuse", "coarse_forecast")
 
 
@@ -48,21 +49,31 @@ def _rows(n: int, count: int, budget: Budget, seed: int) -> torch.Tensor:
 
 @torch.no_grad()
 def exact_sets(model: torch.nn.Module, shape: ModelShape, input_ids: torch.Tensor, budget: Budget, *,
-               rows: int, seed: int) -> torch.Tensor:
-    """Every layer's exact top-k set, fused over all heads (the blog's per-layer mask): `[L, R, nb]`."""
+               rows: int, seed: int, progress: Progress | None = None) -> torch.Tensor:
+    """Every layer's exact top-k set, fused over all heads (the blog's per-layer mask): `[L, R, nb]`.
+    `progress` gets (what, done, total) after the capture and after each layer."""
+    report = progress or (lambda what, done, total: None)
+    L = shape.n_layers
     cap = capture_attention(model, shape, input_ids, dtype=torch.float32, progress=False)
+    report("captured", 1, L + 1)
     pos = _rows(cap.n, rows, budget, seed)
-    return torch.stack([dynamic_set(block_mass(cap.q[t][:, pos], cap.k[t], pos, cap.scale, budget.block).sum(0),
-                                    pos, budget) for t in range(shape.n_layers)])
+    sets = []
+    for t in range(L):
+        sets.append(dynamic_set(block_mass(cap.q[t][:, pos], cap.k[t], pos, cap.scale, budget.block).sum(0), pos, budget))
+        report(f"layer {t}", t + 2, L + 1)
+    return torch.stack(sets)
 
 
 @torch.no_grad()
 def evaluate_prompt(model: torch.nn.Module, shape: ModelShape, input_ids: torch.Tensor, heads: ForecastHeads,
                     budget: Budget, *, shallow: int, rows: int = 256, steps: int = 64, seed: int = 0,
-                    coarse_heads: ForecastHeads | None = None) -> dict[str, Any]:
+                    coarse_heads: ForecastHeads | None = None, progress: Progress | None = None) -> dict[str, Any]:
     """All selectors on one prompt. Returns per-layer recall / IoU `[L]` per selector, the exact-set IoU
-    matrix `[L, L]`, and churn over `steps` consecutive decode positions (the prompt's last tokens)."""
+    matrix `[L, L]`, and churn over `steps` consecutive decode positions (the prompt's last tokens).
+    `progress` gets (what, done, total) after the capture and after each layer."""
+    report = progress or (lambda what, done, total: None)
     cap = capture_attention(model, shape, input_ids, hidden=True, dtype=torch.float32, progress=False)
+    report("captured", 1, shape.n_layers + 1)
     n, L, hkv, g, d = cap.n, shape.n_layers, shape.n_kv_heads, shape.group, shape.head_dim
     nb = math.ceil(n / budget.block)
     pos = torch.cat([_rows(n, rows, budget, seed), torch.arange(n - steps, n)])
@@ -106,6 +117,7 @@ def evaluate_prompt(model: torch.nn.Module, shape: ModelShape, input_ids: torch.
         for name, s in sets.items():
             rec[name][t] = recall(mass[:, :r], s[:, :r], cand[:r]).mean()
             ovl[name][t] = iou(s[:, :r], sets["teacher"][:, :r]).mean()
+        report(f"layer {t}", t + 2, L + 1)
     steps_pos = pos[r:]
     churn_out = {}
     for name, per_layer in churn_scores.items():
@@ -126,8 +138,10 @@ def _mean(values: Sequence[float | None]) -> float:
 def build_report(model: torch.nn.Module, tok: Any, shape: ModelShape, heads: ForecastHeads, budget: Budget, *,
                  eval_specs: Sequence[tuple[str, int, int]], calib_specs: Sequence[tuple[str, int, int]],
                  shallow_candidates: range = range(0, 6), rows: int = 256, steps: int = 64,
-                 coarse_heads: ForecastHeads | None = None, progress: bool = True) -> dict[str, Any]:
-    """Calibrate the reuse layer on `calib_specs`, evaluate every selector on `eval_specs` `(task, length, seed)`."""
+                 coarse_heads: ForecastHeads | None = None, progress: bool | Progress = True) -> dict[str, Any]:
+    """Calibrate the reuse layer on `calib_specs`, evaluate every selector on `eval_specs` `(task, length, seed)`.
+    `progress`: True draws a tqdm bar per prompt, a callable gets (what, done, total) after every layer of
+    every prompt, False is silent."""
     from workbench.core.corpus import make_sample
 
     def sample(spec):
@@ -136,19 +150,28 @@ def build_report(model: torch.nn.Module, tok: Any, shape: ModelShape, heads: For
 
     calib = [sample(s) for s in calib_specs]
     evals = [sample(s) for s in eval_specs]
-    bar = tqdm(total=len(calib) + len(evals), desc="forecast report", unit="prompt", disable=not progress)
+    bar = tqdm(total=len(calib) + len(evals), desc="forecast report", unit="prompt", disable=progress is not True)
+    prompts, per = len(calib) + len(evals), shape.n_layers + 1
+
+    def step(i: int, kind: str) -> Progress | None:  # prompt i's layers as steps of the whole report
+        if not callable(progress):
+            return None
+        return lambda what, done, total: progress(f"{kind} prompt {i + 1}/{prompts}: {what}", i * per + done, prompts * per)
+
     mats = []
-    for s in calib:
-        mats.append(iou_matrix(exact_sets(model, shape, s.input_ids, budget, rows=rows, seed=s.seed)))
+    for i, s in enumerate(calib):
+        mats.append(iou_matrix(exact_sets(model, shape, s.input_ids, budget, rows=rows, seed=s.seed,
+                                          progress=step(i, "calibration"))))
         bar.update(1)
     if mats:
         shallow, calib_scores = pick_shallow_layer(torch.stack(mats).mean(0), shallow_candidates)
     else:  # no calibration prompts: no reuse baseline
         shallow, calib_scores = shape.n_layers, []
     results = []
-    for s in evals:
+    for i, s in enumerate(evals):
         results.append(evaluate_prompt(model, shape, s.input_ids, heads, budget, shallow=shallow, rows=rows,
-                                       steps=steps, seed=s.seed, coarse_heads=coarse_heads))
+                                       steps=steps, seed=s.seed, coarse_heads=coarse_heads,
+                                       progress=step(len(calib) + i, "evaluation")))
         bar.update(1)
     bar.close()
     L = shape.n_layers

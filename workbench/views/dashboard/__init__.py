@@ -1,1 +1,2 @@
-"""The Panel dashboard: `app` (the Viewer) over `state` (sessions and shared work)."""
+"""The Panel dashboard: `app` (the page and its tabs) over `tab` (the Tab protocol), `tab_state` (what each
+computing tab owns: its state and job) and `state` (the session's sample, config and selection; shared work)."""

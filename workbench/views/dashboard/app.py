@@ -1,109 +1,55 @@
-"""The Panel dashboard: browse heads, edit patterns live, export configs, see forecast and latency.
+"""The Panel dashboard: browse heads, edit patterns live, export configs, see forecast, latency and decode.
 
 Serve it with `workbench dashboard` or `panel serve workbench/views/dashboard/app.py` (options through
-WORKBENCH_DASHBOARD_* variables, see `state.Settings`). Each browser tab gets its own `Session`;
-the model and captures are shared read-only. Views only lay out what `Session` computes.
+WORKBENCH_DASHBOARD_* variables, see `state.Settings`). Each browser tab gets its own `Session` (sample,
+config, selection) and one instance of every class in `TABS`; the model and captures are shared read-only.
+Every resource the page loads comes from this server (no fonts or scripts from the internet).
 """
 from __future__ import annotations
 
 import html
 import io
-import logging
 import os
-import threading
-from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import pandas as pd
 import panel as pn
-import param
 
 from workbench.config import MINFERENCE_DEFAULT, PARAMS
+from workbench.patterns import default_params
 from workbench.views import viz  # absolute imports: `panel serve` runs this file as a script
-from workbench.views.dashboard.decode_tab import DecodeView
-from workbench.views.dashboard.state import Session, Settings
+from workbench.views.dashboard.decode_tab import DecodeTab
+from workbench.views.dashboard.state import SEARCH, Session, Settings
+from workbench.views.dashboard.tab import JobStatus, Tab, html_table, on_page_loop
+from workbench.views.dashboard.tab_state import ForecastState, HeadState, LatencyState
 
 pn.extension("plotly", "tabulator")
-
-
-def on_page_loop(fn: Callable) -> Callable:
-    """`fn`, made safe to fire from a background job's thread: there it is queued onto this page's own
-    event loop (`Document.add_next_tick_callback`, Bokeh's thread-safe way in); on the loop, or outside a
-    server, it runs at once. Call while the page is being built (on the loop). Session jobs finish on the
-    shared executor, often within milliseconds when another session has filled the shared memo: changing
-    widgets from that thread while the loop was still handling the click left the page 'busy' for good."""
-    doc, loop = pn.state.curdoc, threading.get_ident()
-    if doc is None or doc.session_context is None:
-        return fn
-
-    def call(*args: Any) -> None:
-        if threading.get_ident() == loop:
-            fn(*args)
-        else:
-            doc.add_next_tick_callback(partial(fn, *args))
-
-    return call
-
 
 _SIZES = list(dict.fromkeys(name for names in PARAMS.values() for name in names))  # every kind's size fields
 
 
-def _table(rows: list[tuple[str, str]], css: str) -> str:
-    body = "".join(f"<tr><th style='text-align:left;padding-right:1em'>{html.escape(k)}</th>"
-                   f"<td class='{css}-{k.split()[0].lower()}'>{html.escape(v)}</td></tr>" for k, v in rows)
-    return f"<table class='{css}'>{body}</table>"
+def _default_sizes(kind: str, n: int) -> dict[str, int]:
+    """The sizes a head gets when it is switched to `kind` at a prompt of n tokens (the kind's own defaults)."""
+    return default_params(kind, n)
 
 
 def _fmt(x: Any, digits: int = 4) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-class _View(pn.viewable.Viewer):
-    """A tab. `shown` is True while its tab is open; changes that arrive while hidden redraw on opening."""
-
-    session = param.ClassSelector(class_=Session)
-    shown = param.Boolean(default=True)
-
-    def __init__(self, **params):
-        super().__init__(**params)
-        self._stale = False
-        self.param.watch(lambda e: e.new and self._stale and self.refresh(), "shown")
-
-    def changed(self, _event=None) -> None:
-        if self.shown:
-            self.refresh()
-        else:
-            self._stale = True
-
-    def refresh(self) -> None:
-        self._stale = False
-        self._safely(self._draw)
-
-    def _safely(self, draw: Callable[[], None]) -> None:
-        """Run `draw`; an error shows in the sidebar's Alert (raised on the page loop it reached only the log)."""
-        try:
-            draw()
-        except Exception as e:
-            logging.getLogger(__name__).exception("drawing %s failed", type(self).__name__)
-            self.session.error = f"{type(self).__name__} could not draw: {e or type(e).__name__}"
-
-    def run(self, start, then=None) -> None:
-        """Start a session job from a button; `then` redraws when it is done. Refusals show in the sidebar."""
-        try:
-            job = start()
-        except Exception as e:  # busy, or a bad request: say why
-            self.session.error = str(e)
-            return
-        if then is not None:
-            job.add_done_callback(on_page_loop(lambda _: self._safely(then)))
-
-    def _draw(self) -> None:
-        raise NotImplementedError
+def _us(ms: float) -> str:
+    return f"{ms * 1e3:.2f} us" if ms < 1 else f"{ms:.2f} ms"
 
 
-class HeadsView(_View):
-    """All heads at a glance: hue = pattern, shade = recall on the loaded sample; a click opens a head."""
+def _counts(patterns: dict[str, int]) -> str:
+    """{"vs": 3, "dense": 6} -> "3 Vertical-Slash, 6 dense" (kinds with no head left out)."""
+    return ", ".join(f"{n} {viz.PATTERN_NAMES.get(k, k)}" for k, n in patterns.items() if n) or "no heads"
+
+
+class HeadsTab(Tab):
+    """All heads at a glance: hue = pattern, shade = captured mass on the loaded sample; a click opens a head."""
+
+    title = "Heads"
 
     def __init__(self, **params):
         super().__init__(**params)
@@ -113,20 +59,32 @@ class HeadsView(_View):
 
     def _draw(self) -> None:
         s = self.session
+        if s.config is None:
+            return
         self.plot.object = viz.pattern_grid(s.config, recall=s.mass.numpy(), title=(
-            f"pattern per head, shade = captured mass on {s.task}/{s.length} (blank: layer not captured)"))
+            f"pattern per head, shade = captured mass on {s.task}/{s.length}"))
 
     def _clicked(self, event) -> None:
         point = (event.new or {}).get("points", [{}])[0]
         if "x" in point and "y" in point:
-            self.run(lambda: self.session.select(int(point["y"]), int(point["x"])))
+            try:
+                self.session.select(int(point["y"]), int(point["x"]))
+            except Exception as e:
+                self.say(str(e))
+                return
+            self.open_tab("Head")
 
-    def __panel__(self):
+    def body(self):
         return pn.Column("Click a head to open it in the Head tab.", self.plot)
 
 
-class HeadView(_View):
-    """The selected head: attention map with its index, the pattern editor and the live numbers."""
+class HeadTab(Tab):
+    """The selected head: attention map with its index and tokens, the pattern editor and the live numbers."""
+
+    title = "Head"
+
+    def make_job(self) -> HeadState:
+        return HeadState(self.session)
 
     def __init__(self, **params):
         super().__init__(**params)
@@ -135,16 +93,23 @@ class HeadView(_View):
                       for k in _SIZES}
         self.proxy = pn.pane.HTML("", css_classes=["wb-proxy-settings"])
         self.numbers = pn.pane.HTML("", css_classes=["wb-numbers"], width=560)
-        self.segments = pn.pane.Plotly(None, config={"displayModeBar": False})
-        self.map = pn.pane.Plotly(None, config={"displayModeBar": False})
+        self.segments = pn.pane.Plotly(None, config={"displayModeBar": False}, css_classes=["wb-segments"])
+        self.map = pn.pane.Plotly(None, config={"displayModeBar": False}, css_classes=["wb-map"])
+        self.hover = pn.pane.HTML("Hover the map: the tokens of the hovered row (query) and column (key) show here.",
+                                  css_classes=["wb-hover"], sizing_mode="stretch_width")
+        self._cell = 1
         self._syncing = False
-        self.pattern.param.watch(lambda _: self._show_sizes(), "value")
-        for w in (self.pattern, *self.sizes.values()):
+        self.pattern.param.watch(self._pattern_changed, "value")
+        for w in self.sizes.values():
             w.param.watch(self._edited, "value")
-        self.session.param.watch(on_page_loop(self.changed), "head_version")
+        self.map.param.watch(self._hovered, "hover_data")
+        self.job.param.watch(on_page_loop(self.changed), "version")
 
     def _draw(self) -> None:
-        s, r = self.session, self.session.head_result
+        s, h = self.session, self.job
+        r = h.result
+        if not r:
+            return
         e = r["entry"]
         self._syncing = True
         try:
@@ -154,13 +119,12 @@ class HeadView(_View):
         finally:
             self._syncing = False
         self._show_sizes()
-        seg = r["segments"]
-        est = r["estimate_ms"]
-        estimate = r["estimate_source"] if est is None else (
-            f"{est * 1e3:.2f} us (of which index share {r['estimate_index_ms'] * 1e3:.2f} us) vs dense "
-            f"{r['dense_estimate_ms'] * 1e3:.2f} us: {r['estimate_source']}")
-        self.numbers.object = _table([
-            ("head", f"layer {s.layer}, head {s.head}: {e.label()}"),
+        seg, est = r["segments"], r["estimate"]
+        estimate = "-" if est is None else (f"{_us(est['kernel_ms'] + est['index_ms'])} ({_us(est['kernel_ms'])} kernel + "
+                                            f"{_us(est['index_ms'])} index) vs dense {_us(est['dense_ms'])}")
+        self.numbers.object = html_table([
+            ("head", f"layer {h.layer}, head {h.head}: {e.label()}"),
+            ("prompt", f"{s.task}, {s.capture.n} tokens"),
             ("captured mass", _fmt(r["mass"])),
             ("oracle (same budget)", _fmt(r["oracle"])),
             ("first third", _fmt(seg["first"])), ("middle third", _fmt(seg["middle"])),
@@ -169,44 +133,75 @@ class HeadView(_View):
             ("logical density", _fmt(r["logical"])), ("physical density", _fmt(r["physical"])),
             ("64x64 tiles", str(r["tiles"])),
             ("estimated latency", estimate),
-            ("edit time", f"{s.last_edit_ms:.0f} ms to compute (server)" if s.last_edit_ms == s.last_edit_ms else "-"),
-        ], "wb-head")
-        self.proxy.object = "VS proxy: " + ", ".join(f"{k}={v}" for k, v in s.config.proxy.items())
+            ("source of the estimate", r["estimate_note"]),
+            ("edit time", f"{h.last_edit_ms:.0f} ms to compute (server)" if h.last_edit_ms == h.last_edit_ms else "-"),
+        ], "wb-head", width=560)
+        self.proxy.object = "VS proxy: " + ", ".join(f"{k} = {v}" for k, v in s.config.proxy.items())
         self.segments.object = viz.segment_recall({k: [v] for k, v in seg.items() if k != "all"},
-                                                  labels=[f"L{s.layer} H{s.head}"], title="captured mass per query segment")
-        self.map.object = viz.attention_map(s.head_stats, 0, max_cells=256, pattern=r["index"],
-                                            title=f"layer {s.layer} head {s.head}: {e.label()}")
+                                                  labels=[f"L{h.layer} H{h.head}"], title="captured mass per query segment")
+        marks = {"needle": s.sample.needles} if s.sample.needles else None
+        fig = viz.attention_map(h.stats, 0, max_cells=256, pattern=r["index"], tokens=s.tokens, marks=marks,
+                                title=f"layer {h.layer} head {h.head}: {e.label()}")
+        self._cell = int(fig.data[0].dx)
+        self.map.object = fig
 
     def _show_sizes(self) -> None:
         for k, w in self.sizes.items():
             w.visible = k in PARAMS[self.pattern.value]
 
-    def _edited(self, event) -> None:
-        if self._syncing or self.session.head_view is None:
+    def _pattern_changed(self, _event) -> None:
+        """A new pattern starts from its default sizes at this prompt's length."""
+        self._show_sizes()
+        if self._syncing or self.job.view is None:
+            return
+        self._syncing = True
+        try:
+            for k, v in _default_sizes(self.pattern.value, self.session.capture.n).items():
+                self.sizes[k].value = v
+        finally:
+            self._syncing = False
+        self._edited(None)
+
+    def _edited(self, _event) -> None:
+        if self._syncing or self.job.view is None:
             return
         pattern = self.pattern.value
-        try:  # a new kind starts from its default sizes at this length (`default_params`), a size edit from the boxes
-            self.session.edit(pattern, None if event.obj is self.pattern else
-                              {k: self.sizes[k].value for k in PARAMS[pattern]})
+        try:
+            self.job.edit(pattern, {k: self.sizes[k].value for k in PARAMS[pattern]})
         except Exception as e:
-            self.session.error = f"edit refused: {e}"
+            self.say(f"edit refused: {e}")
+            self._safely(self._draw)  # the inputs go back to the head's entry
+        else:
+            self.job.error = ""
 
-    def __panel__(self):
+    def _hovered(self, event) -> None:
+        point = (event.new or {}).get("points", [{}])[0]
+        if "x" not in point or "y" not in point or not self.session.tokens:
+            return
+        t = viz.hovered_tokens(self.session.tokens, float(point["x"]), float(point["y"]), self._cell)
+        self.hover.object = (f"<div class='wb-hover-text'><b>query</b> {html.escape(t['query'])}<br>"
+                             f"<b>key</b> {html.escape(t['key'])}</div>")
+
+    def body(self):
         editor = pn.Row(self.pattern, *self.sizes.values())
-        return pn.Column(editor, self.proxy, pn.Row(self.numbers, self.segments), self.map)
+        return pn.Column(editor, self.proxy, pn.Row(self.numbers, self.segments), self.hover, self.map)
 
 
-class ProxyView(_View):
-    """Online proxy vs the same-budget oracle for every head, worst gap first (sortable table)."""
+class ProxyTab(Tab):
+    """Online proxy vs the same-budget oracle for every captured head, worst gap first (sortable table)."""
+
+    title = "Proxy"
 
     def __init__(self, **params):
         super().__init__(**params)
         self.table = pn.widgets.Tabulator(pd.DataFrame(), pagination="remote", page_size=20, disabled=True,
                                           show_index=False, css_classes=["wb-proxy"], sizing_mode="stretch_width")
-        self.bars = pn.pane.Plotly(None, config={"displayModeBar": False})
+        self.bars = pn.pane.Plotly(None, config={"displayModeBar": False}, css_classes=["wb-proxy-bars"])
         self.session.param.watch(on_page_loop(self.changed), "grid_version")
 
     def _draw(self) -> None:
+        if self.session.config is None:
+            return
         rows = self.session.proxy_rows()
         self.table.value = pd.DataFrame(rows)
         worst = rows[:30]
@@ -214,33 +209,41 @@ class ProxyView(_View):
                                                [r["oracle"] for r in worst], sort=False,
                                                title="30 largest proxy-oracle gaps (captured mass)")
 
-    def __panel__(self):
+    def body(self):
         return pn.Column("Captured mass of each head's online index (proxy) and of the best index of the same "
                          "budget chosen from full attention (oracle); click a column to sort.", self.table, self.bars)
 
 
-class ForecastView(_View):
+class ForecastTab(Tab):
     """Layer x layer IoU of top-k block sets and per-layer recall of each block selector."""
+
+    title = "Forecast"
+
+    def make_job(self) -> ForecastState:
+        return ForecastState(self.session)
 
     def __init__(self, **params):
         super().__init__(**params)
-        self.load = pn.widgets.Button(name="Load report", button_type="primary")
-        self.compute = pn.widgets.Button(name="Compute on this sample")
-        self.source = pn.pane.Markdown("")
-        self.iou = pn.pane.Plotly(None, config={"displayModeBar": False})
-        self.recall = pn.pane.Plotly(None, config={"displayModeBar": False})
+        self.load = pn.widgets.Button(name="Load report", button_type="primary", css_classes=["wb-forecast-load"])
+        self.compute = pn.widgets.Button(name="Compute on this sample", css_classes=["wb-forecast-compute"])
+        self.source = pn.pane.Markdown("", css_classes=["wb-forecast-source"])
+        self.iou = pn.pane.Plotly(None, config={"displayModeBar": False}, css_classes=["wb-forecast-iou"])
+        self.recall = pn.pane.Plotly(None, config={"displayModeBar": False}, css_classes=["wb-forecast-recall"],
+                                     visible=False)
         self.load.on_click(self._load)
-        self.compute.on_click(lambda _: self.run(self.session.compute_forecast, self._draw))
+        self.compute.on_click(lambda _: self.run(self.job.compute, self._draw))
+        self.job.param.watch(on_page_loop(lambda *_: setattr(self.compute, "disabled", self.job.busy)), "busy")
 
     def _load(self, _event) -> None:
         try:
-            self.session.load_forecast()
+            self.job.load()
+            self.job.error = ""
             self._draw()
-        except FileNotFoundError as e:
-            self.session.error = str(e)
+        except (FileNotFoundError, ValueError) as e:
+            self.say(str(e))
 
     def _draw(self) -> None:
-        rep = self.session.forecast
+        rep = self.job.report
         if not rep:
             return
         self.source.object = f"Source: `{rep['source']}`"
@@ -248,50 +251,76 @@ class ForecastView(_View):
         if rep.get("layers"):
             names = [n for n in rep["layers"][0]["recall"] if any(r["recall"][n] is not None for r in rep["layers"])]
             self.recall.object = viz.forecast_recall({n: [r["recall"][n] for r in rep["layers"]] for n in names})
-        else:
-            self.recall.object = None
+        self.recall.visible = bool(rep.get("layers"))
 
-    def __panel__(self):
-        return pn.Column(pn.Row(self.load, self.compute), self.source, pn.Row(self.iou, self.recall))
+    def body(self):
+        return pn.Column(pn.Row(self.load, self.compute), self.source, self.iou, self.recall)
 
 
-class LatencyView(_View):
-    """Time the selected layer under the session's config: GPU kernel vs dense, or the labelled CPU reference."""
+class LatencyTab(Tab):
+    """The selected layer timed on this machine (GPU: Triton kernel vs dense; CPU: the labelled reference
+    path), beside the GPU benchmark's estimate, each named as what it is."""
+
+    title = "Latency"
+
+    def make_job(self) -> LatencyState:
+        return LatencyState(self.session)
 
     def __init__(self, **params):
         super().__init__(**params)
-        self.button = pn.widgets.Button(name="Time the selected layer", button_type="primary")
-        self.text = pn.pane.HTML("", css_classes=["wb-latency"])
-        self.plot = pn.pane.Plotly(None, config={"displayModeBar": False})
-        self.button.on_click(lambda _: self.run(self.session.time_latency, self._draw))
+        self.button = pn.widgets.Button(name="Time the selected layer", button_type="primary", css_classes=["wb-lat-run"])
+        self.text = pn.pane.HTML("", css_classes=["wb-latency"], width=760)
+        self.plot = pn.pane.Plotly(None, config={"displayModeBar": False}, css_classes=["wb-lat-plot"], visible=False)
+        self.button.on_click(lambda _: self.run(self.job.time, self._draw))
 
     def _draw(self) -> None:
-        r = self.session.latency
+        r = self.job.result
         if not r:
             return
-        rows = [("path", r["path"]), ("device", f"{r['device']} ({r['dtype']})"),
-                ("layer", f"{r['layer']} ({r['heads']} heads {r['patterns']}, {r['n']} tokens, the model's own q/k/v)"),
-                ("dense SDPA", f"{r['dense_ms']:.2f} ms"), ("sparse", f"{r['sparse_ms']:.2f} ms"),
-                ("online index", f"{r['index_ms']:.2f} ms"), ("speed-up", f"{r['speedup']:.2f}x")]
-        bars = {"dense SDPA": {"T_sparse": r["dense_ms"]}, "sparse": {"T_index": r["index_ms"], "T_sparse": r["sparse_ms"]}}
+        cpu = r["device"] == "cpu"
+        here = ("this machine runs the PyTorch reference path: dense math under the tiles' mask, which cannot be "
+                f"faster than dense ({r['speedup']:.2f}x); it checks the bookkeeping, not the kernels' speed" if cpu else
+                f"on {r['device']} the deployed path is {r['speedup']:.2f}x dense SDPA for this layer "
+                "(index + sparse kernel vs dense)")
+        if r["path"].startswith("all heads dense"):
+            here = "every head of this layer is dense: the prefill runs dense SDPA, so there is nothing to gain here"
+        rows = [("measured on", f"{r['device']} ({r['dtype']}): this machine"), ("path", r["path"]),
+                ("layer", f"{r['layer']}: {r['heads']} heads ({_counts(r['patterns'])}), {r['n']} tokens, "
+                          "the model's own q/k/v"),
+                ("dense SDPA", f"{r['dense_ms']:.2f} ms"), ("online index", f"{r['index_ms']:.2f} ms"),
+                ("sparse attention", f"{r['sparse_ms']:.2f} ms"), ("takeaway here", here)]
         est = r["estimate"]
-        rows.append(("estimate", r["estimate_source"] if est is None else
-                     f"dense {est['dense_ms'] * 1e3:.1f} us, sparse {est['sparse_ms'] * 1e3:.1f} us ({r['estimate_source']})"))
-        self.text.object = _table(rows, "wb-lat")
-        self.plot.object = viz.latency_breakdown(bars, title=f"layer {r['layer']}: {r['path'][:60]}", reference="dense SDPA")
+        rows.append(("estimate", "-" if est is None else
+                     f"{_us(est['kernel_ms'] + est['index_ms'])} ({_us(est['kernel_ms'])} kernels + {_us(est['index_ms'])} "
+                     f"index) vs dense {_us(est['dense_ms'])}"))
+        rows.append(("source of the estimate", r["estimate_note"]))
+        self.text.object = html_table(rows, "wb-lat", width=760)
+        bars = {"dense SDPA": {"T_dense": r["dense_ms"]}, "this layer's config": (
+            {"T_dense": r["sparse_ms"]} if r["path"].startswith("all heads dense") else
+            {"T_index": r["index_ms"], "T_sparse": r["sparse_ms"]})}
+        self.plot.object = viz.latency_breakdown(
+            bars, reference="dense SDPA", title=f"measured on this machine ({r['device']}, {r['dtype']}): layer {r['layer']}, "
+                                                f"{r['n']} tokens, attention only")
+        self.plot.visible = True
 
-    def __panel__(self):
+    def body(self):
         return pn.Column(self.button, self.text, self.plot)
 
 
-class ExportView(_View):
-    """Download the edited HeadConfig, save it into the configs folder, import one (errors shown here)."""
+class ExportTab(Tab):
+    """Download the edited HeadConfig (workbench or MInference format), save it into the configs folder,
+    import one (errors shown here; the import's progress in the sidebar)."""
+
+    title = "Export/Import"
 
     def __init__(self, **params):
         super().__init__(**params)
         self.download = pn.widgets.FileDownload(callback=lambda: io.StringIO(self.session.export_text()),
-                                                filename="head_config.json", label="Download edited config (JSON)",
+                                                filename="head_config.json", label="Download edited config (workbench JSON)",
                                                 button_type="primary", css_classes=["wb-download"])
+        self.download_minference = pn.widgets.FileDownload(
+            callback=lambda: io.StringIO(self.session.export_minference_text()), filename="minference_config.json",
+            label="Download in MInference's format (one dict per layer)", css_classes=["wb-download-minference"])
         self.config_name = pn.widgets.TextInput(name="config name", placeholder="my-edit", css_classes=["wb-name"])
         self.save = pn.widgets.Button(name=f"Save into {self.session.settings.configs_dir}/", css_classes=["wb-save"])
         self.upload = pn.widgets.FileInput(accept=".json", css_classes=["wb-upload"])
@@ -301,6 +330,9 @@ class ExportView(_View):
         self.message = pn.pane.Alert("", alert_type="light", css_classes=["wb-message"], visible=False)
         self.save.on_click(self._save)
         self.upload.param.watch(self._import, "value")
+
+    def _draw(self) -> None:
+        pass
 
     def _say(self, text: str, kind: str) -> None:
         self.message.param.update(object=text, alert_type=kind, visible=True)
@@ -329,61 +361,66 @@ class ExportView(_View):
                                                      "tick 'fill missing heads' and upload again"), "danger")
             return
         notes = "".join(f"\n\nwarning: {w.message}" for w in caught)
-        self._say(f"checking and evaluating {self.upload.filename} ...{notes}", "info")
+        self._say(f"checking and evaluating {self.upload.filename} (progress in the sidebar) ...{notes}", "info")
 
         def done(_job) -> None:
             if self.session.error:
                 self._say(self.session.error, "danger")
             else:
-                self._say(f"imported {self.upload.filename}: {self.session.config.summary()} heads{notes}",
-                          "warning" if notes else "success")
+                counts = _counts(self.session.config.summary())
+                self._say(f"imported {self.upload.filename}: {counts}{notes}", "warning" if notes else "success")
         job.add_done_callback(on_page_loop(done))
 
-    def __panel__(self):
-        return pn.Column(self.download, pn.Row(self.config_name, self.save), "Import a HeadConfig or MInference JSON:",
-                         self.fill_missing, self.upload, self.message)
+    def body(self):
+        return pn.Column(pn.Row(self.download, self.download_minference), pn.Row(self.config_name, self.save),
+                         "Import a HeadConfig or MInference JSON:", self.fill_missing, self.upload, self.message)
+
+
+TABS: list[type[Tab]] = [HeadsTab, HeadTab, ProxyTab, ForecastTab, LatencyTab, ExportTab, DecodeTab]
 
 
 class Dashboard(pn.viewable.Viewer):
-    """One session's page: sidebar (model, sample, head) and the seven tabs."""
+    """One session's page: the sidebar (model, sample, config, head) and one instance of every tab in TABS."""
 
     def __init__(self, settings: Settings | None = None, **params):
         super().__init__(**params)
         s = self.session = Session(settings or Settings.from_env(dict(os.environ)))
         self.model = pn.widgets.TextInput(name="model", value=s.model_name, disabled=True)
-        self.task = pn.widgets.Select.from_param(s.param.task, name="task")
-        self.length = pn.widgets.IntInput.from_param(s.param.length, name="length (tokens)", step=256,
-                                                    css_classes=["wb-length"])
-        self.seed = pn.widgets.IntInput.from_param(s.param.seed, name="seed")
-        self.target = pn.widgets.FloatInput.from_param(s.param.target, name="search target (captured mass)", step=0.01,
-                                                       css_classes=["wb-target"])
+        self.task = pn.widgets.Select(name="task", options=list(s.param.task.objects), value=s.task, css_classes=["wb-task"])
+        self.length = pn.widgets.IntInput(name="length (tokens)", value=s.length, step=256, css_classes=["wb-length"])
+        self.seed = pn.widgets.IntInput(name="seed", value=s.seed, css_classes=["wb-seed"])
+        self.config = pn.widgets.Select(name="config", options=self._choices(), css_classes=["wb-config"])
+        self.config_note = pn.pane.HTML("", css_classes=["wb-config-note"], sizing_mode="stretch_width")
+        self.target = pn.widgets.FloatInput(name="search target (captured mass)", value=s.target, step=0.01,
+                                            css_classes=["wb-target"])
         self.reload = pn.widgets.Button(name="Load sample", button_type="primary", css_classes=["wb-load"])
-        self.layer = pn.widgets.IntInput(name="layer", value=0, start=0, css_classes=["wb-layer"])
-        self.head = pn.widgets.IntInput(name="head", value=0, start=0, css_classes=["wb-head-index"])
+        self.layer = pn.widgets.IntInput(name="layer", value=0, css_classes=["wb-layer"])
+        self.head = pn.widgets.IntInput(name="head", value=0, css_classes=["wb-head-index"])
         self.open = pn.widgets.Button(name="Open head", css_classes=["wb-open"])
-        self.progress = pn.indicators.Progress(value=0, max=100, active=False, sizing_mode="stretch_width",
-                                               css_classes=["wb-progress"])
-        self.status = pn.pane.HTML("", css_classes=["wb-status"])
-        self.error = pn.pane.Alert("", alert_type="danger", visible=False, css_classes=["wb-error"])
-        self.reload.on_click(lambda _: self._start(s.load))
-        self.open.on_click(lambda _: self._start(lambda: s.select(self.layer.value, self.head.value)))
-        s.param.watch(on_page_loop(self._progress), ["progress", "status", "busy", "error", "head_version"])
-        self.views = {"Heads": HeadsView(session=s), "Head": HeadView(session=s), "Proxy": ProxyView(session=s),
-                      "Forecast": ForecastView(session=s), "Latency": LatencyView(session=s),
-                      "Export/Import": ExportView(session=s), "Decode": DecodeView(session=s, on_loop=on_page_loop)}
-        self.tabs = pn.Tabs(*self.views.items(), dynamic=False, css_classes=["wb-tabs"])
+        self.job = JobStatus(s, "wb")
+        self.reload.on_click(lambda _: self._load())
+        self.open.on_click(lambda _: self._open())
+        for w in (self.task, self.length, self.seed, self.config, self.target):
+            w.param.watch(lambda _: self._inputs(), "value")
+        s.param.watch(on_page_loop(self._follow), ["busy", "layer", "head"])
+        self.tabs_list = [cls(session=s, open_tab=self.open_tab) for cls in TABS]
+        self.tabs = pn.Tabs(*((t.title, t) for t in self.tabs_list), dynamic=False, css_classes=["wb-tabs"],
+                            sizing_mode="stretch_width")
         self.tabs.param.watch(lambda e: self._shown(e.new), "active")
         self._shown(0)
-        self.template = pn.template.FastListTemplate(
-            title="Sparse Attention Workbench", sidebar=[
-                self.model, self.task, self.length, self.seed, self.target, self.reload, pn.layout.Divider(),
-                self.layer, self.head, self.open, pn.layout.Divider(), self.progress, self.status, self.error],
+        self.template = pn.template.BootstrapTemplate(
+            title="Sparse Attention Workbench", sidebar_width=330, sidebar=[
+                self.model, self.task, self.length, self.seed, self.config, self.config_note, self.target, self.reload,
+                pn.layout.Divider(), self.layer, self.head, self.open, pn.layout.Divider(), self.job],
             main=[self.tabs])
         self._start(s.load)
 
+    def open_tab(self, title: str) -> None:
+        self.tabs.active = [t.title for t in self.tabs_list].index(title)
+
     def _shown(self, active: int) -> None:
-        for i, view in enumerate(self.views.values()):
-            view.shown = i == active
+        for i, tab in enumerate(self.tabs_list):
+            tab.shown = i == active
 
     def _start(self, job) -> None:
         try:
@@ -391,16 +428,43 @@ class Dashboard(pn.viewable.Viewer):
         except Exception as e:
             self.session.error = str(e)
 
-    def _progress(self, _event) -> None:
+    def _inputs(self) -> bool:
+        """Apply the sidebar's sample inputs, or show why not; True when they were applied."""
+        try:
+            self.session.configure(task=self.task.value, length=self.length.value, seed=self.seed.value,
+                                   target=self.target.value, config_choice=self.config.value)
+        except ValueError as e:
+            self.session.error = str(e)
+            return False
+        if not self.session.busy:
+            self.session.error = ""
+        return True
+
+    def _load(self) -> None:
+        if self._inputs():
+            self._start(self.session.load)
+
+    def _open(self) -> None:
+        try:
+            self.session.select(self.layer.value, self.head.value)
+        except Exception as e:
+            self.session.error = f"cannot open layer {self.layer.value} head {self.head.value}: {e}"
+            return
+        self.open_tab("Head")
+
+    def _choices(self) -> dict[str, str]:
+        return {c or "the default (decided when the model is loaded)": c for c in self.session.config_choices()}
+
+    def _follow(self, *_events: Any) -> None:
         s = self.session
-        self.progress.param.update(**s.progress_bar())
-        state = "busy" if s.busy else s.status
-        self.status.object = f"<span class='wb-state' data-state='{html.escape(state)}'>{html.escape(s.status)}</span>"
-        self.error.param.update(object=s.error, visible=bool(s.error))
         for w in (self.reload, self.open):
             w.disabled = s.busy
         if not s.busy and s.ready:
             self.layer.value, self.head.value = s.layer, s.head
+            self.config.param.update(options=self._choices(), value=s.config_choice)
+            note = s.config_source + (f" ({s.config_note})" if s.config_note else "")
+            search = "" if s.config_choice == SEARCH else " The search target applies when 'config' is the search."
+            self.config_note.object = f"<small class='wb-config-text'>{html.escape(note)}.{search}</small>"
 
     def __panel__(self):
         return self.template

@@ -1,12 +1,11 @@
-"""What one dashboard session looks at and edits, and the read-only objects all sessions share.
+"""What one dashboard session shares with its tabs, and the read-only objects all sessions share.
 
-`SHARED` holds the loaded models, captures and memoised pure results (the dense statistics of a
-capture do not depend on anyone's edits), behind a lock. Everything a user changes lives in one
-`Session` (a `param.Parameterized` made per browser tab): its HeadConfig copy, the selected head and
-the recall of every head under its edits. The analysis itself is library calls: `search` (evaluate,
-search, `rescore_head`), `headview` (segments, output error, density of an edited head), `latency`,
-`forecast_report`. A job that raises leaves its message in `error` and status "failed"; the latency
-estimate is optional: without a usable benchmark it says why instead of failing the job.
+`SHARED` holds the loaded models, captures and memoised pure results (the dense statistics of a capture
+do not depend on anyone's edits), behind a lock. A `Session` (one per browser tab) keeps only what every
+tab reads: the sample (and its capture), the HeadConfig with each head's captured mass under it, and the
+selected head. Each dashboard tab that computes owns its own state and background `Job`
+(`tab_state.py`). The analysis itself is library calls (`search`, `prefill.latency`, ...). A job that
+raises leaves its message in `error` and status "failed".
 """
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ import json
 import logging
 import re
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,15 +25,15 @@ from typing import Any
 import param
 import torch
 
-from workbench.config import PARAMS, ConfigError, HeadConfig, HeadEntry
+from workbench.config import ConfigError, HeadConfig, HeadEntry
 from workbench.core.corpus import TASKS
 from workbench.core.ranges import parse_ranges
-from workbench.data import file_stem, shipped_config, shipped_forecast_heads
-from workbench.patterns import default_params
+from workbench.data import file_stem, shipped_config
 from workbench.search.search import TARGET
 
 CONFIG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-FORECAST_REPORTS = ("reports/forecast/forecast.json", "assets/benchmarks/forecast_cpu.json")
+MIN_LENGTH = 128  # shortest prompt the dashboard loads (two 64-token blocks)
+SEARCH = "search on this sample"  # the config choice that fits a config to the loaded sample
 LOG = logging.getLogger(__name__)
 
 
@@ -47,8 +45,8 @@ class Settings:
     task: str = "passkey"
     length: int = 4096
     seed: int = 0
-    config: str | None = None  # a HeadConfig path, "search" (fit one on the sample), or None: see _default_config
-    configs_dir: str = "reports/configs"  # where Save writes
+    config: str | None = None  # a HeadConfig path, "search", or None: the first of `default_config_choice`
+    configs_dir: str = "reports/configs"  # where Save writes (and a saved config of the model is looked for)
     forecast_report: str | None = None
     layers: tuple[int, ...] | None = None  # capture only these layers (quick looks and UI tests); None = all
     device: str | None = None  # where the model runs (None: cuda when available); views read CPU copies
@@ -138,10 +136,29 @@ def config_path(folder: str | Path, name: str) -> Path:
     return path
 
 
+def model_config_path(configs_dir: str | Path, model_name: str) -> Path:
+    """`<configs_dir>/<model name>.json`: where Save puts this model's config."""
+    return Path(configs_dir) / f"{file_stem(model_name)}.json"
+
+
+def default_config_choice(configs_dir: str | Path, model_name: str) -> tuple[str, str]:
+    """(choice, note) of a session without --config: the model's config saved in `configs_dir`, else the
+    config the package ships for it, else a search on the sample; the note says which and why."""
+    own = model_config_path(configs_dir, model_name)
+    if own.exists():
+        return str(own), f"default: {own}, this model's config saved in --out"
+    shipped = shipped_config(model_name)
+    if shipped is not None:
+        return str(shipped), f"default: the config the package ships for {model_name} (no {own.name} in {configs_dir}/)"
+    return SEARCH, (f"no {own.name} in {configs_dir}/ and no shipped config for {model_name}, so the default is "
+                    "a search on this sample")
+
+
 def latency_rates(path: str | Path, shape: Any) -> tuple[dict[str, dict[str, float]] | None, str]:
     """Per-tile rates for a model of `shape` from the kernel benchmark at `path` (`latency.tile_rates` of
-    the shape `latency.match_shape` picks) and a sentence naming their source; (None, "no estimate: <why>")
-    when the file is missing, unreadable or has no usable rows. The estimate is optional: it never fails a job."""
+    the shape `latency.match_shape` picks, median over lengths) and a sentence naming their source;
+    (None, "no estimate: <why>") when the file is missing, unreadable or has no usable rows. The estimate is
+    optional: it never fails a job."""
     from workbench.prefill.latency import load_bench, match_shape, tile_rates
 
     try:
@@ -167,113 +184,184 @@ def parse_config(text: str | bytes, shape: Any, source: str = "uploaded config",
     return cfg
 
 
-class Session(param.Parameterized):
-    """One browser tab's state. Long work runs on `EXECUTOR`; `busy`, `progress` and `status` follow it."""
+class Job(param.Parameterized):
+    """A background job's visible state: the session's (loading a sample, importing a config) or one tab's.
+    Work runs on `EXECUTOR`; `busy`, `progress` (-1: not known yet) and `status` follow it; a job that
+    raises leaves its message in `error` and status "failed", and the page stays usable."""
 
-    model_name = param.String(default="embedded")
-    task = param.Selector(default="passkey", objects=list(TASKS))
-    length = param.Integer(default=4096, bounds=(128, None))
-    seed = param.Integer(default=0, bounds=(0, None))
-    target = param.Number(default=TARGET, bounds=(0.01, 1.0), doc="captured-mass target of the search (search.choose)")
-    layer = param.Integer(default=0, bounds=(0, None))
-    head = param.Integer(default=0, bounds=(0, None))
-
-    status = param.String(default="starting")
+    status = param.String(default="idle")
     error = param.String(default="")
     progress = param.Integer(default=-1, bounds=(-1, 100))
     busy = param.Boolean(default=False)
-    ready = param.Boolean(default=False)
-    grid_version = param.Integer(default=0)  # bumped when any head's pattern or recall changes
-    head_version = param.Integer(default=0)  # bumped when the selected head's numbers change
 
-    def __init__(self, settings: Settings, **params):
+    def __init__(self, **params):
         super().__init__(**params)
-        self.settings = settings
-        self.model_name = settings.model or "embedded"
-        self.task, self.length, self.seed = settings.task, settings.length, settings.seed
-        self.shape = None
-        self.sample = self.capture = self.capture_key = None
-        self.config: HeadConfig | None = None
-        self.mass = self.oracle = None  # [L, H] float64: captured mass of each head's online index, its oracle
-        self.head_cache = self.head_view = self.head_stats = None
-        self.head_result: dict[str, Any] = {}
-        self.last_edit_ms = self.last_edit_total_ms = float("nan")
-        self.forecast: dict[str, Any] | None = None
-        self.latency: dict[str, Any] | None = None
         self._job: Future | None = None
 
-    # ---- background jobs -----------------------------------------------------------------------
     def run_job(self, name: str, fn: Callable[[], Any]) -> Future:
         """Run `fn` on the shared executor; errors land in `error`, never kill the page."""
-        if self.busy:
-            raise RuntimeError(f"busy with {self.status}: wait for it to finish")
-        self.busy, self.error, self.progress, self.status = True, "", 0, name
+        self.check_free()
+        self.param.update(busy=True, error="", progress=-1, status=name)
 
         def work():
             try:
                 fn()
                 self.status = "ready"
             except Exception as e:  # shown in the UI; the session stays usable
-                LOG.exception("dashboard job %r failed", name)
-                self.error = f"{name} failed: {e or type(e).__name__}"
-                self.status = "failed"
+                if isinstance(e, (ValueError, RuntimeError)):  # bad input or a refusal: its message says it all
+                    LOG.warning("dashboard job %r failed: %s", name, e)
+                else:
+                    LOG.exception("dashboard job %r failed", name)
+                self.param.update(error=f"{name} failed: {e or type(e).__name__}", status="failed")
             finally:
-                self.progress = -1
-                self.busy = False
+                self.param.update(progress=-1, busy=False)
 
         self._job = EXECUTOR.submit(work)
         return self._job
+
+    def check_free(self) -> None:
+        if self.busy:
+            raise RuntimeError(f"busy with {self.status}: wait for it to finish")
 
     def wait(self, timeout: float | None = None) -> None:
         if self._job is not None:
             self._job.result(timeout)
 
     def _step(self, text: str, done: int, total: int) -> None:
-        self.status, self.progress = text, int(100 * done / max(total, 1))
+        """Report a step: `done` of `total` parts finished (shown as at least 1 %, so the bar is determinate)."""
+        self.param.update(status=text, progress=min(100, max(1, int(100 * done / max(total, 1)))))
 
     def progress_bar(self) -> dict[str, Any]:
-        """Settings of a Panel `Progress` that follows the jobs: the job's percentage, an animated
-        indeterminate bar (value -1) until it reports one, stopped at 0 when no job runs."""
+        """Settings of a Panel `Progress` that follows the job: its percentage, an animated indeterminate
+        bar (value -1) until it reports one, stopped at 0 when no job runs."""
         if not self.busy:
             return {"value": 0, "active": False}
         return {"value": self.progress if self.progress > 0 else -1, "active": self.progress <= 0}
 
+
+class Session(Job):
+    """One browser tab's shared state: the sample (and its capture), the HeadConfig with every head's
+    captured mass under it (`mass`, `oracle` `[L, H]`), and the selected head (`layer`, `head`).
+
+    The sidebar's inputs go through `configure`, which applies them or raises naming the field; `load`
+    then captures the sample and picks the config (`config_choice`: a HeadConfig file, or SEARCH)."""
+
+    model_name = param.String(default="embedded")
+    task = param.Selector(default="passkey", objects=list(TASKS))
+    length = param.Integer(default=4096)
+    seed = param.Integer(default=0)
+    target = param.Number(default=TARGET, doc="captured-mass target of the search (search.choose)")
+    config_choice = param.String(default=SEARCH, doc="a HeadConfig path, or SEARCH")
+    layer = param.Integer(default=0)
+    head = param.Integer(default=0)
+
+    ready = param.Boolean(default=False)
+    sample_version = param.Integer(default=0)  # bumped when a new sample is loaded
+    config_version = param.Integer(default=0)  # bumped when a new config is evaluated (load, import)
+    grid_version = param.Integer(default=0)  # bumped when any head's pattern or captured mass changes
+
+    def __init__(self, settings: Settings, **params):
+        super().__init__(**params)
+        self.settings = settings
+        self.model_name = settings.model or "embedded"
+        self.task, self.length, self.seed = settings.task, settings.length, settings.seed
+        self.shape = self.tokenizer = None
+        self.sample = self.capture = self.capture_key = None
+        self.tokens: list[str] = []  # the sample's tokens as text (hover and axes of the maps)
+        self.config: HeadConfig | None = None
+        self.config_source = ""  # one sentence: where the config came from
+        self._applied: tuple | None = None  # (choice, target) the current config was built from
+        self.mass = self.oracle = None  # [L, H] float64: captured mass of each head's online index, its oracle
+        self.jobs: list[Job] = []  # the tabs' jobs: a new sample waits until they finish
+        # "" until the first load resolves the default: <configs_dir>/<model>.json if it exists, else SEARCH
+        self.config_choice = "" if settings.config is None else SEARCH if settings.config == "search" else settings.config
+        self.config_note = ""  # why the session started from its config (shown under the config choice)
+
+    # ---- the sidebar's inputs ------------------------------------------------------------------------
+    def config_choices(self) -> list[str]:
+        """The configs a session can start from: the model's file in --configs-dir (if any), the --config file,
+        the current choice ("" before the first load: the default, decided once the model is known), SEARCH."""
+        out = []
+        if self.shape is not None:
+            own = model_config_path(self.settings.configs_dir, self.shape.name)
+            if own.exists():
+                out.append(str(own))
+        if self.settings.config not in (None, "search"):
+            out.append(self.settings.config)
+        out.append(self.config_choice)  # "" until the first load resolves the default
+        return [c for c in dict.fromkeys([*out, SEARCH]) if c or not self.config_choice]
+
+    def configure(self, *, task: str, length: int, seed: int, target: float, config_choice: str) -> None:
+        """Apply the sidebar's inputs for the next `load`, or raise ValueError naming the field and the fix
+        (nothing is applied then)."""
+        if task not in TASKS:
+            raise ValueError(f"task {task!r} is unknown: choose one of {list(TASKS)}")
+        if length is None or length < MIN_LENGTH:
+            raise ValueError(f"length {length} is below the minimum of {MIN_LENGTH} tokens: give at least {MIN_LENGTH}")
+        if self.shape is not None and length > self.shape.max_positions:
+            raise ValueError(f"length {length} is above the {self.shape.max_positions} positions {self.shape.name} "
+                             f"allows: give at most {self.shape.max_positions}")
+        if seed is None or seed < 0:
+            raise ValueError(f"seed {seed} is negative: give 0 or more")
+        if target is None or not 0 < target <= 1:
+            raise ValueError(f"search target {target} must be in (0, 1]: the share of the attention mass to keep")
+        if config_choice not in ("", SEARCH) and not Path(config_choice).exists():
+            raise ValueError(f"config {config_choice!r} does not exist: choose one of {self.config_choices()}")
+        if config_choice not in ("", SEARCH) and self._applied and target != self.target:
+            raise ValueError(f"search target {target} is not used: the config comes from {config_choice}; choose "
+                             f"'{SEARCH}' under 'config' to search at this target")
+        self.param.update(task=task, length=int(length), seed=int(seed), target=float(target),
+                          config_choice=config_choice)
+
     # ---- loading a sample ------------------------------------------------------------------------
     def load(self, config: HeadConfig | None = None) -> Future:
         """Capture the sidebar's sample (shared), pick the config, evaluate every head (background)."""
+        busy = [j.status for j in self.jobs if j.busy]
+        if busy:
+            raise RuntimeError(f"a tab is busy ({busy[0]}): wait for it to finish, then load")
         return self.run_job("loading", lambda: self._load(config))
 
     def _load(self, config: HeadConfig | None) -> None:
         from workbench.core.capture import capture_attention
         from workbench.core.corpus import make_sample
 
-        self._step("loading the model", 0, 1)
+        self.ready = False
+        self._step("loading the model", 0, 10)
         model, tok, shape = SHARED.model(self.settings.model, self.settings.device, self.settings.dtype)
         shape.check_length(self.length)
-        self.shape = shape
+        self.shape, self.tokenizer = shape, tok
         key = ("capture", shape.fingerprint, self.task, self.length, self.seed, self.settings.layers)
         self._step(f"capturing {self.task}, {self.length} tokens", 1, 10)
         self.capture_key = key
         self.sample, self.capture = SHARED.memo(key, lambda: (
             lambda s: (s, _on_cpu(capture_attention(model, shape, s.input_ids, self.settings.layers, progress=False))))(
             make_sample(self.task, tok, self.length, seed=self.seed, max_length=shape.max_positions)))
-        cfg = config or self.config or self._default_config()
+        self.tokens = SHARED.memo(("tokens", key), lambda: [tok.decode([i]) for i in self.sample.input_ids.tolist()])
+        if config is not None:
+            cfg, self.config_source = config, "given config"
+        else:
+            cfg = self._pick_config()
         self._evaluate(cfg)
         layers = self.capture.layers
         self.param.update(layer=self.layer if self.layer in layers else layers[0], head=min(self.head, shape.n_heads - 1))
-        self._select()
         self.ready = True
+        self.sample_version += 1
 
-    def _default_config(self) -> HeadConfig:
-        """The settings' config; without one, <configs_dir>/<model>.json (a saved one), else the config
-        the package ships for the model, else a search on the sample."""
-        choice = self.settings.config
-        if choice is None:
-            path = Path(self.settings.configs_dir) / f"{file_stem(self.shape.name)}.json"
-            choice = str(path if path.exists() else shipped_config(self.shape.name) or "search")
-        if choice != "search":
-            return HeadConfig.load(choice, self.shape)
-        return SHARED.memo(("search", self.capture_key, self.target), self._search)
+    def _pick_config(self) -> HeadConfig:
+        """The config of `config_choice` (kept with its edits while the choice and target stay the same)."""
+        if not self.config_choice:
+            self.config_choice, self.config_note = default_config_choice(self.settings.configs_dir, self.shape.name)
+        want = (self.config_choice, self.target if self.config_choice == SEARCH else None)
+        if self.config is not None and want == self._applied:
+            return self.config
+        if self.config_choice == SEARCH:
+            cfg = SHARED.memo(("search", self.capture_key, self.target), self._search)
+            self.config_source = f"searched on {self.task}/{self.length} (seed {self.seed}) at target {self.target}"
+        else:
+            cfg = HeadConfig.load(self.config_choice, self.shape)
+            self.config_source = f"loaded from {self.config_choice}"
+        self._applied = want
+        return cfg
 
     def _search(self) -> HeadConfig:
         """The search on this one sample (`search.layer_scores` per captured layer, then `choose`);
@@ -315,106 +403,34 @@ class Session(param.Parameterized):
         res = SHARED.memo(("evaluate", self.capture_key, config_digest(cfg)), run)
         self.config = copy.deepcopy(cfg)
         self.mass, self.oracle = res["mass"].clone(), res["oracle"].clone()
+        self.config_version += 1
         self.grid_version += 1
 
-    # ---- one head ----------------------------------------------------------------------------------
-    def select(self, layer: int, head: int) -> Future:
-        """Open a head (background: its exact sums, dense matrix and map, once per head)."""
+    # ---- the selection and the config's heads ------------------------------------------------------------
+    def select(self, layer: int, head: int) -> None:
+        """Select a head (the Head tab opens it); raises naming the captured layers / the head range."""
+        if self.capture is None:
+            raise RuntimeError("no sample loaded yet: wait for 'ready' or press Load sample")
         self.capture.index(layer)  # raises, naming the captured layers, if this one was not captured
         self.config.entry(layer, head)
-        self.layer, self.head = layer, head
-        return self.run_job(f"opening layer {layer} head {head}", self._select)
+        self.param.update(layer=layer, head=head)
 
-    def _select(self) -> None:
-        from workbench.analysis.stats import layer_stats
-        from workbench.search.search import HeadCache
-        from workbench.views.headview import HeadView
-
-        cap, layer, head = self.capture, self.layer, self.head
-        self._step(f"opening layer {layer} head {head}", 0, 3)
-        self.head_cache = SHARED.memo(("headcache", self.capture_key, layer, head),
-                                      lambda: HeadCache.from_captures([cap], layer, head))
-        q, k, v = cap.head_qkv(layer, head)
-        self._step(f"opening layer {layer} head {head}", 1, 3)
-        self.head_view = SHARED.memo(("headview", self.capture_key, layer, head), lambda: HeadView(q, k, v, cap.scale))
-        self._step(f"opening layer {layer} head {head}", 2, 3)
-        self.head_stats = SHARED.memo(("stats", self.capture_key, layer, head),
-                                      lambda: layer_stats(q[None], k[None], cap.scale, resolution=256))
-        self._score_head()
-
-    def entry(self) -> HeadEntry:
-        return self.config.entry(self.layer, self.head)
-
-    def edit(self, pattern: str, params: dict[str, int] | None = None) -> dict[str, Any]:
-        """Give the selected head a new pattern and sizes (default: the kind's `default_params` at this
-        prompt's length), re-score it (no capture, no other head)."""
-        if self.busy or self.head_view is None:
-            raise RuntimeError("wait until the head is loaded")
-        if pattern not in PARAMS:
-            raise ValueError(f"pattern {pattern!r} is unknown: use one of {list(PARAMS)}")
-        t0 = time.perf_counter()
-        params = default_params(pattern, self.capture.n) if params is None else params
-        params = {k: int(params[k]) for k in PARAMS[pattern]}
-        i = self.layer * self.config.model["n_heads"] + self.head
-        old = self.config.heads[i]
-        self.config.heads[i] = HeadEntry(old.layer, old.head, pattern, params)
-        try:
-            self.config.check("edit")
-            result = self._score_head(publish=False)
-        except Exception:
-            self.config.heads[i] = old
-            raise
-        self.config.provenance.setdefault("edits", []).append(
-            {"layer": self.layer, "head": self.head, "pattern": pattern, "params": params, "sample": self.sample.describe()})
-        self.last_edit_ms = (time.perf_counter() - t0) * 1e3  # the numbers; then the views redraw
-        self._publish()
-        self.last_edit_total_ms = (time.perf_counter() - t0) * 1e3
-        return result
-
-    def _publish(self) -> None:
+    def set_entry(self, entry: HeadEntry, mass: float, oracle: float) -> None:
+        """Replace one head's config entry and its captured mass (an edit, or its re-scoring)."""
+        self.config.heads[entry.layer * self.config.model["n_heads"] + entry.head] = entry
+        self.mass[entry.layer, entry.head], self.oracle[entry.layer, entry.head] = mass, oracle
         self.grid_version += 1
-        self.head_version += 1
 
-    def _score_head(self, publish: bool = True) -> dict[str, Any]:
-        """Numbers of the selected head under its current entry; updates the grid row too."""
-        from workbench.patterns import causal_tiles
-        from workbench.prefill.latency import estimate_ms
-        from workbench.search.search import Candidate, rescore_head
-        from workbench.views.headview import head_index
-
-        e, cap = self.entry(), self.capture
-        cand = Candidate(e.pattern, tuple(e.params[p] for p in PARAMS[e.pattern]))
-        scores = rescore_head(self.head_cache, cand, self.config.proxy)
-        q, k, _ = cap.head_qkv(self.layer, self.head)
-        index = head_index(e, q, k, cap.scale, self.config.proxy, self.config.block)
-        view = self.head_view.evaluate(index)
-        mass, oracle, tiles = scores["mass"][0], scores["oracle"][0], scores["tiles"][0]
-        rates, source = self.latency_rates()
-        try:
-            estimate = None if rates is None else {
-                "estimate_ms": estimate_ms(rates, e.pattern, tiles), "estimate_index_ms": rates[e.pattern]["index_ms"],
-                "dense_estimate_ms": estimate_ms(rates, "dense", causal_tiles(cap.n))}
-        except ValueError as err:  # a pattern the benchmark did not time
-            estimate, source = None, f"no estimate: {err}"
-        self.config.heads[self.layer * self.config.model["n_heads"] + self.head] = HeadEntry(
-            e.layer, e.head, e.pattern, e.params, recall={"mean": round(mass, 6), "worst": round(mass, 6)},
-            density={"logical": round(view["logical"], 6), "physical": round(view["physical"], 6)},
-            oracle=round(oracle, 6), minference=e.minference)
-        self.mass[self.layer, self.head], self.oracle[self.layer, self.head] = mass, oracle
-        self.head_result = {
-            "entry": self.entry(), "index": index, "mass": mass, "oracle": oracle, "tiles": tiles,
-            "segments": view["segments"], "rel_l2": view["rel_l2"], "cosine": view["cosine"],
-            "logical": view["logical"], "physical": view["physical"],
-            **(estimate or dict.fromkeys(("estimate_ms", "estimate_index_ms", "dense_estimate_ms"))),
-            "estimate_source": source,
-        }
-        if publish:
-            self._publish()
-        return self.head_result
+    def captured_layers(self) -> list[int]:
+        return list(self.capture.layers) if self.capture is not None else []
 
     # ---- export / import -----------------------------------------------------------------------------
     def export_text(self) -> str:
         return json.dumps(self.config.to_dict(), indent=1) + "\n"
+
+    def export_minference_text(self) -> str:
+        """The config in MInference's per-layer format (what `workbench export --format minference` writes)."""
+        return json.dumps(self.config.to_minference(), indent=1) + "\n"
 
     def save(self, name: str) -> Path:
         path = config_path(self.settings.configs_dir, name)
@@ -424,11 +440,16 @@ class Session(param.Parameterized):
     def import_text(self, text: str | bytes, source: str = "uploaded config", fill_missing: bool = False) -> Future:
         """Check an uploaded config (raises ConfigError naming the field), then evaluate it (background)."""
         cfg = parse_config(text, self.shape, source, fill_missing)
-        return self.run_job("evaluating the imported config", lambda: (self._evaluate(cfg), self._select()))
 
-    # ---- proxy, forecast and latency tabs --------------------------------------------------------------
+        def run():
+            self._evaluate(cfg)
+            self.config_source = f"imported {source}"
+
+        return self.run_job("evaluating the imported config", run)
+
+    # ---- the Proxy tab reads -------------------------------------------------------------------------
     def proxy_rows(self) -> list[dict[str, Any]]:
-        """Per head: online proxy mass vs same-budget oracle, worst gap first."""
+        """Per captured head: online proxy mass vs same-budget oracle, worst gap first."""
         rows = []
         for e in self.config.heads:
             m, o = float(self.mass[e.layer, e.head]), float(self.oracle[e.layer, e.head])
@@ -437,72 +458,6 @@ class Session(param.Parameterized):
             rows.append({"layer": e.layer, "head": e.head, "pattern": e.label(), "proxy": round(m, 4),
                          "oracle": round(o, 4), "gap": round(max(o - m, 0.0), 4)})
         return sorted(rows, key=lambda r: (-r["gap"], r["proxy"], r["layer"], r["head"]))
-
-    def load_forecast(self, path: str | None = None) -> dict[str, Any]:
-        """Read a `workbench forecast report` JSON (the first of FORECAST_REPORTS that exists by default)."""
-        candidates = [path] if path else [self.settings.forecast_report, *FORECAST_REPORTS]
-        for p in filter(None, candidates):
-            if Path(p).exists():
-                self.forecast = {**json.loads(Path(p).read_text()), "source": p}
-                return self.forecast
-        raise FileNotFoundError(f"no forecast report at {[p for p in candidates if p]}: run `workbench forecast report` "
-                                "or press 'Compute on this sample'")
-
-    def compute_forecast(self) -> Future:
-        return self.run_job("forecast report on this sample", self._compute_forecast)
-
-    def _compute_forecast(self) -> None:
-        from workbench.analysis.block_sets import iou_matrix
-        from workbench.decode.forecast.heads import ForecastHeads
-        from workbench.decode.forecast.report import build_report, exact_sets
-        from workbench.decode.forecast.train import lengths_ok
-        from workbench.patterns.infllm import Budget
-
-        model, tok, shape = SHARED.model(self.settings.model, self.settings.device, self.settings.dtype)
-        budget = Budget()
-        lengths_ok(self.length, budget)
-        spec = (self.task, self.length, self.seed)
-        shipped = shipped_forecast_heads(shape.name)
-        if shipped is not None:
-            heads = ForecastHeads.load(shipped, shape)
-            rep = build_report(model, tok, shape, heads, budget, eval_specs=[spec], calib_specs=[], progress=False)
-            self.forecast = {**rep, "source": f"computed on {self.task}/{self.length} with the shipped {shipped.name}"}
-        else:
-            sets = exact_sets(model, shape, self.sample.input_ids, budget, rows=256, seed=self.seed)
-            self.forecast = {"iou_matrix": iou_matrix(sets).tolist(), "layers": None,
-                             "source": f"computed on {self.task}/{self.length}; no Forecast heads ship for "
-                                       f"{shape.name} (`workbench forecast train` makes them), so no per-selector recall"}
-
-    def time_latency(self) -> Future:
-        return self.run_job(f"timing layer {self.layer}", self._time_latency)
-
-    def latency_rates(self) -> tuple[dict[str, dict[str, float]] | None, str]:
-        """`latency_rates` of the settings' benchmark (default `prefill.latency.BENCH`) for the loaded
-        model, shared; re-read when the file changes."""
-        from workbench.prefill.latency import BENCH
-
-        path = Path(self.settings.bench or BENCH)
-        stamp = path.stat().st_mtime_ns if path.exists() else None
-        dims = (self.shape.n_heads, self.shape.n_kv_heads, self.shape.head_dim)
-        return SHARED.memo(("rates", str(path.resolve()), stamp, dims), lambda: latency_rates(path, self.shape))
-
-    def _time_latency(self) -> None:
-        from workbench.patterns import causal_tiles
-        from workbench.prefill.latency import estimate_ms, time_model_layer
-
-        cap = self.capture
-        q, k, v = cap.layer_qkv(self.layer)
-        index = self.config.layer_index(self.layer, q, k, cap.scale)
-        out = time_model_layer(cap, self.config, self.layer)
-        rates, source = self.latency_rates()
-        try:
-            tiles = index.tiles(cap.n).tolist()
-            out["estimate"] = None if rates is None else {
-                "dense_ms": len(tiles) * estimate_ms(rates, "dense", causal_tiles(cap.n)),
-                "sparse_ms": sum(estimate_ms(rates, e.pattern, t) for e, t in zip(self.config.layer(self.layer), tiles))}
-        except ValueError as err:  # a pattern the benchmark did not time
-            out["estimate"], source = None, f"no estimate: {err}"
-        self.latency = {**out, "layer": self.layer, "estimate_source": source}
 
 
 def _on_cpu(cap: Any) -> Any:

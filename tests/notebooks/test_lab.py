@@ -1,0 +1,93 @@
+"""Notebooks in a real JupyterLab driven by Playwright through Debian's headless Chromium (the way a user runs
+them): notebook 02's head editor redraws its figure when the pattern changes. The notebook runs at CI sizes
+(512 tokens, quick) from a copy in a temporary folder."""
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.ui, pytest.mark.notebook, pytest.mark.model, pytest.mark.xdist_group("jupyterlab")]
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]
+SIZES = {"WORKBENCH_NB_LENGTH": "512", "WORKBENCH_NB_LAYERS": "0,4,11", "WORKBENCH_NB_QUICK": "1"}
+RUN_MS = 900_000  # every cell of the notebook on a shared 2-core machine
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """(url with token, folder) of a JupyterLab server serving a folder with a copy of notebook 02."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Chromium is not installed: `make browser` (apt-get install chromium)")
+    folder = tmp_path_factory.mktemp("lab")
+    shutil.copy(ROOT / "notebooks" / "02_fit_search_edit.ipynb", folder)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = secrets.token_hex(16)
+    env = {**os.environ, **SIZES, "WORKBENCH_NB_OUT": str(folder / "out"), "PYTHONPATH": str(ROOT),
+           "JUPYTER_RUNTIME_DIR": str(folder / ".runtime"), "JUPYTERLAB_WORKSPACES_DIR": str(folder / ".workspaces")}
+    log = open(folder / "lab.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+                             f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={folder}",
+                             "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+                             *(["--allow-root"] if os.geteuid() == 0 else [])],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=folder)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):
+            try:
+                if urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=5).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+            assert proc.poll() is None, (folder / "lab.log").read_text()
+        yield f"{url}/lab/tree/02_fit_search_edit.ipynb?token={token}", folder
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def test_notebook_02_editor_redraws_its_figure_after_a_pattern_change(lab):
+    from playwright.sync_api import sync_playwright
+
+    url, _ = lab
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(RUN_MS)
+            page.goto(url)
+            page.locator(".jp-Notebook").wait_for()
+            page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for()  # the kernel started
+            page.locator(".lm-MenuBar-itemLabel", has_text=re.compile("^Run$")).click()
+            page.locator(".lm-Menu-itemLabel", has_text=re.compile("^Run All Cells$")).click()
+            editor = page.locator(".widget-output .gtitle")  # the editor's figure lives in its Output widget
+            editor.first.wait_for()
+            page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for()  # every cell ran
+            errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']",
+                                  has_text="Traceback")
+            assert errors.count() == 0, errors.first.inner_text()
+            before = editor.first.text_content()
+            pattern = page.locator(".widget-dropdown select").first
+            new = next(v for v in ("ashape", "block", "vs") if f": {v}(" not in before)
+            pattern.select_option(new)
+            redrawn = page.locator(".widget-output .gtitle", has_text=f": {new}(")
+            redrawn.wait_for(timeout=120_000)
+            assert page.locator(".widget-output .gtitle").count() == 1  # redrawn in place, not appended
+            assert page.locator(".widget-output .gtitle").text_content() != before
+            assert page.locator(".widget-output .xtick").count() > 0  # a real plotly figure, with token ticks
+        finally:
+            browser.close()
