@@ -190,6 +190,22 @@ def test_layer_sums_match_stats():
 
 
 @pytest.mark.model
+def test_vs_tile_count_equals_the_built_tiles_of_real_proxies(capture_256):
+    """The count-only tile count equals the tiles of `vs_to_tiles` on the proxy indexes of real heads."""
+    from workbench_kernels.index_ref import vs_tile_count, vs_to_tiles
+
+    n = capture_256.n
+    for layer in (0, 15):
+        q, k, _ = capture_256.layer_qkv(layer)
+        for vertical, slash in ((30, 50), (64, 100), (8, 200)):
+            cols, offs = (x[None] for x in vs_proxy(q, k, capture_256.scale, vertical, slash))
+            t = vs_to_tiles(cols, offs, n)
+            want = t.block_count.long().sum(-1) + (-(-t.column_count.long() // 64)).sum(-1)
+            assert torch.equal(vs_tile_count(cols, offs, n), want)
+            assert torch.equal(vs_tile_count(cols, offs, n, budget=3), want)
+
+
+@pytest.mark.model
 def test_oracle_beats_proxy_on_real_attention(capture_256):
     """At equal budget the oracle keeps at least the proxy's mass (VS and block-sparse), on real heads."""
     cands = [Candidate("vs", (30, 50)), Candidate("vs", (64, 100)), Candidate("block", (2,))]
