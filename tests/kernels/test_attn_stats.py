@@ -179,6 +179,22 @@ def test_captured_mass_kernel_equals_reference_and_counts_the_logical_edges(n, h
         assert (count.sum(1).cpu() > index.edges(n)).any()
 
 
+def test_search_scores_on_the_kernels_equal_the_reference():
+    """`layer_scores` on the kernel path (all-row sums, the answer rows from the same pass 1, column-offset
+    masses) equals the reference's, every default candidate, n not a multiple of 64, GQA 3:1."""
+    from workbench.search.search import default_candidates, layer_scores
+
+    n = 200
+    q, k = qk(6, 2, n, 32, seed=7)
+    cands = default_candidates(n)
+    with stats.backend("torch"):
+        want = layer_scores(q, k, 0.2, cands)
+    with stats.backend("triton"):
+        got = layer_scores(q, k, 0.2, cands)
+    for name in ("mass", "tail", "oracle", "tiles", "edges"):
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
 def test_workbench_functions_dispatch_to_the_kernels_with_equal_results():
     """backend("triton") runs the kernels on these CPU tensors (interpreter), backend("torch") the reference;
     a cell the kernel does not pool at (19) and an index whose tiles overcover (VS) fall back."""

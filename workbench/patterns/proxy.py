@@ -18,10 +18,11 @@ DIAG_NORMS = ("sum", "mean", "prior")
 GROUP_ELEMENTS = 1 << 24  # scores per head group (64 MB of fp32): `head_groups`' default budget
 
 
-def head_groups(hq: int, hkv: int, per_head: int, budget: int = GROUP_ELEMENTS) -> list[tuple[slice, slice]]:
-    """Groups of query heads whose `per_head` elements each add up to at most `budget` (one head at
-    least), with their KV heads: (query heads, KV heads) slices, every group GQA-aligned (whole KV groups
-    while they fit, else equal parts of one). Small inputs are one group: all heads at once."""
+def head_groups(hq: int, hkv: int, per_head: int, budget: int | None = None) -> list[tuple[slice, slice]]:
+    """Groups of query heads whose `per_head` elements each add up to at most `budget` (default
+    `GROUP_ELEMENTS`; one head at least), with their KV heads: (query heads, KV heads) slices, every group
+    GQA-aligned (whole KV groups while they fit, else equal parts of one). Small inputs are one group."""
+    budget = budget or GROUP_ELEMENTS
     g = hq // hkv
     if per_head * g <= budget:
         size = g * max(1, min(hkv, budget // (per_head * g)))
