@@ -172,7 +172,7 @@ def block_oracle(block_mass: torch.Tensor, width: int) -> torch.Tensor:
         return diagonal
     below = torch.ones(m, m, dtype=torch.bool, device=block_mass.device).tril(-1)
     heavy = block_mass.masked_fill(~below, -1.0).topk(width - 1, dim=-1).values.clamp_(min=0)  # masses >= 0
-    return torch.cat([diagonal, diagonal + heavy.double().sum(-2).cumsum(-1)], -1)
+    return torch.cat([diagonal, diagonal + heavy.sum(-2, dtype=torch.float64).cumsum(-1)], -1)
 
 
 def ranked_table_sums(table: torch.Tensor, block_mass: torch.Tensor, tail_mass: torch.Tensor,
@@ -192,4 +192,5 @@ def ranked_table_sums(table: torch.Tensor, block_mass: torch.Tensor, tail_mass: 
     kept = {"mass": block_mass.gather(-1, ids), "tail": tail_mass.gather(-1, ids[:, m0:m1]), "tiles": live,
             "edges": area}
     live_of = {"tail": live[:, m0:m1]}
-    return {name: torch.where(live_of.get(name, live), x, 0).double().sum(1).cumsum(-1) for name, x in kept.items()}
+    return {name: torch.where(live_of.get(name, live), x, 0).sum(1, dtype=torch.float64).cumsum(-1)
+            for name, x in kept.items()}
