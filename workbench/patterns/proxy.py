@@ -121,12 +121,12 @@ def block_proxy(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor, bloc
     """
     hq, n = q.shape[-3], q.shape[-2]
     k_max, k_head = _budget(topk, hq, "topk")
-    m = -(-n // block)
-    pad = m * block - n
-    size = torch.clamp(n - torch.arange(m, device=q.device) * block, max=block).to(torch.float32)
+    full = n // block
 
-    def pool(x: torch.Tensor) -> torch.Tensor:
-        x = torch.nn.functional.pad(x.float(), (0, 0, 0, pad))
-        return x.reshape(*x.shape[:-2], m, block, x.shape[-1]).sum(-2) / size[:, None]
+    def pool(x: torch.Tensor) -> torch.Tensor:  # block means, summed in fp32 (no fp32 copy of x)
+        parts = [x[..., :full * block, :].unflatten(-2, (full, block)).sum(-2, dtype=torch.float32) / block]
+        if n % block:  # a last partial block averages its own tokens
+            parts.append(x[..., full * block:, :].sum(-2, keepdim=True, dtype=torch.float32) / (n % block))
+        return torch.cat(parts, -2)
 
     return top_blocks(_grouped_scores(pool(q), pool(k)), k_max, k_head, ranked)
