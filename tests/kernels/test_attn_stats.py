@@ -180,13 +180,14 @@ def test_captured_mass_kernel_equals_reference_and_counts_the_logical_edges(n, h
 
 
 def test_search_scores_on_the_kernels_equal_the_reference():
-    """`layer_scores` on the kernel path (all-row sums, the answer rows from the same pass 1, column-offset
-    masses) equals the reference's, every default candidate, n not a multiple of 64, GQA 3:1."""
-    from workbench.search.search import default_candidates, layer_scores
+    """`layer_scores` on the kernel path (all-row sums; the answer rows, column-offset masses and the
+    method candidates' captured masses from the same pass 1) equals the reference's, every default and
+    method candidate, n not a multiple of 64, GQA 3:1."""
+    from workbench.search.search import default_candidates, layer_scores, method_candidates
 
     n = 200
     q, k = qk(6, 2, n, 32, seed=7)
-    cands = default_candidates(n)
+    cands = default_candidates(n) + method_candidates(n)
     with stats.backend("torch"):
         want = layer_scores(q, k, 0.2, cands)
     with stats.backend("triton"):

@@ -173,5 +173,7 @@ class LayerReductions:
         return column_offset_mass(self.q, self.k, self.scale, self.sums.lse, column_sets, prefixes, rows)
 
     def captured(self, pattern: Pattern) -> torch.Tensor:
-        """`[Hq, N]`: `captured_mass` of `pattern` per query row."""
-        return captured_mass(self.q, self.k, self.scale, pattern)
+        """`[Hq, N]`: `captured_mass` of `pattern` per query row (from the row log-normalisers of `sums`
+        when those are already computed)."""
+        lse = None if self.all_rows is None else self.all_rows.lse
+        return captured_mass(self.q, self.k, self.scale, pattern, lse=lse)

@@ -22,6 +22,8 @@ def head_groups(hq: int, hkv: int, per_head: int, budget: int | None = None) -> 
     """Groups of query heads whose `per_head` elements each add up to at most `budget` (default
     `GROUP_ELEMENTS`; one head at least), with their KV heads: (query heads, KV heads) slices, every group
     GQA-aligned (whole KV groups while they fit, else equal parts of one). Small inputs are one group."""
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"q has {hq} heads and k {hkv}: the query heads must be a multiple of the KV heads")
     budget = budget or GROUP_ELEMENTS
     g = hq // hkv
     if per_head * g <= budget:
