@@ -19,6 +19,8 @@ every sum is fp32. Extra memory is the outputs: O(n) per head, plus the pooled m
   kept to be timed against it (`workbench bench analysis --sweep`).
 - `column_offset_mass`: a query-block x gathered-column-block product, p from lse, scattered by
   offset i - j (atomic adds) into one row per prefix level; the nested budgets are a cumulative sum.
+  Each head's columns go in ascending key order (with their levels), so a block of 64 columns starts
+  at the row of its first column and skips the rows above it.
 - `captured_mass`: one program per (head, row block) walks a `TokenRule`'s tiles (pieces and column
   strips, as the prefill kernel does) and sums p over the kept tokens; it also counts them, so a caller
   can check that the rule is the index's exact logical set.
@@ -281,7 +283,7 @@ def _column_offset_kernel(Q, K, LSE2, COLS, LEVEL, OUT, qk_scale, N, G, V, L, RO
     h = tl.program_id(2).to(tl.int64)  # head offsets pass 2^31 elements at 1M tokens
     ci = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col = tl.load(COLS + h * sch + ci, mask=ci < V, other=-1)
-    lvl = tl.load(LEVEL + ci, mask=ci < V, other=0)
+    lvl = tl.load(LEVEL + h * sch + ci, mask=ci < V, other=0)
     valid = col >= 0
     dims = tl.arange(0, DP)
     k = tl.load(K + (h // G) * skh + col[:, None] * skn + dims[None, :], mask=valid[:, None] & (dims[None, :] < D),
@@ -499,11 +501,13 @@ def column_offset_mass(q: torch.Tensor, k: torch.Tensor, scale: float, lse: torc
     row_chunk = max(block_m, row_chunk // block_m * block_m)
     out = []
     for cols, pre in zip(column_sets, prefixes):
-        cols = cols[:, :max(pre)].to(device=q.device, dtype=torch.int32).contiguous()
+        cols = cols[:, :max(pre)].to(q.device)
         V, L = cols.shape[-1], len(pre)
         acc = torch.zeros(Hq, L, n, device=q.device)
         if V and r1 > r0:
-            level = prefix_levels(pre, V, q.device).to(torch.int32)
+            cols, order = torch.where(cols >= 0, cols.long(), n).sort(-1)  # ascending keys, padding last
+            level = prefix_levels(pre, V, q.device)[order].to(torch.int32)  # [Hq, V]: each column's level
+            cols = torch.where(cols < n, cols, -1).to(torch.int32).contiguous()
             grid = (triton.cdiv(V, block_c), triton.cdiv(r1 - r0 // block_m * block_m, row_chunk), Hq)
             _column_offset_kernel[grid](q, k, lse2, cols, level, acc, scale * LOG2E, n, g, V, L, r0, r1, row_chunk,
                                         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cols.stride(0),
