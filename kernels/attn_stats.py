@@ -19,6 +19,8 @@ every sum is fp32. Extra memory is the outputs: O(n) per head, plus the pooled m
   kept to be timed against it (`workbench bench analysis --sweep`).
 - `column_offset_mass`: a query-block x gathered-column-block product, p from lse, scattered by
   offset i - j (atomic adds) into one row per prefix level; the nested budgets are a cumulative sum.
+  Each head's columns go in ascending key order (with their levels), so a block of 64 columns starts
+  at the row of its first column and skips the rows above it.
 - `captured_mass`: one program per (head, row block) walks a `TokenRule`'s tiles (pieces and column
   strips, as the prefill kernel does) and sums p over the kept tokens; it also counts them, so a caller
   can check that the rule is the index's exact logical set.
@@ -108,13 +110,14 @@ def _row_lse_kernel(Q, K, LSE, ENT, qk_scale, N, G, ROW0, ROW1, sqh, sqn, skh, s
 
 
 @triton.jit
-def _combine(OUT, v, a, b, W, R, ok, MAX: tl.constexpr):
-    """Atomically add (or max) the scalar v into OUT[a, b] (row stride W) when ok and both < R."""
-    mask = ok & (a < R) & (b < R)
+def _combine(OUT, v, a, b, R, A0, RA, ok, MAX: tl.constexpr):
+    """Atomically add (or max) the scalar v into cell (a, b) of OUT, which holds rows A0 .. A0 + RA - 1
+    of R columns, when ok and the cell is there."""
+    mask = ok & (a >= A0) & (a - A0 < RA) & (b < R)
     if MAX:
-        tl.atomic_max(OUT + a * W + b, v, mask=mask, sem="relaxed")
+        tl.atomic_max(OUT + (a - A0) * R + b, v, mask=mask, sem="relaxed")
     else:
-        tl.atomic_add(OUT + a * W + b, v, mask=mask, sem="relaxed")
+        tl.atomic_add(OUT + (a - A0) * R + b, v, mask=mask, sem="relaxed")
 
 
 @triton.jit
@@ -125,13 +128,14 @@ def _reduce(x, MAX: tl.constexpr):
 
 
 @triton.jit
-def _pool_tile(p, whole, OUT, m, kb, R, BLOCK: tl.constexpr, CELL: tl.constexpr, MAX: tl.constexpr):
-    """Pool tile p (rows m*BLOCK.., keys kb*BLOCK..) into the cells of OUT `[R, R]` (CELL x CELL squares):
-    sum, or max with MAX (`whole`: the tile's sum or max, computed once by the caller). A cell that
-    divides BLOCK belongs to one tile (stores); a larger one adds up over the tiles it covers (atomics;
-    a tile lies in one cell when BLOCK divides CELL, else it may straddle 2 x 2)."""
+def _pool_tile(p, whole, OUT, m, kb, R, A0, RA, BLOCK: tl.constexpr, CELL: tl.constexpr, MAX: tl.constexpr):
+    """Pool tile p (rows m*BLOCK.., keys kb*BLOCK..) into the cells of OUT (CELL x CELL squares; OUT holds
+    cell rows A0 .. A0 + RA - 1 of R columns): sum, or max with MAX (`whole`: the tile's sum or max,
+    computed once by the caller). A cell that divides BLOCK belongs to one tile (stores); a larger one
+    adds up over the tiles it covers (atomics; a tile lies in one cell when BLOCK divides CELL, else it
+    may straddle 2 x 2)."""
     if CELL == BLOCK:
-        tl.store(OUT + m * R + kb, whole, mask=(m < R) & (kb < R))
+        tl.store(OUT + (m - A0) * R + kb, whole, mask=(m >= A0) & (m - A0 < RA) & (kb < R))
     elif CELL < BLOCK:
         A: tl.constexpr = BLOCK // CELL
         x = tl.reshape(p, (A, CELL, A, CELL))
@@ -142,9 +146,10 @@ def _pool_tile(p, whole, OUT, m, kb, R, BLOCK: tl.constexpr, CELL: tl.constexpr,
         a = tl.arange(0, A)
         ra = m * A + a
         cb = kb * A + a
-        tl.store(OUT + ra[:, None].to(tl.int64) * R + cb[None, :], y, mask=(ra[:, None] < R) & (cb[None, :] < R))
+        there = (ra[:, None] >= A0) & (ra[:, None] - A0 < RA) & (cb[None, :] < R)
+        tl.store(OUT + (ra[:, None] - A0).to(tl.int64) * R + cb[None, :], y, mask=there)
     elif CELL % BLOCK == 0:  # the tile lies in one cell
-        _combine(OUT, whole, m * BLOCK // CELL, kb * BLOCK // CELL, R, R, True, MAX)
+        _combine(OUT, whole, m * BLOCK // CELL, kb * BLOCK // CELL, R, A0, RA, True, MAX)
     else:
         i0 = m * BLOCK
         j0 = kb * BLOCK
@@ -153,15 +158,16 @@ def _pool_tile(p, whole, OUT, m, kb, R, BLOCK: tl.constexpr, CELL: tl.constexpr,
         a1 = (i0 + BLOCK - 1) // CELL
         b1 = (j0 + BLOCK - 1) // CELL
         if (a0 == a1) & (b0 == b1):
-            _combine(OUT, whole, a0, b0, R, R, True, MAX)
+            _combine(OUT, whole, a0, b0, R, A0, RA, True, MAX)
         else:
             r = tl.arange(0, BLOCK)
             top = (r < (a0 + 1) * CELL - i0)[:, None]
             left = (r < (b0 + 1) * CELL - j0)[None, :]
-            _combine(OUT, _reduce(tl.where(top & left, p, 0.0), MAX), a0, b0, R, R, True, MAX)
-            _combine(OUT, _reduce(tl.where(top & ~left, p, 0.0), MAX), a0, b1, R, R, b1 > b0, MAX)
-            _combine(OUT, _reduce(tl.where(~top & left, p, 0.0), MAX), a1, b0, R, R, a1 > a0, MAX)
-            _combine(OUT, _reduce(tl.where(~top & ~left, p, 0.0), MAX), a1, b1, R, R, (a1 > a0) & (b1 > b0), MAX)
+            _combine(OUT, _reduce(tl.where(top & left, p, 0.0), MAX), a0, b0, R, A0, RA, True, MAX)
+            _combine(OUT, _reduce(tl.where(top & ~left, p, 0.0), MAX), a0, b1, R, A0, RA, b1 > b0, MAX)
+            _combine(OUT, _reduce(tl.where(~top & left, p, 0.0), MAX), a1, b0, R, A0, RA, a1 > a0, MAX)
+            _combine(OUT, _reduce(tl.where(~top & ~left, p, 0.0), MAX), a1, b1, R, A0, RA, (a1 > a0) & (b1 > b0),
+                     MAX)
 
 
 @triton.jit
@@ -181,21 +187,23 @@ def _tile_probs(q, kbase, LSE2, hN, m, kb, ROW0, ROW1, N, qk_scale, skn, dims, r
 
 
 @triton.jit
-def _tile_out(p, m, kb, h, hN, COL, TILE, MAXM, SUMM, N, TR, MR, r, BLOCK: tl.constexpr, COLS: tl.constexpr,
-              TILE_CELL: tl.constexpr, MAP_CELL: tl.constexpr, MAX_MAP: tl.constexpr, MEAN_MAP: tl.constexpr):
-    """Everything of one tile but its offsets: column sums, tile masses, pooled maps (the tile's sum is
-    the sum of its column sums; what a setting does not read, the compiler drops)."""
+def _tile_out(p, m, kb, h, hN, COL, TILE, MAXM, SUMM, N, TR, TA0, TRA, MR, r, BLOCK: tl.constexpr,
+              COLS: tl.constexpr, TILE_CELL: tl.constexpr, MAP_CELL: tl.constexpr, MAX_MAP: tl.constexpr,
+              MEAN_MAP: tl.constexpr):
+    """Everything of one tile but its offsets: column sums, tile masses (TILE holds cell rows TA0 ..
+    TA0 + TRA - 1 of TR columns per head), pooled maps (the tile's sum is the sum of its column sums;
+    what a setting does not read, the compiler drops)."""
     col = tl.sum(p, 0)
     whole = tl.sum(col, 0)
     if COLS:
         keys = kb * BLOCK + r
         tl.atomic_add(COL + hN + keys, col, mask=keys < N, sem="relaxed")
     if TILE_CELL > 0:
-        _pool_tile(p, whole, TILE + h * TR * TR, m, kb, TR, BLOCK, TILE_CELL, False)
+        _pool_tile(p, whole, TILE + h * TRA * TR, m, kb, TR, TA0, TRA, BLOCK, TILE_CELL, False)
     if MAX_MAP:
-        _pool_tile(p, _reduce(p, True), MAXM + h * MR * MR, m, kb, MR, BLOCK, MAP_CELL, True)
+        _pool_tile(p, _reduce(p, True), MAXM + h * MR * MR, m, kb, MR, 0, MR, BLOCK, MAP_CELL, True)
     if MEAN_MAP:
-        _pool_tile(p, whole, SUMM + h * MR * MR, m, kb, MR, BLOCK, MAP_CELL, False)
+        _pool_tile(p, whole, SUMM + h * MR * MR, m, kb, MR, 0, MR, BLOCK, MAP_CELL, False)
 
 
 @triton.jit
@@ -211,7 +219,7 @@ def _offsets_out(acc, t, DIAG, hN, N, r, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _diagonal_walk_kernel(Q, K, LSE2, COL, DIAG, TILE, MAXM, SUMM, qk_scale, N, G, ROW0, ROW1, CHUNK_T, TR, MR,
+def _diagonal_walk_kernel(Q, K, LSE2, COL, DIAG, TILE, MAXM, SUMM, qk_scale, N, G, ROW0, ROW1, CHUNK_T, TR, TA0, TRA, MR,
                           sqh, sqn, skh, skn,
                           D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, COLS: tl.constexpr,
                           DIAGS: tl.constexpr, TILE_CELL: tl.constexpr, MAP_CELL: tl.constexpr,
@@ -235,15 +243,15 @@ def _diagonal_walk_kernel(Q, K, LSE2, COL, DIAG, TILE, MAXM, SUMM, qk_scale, N, 
         p = _tile_probs(q, kbase, LSE2, hN, m, m - t, ROW0, ROW1, N, qk_scale, skn, dims, r, D, BLOCK, PREC)
         if DIAGS:
             acc += p
-        _tile_out(p, m, m - t, h, hN, COL, TILE, MAXM, SUMM, N, TR, MR, r, BLOCK, COLS, TILE_CELL, MAP_CELL, MAX_MAP,
-                  MEAN_MAP)
+        _tile_out(p, m, m - t, h, hN, COL, TILE, MAXM, SUMM, N, TR, TA0, TRA, MR, r, BLOCK, COLS, TILE_CELL, MAP_CELL,
+                  MAX_MAP, MEAN_MAP)
     if DIAGS:
         if last > first:
             _offsets_out(acc, t, DIAG, hN, N, r, BLOCK)
 
 
 @triton.jit
-def _row_walk_kernel(Q, K, LSE2, COL, DIAG, TILE, MAXM, SUMM, qk_scale, N, G, ROW0, ROW1, TR, MR,
+def _row_walk_kernel(Q, K, LSE2, COL, DIAG, TILE, MAXM, SUMM, qk_scale, N, G, ROW0, ROW1, TR, TA0, TRA, MR,
                      sqh, sqn, skh, skn,
                      D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, COLS: tl.constexpr,
                      DIAGS: tl.constexpr, TILE_CELL: tl.constexpr, MAP_CELL: tl.constexpr,
@@ -261,8 +269,8 @@ def _row_walk_kernel(Q, K, LSE2, COL, DIAG, TILE, MAXM, SUMM, qk_scale, N, G, RO
     hN = h * N
     for kb in range(0, m + 1):
         p = _tile_probs(q, kbase, LSE2, hN, m, kb, ROW0, ROW1, N, qk_scale, skn, dims, r, D, BLOCK, PREC)
-        _tile_out(p, m, kb, h, hN, COL, TILE, MAXM, SUMM, N, TR, MR, r, BLOCK, COLS, TILE_CELL, MAP_CELL, MAX_MAP,
-                  MEAN_MAP)
+        _tile_out(p, m, kb, h, hN, COL, TILE, MAXM, SUMM, N, TR, TA0, TRA, MR, r, BLOCK, COLS, TILE_CELL, MAP_CELL,
+                  MAX_MAP, MEAN_MAP)
         if DIAGS:
             _offsets_out(p, m - kb, DIAG, hN, N, r, BLOCK)
 
@@ -275,7 +283,7 @@ def _column_offset_kernel(Q, K, LSE2, COLS, LEVEL, OUT, qk_scale, N, G, V, L, RO
     h = tl.program_id(2).to(tl.int64)  # head offsets pass 2^31 elements at 1M tokens
     ci = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col = tl.load(COLS + h * sch + ci, mask=ci < V, other=-1)
-    lvl = tl.load(LEVEL + ci, mask=ci < V, other=0)
+    lvl = tl.load(LEVEL + h * sch + ci, mask=ci < V, other=0)
     valid = col >= 0
     dims = tl.arange(0, DP)
     k = tl.load(K + (h // G) * skh + col[:, None] * skn + dims[None, :], mask=valid[:, None] & (dims[None, :] < D),
@@ -401,7 +409,8 @@ def attention_sums(q: torch.Tensor, k: torch.Tensor, scale: float, lse: torch.Te
     """Pass 2: reductions of p = exp(scale q.k - lse) over the query rows `rows` (default all).
 
     Returns the requested ones, fp32: "column_mass" `[Hq, N]` (sum over rows), "diag_mass" `[Hq, N]`
-    (by offset i - j), "block_mass" `[Hq, M, M]` (`block` x `block` tile sums, M = ceil(N / block)),
+    (by offset i - j), "block_mass" `[Hq, m1 - m0, M]` (`block` x `block` tile sums of the row blocks
+    m0 = r0 // block .. m1 = ceil(r1 / block) that meet `rows`, M = ceil(N / block): `[Hq, M, M]` for all rows),
     "max_map" / "sum_map" `[Hq, R, R]` (max / sum over `cell` x `cell` squares, R = ceil(N / cell)).
     `block` and `cell` must satisfy `pooling_supported`; 0 = not requested. `walk`: "diagonal" (programs
     along tile diagonals, `chunk` tiles each, one skew per program) or "rows" (a program per row block,
@@ -417,9 +426,10 @@ def attention_sums(q: torch.Tensor, k: torch.Tensor, scale: float, lse: torch.Te
     dev = q.device
     empty = torch.empty(1, device=dev)
     TR, MR = (math.ceil(n / block) if block else 1), (math.ceil(n / cell) if cell else 1)
+    TA0, TRA = (r0 // block, math.ceil(r1 / block) - r0 // block) if block else (0, 1)  # the tile rows kept
     out = {"column_mass": torch.zeros(Hq, n, device=dev) if columns else None,
            "diag_mass": torch.zeros(Hq, n, device=dev) if diagonals else None,
-           "block_mass": torch.zeros(Hq, TR, TR, device=dev) if block else None,
+           "block_mass": torch.zeros(Hq, TRA, TR, device=dev) if block else None,
            "max_map": torch.zeros(Hq, MR, MR, device=dev) if max_map else None,
            "sum_map": torch.zeros(Hq, MR, MR, device=dev) if mean_map else None}
     lse2 = (lse.float() * LOG2E).contiguous()
@@ -430,10 +440,11 @@ def attention_sums(q: torch.Tensor, k: torch.Tensor, scale: float, lse: torch.Te
                  MAX_MAP=max_map, MEAN_MAP=mean_map, PREC=prec, num_warps=num_warps, num_stages=num_stages)
     if walk == "diagonal":
         grid = (m_hi + 1, triton.cdiv(m_hi - m_lo + 1, chunk), Hq)
-        _diagonal_walk_kernel[grid](q, k, lse2, *outs, scale * LOG2E, n, g, r0, r1, chunk, TR, MR, *strides, **flags)
+        _diagonal_walk_kernel[grid](q, k, lse2, *outs, scale * LOG2E, n, g, r0, r1, chunk, TR, TA0, TRA, MR, *strides,
+                                    **flags)
     elif walk == "rows":
-        _row_walk_kernel[(m_hi - m_lo + 1, Hq)](q, k, lse2, *outs, scale * LOG2E, n, g, r0, r1, TR, MR, *strides,
-                                                **flags)
+        _row_walk_kernel[(m_hi - m_lo + 1, Hq)](q, k, lse2, *outs, scale * LOG2E, n, g, r0, r1, TR, TA0, TRA, MR,
+                                                *strides, **flags)
     else:
         raise ValueError(f"walk={walk!r}: use 'diagonal' or 'rows'")
     return {name: t for name, t in out.items() if t is not None}
@@ -461,13 +472,18 @@ def layer_stats(q: torch.Tensor, k: torch.Tensor, scale: float, resolution: int 
 
 
 def layer_sums(q: torch.Tensor, k: torch.Tensor, scale: float, block: int = BLOCK,
-               rows: tuple[int, int] | None = None) -> LayerSums:
-    """`attn_stats_ref.layer_sums` in two passes (`block` must satisfy `pooling_supported`)."""
+               rows: tuple[int, int] | None = None, lse: torch.Tensor | None = None) -> LayerSums:
+    """`attn_stats_ref.layer_sums` in two passes (`block` must satisfy `pooling_supported`). `lse` `[Hq, N]`
+    (natural log; at least the rows `rows`, e.g. an earlier call's over all rows) saves pass 1."""
     check_qk(q, k)
     r0, r1 = check_rows(rows, q.shape[1])
-    lse, _ = row_lse(q, k, scale, rows=(r0, r1))
+    if lse is None:
+        lse, _ = row_lse(q, k, scale, rows=(r0, r1))
+    else:  # the segment's rows only, as pass 1 over them gives
+        seg, lse = lse, torch.zeros_like(lse)
+        lse[:, r0:r1] = seg[:, r0:r1]
     sums = attention_sums(q, k, scale, lse, rows=(r0, r1), block=block)
-    return LayerSums(sums["column_mass"], sums["diag_mass"], sums["block_mass"], lse, (r0, r1))
+    return LayerSums(sums["column_mass"], sums["diag_mass"], sums["block_mass"], lse, (r0, r1), block)
 
 
 @torch.no_grad()
@@ -485,11 +501,13 @@ def column_offset_mass(q: torch.Tensor, k: torch.Tensor, scale: float, lse: torc
     row_chunk = max(block_m, row_chunk // block_m * block_m)
     out = []
     for cols, pre in zip(column_sets, prefixes):
-        cols = cols[:, :max(pre)].to(device=q.device, dtype=torch.int32).contiguous()
+        cols = cols[:, :max(pre)].to(q.device)
         V, L = cols.shape[-1], len(pre)
         acc = torch.zeros(Hq, L, n, device=q.device)
         if V and r1 > r0:
-            level = prefix_levels(pre, V, q.device).to(torch.int32)
+            cols, order = torch.where(cols >= 0, cols.long(), n).sort(-1)  # ascending keys, padding last
+            level = prefix_levels(pre, V, q.device)[order].to(torch.int32)  # [Hq, V]: each column's level
+            cols = torch.where(cols < n, cols, -1).to(torch.int32).contiguous()
             grid = (triton.cdiv(V, block_c), triton.cdiv(r1 - r0 // block_m * block_m, row_chunk), Hq)
             _column_offset_kernel[grid](q, k, lse2, cols, level, acc, scale * LOG2E, n, g, V, L, r0, r1, row_chunk,
                                         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cols.stride(0),

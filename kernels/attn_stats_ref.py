@@ -229,8 +229,9 @@ class LayerSums:
     """Exact sums of one layer's dense attention over the query rows `rows` = [r0, r1) (units: rows of
     that segment; divide by r1 - r0 for fractions).
 
-    column_mass `[H, N]`, diag_mass `[H, N]` (by offset i - j), block_mass `[H, M, M]` (64x64 tiles; row
-    blocks outside the segment stay 0), lse `[H, N]`: each row's log-normaliser, so p[i, j] =
+    column_mass `[H, N]`, diag_mass `[H, N]` (by offset i - j), block_mass `[H, m1 - m0, M]`: the
+    `block` x `block` tile masses of the segment's row blocks `block_rows` = (m0, m1) only (all rows:
+    `[H, M, M]`, M = ceil(N / block)), lse `[H, N]`: each row's log-normaliser, so p[i, j] =
     exp(scale q_i.k_j - lse[i]) for j <= i (rows outside the segment hold 0)."""
 
     column_mass: torch.Tensor
@@ -238,40 +239,48 @@ class LayerSums:
     block_mass: torch.Tensor
     lse: torch.Tensor
     rows: tuple[int, int] = (0, 0)
+    block: int = BLOCK
 
     @property
     def n_rows(self) -> int:
         """How many query rows the sums cover (the denominator of a mass fraction)."""
         return self.rows[1] - self.rows[0]
 
+    @property
+    def block_rows(self) -> tuple[int, int]:
+        """(m0, m1): the row blocks `block_mass` holds, those that meet the segment's rows."""
+        return self.rows[0] // self.block, -(-self.rows[1] // self.block)
+
 
 @torch.no_grad()
 def layer_sums(q: torch.Tensor, k: torch.Tensor, scale: float, block: int = BLOCK, chunk: int = 256,
                rows: tuple[int, int] | None = None) -> LayerSums:
     """One pass over the query rows `rows` (default all): the sums the search needs (a lean
-    `layer_stats` plus lse). `rows=(n - 64, n)` gives the answer rows' sums."""
+    `layer_stats` plus lse). `rows=(n - 64, n)` gives the answer rows' sums (O(n) memory: the tile
+    masses of their row blocks only)."""
     hq, n, d = q.shape
     r_start, r_stop = check_rows(rows, n)
     g = hq // k.shape[0]
     m = -(-n // block)
+    m0 = r_start // block
     chunk = max(block, chunk // block * block)
     dev = q.device
     col, diag = torch.zeros(hq, n, device=dev), torch.zeros(hq, n, device=dev)
-    tiles, lse = torch.zeros(hq, m, m, device=dev), torch.zeros(hq, n, device=dev)
+    tiles, lse = torch.zeros(hq, -(-r_stop // block) - m0, m, device=dev), torch.zeros(hq, n, device=dev)
     kq = k.float().repeat_interleave(g, 0)  # [Hq, N, D]
     for r0, r1, p, _ in attention_rows(q, k, scale, chunk=chunk, rows=(r_start, r_stop)):
         col[:, :r1] += p.sum(1)
         diag[:, :r1] += diagonal_sums(p)
         pad_top, pad_c = r0 % block, -r1 % block  # rows r0..r1-1 sit inside whole row blocks once padded
         pad_r = -(r1 - r0 + pad_top) % block
-        b0 = r0 // block
-        tiles[:, b0:-(-r1 // block), :-(-r1 // block)] += torch.nn.functional.pad(p, (0, pad_c, pad_top, pad_r)).reshape(
+        b0, b1 = r0 // block - m0, -(-r1 // block) - m0
+        tiles[:, b0:b1, :-(-r1 // block)] += torch.nn.functional.pad(p, (0, pad_c, pad_top, pad_r)).reshape(
             hq, (r1 - r0 + pad_top + pad_r) // block, block, (r1 + pad_c) // block, block).sum((2, 4))
         # the row maximum has p = 1 / z, so lse = s_max - log p_max (p_max >= 1/n: no underflow)
         p_max, j_max = p.max(-1)
         k_max = kq.gather(1, j_max[..., None].expand(-1, -1, d))
         lse[:, r0:r1] = (q[:, r0:r1].float() * k_max).sum(-1) * scale - p_max.log()
-    return LayerSums(col, diag, tiles, lse, (r_start, r_stop))
+    return LayerSums(col, diag, tiles, lse, (r_start, r_stop), block)
 
 
 def offset_rows(rows: int | tuple[int, int] | None, n: int) -> tuple[int, int]:

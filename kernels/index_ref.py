@@ -119,6 +119,35 @@ def vs_to_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int
     return VSTiles(block_count, block_offset, column_count, column_index, block, width, disjoint=True)
 
 
+def vs_tile_count(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int = BLOCK,
+                  budget: int = 1 << 25) -> torch.Tensor:
+    """Long `[B, H]`: the 64x64 tiles `vs_to_tiles(columns, offsets, n, block)` holds, counted without
+    building them: per row block its pieces plus its remaining columns packed `block` at a time.
+
+    Memory O(n) per head plus `budget` elements: the pieces come from `vs_pieces` / `piece_ranges`;
+    column c stays in row block m iff d = m*block - c > 0 is not covered, and the covered flags of
+    every row block are one strided view of a padded copy (row block m reads it from m*block on), so a
+    chunk of row blocks is a single gather of the columns (no `[M, Kv]` index tensor)."""
+    _check_bh("columns", columns)
+    _check_bh("offsets", offsets)
+    B, H, kv = columns.shape
+    M = -(-n // block)
+    ends, covered = vs_pieces(offsets, n, block)
+    pieces = piece_ranges(ends, n, block, block)[1].long().sum(-1)
+    # flags[x] = covered at d = x - n - block (d <= 0: True), so row block m and column c read
+    # flags[m*block + n + block - c]; invalid columns (= n) read d = m*block - n < 0
+    flags = torch.cat([covered.new_ones(B, H, n + 1), covered], -1)
+    at = (n + block - unique_columns(columns, n)).unsqueeze(2)  # [B, H, 1, Kv]
+    strips = torch.zeros(B, H, dtype=torch.long, device=columns.device)
+    step = max(1, budget // max(1, B * H * kv))
+    for m0 in range(0, M, step):
+        mc = min(M, m0 + step) - m0
+        view = flags.as_strided((B, H, mc, n + block + 1), (*flags.stride()[:2], block, 1), flags.storage_offset() + m0 * block)
+        kept = (~view.gather(-1, at.expand(B, H, mc, kv))).sum(-1)
+        strips += (-(-kept // block)).sum(-1)
+    return pieces + strips
+
+
 def piece_ranges(ends: torch.Tensor, n: int, block: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Which of a head's pieces each row block uses: (hi, count) Int32 `[B, H, M]`; row block m uses
     ends[hi - count : hi] (start m*block - end > -width, and < n)."""

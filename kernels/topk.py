@@ -42,10 +42,12 @@ def top_positions(score: torch.Tensor, forced: int, size: int, per_head: torch.T
     return idx if ranked else ascending(idx, n)
 
 
-def top_blocks(score: torch.Tensor, topk: int, per_head: torch.Tensor | None = None) -> torch.Tensor:
+def top_blocks(score: torch.Tensor, topk: int, per_head: torch.Tensor | None = None,
+               ranked: bool = False) -> torch.Tensor:
     """Block table from block scores `[..., H, M, M]`: per query block the diagonal plus the best
     causal key blocks, `topk` in all (`per_head` Long `[H]`: each head's own, at least 1)
-    -> Int `[..., H, M, topk]` ascending, -1 padded."""
+    -> Int `[..., H, M, topk]` ascending, -1 padded. `ranked=True` keeps preference order instead
+    (diagonal first, -1 last): the first t entries are then the table of budget t."""
     m = score.shape[-1]
     causal = torch.ones(m, m, dtype=torch.bool, device=score.device).tril()
     score = score.float().masked_fill(~causal, float("-inf"))
@@ -56,7 +58,7 @@ def top_blocks(score: torch.Tensor, topk: int, per_head: torch.Tensor | None = N
     if per_head is not None:
         keep = torch.arange(kk, device=score.device) < per_head.to(score.device)[:, None, None].clamp(min=1)
         idx = torch.where(keep, idx, -1)
-    idx = ascending(idx, m)
+    idx = idx if ranked else ascending(idx, m)
     if kk < topk:
         idx = torch.nn.functional.pad(idx, (0, topk - kk), value=-1)
     return idx.to(torch.int32)

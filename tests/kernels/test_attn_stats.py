@@ -76,9 +76,26 @@ def test_layer_sums_kernel_equals_reference_on_row_segments(rows):
     q, k = qk(6, 2, 200, 64, seed=1)
     got = attn_stats.layer_sums(q, k, 0.15, rows=rows)
     want = ref.layer_sums(q, k, 0.15, rows=rows)
-    assert got.rows == want.rows and got.n_rows == want.n_rows
+    assert got.rows == want.rows and got.n_rows == want.n_rows and got.block_rows == want.block_rows
+    again = attn_stats.layer_sums(q, k, 0.15, rows=rows, lse=attn_stats.row_lse(q, k, 0.15)[0])  # pass 1 of all rows
     for name in ("column_mass", "diag_mass", "block_mass", "lse"):
         close(getattr(got, name), getattr(want, name))
+        close(getattr(again, name), getattr(want, name))
+
+
+@pytest.mark.parametrize("block", [16, 128])
+def test_segment_tile_masses_hold_the_segments_row_blocks_in_both_walks(block):
+    """A segment's tile masses are `[H, m1 - m0, M]` for cells that divide a tile (stores) and span tiles
+    (atomics), in both walks of pass 2."""
+    q, k = qk(3, 1, 330, 32, seed=block)
+    rows = (141, 330)
+    want = ref.layer_sums(q, k, 0.2, block=block, rows=rows)
+    lse = attn_stats.row_lse(q, k, 0.2, rows=rows)[0]
+    assert want.block_mass.shape == (3, 330 // block + 1 - 141 // block, -(-330 // block))
+    for walk in ("diagonal", "rows"):
+        got = attn_stats.attention_sums(q, k, 0.2, lse, rows=rows, block=block, walk=walk, chunk=2)
+        close(got["block_mass"], want.block_mass)
+        close(got["column_mass"], want.column_mass)
 
 
 def test_row_lse_and_entropy_equal_an_explicit_softmax():
@@ -162,6 +179,23 @@ def test_captured_mass_kernel_equals_reference_and_counts_the_logical_edges(n, h
         assert (count.sum(1).cpu() > index.edges(n)).any()
 
 
+def test_search_scores_on_the_kernels_equal_the_reference():
+    """`layer_scores` on the kernel path (all-row sums; the answer rows, column-offset masses and the
+    method candidates' captured masses from the same pass 1) equals the reference's, every default and
+    method candidate, n not a multiple of 64, GQA 3:1."""
+    from workbench.search.search import default_candidates, layer_scores, method_candidates
+
+    n = 200
+    q, k = qk(6, 2, n, 32, seed=7)
+    cands = default_candidates(n) + method_candidates(n)
+    with stats.backend("torch"):
+        want = layer_scores(q, k, 0.2, cands)
+    with stats.backend("triton"):
+        got = layer_scores(q, k, 0.2, cands)
+    for name in ("mass", "tail", "oracle", "tiles", "edges"):
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
 def test_workbench_functions_dispatch_to_the_kernels_with_equal_results():
     """backend("triton") runs the kernels on these CPU tensors (interpreter), backend("torch") the reference;
     a cell the kernel does not pool at (19) and an index whose tiles overcover (VS) fall back."""
@@ -216,7 +250,7 @@ def test_gpu_bf16_statistics_equal_the_reference(n, hq, hkv, d):
 
 POINTERS = {"Q": "*bf16", "K": "*bf16", "COLS": "*i32", "LEVEL": "*i32", "COUNT": "*i32", "BlockCount": "*i32",
             "BlockOffset": "*i32", "ColumnCount": "*i32", "ColumnIndex": "*i32", "KEYS": "*i8", "OFFS": "*i8", "FIRST": "*i32"}
-INTS = {"N", "G", "ROW0", "ROW1", "CHUNK_T", "TR", "MR", "V", "L", "RCHUNK", "M", "NS", "NC"}
+INTS = {"N", "G", "ROW0", "ROW1", "CHUNK_T", "TR", "TA0", "TRA", "MR", "V", "L", "RCHUNK", "M", "NS", "NC"}
 
 
 def compile_for_hopper() -> None:

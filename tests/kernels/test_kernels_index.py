@@ -10,7 +10,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from workbench_kernels.index_build import vs_index, vs_scores, vs_tiles  # noqa: E402
-from workbench_kernels.index_ref import block_sparse_to_tiles, selected_block_tiles, tiles_to_mask, vs_to_tiles  # noqa: E402
+from workbench_kernels.index_ref import (  # noqa: E402
+    block_sparse_to_tiles,
+    selected_block_tiles,
+    tiles_to_mask,
+    vs_tile_count,
+    vs_to_tiles,
+)
 
 from workbench.patterns.proxy import vs_proxy  # noqa: E402
 
@@ -78,6 +84,27 @@ def test_vs_tiles_kernel_equals_reference_conversion(n, block, width):
     live = torch.arange(ns) < ref.block_count.unsqueeze(-1)
     assert torch.equal(torch.where(live, fast.block_offset.cpu()[..., :ns], -1), ref.block_offset)
     assert torch.equal(tiles_to_mask(fast, n).cpu(), tiles_to_mask(ref, n))
+
+
+def tile_count_of(tiles) -> torch.Tensor:
+    """Tiles a VS kernel computes from its full `VSTiles`: pieces plus columns packed `block` at a time."""
+    return tiles.block_count.long().sum(-1) + (-(-tiles.column_count.long() // tiles.block)).sum(-1)
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 200, 333, 1000, 1500])
+def test_vs_tile_count_equals_the_built_tiles(n):
+    """The count-only tile count (no [M, Kv] tensor) equals the tiles `vs_to_tiles` builds: random columns
+    (padding, duplicates, >= n), clustered and scattered offsets with gaps around the row block, in row-block
+    chunks of any size."""
+    g = torch.Generator().manual_seed(n)
+    for _ in range(3):
+        kv, ks = (int(x) for x in torch.randint(1, 80, (2,), generator=g))
+        cols = torch.randint(-1, n + 5, (2, 3, kv), generator=g)
+        clustered = torch.randint(0, 140, (2, 3, ks), generator=g).cumsum(-1)
+        offs = torch.where(torch.rand(2, 3, ks, generator=g) < 0.5, clustered, torch.randint(-1, n + 9, (2, 3, ks), generator=g))
+        want = tile_count_of(vs_to_tiles(cols, offs, n))
+        for budget in (1 << 25, 7, 1):
+            assert torch.equal(vs_tile_count(cols, offs, n, budget=budget), want)
 
 
 @pytest.mark.parametrize("block,width", [(64, 0), (128, 64), (128, 0)])

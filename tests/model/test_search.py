@@ -177,6 +177,46 @@ def test_scores_on_the_gpu_equal_the_cpu():
         torch.testing.assert_close(gpu[name], cpu[name], atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
+def test_scores_in_head_groups_equal_all_heads_at_once(monkeypatch):
+    """Long prompts score heads in GQA-aligned groups (the VS proxy's last-row scores, the block proxy's
+    [M, M] scores): groups of one head give the same scores as all heads at once."""
+    from workbench.patterns import proxy
+
+    assert proxy.head_groups(8, 2, 10, budget=25) == [(slice(0, 2), slice(0, 1)), (slice(2, 4), slice(0, 1)),
+                                                      (slice(4, 6), slice(1, 2)), (slice(6, 8), slice(1, 2))]
+    assert proxy.head_groups(12, 4, 10, budget=70) == [(slice(0, 6), slice(0, 2)), (slice(6, 12), slice(2, 4))]
+    assert proxy.head_groups(8, 2, 10, budget=100) == [(slice(0, 8), slice(0, 2))]
+    q, k = structured_qk(300)
+    cands = list(dict.fromkeys(default_candidates(300) + CANDS + OVERSIZED))
+    whole = layer_scores(q, k, 0.3, cands)
+    monkeypatch.setattr(proxy, "GROUP_ELEMENTS", 1)
+    assert len(proxy.head_groups(6, 2, 300 * 64)) == 6
+    apart = layer_scores(q, k, 0.3, cands)
+    for name in ("mass", "tail", "oracle", "tiles", "edges"):
+        torch.testing.assert_close(apart[name], whole[name], atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+def test_scoring_memory_is_linear_in_the_length():
+    """layer_scores' peak CUDA memory beyond q/k (Llama-3-8B attention: 32 q / 8 KV heads, d 128, bf16) grows
+    about linearly from 32K to 64K tokens and stays under 1 GB at 64K (quadratic tile lists took 16 GB)."""
+    peaks = {}
+    for n in (32768, 65536):
+        g = torch.Generator(device="cuda").manual_seed(n)
+        q, k = (torch.randn(h, n, 128, generator=g, device="cuda").to(torch.bfloat16) for h in (32, 8))
+        cands = default_candidates(n)
+        layer_scores(q, k, 128 ** -0.5, cands)  # compile and warm up
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        layer_scores(q, k, 128 ** -0.5, cands)
+        torch.cuda.synchronize()
+        peaks[n] = (torch.cuda.max_memory_allocated() - base) / 1e9
+        del q, k
+    assert peaks[65536] < 1.0, peaks
+    assert peaks[65536] < 2.3 * peaks[32768], peaks
+
+
 def test_layer_sums_match_stats():
     from workbench.analysis.stats import layer_stats
 
@@ -187,6 +227,22 @@ def test_layer_sums_match_stats():
     g = q.shape[0] // k.shape[0]
     s = (q[4, 150] @ k[4 // g, :151].T) * 0.3
     assert ours.lse[4, 150].item() == pytest.approx(torch.logsumexp(s, 0).item(), abs=1e-5)
+
+
+@pytest.mark.model
+def test_vs_tile_count_equals_the_built_tiles_of_real_proxies(capture_256):
+    """The count-only tile count equals the tiles of `vs_to_tiles` on the proxy indexes of real heads."""
+    from workbench_kernels.index_ref import vs_tile_count, vs_to_tiles
+
+    n = capture_256.n
+    for layer in (0, 15):
+        q, k, _ = capture_256.layer_qkv(layer)
+        for vertical, slash in ((30, 50), (64, 100), (8, 200)):
+            cols, offs = (x[None] for x in vs_proxy(q, k, capture_256.scale, vertical, slash))
+            t = vs_to_tiles(cols, offs, n)
+            want = t.block_count.long().sum(-1) + (-(-t.column_count.long() // 64)).sum(-1)
+            assert torch.equal(vs_tile_count(cols, offs, n), want)
+            assert torch.equal(vs_tile_count(cols, offs, n, budget=3), want)
 
 
 @pytest.mark.model

@@ -96,16 +96,18 @@ def index_iou(a: torch.Tensor, b: torch.Tensor, n: int) -> torch.Tensor:
 
 @torch.no_grad()
 def layer_sums(q: torch.Tensor, k: torch.Tensor, scale: float, block: int = BLOCK, chunk: int = 256,
-               rows: tuple[int, int] | None = None) -> LayerSums:
+               rows: tuple[int, int] | None = None, lse: torch.Tensor | None = None) -> LayerSums:
     """One exact pass over the query rows `rows` (default all): the sums the search needs (a lean
     `workbench.analysis.stats.layer_stats` plus lse) -> `LayerSums`. `rows=(n - 64, n)` gives the answer
-    rows' sums. Triton on CUDA tensors (two passes over q.k), the reference (`chunk` rows at a time)
-    otherwise; see `workbench.analysis.stats.backend`."""
+    rows' sums (their tile masses: `[Hq, m1 - m0, M]`, `LayerSums.block_rows`). Triton on CUDA tensors
+    (two passes over q.k; `lse` `[Hq, N]` of those rows, e.g. of an earlier call over all rows, saves
+    the first), the reference (`chunk` rows at a time, lse from the same pass) otherwise; see
+    `workbench.analysis.stats.backend`."""
     if use_triton(q):
         from workbench_kernels import attn_stats
 
         if attn_stats.pooling_supported(block):
-            return attn_stats.layer_sums(q, k, scale, block, rows)
+            return attn_stats.layer_sums(q, k, scale, block, rows, lse)
     return ref.layer_sums(q, k, scale, block, chunk, rows)
 
 
@@ -135,7 +137,8 @@ class LayerReductions:
 
     q `[Hq, N, D]`, k `[Hkv, N, D]`; `proxy`: the online proxy settings (config `proxy`, complete). `sums`:
     `layer_sums` of all rows (pass one already computed to reuse it); `tail`: of the answer rows
-    `tail_rows` (the last `TAIL_ROWS`), O(n) sums like the others."""
+    `tail_rows` (the last `TAIL_ROWS`), O(n) sums like the others, from the row log-normalisers of
+    `sums` (one pass 1 per layer serves the sums, the answer rows and every `offset_mass`)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -161,7 +164,7 @@ class LayerReductions:
     @property
     def tail(self) -> LayerSums:
         if self.answer_rows is None:
-            self.answer_rows = layer_sums(self.q, self.k, self.scale, rows=self.tail_rows)
+            self.answer_rows = layer_sums(self.q, self.k, self.scale, rows=self.tail_rows, lse=self.sums.lse)
         return self.answer_rows
 
     def offset_mass(self, column_sets: list[torch.Tensor], prefixes: list[list[int]] | None = None,
@@ -170,5 +173,7 @@ class LayerReductions:
         return column_offset_mass(self.q, self.k, self.scale, self.sums.lse, column_sets, prefixes, rows)
 
     def captured(self, pattern: Pattern) -> torch.Tensor:
-        """`[Hq, N]`: `captured_mass` of `pattern` per query row."""
-        return captured_mass(self.q, self.k, self.scale, pattern)
+        """`[Hq, N]`: `captured_mass` of `pattern` per query row (from the row log-normalisers of `sums`
+        when those are already computed)."""
+        lse = None if self.all_rows is None else self.all_rows.lse
+        return captured_mass(self.q, self.k, self.scale, pattern, lse=lse)

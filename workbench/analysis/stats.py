@@ -89,12 +89,13 @@ def kernel_rule(index: RowMasked, n: int) -> TokenRule | None:
 
 
 def captured_mass(q: torch.Tensor, k: torch.Tensor, scale: float, index: RowMasked,
-                  chunk: int = 256) -> torch.Tensor:
+                  chunk: int = 256, lse: torch.Tensor | None = None) -> torch.Tensor:
     """Exact dense probability mass that `index` keeps, per query row: `[Hq, N]` in [0, 1].
 
     The kernel path counts the tokens it kept per head; when that is not the index's logical edge
     count (`edges(n)`: its tiles cover more than its mask, as Vertical-Slash pieces do) and the index
-    has no `token_sets`, the reference recomputes the mass from `row_mask`."""
+    has no `token_sets`, the reference recomputes the mass from `row_mask`. `lse` `[Hq, N]` (the rows'
+    log-normalisers, e.g. `LayerSums.lse`) saves the kernel path its first pass."""
     ref.check_qk(q, k)
     n = q.shape[1]
     if use_triton(q):
@@ -102,7 +103,7 @@ def captured_mass(q: torch.Tensor, k: torch.Tensor, scale: float, index: RowMask
         if rule is not None:
             from workbench_kernels import attn_stats
 
-            mass, count = attn_stats.captured_mass(q, k, scale, rule)
+            mass, count = attn_stats.captured_mass(q, k, scale, rule, lse)
             if hasattr(index, "token_sets") or torch.equal(count.sum(1, dtype=torch.int64).cpu(),
                                                            index.edges(n).cpu().long()):
                 return mass

@@ -14,6 +14,7 @@ from workbench_kernels import BLOCK, masks
 from workbench_kernels.index_ref import VSTiles, block_sparse_to_tiles
 
 from workbench.patterns.base import (
+    EVIDENCE,
     MaskMod,
     PatternBase,
     Reductions,
@@ -28,9 +29,8 @@ from workbench.patterns.base import (
     register_pattern,
     runs,
     search_budgets,
-    stack_scores,
 )
-from workbench.patterns.proxy import block_proxy, top_blocks
+from workbench.patterns.proxy import block_proxy, head_groups
 from workbench.patterns.vertical_slash import membership
 
 
@@ -65,17 +65,23 @@ class BlockSparse(PatternBase):
 
     @classmethod
     def evidence(cls, params: Sequence[dict[str, int]], sums: Reductions) -> Scores:
-        """Closed form from the exact 64x64 tile masses (`block_mass_of`): the `block_proxy` table this
-        prompt gets, over all rows and the answer rows; its oracle is the exact best table of the same
-        budget (`block_oracle`)."""
-        n, parts = sums.n, []
-        for p in params:
-            index = cls(block_proxy(sums.q, sums.k, p["topk"]))
-            parts.append({"mass": block_mass_of(sums.sums, index.block_index),
-                          "tail": block_mass_of(sums.tail, index.block_index),
-                          "oracle": block_mass_of(sums.sums, block_oracle(sums.sums.block_mass, p["topk"])),
-                          "tiles": index.tiles(n), "edges": index.edges(n)})
-        return stack_scores(parts)
+        """Closed form from the exact 64x64 tile masses: the `block_proxy` table this prompt gets, ranked
+        once at the largest budget so that each candidate's table is a prefix (`ranked_table_sums`: its
+        mass over all rows and the answer rows, tiles and edges); its oracle is the exact best table of
+        the same budget (`block_oracle`). Heads go in groups (`head_groups`), so beside the sums the
+        memory is one group's `[M, M]` block scores and `[M, topk]` tables."""
+        st, tail = sums.sums, sums.tail
+        hq, m = sums.q.shape[0], st.block_mass.shape[-1]
+        width = min(max(p["topk"] for p in params), m)
+        parts = []
+        for hs, ks in head_groups(hq, sums.k.shape[0], m * max(m, 4 * width)):
+            table = block_proxy(sums.q[hs], sums.k[ks], width, ranked=True)
+            parts.append({**ranked_table_sums(table, st.block_mass[hs], tail.block_mass[hs], tail.block_rows, sums.n),
+                          "oracle": block_oracle(st.block_mass[hs], width)})
+        prefix = {name: torch.cat([part[name] for part in parts]) for name in parts[0]}  # [Hq, width] each
+        at = torch.tensor([min(p["topk"], m) - 1 for p in params], device=prefix["mass"].device)
+        rows = {"mass": st.n_rows, "tail": tail.n_rows, "oracle": st.n_rows, "tiles": 1, "edges": 1}
+        return {name: (prefix[name][:, at] / rows[name]).double().cpu() for name in EVIDENCE}
 
     def n_blocks(self, n: int) -> int:
         m = -(-n // self.block)
@@ -156,16 +162,35 @@ class BlockSparse(PatternBase):
         return f"BlockSparse(block_index {tuple(self.block_index.shape)}, block={self.block})"
 
 
-def block_oracle(block_mass: torch.Tensor, topk: int) -> torch.Tensor:
-    """Best block table of the same budget: per query block the diagonal plus the key blocks with the
-    most exact mass (`block_mass` `[H, M, M]`) -> Int `[H, M, topk]`. Exactly optimal for the budget."""
-    return top_blocks(block_mass, topk)
+def block_oracle(block_mass: torch.Tensor, width: int) -> torch.Tensor:
+    """Mass of the best block tables of budgets 1..width: Float64 `[H, width]`, entry t - 1 = the
+    diagonal plus the t - 1 heaviest causal tiles of every query block, summed (units of rows; exactly
+    optimal for budget t). block_mass `[H, M, M]` (all rows)."""
+    m = block_mass.shape[-1]
+    diagonal = block_mass.diagonal(dim1=-2, dim2=-1).double().sum(-1, keepdim=True)
+    if width == 1:
+        return diagonal
+    below = torch.ones(m, m, dtype=torch.bool, device=block_mass.device).tril(-1)
+    heavy = block_mass.masked_fill(~below, -1.0).topk(width - 1, dim=-1).values.clamp_(min=0)  # masses >= 0
+    return torch.cat([diagonal, diagonal + heavy.sum(-2, dtype=torch.float64).cumsum(-1)], -1)
 
 
-def block_mass_of(sums: Any, block_index: torch.Tensor) -> torch.Tensor:
-    """Captured fraction `[H]` of a block table over the rows of `sums` (`LayerSums`: exact 64x64 tile
-    masses `[H, M, M]` in units of rows)."""
-    m = sums.block_mass.shape[-1]
-    s = membership(block_index.long(), m)
-    s |= torch.eye(m, dtype=torch.bool, device=s.device)
-    return ((sums.block_mass * s).sum((1, 2)) / sums.n_rows).double()
+def ranked_table_sums(table: torch.Tensor, block_mass: torch.Tensor, tail_mass: torch.Tensor,
+                      tail_blocks: tuple[int, int], n: int) -> dict[str, torch.Tensor]:
+    """What the tables of budgets 1..width keep, from one ranked table (`block_proxy(..., ranked=True)`,
+    Int `[H, M, width]`: key-block ids in preference order, diagonal first, -1 last): Float64 `[H, width]`
+    each, entry t - 1 for the table of its first t ids: "mass" (units of rows) over all rows
+    (`block_mass` `[H, M, M]`) and "tail" over the answer rows (`tail_mass` `[H, m1 - m0, M]` of the row
+    blocks `tail_blocks` = (m0, m1)), "tiles" and "edges" (causal pairs)."""
+    m = table.shape[1]
+    live = table >= 0
+    ids = table.long().clamp(min=0)
+    m0, m1 = tail_blocks
+    size = torch.clamp(n - torch.arange(m, device=ids.device) * BLOCK, max=BLOCK)  # rows (= keys) per block
+    own = torch.arange(m, device=ids.device)[:, None]
+    area = torch.where(ids == own, (size * (size + 1) // 2)[:, None], size[:, None] * size[ids])  # the diagonal: a triangle
+    kept = {"mass": block_mass.gather(-1, ids), "tail": tail_mass.gather(-1, ids[:, m0:m1]), "tiles": live,
+            "edges": area}
+    live_of = {"tail": live[:, m0:m1]}
+    return {name: torch.where(live_of.get(name, live), x, 0).sum(1, dtype=torch.float64).cumsum(-1)
+            for name, x in kept.items()}

@@ -1,9 +1,9 @@
 """Online proxy indexes: pick each head's VS or block-sparse index from cheap statistics of the prompt.
 
-Both builders take all heads of a layer at once (no loop over heads), on any device:
-q `[..., Hq, N, D]`, k `[..., Hkv, N, D]` (query head h reads KV head h // (Hq // Hkv)); a leading
-batch dim is optional. They are the reference the Triton index builder in `workbench_kernels` is tested
-against.
+Both builders take all heads of a layer at once, on any device: q `[..., Hq, N, D]`, k `[..., Hkv, N, D]`
+(query head h reads KV head h // (Hq // Hkv)); a leading batch dim is optional. Long prompts go through
+the heads in groups (`head_groups`) so their `[heads, rows, N]` scores stay under a fixed size. They are
+the reference the Triton index builder in `workbench_kernels` is tested against.
 """
 from __future__ import annotations
 
@@ -15,6 +15,23 @@ from workbench.patterns.base import BLOCK
 
 AGGREGATES = ("sum", "max", "logits")
 DIAG_NORMS = ("sum", "mean", "prior")
+GROUP_ELEMENTS = 1 << 24  # scores per head group (64 MB of fp32): `head_groups`' default budget
+
+
+def head_groups(hq: int, hkv: int, per_head: int, budget: int | None = None) -> list[tuple[slice, slice]]:
+    """Groups of query heads whose `per_head` elements each add up to at most `budget` (default
+    `GROUP_ELEMENTS`; one head at least), with their KV heads: (query heads, KV heads) slices, every group
+    GQA-aligned (whole KV groups while they fit, else equal parts of one). Small inputs are one group."""
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"q has {hq} heads and k {hkv}: the query heads must be a multiple of the KV heads")
+    budget = budget or GROUP_ELEMENTS
+    g = hq // hkv
+    if per_head * g <= budget:
+        size = g * max(1, min(hkv, budget // (per_head * g)))
+    else:
+        size = max(d for d in range(1, g + 1) if g % d == 0 and (d == 1 or d * per_head <= budget))
+    return [(slice(h0, min(h0 + size, hq)), slice(h0 // g, (min(h0 + size, hq) - 1) // g + 1))
+            for h0 in range(0, hq, size)]
 
 
 def _grouped_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -54,7 +71,20 @@ def vs_proxy(q: torch.Tensor, k: torch.Tensor, scale: float, vertical: int | tor
     v_max, v_head = _budget(vertical, hq, "vertical")
     s_max, s_head = _budget(slash, hq, "slash")
     r = min(last_rows, n)
-    s = _grouped_scores(q[..., n - r:, :].float(), k.float()) * scale  # [..., Hq, r, n]
+    batch = q[..., 0, 0, 0].numel()  # prompts in the leading dims
+    parts = [_vs_scores(q[..., hs, n - r:, :], k[..., ks, :, :], scale, aggregate, diag_norm, prior)
+             for hs, ks in head_groups(hq, k.shape[-3], batch * r * n)]
+    col, diag = (torch.cat(x, -2) for x in zip(*parts))
+    columns = top_positions(col, sink, v_max, v_head, ranked)
+    offsets = top_positions(diag, max(local, 1), s_max, s_head, ranked)
+    return columns, offsets
+
+
+def _vs_scores(q: torch.Tensor, k: torch.Tensor, scale: float, aggregate: str, diag_norm: str,
+               prior: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`vs_proxy`'s column and diagonal scores `[..., Hq, N]` from its last r query rows q `[..., Hq, r, D]`."""
+    r, n = q.shape[-2], k.shape[-2]
+    s = _grouped_scores(q.float(), k.float()) * scale  # [..., Hq, r, n]
     i = torch.arange(n - r, n, device=q.device)[:, None]
     j = torch.arange(n, device=q.device)[None, :]
     causal = j <= i  # [r, n]
@@ -79,26 +109,26 @@ def vs_proxy(q: torch.Tensor, k: torch.Tensor, scale: float, vertical: int | tor
         elif diag_norm == "prior":
             mean = diag.sum(-1, keepdim=True) / count.sum()
             diag = (diag + prior * mean) / (count + prior)
-    columns = top_positions(col, sink, v_max, v_head, ranked)
-    offsets = top_positions(diag, max(local, 1), s_max, s_head, ranked)
-    return columns, offsets
+    return col, diag
 
 
 @torch.no_grad()
-def block_proxy(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+def block_proxy(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor, block: int = BLOCK,
+                ranked: bool = False) -> torch.Tensor:
     """Block-sparse index from 64-token mean-pooled q and k -> Int `[..., Hq, M, topk]`.
 
     Pooled scores q~.k~ (no softmax), block-causal; the diagonal block is always kept; rows with fewer
-    causal blocks than `topk` are -1 padded. Key-block ids ascending. `topk`: int or Long `[Hq]`.
+    causal blocks than `topk` are -1 padded. Key-block ids ascending (`ranked=True`: in preference order,
+    diagonal first, so the first t ids are the table of budget t). `topk`: int or Long `[Hq]`.
     """
     hq, n = q.shape[-3], q.shape[-2]
     k_max, k_head = _budget(topk, hq, "topk")
-    m = -(-n // block)
-    pad = m * block - n
-    size = torch.clamp(n - torch.arange(m, device=q.device) * block, max=block).to(torch.float32)
+    full = n // block
 
-    def pool(x: torch.Tensor) -> torch.Tensor:
-        x = torch.nn.functional.pad(x.float(), (0, 0, 0, pad))
-        return x.reshape(*x.shape[:-2], m, block, x.shape[-1]).sum(-2) / size[:, None]
+    def pool(x: torch.Tensor) -> torch.Tensor:  # block means, summed in fp32 (no fp32 copy of x)
+        parts = [x[..., :full * block, :].unflatten(-2, (full, block)).sum(-2, dtype=torch.float32) / block]
+        if n % block:  # a last partial block averages its own tokens
+            parts.append(x[..., full * block:, :].sum(-2, keepdim=True, dtype=torch.float32) / (n % block))
+        return torch.cat(parts, -2)
 
-    return top_blocks(_grouped_scores(pool(q), pool(k)), k_max, k_head)
+    return top_blocks(_grouped_scores(pool(q), pool(k)), k_max, k_head, ranked)

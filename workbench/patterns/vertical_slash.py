@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from workbench_kernels import BLOCK, masks
-from workbench_kernels.index_ref import VSTiles, vs_to_tiles
+from workbench_kernels.index_ref import VSTiles, vs_tile_count, vs_to_tiles
 
 from workbench.patterns.base import (
     MaskMod,
@@ -94,18 +94,15 @@ class VerticalSlash(PatternBase):
         best_all = top_positions(st.column_mass, 0, levels[-1], None, ranked=True)
         proxy_ov, best_ov = sums.offset_mass([cols_all, best_all], prefixes=[levels, levels])
         tail_ov = sums.offset_mass([cols_all], prefixes=[levels], rows=sums.tail_rows)[0]
-        pad = lambda t, width: torch.nn.functional.pad(t, (0, width - t.shape[-1]), value=-1)  # noqa: E731
-        tiles = vs_tile_count(torch.stack([pad(cols_all[:, :v], max(levels[-1], 1)) for v, _ in sizes]),
-                              torch.stack([pad(offs_all[:, :s], offs_all.shape[-1]) for _, s in sizes]), n)
         parts = []
-        for (v, s), t in zip(sizes, tiles):
+        for v, s in sizes:
             li = levels.index(v)
             cols, offs, best = cols_all[:, :v], offs_all[:, :s], best_all[:, :v]
             mass = vs_mass(st, proxy_ov[li], cols, offs)
             oracle = torch.maximum(mass, vs_mass(st, proxy_ov[li], cols, best_offsets(st.diag_mass, proxy_ov[li], s)))
             oracle = torch.maximum(oracle, vs_mass(st, best_ov[li], best, best_offsets(st.diag_mass, best_ov[li], s)))
             parts.append({"mass": mass, "tail": vs_mass(sums.tail, tail_ov[li], cols, offs), "oracle": oracle,
-                          "tiles": t, "edges": cls(cols, offs).edges(n)})
+                          "tiles": vs_tile_count(cols[None], offs[None], n)[0], "edges": cls(cols, offs).edges(n)})
         return stack_scores(parts)
 
     def column_set(self, n: int) -> torch.Tensor:
@@ -187,13 +184,6 @@ def _budget_on(params, key: str, device: torch.device) -> tuple[int, torch.Tenso
     sizes = [int(p[key]) for p in params]
     top = max(sizes)
     return top, None if all(s == top for s in sizes) else per_head_on(params, key, device)
-
-
-def vs_tile_count(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int = BLOCK) -> torch.Tensor:
-    """Long `[B, H]`: 64x64 tiles the VS kernel computes: per row block, its 64-wide slash pieces plus
-    its remaining columns packed 64 at a time. columns `[B, H, Kv]`, offsets `[B, H, Ks]`."""
-    t = vs_to_tiles(columns, offsets, n, block=block)
-    return t.block_count.long().sum(-1) + (-(-t.column_count.long() // block)).sum(-1)
 
 
 def _sizes(budget: int) -> dict[str, int]:
