@@ -414,3 +414,23 @@ def test_compare_modes_on_the_gpu_graphs_lossless_with_the_embedded_model():
     fc = out.runs["sparse-offload-forecast"]
     assert fc.hidden_fraction is not None and fc.copy_gbps is not None
     assert {s["stream"] for s in fc.timeline} == {"compute", "copy"}
+
+
+def test_a_budget_beyond_the_sequence_blocks_is_refused_naming_topk():
+    """A top-k of 100000 used to size every block buffer by 100003 blocks per head (gigabytes per layer): the
+    decode looked hung. It is refused before anything is prefilled or allocated, with the largest useful top-k."""
+    from workbench.decode.compare import compare_modes
+
+    model = _tiny_llama("cpu")
+    prompt = torch.arange(200) % 256
+    with pytest.raises(ValueError, match=r"topk=100000 .* topk can be at most 1 \(init \+ local \+ topk <= 4\)"):
+        compare_modes(model, prompt, new_tokens=4, budget=Budget(init=1, local=2, topk=100000), progress=False)
+    with pytest.raises(ValueError, match="topk can be at most 5"):
+        DecodeEngine(model, EngineConfig(mode="sparse-offload-sync", budget=Budget(init=1, local=2, topk=6)),
+                     batch=1, max_tokens=512)
+    with pytest.raises(ValueError, match="lower budget local"):
+        DecodeEngine(model, EngineConfig(mode="sparse-resident", budget=Budget(init=1, local=9, topk=0)),
+                     batch=1, max_tokens=512)
+    out = compare_modes(model, prompt, modes=["dense-resident", "sparse-resident"], new_tokens=2,
+                        budget=Budget(init=1, local=2, topk=1), progress=False, trace=False)
+    assert out.runs["sparse-resident"].tokens.shape == (1, 2)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from workbench.decode.engine.decoder import MODES, OFFLOAD, DecodeEngine, EngineConfig
+from workbench.decode.engine.decoder import MODES, OFFLOAD, DecodeEngine, EngineConfig, check_budget
 from workbench.decode.engine.llama import LlamaLayers
 from workbench.decode.engine.reuse import ReuseMeter
 from workbench.decode.timeline import trace_step
@@ -150,7 +150,8 @@ def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch
     decodes dense-resident and sparse-resident (same-layer, forecast) teacher-forced on dense's tokens, eagerly,
     and fills `Comparison.quality` (top-1 agreement, KL dense -> sparse, free-running agreement).
     `progress`: True draws a tqdm bar, a callable gets (what, done, total) after each decoded step, False is
-    silent. Raises ValueError naming a bad mode or size before decoding.
+    silent. Raises ValueError naming a bad mode, size or budget (e.g. a top-k beyond the blocks a sequence has)
+    before decoding.
     """
     specs = [s.strip() for s in modes]
     if not specs:
@@ -175,6 +176,8 @@ def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch
     if max_tokens > lm.max_positions:
         raise ValueError(f"prompt + new_tokens = {max_tokens} tokens exceed the model's {lm.max_positions} "
                          "positions: use a shorter prompt or fewer new tokens")
+    if any(mode != "dense-resident" for mode, _ in parsed) or quality:
+        check_budget(budget, max_tokens)
     close = None
     if progress is True:
         progress, close = _tqdm_progress()

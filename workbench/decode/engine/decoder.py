@@ -131,6 +131,22 @@ def kv_bytes(config: EngineConfig, *, layers: int, kv_heads: int, head_dim: int,
     return gpu, host
 
 
+def check_budget(budget: Budget, max_tokens: int) -> None:
+    """Refuse a budget that selects more blocks than sequences of `max_tokens` tokens have: every block
+    buffer of the engine is sized by K = init + local + topk, so a huge top-k would allocate (and attend)
+    K blocks per head per layer for nothing. Raises ValueError naming the field and its largest useful value."""
+    n_blocks = math.ceil(max_tokens / BLOCK)
+    if budget.init + budget.local > n_blocks:
+        raise ValueError(f"budget init + local = {budget.init + budget.local} blocks, but sequences of up to "
+                         f"{max_tokens} tokens have {n_blocks} blocks of {BLOCK}: lower budget local to at most "
+                         f"{max(1, n_blocks - budget.init)}")
+    if budget.total > n_blocks:
+        raise ValueError(f"budget topk={budget.topk} selects more blocks than exist: sequences of up to {max_tokens} "
+                         f"tokens have {n_blocks} blocks of {BLOCK}, so topk can be at most "
+                         f"{n_blocks - budget.init - budget.local} (init + local + topk <= {n_blocks}); "
+                         "selecting every block is dense attention (dense-resident)")
+
+
 def _release(store: BlockStore | None) -> None:
     """Finaliser of an engine: unpin and free the host store it made (runs once)."""
     if store is not None:
@@ -159,6 +175,8 @@ class DecodeEngine:
         if max_tokens > lm.max_positions:
             raise StoreCapacityError(f"{max_tokens} tokens exceed the model's {lm.max_positions} positions: "
                                      "use a shorter --context or fewer --steps")
+        if config.mode != "dense-resident":
+            check_budget(config.budget, max_tokens)
         self.device, self.dtype = lm.device, lm.dtype
         self.n_blocks = nb = math.ceil(max_tokens / BLOCK)
         self.max_tokens = nb * BLOCK
