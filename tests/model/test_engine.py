@@ -244,7 +244,7 @@ def test_engine_close_with_and_gc_release_the_store():
     eng = DecodeEngine(model, cfg, batch=1, max_tokens=512)
     store = eng.store
     eng.close()
-    assert eng.closed and store.closed and store.k == [] and eng.host == []
+    assert eng.closed and store.closed and store.k == [] and not eng.host
     eng.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         eng.step(torch.zeros(1, dtype=torch.long))

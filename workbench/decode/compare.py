@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from workbench.decode.engine.decoder import MODES, OFFLOAD, DecodeEngine, EngineConfig, check_budget
-from workbench.decode.engine.llama import LlamaLayers
+from workbench.decode.engine.llama import decoder_layers
 from workbench.decode.engine.reuse import ReuseMeter
 from workbench.decode.timeline import trace_step
 from workbench.patterns.infllm import Budget
@@ -164,7 +164,7 @@ def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch
     prompts = [prompts] if isinstance(prompts, torch.Tensor) else list(prompts)
     prompts = [p.reshape(-1) for p in prompts]
     budget = budget or Budget(init=1, local=2, topk=8)
-    lm = LlamaLayers(model)
+    lm = decoder_layers(model)
     cuda = lm.device.type == "cuda"
     use_graph = cuda and not measure_reuse if graph is None else graph
     if use_graph and not cuda:
