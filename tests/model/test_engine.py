@@ -1,9 +1,15 @@
 """Offloaded decode engine on the CPU: block map, compressed keys, selection, capacity refusals, and
-losslessness on the embedded model (offload modes give exactly sparse-resident's tokens)."""
+losslessness on the embedded model (offload modes give exactly sparse-resident's tokens); Gemma-3's adapter;
+the Triton path (TRITON_INTERPRET=1 on the CPU) against the PyTorch reference path."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from workbench_kernels.gather_ref import gather_blocks_ref
 
 from workbench.decode.engine import BlockCache, BlockStore, DecodeEngine, EngineConfig, StoreCapacityError, StoreSpec
@@ -434,3 +440,71 @@ def test_a_budget_beyond_the_sequence_blocks_is_refused_naming_topk():
     out = compare_modes(model, prompt, modes=["dense-resident", "sparse-resident"], new_tokens=2,
                         budget=Budget(init=1, local=2, topk=1), progress=False, trace=False)
     assert out.runs["sparse-resident"].tokens.shape == (1, 2)
+
+
+# ----------------------------------------------------------------------------- Gemma-3: sliding layers, QK-norm
+
+def _tiny_gemma():
+    """Random-weight Gemma-3 text model: head_dim 256, one KV head, sliding layers of a 40-token window (not a
+    multiple of the 64-token block) beside full layers, local / global RoPE theta 1e4 / 1e6."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=256, sliding_window=40,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                           max_position_embeddings=2048, query_pre_attn_scalar=256)
+    model = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # zero-initialised norm weights would hide the (1 + w) convention
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.5)
+    return model
+
+
+def test_gemma_engine_greedy_tokens_equal_hf_generate_fp32():
+    from workbench.decode.engine.gemma import GemmaLayers
+    from workbench.decode.engine.llama import decoder_layers
+
+    model = _tiny_gemma()
+    lm = decoder_layers(model)
+    assert isinstance(lm, GemmaLayers) and lm.windows == (40, None, 40, None) and lm.scale == 256 ** -0.5
+    rope = lm.rope(torch.tensor([[5]]))
+    assert not torch.allclose(*(rope[t][0] for t in ("sliding_attention", "full_attention")))  # 1e4 vs 1e6
+    prompt = (torch.arange(1100) * 7) % 251 + 3  # the prefill's window chunks and a ring that wraps; no pad token
+    steps = 12
+    want = model.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]), do_sample=False,
+                          max_new_tokens=steps, eos_token_id=model.config.vocab_size, pad_token_id=0)[0, prompt.numel():]
+    tokens, done = {}, [lm.prefill(prompt)]
+    for mode, selector in (("dense-resident", "same-layer"), ("sparse-resident", "same-layer"),
+                           ("sparse-offload-sync", "same-layer"), ("sparse-resident", "forecast"),
+                           ("sparse-offload-forecast", "forecast")):
+        cfg = EngineConfig(mode=mode, selector=selector, budget=Budget(init=1, local=2, topk=3))
+        with DecodeEngine(model, cfg, batch=1, max_tokens=1200) as eng:
+            assert sorted(eng.kv) == ([0, 2] if eng.offload else [0, 1, 2, 3]) and sorted(eng.caches) == (
+                [1, 3] if eng.offload else [])
+            assert eng.kv[0].shape[:2] == (2, 2)  # K, V of 1 x 1 rows of (40 - 1) // 64 + 2 blocks, not the sequence
+            first = eng.prefill([prompt], steps, prefilled=done)
+            tokens[(mode, selector)] = torch.cat([first, eng.run(first, steps - 1, progress=False)[0][0]])
+    assert tokens[("dense-resident", "same-layer")].tolist() == want.tolist()
+    assert torch.equal(tokens[("sparse-offload-sync", "same-layer")], tokens[("sparse-resident", "same-layer")])
+    assert torch.equal(tokens[("sparse-offload-forecast", "forecast")], tokens[("sparse-resident", "forecast")])
+
+
+def test_gemma_engine_triton_kernels_at_head_dim_256_match_the_reference():
+    """Selection, cache plan, UVA gather, token append and decode kernels at d = 256 (interpreter on the CPU),
+    inside the engine, against the PyTorch reference path."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1 before triton is imported")
+    model = _tiny_gemma()
+    prompt = (torch.arange(300) * 7) % 251 + 3
+    out = {}
+    for kernels in ("torch", "triton"):
+        cfg = EngineConfig(mode="sparse-offload-forecast", budget=Budget(init=1, local=1, topk=2), kernels=kernels,
+                           store_dtype="int8")
+        with DecodeEngine(model, cfg, batch=1, max_tokens=400) as eng:
+            first = eng.prefill([prompt], 3)
+            out[kernels] = eng.run(first, 3, keep_logits=True, progress=False)
+    assert torch.equal(out["torch"][0], out["triton"][0])
+    torch.testing.assert_close(out["triton"][1], out["torch"][1], rtol=1e-4, atol=1e-4)
+    assert out["triton"][2].hit_rate == out["torch"][2].hit_rate
