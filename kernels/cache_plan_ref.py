@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from . import BLOCK
 from .gather_ref import QMAX, dequantize_rows, quantize_rows
 
 

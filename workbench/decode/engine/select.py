@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from workbench_kernels.cache_plan_ref import roll_compressed_ref
 
-from workbench.decode.engine.store import BLOCK
 from workbench.patterns.infllm import Budget, compress_keys, group_scores, pool_to_blocks, topk_blocks
 
 
