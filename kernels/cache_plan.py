@@ -84,67 +84,87 @@ def plan_blocks(blocks: torch.Tensor, slot_of: torch.Tensor, block_in: torch.Ten
 
 
 @triton.jit
+def store_row(x, bh, pos, d, Host, HostS, Out, HOST_TOKENS, QMAX, HOST: tl.constexpr, QUANT: tl.constexpr,
+              INT8: tl.constexpr, OUT: tl.constexpr):
+    """The new token's K (or V) row x `[D]` of head row bh at position pos: into the host store (values, or codes
+    and the row's scale = max |x| / QMAX, rounded like `gather_ref.quantize_rows`) and its dequantised value
+    into Out (what the decoder attends to). Shared by `append_token` and `layer.rope_split`."""
+    hrow = bh * HOST_TOKENS + pos
+    if QUANT:
+        xf = x.to(tl.float32)
+        scale = tl.math.div_rn(tl.max(tl.abs(xf), 0), QMAX)
+        y = tl.where(scale > 0, tl.math.div_rn(xf, tl.where(scale > 0, scale, 1.0)), 0.0)
+        if INT8:
+            y = tl.minimum(tl.maximum(tl.math.floor(y + 0.5), -127.0), 127.0)
+        codes = y.to(Host.dtype.element_ty)
+        if OUT:
+            tl.store(Out + bh * d.shape[0] + d, (codes.to(tl.float32) * scale).to(Out.dtype.element_ty))
+        if HOST:
+            tl.store(Host + hrow * d.shape[0] + d, codes)
+            tl.store(HostS + hrow, scale)
+    elif HOST:
+        tl.store(Host + hrow * d.shape[0] + d, x.to(Host.dtype.element_ty))
+
+
+@triton.jit
+def roll_row(k, bh, pos, d, Tail, CKeys, NC1, STRIDE, W: tl.constexpr):
+    """The new key k `[D]` enters head row bh's W-row ring; completing a window writes its mean as a compressed
+    key (`cache_plan_ref.roll_compressed_ref`)."""
+    D: tl.constexpr = d.shape[0]
+    kf = k.to(tl.float32)
+    tl.store(Tail + (bh * W + pos % W) * D + d, kf)
+    if ((pos + 1) % STRIDE == 0) & (pos >= W - 1):
+        tok = pos - (W - 1) + tl.arange(0, W)  # the window's tokens; the newest comes from registers
+        others = tl.load(Tail + (bh * W + tok % W)[:, None] * D + d[None, :], mask=(tok != pos)[:, None], other=0.0)
+        mean = (tl.sum(others, 0) + kf) / W
+        j = (pos - (W - 1)) // STRIDE
+        tl.store(CKeys + (bh * NC1 + j) * D + d, mean.to(CKeys.dtype.element_ty))
+
+
+@triton.jit
 def _append_token_kernel(K, V, Pos, HostK, HostV, HostSK, HostSV, Kout, Vout, Tail, CKeys,
                          H, HOST_TOKENS, NC1, STRIDE, QMAX,
                          D: tl.constexpr, W: tl.constexpr, HOST: tl.constexpr, QUANT: tl.constexpr,
                          INT8: tl.constexpr, OUT: tl.constexpr, COMPRESS: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
-    b = bh // H
     d = tl.arange(0, D)
-    pos = tl.load(Pos + b).to(tl.int64)
+    pos = tl.load(Pos + bh // H).to(tl.int64)
     k = tl.load(K + bh * D + d)
-    v = tl.load(V + bh * D + d)
-    hrow = bh * HOST_TOKENS + pos
-    if QUANT:  # per-row scale = max |x| / QMAX; codes rounded like gather_ref.quantize_rows
-        for which in tl.static_range(2):
-            x = (k if which == 0 else v).to(tl.float32)
-            scale = tl.math.div_rn(tl.max(tl.abs(x), 0), QMAX)
-            y = tl.where(scale > 0, tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)), 0.0)
-            if INT8:
-                y = tl.minimum(tl.maximum(tl.math.floor(y + 0.5), -127.0), 127.0)
-            codes = y.to(HostK.dtype.element_ty)
-            if OUT:
-                back = codes.to(tl.float32) * scale
-                tl.store((Kout if which == 0 else Vout) + bh * D + d, back.to(Kout.dtype.element_ty))
-            if HOST:
-                tl.store((HostK if which == 0 else HostV) + hrow * D + d, codes)
-                tl.store((HostSK if which == 0 else HostSV) + hrow, scale)
-    elif HOST:
-        tl.store(HostK + hrow * D + d, k.to(HostK.dtype.element_ty))
-        tl.store(HostV + hrow * D + d, v.to(HostV.dtype.element_ty))
+    store_row(k, bh, pos, d, HostK, HostSK, Kout, HOST_TOKENS, QMAX, HOST, QUANT, INT8, OUT)
+    store_row(tl.load(V + bh * D + d), bh, pos, d, HostV, HostSV, Vout, HOST_TOKENS, QMAX, HOST, QUANT, INT8, OUT)
     if COMPRESS:
-        kf = k.to(tl.float32)
-        tl.store(Tail + (bh * W + pos % W) * D + d, kf)
-        if ((pos + 1) % STRIDE == 0) & (pos >= W - 1):
-            tok = pos - (W - 1) + tl.arange(0, W)  # the window's tokens; the newest comes from registers
-            others = tl.load(Tail + (bh * W + tok % W)[:, None] * D + d[None, :], mask=(tok != pos)[:, None], other=0.0)
-            mean = (tl.sum(others, 0) + kf) / W
-            j = (pos - (W - 1)) // STRIDE
-            tl.store(CKeys + (bh * NC1 + j) * D + d, mean.to(CKeys.dtype.element_ty))
+        roll_row(k, bh, pos, d, Tail, CKeys, NC1, STRIDE, W)
 
 
-def append_token(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
-                 host_k: torch.Tensor | None = None, host_v: torch.Tensor | None = None,
-                 host_scale_k: torch.Tensor | None = None, host_scale_v: torch.Tensor | None = None,
-                 quant: torch.dtype | None = None, k_out: torch.Tensor | None = None, v_out: torch.Tensor | None = None,
-                 tail: torch.Tensor | None = None, ckeys: torch.Tensor | None = None, stride: int = 16) -> None:
-    """Triton `append_token_ref` (same arguments). Tensors contiguous; host tensors may be pinned host memory
-    (written through UVA); D and the window W must be powers of two."""
-    B, H, D = k.shape
+def append_args(k: torch.Tensor, *, host_k: torch.Tensor | None = None, host_v: torch.Tensor | None = None,
+                host_scale_k: torch.Tensor | None = None, host_scale_v: torch.Tensor | None = None,
+                quant: torch.dtype | None = None, k_out: torch.Tensor | None = None, v_out: torch.Tensor | None = None,
+                tail: torch.Tensor | None = None, ckeys: torch.Tensor | None = None, stride: int = 16
+                ) -> tuple[tuple, dict]:
+    """Check `append_token`'s keyword arguments -> (pointer and integer arguments, constexprs) of `store_row` and
+    `roll_row` (unused pointers point at k). Shared with `layer.rope_split`."""
+    D = k.shape[-1]
     if D & (D - 1) or (tail is not None and tail.shape[2] & (tail.shape[2] - 1)):
         raise ValueError(f"head_dim ({D}) and the compression window must be powers of two for the Triton kernel")
     if host_k is not None and (host_k.dtype in QMAX) != (quant is not None):
         raise ValueError(f"a {host_k.dtype} host store needs quant={host_k.dtype} and its scales")
     if quant is not None and quant not in QMAX:
         raise ValueError(f"quant must be float8_e4m3fn or int8, got {quant}")
-    W = tail.shape[2] if tail is not None else 1
-    dummy = k
-    _append_token_kernel[(B * H,)](
-        k, v, positions, host_k if host_k is not None else dummy, host_v if host_v is not None else dummy,
-        host_scale_k if host_scale_k is not None else dummy, host_scale_v if host_scale_v is not None else dummy,
-        k_out if k_out is not None else dummy, v_out if v_out is not None else dummy,
-        tail if tail is not None else dummy, ckeys if ckeys is not None else dummy,
-        H, host_k.shape[2] if host_k is not None else 0, ckeys.shape[2] if ckeys is not None else 0, stride,
-        QMAX.get(quant, 1.0),
-        D=D, W=W, HOST=host_k is not None, QUANT=quant is not None, INT8=quant == torch.int8,
-        OUT=k_out is not None, COMPRESS=tail is not None, num_warps=1)
+    if quant is not None and host_k is not None and host_scale_k is None:
+        raise ValueError("a quantised host store needs host_scale_k and host_scale_v")
+    ptrs = tuple(t if t is not None else k for t in (host_k, host_v, host_scale_k, host_scale_v, k_out, v_out, tail,
+                                                      ckeys))
+    ints = (host_k.shape[2] if host_k is not None else 0, ckeys.shape[2] if ckeys is not None else 0, stride,
+            QMAX.get(quant, 1.0))
+    flags = dict(W=tail.shape[2] if tail is not None else 1, HOST=host_k is not None, QUANT=quant is not None,
+                 INT8=quant == torch.int8, OUT=k_out is not None, COMPRESS=tail is not None)
+    return ptrs + ints, flags
+
+
+def append_token(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, **targets) -> None:
+    """Triton `append_token_ref` (same arguments). Tensors contiguous; host tensors may be pinned host memory
+    (written through UVA); D and the window W must be powers of two."""
+    B, H, D = k.shape
+    (hk, hv, sk, sv, ko, vo, tail, ck, *ints), flags = append_args(k, **targets)
+    _append_token_kernel[(B * H,)](k, v.contiguous(), positions, hk, hv, sk, sv, ko, vo, tail, ck, H, *ints, D=D,
+                                   **flags, num_warps=1)

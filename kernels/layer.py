@@ -1,10 +1,12 @@
 """Triton glue of a Llama decoder layer at decode time: the element-wise work between the GEMMs, one launch
-each (the module path launches ~35 kernels per layer; this one 9 with the GEMMs). Same contracts as
-`layer_ref`, rounding where transformers' Llama modules round (bf16 products, fp32 norm statistics).
+each (the module path launches ~35 kernels per layer and the engine's append another; this path 9 with the
+GEMMs). Same contracts as `layer_ref`, rounding where transformers' Llama modules round (bf16 products, fp32
+norm statistics).
 
 - `add_rmsnorm`: residual add and RMSNorm in one pass over each row.
 - `rope_split`: splits one q/k/v/forecast projection into contiguous q, k, v and forecast queries, RoPE on q, k
-  (model dtype) and on the forecast queries (float32).
+  (model dtype) and on the forecast queries (float32), and appends the new K/V rows where the engine keeps them
+  (host store, quantised or not; compressed keys: `cache_plan.append_token`'s work, in the same launch).
 - `silu_mul`: silu(gate) * up.
 """
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .cache_plan import append_args, roll_row, store_row
 
 
 @triton.jit
@@ -43,7 +47,10 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
 
 
 @triton.jit
-def _rope_split_kernel(X, Cos, Sin, CosF, SinF, Q, K, V, F, Hq, Hkv, Htot, D: tl.constexpr):
+def _rope_split_kernel(X, Cos, Sin, CosF, SinF, Q, K, V, F, Pos, HostK, HostV, HostSK, HostSV, Kout, Vout, Tail, CKeys,
+                       HOST_TOKENS, NC1, STRIDE, QMAX, Hq, Hkv, Htot, D: tl.constexpr, APPEND: tl.constexpr,
+                       W: tl.constexpr, HOST: tl.constexpr, QUANT: tl.constexpr, INT8: tl.constexpr,
+                       OUT: tl.constexpr, COMPRESS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, D)
@@ -61,9 +68,19 @@ def _rope_split_kernel(X, Cos, Sin, CosF, SinF, Q, K, V, F, Hq, Hkv, Htot, D: tl
         if h < Hq:
             tl.store(Q + (b * Hq + h) * D + d, y)
         else:
-            tl.store(K + (b * Hkv + h - Hq) * D + d, y)
+            bh = b * Hkv + h - Hq
+            tl.store(K + bh * D + d, y)
+            if APPEND:  # the new key: host store row (quantised or not) and compressed keys
+                pos = tl.load(Pos + b).to(tl.int64)
+                store_row(y, bh, pos, d, HostK, HostSK, Kout, HOST_TOKENS, QMAX, HOST, QUANT, INT8, OUT)
+                if COMPRESS:
+                    roll_row(y, bh, pos, d, Tail, CKeys, NC1, STRIDE, W)
     elif h < Hq + 2 * Hkv:
-        tl.store(V + (b * Hkv + h - Hq - Hkv) * D + d, x)
+        bh = b * Hkv + h - Hq - Hkv
+        tl.store(V + bh * D + d, x)
+        if APPEND:
+            pos = tl.load(Pos + b).to(tl.int64)
+            store_row(x, bh, pos, d, HostV, HostSV, Vout, HOST_TOKENS, QMAX, HOST, QUANT, INT8, OUT)
     else:
         c = tl.load(CosF + b * D + d)
         s = tl.load(SinF + b * D + d)
@@ -72,9 +89,11 @@ def _rope_split_kernel(X, Cos, Sin, CosF, SinF, Q, K, V, F, Hq, Hkv, Htot, D: tl
 
 
 def rope_split(qkvf: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
-               forecast_heads: int, cos_f: torch.Tensor | None = None, sin_f: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Triton `rope_split_ref` (same arguments; tensors contiguous, D a power of two)."""
+               forecast_heads: int, cos_f: torch.Tensor | None = None, sin_f: torch.Tensor | None = None,
+               positions: torch.Tensor | None = None, **append) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                        torch.Tensor | None]:
+    """Triton `rope_split_ref` (same arguments; tensors contiguous, D a power of two). With `append` targets
+    (`cache_plan.append_token`'s keywords) and positions, the new K/V rows are appended in the same launch."""
     B, width = qkvf.shape
     htot = heads + 2 * kv_heads + forecast_heads
     D = width // htot
@@ -85,8 +104,12 @@ def rope_split(qkvf: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: 
     k = torch.empty(B, kv_heads, D, device=dev, dtype=dt)
     v = torch.empty(B, kv_heads, D, device=dev, dtype=dt)
     f = torch.empty(B, forecast_heads, D, device=dev, dtype=torch.float32) if forecast_heads else None
+    targets, flags = append_args(k, **append)
+    if append and positions is None:
+        raise ValueError("appending the token needs its positions")
     _rope_split_kernel[(B, htot)](qkvf, cos, sin, cos_f if forecast_heads else cos, sin_f if forecast_heads else sin,
-                                  q, k, v, f if forecast_heads else q, heads, kv_heads, htot, D=D, num_warps=1)
+                                  q, k, v, f if forecast_heads else q, positions if append else q, *targets,
+                                  heads, kv_heads, htot, D=D, APPEND=bool(append), **flags, num_warps=1)
     return q, k, v, f
 
 

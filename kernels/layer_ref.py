@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .cache_plan_ref import append_token_ref
+
 
 def add_rmsnorm_ref(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,10 +31,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def rope_split_ref(qkvf: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
-                   forecast_heads: int, cos_f: torch.Tensor | None = None, sin_f: torch.Tensor | None = None
+                   forecast_heads: int, cos_f: torch.Tensor | None = None, sin_f: torch.Tensor | None = None,
+                   positions: torch.Tensor | None = None, **append
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """qkvf `[B, (heads + 2 kv_heads + forecast_heads) * D]`; cos/sin `[B, D]` in its dtype (cos_f/sin_f float32
-    for the forecast queries) -> q `[B, heads, D]`, k, v `[B, kv_heads, D]`, f `[B, forecast_heads, D]` float32."""
+    for the forecast queries) -> q `[B, heads, D]`, k, v `[B, kv_heads, D]`, f `[B, forecast_heads, D]` float32.
+    `append` (`append_token_ref`'s keywords) with positions `[B]`: the new k, v rows are appended there too."""
     B = qkvf.shape[0]
     x = qkvf.view(B, heads + 2 * kv_heads + forecast_heads, -1)
     c, s = cos[:, None], sin[:, None]
@@ -40,7 +44,10 @@ def rope_split_ref(qkvf: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hea
     k = _rotate(x[:, heads:heads + kv_heads], c, s)
     v = x[:, heads + kv_heads:heads + 2 * kv_heads]
     f = _rotate(x[:, heads + 2 * kv_heads:].float(), cos_f[:, None], sin_f[:, None]) if forecast_heads else None
-    return q, k, v.contiguous(), f
+    v = v.contiguous()
+    if append:
+        append_token_ref(k, v, positions, **append)
+    return q, k, v, f
 
 
 def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -286,10 +286,15 @@ class DecodeEngine:
             self.heads = heads.to(dev)
             for t in self.full:
                 targets.setdefault(heads.source(t), []).append(t)
-        self.ops = FusedOps(lm, self.heads, targets) if self.fused else ModuleOps(lm, self.heads, targets)
+        self.ops = FusedOps(lm, self.heads, targets) if self.fused else ModuleOps(lm, self._append, self.heads, targets)
         self.kv_out = (torch.empty(batch, Hkv, D, dtype=self.dtype, device=dev),
                        torch.empty(batch, Hkv, D, dtype=self.dtype, device=dev)) if self.quant else None
         self.positions = torch.zeros(batch, dtype=torch.long, device=dev)
+        rope_types = getattr(lm.inner.rotary_emb, "rope_type", "default")
+        self._rope_dynamic = "dynamic" in (rope_types.values() if isinstance(rope_types, dict) else [rope_types])
+        self._rope_tables: dict[torch.dtype, dict] = {}
+        for dtype in (self.dtype, torch.float32) if self.heads is not None else (self.dtype,):
+            self._rope(self.positions, dtype)  # tables made now, not inside a CUDA-graph capture
         self.cuda = dev.type == "cuda"
         self.side = torch.cuda.Stream(dev, priority=-1) if self.cuda else None  # copies before compute
         self.copy_done = {layer: torch.cuda.Event() for layer in self.slot} if self.cuda else {}
@@ -384,6 +389,18 @@ class DecodeEngine:
         self.positions.copy_(torch.tensor(lengths, device=self.device))
 
     # ------------------------------------------------------------------ one decode step
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> dict:
+        """The model's RoPE tables at `positions` `[B]` -> {layer type: (cos, sin) `[B, 1, D]`}: rows of tables made
+        once for every position (the same numbers the rotary module computes per step, in 2 launches instead of
+        ~7 per table), unless the model's RoPE changes with the length seen (dynamic scaling)."""
+        B = positions.shape[0]
+        if self._rope_dynamic:
+            return self.lm.rope(positions.view(B, 1), dtype)
+        if dtype not in self._rope_tables:
+            self._rope_tables[dtype] = self.lm.rope(torch.arange(self.max_tokens, device=self.device)[None], dtype)
+        return {t: (c[0][positions].view(B, 1, -1), s[0][positions].view(B, 1, -1))
+                for t, (c, s) in self._rope_tables[dtype].items()}
+
     def _select(self, layer: int, query: torch.Tensor, visible: torch.Tensor, cache: BlockCache | None
                 ) -> tuple[torch.Tensor, CopyPlan | None]:
         """InfLLM-V2 blocks of `layer` for `query` `[B, Hkv, G, D]` (keys visible up to `visible`), admitted into
@@ -428,8 +445,8 @@ class DecodeEngine:
         G = lm.n_heads // Hkv
         lengths = pos + 1
         earlier = pos - 1 if self.heads is not None else None  # a forecast runs before its layer sees the token
-        rope = lm.rope(pos.view(B, 1))
-        rope_f = lm.rope(pos.view(B, 1), torch.float32) if self.heads is not None else None
+        rope = self._rope(pos, self.dtype)
+        rope_f = self._rope(pos, torch.float32) if self.heads is not None else None
         x, delta = ops.embed(tokens), None
         forecast: dict[int, torch.Tensor] = {}
         plans: dict[int, CopyPlan] = {}
@@ -437,7 +454,23 @@ class DecodeEngine:
         for layer in range(L):
             self._emit("layer_start", layer)
             x, h = ops.attn_in(layer, x, delta)
-            q, k, v, queries = ops.project(layer, h, rope, rope_f)
+            # ---- the token's KV goes (with RoPE, in one launch on the fused path) to the host store, quantised or
+            # not, and the compressed keys; the attended copy goes through the decode kernel (k_new / v_new) once
+            # this layer's blocks are in place
+            quant = self.quant if layer in self.quantised else None
+            kw: dict[str, Any] = {}
+            if layer in self.slot:
+                hk, hv = self.host[layer]
+                kw.update(host_k=hk.flatten(2, 3), host_v=hv.flatten(2, 3))
+                if quant:
+                    sk, sv = self.host_scales[layer]
+                    kw.update(host_scale_k=sk.flatten(2, 3), host_scale_v=sv.flatten(2, 3))
+            if quant:
+                kw.update(quant=quant, k_out=self.kv_out[0], v_out=self.kv_out[1])
+            if layer in self.ck:  # compressed keys first: the same-layer selection sees the window this token completes
+                kw.update(tail=self.ck[layer].tail, ckeys=self.ck[layer].keys, stride=cfg.budget.stride)
+            q, k, v, queries = ops.project(layer, h, rope, rope_f, pos, kw)
+            k_new, v_new = self.kv_out if quant else (k, v)
             # Layer l's heads pick later layers' blocks before those layers have seen this token. Selection and
             # block-map update stay on the main stream; only the copy goes to the side stream.
             for target, f in queries.items():
@@ -454,23 +487,6 @@ class DecodeEngine:
                             self.copy_done[target].record(self.side)
                     else:
                         self._copy(target, plan)
-            # ---- the token's KV: host store (quantised or not), compressed keys; the attended copy goes through
-            # the decode kernel (k_new / v_new), after this layer's blocks are in place
-            quant = self.quant if layer in self.quantised else None
-            kw: dict[str, Any] = {}
-            if layer in self.slot:
-                hk, hv = self.host[layer]
-                kw.update(host_k=hk.flatten(2, 3), host_v=hv.flatten(2, 3))
-                if quant:
-                    sk, sv = self.host_scales[layer]
-                    kw.update(host_scale_k=sk.flatten(2, 3), host_scale_v=sv.flatten(2, 3))
-            if quant:
-                kw.update(quant=quant, k_out=self.kv_out[0], v_out=self.kv_out[1])
-            if layer in self.ck:  # compressed keys first: the same-layer selection sees the window this token completes
-                kw.update(tail=self.ck[layer].tail, ckeys=self.ck[layer].keys, stride=cfg.budget.stride)
-            if kw:
-                self._append(k, v, pos, **kw)
-            k_new, v_new = self.kv_out if quant else (k, v)
             if layer in self.quest:
                 self.quest[layer].append(k, pos)
             # ---- this layer's selection and its blocks in place

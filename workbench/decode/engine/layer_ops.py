@@ -4,8 +4,9 @@ the reference), `FusedOps` runs a Llama-family layer as a few GEMMs and Triton k
 so that a whole decode step launches ~15 kernels per layer instead of ~70.
 
 Interface (B sequences, one token each): `embed(tokens)` -> x; per layer `attn_in(layer, x, delta)` -> (x, h)
-(pending residual added, input norm); `project(layer, h, rope, rope_f)` -> q `[B, Hq, D]`, k, v `[B, Hkv, D]`
-after RoPE and the forecast queries `{target: [B, Hkv, D] float32}` read from this layer's input;
+(pending residual added, input norm); `project(layer, h, rope, rope_f, positions, append)` -> q `[B, Hq, D]`,
+k, v `[B, Hkv, D]` after RoPE and the forecast queries `{target: [B, Hkv, D] float32}` read from this layer's
+input, the new k, v appended to `append`'s targets (`append_token`'s keywords: host store, compressed keys);
 `attn_out(layer, x, o)` -> (x, delta) (the rest of the layer; `delta` is a residual still to add, None when
 added); `logits(x, delta)` -> `[B, V]`.
 """
@@ -18,10 +19,11 @@ from workbench.decode.engine.llama import LlamaLayers, Rope
 
 
 class ModuleOps:
-    """The model's own modules (through `LlamaLayers` / `GemmaLayers`); Forecast heads in float32."""
+    """The model's own modules (through `LlamaLayers` / `GemmaLayers`); Forecast heads in float32; `append_token`
+    is the engine's (Triton or reference) token append."""
 
-    def __init__(self, lm: LlamaLayers, heads=None, targets: dict[int, list[int]] | None = None) -> None:
-        self.lm, self.heads, self.targets = lm, heads, targets or {}
+    def __init__(self, lm: LlamaLayers, append_token, heads=None, targets: dict[int, list[int]] | None = None) -> None:
+        self.lm, self.append_token, self.heads, self.targets = lm, append_token, heads, targets or {}
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.lm.embed(tokens.view(-1, 1))
@@ -29,10 +31,14 @@ class ModuleOps:
     def attn_in(self, layer: int, x: torch.Tensor, delta: None) -> tuple[torch.Tensor, torch.Tensor]:
         return x, self.lm.norm_in(layer, x)
 
-    def project(self, layer: int, h: torch.Tensor, rope: Rope, rope_f: Rope | None):
+    def project(self, layer: int, h: torch.Tensor, rope: Rope, rope_f: Rope | None, positions: torch.Tensor,
+                append: dict):
         q, k, v = self.lm.qkv(layer, h, rope)
+        q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
         f = {t: self.heads.query(t, h, *self.lm.layer_rope(t, rope_f))[:, :, 0] for t in self.targets.get(layer, ())}
-        return q[:, :, 0], k[:, :, 0], v[:, :, 0], f
+        if append:
+            self.append_token(k, v, positions, **append)
+        return q, k, v, f
 
     def attn_out(self, layer: int, x: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, None]:
         return self.lm.finish(layer, x, o.reshape(x.shape[0], 1, -1)), None
@@ -44,8 +50,8 @@ class ModuleOps:
 class FusedOps:
     """A Llama-family layer in 9 launches: add + RMSNorm, one GEMM for q/k/v and the forecast queries this
     layer's input feeds (weights packed once, in the model's dtype: a copy of the attention projections), RoPE
-    split, o_proj, add + RMSNorm, gate and up GEMMs, silu * up, down (its output is added by the next
-    add + RMSNorm). Needs `supports(lm)`."""
+    split with the token's append, o_proj, add + RMSNorm, gate and up GEMMs, silu * up, down (its output is added
+    by the next add + RMSNorm). Needs `supports(lm)`."""
 
     @staticmethod
     def supports(lm: LlamaLayers) -> bool:
@@ -84,7 +90,8 @@ class FusedOps:
         norm = self.lm.layers[layer].input_layernorm
         return self._norm(x, delta, norm.weight, norm.variance_epsilon)
 
-    def project(self, layer: int, h: torch.Tensor, rope: Rope, rope_f: Rope | None):
+    def project(self, layer: int, h: torch.Tensor, rope: Rope, rope_f: Rope | None, positions: torch.Tensor,
+                append: dict):
         lm = self.lm
         w, bias = self.packed[layer]
         targets = self.targets.get(layer, ())
@@ -93,7 +100,7 @@ class FusedOps:
         if targets:
             cos_f, sin_f = (t.reshape(h.shape[0], -1) for t in lm.layer_rope(targets[0], rope_f))
         q, k, v, f = self._rope(F.linear(h, w, bias), cos, sin, lm.n_heads, lm.n_kv_heads,
-                                len(targets) * lm.n_kv_heads, cos_f, sin_f)
+                                len(targets) * lm.n_kv_heads, cos_f, sin_f, positions, **append)
         return q, k, v, {t: f[:, i * lm.n_kv_heads:(i + 1) * lm.n_kv_heads] for i, t in enumerate(targets)}
 
     def attn_out(self, layer: int, x: torch.Tensor, o: torch.Tensor):
