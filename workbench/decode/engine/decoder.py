@@ -476,10 +476,11 @@ class DecodeEngine:
             for target, f in queries.items():
                 if target == layer:
                     continue
-                cache = self.caches.get(target) if prefetch else None
+                cache = self.caches.get(target)  # admitted now (one launch with the selection), copied now or later
                 forecast[target], plan = self._select(target, f[:, :, None], earlier, cache)
                 if plan is not None:
                     plans[target] = plan
+                if plan is not None and prefetch:
                     if self.cuda:
                         self.side.wait_stream(torch.cuda.current_stream())  # selection and plan are ready
                         with torch.cuda.stream(self.side):
