@@ -373,19 +373,26 @@ def _bench_args(*argv: str):
 
 
 @pytest.mark.model
-def test_decode_benchmark_embedded_part_runs_on_the_cpu(tmp_path):
+def test_decode_benchmark_embedded_part_runs_on_the_cpu(one_thread, tmp_path):
     import json
 
     out = tmp_path / "embedded.json"
     bench, args = _bench_args("--part", "embedded", "--device", "cpu", "--prompt", "128", "--new-tokens", "3",
-                              "--out", str(out))
+                              "--budget", "1,1,1", "--store-dtypes", "model,int8", "--retrieval", "1", "--out", str(out))
     assert bench.run(args) == 0
     r = json.loads(out.read_text())
-    assert r["summary"]["lossless"] == {"sparse-offload-sync": True, "sparse-offload-forecast": True}
+    assert r["summary"]["lossless"] == {"sparse-offload-sync": True, "sparse-offload-forecast": True,
+                                        "forecast-without-prefetch": True, "sparse-offload-sync@int8": True,
+                                        "sparse-offload-forecast@int8": True}
     hf = r["hf_generate"]["static_cache_eager"]
     assert hf["tokens_per_s"] > 0 and len(hf["greedy_tokens"]) == 3
     dense = next(x for x in r["engine"]["runs"] if x["mode"] == "dense-resident")
     assert hf["same_tokens_as_dense_resident"] == 1.0 and dense["greedy_tokens"] == hf["greedy_tokens"]
+    assert r["divergence_from_hf"]["model_dtype"]["tokens_equal"]  # fp32 on the CPU: plain greedy, same tokens
+    assert set(r["summary"]["quality_vs_dense"]) == {"same-layer", "forecast", "dense@int8", "same-layer@int8",
+                                                     "forecast@int8"}
+    assert set(r["retrieval"]["found"]) == {"dense-resident", "sparse-offload-forecast@model",
+                                            "sparse-offload-forecast@int8"}
 
 
 def test_decode_benchmark_capacity_part_runs_on_the_cpu(tmp_path):
