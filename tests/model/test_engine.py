@@ -186,11 +186,13 @@ def test_decode_cli_prints_summary_and_writes_json(embedded, one_thread, tmp_pat
 
     out = tmp_path / "decode.json"
     assert main(["decode", "--mode", "sparse-offload-sync", "--batch", "2", "--context", "300", "--steps", "4",
-                 "--budget", "1,1,2", "--json", str(out)]) == 0
+                 "--budget", "1,1,2", "--store-dtype", "int8", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "tok/s" in text and "sparse-offload-sync" in text
-    run = json.loads(out.read_text())["runs"][0]
+    assert "tok/s" in text and "sparse-offload-sync" in text and "int8" in text
+    result = json.loads(out.read_text())
+    run = result["runs"][0]
     assert run["steps"] == 4 and run["bytes_moved_per_step"] > 0 and run["hit_rate"] is not None
+    assert result["store_dtype"] == run["store_dtype"] == "int8"
     assert main(["decode", "--budget", "1,2"]) == 2
     assert "--budget" in capsys.readouterr().err
 
@@ -427,6 +429,33 @@ def test_compare_modes_on_the_gpu_graphs_lossless_with_the_embedded_model():
     fc = out.runs["sparse-offload-forecast"]
     assert fc.hidden_fraction is not None and fc.copy_gbps is not None
     assert {s["stream"] for s in fc.timeline} == {"compute", "copy"}
+
+
+def test_compare_modes_store_dtypes_are_lossless_move_fewer_bytes_and_report_their_cost():
+    from workbench.decode.compare import compare_modes, reference_of
+
+    model = _tiny_llama("cpu")
+    prompt = torch.arange(400) % 251
+    specs = ["dense-resident", "sparse-resident", "sparse-offload-sync", "sparse-resident@fp8", "sparse-offload-sync@fp8",
+             "sparse-resident/forecast@int8", "sparse-offload-forecast@int8"]
+    out = compare_modes(model, prompt, modes=specs, new_tokens=4, budget=Budget(init=1, local=1, topk=2), quality=True,
+                        trace=False, progress=False)
+    assert reference_of("sparse-offload-forecast@int8") == "sparse-resident/forecast@int8"
+    assert out.lossless == {"sparse-offload-sync": True, "sparse-offload-sync@fp8": True,
+                            "sparse-offload-forecast@int8": True}
+    rows = {r["mode"]: r for r in out.rows()}
+    assert rows["sparse-offload-sync@fp8"]["store_dtype"] == "fp8" and rows["sparse-resident"]["store_dtype"] == "model"
+    # fp32 model: 4-byte values -> 1-byte codes plus a 4-byte scale per 32-element row (head_dim 32)
+    ratio = rows["sparse-offload-sync@fp8"]["bytes_moved_per_step"] / rows["sparse-offload-sync"]["bytes_moved_per_step"]
+    assert ratio == pytest.approx((32 + 4) / (4 * 32))
+    q = out.quality
+    assert set(q) == {"same-layer", "forecast", "dense@fp8", "same-layer@fp8", "forecast@fp8", "dense@int8",
+                      "same-layer@int8", "forecast@int8"}
+    assert all(v["kl_dense_to_sparse_mean"] > -1e-6 and 0 <= v["top1_agreement_teacher_forced"] <= 1 for v in q.values())
+    assert q["dense@fp8"]["kl_dense_to_sparse_mean"] != 0  # the store's rounding reaches the logits
+    assert q["same-layer@fp8"]["free_running_tokens_equal_to_dense"] is not None
+    with pytest.raises(ValueError, match="store dtype 'fp16' is unknown"):
+        compare_modes(model, prompt, modes=["sparse-resident@fp16"], progress=False)
 
 
 def test_a_budget_beyond_the_sequence_blocks_is_refused_naming_topk():
