@@ -320,22 +320,31 @@ def test_five_engines_in_a_row_on_the_gpu():
 
 @pytest.mark.gpu
 def test_offload_modes_lossless_on_the_gpu_triton_and_graphs():
+    """Every store dtype, eager and CUDA graphs, on the fused Triton path; and that path against the module path
+    with the reference kernels (bf16: the same tokens but at near-ties)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     model = _tiny_llama("cuda").to(torch.bfloat16)
     budget = Budget(init=1, local=1, topk=3)
     prompts = [torch.arange(900) % 251, torch.arange(700) % 241]
 
-    def decode(mode, selector, graph):
-        with DecodeEngine(model, EngineConfig(mode=mode, budget=budget, selector=selector), batch=2, max_tokens=1024) as e:
+    def decode(mode, selector, graph, store="model", kernels="auto"):
+        cfg = EngineConfig(mode=mode, budget=budget, selector=selector, store_dtype=store, kernels=kernels)
+        with DecodeEngine(model, cfg, batch=2, max_tokens=1024) as e:
+            assert e.fused == (kernels == "auto")
             first = e.prefill(prompts, 24)
             return e.run(first, 24, graph=graph, progress=False)[0].cpu()
 
-    for graph in (False, True):
-        assert torch.equal(decode("sparse-offload-sync", "same-layer", graph), decode("sparse-resident", "same-layer", graph))
-        fc = decode("sparse-resident", "forecast", graph)
-        assert torch.equal(decode("sparse-offload-forecast", "forecast", graph), fc)
-        assert torch.equal(decode("forecast-without-prefetch", "forecast", graph), fc)
+    for store in ("model", "fp8", "int8"):
+        for graph in (False, True):
+            res = decode("sparse-resident", "same-layer", graph, store)
+            assert torch.equal(decode("sparse-offload-sync", "same-layer", graph, store), res), (store, graph)
+            fc = decode("sparse-resident", "forecast", graph, store)
+            assert torch.equal(decode("sparse-offload-forecast", "forecast", graph, store), fc), (store, graph)
+            assert torch.equal(decode("forecast-without-prefetch", "forecast", graph, store), fc), (store, graph)
+    fused = decode("dense-resident", "same-layer", False)
+    modules = decode("dense-resident", "same-layer", False, kernels="torch")
+    assert (fused == modules).float().mean() > 0.8
 
 
 @pytest.mark.model

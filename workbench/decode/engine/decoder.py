@@ -237,13 +237,16 @@ class DecodeEngine:
                                                 batch=batch, max_tokens=max_tokens, windows=self.windows)
         self.gpu_kv_bytes = gpu_need
         spec = StoreSpec(len(offloaded), batch, Hkv, nb, D, self.dtype, self.quant) if offloaded else None
-        # --- refuse before allocating anything
+        # --- refuse before allocating anything (the fused path also packs a copy of the q/k/v/forecast weights)
         if self.device.type == "cuda":
             free = torch.cuda.mem_get_info(self.device)[0]
-            if gpu_need > free:
+            heads_rows = (L * lm.n_heads + 2 * L * Hkv + (len(self.full) * Hkv if config.uses_forecast else 0)) * D
+            packed = heads_rows * lm.hidden_size * torch.tensor([], dtype=self.dtype).element_size() if self.fused else 0
+            if gpu_need + packed > free:
                 raise StoreCapacityError(f"{config.mode} needs {gpu_need / GiB:.2f} GiB of GPU memory for KV "
-                                         f"(batch {batch} x {self.max_tokens} tokens) but {free / GiB:.2f} GiB "
-                                         "are free: reduce --batch or --context, or use an offload mode")
+                                         f"(batch {batch} x {self.max_tokens} tokens) and {packed / GiB:.2f} GiB of "
+                                         f"packed weights but {free / GiB:.2f} GiB are free: reduce --batch or "
+                                         "--context, or use an offload mode")
         elif not self.offload:
             limit = int(0.9 * host_memory_available()) if host_limit_bytes is None else host_limit_bytes
             if gpu_need > limit:
