@@ -536,6 +536,26 @@ def test_gemma_engine_greedy_tokens_equal_hf_generate_fp32():
     assert torch.equal(tokens[("sparse-offload-forecast", "forecast")], tokens[("sparse-resident", "forecast")])
 
 
+@pytest.mark.gpu
+def test_gemma_offload_lossless_on_the_gpu_bf16_graphs():
+    """Gemma-3 on CUDA (module path, Triton kernels at d = 256, sliding rings) under CUDA graphs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = _tiny_gemma().to("cuda", torch.bfloat16)
+    prompt = (torch.arange(1100) * 7) % 251 + 3
+    out = {}
+    for mode, selector in (("sparse-resident", "forecast"), ("sparse-offload-forecast", "forecast"),
+                           ("sparse-resident", "same-layer"), ("sparse-offload-sync", "same-layer")):
+        for store in ("model", "fp8"):
+            cfg = EngineConfig(mode=mode, selector=selector, budget=Budget(init=1, local=2, topk=3), store_dtype=store)
+            with DecodeEngine(model, cfg, batch=1, max_tokens=1200) as eng:
+                first = eng.prefill([prompt.cuda()], 16)
+                out[(mode, selector, store)] = eng.run(first, 16, graph=True, progress=False)[0].cpu()
+    for store in ("model", "fp8"):
+        assert torch.equal(out[("sparse-offload-forecast", "forecast", store)], out[("sparse-resident", "forecast", store)])
+        assert torch.equal(out[("sparse-offload-sync", "same-layer", store)], out[("sparse-resident", "same-layer", store)])
+
+
 def test_gemma_engine_triton_kernels_at_head_dim_256_match_the_reference():
     """Selection, cache plan, UVA gather, token append and decode kernels at d = 256 (interpreter on the CPU),
     inside the engine, against the PyTorch reference path."""
