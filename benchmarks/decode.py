@@ -197,9 +197,10 @@ def check_lossless(model, store, budget: Budget, context: int = 16384, batch: in
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="JSON output path")
-    p.add_argument("--part", choices=("modes", "embedded", "capacity"), default="modes",
+    p.add_argument("--part", choices=("modes", "embedded", "capacity", "divergence"), default="modes",
                    help="modes: engine modes on the random Llama-3-8B shape (needs --reuse); embedded: the real embedded "
-                        "model beside HF generate; capacity: largest batch per mode at --context")
+                        "model beside HF generate; capacity: largest batch per mode at --context; divergence: where the "
+                        "engine's dense greedy tokens leave HF's, bf16 and fp32 (CPU or GPU)")
     p.add_argument("--merge", nargs="+", default=None,
                    help="instead of running: merge result files of several modes runs (same model) into --out")
     p.add_argument("--layers", type=int, default=8, help="modes: decoder layers of the random model")
@@ -238,6 +239,8 @@ def run(a: argparse.Namespace) -> int:
         return 0
     if a.part == "embedded":
         return _finish(a.out, run_embedded(a))
+    if a.part == "divergence":
+        return _finish(a.out, run_divergence(a))
     if a.part == "capacity":
         return _finish(a.out, run_capacity(a))
     if not torch.cuda.is_available():
@@ -457,6 +460,25 @@ def run_embedded(a: argparse.Namespace) -> dict[str, Any]:
                         "retrieval_found": found and found["found"],
                         "slowest_mode_tokens_per_s": min(r["tokens_per_s"] for r in rows.values()),
                         "goal_300_tok_s": {m: r["tokens_per_s"] >= 300 for m, r in rows.items()}}}
+
+
+def run_divergence(a: argparse.Namespace) -> dict[str, Any]:
+    """`divergence` of the real embedded model on a `--prompt`-token passkey prompt, in bf16 and in fp32, on
+    `--device` (the CPU path runs the model's own modules and the reference kernels)."""
+    from workbench.core.corpus import make_sample
+    from workbench.core.model import load_model
+
+    device, _ = _where(a)
+    out: dict[str, Any] = {"what": f"engine dense-resident vs HF generate (plain greedy, static cache), embedded model, "
+                                   f"{a.prompt}-token passkey prompt, {a.new_tokens} tokens, {device}",
+                           "environment": environment() if device == "cuda" else timing_environment()}
+    for dtype in (torch.bfloat16, torch.float32):
+        model, tok, _ = load_model(device=device, dtype=dtype)
+        ids = make_sample("passkey", tok, a.prompt, seed=0).input_ids.to(device)
+        out[str(dtype).replace("torch.", "")] = divergence(model, ids, a.new_tokens)
+        del model
+        gc.collect()
+    return out
 
 
 def largest_batch(model: torch.nn.Module, mode: str, context: int, budget: Budget, *, steps: int, host_limit: int,
