@@ -106,7 +106,8 @@ def test_imposed_reuse_gives_the_requested_rate():
     pos = torch.tensor([150 * 64, 120 * 64 + 5])
     for _ in range(20):
         sel = hook(3, torch.zeros(2, 4, budget.total, dtype=torch.long), pos)
-        assert ((sel >= 0).sum(-1) == budget.total).all()
+        assert ((sel >= 0).sum(-1) == budget.total).all() and (sel.diff(dim=-1) > 0).all()  # ascending, no repeats
+        assert (sel.amax(-1) == (pos // 64).view(2, 1)).all()  # the current block, nothing past it
         meter(3, sel, pos)
         pos = pos + 1
     assert abs(meter.rate - 0.75) < 0.03
