@@ -51,6 +51,17 @@ def environment() -> dict[str, Any]:
     return {**timing_environment(), "pcie": link}
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def copy_rates(store: BlockStore, ctas_list: list[int]) -> dict[str, Any]:
     """Pinned host->device rate: one large cudaMemcpy, and the UVA gather kernel on random 64-token blocks (a
     quantised store: codes and scales read, bf16 written; rates count the bytes that cross PCIe)."""
@@ -85,24 +96,25 @@ def copy_rates(store: BlockStore, ctas_list: list[int]) -> dict[str, Any]:
 
 
 def fill_store(store: BlockStore) -> None:
-    """Random KV once (every later layout views the same memory): bf16 values, or the codes and scales of
-    random bf16 values for a quantised store."""
+    """Random KV once (every later layout views the same memory): model-dtype values, or the codes and scales of
+    random values for a quantised store (drawn on the GPU when there is one)."""
     from workbench_kernels.gather_ref import quantize_rows
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     D = store.spec.head_dim
     for i in range(store.spec.layers):
         for codes, scales in ((store.k[i], store.sk[i] if store.spec.quant else None),
                               (store.v[i], store.sv[i] if store.spec.quant else None)):
             for start in range(0, codes.numel(), 256 * 1024 ** 2):
                 chunk = codes[start:start + 256 * 1024 ** 2]
-                x = torch.randn(chunk.numel() // D, D, device="cuda", dtype=torch.bfloat16)
+                x = torch.randn(chunk.numel() // D, D, device=device, dtype=store.spec.dtype)
                 if scales is None:
                     chunk.copy_(x.view(-1))
                 else:
                     q, sc = quantize_rows(x, store.spec.quant)
                     chunk.copy_(q.view(-1))
                     scales[start // D:start // D + sc.numel()].copy_(sc)
-    torch.cuda.synchronize()
+    _sync()
 
 
 def run_one(model, store, mode: str, context: int, batch: int, *, steps: int, warmup: int, ctas: int,
@@ -114,15 +126,17 @@ def run_one(model, store, mode: str, context: int, batch: int, *, steps: int, wa
                        select_hook=hook)
     lengths = [context - (i * 997) % 4096 for i in range(batch)]  # different lengths in one batch
     eng.fill_synthetic(lengths, fill_host=False)
-    first = torch.randint(0, 1000, (batch,), device="cuda")
+    first = torch.randint(0, 1000, (batch,), device=eng.device)
     graph_error = None
     try:
-        eng.run(first, warmup, graph=True, progress=False)  # compiles, then captures the step as a CUDA graph
-        _, _, stats = eng.run(first, steps, graph=True, progress=False)
+        eng.run(first, warmup, graph=eng.cuda, progress=False)  # compiles, then captures the step as a CUDA graph
+        _, _, stats = eng.run(first, steps, graph=eng.cuda, progress=False)
     except RuntimeError as e:  # report it and time the eager loop instead
+        if not eng.cuda:
+            raise
         graph_error = str(e)[:300]
         eng.drop_graph()
-        torch.cuda.synchronize()
+        _sync()
         _, _, stats = eng.run(first, steps, progress=False)
     eng.drop_graph()
     _, _, eager = eng.run(first, steps, timing=True, progress=False)  # events around every copy and wait
@@ -139,20 +153,23 @@ def run_one(model, store, mode: str, context: int, batch: int, *, steps: int, wa
     out.update(eager_tokens_per_s=eager.tokens_per_s, eager_hit_rate=eager.hit_rate, eager_hidden_fraction=eager.hidden_fraction,
                eager_copy_gbps=eager.copy_gbps, hidden_fraction=None, copy_gbps=None)
     out.update(context=context, ctas=ctas, reuse_imposed=reuse, lengths=[min(lengths), max(lengths)],
-               cuda_graph=graph_error is None, graph_error=graph_error, fused_layers=eng.fused)
+               cuda_graph=eng.cuda and graph_error is None, graph_error=graph_error, fused_layers=eng.fused)
     eng.close()
-    gc.collect()
-    torch.cuda.empty_cache()
+    _free()
     return out
 
 
 def profile_step(eng: DecodeEngine, tokens: torch.Tensor) -> dict[str, Any]:
     """One eager step under the PyTorch profiler: GPU kernel launches (memcpy/memset included) per layer, the
-    kernels by name, and the gather kernels' transfer rate (bytes of this step's misses over their summed time)."""
+    kernels by name, and the gather kernels' transfer rate (bytes of this step's misses over their summed time).
+    On the CPU the step runs unprofiled and every figure is None."""
     from collections import Counter
 
     from torch.profiler import ProfilerActivity, profile
 
+    if not eng.cuda:
+        eng.step(tokens)
+        return {"launches_per_layer": None, "names": None, "copy_gbps": None}
     _, m0 = eng._counters()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         eng.step(tokens)
@@ -169,10 +186,11 @@ def check_lossless(model, store, budget: Budget, context: int = 16384, batch: in
                    store_dtype: str = "model") -> dict[str, Any]:
     """On the GPU: offload modes must give exactly the tokens of sparse-resident with the same selector and store
     dtype, eagerly and under CUDA-graph replay (the same synthetic KV in the resident cache and the host store)."""
-    lengths = [context - (i * 997) % 4096 for i in range(batch)]
-    first = torch.randint(0, 1000, (batch,), device="cuda")
+    lengths = [context - (i * 997) % (context // 4) for i in range(batch)]
+    device = next(model.parameters()).device
+    first = torch.randint(0, 1000, (batch,), device=device)
     out: dict[str, Any] = {"context": context, "batch": batch, "steps": steps, "store_dtype": store_dtype}
-    for graph in (False, True):
+    for graph in (False, True) if device.type == "cuda" else (False,):
         tokens = {}
         for mode, selector in (("sparse-resident", "same-layer"), ("sparse-offload-sync", "same-layer"),
                                ("sparse-resident", "forecast"), ("sparse-offload-forecast", "forecast"),
@@ -190,8 +208,7 @@ def check_lossless(model, store, budget: Budget, context: int = 16384, batch: in
                                                           tokens[("sparse-resident", "forecast")]),
             "no-prefetch == resident(forecast)": torch.equal(tokens[("forecast-without-prefetch", "forecast")],
                                                              tokens[("sparse-resident", "forecast")])}
-    gc.collect()
-    torch.cuda.empty_cache()
+    _free()
     return out
 
 
@@ -216,7 +233,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="modes: imposed reuse only, no CTA sweep, no natural-reuse run")
     p.add_argument("--store-dtypes", default="model,fp8,int8",
                    help="modes / embedded: host KV stores of the offload modes (model = the model's dtype, fp8, int8)")
-    p.add_argument("--device", default=None, help="embedded / capacity: cuda (default when present) or cpu")
+    p.add_argument("--device", default=None, help="cuda (default when present) or cpu (modes: with --tiny)")
     p.add_argument("--prompt", type=int, default=4096, help="embedded: prompt tokens")
     p.add_argument("--new-tokens", type=int, default=64, help="embedded: tokens decoded per mode")
     p.add_argument("--budget", default="1,2,8", help="embedded: init,local,topk blocks of 64 tokens")
@@ -224,7 +241,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retrieval", type=int, default=10, help="embedded: passkey prompts decoded per store dtype (0: none)")
     p.add_argument("--context", type=int, default=32768, help="capacity: tokens per sequence")
     p.add_argument("--capacity-layers", type=int, default=32, help="capacity: decoder layers of the random model")
-    p.add_argument("--tiny", action="store_true", help="capacity: the tiny Llama shape (CPU smoke run)")
+    p.add_argument("--tiny", action="store_true", help="modes / capacity: the tiny Llama shape (CPU smoke run)")
 
 
 def run(a: argparse.Namespace) -> int:
@@ -243,8 +260,10 @@ def run(a: argparse.Namespace) -> int:
         return _finish(a.out, run_divergence(a))
     if a.part == "capacity":
         return _finish(a.out, run_capacity(a))
-    if not torch.cuda.is_available():
-        raise ValueError("workbench bench decode --part modes needs a CUDA GPU (none found): run it on the GPU machine")
+    device, dtype = _where(a)
+    if device != "cuda" and not a.tiny:
+        raise ValueError("workbench bench decode --part modes needs a CUDA GPU (none found): run it on the GPU machine "
+                         "(--device cpu --tiny: a CPU smoke run of the tiny shape)")
     if a.reuse is None:
         raise ValueError("--part modes needs --reuse (the dynamic-block reuse rate measured on the embedded model, e.g. 0.79)")
     plan = [(int(c), [int(b) for b in bs.split(",")]) for c, bs in (x.split(":") for x in a.plan.split(";"))]
@@ -252,35 +271,39 @@ def run(a: argparse.Namespace) -> int:
     stores = [x.strip() for x in a.store_dtypes.split(",")]
     if any(x not in STORE_DTYPES for x in stores) or not stores:
         raise ValueError(f"--store-dtypes {a.store_dtypes!r}: give a comma list of {', '.join(STORE_DTYPES)}")
-    budget = PAPER_BUDGET
+    budget = Budget(init=1, local=2, topk=8) if a.tiny else PAPER_BUDGET
+    dims = TINY_LLAMA if a.tiny else LLAMA3_8B
     result: dict[str, Any] = {
-        "what": "decode engine modes on a RANDOM-WEIGHT Llama-3-8B-shaped model (synthetic KV), "
-                f"{a.layers} of 32 layers (layer 0 resident, {a.layers - 1} offloaded), bf16, host KV stores "
+        "what": f"decode engine modes on a RANDOM-WEIGHT {'TINY' if a.tiny else 'Llama-3-8B'}-shaped model (synthetic "
+                f"KV), {a.layers} of 32 layers (layer 0 resident, {a.layers - 1} offloaded), {dtype}, host KV stores "
                 f"{stores}; offload modes and 'sparse-resident' with reuse_imposed run the same ImposedReuse hook",
-        "layers": a.layers, "budget": budget.to_dict(), "environment": environment(), "runs": [], "stores": {},
+        "layers": a.layers, "budget": budget.to_dict(),
+        "environment": environment() if device == "cuda" else timing_environment(), "runs": [], "stores": {},
         "copy_by_store": {}}
     out = Path(a.out)
-    model = random_llama(a.layers, max_positions=max(c for c, _ in plan) + 4096)
+    model = random_llama(a.layers, dims=dims, device=device, dtype=dtype, max_positions=max(c for c, _ in plan) + 4096)
     result["weights_gib"] = sum(p.numel() * p.element_size() for p in model.parameters()) / GiB
     # One store per store dtype, made when its pass starts and freed after it: batch x blocks per sequence of the
     # largest run (other layouts view it).
     blocks = max(b * -(-(c + a.warmup + 2 * a.steps + 4) // BLOCK) for c, bs in plan for b in bs)
     for n, store_dtype in enumerate(stores):
-        spec = StoreSpec(a.layers - 1, 1, LLAMA3_8B["num_key_value_heads"], blocks, LLAMA3_8B["head_dim"],
-                         torch.bfloat16, STORE_DTYPES[store_dtype])
+        spec = StoreSpec(a.layers - 1, 1, dims["num_key_value_heads"], blocks, dims["head_dim"], dtype,
+                         STORE_DTYPES[store_dtype])
         t0 = time.perf_counter()
         print(f"pinning a {spec.nbytes / GiB:.1f} GiB {store_dtype} store", flush=True)
         store = BlockStore(spec, limit_bytes=int(a.host_gib * GiB))
         fill_store(store)
         result["stores"][store_dtype] = {"gib": spec.nbytes / GiB, "seconds_to_pin_and_fill": time.perf_counter() - t0}
-        result["copy_by_store"][store_dtype] = copy_rates(store, ctas_list if not a.quick else [16])
+        result["copy_by_store"][store_dtype] = copy_rates(store, ctas_list if not a.quick else [16]) \
+            if device == "cuda" else None
         if n == 0:
             result["copy"] = result["copy_by_store"][store_dtype]
         print("copy", store_dtype, json.dumps(result["copy_by_store"][store_dtype]), flush=True)
         write_json(out, result)
         if a.check:
-            result.setdefault("lossless_gpu", {})[store_dtype] = check_lossless(model, store, budget,
-                                                                                store_dtype=store_dtype)
+            result.setdefault("lossless_gpu", {})[store_dtype] = check_lossless(
+                model, store, budget, context=min(16384, max(c for c, _ in plan)),
+                batch=min(4, max(b for _, bs in plan for b in bs)), store_dtype=store_dtype)
             print("lossless", json.dumps(result["lossless_gpu"][store_dtype]), flush=True)
             write_json(out, result)
         for context, batches in plan:
@@ -300,17 +323,16 @@ def run(a: argparse.Namespace) -> int:
                     except Exception as e:  # a refusal (capacity, OOM) or a failure: record it, go on
                         r = {"mode": mode, "context": context, "batch": batch, "ctas": ctas, "reuse_imposed": reuse,
                              "store_dtype": store_dtype, "refused": f"{type(e).__name__}: {str(e)[:300]}"}
-                        gc.collect()
-                        torch.cuda.empty_cache()
+                        _free()
                     result["runs"].append(r)
                     write_json(out, result)
                     print(f"{context:>7} b{batch:<3} {mode:<26} {r['store_dtype']:<5} reuse={reuse} ctas={ctas:<3} "
                           + (f"{r['tokens_per_s']:9.1f} tok/s (eager {r['eager_tokens_per_s']:7.1f}) hit={r['hit_rate']} "
-                             f"launches/layer={r['launches_per_layer_step']:.2f} copy(events)={r['eager_copy_gbps']} "
+                             f"launches/layer={r['launches_per_layer_step']} copy(events)={r['eager_copy_gbps']} "
                              f"copy(kernel)={r['profiled_copy_gbps']} MB/step={r['bytes_moved_per_step'] / 1e6:.1f}"
                              if "tokens_per_s" in r else "refused: " + r["refused"][:80]), flush=True)
         store.close()
-        gc.collect()
+        _free()
     result["summary"] = summarize(result)
     write_json(out, result)
     print(json.dumps(result["summary"], indent=1))
@@ -583,9 +605,9 @@ def summarize(result: dict[str, Any], host_gib: float = 128.0) -> dict[str, Any]
     transfer rate (eager CUDA events around each copy, and the gather kernels' own profiled time) over the pinned
     memcpy rate of the same run; launches per layer and step; best CTA count; largest feasible batch per mode."""
     runs = [r for r in result["runs"] if "tokens_per_s" in r]
-    gpu_gib = result["environment"]["gpu_memory_gib"]
+    gpu_gib = result["environment"].get("gpu_memory_gib")
     copies = result.get("copy_by_store") or {"model": result["copy"]}
-    memcpy = max(c["pinned_memcpy_gbps"] for c in copies.values())
+    memcpy = max((c["pinned_memcpy_gbps"] for c in copies.values() if c), default=None)
 
     def find(mode, context, batch, reuse, store="model", ctas=16):
         for r in runs:
@@ -618,9 +640,10 @@ def summarize(result: dict[str, Any], host_gib: float = 128.0) -> dict[str, Any]
             "forecast_over_sparse_resident_same_hook": ratio(r, res_hook),
             "forecast_over_dense_resident": ratio(r, dense),
             "hidden_fraction_graph_derived": hidden, "hidden_fraction_eager_events": r["eager_hidden_fraction"],
-            "copy_rate_over_pinned_memcpy_eager_events": r["eager_copy_gbps"] / memcpy if r["eager_copy_gbps"] else None,
+            "copy_rate_over_pinned_memcpy_eager_events": r["eager_copy_gbps"] / memcpy if r["eager_copy_gbps"] and memcpy
+            else None,
             "copy_rate_over_pinned_memcpy_kernel_time":
-                r["profiled_copy_gbps"] / memcpy if r.get("profiled_copy_gbps") else None,
+                r["profiled_copy_gbps"] / memcpy if r.get("profiled_copy_gbps") and memcpy else None,
             "launches_per_layer_step": {m: x.get("launches_per_layer_step") for m, x in
                                         (("forecast", r), ("sync", sync), ("no_prefetch", nopf)) if x}})
     best_ctas = {}
@@ -635,7 +658,7 @@ def summarize(result: dict[str, Any], host_gib: float = 128.0) -> dict[str, Any]
     contexts = sorted({r["context"] for r in runs})
     feasible = {str(c): {f"{layers}_layers": capacity(c, layers, budget, result["weights_gib"], gpu_gib, host_gib),
                          "32_layers": capacity(c, 32, budget, result["weights_gib"] * 32 / layers, gpu_gib, host_gib)}
-                for c in contexts}
+                for c in contexts} if gpu_gib else None
     launches = {f"{r['mode']}@{r.get('store_dtype', 'model')}": r.get("launches_per_layer_step") for r in runs}
     return {"ratios": ratios, "best_ctas": best_ctas, "feasible_batch": feasible, "pinned_memcpy_gbps": memcpy,
             "max_launches_per_layer_step_offload": max((v for k, v in launches.items()

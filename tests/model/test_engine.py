@@ -407,6 +407,25 @@ def test_decode_benchmark_embedded_part_runs_on_the_cpu(one_thread, tmp_path):
                                             "sparse-offload-forecast@int8"}
 
 
+def test_decode_benchmark_modes_part_runs_on_the_cpu(one_thread, tmp_path):
+    """The modes part's orchestration (a store per dtype, the lossless check, every job, the summary) on the tiny
+    shape; its numbers only mean something on the GPU."""
+    import json
+
+    out = tmp_path / "modes.json"
+    bench, args = _bench_args("--part", "modes", "--device", "cpu", "--tiny", "--layers", "3", "--reuse", "0.75",
+                              "--plan", "4096:2", "--quick", "--store-dtypes", "model,int8", "--steps", "2",
+                              "--warmup", "1", "--check", "--host-gib", "1", "--out", str(out))
+    assert bench.run(args) == 0
+    r = json.loads(out.read_text())
+    assert all(all(v.values()) for check in r["lossless_gpu"].values() for v in (check["eager"],))
+    runs = [x for x in r["runs"] if "tokens_per_s" in x]
+    assert len(runs) == len(r["runs"]) == 3 + 3 + 3  # resident (no hook, hook), dense; offload x 2 stores
+    ratios = {x["store_dtype"]: x for x in r["summary"]["ratios"]}
+    assert set(ratios) == {"model", "int8"} and ratios["int8"]["mb_moved_per_step"] < ratios["model"]["mb_moved_per_step"]
+    assert all(x["forecast_over_sparse_resident_same_hook"] for x in ratios.values())
+
+
 def test_decode_benchmark_capacity_part_runs_on_the_cpu(tmp_path):
     import json
 

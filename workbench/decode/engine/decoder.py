@@ -368,14 +368,17 @@ class DecodeEngine:
     def fill_synthetic(self, lengths: list[int], seed: int = 0, fill_host: bool = True) -> None:
         """Benchmark start: random KV and compressed keys as if prompts of `lengths` were prefilled.
         `fill_host=False` leaves the host store as it is (a benchmark fills it once)."""
-        from workbench_kernels.gather_ref import quantize_rows
+        from workbench_kernels.gather_ref import dequantize_rows, quantize_rows
 
         g = torch.Generator(device=self.device).manual_seed(seed)
         if len(lengths) != self.batch or max(lengths) > self.max_tokens:
             raise StoreCapacityError(f"need {self.batch} lengths of at most {self.max_tokens} tokens, got {lengths}")
-        for t in self.kv.values():
+        for layer, t in self.kv.items():  # the same draws as the host store's below, so modes share their KV
             for part in t.view(-1, BLOCK, t.shape[-1]).split(4096):  # bounded staging buffers
-                part.copy_(torch.randn(part.shape, generator=g, device=self.device).to(self.dtype))
+                x = torch.randn(part.shape, generator=g, device=self.device)
+                if layer in self.quantised:  # what the quantised store would give back
+                    x = dequantize_rows(*quantize_rows(x, self.quant), torch.float32)
+                part.copy_(x.to(self.dtype))
         for layer in self.slot if fill_host else ():
             for i, t in enumerate(self.host[layer]):
                 for b in range(self.batch):
