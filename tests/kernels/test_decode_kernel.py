@@ -318,3 +318,35 @@ def test_reference_ignores_garbage_past_the_length():
     blocks = torch.tensor([[[0], [0]]])
     out = sparse_decode_ref(q, k_pool, v_pool, torch.tensor([10]), 0.25, blocks=blocks, slots=blocks.clone())
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_layer_glue_kernels_match_their_references_and_the_llama_modules(dtype):
+    """add + RMSNorm, RoPE split (with the forecast queries in fp32) and silu * up: Triton == reference, and the
+    reference == transformers' LlamaRMSNorm / apply_rotary_pos_emb / silu, where those round."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+    from workbench_kernels.layer import add_rmsnorm, rope_split, silu_mul
+    from workbench_kernels.layer_ref import add_rmsnorm_ref, rope_split_ref, silu_mul_ref
+
+    g = torch.Generator().manual_seed(3)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(DEV, dtype)
+
+    x, delta, w = rand(3, 576), rand(3, 576), rand(576)
+    got, want = add_rmsnorm(x, delta, w, 1e-5), add_rmsnorm_ref(x, delta, w, 1e-5)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6 if dtype == torch.float32 else 1e-3)  # sum order
+    norm = LlamaRMSNorm(576, 1e-5).to(DEV, dtype)
+    norm.weight.data.copy_(w)
+    assert torch.equal(norm(x + delta), want[1])
+    H, Hkv, Hf, D = 4, 2, 2, 64
+    qkvf, cos, sin = rand(3, (H + 2 * Hkv + Hf) * D), rand(3, D), rand(3, D)
+    args = (qkvf, cos, sin, H, Hkv, Hf, cos.float(), sin.float())
+    for a, b in zip(rope_split(*args), rope_split_ref(*args)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0 if DEV == "cpu" else 1e-6)
+    heads = qkvf.view(3, -1, D)[:, :H, None]  # [B, H, T=1, D]
+    q_hf = apply_rotary_pos_emb(heads, heads, cos[:, None], sin[:, None])[0][:, :, 0]
+    assert torch.equal(q_hf, rope_split_ref(*args)[0])
+    gate, up = rand(3, 1536), rand(3, 1536)
+    torch.testing.assert_close(silu_mul(gate, up), silu_mul_ref(gate, up), rtol=1e-6, atol=1e-6)
