@@ -1,4 +1,4 @@
-"""Triton InfLLM-V2 decode selection: group scores, max-pool to blocks and top-k in two launches.
+"""Triton InfLLM-V2 decode selection: group scores, max-pool to blocks, top-k (and the cache plan) in two launches.
 
 The PyTorch reference is `workbench.patterns.infllm` (`group_scores` -> `pool_to_blocks` -> `topk_blocks`,
 as `workbench.decode.engine.select.select_decode` chains them); this leaf imports nothing from it.
@@ -10,13 +10,16 @@ as `workbench.decode.engine.select.select_decode` chains them); this leaf import
    the G probabilities per compressed key, max-pools them onto blocks (kernel (block + window) / stride - 1,
    stride block / stride, padding window / stride - 1), forces init and local blocks (+inf), drops future
    ones (-inf) and keeps the top K by bisection on the scores' order-preserving integer keys (ties: lower
-   block id first). Output: block ids ascending, -1 padded, like `topk_blocks`.
+   block id first). Output: block ids ascending, -1 padded, like `topk_blocks`. Given a GPU block cache it
+   also admits the selection there (`cache_plan.plan_row`: slots and copy list), saving a launch per layer.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from .cache_plan import check_plan_args, plan_row
 
 
 @triton.jit
@@ -54,8 +57,10 @@ def _scores_kernel(Q, CK, Visible, Logits, Mpart, Lpart, scale, H, G, NC, CK_ROW
 
 @triton.jit
 def _pool_topk_kernel(Logits, Mpart, Lpart, Positions, Out, H, G, NC, NB, K, KEEP, init, local, nsplit,
+                      SlotOf, BlockIn, Slots, Src, Dst, Hits, Misses, C, NBC,
                       GP: tl.constexpr, SP: tl.constexpr, NBP: tl.constexpr, KP: tl.constexpr,
-                      STEP: tl.constexpr, PAD: tl.constexpr, KERNEL: tl.constexpr, BLOCK_N: tl.constexpr):
+                      STEP: tl.constexpr, PAD: tl.constexpr, KERNEL: tl.constexpr, BLOCK_N: tl.constexpr,
+                      PLAN: tl.constexpr, CP: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, GP)
     sp = tl.arange(0, SP)
@@ -98,17 +103,24 @@ def _pool_topk_kernel(Logits, Mpart, Lpart, Positions, Out, H, G, NC, NB, K, KEE
     tl.store(Out + bh * K + rank, blocks.to(tl.int64), mask=chosen)
     r = tl.arange(0, KP)
     tl.store(Out + bh * K + r, tl.full([KP], -1, tl.int64), mask=(r >= tl.sum(chosen.to(tl.int32), 0)) & (r < K))
+    if PLAN:  # admit the selection into the layer's block cache in the same launch
+        tl.debug_barrier()  # the row's ids were written by every thread of the program
+        blk = tl.load(Out + bh * K + r, mask=r < K, other=-1)
+        plan_row(bh, blk, r < K, SlotOf, BlockIn, Slots, Src, Dst, Hits, Misses, K, C, NBC, CP)
 
 
 def select_blocks(q_group: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, visible_upto: torch.Tensor,
                   n_blocks: int, *, init: int, local: int, topk: int, block: int = 64, window: int = 32,
-                  stride: int = 16, scale: float | None = None, splits: int | None = None) -> torch.Tensor:
+                  stride: int = 16, scale: float | None = None, splits: int | None = None,
+                  cache: tuple[torch.Tensor, ...] | None = None):
     """InfLLM-V2 selection for one new token per sequence, as `select_decode` computes it.
 
     q_group `[B, Hkv, G, D]`; keys `[B, Hkv, Nc(+sink), D]` compressed keys (at most
     (n_blocks * block - window) // stride + 1 columns are read); positions `[B]` (the query's token: its
     block and the `local` before it are forced); visible_upto `[B]` (last token whose key may be scored).
     -> ids `[B, Hkv, init + local + topk]` int64, ascending, -1 padded.
+    With `cache` = (slot_of, block_in, hits, misses) of a GPU block cache, the selection is also admitted into
+    it in the same launch (`cache_plan.plan_blocks`): -> (ids, slots, src, dst).
     """
     B, Hkv, G, D = q_group.shape
     if keys.dim() != 4 or keys.shape[:2] != (B, Hkv) or keys.shape[3] != D:
@@ -135,11 +147,21 @@ def select_blocks(q_group: torch.Tensor, keys: torch.Tensor, positions: torch.Te
     mpart = torch.empty(B * Hkv * splits * GP, device=dev, dtype=torch.float32)
     lpart = torch.empty_like(mpart)
     out = torch.empty(B, Hkv, K, device=dev, dtype=torch.int64)
+    if cache is not None:
+        slot_of, block_in, hits, misses = cache
+        check_plan_args(out, slot_of, block_in, hits, misses)
+        slots = torch.empty_like(out)
+        src = torch.empty(B * Hkv * K, dtype=torch.int64, device=dev)
+        dst = torch.empty_like(src)
+        plan = (slot_of, block_in, slots, src, dst, hits, misses, block_in.shape[2] - 1, slot_of.shape[2] - 1)
+    else:
+        plan = (out,) * 7 + (0, 0)
     _scores_kernel[(B * Hkv, splits)](q_group.contiguous(), keys, visible_upto, logits, mpart, lpart, scale, Hkv, G,
                                       nc, keys.shape[2], per_split, window, stride, D=D, GP=GP, TILE=TILE,
                                       IEEE=keys.dtype == torch.float32, num_warps=4)
     _pool_topk_kernel[(B * Hkv,)](logits, mpart, lpart, positions, out, Hkv, G, nc, n_blocks, K, min(K, n_blocks),
-                                  init, local, splits, GP=GP, SP=triton.next_power_of_2(splits), NBP=nbp,
+                                  init, local, splits, *plan, GP=GP, SP=triton.next_power_of_2(splits), NBP=nbp,
                                   KP=triton.next_power_of_2(K), STEP=block // stride, PAD=window // stride - 1,
-                                  KERNEL=(block + window) // stride - 1, BLOCK_N=block, num_warps=8)
-    return out
+                                  KERNEL=(block + window) // stride - 1, BLOCK_N=block, PLAN=cache is not None,
+                                  CP=triton.next_power_of_2(max(plan[7], 1)), num_warps=8)
+    return out if cache is None else (out, slots, src, dst)

@@ -1,13 +1,15 @@
-"""Triton versions of the decode engine's per-layer bookkeeping: one launch for the cache plan, one
-for writing the new token (pool, host store and/or compressed keys). Same contracts as `cache_plan_ref`.
+"""Triton versions of the decode engine's per-layer bookkeeping: one launch for the cache plan (also fused
+into the selection: `plan_row`), one for writing the new token (host store, quantised or not, and compressed
+keys). Same contracts as `cache_plan_ref`.
 
 `plan_blocks`: one program per (sequence, KV head) row holds the row's selection `[K]` and slot map
 `[C]` in registers: hits are found by a gather from the block map, the free slots are ranked with a
 prefix sum and matched to the misses' ranks (the reference's assignment exactly), the maps are updated
 in place and the copy list is written into the row's own segment (no compaction; atomics only for the
 two counters).
-`append_token`: one program per row writes K and V where the decoder reads them (through the block
-map for a cache), into pinned host memory through UVA, and rolls the compressed-key window.
+`append_token`: one program per row writes K and V into pinned host memory through UVA (FP8 / INT8 codes and
+their scales for a quantised store, and the dequantised values the decoder attends to) and rolls the
+compressed-key window.
 """
 from __future__ import annotations
 
@@ -15,17 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .cache_plan_ref import BLOCK
+from .gather_ref import QMAX
 
 
 @triton.jit
-def _plan_kernel(Blocks, SlotOf, BlockIn, Slots, Src, Dst, Hits, Misses, K, C, NB,
-                 KP: tl.constexpr, CP: tl.constexpr):
-    bh = tl.program_id(0).to(tl.int64)
-    kk = tl.arange(0, KP)
+def plan_row(bh, blk, kin, SlotOf, BlockIn, Slots, Src, Dst, Hits, Misses, K, C, NB, CP: tl.constexpr):
+    """Admit row bh's selection `blk` `[KP]` (int64, -1 unused; `kin` = entries < K) into its cache maps and
+    write its slots and copy list (the body of `_plan_kernel`, shared with the fused selection)."""
     cc = tl.arange(0, CP)
-    kin = kk < K
-    blk = tl.load(Blocks + bh * K + kk, mask=kin, other=-1).to(tl.int64)
     valid = blk >= 0
     cur = tl.load(SlotOf + bh * (NB + 1) + tl.where(valid, blk, 0), mask=valid, other=-1).to(tl.int64)
     hit = valid & (cur >= 0)
@@ -42,6 +41,7 @@ def _plan_kernel(Blocks, SlotOf, BlockIn, Slots, Src, Dst, Hits, Misses, K, C, N
     tl.store(SlotOf + bh * (NB + 1) + tl.where(valid, blk, NB), new, mask=miss)
     tl.store(BlockIn + bh * (C + 1) + new, blk, mask=miss)
     slot = tl.where(hit, cur, new) + bh * C
+    kk = tl.arange(0, blk.shape[0])
     tl.store(Slots + bh * K + kk, tl.where(valid, slot, -1), mask=kin)
     tl.store(Src + bh * K + kk, tl.where(valid, blk, 0) + bh * NB, mask=kin)
     tl.store(Dst + bh * K + kk, tl.where(miss, slot, -1), mask=kin)
@@ -49,16 +49,32 @@ def _plan_kernel(Blocks, SlotOf, BlockIn, Slots, Src, Dst, Hits, Misses, K, C, N
     tl.atomic_add(Misses, tl.sum(miss.to(tl.int64), 0))
 
 
-def plan_blocks(blocks: torch.Tensor, slot_of: torch.Tensor, block_in: torch.Tensor, hits: torch.Tensor,
-                misses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton `plan_blocks_ref` (same arguments and results; maps and counters int64, contiguous)."""
-    B, H, K = blocks.shape
-    NB, C = slot_of.shape[2] - 1, block_in.shape[2] - 1
+@triton.jit
+def _plan_kernel(Blocks, SlotOf, BlockIn, Slots, Src, Dst, Hits, Misses, K, C, NB,
+                 KP: tl.constexpr, CP: tl.constexpr):
+    bh = tl.program_id(0).to(tl.int64)
+    kk = tl.arange(0, KP)
+    kin = kk < K
+    blk = tl.load(Blocks + bh * K + kk, mask=kin, other=-1).to(tl.int64)
+    plan_row(bh, blk, kin, SlotOf, BlockIn, Slots, Src, Dst, Hits, Misses, K, C, NB, CP)
+
+
+def check_plan_args(blocks: torch.Tensor, slot_of: torch.Tensor, block_in: torch.Tensor, hits: torch.Tensor,
+                    misses: torch.Tensor) -> None:
+    K, C = blocks.shape[2], block_in.shape[2] - 1
     if K > C:
         raise ValueError(f"a selection of {K} blocks does not fit a cache of {C} slots: raise the capacity")
     for name, t in (("blocks", blocks), ("slot_of", slot_of), ("block_in", block_in), ("hits", hits), ("misses", misses)):
         if t.dtype != torch.int64 or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous int64 tensor, got {t.dtype}")
+
+
+def plan_blocks(blocks: torch.Tensor, slot_of: torch.Tensor, block_in: torch.Tensor, hits: torch.Tensor,
+                misses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton `plan_blocks_ref` (same arguments and results; maps and counters int64, contiguous)."""
+    check_plan_args(blocks, slot_of, block_in, hits, misses)
+    B, H, K = blocks.shape
+    NB, C = slot_of.shape[2] - 1, block_in.shape[2] - 1
     slots = torch.empty_like(blocks)
     src = torch.empty(B * H * K, dtype=torch.int64, device=blocks.device)
     dst = torch.empty_like(src)
@@ -68,60 +84,87 @@ def plan_blocks(blocks: torch.Tensor, slot_of: torch.Tensor, block_in: torch.Ten
 
 
 @triton.jit
-def _append_token_kernel(K, V, Pos, PoolK, PoolV, SlotOf, HostK, HostV, Tail, CKeys,
-                         H, ROW_SLOTS, NB1, HOST_TOKENS, NC1, STRIDE,
-                         D: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr,
-                         POOL: tl.constexpr, MAPPED: tl.constexpr, HOST: tl.constexpr, COMPRESS: tl.constexpr):
+def store_row(x, bh, pos, d, Host, HostS, Out, HOST_TOKENS, QMAX, HOST: tl.constexpr, QUANT: tl.constexpr,
+              INT8: tl.constexpr, OUT: tl.constexpr):
+    """The new token's K (or V) row x `[D]` of head row bh at position pos: into the host store (values, or codes
+    and the row's scale = max |x| / QMAX, rounded like `gather_ref.quantize_rows`) and its dequantised value
+    into Out (what the decoder attends to). Shared by `append_token` and `layer.rope_split`."""
+    hrow = bh * HOST_TOKENS + pos
+    if QUANT:
+        xf = x.to(tl.float32)
+        scale = tl.math.div_rn(tl.max(tl.abs(xf), 0), QMAX)
+        y = tl.where(scale > 0, tl.math.div_rn(xf, tl.where(scale > 0, scale, 1.0)), 0.0)
+        if INT8:
+            y = tl.minimum(tl.maximum(tl.math.floor(y + 0.5), -127.0), 127.0)
+        codes = y.to(Host.dtype.element_ty)
+        if OUT:
+            tl.store(Out + bh * d.shape[0] + d, (codes.to(tl.float32) * scale).to(Out.dtype.element_ty))
+        if HOST:
+            tl.store(Host + hrow * d.shape[0] + d, codes)
+            tl.store(HostS + hrow, scale)
+    elif HOST:
+        tl.store(Host + hrow * d.shape[0] + d, x.to(Host.dtype.element_ty))
+
+
+@triton.jit
+def roll_row(k, bh, pos, d, Tail, CKeys, NC1, STRIDE, W: tl.constexpr):
+    """The new key k `[D]` enters head row bh's W-row ring; completing a window writes its mean as a compressed
+    key (`cache_plan_ref.roll_compressed_ref`)."""
+    D: tl.constexpr = d.shape[0]
+    kf = k.to(tl.float32)
+    tl.store(Tail + (bh * W + pos % W) * D + d, kf)
+    if ((pos + 1) % STRIDE == 0) & (pos >= W - 1):
+        tok = pos - (W - 1) + tl.arange(0, W)  # the window's tokens; the newest comes from registers
+        others = tl.load(Tail + (bh * W + tok % W)[:, None] * D + d[None, :], mask=(tok != pos)[:, None], other=0.0)
+        mean = (tl.sum(others, 0) + kf) / W
+        j = (pos - (W - 1)) // STRIDE
+        tl.store(CKeys + (bh * NC1 + j) * D + d, mean.to(CKeys.dtype.element_ty))
+
+
+@triton.jit
+def _append_token_kernel(K, V, Pos, HostK, HostV, HostSK, HostSV, Kout, Vout, Tail, CKeys,
+                         H, HOST_TOKENS, NC1, STRIDE, QMAX,
+                         D: tl.constexpr, W: tl.constexpr, HOST: tl.constexpr, QUANT: tl.constexpr,
+                         INT8: tl.constexpr, OUT: tl.constexpr, COMPRESS: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
-    b = bh // H
     d = tl.arange(0, D)
-    pos = tl.load(Pos + b).to(tl.int64)
+    pos = tl.load(Pos + bh // H).to(tl.int64)
     k = tl.load(K + bh * D + d)
-    v = tl.load(V + bh * D + d)
-    if POOL:
-        blk = pos // BLOCK_N
-        if MAPPED:
-            slot = tl.load(SlotOf + bh * NB1 + blk).to(tl.int64) + bh * ROW_SLOTS
-        else:
-            slot = bh * ROW_SLOTS + blk
-        row = (slot * BLOCK_N + pos % BLOCK_N) * D
-        tl.store(PoolK + row + d, k.to(PoolK.dtype.element_ty))
-        tl.store(PoolV + row + d, v.to(PoolV.dtype.element_ty))
-    if HOST:
-        hrow = (bh * HOST_TOKENS + pos) * D
-        tl.store(HostK + hrow + d, k.to(HostK.dtype.element_ty))
-        tl.store(HostV + hrow + d, v.to(HostV.dtype.element_ty))
+    store_row(k, bh, pos, d, HostK, HostSK, Kout, HOST_TOKENS, QMAX, HOST, QUANT, INT8, OUT)
+    store_row(tl.load(V + bh * D + d), bh, pos, d, HostV, HostSV, Vout, HOST_TOKENS, QMAX, HOST, QUANT, INT8, OUT)
     if COMPRESS:
-        kf = k.to(tl.float32)
-        tl.store(Tail + (bh * W + pos % W) * D + d, kf)
-        if ((pos + 1) % STRIDE == 0) & (pos >= W - 1):
-            tok = pos - (W - 1) + tl.arange(0, W)  # the window's tokens; the newest comes from registers
-            others = tl.load(Tail + (bh * W + tok % W)[:, None] * D + d[None, :], mask=(tok != pos)[:, None], other=0.0)
-            mean = (tl.sum(others, 0) + kf) / W
-            j = (pos - (W - 1)) // STRIDE
-            tl.store(CKeys + (bh * NC1 + j) * D + d, mean.to(CKeys.dtype.element_ty))
+        roll_row(k, bh, pos, d, Tail, CKeys, NC1, STRIDE, W)
 
 
-def append_token(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, pool_k: torch.Tensor | None,
-                 pool_v: torch.Tensor | None, *, slot_of: torch.Tensor | None = None, n_blocks: int | None = None,
-                 host_k: torch.Tensor | None = None, host_v: torch.Tensor | None = None,
-                 tail: torch.Tensor | None = None, ckeys: torch.Tensor | None = None, stride: int = 16) -> None:
-    """Triton `append_token_ref` (same arguments). Tensors contiguous; host_k/v may be pinned host memory
-    (written through UVA); D and the window W must be powers of two."""
-    B, H, D = k.shape
+def append_args(k: torch.Tensor, *, host_k: torch.Tensor | None = None, host_v: torch.Tensor | None = None,
+                host_scale_k: torch.Tensor | None = None, host_scale_v: torch.Tensor | None = None,
+                quant: torch.dtype | None = None, k_out: torch.Tensor | None = None, v_out: torch.Tensor | None = None,
+                tail: torch.Tensor | None = None, ckeys: torch.Tensor | None = None, stride: int = 16
+                ) -> tuple[tuple, dict]:
+    """Check `append_token`'s keyword arguments -> (pointer and integer arguments, constexprs) of `store_row` and
+    `roll_row` (unused pointers point at k). Shared with `layer.rope_split`."""
+    D = k.shape[-1]
     if D & (D - 1) or (tail is not None and tail.shape[2] & (tail.shape[2] - 1)):
         raise ValueError(f"head_dim ({D}) and the compression window must be powers of two for the Triton kernel")
-    if pool_k is not None and (slot_of is None) == (n_blocks is None):
-        raise ValueError("give exactly one of slot_of (a block cache) or n_blocks (a resident pool)")
-    row_slots = (pool_k.shape[0] // (B * H) if slot_of is not None else n_blocks) if pool_k is not None else 0
-    W = tail.shape[2] if tail is not None else 1
-    k = k.contiguous()
-    pool = pool_k is not None
-    _append_token_kernel[(B * H,)](
-        k, v.contiguous(), positions, pool_k if pool else k, pool_v if pool else k,
-        slot_of if slot_of is not None else positions, host_k if host_k is not None else k,
-        host_v if host_v is not None else k, tail if tail is not None else k, ckeys if ckeys is not None else k,
-        H, row_slots, slot_of.shape[2] if slot_of is not None else 0, host_k.shape[2] if host_k is not None else 0,
-        ckeys.shape[2] if ckeys is not None else 0, stride,
-        D=D, W=W, BLOCK_N=BLOCK, POOL=pool, MAPPED=slot_of is not None, HOST=host_k is not None,
-        COMPRESS=tail is not None, num_warps=1)
+    if host_k is not None and (host_k.dtype in QMAX) != (quant is not None):
+        raise ValueError(f"a {host_k.dtype} host store needs quant={host_k.dtype} and its scales")
+    if quant is not None and quant not in QMAX:
+        raise ValueError(f"quant must be float8_e4m3fn or int8, got {quant}")
+    if quant is not None and host_k is not None and host_scale_k is None:
+        raise ValueError("a quantised host store needs host_scale_k and host_scale_v")
+    ptrs = tuple(t if t is not None else k for t in (host_k, host_v, host_scale_k, host_scale_v, k_out, v_out, tail,
+                                                      ckeys))
+    ints = (host_k.shape[2] if host_k is not None else 0, ckeys.shape[2] if ckeys is not None else 0, stride,
+            QMAX.get(quant, 1.0))
+    flags = dict(W=tail.shape[2] if tail is not None else 1, HOST=host_k is not None, QUANT=quant is not None,
+                 INT8=quant == torch.int8, OUT=k_out is not None, COMPRESS=tail is not None)
+    return ptrs + ints, flags
+
+
+def append_token(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, **targets) -> None:
+    """Triton `append_token_ref` (same arguments). Tensors contiguous; host tensors may be pinned host memory
+    (written through UVA); D and the window W must be powers of two."""
+    B, H, D = k.shape
+    (hk, hv, sk, sv, ko, vo, tail, ck, *ints), flags = append_args(k, **targets)
+    _append_token_kernel[(B * H,)](k, v.contiguous(), positions, hk, hv, sk, sv, ko, vo, tail, ck, H, *ints, D=D,
+                                   **flags, num_warps=1)

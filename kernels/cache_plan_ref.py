@@ -5,15 +5,15 @@ still cached stay where they are (hits); each missing block takes the lowest-num
 by a hit, in selection order, evicting whatever that slot held. Returns the pool slot of every selected
 block and a copy list (store block -> cache slot, -1 = nothing to copy) with no host synchronisation.
 
-`append_token_ref`: write each sequence's new key/value row where the decoder reads it (a resident
-pool or a block cache through its block map, and optionally the pinned host store) and/or roll the
-compressed keys (`roll_compressed_ref`).
+`append_token_ref`: write each sequence's new key/value row into the pinned host store (quantised for an
+FP8 / INT8 store, with the values the decoder must attend to), and/or roll the compressed keys
+(`roll_compressed_ref`). The token enters the pool the decoder attends to in the decode kernel itself.
 """
 from __future__ import annotations
 
 import torch
 
-from . import BLOCK
+from .gather_ref import QMAX, dequantize_rows, quantize_rows
 
 
 def plan_blocks_ref(blocks: torch.Tensor, slot_of: torch.Tensor, block_in: torch.Tensor, hits: torch.Tensor,
@@ -50,33 +50,38 @@ def plan_blocks_ref(blocks: torch.Tensor, slot_of: torch.Tensor, block_in: torch
     return slots, src, dst
 
 
-def append_token_ref(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, pool_k: torch.Tensor | None,
-                     pool_v: torch.Tensor | None, *, slot_of: torch.Tensor | None = None, n_blocks: int | None = None,
+def append_token_ref(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
                      host_k: torch.Tensor | None = None, host_v: torch.Tensor | None = None,
-                     tail: torch.Tensor | None = None, ckeys: torch.Tensor | None = None, stride: int = 16) -> None:
-    """k, v `[B, H, D]` at `positions` `[B]`.
+                     host_scale_k: torch.Tensor | None = None, host_scale_v: torch.Tensor | None = None,
+                     quant: torch.dtype | None = None, k_out: torch.Tensor | None = None,
+                     v_out: torch.Tensor | None = None, tail: torch.Tensor | None = None,
+                     ckeys: torch.Tensor | None = None, stride: int = 16) -> None:
+    """k, v `[B, H, D]` (the new token, after RoPE) at `positions` `[B]`. Writes, each where given:
 
-    Pool `[S, 64, D]` (None: no pool write): with `slot_of` `[B, H, NB + 1]` (a block cache of C = S / (B * H)
-    slots per row) the token's block must be cached and the row goes to its slot; without it the pool is
-    resident, `n_blocks` blocks per row. host_k/v `[B, H, NBh * 64, D]` (optional): the host store rows.
-    tail `[B, H, W, D]` float32 and ckeys `[B, H, Nc + 1, D]` (optional): the compressed keys.
+    - host_k/v `[B, H, NBh * 64, D]` (the pinned host store's rows; codes when `quant` is float8_e4m3fn or int8,
+      with their scales in host_scale_k/v `[B, H, NBh * 64]` float32);
+    - k_out/v_out `[B, H, D]`: what the decoder must attend to for this token, `dequantize_rows(quantize_rows(k))`
+      in k_out's dtype (a quantised store: the same values a later gather of the block gives back);
+    - tail `[B, H, W, D]` float32 and ckeys `[B, H, Nc + 1, D]`: the compressed keys (from the exact k).
+    The token reaches the attended pool through the decode kernel (`k_new` / `v_new`).
     """
     B, H, D = k.shape
-    if pool_k is not None:
-        row = torch.arange(B * H, device=k.device).view(B, H)
-        blk, off = (positions // BLOCK).view(B, 1), (positions % BLOCK).view(B, 1)
-        if slot_of is not None:
-            slot = slot_of.gather(2, blk.view(B, 1, 1).expand(B, H, 1))[:, :, 0] + row * (pool_k.shape[0] // (B * H))
-        else:
-            slot = row * n_blocks + blk
-        flat = (slot * BLOCK + off).flatten()
-        pool_k.view(-1, D)[flat] = k.reshape(-1, D).to(pool_k.dtype)
-        pool_v.view(-1, D)[flat] = v.reshape(-1, D).to(pool_v.dtype)
+    ks, vs = k, v
+    if quant is not None:
+        (ks, sk), (vs, sv) = quantize_rows(k, quant), quantize_rows(v, quant)
+        if k_out is not None:
+            k_out.copy_(dequantize_rows(ks, sk, k_out.dtype))
+            v_out.copy_(dequantize_rows(vs, sv, v_out.dtype))
     if host_k is not None:
+        if (host_k.dtype in QMAX) != (quant is not None) or (quant is not None and host_scale_k is None):
+            raise ValueError(f"a {host_k.dtype} host store needs quant={host_k.dtype} and its scales")
         b = torch.arange(B, device=host_k.device)
         p = positions.to(host_k.device)
-        host_k[b, :, p] = k.to(host_k.device, host_k.dtype)
-        host_v[b, :, p] = v.to(host_v.device, host_v.dtype)
+        host_k[b, :, p] = ks.to(host_k.device, host_k.dtype)
+        host_v[b, :, p] = vs.to(host_v.device, host_v.dtype)
+        if quant is not None:
+            host_scale_k[b, :, p] = sk.to(host_scale_k.device)
+            host_scale_v[b, :, p] = sv.to(host_scale_v.device)
     if tail is not None:
         roll_compressed_ref(k, positions, tail, ckeys, stride)
 

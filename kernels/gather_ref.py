@@ -1,18 +1,45 @@
-"""PyTorch reference for the block gather (host store -> GPU cache).
+"""PyTorch reference for the block gather (host store -> GPU cache), and the KV store's row quantisation.
 
 Pools are 2-D `[S, E]`: S blocks (or token rows) of E contiguous elements. On the GPU the source
 of `gather_blocks` is pinned host memory; here both sides are ordinary tensors.
+
+A quantised store keeps each token's key (and value) row of one head as FP8 (e4m3) or INT8 codes with one
+float32 scale: scale = max |x| / QMAX, code = x / scale (FP8: round to nearest even; INT8: floor(x / scale + 0.5),
+so that every implementation rounds alike), value = code * scale in the model's dtype. The gather dequantises
+while it copies, so the GPU cache holds model-dtype values, and the decoder attends to exactly
+`dequantize_rows(*quantize_rows(x))` whether a block came from the host or was appended on the GPU.
 """
 from __future__ import annotations
 
 import torch
 
+QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[..., D]` -> codes `[..., D]` in `dtype` (float8_e4m3fn or int8) and scales `[...]` float32."""
+    if dtype not in QMAX:
+        raise ValueError(f"quantised store dtype must be float8_e4m3fn or int8, got {dtype}")
+    xf = x.float()
+    scale = xf.abs().amax(-1) / QMAX[dtype]
+    y = torch.where(scale[..., None] > 0, xf / scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None], 0.0)
+    if dtype == torch.int8:
+        y = torch.floor(y + 0.5).clamp(-127, 127)
+    return y.to(dtype), scale
+
+
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes `[..., D]`, scales `[...]` -> values `[..., D]` in `dtype`."""
+    return (codes.float() * scale[..., None]).to(dtype)
+
 
 def check_gather_args(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor,
-                      count: torch.Tensor) -> None:
-    if src.dim() != 2 or dst.dim() != 2 or src.shape[1] != dst.shape[1] or src.dtype != dst.dtype:
+                      count: torch.Tensor, quantised: bool = False) -> None:
+    if src.dim() != 2 or dst.dim() != 2 or src.shape[1] != dst.shape[1] or (src.dtype != dst.dtype and not quantised):
         raise ValueError(f"src and dst must be [S, E] pools with the same E and dtype, got {tuple(src.shape)} "
                          f"{src.dtype} and {tuple(dst.shape)} {dst.dtype}")
+    if quantised and src.dtype not in QMAX:
+        raise ValueError(f"scales are given, so src must hold float8_e4m3fn or int8 codes, got {src.dtype}")
     if src_idx.dim() != 1 or dst_idx.shape != src_idx.shape:
         raise ValueError(f"src_idx and dst_idx must both be [M], got {tuple(src_idx.shape)} and {tuple(dst_idx.shape)}")
     if count.numel() != 1:
@@ -20,13 +47,21 @@ def check_gather_args(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tenso
 
 
 def gather_blocks_ref(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
-                      src_idx: torch.Tensor, dst_idx: torch.Tensor, count: torch.Tensor) -> None:
+                      src_idx: torch.Tensor, dst_idx: torch.Tensor, count: torch.Tensor,
+                      scale_k: torch.Tensor | None = None, scale_v: torch.Tensor | None = None) -> None:
     """dst[dst_idx[i]] = src[src_idx[i]] for i < count where dst_idx[i] >= 0 (-1: nothing to move), for K and
-    V. Pools `[S, E]`, indices `[M]`."""
+    V. Pools `[S, E]`, indices `[M]`. With scales `[S, R]` float32 (R rows of E / R elements per block) the source
+    holds codes and each row is dequantised into dst's dtype."""
+    quantised = scale_k is not None
     for src, dst in ((src_k, dst_k), (src_v, dst_v)):
-        check_gather_args(src, dst, src_idx, dst_idx, count)
+        check_gather_args(src, dst, src_idx, dst_idx, count, quantised)
     n = int(count.reshape(()).item())
     move = dst_idx[:n] >= 0
     s, d = src_idx[:n][move].long().cpu(), dst_idx[:n][move].long().to(dst_k.device)
-    dst_k[d] = src_k[s].to(dst_k.device)
-    dst_v[d] = src_v[s].to(dst_v.device)
+    for src, dst, scale in ((src_k, dst_k, scale_k), (src_v, dst_v, scale_v)):
+        block = src[s]
+        if quantised:
+            rows = scale.shape[1]
+            block = dequantize_rows(block.view(len(s), rows, src.shape[1] // rows), scale[s], dst.dtype)
+            block = block.view(len(s), src.shape[1])
+        dst[d] = block.to(dst.device)

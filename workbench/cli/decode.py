@@ -27,6 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", default="1,2,8", help="init,local,topk blocks of 64 tokens")
     p.add_argument("--heads", default=None, help="trained Forecast heads (.safetensors); default: q_proj warm start")
     p.add_argument("--ctas", type=positive_int, default=16, help="programs of the UVA gather kernel")
+    p.add_argument("--store-dtype", default="model", choices=["model", "fp8", "int8"],
+                   help="offloaded KV on the host: the model's dtype, or FP8 (e4m3) / INT8 codes with per-row scales "
+                        "(half the PCIe bytes of bf16; resident modes round through the same codes)")
     add_device(p)  # --dtype default: bfloat16 on a GPU
     p.add_argument("--graph", action="store_true",
                    help="CUDA only: replay each step as a CUDA graph (faster; no per-copy event timings)")
@@ -102,11 +105,12 @@ def run(args: argparse.Namespace) -> int:
     prompts = [make_sample(task, tok, n, seed=b).input_ids for b, n in enumerate(lengths)]
     cmp = compare_modes(model, prompts, modes=specs, new_tokens=args.steps + 1, budget=budget, heads=heads,
                         graph=args.graph, trace=False, ctas=args.ctas,
-                        measure_reuse=args.measure_reuse, quality=args.quality)
+                        measure_reuse=args.measure_reuse, quality=args.quality, store_dtype=args.store_dtype)
     rows = cmp.rows()
     result: dict[str, Any] = {"command": "workbench " + " ".join(sys.argv[1:]), "model": shape.name, "device": device,
                               "engine": cmp.device, "batch": args.batch, "lengths": lengths, "steps": args.steps,
-                              "budget": budget.to_dict(), "task": task, "runs": rows, "lossless": cmp.lossless}
+                              "budget": budget.to_dict(), "task": task, "store_dtype": args.store_dtype,
+                              "runs": rows, "lossless": cmp.lossless}
     if cmp.quality is not None:
         result["quality_vs_dense"] = cmp.quality
     _print_table(rows)
@@ -125,12 +129,13 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
 
-    head = (f"{'mode':<26}{'selector':<11}{'tok/s':>9}{'MB/step':>9}{'hit':>6}{'reuse':>7}{'hidden':>8}"
+    head = (f"{'mode':<26}{'selector':<11}{'store':<6}{'tok/s':>9}{'MB/step':>9}{'hit':>6}{'reuse':>7}{'hidden':>8}"
             f"{'copy GB/s':>10}{'peak GPU GiB':>13}")
     print(head)
     print("-" * len(head))
     for r in rows:
-        mode = r["mode"].partition("/")[0]  # the selector has its own column
-        print(f"{mode:<26}{r['selector']:<11}{r['tokens_per_s']:>9.2f}{r['bytes_moved_per_step'] / 1e6:>9.2f}"
+        mode = r["mode"].partition("@")[0].partition("/")[0]  # the selector and store have their own columns
+        print(f"{mode:<26}{r['selector']:<11}{r['store_dtype']:<6}{r['tokens_per_s']:>9.2f}"
+              f"{r['bytes_moved_per_step'] / 1e6:>9.2f}"
               f"{f(r['hit_rate'], '.3f'):>6}{f(r['dynamic_reuse'], '.3f'):>7}{f(r['hidden_fraction'], '.2f'):>8}"
               f"{f(r['copy_gbps'], '.1f'):>10}{f(r['peak_gpu_bytes'] and r['peak_gpu_bytes'] / 2**30, '.2f'):>13}")

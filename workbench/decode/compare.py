@@ -1,10 +1,13 @@
 """Decode one prompt in several engine modes side by side: the one call notebook 06 and the dashboard's Decode
 tab make.
 
-A *mode spec* is an engine mode, optionally with the selector of sparse-resident after a slash:
-`"sparse-resident"` (same-layer selection) and `"sparse-resident/forecast"` are the lossless references of
-`sparse-offload-sync` and of the two forecast modes (`"sparse-offload-sync/quest"` offloads Quest's selection,
-whose reference is `"sparse-resident/quest"`). Every mode decodes the same prefilled prompt(s) greedily;
+A *mode spec* is an engine mode, optionally with the selector of sparse-resident after a slash and the KV
+store dtype after an at sign: `"sparse-resident"` (same-layer selection) and `"sparse-resident/forecast"` are the
+lossless references of `sparse-offload-sync` and of the two forecast modes (`"sparse-offload-sync/quest"`
+offloads Quest's selection, whose reference is `"sparse-resident/quest"`); `"sparse-offload-forecast@fp8"` keeps
+the offloaded KV as FP8 codes (`"@int8"`: INT8; no suffix: the `store_dtype` argument, default the model's
+dtype), and its lossless reference is `"sparse-resident/forecast@fp8"`, whose distance from dense is the cost of
+the store (`quality=True`). Every mode decodes the same prefilled prompt(s) greedily;
 on CUDA the speed run replays CUDA graphs (Triton kernels), then a few eager steps with CUDA events measure
 how much of the copy is hidden and one more eager step is traced as a compute/copy timeline. On the CPU the
 engine runs the PyTorch reference kernels with no streams: nothing overlaps, so no share hidden is reported.
@@ -17,8 +20,8 @@ from typing import Any
 
 import torch
 
-from workbench.decode.engine.decoder import MODES, OFFLOAD, DecodeEngine, EngineConfig
-from workbench.decode.engine.llama import LlamaLayers
+from workbench.decode.engine.decoder import MODES, OFFLOAD, STORE_DTYPES, DecodeEngine, EngineConfig, check_budget
+from workbench.decode.engine.llama import decoder_layers
 from workbench.decode.engine.reuse import ReuseMeter
 from workbench.decode.timeline import trace_step
 from workbench.patterns.infllm import Budget
@@ -30,9 +33,18 @@ EVENT_STEPS = 4  # eager CUDA steps timed with events (copy time, stall) after t
 Progress = Callable[[str, int, int], None]  # (what, done, total)
 
 
+def parse_spec(spec: str, store_dtype: str = "model") -> tuple[str, str, str]:
+    """A mode spec -> (engine mode, selector, store dtype); `store_dtype` when the spec names none."""
+    head, at, store = spec.partition("@")
+    if at and store not in STORE_DTYPES:
+        raise ValueError(f"mode {spec!r}: store dtype {store!r} is unknown: choose one of {', '.join(STORE_DTYPES)}")
+    return (*parse_mode(head), store if at else store_dtype)
+
+
 def parse_mode(spec: str) -> tuple[str, str]:
-    """`"mode"`, `"sparse-resident/<selector>"` or `"sparse-offload-sync/quest"` -> (engine mode, selector)."""
-    mode, _, selector = spec.partition("/")
+    """`"mode"`, `"sparse-resident/<selector>"` or `"sparse-offload-sync/quest"` (any `@store` suffix is
+    ignored) -> (engine mode, selector)."""
+    mode, _, selector = spec.partition("@")[0].partition("/")
     if mode not in MODES:
         raise ValueError(f"mode {spec!r} is unknown: choose from {', '.join(ALL_MODES)}")
     if selector and mode != "sparse-resident" and (mode, selector) != ("sparse-offload-sync", "quest"):
@@ -43,11 +55,13 @@ def parse_mode(spec: str) -> tuple[str, str]:
 
 
 def reference_of(spec: str) -> str | None:
-    """The resident mode whose tokens an offload mode must reproduce exactly (None for resident modes)."""
+    """The resident mode whose tokens an offload mode must reproduce exactly (None for resident modes); it
+    keeps the spec's store suffix."""
     mode, selector = parse_mode(spec)
     if mode not in OFFLOAD:
         return None
-    return "sparse-resident" if selector == "same-layer" else f"sparse-resident/{selector}"
+    at = spec.partition("@")[1:]
+    return ("sparse-resident" if selector == "same-layer" else f"sparse-resident/{selector}") + "".join(at)
 
 
 def device_label(model: torch.nn.Module) -> str:
@@ -65,6 +79,7 @@ class ModeRun:
 
     spec: str
     tokens: torch.Tensor
+    store_dtype: str
     tokens_per_s: float
     bytes_moved_per_step: float
     hit_rate: float | None
@@ -79,7 +94,8 @@ class ModeRun:
 
     def row(self) -> dict[str, Any]:
         """Table row (no tensors, no spans): greedy tokens of the first sequence as a list."""
-        return {"mode": self.spec, "selector": parse_mode(self.spec)[1], "tokens_per_s": self.tokens_per_s,
+        return {"mode": self.spec, "selector": parse_mode(self.spec)[1], "store_dtype": self.store_dtype,
+                "tokens_per_s": self.tokens_per_s,
                 "bytes_moved_per_step": self.bytes_moved_per_step,
                 "hit_rate": self.hit_rate, "hidden_fraction": self.hidden_fraction, "copy_gbps": self.copy_gbps,
                 "peak_gpu_bytes": self.peak_gpu_bytes, "cuda_graph": self.cuda_graph,
@@ -95,7 +111,9 @@ class Comparison:
     prompt_tokens: list[int]
     new_tokens: int
     runs: dict[str, ModeRun] = field(default_factory=dict)
-    quality: dict[str, dict[str, float | None]] | None = None  # with quality=True: selector -> vs dense-resident
+    # with quality=True: "same-layer", "forecast" (model-dtype KV), "<selector>@<store>" and "dense@<store>" (the
+    # store's rounding alone) for every other store dtype of the run -> top-1 agreement and KL vs dense-resident
+    quality: dict[str, dict[str, float | None]] | None = None
 
     @property
     def lossless(self) -> dict[str, bool]:
@@ -138,7 +156,7 @@ def _tqdm_progress() -> tuple[Progress, Callable[[], None]]:
 def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch.Tensor], *,
                   modes: Sequence[str] = DEFAULT_MODES, new_tokens: int = 16, budget: Budget | None = None,
                   heads: Any = None, graph: bool | None = None, trace: bool = True, ctas: int = 16,
-                  measure_reuse: bool = False, quality: bool = False,
+                  measure_reuse: bool = False, quality: bool = False, store_dtype: str = "model",
                   progress: bool | Progress = True) -> Comparison:
     """Greedy-generate `new_tokens` (the prefill's token, then new_tokens - 1 decode steps) after each prompt
     (`[N]` one sequence, or a list of `[N_b]`: a batch) in every mode of `modes` (see `parse_mode`) with the
@@ -146,16 +164,21 @@ def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch
 
     `graph` (default: on CUDA, unless measure_reuse) times CUDA-graph replay; `trace` records one step's compute/copy spans
     (`workbench.decode.timeline`); `ctas` = programs of the UVA gather kernel. `measure_reuse` (eager steps, a
-    host sync per layer) counts how many dynamic blocks stay selected from one step to the next. `quality` also
-    decodes dense-resident and sparse-resident (same-layer, forecast) teacher-forced on dense's tokens, eagerly,
-    and fills `Comparison.quality` (top-1 agreement, KL dense -> sparse, free-running agreement).
+    host sync per layer) counts how many dynamic blocks stay selected from one step to the next. `store_dtype`
+    ("model", "fp8", "int8") is the KV store of specs without an `@` suffix. `quality` also decodes
+    dense-resident and sparse-resident (same-layer, forecast) teacher-forced on dense's tokens, eagerly, for the
+    model-dtype store and for every other store dtype the modes use (and dense-resident with that store), and
+    fills `Comparison.quality` (top-1 agreement, KL dense -> sparse, free-running agreement where that mode ran).
     `progress`: True draws a tqdm bar, a callable gets (what, done, total) after each decoded step, False is
-    silent. Raises ValueError naming a bad mode or size before decoding.
+    silent. Raises ValueError naming a bad mode, size or budget (e.g. a top-k beyond the blocks a sequence has)
+    before decoding.
     """
     specs = [s.strip() for s in modes]
     if not specs:
         raise ValueError("modes is empty: give at least one mode, e.g. sparse-resident")
-    parsed = [parse_mode(s) for s in specs]
+    if store_dtype not in STORE_DTYPES:
+        raise ValueError(f"store_dtype {store_dtype!r} is unknown: choose one of {', '.join(STORE_DTYPES)}")
+    parsed = [parse_spec(s, store_dtype) for s in specs]
     if len(set(specs)) != len(specs):
         raise ValueError(f"modes {specs} repeats a mode: list each once")
     if new_tokens < 2:
@@ -163,7 +186,7 @@ def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch
     prompts = [prompts] if isinstance(prompts, torch.Tensor) else list(prompts)
     prompts = [p.reshape(-1) for p in prompts]
     budget = budget or Budget(init=1, local=2, topk=8)
-    lm = LlamaLayers(model)
+    lm = decoder_layers(model)
     cuda = lm.device.type == "cuda"
     use_graph = cuda and not measure_reuse if graph is None else graph
     if use_graph and not cuda:
@@ -175,11 +198,14 @@ def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch
     if max_tokens > lm.max_positions:
         raise ValueError(f"prompt + new_tokens = {max_tokens} tokens exceed the model's {lm.max_positions} "
                          "positions: use a shorter prompt or fewer new tokens")
+    if any(mode != "dense-resident" for mode, _, _ in parsed) or quality:
+        check_budget(budget, max_tokens)
     close = None
     if progress is True:
         progress, close = _tqdm_progress()
     report = progress or (lambda what, done, total: None)
-    total = (len(specs) + 3 * quality) * (new_tokens - 1) + len(prompts)
+    stores = sorted({store for _, _, store in parsed} - {"model"})
+    total = (len(specs) + (3 + 3 * len(stores)) * quality) * (new_tokens - 1) + len(prompts)
     result = Comparison(device_label(model), budget, [int(p.numel()) for p in prompts], new_tokens)
     try:
         prefilled = []
@@ -187,44 +213,54 @@ def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch
             report(f"prefill {i + 1}/{len(prompts)}", i, total)
             prefilled.append(lm.prefill(p))
         done = len(prompts)
-        def config(mode: str, selector: str) -> EngineConfig:
-            return EngineConfig(mode=mode, budget=budget, selector=selector, ctas=ctas)
+        def config(mode: str, selector: str, store: str = "model") -> EngineConfig:
+            return EngineConfig(mode=mode, budget=budget, selector=selector, ctas=ctas, store_dtype=store)
 
-        for spec, (mode, selector) in zip(specs, parsed):
+        for spec, (mode, selector, store) in zip(specs, parsed):
             def on_step(s: int, _n: int, spec: str = spec, base: int = done) -> None:
                 report(spec, base + s, total)
 
-            result.runs[spec] = _run_mode(model, spec, config(mode, selector), prompts, prefilled, new_tokens,
+            result.runs[spec] = _run_mode(model, spec, config(mode, selector, store), prompts, prefilled, new_tokens,
                                           max_tokens, heads, use_graph, trace, on_step, measure_reuse)
             done += new_tokens - 1
         if quality:
-            result.quality = _quality(model, result, config, prompts, prefilled, max_tokens, heads, report, done, total)
+            result.quality = _quality(model, result, config, prompts, prefilled, max_tokens, heads, report, done, total,
+                                      stores)
     finally:
         if close:
             close()
     return result
 
 
-def _quality(model, result, config, prompts, prefilled, max_tokens, heads, report, done, total) -> dict[str, dict]:
-    """Dense-resident's logits beside sparse-resident's (same-layer, forecast), teacher-forced on dense's tokens."""
+def _quality(model, result, config, prompts, prefilled, max_tokens, heads, report, done, total, stores) -> dict:
+    """Dense-resident's logits beside sparse-resident's (same-layer, forecast), teacher-forced on dense's tokens,
+    for the model-dtype store and each store dtype in `stores` (plus dense-resident with that store)."""
     steps = result.new_tokens - 1
+    k = 0
 
-    def forced(k: int, mode: str, selector: str, force: torch.Tensor | None) -> ModeRun:  # eager, logits kept
+    def forced(mode: str, selector: str, store: str, force: torch.Tensor | None) -> ModeRun:  # eager, logits kept
+        nonlocal k
+        base, k = done + k * steps, k + 1
+
         def on_step(s: int, _n: int) -> None:
-            report(f"quality: {mode}/{selector}", done + k * steps + s, total)
+            report(f"quality: {mode}/{selector}" + (f"@{store}" if store != "model" else ""), base + s, total)
 
-        return _decode(model, mode, config(mode, selector), prompts, prefilled, result.new_tokens, max_tokens, heads,
-                       False, on_step, False, False, force, True)
+        return _decode(model, mode, config(mode, selector, store), prompts, prefilled, result.new_tokens, max_tokens,
+                       heads, False, on_step, False, False, force, True)
 
-    dense = forced(0, "dense-resident", "same-layer", None)
+    dense = forced("dense-resident", "same-layer", "model", None)
     lp = dense.logits.log_softmax(-1)
     out = {}
-    for k, selector in enumerate(("same-layer", "forecast"), 1):
-        sparse = forced(k, "sparse-resident", selector, dense.tokens[:, 1:])
-        lq = sparse.logits.log_softmax(-1)
-        free = result.runs.get("sparse-resident" if selector == "same-layer" else "sparse-resident/forecast")
-        out[selector] = {
-            "top1_agreement_teacher_forced": float((sparse.tokens == dense.tokens).float()[:, 1:].mean()),
+    runs = [(sel, sel, "model") for sel in ("same-layer", "forecast")]
+    runs += [(f"{name}@{store}", name, store) for store in stores for name in ("dense", "same-layer", "forecast")]
+    for key, selector, store in runs:
+        mode = "dense-resident" if selector == "dense" else "sparse-resident"
+        other = forced(mode, "same-layer" if selector == "dense" else selector, store, dense.tokens[:, 1:])
+        lq = other.logits.log_softmax(-1)
+        want = (mode, "forecast" if selector == "forecast" else "same-layer")
+        free = next((r for r in result.runs.values() if parse_mode(r.spec) == want and r.store_dtype == store), None)
+        out[key] = {
+            "top1_agreement_teacher_forced": float((other.tokens == dense.tokens).float()[:, 1:].mean()),
             "kl_dense_to_sparse_mean": float((lp.exp() * (lp - lq)).sum(-1).mean()),
             "free_running_tokens_equal_to_dense":
                 None if free is None else float((free.tokens == dense.tokens).float()[:, 1:].mean())}
@@ -269,6 +305,6 @@ def _decode(model, spec, cfg, prompts, prefilled, new_tokens, max_tokens, heads,
             timed, _, ev = eng.run(last, EVENT_STEPS, timing=True, graph=False, progress=False)
             hidden, copy_gbps, last = ev.hidden_fraction, ev.copy_gbps, timed[:, -1]
         spans = trace_step(eng, last)[1] if trace else []
-    return ModeRun(spec, tokens.cpu(), stats.tokens_per_s, stats.bytes_moved_per_step, stats.hit_rate, hidden,
-                   copy_gbps, stats.peak_gpu_bytes, use_graph, spans, dynamic_reuse=meter.rate if meter else None,
-                   logits=logits)
+    return ModeRun(spec, tokens.cpu(), cfg.store_dtype, stats.tokens_per_s, stats.bytes_moved_per_step, stats.hit_rate,
+                   hidden, copy_gbps, stats.peak_gpu_bytes, use_graph, spans,
+                   dynamic_reuse=meter.rate if meter else None, logits=logits)

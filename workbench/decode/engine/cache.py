@@ -66,6 +66,11 @@ class BlockCache:
             raise ValueError(f"selection {tuple(blocks.shape)} does not fit a cache of batch {B}, {H} heads, "
                              f"{C} slots: raise the cache capacity to at least K")
         slots, src, dst = self._plan(blocks.contiguous(), self.slot_of, self.block_in, self.hits, self.misses)
+        return self.admitted(slots, src, dst)
+
+    def admitted(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> CopyPlan:
+        """The CopyPlan of a selection already admitted into this cache's maps (by `plan`, or by the fused
+        selection kernel)."""
         n = src.numel()
         if n not in self._counts:
             self._counts[n] = torch.tensor([n], dtype=torch.int32, device=src.device)

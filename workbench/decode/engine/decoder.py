@@ -1,36 +1,49 @@
-"""Decode loop for a Llama-family model with five KV placements (SparDA's decode schedule and its baselines).
+"""Decode loop for a Llama-family or Gemma-3 model with five KV placements (SparDA's decode schedule and its
+baselines).
 
 Modes:
 - `dense-resident`: all KV on the GPU, every block attended.
-- `sparse-resident`: all KV on the GPU, attention over the selected blocks (selector `same-layer` or
-  `forecast`).
+- `sparse-resident`: all KV on the GPU, attention over the selected blocks (selector `same-layer`,
+  `forecast` or `quest`).
 - `sparse-offload-sync`: layer 0 resident, other layers' KV in the pinned host store; each layer selects
   with its own query (InfLLM-V2), copies its missing blocks into its GPU block cache, then attends.
 - `sparse-offload-forecast`: layer l's Forecast head picks layer l+1's blocks; their misses are copied on a
-  side stream while layer l computes; layer l+1 waits on an event for its copy.
+  side stream (high priority) while layer l computes; layer l+1 waits on an event for its copy.
 - `forecast-without-prefetch`: forecast selection, but each layer's copy runs on the main stream just
   before its attention (the ablation: selection without overlap).
 
-The same code runs on the CPU (no streams; PyTorch reference kernels by default), which is how
-losslessness is tested: offload modes must produce exactly the tokens of sparse-resident with the same
-selector. Shapes: B sequences, Hq query heads, Hkv KV heads, D head_dim, 64-token blocks.
+Sliding-window layers (Gemma-3's local layers) are part of the model, not a choice: in every mode they keep
+a ring of the blocks their window spans on the GPU and attend to exactly their window. Only full-attention
+layers are selected from, offloaded and forecast.
+
+`store_dtype` "fp8" / "int8" keeps the offloaded layers' host KV as one-byte codes with per-row scales (half
+the PCIe bytes of bf16), dequantised by the gather kernel; resident modes then round the same layers' KV
+through the same codes, so that each offload mode still reproduces its resident reference token for token,
+and the quality cost of the store is the resident mode's distance from dense ("model" keeps the model dtype).
+
+The same code runs on the CPU (no streams; PyTorch reference kernels and the model's own modules by
+default), which is how losslessness is tested: offload modes must produce exactly the tokens of
+sparse-resident with the same selector and store dtype. On CUDA, Llama-family layers run through
+`layer_ops.FusedOps` (~15 launches per layer and step). Shapes: B sequences, Hq query heads, Hkv KV heads,
+D head_dim, 64-token blocks.
 """
 from __future__ import annotations
 
 import math
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from workbench.decode.engine.cache import BlockCache
+from workbench.decode.engine.cache import BlockCache, CopyPlan
 from workbench.decode.engine.hooks import CopyTimer, StepHooks
-from workbench.decode.engine.llama import LlamaLayers
-from workbench.decode.engine.select import CompressedKeyBuffer, all_blocks, select_decode
+from workbench.decode.engine.layer_ops import FusedOps, ModuleOps
+from workbench.decode.engine.llama import decoder_layers
+from workbench.decode.engine.select import CompressedKeyBuffer, select_decode
 from workbench.decode.engine.store import BLOCK, BlockStore, GiB, StoreCapacityError, StoreSpec, host_memory_available
 from workbench.decode.quest import QuestPages
 from workbench.patterns.infllm import Budget
@@ -39,6 +52,7 @@ MODES = ("dense-resident", "sparse-resident", "sparse-offload-sync", "sparse-off
          "forecast-without-prefetch")
 SELECTORS = ("same-layer", "forecast", "quest")  # quest: workbench.decode.quest page bounds
 OFFLOAD = MODES[2:]
+STORE_DTYPES = {"model": None, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 SelectHook = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -47,7 +61,8 @@ class EngineConfig:
     """How to decode. `selector` only matters for sparse-resident (offload modes fix their own; "quest"
     also replaces InfLLM-V2 in sparse-offload-sync);
     `cache_blocks` = GPU cache slots per (sequence, KV head), default budget.total; `ctas` = programs of
-    the gather kernel; `kernels` = "triton", "torch" (reference) or "auto" (Triton on CUDA)."""
+    the gather kernel; `kernels` = "triton", "torch" (reference) or "auto" (Triton on CUDA); `store_dtype` =
+    "model", "fp8" or "int8": how the offloadable layers' KV is kept (see the module docstring)."""
 
     mode: str = "sparse-offload-forecast"
     budget: Budget = field(default_factory=Budget)
@@ -56,6 +71,7 @@ class EngineConfig:
     ctas: int = 16
     kernels: str = "auto"
     splits: int | None = None
+    store_dtype: str = "model"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -70,11 +86,18 @@ class EngineConfig:
             raise ValueError(f"cache_blocks={self.cache_blocks} is below the selection size {self.budget.total}")
         if self.kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"kernels {self.kernels!r}: choose auto, triton or torch")
+        if self.store_dtype not in STORE_DTYPES:
+            raise ValueError(f"store_dtype {self.store_dtype!r} is unknown: choose one of {', '.join(STORE_DTYPES)}")
 
     @property
     def uses_forecast(self) -> bool:
         return self.mode in ("sparse-offload-forecast", "forecast-without-prefetch") or (
             self.mode == "sparse-resident" and self.selector == "forecast")
+
+    @property
+    def quant(self) -> torch.dtype | None:
+        """The store's code dtype (None: the model's dtype)."""
+        return STORE_DTYPES[self.store_dtype]
 
 
 @dataclass
@@ -95,6 +118,7 @@ class DecodeStats:
     peak_gpu_bytes: int | None = None
     gpu_kv_bytes: int = 0
     host_kv_bytes: int = 0
+    store_dtype: str = "model"
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -113,22 +137,54 @@ def _kernels(kind: str, device: torch.device):
     return use_triton, sparse_decode, gather_blocks, append_token
 
 
+def ring_blocks(window: int, n_blocks: int) -> int:
+    """Blocks a sliding layer of `window` tokens keeps per (sequence, KV head): every block its window can
+    span (the current one included), at most the sequence's."""
+    return min(n_blocks, (window - 1) // BLOCK + 2)
+
+
+def layer_roles(windows: Sequence[int | None], offload: bool) -> tuple[list[int], list[int]]:
+    """(full-attention layers, offloaded layers): offload modes keep layer 0 and sliding layers on the GPU."""
+    full = [i for i, w in enumerate(windows) if w is None]
+    return full, [i for i in full if i > 0] if offload else []
+
+
 def kv_bytes(config: EngineConfig, *, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, batch: int,
-             max_tokens: int) -> tuple[int, int]:
+             max_tokens: int, windows: Sequence[int | None] | None = None) -> tuple[int, int]:
     """(GPU bytes, pinned host bytes) a `DecodeEngine` of `config` allocates for `batch` sequences of up to
-    `max_tokens` tokens: resident KV (every layer, or layer 0 when offloading), per-layer block caches,
-    compressed keys; the host store holds the other layers' KV. Both are linear in `batch`."""
+    `max_tokens` tokens: resident KV (every layer, or layer 0 and sliding layers when offloading; a sliding
+    layer keeps its window's ring), per-layer block caches, compressed keys; the host store holds the other
+    layers' KV (codes and scales for an FP8 / INT8 store). Both are linear in `batch`."""
+    windows = list(windows) if windows is not None else [None] * layers
     esize = torch.tensor([], dtype=dtype).element_size()
     nb = math.ceil(max_tokens / BLOCK)
     block_bytes = 2 * BLOCK * head_dim * esize
     offload, sparse = config.mode in OFFLOAD, config.mode != "dense-resident"
-    gpu = (1 if offload else layers) * batch * kv_heads * nb * block_bytes
-    if offload:
-        gpu += (layers - 1) * batch * kv_heads * (config.cache_blocks or config.budget.total) * block_bytes
+    full, offloaded = layer_roles(windows, offload)
+    rows = batch * kv_heads
+    gpu = sum(rows * ring_blocks(w, nb) * block_bytes for w in windows if w is not None)
+    gpu += (len(full) - len(offloaded)) * rows * nb * block_bytes
+    gpu += len(offloaded) * rows * (config.cache_blocks or config.budget.total) * block_bytes
     if sparse:
-        gpu += layers * batch * kv_heads * ((max_tokens // config.budget.stride + 2) * esize + 32 * 4) * head_dim
-    host = StoreSpec(layers - 1, batch, kv_heads, nb, head_dim, dtype).nbytes if offload else 0
+        gpu += len(full) * rows * ((max_tokens // config.budget.stride + 2) * esize + 32 * 4) * head_dim
+    host = StoreSpec(len(offloaded), batch, kv_heads, nb, head_dim, dtype, config.quant).nbytes if offloaded else 0
     return gpu, host
+
+
+def check_budget(budget: Budget, max_tokens: int) -> None:
+    """Refuse a budget that selects more blocks than sequences of `max_tokens` tokens have: every block
+    buffer of the engine is sized by K = init + local + topk, so a huge top-k would allocate (and attend)
+    K blocks per head per layer for nothing. Raises ValueError naming the field and its largest useful value."""
+    n_blocks = math.ceil(max_tokens / BLOCK)
+    if budget.init + budget.local > n_blocks:
+        raise ValueError(f"budget init + local = {budget.init + budget.local} blocks, but sequences of up to "
+                         f"{max_tokens} tokens have {n_blocks} blocks of {BLOCK}: lower budget local to at most "
+                         f"{max(1, n_blocks - budget.init)}")
+    if budget.total > n_blocks:
+        raise ValueError(f"budget topk={budget.topk} selects more blocks than exist: sequences of up to {max_tokens} "
+                         f"tokens have {n_blocks} blocks of {BLOCK}, so topk can be at most "
+                         f"{n_blocks - budget.init - budget.local} (init + local + topk <= {n_blocks}); "
+                         "selecting every block is dense attention (dense-resident)")
 
 
 def _release(store: BlockStore | None) -> None:
@@ -152,13 +208,15 @@ class DecodeEngine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, *, batch: int, max_tokens: int,
                  heads: Any = None, store: BlockStore | None = None, host_limit_bytes: int | None = None,
                  select_hook: SelectHook | None = None) -> None:
-        self.lm = lm = LlamaLayers(model)
+        self.lm = lm = decoder_layers(model)
         self.config, self.batch, self.select_hook = config, batch, select_hook
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
         if max_tokens > lm.max_positions:
             raise StoreCapacityError(f"{max_tokens} tokens exceed the model's {lm.max_positions} positions: "
-                                     "use a shorter --context or fewer --steps")
+                                     "use a shorter --length or fewer --steps")
+        if config.mode != "dense-resident":
+            check_budget(config.budget, max_tokens)
         self.device, self.dtype = lm.device, lm.dtype
         self.n_blocks = nb = math.ceil(max_tokens / BLOCK)
         self.max_tokens = nb * BLOCK
@@ -166,47 +224,63 @@ class DecodeEngine:
         self.offload = config.mode in OFFLOAD
         self.sparse = config.mode != "dense-resident"
         self.capacity = config.cache_blocks or config.budget.total
-        resident_layers = 1 if self.offload else L
-        self.block_bytes = 2 * BLOCK * D * torch.tensor([], dtype=self.dtype).element_size()
+        self.windows = lm.windows
+        self.full, offloaded = layer_roles(self.windows, self.offload)
+        self.slot = {layer: i for i, layer in enumerate(offloaded)}  # offloaded layer -> store / cache slot
+        self.quant = config.quant
+        self.quantised = {i for i in self.full if i > 0} if self.quant else set()
+        self.triton, self._decode, self._gather, self._append = _kernels(config.kernels, self.device)
+        self.fused = self.triton and FusedOps.supports(lm)
+        code_bytes = torch.tensor([], dtype=self.quant or self.dtype).element_size()
+        self.block_bytes = 2 * BLOCK * D * code_bytes + (2 * BLOCK * 4 if self.quant else 0)  # moved per block
         gpu_need, self.host_kv_bytes = kv_bytes(config, layers=L, kv_heads=Hkv, head_dim=D, dtype=self.dtype,
-                                                batch=batch, max_tokens=max_tokens)
+                                                batch=batch, max_tokens=max_tokens, windows=self.windows)
         self.gpu_kv_bytes = gpu_need
-        spec = StoreSpec(L - 1, batch, Hkv, nb, D, self.dtype) if self.offload else None
-        # --- refuse before allocating anything
+        spec = StoreSpec(len(offloaded), batch, Hkv, nb, D, self.dtype, self.quant) if offloaded else None
+        # --- refuse before allocating anything (the fused path also packs a copy of the q/k/v/forecast weights)
         if self.device.type == "cuda":
             free = torch.cuda.mem_get_info(self.device)[0]
-            if gpu_need > free:
+            heads_rows = (L * lm.n_heads + 2 * L * Hkv + (len(self.full) * Hkv if config.uses_forecast else 0)) * D
+            packed = heads_rows * lm.hidden_size * torch.tensor([], dtype=self.dtype).element_size() if self.fused else 0
+            if gpu_need + packed > free:
                 raise StoreCapacityError(f"{config.mode} needs {gpu_need / GiB:.2f} GiB of GPU memory for KV "
-                                         f"(batch {batch} x {self.max_tokens} tokens) but {free / GiB:.2f} GiB "
-                                         "are free: reduce --batch or --context, or use an offload mode")
+                                         f"(batch {batch} x {self.max_tokens} tokens) and {packed / GiB:.2f} GiB of "
+                                         f"packed weights but {free / GiB:.2f} GiB are free: reduce the batch (--batch) or "
+                                         "the prompt length (--length), or use an offload mode")
         elif not self.offload:
             limit = int(0.9 * host_memory_available()) if host_limit_bytes is None else host_limit_bytes
             if gpu_need > limit:
                 raise StoreCapacityError(f"{config.mode} needs {gpu_need / GiB:.2f} GiB for KV but only "
-                                         f"{limit / GiB:.2f} GiB of host memory may be used: reduce --batch or --context")
-        if self.offload:
+                                         f"{limit / GiB:.2f} GiB of host memory may be used: reduce the batch (--batch) or "
+                                         "the prompt length (--length)")
+        self._own_store = False
+        self.store, self.host, self.host_scales = None, {}, {}
+        if offloaded:
             self._own_store = store is None
             if store is None:
                 store = BlockStore(spec, limit_bytes=host_limit_bytes)
-            elif store.spec.layers < L - 1 or store.spec.kv_heads != Hkv or store.spec.head_dim != D \
-                    or store.spec.dtype != self.dtype:
-                raise StoreCapacityError(f"the given store {store.spec} does not match {L - 1} layers, {Hkv} heads, "
-                                         f"head_dim {D}, {self.dtype}: make a store for this model")
+            elif store.spec.layers < len(offloaded) or store.spec.kv_heads != Hkv or store.spec.head_dim != D \
+                    or store.spec.dtype != self.dtype or store.spec.quant != self.quant:
+                raise StoreCapacityError(f"the given store {store.spec} does not match {len(offloaded)} layers, {Hkv} "
+                                         f"heads, head_dim {D}, {self.dtype}, store dtype {config.store_dtype}: make a "
+                                         "store for this model")
             self.store = store
-            self.host = [store.view(i, batch, nb) for i in range(L - 1)]  # checks the size
-        self.triton, self._decode, self._gather, self._append = _kernels(config.kernels, self.device)
+            self.host = {layer: store.view(i, batch, nb) for layer, i in self.slot.items()}  # checks the size
+            if self.quant:
+                self.host_scales = {layer: store.scales(i, batch, nb) for layer, i in self.slot.items()}
         dev = self.device
-        # --- allocate
-        self.kv = [torch.zeros(2, batch, Hkv, nb, BLOCK, D, dtype=self.dtype, device=dev)
-                   for _ in range(resident_layers)]
-        self.caches = [BlockCache(batch, Hkv, self.capacity, nb, D, self.dtype, dev, fused=self.triton)
-                       for _ in range(L - 1)] \
-            if self.offload else []
-        self.ck = [CompressedKeyBuffer(batch, Hkv, D, self.max_tokens, config.budget, dev, self.dtype) for _ in range(L)] \
-            if self.sparse else []
-        self.quest = [QuestPages(batch, Hkv, D, nb, dev) for _ in range(L)] \
-            if self.sparse and config.selector == "quest" and not config.uses_forecast else []
+        # --- allocate: per layer a resident pool `[B * Hkv * row_blocks, 64, D]` (K, V) or a block cache
+        self.row_blocks = {i: ring_blocks(w, nb) if w is not None else nb for i, w in enumerate(self.windows)}
+        self.kv = {i: torch.zeros(2, batch * Hkv * self.row_blocks[i], BLOCK, D, dtype=self.dtype, device=dev)
+                   for i in range(L) if i not in self.slot}
+        self.caches = {layer: BlockCache(batch, Hkv, self.capacity, nb, D, self.dtype, dev, fused=self.triton)
+                       for layer in self.slot}
+        self.ck = {i: CompressedKeyBuffer(batch, Hkv, D, self.max_tokens, config.budget, dev, self.dtype)
+                   for i in self.full} if self.sparse else {}
+        self.quest = {i: QuestPages(batch, Hkv, D, nb, dev) for i in self.full} \
+            if self.sparse and config.selector == "quest" and not config.uses_forecast else {}
         self.heads = None
+        targets: dict[int, list[int]] = {}
         if config.uses_forecast:
             if heads is None:
                 from workbench.core.model import model_shape
@@ -214,36 +288,60 @@ class DecodeEngine:
 
                 heads = ForecastHeads.from_queries(model, model_shape(model, "engine", fp="-"))
             self.heads = heads.to(dev)
+            for t in self.full:
+                targets.setdefault(heads.source(t), []).append(t)
+        self.ops = FusedOps(lm, self.heads, targets) if self.fused else ModuleOps(lm, self._append, self.heads, targets)
+        self.kv_out = (torch.empty(batch, Hkv, D, dtype=self.dtype, device=dev),
+                       torch.empty(batch, Hkv, D, dtype=self.dtype, device=dev)) if self.quant else None
         self.positions = torch.zeros(batch, dtype=torch.long, device=dev)
-        row = torch.arange(batch * Hkv, device=dev).view(batch, Hkv, 1)
-        self._row_resident = row * nb
+        rope_types = getattr(lm.inner.rotary_emb, "rope_type", "default")
+        self._rope_dynamic = "dynamic" in (rope_types.values() if isinstance(rope_types, dict) else [rope_types])
+        self._rope_tables: dict[torch.dtype, dict] = {}
+        for dtype in (self.dtype, torch.float32) if self.heads is not None else (self.dtype,):
+            self._rope(self.positions, dtype)  # tables made now, not inside a CUDA-graph capture
         self.cuda = dev.type == "cuda"
-        self.side = torch.cuda.Stream(dev) if self.cuda else None
-        self.copy_done = [torch.cuda.Event() for _ in range(L)] if self.cuda else []
+        self.side = torch.cuda.Stream(dev, priority=-1) if self.cuda else None  # copies before compute
+        self.copy_done = {layer: torch.cuda.Event() for layer in self.slot} if self.cuda else {}
         self.hooks: list[StepHooks] = []
         self._graph: Any = None  # CUDA graph of one step (captured by `run(graph=True)`)
         self._graph_io: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._finalizer = weakref.finalize(self, _release, self.store if self.offload and self._own_store else None)
+        self._finalizer = weakref.finalize(self, _release, self.store if self._own_store else None)
 
     # ------------------------------------------------------------------ filling the cache
-    def _host_rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.host[layer - 1]
-        return k.view(-1, self.lm.head_dim), v.view(-1, self.lm.head_dim)
+    def _write_prefix(self, layer: int, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """KV of sequence b's first n tokens `[Hkv, n, D]` into the layer's resident pool, ring or host store
+        (codes and scales for a quantised layer; resident quantised layers keep the dequantised values)."""
+        from workbench_kernels.gather_ref import dequantize_rows, quantize_rows
 
-    def _kv_of(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`[B, Hkv, n_blocks * 64, D]` K and V of a layer wherever it lives (resident or host store)."""
-        if not self.offload or layer == 0:
-            kv = self.kv[layer]
-            return kv[0].flatten(2, 3), kv[1].flatten(2, 3)
-        k, v = self.host[layer - 1]
-        return k.flatten(2, 3), v.flatten(2, 3)
+        n, Hkv, D = k.shape[1], self.lm.n_kv_heads, self.lm.head_dim
+        quant = self.quant if layer in self.quantised else None
+        if quant:
+            (ck, sk), (cv, sv) = quantize_rows(k, quant), quantize_rows(v, quant)
+        if layer in self.slot:
+            hk, hv = self.host[layer]
+            if quant:
+                hk[b].flatten(1, 2)[:, :n], hv[b].flatten(1, 2)[:, :n] = ck.cpu(), cv.cpu()
+                sk_host, sv_host = self.host_scales[layer]
+                sk_host[b].flatten(1, 2)[:, :n], sv_host[b].flatten(1, 2)[:, :n] = sk.cpu(), sv.cpu()
+            else:
+                hk[b].flatten(1, 2)[:, :n], hv[b].flatten(1, 2)[:, :n] = k.cpu(), v.cpu()
+            return
+        if quant:
+            k, v = dequantize_rows(ck, sk, self.dtype), dequantize_rows(cv, sv, self.dtype)
+        R = self.row_blocks[layer]
+        first = max(0, (n - 1) // BLOCK - R + 1) * BLOCK  # a ring keeps the last R blocks
+        pos = torch.arange(first, n, device=self.device)
+        pool = self.kv[layer].view(2, self.batch, Hkv, R * BLOCK, D)
+        rows = (pos // BLOCK) % R * BLOCK + pos % BLOCK
+        pool[0, b][:, rows] = k[:, first:].to(self.device, self.dtype)
+        pool[1, b][:, rows] = v[:, first:].to(self.device, self.dtype)
 
     @torch.no_grad()
     def prefill(self, prompts: list[torch.Tensor], steps: int, prefilled: list | None = None) -> torch.Tensor:
         """Dense prefill of each prompt `[N_b]` (different lengths allowed) -> first tokens `[B]`.
 
         Refuses (before writing anything) prompts whose length + `steps` exceeds the engine's capacity.
-        `prefilled[b]` may hold `LlamaLayers.prefill(prompts[b])` computed earlier (to compare modes).
+        `prefilled[b]` may hold `decoder_layers(model).prefill(prompts[b])` computed earlier (to compare modes).
         """
         if len(prompts) != self.batch:
             raise ValueError(f"got {len(prompts)} prompts for an engine of batch {self.batch}")
@@ -253,64 +351,88 @@ class DecodeEngine:
         if longest + steps > self.max_tokens:
             raise StoreCapacityError(f"the longest prompt ({longest} tokens) + {steps} steps exceeds the engine's "
                                      f"capacity of {self.max_tokens} tokens: make the engine with a larger "
-                                     "max_tokens (--context) or decode fewer --steps")
+                                     "max_tokens (--length) or decode fewer --steps")
         first = torch.empty(self.batch, dtype=torch.long, device=self.device)
         for b, ids in enumerate(prompts):
             ks, vs, logits = prefilled[b] if prefilled else self.lm.prefill(ids.reshape(-1))
-            n = ids.numel()
             for layer, (k, v) in enumerate(zip(ks, vs)):
-                dk, dv = self._kv_of(layer)
-                dk[b, :, :n] = k.to(dk.device)
-                dv[b, :, :n] = v.to(dv.device)
-                if self.sparse:
+                self._write_prefix(layer, b, k, v)
+                if layer in self.ck:
                     self.ck[layer].fill(b, k)
-                if self.quest:
+                if layer in self.quest:
                     self.quest[layer].fill(b, k)
             first[b] = logits.argmax()
-            self.positions[b] = n
+            self.positions[b] = ids.numel()
         return first
 
     @torch.no_grad()
     def fill_synthetic(self, lengths: list[int], seed: int = 0, fill_host: bool = True) -> None:
         """Benchmark start: random KV and compressed keys as if prompts of `lengths` were prefilled.
         `fill_host=False` leaves the host store as it is (a benchmark fills it once)."""
+        from workbench_kernels.gather_ref import dequantize_rows, quantize_rows
+
         g = torch.Generator(device=self.device).manual_seed(seed)
         if len(lengths) != self.batch or max(lengths) > self.max_tokens:
             raise StoreCapacityError(f"need {self.batch} lengths of at most {self.max_tokens} tokens, got {lengths}")
-        for layer in range(self.lm.n_layers):
-            if self.offload and layer > 0 and not fill_host:
-                continue
-            dk, dv = self._kv_of(layer)
-            for t in (dk, dv):
-                for b in range(self.batch):  # one sequence at a time bounds the staging buffer
-                    src = torch.randn(t.shape[1:], generator=g, device=self.device, dtype=torch.float32)
-                    t[b].copy_(src.to(self.dtype))
-        for ck in self.ck:
+        for layer, t in self.kv.items():  # the same draws as the host store's below, so modes share their KV
+            for part in t.view(-1, BLOCK, t.shape[-1]).split(4096):  # bounded staging buffers
+                x = torch.randn(part.shape, generator=g, device=self.device)
+                if layer in self.quantised:  # what the quantised store would give back
+                    x = dequantize_rows(*quantize_rows(x, self.quant), torch.float32)
+                part.copy_(x.to(self.dtype))
+        for layer in self.slot if fill_host else ():
+            for i, t in enumerate(self.host[layer]):
+                for b in range(self.batch):
+                    x = torch.randn(t.shape[1:], generator=g, device=self.device)
+                    if self.quant:
+                        codes, scale = quantize_rows(x, self.quant)
+                        t[b].copy_(codes)
+                        self.host_scales[layer][i][b].copy_(scale)
+                    else:
+                        t[b].copy_(x.to(self.dtype))
+        for ck in self.ck.values():
             ck.keys.normal_(generator=g)
             ck.tail.normal_(generator=g)
         self.positions.copy_(torch.tensor(lengths, device=self.device))
 
     # ------------------------------------------------------------------ one decode step
-    def _hooked(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
-        return self.select_hook(layer, blocks, self.positions) if self.select_hook else blocks
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> dict:
+        """The model's RoPE tables at `positions` `[B]` -> {layer type: (cos, sin) `[B, 1, D]`}: rows of tables made
+        once for every position (the same numbers the rotary module computes per step, in 2 launches instead of
+        ~7 per table), unless the model's RoPE changes with the length seen (dynamic scaling)."""
+        B = positions.shape[0]
+        if self._rope_dynamic:
+            return self.lm.rope(positions.view(B, 1), dtype)
+        if dtype not in self._rope_tables:
+            self._rope_tables[dtype] = self.lm.rope(torch.arange(self.max_tokens, device=self.device)[None], dtype)
+        return {t: (c[0][positions].view(B, 1, -1), s[0][positions].view(B, 1, -1))
+                for t, (c, s) in self._rope_tables[dtype].items()}
 
-    def _forecast(self, target: int, h: torch.Tensor, cosf: torch.Tensor, sinf: torch.Tensor,
-                  visible_upto: torch.Tensor) -> torch.Tensor:
-        f = self.heads.query(target, h, cosf, sinf)  # [B, Hkv, 1, D]
-        return self._hooked(target, select_decode(f, self.ck[target], self.positions, visible_upto, self.n_blocks,
-                                                  self.config.budget, fused=self.triton))
+    def _select(self, layer: int, query: torch.Tensor, visible: torch.Tensor, cache: BlockCache | None
+                ) -> tuple[torch.Tensor, CopyPlan | None]:
+        """InfLLM-V2 blocks of `layer` for `query` `[B, Hkv, G, D]` (keys visible up to `visible`), admitted into
+        `cache` when given (in the selection's launch on the Triton path, unless a select hook edits them)."""
+        budget = self.config.budget
+        fuse = self.triton and cache is not None and self.select_hook is None
+        out = select_decode(query, self.ck[layer], self.positions, visible, self.n_blocks, budget, fused=self.triton,
+                            cache=cache if fuse else None)
+        if fuse:
+            blocks, slots, src, dst = out
+            return blocks, cache.admitted(slots, src, dst)
+        blocks = self.select_hook(layer, out, self.positions) if self.select_hook else out
+        return blocks, cache.plan(blocks) if cache is not None else None
 
-    def _copy(self, layer: int, plan: Any) -> None:
+    def _copy(self, layer: int, plan: CopyPlan) -> None:
         """Gather `plan`'s missing blocks of `layer` from the host store into its cache (current stream)."""
-        cache = self.caches[layer - 1]
-        hk, hv = self.host[layer - 1]
-        src_k, src_v = hk.view(-1, BLOCK * self.lm.head_dim), hv.view(-1, BLOCK * self.lm.head_dim)
-        dst_k, dst_v = cache.k.view(cache.k.shape[0], -1), cache.v.view(cache.v.shape[0], -1)
+        cache = self.caches[layer]
+        hk, hv = self.host[layer]
+        width = BLOCK * self.lm.head_dim
+        src = hk.view(-1, width), hv.view(-1, width)
+        dst = cache.k.view(cache.k.shape[0], -1), cache.v.view(cache.v.shape[0], -1)
+        scales = tuple(s.view(-1, BLOCK) for s in self.host_scales[layer]) if self.quant else (None, None)
         self._emit("copy_start", layer)
-        if self.triton:
-            self._gather(src_k, src_v, dst_k, dst_v, plan.src, plan.dst, plan.count, ctas=self.config.ctas)
-        else:
-            self._gather(src_k, src_v, dst_k, dst_v, plan.src, plan.dst, plan.count)
+        kw = {"ctas": self.config.ctas} if self.triton else {}
+        self._gather(*src, *dst, plan.src, plan.dst, plan.count, scale_k=scales[0], scale_v=scales[1], **kw)
         self._emit("copy_end", layer)
 
     def _emit(self, point: str, layer: int) -> None:
@@ -325,84 +447,97 @@ class DecodeEngine:
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per sequence `[B]` at the current positions -> next-token logits `[B, V]`."""
         self._check_open()
-        lm, cfg, pos = self.lm, self.config, self.positions
+        lm, cfg, ops, pos = self.lm, self.config, self.ops, self.positions
         B, Hkv, D, L = self.batch, lm.n_kv_heads, lm.head_dim, lm.n_layers
         G = lm.n_heads // Hkv
-        x = lm.embed(tokens.view(B, 1))
-        cos, sin = lm.rope(pos.view(B, 1))
-        cosf, sinf = lm.rope(pos.view(B, 1), torch.float32) if self.heads is not None else (None, None)
+        lengths = pos + 1
+        earlier = pos - 1 if self.heads is not None else None  # a forecast runs before its layer sees the token
+        rope = self._rope(pos, self.dtype)
+        rope_f = self._rope(pos, torch.float32) if self.heads is not None else None
+        x, delta = ops.embed(tokens), None
         forecast: dict[int, torch.Tensor] = {}
-        plans: dict[int, Any] = {}
+        plans: dict[int, CopyPlan] = {}
         prefetch = cfg.mode == "sparse-offload-forecast"
         for layer in range(L):
             self._emit("layer_start", layer)
-            h = lm.norm_in(layer, x)
-            q, k, v = lm.qkv(layer, h, cos, sin)
-            q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [B, H, D]
-            offloaded = self.offload and layer > 0
-            if self.heads is not None and layer + 1 < L:
-                # Layer l's head picks layer l+1's blocks before layer l+1 has seen this token. Selection and
-                # block-map update stay on the main stream; only the copy goes to the side stream.
-                forecast[layer + 1] = blocks_next = self._forecast(layer + 1, h, cosf, sinf, pos - 1)
-                if prefetch:
-                    plans[layer + 1] = plan = self.caches[layer].plan(blocks_next)
+            x, h = ops.attn_in(layer, x, delta)
+            # ---- the token's KV goes (with RoPE, in one launch on the fused path) to the host store, quantised or
+            # not, and the compressed keys; the attended copy goes through the decode kernel (k_new / v_new) once
+            # this layer's blocks are in place
+            quant = self.quant if layer in self.quantised else None
+            kw: dict[str, Any] = {}
+            if layer in self.slot:
+                hk, hv = self.host[layer]
+                kw.update(host_k=hk.flatten(2, 3), host_v=hv.flatten(2, 3))
+                if quant:
+                    sk, sv = self.host_scales[layer]
+                    kw.update(host_scale_k=sk.flatten(2, 3), host_scale_v=sv.flatten(2, 3))
+            if quant:
+                kw.update(quant=quant, k_out=self.kv_out[0], v_out=self.kv_out[1])
+            if layer in self.ck:  # compressed keys first: the same-layer selection sees the window this token completes
+                kw.update(tail=self.ck[layer].tail, ckeys=self.ck[layer].keys, stride=cfg.budget.stride)
+            q, k, v, queries = ops.project(layer, h, rope, rope_f, pos, kw)
+            k_new, v_new = self.kv_out if quant else (k, v)
+            # Layer l's heads pick later layers' blocks before those layers have seen this token. Selection and
+            # block-map update stay on the main stream; only the copy goes to the side stream.
+            for target, f in queries.items():
+                if target == layer:
+                    continue
+                cache = self.caches.get(target)  # admitted now (one launch with the selection), copied now or later
+                forecast[target], plan = self._select(target, f[:, :, None], earlier, cache)
+                if plan is not None:
+                    plans[target] = plan
+                if plan is not None and prefetch:
                     if self.cuda:
                         self.side.wait_stream(torch.cuda.current_stream())  # selection and plan are ready
                         with torch.cuda.stream(self.side):
-                            self._copy(layer + 1, plan)
-                            self.copy_done[layer + 1].record(self.side)
+                            self._copy(target, plan)
+                            self.copy_done[target].record(self.side)
                     else:
-                        self._copy(layer + 1, plan)
-            if self.sparse:  # compressed keys first: the same-layer selection sees the window this token completes
-                ck = self.ck[layer]
-                self._append(k, v, pos, None, None, tail=ck.tail, ckeys=ck.keys, stride=cfg.budget.stride)
-            if self.quest:
+                        self._copy(target, plan)
+            if layer in self.quest:
                 self.quest[layer].append(k, pos)
-            # ---- this layer's selection
-            if not self.sparse:
-                blocks = all_blocks(pos, Hkv, self.n_blocks)
-            elif cfg.uses_forecast:
-                blocks = forecast[layer] if layer > 0 else self._forecast(0, h, cosf, sinf, pos)
-            elif self.quest:
-                blocks = self._hooked(layer, self.quest[layer].select(q.view(B, Hkv, G, D), pos, self.n_blocks, cfg.budget))
-            else:
-                blocks = self._hooked(layer, select_decode(q.view(B, Hkv, G, D), self.ck[layer], pos, pos,
-                                                           self.n_blocks, cfg.budget, fused=self.triton))
-            # ---- KV in place (blocks copied, the new token written wherever it is read), then attention
-            if offloaded:
-                cache = self.caches[layer - 1]
+            # ---- this layer's selection and its blocks in place
+            blocks = plan = None
+            cache = self.caches.get(layer)
+            if self.sparse and layer in self.ck:
+                if cfg.uses_forecast:
+                    if layer in forecast:
+                        blocks, plan = forecast[layer], plans.get(layer)
+                    else:  # the first layer's head reads its own input and sees the new token
+                        blocks, plan = self._select(layer, queries[layer][:, :, None], pos, None)
+                elif self.quest:
+                    blocks = self.quest[layer].select(q.view(B, Hkv, G, D), pos, self.n_blocks, cfg.budget)
+                    blocks = self.select_hook(layer, blocks, pos) if self.select_hook else blocks
+                else:
+                    blocks, plan = self._select(layer, q.view(B, Hkv, G, D), pos, cache)
+            if cache is not None:
                 self._emit("wait_start", layer)
                 if prefetch:
-                    plan = plans[layer]
                     if self.cuda:
                         torch.cuda.current_stream().wait_event(self.copy_done[layer])
                 else:
-                    plan = cache.plan(blocks)
+                    plan = plan or cache.plan(blocks)
                     self._copy(layer, plan)
                 self._emit("wait_end", layer)
-                hk, hv = self.host[layer - 1]
-                self._append(k, v, pos, cache.k, cache.v, slot_of=cache.slot_of, host_k=hk.flatten(2, 3),
-                             host_v=hv.flatten(2, 3))
-                k_pool, v_pool, slots = cache.k, cache.v, plan.slots
+                k_pool, v_pool = cache.k, cache.v
+                where = {"blocks": blocks, "slots": plan.slots}
             else:
-                kv = self.kv[layer]
-                k_pool, v_pool = kv[0].view(-1, BLOCK, D), kv[1].view(-1, BLOCK, D)
-                self._append(k, v, pos, k_pool, v_pool, n_blocks=self.n_blocks)
-                slots = torch.where(blocks >= 0, blocks + self._row_resident, -1)
-            if self.triton:
-                o = self._decode(q, k_pool, v_pool, blocks, slots, pos + 1, lm.scale, splits=cfg.splits)
-            else:
-                o = self._decode(q, k_pool, v_pool, blocks, slots, pos + 1, lm.scale)
-            x = lm.finish(layer, x, o.reshape(B, 1, -1))
+                k_pool, v_pool = self.kv[layer][0], self.kv[layer][1]
+                where = {"blocks": blocks, "row_blocks": self.row_blocks[layer], "kv_heads": Hkv,
+                         "window": self.windows[layer] or 0}
+            extra = {"splits": cfg.splits} if self.triton else {}
+            o = self._decode(q, k_pool, v_pool, lengths, lm.scale, k_new=k_new, v_new=v_new, **where, **extra)
+            x, delta = ops.attn_out(layer, x, o)
             self._emit("layer_end", layer)
         self.positions += 1
-        return lm.logits(x)[:, 0]
+        return ops.logits(x, delta)
 
     # ------------------------------------------------------------------ generation and timing
     def _counters(self) -> tuple[int, int]:
         if not self.caches:
             return 0, 0
-        return int(sum(c.hits for c in self.caches)), int(sum(c.misses for c in self.caches))
+        return int(sum(c.hits for c in self.caches.values())), int(sum(c.misses for c in self.caches.values()))
 
     def _capture(self) -> None:
         """Record one whole step (both streams) as a CUDA graph; replays then cost no Python or launch time.
@@ -481,7 +616,7 @@ class DecodeEngine:
             tokens_per_s=self.batch * steps / seconds, bytes_moved_per_step=misses * self.block_bytes / steps,
             hit_rate=hits / (hits + misses) if hits + misses else None,
             peak_gpu_bytes=torch.cuda.max_memory_allocated() if self.cuda else None,
-            gpu_kv_bytes=self.gpu_kv_bytes, host_kv_bytes=self.host_kv_bytes)
+            gpu_kv_bytes=self.gpu_kv_bytes, host_kv_bytes=self.host_kv_bytes, store_dtype=self.config.store_dtype)
         if timer and timer.spans["copy"]:
             copy, stall = timer.seconds("copy"), timer.seconds("stall")
             stats.copy_seconds, stats.stall_seconds = copy, stall
@@ -498,7 +633,7 @@ class DecodeEngine:
         (idempotent; also done on `with`-exit and when the engine is garbage collected)."""
         if self.cuda:
             torch.cuda.synchronize()
-        self.kv, self.caches, self.ck, self.quest, self.host = [], [], [], [], []
+        self.kv, self.caches, self.ck, self.quest, self.host, self.host_scales = {}, {}, {}, {}, {}, {}
         self.drop_graph()
         self._finalizer()
 

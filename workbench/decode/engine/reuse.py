@@ -48,9 +48,12 @@ class ImposedReuse:
     stays from the previous step (per layer, sequence, KV head); the rest are random past blocks.
 
     For benchmarks on random weights, where the real selector's reuse is not realistic. The engine still
-    runs the real selector (its cost stays in the timing); only its output is replaced. Needs contexts
-    of more than init + local + 2 * topk blocks. Draws from the default generator and updates its state
-    in place, so it can be captured in a CUDA graph.
+    runs the real selector (its cost stays in the timing); only its output is replaced. At a layer's first
+    call each row draws a random order of the blocks that are past and not forced at its position; the
+    dynamic blocks are then a window of `topk` consecutive entries of that order which moves on by
+    `round((1 - rate) * topk)` entries per step (the oldest leave, fresh random ones enter, none repeats for
+    `blocks / replaced` steps). About ten launches a call, all state updated in place, so it can be captured in
+    a CUDA graph. Needs contexts of more than init + local + 2 * topk blocks at the first call.
     """
 
     def __init__(self, budget: Budget, rate: float, n_blocks: int) -> None:
@@ -58,27 +61,29 @@ class ImposedReuse:
             raise ValueError(f"reuse rate must be in [0, 1], got {rate}")
         self.budget, self.rate, self.n_blocks = budget, rate, n_blocks
         self.replace = round((1.0 - rate) * budget.topk)
-        self.dynamic: dict[int, torch.Tensor] = {}
+        self.order: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (order, candidates per row)
+        self.start: dict[int, torch.Tensor] = {}  # layer -> the window's first entry (device int)
+
+    def _first_call(self, layer: int, B: int, H: int, positions: torch.Tensor) -> None:
+        b, dev = self.budget, positions.device
+        n = (positions // BLOCK - b.local - b.init + 1).view(B, 1, 1)  # candidates init .. block - local
+        if int(n.min()) < 2 * b.topk:
+            raise ValueError(f"ImposedReuse needs more than {b.init + b.local + 2 * b.topk} blocks per sequence")
+        ids = torch.arange(self.n_blocks, device=dev).view(1, 1, -1)
+        keys = torch.rand(B, H, self.n_blocks, device=dev).masked_fill(ids >= n, 2.0)
+        self.order[layer] = (keys.argsort(-1) + b.init, n)  # the first n entries: a random order of candidates
+        self.start[layer] = torch.zeros((), dtype=torch.long, device=dev)
+        self._window = torch.arange(b.topk, device=dev).view(1, 1, -1)
+        self._init = torch.arange(b.init, device=dev).view(1, 1, -1).expand(B, 1, -1)
+        self._local = (torch.arange(b.local, device=dev) - b.local + 1).view(1, 1, -1)
 
     def __call__(self, layer: int, blocks: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         B, H, K = blocks.shape
-        dev = blocks.device
-        ids = torch.arange(self.n_blocks, device=dev).view(1, 1, -1)
-        forced = forced_mask(positions, self.n_blocks, self.budget)
-        invalid = forced | (ids > (positions // BLOCK).view(-1, 1, 1))
-        scores = torch.rand(B, H, self.n_blocks, device=dev)
-        dyn = self.dynamic.get(layer)
-        if dyn is None or dyn.shape[:2] != (B, H):
-            dyn = scores.masked_fill(invalid, -1.0).topk(self.budget.topk, -1).indices
-        elif self.replace:
-            taken = torch.zeros(B, H, self.n_blocks, dtype=torch.bool, device=dev).scatter_(2, dyn, True)
-            fresh = scores.masked_fill(invalid | taken, -1.0).topk(self.replace, -1).indices
-            where = torch.rand(B, H, self.budget.topk, device=dev).argsort(-1)[..., :self.replace]
-            dyn = dyn.scatter(2, where, fresh)
-        if layer in self.dynamic and self.dynamic[layer].shape == dyn.shape:
-            self.dynamic[layer].copy_(dyn)
-        else:
-            self.dynamic[layer] = dyn
-        mask = forced.expand(B, H, -1).clone().scatter_(2, dyn, True)
-        sel = torch.where(mask, ids, self.n_blocks).sort(-1).values[..., :K]
-        return sel.masked_fill(sel == self.n_blocks, -1)
+        if layer not in self.order or self.order[layer][0].shape[:2] != (B, H):
+            self._first_call(layer, B, H, positions)
+        order, n = self.order[layer]
+        dynamic = order.gather(2, ((self.start[layer] + self._window) % n).expand(B, H, -1))
+        forced = torch.cat([self._init, (positions // BLOCK).view(B, 1, 1) + self._local], -1)  # init, local
+        sel = torch.cat([forced.expand(B, H, -1), dynamic], -1).sort(-1).values
+        self.start[layer] += self.replace
+        return sel[..., :K]

@@ -7,10 +7,11 @@ reallocation, no host synchronisation), and per-sequence positions.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from workbench_kernels.cache_plan_ref import roll_compressed_ref
 
-from workbench.decode.engine.store import BLOCK
 from workbench.patterns.infllm import Budget, compress_keys, group_scores, pool_to_blocks, topk_blocks
 
 
@@ -50,7 +51,7 @@ class CompressedKeyBuffer:
 
 def select_decode(q_group: torch.Tensor, ck: CompressedKeyBuffer, positions: torch.Tensor,
                   visible_upto: torch.Tensor, n_blocks: int, budget: Budget, scale: float | None = None,
-                  fused: bool = False) -> torch.Tensor:
+                  fused: bool = False, cache: Any = None):
     """InfLLM-V2 selection for one new token per sequence.
 
     q_group `[B, Hkv, G, D]` (the G query heads of each group, or G = 1 for a Forecast head);
@@ -59,23 +60,22 @@ def select_decode(q_group: torch.Tensor, ck: CompressedKeyBuffer, positions: tor
     positions - 1 for a forecast made before the target layer has seen the new token); n_blocks: blocks
     per sequence the caller can address (> every position // block). -> block ids
     `[B, Hkv, K]`, ascending, -1 padded, K = budget.total. `fused` runs the same selection as two Triton
-    launches (`workbench_kernels.block_select`; ties between equal scores go to the lower block id).
+    launches (`workbench_kernels.block_select`; ties between equal scores go to the lower block id); with a
+    `BlockCache` as `cache` (fused only) the second launch also admits the blocks into it and the call returns
+    (ids, slots, src, dst) as `BlockCache.plan` computes them.
     """
     if fused:
         from workbench_kernels.block_select import select_blocks
 
         b = budget
+        maps = (cache.slot_of, cache.block_in, cache.hits, cache.misses) if cache is not None else None
         return select_blocks(q_group, ck.keys, positions, visible_upto, n_blocks, init=b.init, local=b.local,
-                             topk=b.topk, block=b.block, window=b.window, stride=b.stride, scale=scale)
+                             topk=b.topk, block=b.block, window=b.window, stride=b.stride, scale=scale, cache=maps)
+    if cache is not None:
+        raise ValueError("cache needs fused=True: plan the reference selection with BlockCache.plan")
     B = q_group.shape[0]
     s = group_scores(q_group[:, :, :, None, :], ck.keys[:, :, :-1], visible_upto.view(B, 1, 1, 1),
                      window=budget.window, stride=budget.stride, scale=scale)  # [B, Hkv, 1, Nc]
     blocks = pool_to_blocks(s, n_blocks, block=budget.block, window=budget.window, stride=budget.stride)
     return topk_blocks(blocks, (positions // budget.block).view(B, 1, 1), budget)[:, :, 0]
 
-
-def all_blocks(positions: torch.Tensor, kv_heads: int, n_blocks: int) -> torch.Tensor:
-    """Dense 'selection': every block up to the current one -> `[B, Hkv, n_blocks]`, -1 past the end."""
-    ids = torch.arange(n_blocks, device=positions.device).view(1, 1, -1)
-    ids = ids.expand(positions.shape[0], kv_heads, -1)
-    return torch.where(ids <= (positions // BLOCK).view(-1, 1, 1), ids, -1)

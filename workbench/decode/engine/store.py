@@ -2,7 +2,9 @@
 
 Per layer one flat K buffer and one flat V buffer; `view(batch, n_blocks)` lays them out as
 `[batch, Hkv, n_blocks, 64, D]` (any layout whose size fits reuses the same memory), so a store
-allocated once serves several batch sizes and contexts. Capacity is checked before anything is
+allocated once serves several batch sizes and contexts. A quantised store (`StoreSpec.quant`: FP8 e4m3 or
+INT8) holds one-byte codes and one float32 scale per token row of each head (`scales`), half the bytes of a
+bf16 store (plus 4 / D); `workbench_kernels.gather_ref.quantize_rows` defines the codes. Capacity is checked before anything is
 allocated: a request that does not fit is refused with the numbers and the fix, and a failed
 allocation frees whatever it had taken.
 """
@@ -33,7 +35,8 @@ def host_memory_available() -> int:
 @dataclass(frozen=True)
 class StoreSpec:
     """Size of a block store: `layers` offloaded layers, each holding `batch` sequences of `n_blocks`
-    64-token blocks for `kv_heads` heads of `head_dim` (K and V)."""
+    64-token blocks for `kv_heads` heads of `head_dim` (K and V) of a model in `dtype`; `quant`
+    (float8_e4m3fn or int8) stores codes and per-row scales instead of `dtype` values."""
 
     layers: int
     batch: int
@@ -41,6 +44,12 @@ class StoreSpec:
     n_blocks: int
     head_dim: int
     dtype: torch.dtype
+    quant: torch.dtype | None = None
+
+    @property
+    def codes_dtype(self) -> torch.dtype:
+        """The dtype of the K/V buffers: `quant` or the model's."""
+        return self.quant or self.dtype
 
     @property
     def layer_elements(self) -> int:
@@ -49,7 +58,9 @@ class StoreSpec:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.layers * self.layer_elements * torch.tensor([], dtype=self.dtype).element_size()
+        codes = self.layer_elements * torch.tensor([], dtype=self.codes_dtype).element_size()
+        scales = self.layer_elements // self.head_dim * 4 if self.quant else 0
+        return 2 * self.layers * (codes + scales)
 
     @property
     def tokens(self) -> int:
@@ -67,19 +78,20 @@ def _register(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _release(k: list[torch.Tensor], v: list[torch.Tensor], pinned: bool) -> None:
+def _release(bufs: list[list[torch.Tensor]], pinned: bool) -> None:
     """Unpin (after the GPU is done with them) and drop the buffers; the lists are emptied in place, so
     the memory goes back as soon as no view of it is left. Runs once: from `close()` or at collection."""
-    if pinned and (k or v):
+    if pinned and any(bufs):
         torch.cuda.synchronize()
-        for t in k + v:
+        for t in (t for b in bufs for t in b):
             torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-    k.clear()
-    v.clear()
+    for b in bufs:
+        b.clear()
 
 
 class BlockStore:
-    """Pinned host KV of `spec.layers` layers. `k[i]`, `v[i]`: flat buffers of layer slot i.
+    """Pinned host KV of `spec.layers` layers. `k[i]`, `v[i]`: flat buffers of layer slot i (codes when
+    quantised, with their scales in `sk[i]`, `sv[i]`).
 
     `pinned=None` pins when CUDA is available. `limit_bytes` caps the store (default: 90% of the host's
     available memory); a spec above it raises StoreCapacityError before any allocation. The pinned
@@ -95,21 +107,26 @@ class BlockStore:
             raise StoreCapacityError(
                 f"the KV store needs {spec.nbytes / GiB:.2f} GiB of pinned host memory ({spec.layers} layers x "
                 f"batch {spec.batch} x {spec.tokens} tokens) but only {limit / GiB:.2f} GiB may be pinned: "
-                f"reduce --batch or --context (or offload fewer layers)")
+                f"reduce the batch (--batch) or the prompt length (--length), or offload fewer layers")
         self.spec = spec
         self.pinned = torch.cuda.is_available() if pinned is None else pinned
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
-        self._finalizer = weakref.finalize(self, _release, self.k, self.v, self.pinned)
+        self.sk: list[torch.Tensor] = []
+        self.sv: list[torch.Tensor] = []
+        self._finalizer = weakref.finalize(self, _release, [self.k, self.v, self.sk, self.sv], self.pinned)
         try:
             for _ in range(spec.layers):
                 for bufs in (self.k, self.v):
-                    t = torch.empty(spec.layer_elements, dtype=spec.dtype)
+                    t = torch.empty(spec.layer_elements, dtype=spec.codes_dtype)
+                    bufs.append(_register(t) if self.pinned else t)
+                for bufs in (self.sk, self.sv) if spec.quant else ():
+                    t = torch.empty(spec.layer_elements // spec.head_dim, dtype=torch.float32)
                     bufs.append(_register(t) if self.pinned else t)
         except (RuntimeError, StoreCapacityError) as e:
             self.close()
             raise StoreCapacityError(f"allocating the {spec.nbytes / GiB:.2f} GiB KV store failed ({e}); "
-                                     "nothing was kept: reduce --batch or --context") from e
+                                     "nothing was kept: reduce the batch (--batch) or the prompt length (--length)") from e
 
     def view(self, layer: int, batch: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of layer slot `layer` as `[batch, Hkv, n_blocks, 64, D]` views of the same memory."""
@@ -122,6 +139,15 @@ class BlockStore:
                                      f"batch {s.batch} x {s.tokens} tokens: make a larger store")
         shape = (batch, s.kv_heads, n_blocks, BLOCK, s.head_dim)
         return self.k[layer][:need].view(shape), self.v[layer][:need].view(shape)
+
+    def scales(self, layer: int, batch: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per-row scales of layer slot `layer` as `[batch, Hkv, n_blocks, 64]` float32 (None: not quantised)."""
+        if not self.spec.quant:
+            return None
+        self.view(layer, batch, n_blocks)  # checks the size and that the store is open
+        need = batch * self.spec.kv_heads * n_blocks * BLOCK
+        shape = (batch, self.spec.kv_heads, n_blocks, BLOCK)
+        return self.sk[layer][:need].view(shape), self.sv[layer][:need].view(shape)
 
     @property
     def closed(self) -> bool:
