@@ -60,11 +60,11 @@ def test_old_shape_json_loads_as_all_full():
            "fingerprint": "abc"}
     shape = ModelShape.from_dict(old)
     assert shape.layer_types == (FULL,) * 3 and shape.fixed_layers == () and shape.sliding_window is None
-    assert shape.layer_rope_theta == (1e5,) * 3 and shape.scale == 0.125
+    assert shape.layer_rope_theta == (1e5,) * 3 and shape.scale == 0.125 and shape.to_dict() == old
     with pytest.raises(ModelError, match="sliding_window"):
         ModelShape.from_dict({**old, "layer_types": [SLIDING, FULL, FULL]})
     with pytest.raises(ModelError, match="layer_types has 2 entries"):
-        ModelShape.from_dict({**old, "layer_types": [FULL, FULL]})
+        ModelShape.from_dict({**old, "layer_types": [SLIDING, FULL], "sliding_window": 512})
 
 
 def test_capture_reproduces_tiny_gemma_attention(tiny_gemma):

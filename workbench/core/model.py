@@ -34,10 +34,12 @@ class ModelShape:
 
     `fingerprint` identifies the weights (sha256 over names, shapes and sampled bytes of each tensor).
     Per layer: `layer_types[l]` is "full_attention" or "sliding_attention" (the layer attends only its
-    last `sliding_window` keys, itself included: the model fixes that layer's attention) and
-    `layer_rope_theta[l]` its RoPE base (`rope_theta` is the full-attention layers' base). `scale` is the
-    softmax scale (Llama: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5). Shapes saved before these
-    fields existed load with every layer full, one RoPE base and head_dim ** -0.5.
+    last `sliding_window` keys, itself included: the model fixes that layer's attention); `rope_theta` is
+    the full-attention layers' RoPE base and `sliding_rope_theta` the sliding layers' (None: the same;
+    `layer_rope_theta` lists the base per layer). `scale` is the softmax scale (Llama: head_dim ** -0.5;
+    Gemma: query_pre_attn_scalar ** -0.5). `to_dict` leaves these fields out at their defaults (every
+    layer full, one RoPE base, head_dim ** -0.5), so a Llama-family shape writes and reads the same JSON
+    as before they existed.
     """
 
     name: str
@@ -53,19 +55,18 @@ class ModelShape:
     fingerprint: str
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
-    layer_rope_theta: tuple[float, ...] = ()
+    sliding_rope_theta: float | None = None
     scale: float = 0.0
 
     def __post_init__(self):
-        fill = {"layer_types": tuple(self.layer_types) or (FULL,) * self.n_layers,
-                "layer_rope_theta": tuple(float(t) for t in self.layer_rope_theta) or (self.rope_theta,) * self.n_layers,
-                "scale": self.scale or self.head_dim ** -0.5}
-        for key, value in fill.items():
-            object.__setattr__(self, key, value)
-        for key in ("layer_types", "layer_rope_theta"):
-            if len(getattr(self, key)) != self.n_layers:
-                raise ModelError(f"{key} has {len(getattr(self, key))} entries but the model has {self.n_layers} "
-                                 "layers: give one per layer")
+        types = tuple(self.layer_types)
+        if not types or (set(types) == {FULL} and len(types) != self.n_layers):  # all full follows n_layers
+            types = (FULL,) * self.n_layers
+        object.__setattr__(self, "layer_types", types)
+        object.__setattr__(self, "scale", float(self.scale or self.head_dim ** -0.5))
+        if len(types) != self.n_layers:
+            raise ModelError(f"layer_types has {len(types)} entries but the model has {self.n_layers} layers: "
+                             "give one per layer")
         unknown = set(self.layer_types) - {FULL, SLIDING}
         if unknown:
             raise ModelError(f"layer_types has {sorted(unknown)}: the workbench knows {FULL!r} and {SLIDING!r}")
@@ -76,6 +77,12 @@ class ModelShape:
     def group(self) -> int:
         """Query heads per KV head: query head h reads KV head h // group."""
         return self.n_heads // self.n_kv_heads
+
+    @property
+    def layer_rope_theta(self) -> tuple[float, ...]:
+        """RoPE base per layer."""
+        local = self.sliding_rope_theta or self.rope_theta
+        return tuple(local if t == SLIDING else self.rope_theta for t in self.layer_types)
 
     @property
     def fixed_layers(self) -> tuple[int, ...]:
@@ -109,7 +116,16 @@ class ModelShape:
         return n
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        defaults = {"layer_types": set(self.layer_types) == {FULL}, "sliding_window": self.sliding_window is None,
+                    "sliding_rope_theta": self.sliding_rope_theta is None,
+                    "scale": abs(self.scale - self.head_dim ** -0.5) < 1e-12}
+        for key, is_default in defaults.items():
+            if is_default:
+                del d[key]
+            elif key == "layer_types":
+                d[key] = list(self.layer_types)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelShape:
@@ -175,9 +191,10 @@ def _gguf_source(bundle: BundledModel) -> tuple[str, Any]:
     return mod.EXPECTED_SHA256[:12], lambda tmp: Path(mod.assemble(Path(tmp) / mod.MODEL_NAME))
 
 
-def _config_rope(config: Any) -> tuple[str, float, tuple[float, ...]]:
-    """(RoPE type, base of the full-attention layers, base per layer). transformers 5 keeps one
-    `rope_parameters` dict, or one per layer type (Gemma-3: sliding layers 1e4, full layers 1e6)."""
+def _config_rope(config: Any) -> tuple[str, float, float | None]:
+    """(RoPE type, base of the full-attention layers, base of the sliding layers or None when the same).
+    transformers 5 keeps one `rope_parameters` dict, or one per layer type (Gemma-3: sliding layers 1e4,
+    full layers 1e6); 4.x Gemma-3 configs say `rope_local_base_freq`."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     types = list(getattr(config, "layer_types", None) or [FULL] * config.num_hidden_layers)
     per_type = params if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()) \
@@ -189,9 +206,8 @@ def _config_rope(config: Any) -> tuple[str, float, tuple[float, ...]]:
 
     main = per_type.get(FULL, next(iter(per_type.values())) if per_type else {})
     rope_type = main.get("rope_type", main.get("type", "default")) if isinstance(main, dict) else "default"
-    local = getattr(config, "rope_local_base_freq", None)  # transformers 4.x Gemma-3: the sliding layers' base
-    thetas = tuple(float(local) if local and t == SLIDING else theta(per_type.get(t, main)) for t in types)
-    return str(rope_type), theta(main), thetas
+    local = getattr(config, "rope_local_base_freq", None) or theta(per_type.get(SLIDING, main))
+    return str(rope_type), theta(main), float(local) if SLIDING in types and local != theta(main) else None
 
 
 def fingerprint(model: torch.nn.Module) -> str:
@@ -214,7 +230,7 @@ def model_shape(model: torch.nn.Module, name: str, fp: str | None = None) -> Mod
             f"unsupported architecture {type(model).__name__}: the workbench needs a decoder whose layers "
             "have `self_attn` dispatching through transformers' AttentionInterface (Llama, Mistral, Qwen2/3, ...)")
     n_heads = config.num_attention_heads
-    rope_type, theta, thetas = _config_rope(config)
+    rope_type, theta, local_theta = _config_rope(config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
     scalar = getattr(config, "query_pre_attn_scalar", None)  # Gemma scales scores by this, not head_dim
     types = tuple(getattr(config, "layer_types", None) or (FULL,) * config.num_hidden_layers)
@@ -232,7 +248,7 @@ def model_shape(model: torch.nn.Module, name: str, fp: str | None = None) -> Mod
         fingerprint=fp or fingerprint(model),
         layer_types=types,
         sliding_window=getattr(config, "sliding_window", None) if SLIDING in types else None,
-        layer_rope_theta=thetas,
+        sliding_rope_theta=local_theta,
         scale=float(scalar) ** -0.5 if scalar else head_dim ** -0.5,
     )
 
