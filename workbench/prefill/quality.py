@@ -130,7 +130,7 @@ def dense_greedy(model: torch.nn.Module, tok: Any, shape: ModelShape, sample: An
     return tokens, logits, seconds
 
 
-def _sample_record(model, tok, shape, config, sample, max_new_tokens: int, cosine: bool,
+def sample_record(model, tok, shape, config, sample, max_new_tokens: int, cosine: bool,
                    backend: str = "auto", drift_model: torch.nn.Module | None = None) -> dict[str, Any]:
     ids = sample.input_ids
     dense_tokens, dense_logits, dense_seconds = dense_greedy(model, tok, shape, sample, max_new_tokens)
@@ -281,7 +281,7 @@ def quality_report(model: torch.nn.Module, tok: Any, shape: ModelShape, config: 
         if (n, i) in done:
             continue
         sample = make_sample(task, tok, n, seed=i, depth=spread[i])
-        rec = _sample_record(model, tok, shape, config, sample, max_new_tokens, cosine=i < cosine_samples,
+        rec = sample_record(model, tok, shape, config, sample, max_new_tokens, cosine=i < cosine_samples,
                              backend=backend, drift_model=drift_model)
         report["records"].append(rec)
         save()
