@@ -100,3 +100,18 @@ def test_real_gemma_shape_and_capture(gemma):
     ref = attention_outputs(model, ids, [4, 5])
     for layer in (4, 5):
         torch.testing.assert_close(dense_from_capture(cap, layer).float(), ref[layer], atol=1e-4, rtol=1e-3)
+
+
+def test_a_tokenizer_converted_character_by_character_is_refused():
+    """transformers 5.17 converts Gemma-3's GGUF tokenizer one character per token: refused, naming the fix."""
+    from workbench.core.model import EMBEDDED_MODEL, GEMMA_MODEL, _check_tokenizer
+
+    def per_character(text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def per_word(text, add_special_tokens=False):
+        return {"input_ids": list(range(len(text.split())))}
+
+    with pytest.raises(ModelError, match="one character per token: upgrade transformers"):
+        _check_tokenizer(per_character, GEMMA_MODEL)
+    _check_tokenizer(per_word, EMBEDDED_MODEL)

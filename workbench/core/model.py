@@ -253,6 +253,17 @@ def model_shape(model: torch.nn.Module, name: str, fp: str | None = None) -> Mod
     )
 
 
+def _check_tokenizer(tok: Any, bundle: BundledModel) -> None:
+    """Refuse a tokenizer converted from the GGUF one character per token (transformers 5.17 does that to
+    Gemma-3's: the model then reads garbage, and nothing else fails)."""
+    import transformers
+
+    probe = "The capital of France is Paris, and the river is the Seine."
+    if len(tok(probe, add_special_tokens=False)["input_ids"]) > 2 * len(probe.split()):
+        raise ModelError(f"transformers {transformers.__version__} converted the tokenizer of {bundle.name}'s GGUF one "
+                         "character per token: upgrade transformers (5.24 converts it right) and load again")
+
+
 def _cached_gguf(bundle: BundledModel, dtype: torch.dtype, device_map: Any = None) -> tuple[Any, Any, str]:
     """Load a bundled GGUF once (dequantisation: ~18 s for SmolLM2, ~5 min for Gemma-3-270M on 2 CPU
     cores), then from a safetensors cache (seconds). The cache folder appears atomically."""
@@ -268,6 +279,7 @@ def _cached_gguf(bundle: BundledModel, dtype: torch.dtype, device_map: Any = Non
             with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
                 gguf = gguf_path(scratch)
                 tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+                _check_tokenizer(tok, bundle)
                 model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                              dtype=torch.float32)
             model.hf_quantizer = None  # the weights are dequantised: save them as plain safetensors
