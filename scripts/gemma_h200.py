@@ -39,7 +39,7 @@ class Run:
         self.state.mkdir(parents=True, exist_ok=True)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         q = args.quick
-        self.n32, self.n16, self.n8, self.n4 = (2048, 1024, 512, 256) if q else (32768, 16384, 8192, 4096)
+        self.n32, self.n16, self.n8, self.n4 = (1024, 512, 256, 128) if q else (32768, 16384, 8192, 4096)
         self.samples = 2 if q else 10  # per retrieval task: passkey + multikey = 20 prompts per config
         self.summary_path = self.out / "gemma_h200.json"
         old = self.state / "gemma_h200.json"

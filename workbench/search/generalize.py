@@ -19,7 +19,7 @@ the whole JSON report (`workbench generalize`, notebook 08; `views.lengths.write
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +27,12 @@ import torch
 from tqdm.auto import tqdm
 
 from workbench import __version__
-from workbench.analysis.stats import captured_mass
-from workbench.config import ConfigError, HeadConfig, HeadEntry
+from workbench.config import PARAMS, ConfigError, HeadConfig, HeadEntry
 from workbench.core.io import write_json
 from workbench.core.model import ModelShape
 from workbench.core.timing import environment
 from workbench.patterns import AShape, causal_tiles
-from workbench.search.search import TAIL_ROWS, TARGET
+from workbench.search.search import TAIL_ROWS, TARGET, Candidate, layer_scores
 
 # Sizes that are budgets (keys a head reads grow with them): scaled with n. Sinks, answer rows, dilation /
 # stride and adaptive thresholds are not budgets and stay as searched.
@@ -102,7 +101,6 @@ def held_out_samples(tok: Any, tasks: Sequence[str], lengths: Sequence[int], cou
     return out
 
 
-@torch.no_grad()
 def head_mass_by_length(model: torch.nn.Module, shape: ModelShape, config: HeadConfig,
                         samples: dict[int, Sequence[Any]], *, scaled_from: int | None = None,
                         progress: bool = True) -> dict[str, Any]:
@@ -113,41 +111,67 @@ def head_mass_by_length(model: torch.nn.Module, shape: ModelShape, config: HeadC
     fixed layers get mass 1 (the model's own attention). Returns {"lengths": [n...], "mass", "mass_worst",
     "tail", "tail_worst", "density": Float `[len(lengths), L, H]`} (mean / worst over the prompts of a
     length; tail = the last `TAIL_ROWS` query rows; density = physical 64x64 tiles / causal tiles)."""
+    config.validate(shape)
+    scale = (lambda n: config) if scaled_from is None else (lambda n: scale_config(config, n, scaled_from))
+    return mass_tables(model, shape, {"mass": scale}, samples, progress)["mass"]
+
+
+def _candidate(e: HeadEntry) -> Candidate:
+    return Candidate(e.pattern, tuple(e.params[p] for p in PARAMS[e.pattern]))
+
+
+@torch.no_grad()
+def mass_tables(model: torch.nn.Module, shape: ModelShape, variants: dict[str, Callable[[int], HeadConfig]],
+                samples: dict[int, Sequence[Any]], progress: bool = True) -> dict[str, dict[str, Any]]:
+    """`head_mass_by_length` of several configs at once: {name: a function n -> the config to run at n}. One
+    capture per prompt and one exact pass per layer (`search.layer_scores` over the union of the configs'
+    candidates: the mass of the index each candidate runs online, all rows and answer rows, and its tiles)
+    serve every config. Returns {name: table}."""
     from workbench.core.capture import capture_attention
 
-    config.validate(shape)
     lengths = sorted(samples)
     for n in lengths:
         shape.check_length(n)
         if not samples[n]:
             raise ValueError(f"no prompts of length {n}: give at least one per length")
     size = (len(lengths), shape.n_layers, shape.n_heads)
-    out = {key: torch.ones(size, dtype=torch.float64) for key in ("mass", "mass_worst", "tail", "tail_worst", "density")}
+    tables = {name: {key: torch.ones(size, dtype=torch.float64) for key in ("mass", "mass_worst", "tail",
+                                                                            "tail_worst", "density")}
+              for name in variants}
     free = shape.free_layers
     bar = tqdm(total=sum(len(samples[n]) for n in lengths) * len(free), desc="mass by length", unit="layer",
                disable=not progress)
     for i, n in enumerate(lengths):
-        cfg = config if scaled_from is None else scale_config(config, n, scaled_from)
-        mass = torch.zeros(len(samples[n]), shape.n_layers, shape.n_heads, dtype=torch.float64)
-        tail = torch.zeros_like(mass)
+        configs = {name: fn(n) for name, fn in variants.items()}
+        for cfg in configs.values():
+            cfg.validate(shape)
+        mass = {name: torch.ones(len(samples[n]), *size[1:], dtype=torch.float64) for name in variants}
+        tail = {name: m.clone() for name, m in mass.items()}
         for s, sample in enumerate(samples[n]):
             cap = capture_attention(model, shape, sample.input_ids, free, dtype=torch.float32, progress=False)
             for layer in free:
                 q, k, _ = cap.layer_qkv(layer)
-                index = cfg.layer_index(layer, q, k, cap.scale)
-                rows = captured_mass(q, k, cap.scale, index).double().cpu()  # [H, n]
-                mass[s, layer], tail[s, layer] = rows.mean(-1), rows[:, -TAIL_ROWS:].mean(-1)
-                if s == 0:
-                    out["density"][i, layer] = index.tiles(n).double() / causal_tiles(n)
+                entries = {name: cfg.layer(layer) for name, cfg in configs.items()}
+                cands = sorted({_candidate(e) for es in entries.values() for e in es}, key=lambda c: c.label())
+                proxies = {tuple(sorted(cfg.proxy.items())) for cfg in configs.values()}
+                if len(proxies) != 1:
+                    raise ValueError("the configs use different online proxy settings: evaluate them one at a time")
+                scores = layer_scores(q, k, cap.scale, cands, next(iter(configs.values())).proxy)
+                for name, es in entries.items():
+                    c = torch.tensor([cands.index(_candidate(e)) for e in es])
+                    h = torch.arange(len(es))
+                    mass[name][s, layer], tail[name][s, layer] = scores["mass"][h, c], scores["tail"][h, c]
+                    tables[name]["density"][i, layer] = scores["tiles"][h, c] / causal_tiles(n)
                 bar.update(1)
             del cap
-        for layer in shape.fixed_layers:
-            mass[:, layer] = tail[:, layer] = 1.0
-            out["density"][i, layer] = AShape(0, shape.window(layer), shape.n_heads).tiles(n).double() / causal_tiles(n)
-        out["mass"][i], out["mass_worst"][i] = mass.mean(0), mass.amin(0)
-        out["tail"][i], out["tail_worst"][i] = tail.mean(0), tail.amin(0)
+        for name, table in tables.items():
+            for layer in shape.fixed_layers:
+                table["density"][i, layer] = AShape(0, shape.window(layer), shape.n_heads).tiles(n).double() \
+                    / causal_tiles(n)
+            table["mass"][i], table["mass_worst"][i] = mass[name].mean(0), mass[name].amin(0)
+            table["tail"][i], table["tail_worst"][i] = tail[name].mean(0), tail[name].amin(0)
     bar.close()
-    return {"lengths": lengths, **out}
+    return {name: {"lengths": lengths, **table} for name, table in tables.items()}
 
 
 def _quality(model, tok, shape, config: HeadConfig, samples: Sequence[Any], max_new_tokens: int, backend: str,
@@ -211,9 +235,11 @@ def generalization_report(model: torch.nn.Module, tok: Any, shape: ModelShape, c
         "mass": {}, "summary": {}, "below_target": {}, "dropping": {}, "quality": {}}
     i_L, i_d = lengths.index(L), lengths.index(drop_to)
     free = [(l, h) for l in shape.free_layers for h in range(shape.n_heads)]
+    config.validate(shape)
+    tables = mass_tables(model, shape, {"as_is": lambda n: config, "scaled": lambda n: scale_config(config, n, L)},
+                         prompts, progress)
     for variant in VARIANTS:
-        table = head_mass_by_length(model, shape, config, prompts, scaled_from=L if variant == "scaled" else None,
-                                    progress=progress)
+        table = tables[variant]
         report["mass"][variant] = {str(n): {key: _round(table[key][i]) for key in
                                             ("mass", "mass_worst", "tail", "tail_worst", "density")}
                                    for i, n in enumerate(lengths)}
