@@ -130,13 +130,13 @@ class Run:
             cfg = self.config(self.n32, target)
             parts = []
             for task in ("passkey", "multikey"):
-                name = f"prefill_quality_gemma_{self.n32 // 1024}k_t{target:.2f}_{task}.json"
+                name = f"prefill_quality_gemma_{tokens(self.n32)}_t{target:.2f}_{task}.json"
                 command = f"scripts/gemma_h200.py quality32k ({task}, {config_name(self.n32, target)})"
                 quality_report(model, tok, shape, cfg, lengths=[self.n32], samples=self.samples, task=task,
                                cosine_samples=2, sensitivity_samples=1, out=self.path(name), progress=False,
-                               drift_model=fp32, command=command)
+                               drift_model=fp32, command=command, backend=self.args.backend)
                 parts.append(self.path(name))
-            merged = f"prefill_quality_gemma_{self.n32 // 1024}k_t{target:.2f}.json"
+            merged = f"prefill_quality_gemma_{tokens(self.n32)}_t{target:.2f}.json"
             rep = merge_reports(parts, self.path(merged))
             out[f"t{target}"] = {"file": merged, **rep["summary"]["per_length"][str(self.n32)]}
         return out
@@ -155,7 +155,8 @@ class Run:
         for target in (0.95, 0.90):
             cfg = self.config(self.n32, target)
             for layer in cap.layers:
-                rows.append({"config": config_name(self.n32, target), **time_model_layer(cap, cfg, layer, reps=10)})
+                timed = time_model_layer(cap, cfg, layer, reps=10, backend=self.args.backend)
+                rows.append({"config": config_name(self.n32, target), **timed})
         return {"rows": rows}
 
     def fixed32k(self) -> dict:
@@ -176,7 +177,7 @@ class Run:
             ids = make_sample("multikey", tok, self.n32, seed=0).input_ids[None].to(self.device)
             with torch.no_grad():
                 dense = model(ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
-                with SparsePrefill(model, shape, cfg, min_length=0) as sp:
+                with SparsePrefill(model, shape, cfg, min_length=0, backend=self.args.backend) as sp:
                     sparse = model(ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
             p, q = torch.log_softmax(dense.double(), -1), torch.log_softmax(sparse.double(), -1)
             out[dtype] = {"calls": {f"{m} ({r})": c for (m, r), c in sp.calls.items()},
@@ -190,9 +191,10 @@ class Run:
 
         model, tok, shape = self.model("float32")
         cfg = self.config(n, 0.95)
-        name = f"length_generalization_gemma_{n // 1024}k_h200.json"
+        name = f"length_generalization_gemma_{tokens(n)}_h200.json"
         rep = generalization_report(model, tok, shape, cfg, lengths=lengths, tasks=["multikey"], samples=2,
-                                    quality_samples=4, out=self.path(name), config_source=config_name(n, 0.95),
+                                    quality_samples=4, backend=self.args.backend, out=self.path(name),
+                                    config_source=config_name(n, 0.95),
                                     command=f"scripts/gemma_h200.py generalize ({config_name(n, 0.95)} -> {lengths})",
                                     progress=False)
         write_html(rep, self.path(name).with_suffix(".html"))
@@ -224,7 +226,7 @@ class Run:
             q, k, _ = cap.layer_qkv(layer)
             st = layer_stats(q, k, cap.scale, maps=("max_map", "block_mass", "column_mass", "diag_mass", "row_entropy"))
             profiles += [{**p.to_dict(), "layer_type": shape.layer_types[layer]} for p in profile_layer(st, layer)]
-        name = f"gemma_analyze_{self.n32 // 1024}k.json"
+        name = f"gemma_analyze_{tokens(self.n32)}.json"
         write_json(self.path(name), {"model": shape.to_dict(), "sample": sample.describe(), "heads": profiles})
         kinds: dict[str, int] = {}
         for p in profiles:
@@ -261,8 +263,13 @@ class Run:
         return 1 if failed else 0
 
 
+def tokens(n: int) -> str:
+    """32768 -> "32k", 768 -> "768"."""
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
 def config_name(n: int, target: float) -> str:
-    return f"gemma-3-270m-{n // 1024}k-t{target:.2f}.json"
+    return f"gemma-3-270m-{tokens(n)}-t{target:.2f}.json"
 
 
 def free_density(cfg, shape) -> float:
@@ -278,6 +285,7 @@ def main() -> int:
     p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, in this order: {','.join(STEPS)}")
     p.add_argument("--budget", type=float, default=540, help="seconds: no step starts that would end after it")
     p.add_argument("--quick", action="store_true", help="small lengths (a CPU check of the script)")
+    p.add_argument("--backend", default="auto", help="sparse path: auto (Triton on CUDA), triton, torch (the reference)")
     args = p.parse_args()
     steps = [s for s in args.steps.split(",") if s]
     unknown = sorted(set(steps) - set(STEPS))
