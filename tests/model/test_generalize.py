@@ -97,7 +97,7 @@ def test_report_names_dropping_heads_and_runs_both_variants_end_to_end(embedded,
     assert dens("scaled") > dens("as_is")  # scaled budgets read more keys at 4L
     assert rep["dropping"]["as_is"], "budgets in tokens lose mass at 4L on some head"
     html = write_html(rep, tmp_path / "gen.html").read_text()
-    assert "Length generalisation" in html and "plotly" in html
+    assert "Length generalisation" in html and "plotly" in html and len(html) < 1_000_000
 
 
 def test_cli_generalize_and_its_refusals(embedded, smol_config, tmp_path, capsys):

@@ -64,8 +64,9 @@ def report_figure(report: Mapping[str, Any], variant: str = "as_is", only_droppi
 
 
 def write_html(report: Mapping[str, Any], path: str | Path) -> Path:
-    """The report as one self-contained HTML page: summary per variant and length, the dropping heads, the
-    end-to-end check at the longest length, the figure, and every head's mass per length (atomic write)."""
+    """The report as one HTML page: summary per variant and length, the dropping heads, the end-to-end check
+    at the longest length, the figure of the dropping heads (plotly.js from its CDN, as `views.methods` does:
+    the page stays small) and every head's mass per length (atomic write)."""
     from workbench.core.report import Report
 
     s, c = report["settings"], report["config"]
@@ -91,8 +92,9 @@ def write_html(report: Mapping[str, Any], path: str | Path) -> Path:
         page.heading(f"End to end at {s['lengths'][-1]} tokens: retrieval and next-token KL vs dense")
         page.table([{"variant": v, **{k: x for k, x in q.items() if k != "records"}} for v, q in report["quality"].items()],
                    digits=5)
-    page.heading("Mass per head vs length")
-    page.figure(report_figure(report))
+    if any(report["dropping"].values()):
+        page.heading("Mass vs length of the heads that drop (as searched: solid; budgets x n/L: dotted)")
+        page.parts.append(report_figure(report, only_dropping=True).to_html(include_plotlyjs="cdn", full_html=False))
     page.heading("Every head (worst prompt, all rows / answer rows)")
     rows = []
     fixed = set(c.get("fixed_layers") or [])
