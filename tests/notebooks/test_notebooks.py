@@ -19,8 +19,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 CI_SIZES = {"WORKBENCH_NB_LENGTH": "512", "WORKBENCH_NB_LAYERS": "0,4,11", "WORKBENCH_NB_QUICK": "1"}
 
 
-def test_there_are_seven_notebooks_stored_without_outputs():
-    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07"]
+def test_there_are_eight_notebooks_stored_without_outputs():
+    assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07", "08"]
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
         dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count)]

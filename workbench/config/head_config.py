@@ -48,6 +48,8 @@ PROXY_DEFAULTS = {"last_rows": 64, "aggregate": "sum", "diag_norm": "sum", "sink
 _SHAPE_FIELDS = {  # ModelShape field -> (what to call it, how to fix a mismatch)
     "n_layers": "layers", "n_heads": "query heads", "n_kv_heads": "KV heads", "head_dim": "head_dim",
     "rope_type": "RoPE type", "rope_theta": "RoPE theta", "max_positions": "max length (max_position_embeddings)",
+    "layer_types": "attention type per layer", "sliding_window": "sliding window",
+    "sliding_rope_theta": "RoPE theta of the sliding layers",
 }
 
 MINFERENCE_BLOCK_TOPK = 100  # MInference's block_sparse kernel runs top-100 blocks whatever the entry's sizes
@@ -106,6 +108,7 @@ SCHEMA: dict[str, Any] = {
                     "oracle": _nullable_num,
                     "evidence": {"type": "object"},
                     "minference": {"type": "array", "minItems": 4, "maxItems": 4},
+                    "fixed": {"type": "boolean"},
                 },
             },
         },
@@ -126,6 +129,8 @@ class HeadEntry:
     scores; minference: the raw MInference entry this head was imported from, exported verbatim while
     the head keeps that pattern and those sizes; its score (`minference[3]`) is MInference's opaque value,
     never a recall. Change a head with `HeadConfig.edit`, which says whether that score stays.
+    fixed: the model itself fixes this head's attention (a sliding-window layer): the entry is
+    ashape(sink=0, window=the model's window), never searched or edited, and runs exactly as the model does.
     """
 
     layer: int
@@ -137,6 +142,7 @@ class HeadEntry:
     oracle: float | None = None
     evidence: dict[str, Any] | None = None
     minference: list | None = None
+    fixed: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"layer": self.layer, "head": self.head, "pattern": self.pattern, "params": dict(self.params)}
@@ -144,7 +150,14 @@ class HeadEntry:
             value = getattr(self, name)
             if value is not None:
                 d[name] = copy.deepcopy(value)
+        if self.fixed:
+            d["fixed"] = True
         return d
+
+    @classmethod
+    def model_fixed(cls, layer: int, head: int, window: int) -> HeadEntry:
+        """The entry of a head on a sliding-window layer: what the model runs (keys i - window < j <= i)."""
+        return cls(layer, head, "ashape", {"sink": 0, "window": window}, fixed=True)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HeadEntry:
@@ -249,6 +262,27 @@ class HeadConfig:
                 raise ConfigError(f"{source}: heads[{i}].minference score is {score} (layer {e.layer}, head "
                                   f"{e.head}): JSON has no such number; write null")
         self._rank_view(source)
+        for i, e in enumerate(self.heads):
+            window = self.window(e.layer)
+            if window is not None and not (e.fixed and e.pattern == "ashape" and e.params == {"sink": 0, "window": window}):
+                raise ConfigError(f"{source}: heads[{i}]: {self.fixed_reason(e.layer, e.head)}; write it as "
+                                  f'{{"pattern": "ashape", "params": {{"sink": 0, "window": {window}}}, "fixed": true}} '
+                                  "(what `workbench search` writes)")
+            if window is None and e.fixed:
+                raise ConfigError(f"{source}: heads[{i}] (layer {e.layer}, head {e.head}) is marked fixed but layer "
+                                  f"{e.layer} has full attention: drop \"fixed\" from that entry")
+
+    def window(self, layer: int) -> int | None:
+        """The model's sliding window on `layer` (its heads are fixed), None for a full-attention layer."""
+        types = self.model.get("layer_types") or ()
+        return self.model.get("sliding_window") if layer < len(types) and types[layer] == "sliding_attention" else None
+
+    def fixed_reason(self, layer: int, head: int) -> str:
+        """Why (layer, head) is not a choice: the model fixes its attention to a sliding window."""
+        free = [l for l, t in enumerate(self.model.get("layer_types") or ()) if t != "sliding_attention"]
+        return (f"(layer {layer}, head {head}) is fixed by the model: layer {layer} of {self.model.get('name')} is a "
+                f"sliding_attention layer that always attends its last {self.window(layer)} tokens, so it has no "
+                f"pattern to choose; choose patterns for the full_attention layers {free}")
 
     def validate(self, shape: ModelShape, strict_weights: bool = False) -> None:
         """Raise ConfigError naming the first mismatch between this config and `shape` (layers, heads, KV
@@ -260,8 +294,9 @@ class HeadConfig:
             raise ConfigError(f"head config is {self.describe_rank_view()}, not a config of the whole {shape.name}: "
                               f"use it on that rank only (its shape has {self.model['n_heads']} query heads), or load "
                               "the whole model's config")
+        model = ModelShape.from_dict(self.model)  # fields older configs lack take their defaults
         for key, what in _SHAPE_FIELDS.items():
-            mine, theirs = self.model.get(key), getattr(shape, key)
+            mine, theirs = getattr(model, key), getattr(shape, key)
             if mine != theirs:
                 raise ConfigError(
                     f"head config does not match the model: model.{key} ({what}) is {mine!r} in the config but "
@@ -292,6 +327,8 @@ class HeadConfig:
         imported head with the new entry (True) or drop it (False: the export writes null). Our recall,
         density, oracle and evidence described the old choice and are cleared."""
         e = self.entry(layer, head)
+        if e.fixed:
+            raise ConfigError(self.fixed_reason(layer, head))
         if pattern not in PARAMS or set(params) != set(PARAMS[pattern]):
             raise ConfigError(f"(layer {layer}, head {head}): pattern {pattern!r} with params {sorted(params)} is not "
                               f"valid: use one of {list(PARAMS)} with exactly its params {PARAMS}")
@@ -334,7 +371,10 @@ class HeadConfig:
         vertical_and_slash with both sizes = max length. Imported
         heads that still have their imported pattern and sizes are written back verbatim (score included);
         other heads get as score our worst calibration recall, or null when there is none (an imported head
-        changed without `HeadEntry.edit(..., keep_score=True)`).
+        changed without `HeadEntry.edit(..., keep_score=True)`). Heads fixed by the model (sliding-window
+        layers) are written as stream_llm [0, window]: MInference's HF patch would run every head of such a
+        layer through its streaming kernel with no sink and that window, which is the model's own mask;
+        importing the file for the same model marks them fixed again.
 
         Head ids are global: a tensor-parallel rank's view (`for_rank(r, T)`) writes, in every layer, the
         keys str(r * H/T + h) for its local heads h = 0..H/T-1. That is what MInference's vLLM forward
@@ -343,6 +383,11 @@ class HeadConfig:
         """
         view = self.rank_view
         global_ids = view["heads"] if view else range(self.model["n_heads"])
+        if str(self.model.get("architecture", "")).startswith("gemma"):
+            warnings.warn(f"{self.model.get('name')}: MInference's Hugging Face patch swaps every attention and "
+                          "decoder-layer forward for its Llama ones, which skip Gemma's QK-norm and its extra norms: "
+                          "MInference cannot run this model from the file as is (its sliding-window layers are "
+                          "written as stream_llm [0, window])", stacklevel=2)
         out: list[dict[str, list]] = [{} for _ in range(self.model["n_layers"])]
         for e in self.heads:
             raw = e.minference
@@ -438,6 +483,9 @@ class HeadConfig:
                           "which JSON has no number for: kept as null (MInference never reads the score)", stacklevel=2)
         blocks = [e for e in heads if e.pattern == "block"]
         _warn_block_topk(blocks, f"{source} (import)")
+        for e in heads:  # a sliding layer's stream_llm [0, window] is the model's own attention
+            if (e.pattern, e.params) == ("ashape", {"sink": 0, "window": shape.window(e.layer)}):
+                e.fixed = True
         prov = {"source": "minference", **(provenance or {})}
         if blocks:
             prov["minference_block_topk"] = MINFERENCE_BLOCK_TOPK

@@ -71,8 +71,9 @@ def config_digest(config: HeadConfig) -> str:
 
 class LayerInputs:
     """Keeps every decoder layer's input (hidden state and keyword arguments) of one dense prefill, so a
-    prefill can be resumed from any layer: `logits_from(layer)` runs layers `layer..L-1`, the final norm
-    and the LM head on the last position. Llama-family decoders (model.model.layers / norm, lm_head)."""
+    prefill can be resumed from any layer: `logits_from(layer)` runs layers `layer..L-1` (each with its own
+    keyword arguments: Gemma's layers differ in mask and RoPE), the final norm and the LM head on the last
+    position. Decoders with model.model.layers / norm and lm_head (Llama family, Gemma-3)."""
 
     def __init__(self, model: torch.nn.Module, input_ids: torch.Tensor):
         self.model = model
@@ -94,8 +95,8 @@ class LayerInputs:
 
     @torch.no_grad()
     def logits_from(self, layer: int) -> torch.Tensor:
-        hidden, kwargs = self.inputs[layer]
-        for block in self.model.model.layers[layer:]:
+        hidden = self.inputs[layer][0]
+        for block, (_, kwargs) in zip(self.model.model.layers[layer:], self.inputs[layer:]):
             out = block(hidden, **kwargs)
             hidden = out[0] if isinstance(out, tuple) else out
         return self.model.lm_head(self.model.model.norm(hidden[:, -1:]))[0, -1].float()
@@ -129,7 +130,7 @@ def dense_greedy(model: torch.nn.Module, tok: Any, shape: ModelShape, sample: An
     return tokens, logits, seconds
 
 
-def _sample_record(model, tok, shape, config, sample, max_new_tokens: int, cosine: bool,
+def sample_record(model, tok, shape, config, sample, max_new_tokens: int, cosine: bool,
                    backend: str = "auto", drift_model: torch.nn.Module | None = None) -> dict[str, Any]:
     ids = sample.input_ids
     dense_tokens, dense_logits, dense_seconds = dense_greedy(model, tok, shape, sample, max_new_tokens)
@@ -158,12 +159,14 @@ def _sample_record(model, tok, shape, config, sample, max_new_tokens: int, cosin
 
 def sensitivity(model, shape: ModelShape, config: HeadConfig, input_ids: torch.Tensor,
                 progress: bool = True, backend: str = "auto") -> list[dict[str, Any]]:
-    """One layer sparse at a time on one prompt: [{layer, kl, top1_agree}] for layers with sparse heads."""
+    """One layer sparse at a time on one prompt: [{layer, kl, top1_agree}] for layers with sparse heads
+    (layers the model fixes run as the model does and are skipped)."""
     from workbench.prefill.sparse import LayerPlan
 
     base = LayerInputs(model, input_ids)
     rows = []
-    layers = [l for l in range(shape.n_layers) if not LayerPlan.from_config(config, l).all_dense]
+    layers = [l for l in range(shape.n_layers)
+              if not LayerPlan.from_config(config, l).all_dense and config.window(l) is None]
     for layer in tqdm(layers, desc="sensitivity", unit="layer", disable=not progress, leave=False):
         with SparsePrefill(model, shape, config, min_length=0, layers=[layer], backend=backend):
             logits = base.logits_from(layer)
@@ -278,7 +281,7 @@ def quality_report(model: torch.nn.Module, tok: Any, shape: ModelShape, config: 
         if (n, i) in done:
             continue
         sample = make_sample(task, tok, n, seed=i, depth=spread[i])
-        rec = _sample_record(model, tok, shape, config, sample, max_new_tokens, cosine=i < cosine_samples,
+        rec = sample_record(model, tok, shape, config, sample, max_new_tokens, cosine=i < cosine_samples,
                              backend=backend, drift_model=drift_model)
         report["records"].append(rec)
         save()
@@ -337,11 +340,12 @@ def write_html(report: dict[str, Any], path: str | Path) -> Path:
 # ---- fixing a config the report flags ----------------------------------------------------------------
 
 def dense_fallback(config: HeadConfig, layers: Sequence[int], note: str = "") -> HeadConfig:
-    """A copy of `config` whose `layers` run dense (every head), with the change in its provenance."""
+    """A copy of `config` whose `layers` run dense (every head), with the change in its provenance; heads the
+    model fixes (sliding window) keep their window: dense there would not be the model."""
     from workbench.config import HeadEntry
 
     layers = sorted(set(layers))
-    heads = [HeadEntry(e.layer, e.head, "dense", {}, recall={"mean": 1.0, "worst": 1.0}) if e.layer in layers
+    heads = [HeadEntry(e.layer, e.head, "dense", {}, recall={"mean": 1.0, "worst": 1.0}) if e.layer in layers and not e.fixed
              else HeadEntry.from_dict(e.to_dict()) for e in config.heads]
     prov = dict(config.provenance, dense_fallback={"layers": layers, "reason": note})
     return HeadConfig(model=dict(config.model), heads=heads, provenance=prov, proxy=dict(config.proxy), block=config.block)
@@ -357,10 +361,10 @@ def rechoose(config: HeadConfig, target: float, tail_target: float | None = None
     cands = [Candidate.from_dict(c) for c in config.provenance["candidates"]]
     n_layers = config.model["n_layers"]
     n = max(s["length"] for s in config.provenance["calibration"])
-    grid = lambda key: torch.tensor([[e.evidence[key] for e in config.layer(l)] for l in range(n_layers)],  # noqa: E731
-                                    dtype=torch.float64)[None]
+    grid = lambda key: torch.tensor([[e.evidence[key] if not e.fixed else [0.0] * len(cands)  # noqa: E731
+                                      for e in config.layer(l)] for l in range(n_layers)], dtype=torch.float64)[None]
     mass = grid("mass_worst")
-    tail = grid("tail_worst") if all("tail_worst" in e.evidence for e in config.heads) else mass
+    tail = grid("tail_worst") if all(e.fixed or "tail_worst" in e.evidence for e in config.heads) else mass
     ev = Evidence(cands, [{"stored_evidence": "worst calibration sample per head"}], [n], mass, tail,
                   grid("oracle_mean"), grid("physical_density") * causal_tiles(n), torch.zeros_like(mass),
                   torch.ones(1, n_layers, dtype=torch.float64))

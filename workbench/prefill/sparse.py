@@ -10,6 +10,11 @@ config prescribes and runs sparse attention; everything else runs the model's de
 - layers whose heads are all "dense" in the config;
 - calls that carry an explicit attention mask (padding): the sparse kernels are causal-only.
 
+Layers the model fixes (sliding window, e.g. 15 of Gemma-3-270M's 18) carry the model's window mask; their
+config entries are the same window (`HeadEntry.model_fixed`: A-shape, no sink), so they run sparse through
+the same kernels, exactly as the model does, as long as the mask is that window and nothing else (batch 1,
+no padding: checked per row); otherwise they run the model's own attention.
+
 The model's own projections, RoPE and KV cache are untouched, so the full KV cache is still written.
 Backends: on CUDA the Triton kernel over physical tiles (one launch per layer, any mix of patterns:
 `workbench_kernels.prefill.sparse_prefill`, index from the Triton VS builder and the pooled block
@@ -147,7 +152,12 @@ class SparsePrefill:
         """Same contract as `dense_attention`: q `[B, Hq, N, D]`, k/v `[B, Hkv, Nk, D]` -> `[B, N, Hq, D]`."""
         layer = module.layer_idx
         mode, reason = self.mode(layer, query.shape[2], key.shape[2])
-        if mode == "sparse" and attention_mask is not None:  # padding or a custom mask: the kernels are causal-only
+        if mode == "sparse" and self.config.window(layer) is not None:
+            if self.window_only(layer, attention_mask):
+                reason = "fixed window"
+            else:
+                mode, reason = "dense", "attention mask"
+        elif mode == "sparse" and attention_mask is not None:  # padding or a custom mask: the kernels are causal-only
             mode, reason = "dense", "attention mask"
         self.calls[(mode, reason)] += 1
         timer = self.timer
@@ -174,6 +184,16 @@ class SparsePrefill:
             self.cosine[layer] = torch.nn.functional.cosine_similarity(
                 o.float().flatten(2), ref.float().flatten(2), dim=-1).mean(0).cpu()
         return o.transpose(1, 2).contiguous(), None
+
+    def window_only(self, layer: int, mask: torch.Tensor | None) -> bool:
+        """Whether a fixed layer's mask `[1, 1, N, N]` (bool) is its sliding window and nothing else: row i
+        keeps min(i + 1, window) keys (transformers builds it as causal AND window AND padding, so the count
+        only falls short when padding removes keys)."""
+        if mask is None or mask.dtype != torch.bool or mask.shape[0] != 1 or mask.shape[1] != 1:
+            return False
+        n = mask.shape[-1]
+        keep = torch.arange(1, n + 1, device=mask.device).clamp(max=self.config.window(layer))
+        return bool(torch.equal(mask[0, 0].sum(-1), keep))
 
     # ---- one layer: online index, then the kernel (also timed apart by `latency.time_model_layer`) ------
     def resolve_backend(self, q: torch.Tensor) -> str:

@@ -31,8 +31,9 @@ from workbench import __version__
 from workbench.analysis.metrics import TAIL_ROWS, LayerReductions, layer_sums, segment_mass
 from workbench.analysis.stats import captured_mass
 from workbench.config import PARAMS, PROXY_DEFAULTS, HeadConfig, HeadEntry
+from workbench.core.model import ModelShape
 from workbench.core.timing import environment
-from workbench.patterns import BLOCK, EVIDENCE, PATTERNS, causal_edges, causal_tiles, pattern_class, vs_proxy
+from workbench.patterns import BLOCK, EVIDENCE, PATTERNS, AShape, causal_edges, causal_tiles, pattern_class, vs_proxy
 from workbench.patterns.base import default_budget
 from workbench.patterns.proxy import top_positions
 from workbench.patterns.vertical_slash import best_offsets, vs_mass
@@ -213,12 +214,26 @@ def _round(t: torch.Tensor, digits: int = 5) -> list[float]:
 def build_config(evidence: Evidence, choice: torch.Tensor, model: dict[str, Any], *, target: float,
                  tail_target: float | None = None, proxy: dict[str, Any] | None = None,
                  provenance: dict[str, Any] | None = None) -> HeadConfig:
-    """Turn evidence and a choice `[L, H]` into a HeadConfig with per-head recall, density and evidence."""
+    """Turn evidence and a choice `[L, H]` into a HeadConfig with per-head recall, density and evidence.
+
+    Layers the model fixes (sliding window, from `model`'s layer types) get the model's own entry
+    (`HeadEntry.model_fixed`: recall 1 by definition, density of its window at the calibration lengths)."""
     logical, physical = evidence.density()
+    shape = ModelShape.from_dict(model)
     heads = []
     n_layers, n_heads = choice.shape
     for l in range(n_layers):
         for h in range(n_heads):
+            window = shape.window(l) if n_layers == shape.n_layers else None  # evidence of every model layer
+            if window is not None:
+                e = HeadEntry.model_fixed(l, h, window)
+                band = AShape(0, window)
+                mean = lambda f: round(sum(float(f(n)) for n in evidence.lengths) / len(evidence.lengths), 6)  # noqa: E731
+                e.recall = {"mean": 1.0, "worst": 1.0, "tail_worst": 1.0}
+                e.density = {"logical": mean(lambda n: band.edges(n).sum() / causal_edges(n)),
+                             "physical": mean(lambda n: band.tiles(n).sum() / causal_tiles(n))}
+                heads.append(e)
+                continue
             c = int(choice[l, h])
             cand = evidence.candidates[c]
             mass, tail = evidence.mass[:, l, h], evidence.tail[:, l, h]
@@ -244,6 +259,7 @@ def build_config(evidence: Evidence, choice: torch.Tensor, model: dict[str, Any]
         "tail_target": target if tail_target is None else tail_target,
         "calibration": evidence.samples,
         "candidates": [c.to_dict() for c in evidence.candidates],
+        **({"fixed_layers": list(shape.fixed_layers)} if shape.fixed_layers else {}),
         **(provenance or {}),
     }
     return HeadConfig(model=dict(model), heads=heads, provenance=prov, proxy={**PROXY_DEFAULTS, **(proxy or {})})
@@ -256,7 +272,8 @@ def collect_evidence(captures: Iterable[Any], samples: Sequence[dict[str, Any]],
     """Score every layer of every capture (an iterable, so each can be made and freed in turn).
 
     `shard=(rank, world)` scores only the (sample, layer) slices with (sample * L + layer) % world ==
-    rank; summing the evidence of all ranks (`+`, or `all_reduce`) gives the full evidence."""
+    rank; summing the evidence of all ranks (`+`, or `all_reduce`) gives the full evidence. Layers the
+    model fixes (`cap.shape.fixed_layers`: sliding window) are never scored, only marked done."""
     rank, world = shard
     if not 0 <= rank < world:
         raise ValueError(f"shard {shard} is not (rank, world) with 0 <= rank < world")
@@ -265,8 +282,13 @@ def collect_evidence(captures: Iterable[Any], samples: Sequence[dict[str, Any]],
     bar = tqdm(total=len(mine), desc="search", unit="layer", disable=not progress)
     for s, cap in enumerate(captures):
         bar.unpause()  # leave the capture just made out of the per-layer rate: the first ETA is one layer's, not a capture's
+        fixed = set(cap.shape.fixed_layers)
+        for layer in sorted(fixed):
+            if (s * n_layers + layer) % world == rank:
+                ev.done[s, layer] = 1
+                bar.update(1)
         for layer in cap.layers:
-            if (s * n_layers + layer) % world != rank:
+            if layer in fixed or (s * n_layers + layer) % world != rank:
                 continue
             q, k, _ = cap.layer_qkv(layer)
             ev.fill(s, layer, layer_scores(q, k, cap.scale, candidates, proxy))
@@ -284,14 +306,16 @@ def search_heads(model: torch.nn.Module, tokenizer: Any, shape: Any, samples: Se
     """Capture each calibration sample (`workbench.core.corpus.Sample`), score all heads, choose (cost:
     physical tiles, or `latency` rates as in `choose`; `tail_target` as there), and return
     (HeadConfig, Evidence). Default candidates scale with the longest sample. Samples are captured layer
-    by layer (`stream_capture`, `chunk` query rows per call): one layer's q/k/v in memory at a time."""
+    by layer (`stream_capture`, `chunk` query rows per call): one layer's q/k/v in memory at a time. Only the
+    layers the model does not fix are captured and searched (`shape.free_layers`)."""
     from workbench.core.stream import stream_capture
 
     if not samples:
         raise ValueError("no calibration samples: give at least one (e.g. --tasks passkey,code,vartrack)")
     lengths = [int(s.input_ids.numel()) for s in samples]
     candidates = list(candidates or default_candidates(max(lengths)))
-    captures = (stream_capture(model, shape, s.input_ids, chunk=chunk, progress=False) for s in samples)
+    captures = (stream_capture(model, shape, s.input_ids, layers=shape.free_layers, chunk=chunk, progress=False)
+                for s in samples)
     ev = collect_evidence(captures, [s.describe() for s in samples], lengths, candidates,
                           shape.n_layers, shape.n_heads, proxy, progress)
     cfg = build_config(ev, choose(ev, target, latency, tail_target), shape.to_dict(), target=target,
@@ -312,7 +336,12 @@ def evaluate_config(config: HeadConfig, capture: Any, progress: bool = False) ->
     mass = torch.zeros(n_layers, n_heads, dtype=torch.float64)
     oracle = torch.zeros_like(mass)
     segments: dict[str, torch.Tensor] = {}
+    fixed: list[int] = []
     for layer in tqdm(capture.layers, desc="evaluate", unit="layer", disable=not progress, leave=False):
+        if config.window(layer) is not None:  # the model's own attention: all of its mass, by definition
+            mass[layer] = oracle[layer] = 1.0
+            fixed.append(layer)
+            continue
         q, k, _ = capture.layer_qkv(layer)
         entries = config.layer(layer)
         rows = captured_mass(q, k, capture.scale, config.layer_index(layer, q, k, capture.scale))
@@ -325,6 +354,8 @@ def evaluate_config(config: HeadConfig, capture: Any, progress: bool = False) ->
         for h, e in enumerate(entries):
             c = cands.index(Candidate(e.pattern, tuple(e.params[p] for p in PARAMS[e.pattern])))
             oracle[layer, h] = scores["oracle"][h, c]
+    for value in segments.values():
+        value[fixed] = 1.0
     return {"mass": mass, "segments": segments, "oracle": oracle}
 
 
