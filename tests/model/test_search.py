@@ -416,3 +416,19 @@ def test_sharded_collection_sums_to_the_whole(capture_256):
     assert torch.equal(merged.mass, whole.mass) and torch.equal(choose(merged), choose(whole))
     with pytest.raises(ValueError, match="rank"):
         collect_evidence([capture], *args, shard=(2, 2))
+
+
+def test_a_search_gives_the_model_back_its_own_attention(embedded):
+    """search_heads streams each sample layer by layer; when it returns, the model runs its own attention
+    again (a later prefill, quality run or dashboard job must not meet the streaming runner's hook)."""
+    from workbench.core.corpus import make_sample
+    from workbench.search.search import search_heads
+
+    model, tok, shape = embedded
+    before = model.config._attn_implementation
+    sample = make_sample("passkey", tok, 256, seed=0)
+    search_heads(model, tok, shape, [sample], candidates=[Candidate("ashape", (4, 64)), Candidate("dense")],
+                 progress=False)
+    assert model.config._attn_implementation == before
+    with torch.no_grad():  # the whole prompt in one call: a stale runner would fail on its buffer sizes
+        model(make_sample("passkey", tok, 300, seed=1).input_ids[None], use_cache=False)

@@ -56,6 +56,9 @@ class Capture:
         kv = self.shape.kv_head(head)
         return q[head], k[kv], v[kv]
 
+    def close(self) -> None:
+        """Nothing to end: a Capture holds its tensors (a `StreamCapture` ends its forward here)."""
+
     def save(self, path: str | Path) -> None:
         """Write as safetensors (atomic: temp file + rename)."""
         import json

@@ -293,6 +293,7 @@ def collect_evidence(captures: Iterable[Any], samples: Sequence[dict[str, Any]],
             q, k, _ = cap.layer_qkv(layer)
             ev.fill(s, layer, layer_scores(q, k, cap.scale, candidates, proxy))
             bar.update(1)
+        cap.close()  # a streamed capture ends its forward: the model's own attention is back
     bar.close()
     return ev
 
