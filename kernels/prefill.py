@@ -360,11 +360,14 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
 
     if num_stages is not None:
         launch(num_stages)
-    else:
-        try:
-            launch(auto_stages)
-        except OutOfResources:  # shared memory of this GPU: one stage less
-            launch(auto_stages - 1)
+        return o, lse
+    for stages in range(auto_stages, 0, -1):  # fewer stages until the tiles fit this GPU's shared memory
+        try:  # (fp32 tiles take twice bf16's: fp32 at head_dim 256 fits one stage only)
+            launch(stages)
+            break
+        except OutOfResources:
+            if stages == 1:
+                raise
     return o, lse
 
 

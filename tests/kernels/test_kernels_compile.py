@@ -16,7 +16,7 @@ import sys
 import pytest
 
 SMEM_SM90 = 232448  # bytes of shared memory one H100 / H200 program may use
-PREFILL_CASES = {  # id: (d, pack, rows, block, piece, split, tma, window, persistent)
+PREFILL_CASES = {  # id: (d, pack, rows, block, piece, split, tma, window, persistent[, q/k/v dtype])
     "vs_per_head": (128, 1, 64, 64, 64, True, False, False, False),  # the Vertical-Slash default
     "ashape_per_head_tma_persistent": (128, 1, 64, 64, 64, True, True, True, True),
     "block_packed": (128, 4, 32, 64, 64, False, False, False, False),  # the group-shared block-sparse default
@@ -24,6 +24,7 @@ PREFILL_CASES = {  # id: (d, pack, rows, block, piece, split, tma, window, persi
     "d256_per_head_tma": (256, 1, 64, 64, 64, True, True, True, False),  # Gemma-3: head_dim 256
     "d256_packed": (256, 4, 16, 64, 64, True, False, True, False),  # head_dim 256, GQA-packed (split loop)
     "d64_per_head": (64, 1, 64, 64, 64, True, False, False, False),  # the embedded model's head_dim
+    "d256_packed_tma_fp32": (256, 4, 16, 64, 64, True, True, True, False, "fp32"),  # fp32 parity runs: one stage
 }
 PREFILL_PTRS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "BlockCount": "*i32",
                 "BlockOffset": "*i32", "ColumnCount": "*i32", "ColumnIndex": "*i32", "Sink": "*i32", "Window": "*i32",
@@ -61,17 +62,18 @@ def compile_all() -> dict[str, dict]:
     from workbench_kernels import index_build, prefill
 
     out: dict[str, dict] = {}
-    for case, (d, pack, rows, block, piece, split, tma, window, persistent) in PREFILL_CASES.items():
+    for case, (d, pack, rows, block, piece, split, tma, window, persistent, *dtype) in PREFILL_CASES.items():
         warps, stages = prefill.default_config(d, rows, pack)
         constants = dict(D=d, BLOCK=block, BLOCK_N=piece, PACK=pack, ROWS=rows, HAS_WINDOW=window,
                          LONGEST_FIRST=True, SPLIT=split, CUT=False, TMA=tma, WS=False, PERSISTENT=persistent)
+        types = {**PREFILL_PTRS, "qk_scale": "fp32", **{x: f"*{dtype[0]}" for x in ("Q", "K", "V", "O") if dtype}}
         try:
-            kernel = compile_sm90(prefill._sparse_prefill_kernel, {**PREFILL_PTRS, "qk_scale": "fp32"}, constants,
-                                  (*PREFILL_PTRS, *STRIDES), warps, stages)
-            if kernel.metadata.shared > SMEM_SM90:  # sparse_prefill's fallback: one stage less
+            kernel = compile_sm90(prefill._sparse_prefill_kernel, types, constants, (*PREFILL_PTRS, *STRIDES), warps,
+                                  stages)
+            while kernel.metadata.shared > SMEM_SM90 and stages > 1:  # sparse_prefill's fallback: fewer stages
                 stages -= 1
-                kernel = compile_sm90(prefill._sparse_prefill_kernel, {**PREFILL_PTRS, "qk_scale": "fp32"},
-                                      constants, (*PREFILL_PTRS, *STRIDES), warps, stages)
+                kernel = compile_sm90(prefill._sparse_prefill_kernel, types, constants, (*PREFILL_PTRS, *STRIDES),
+                                      warps, stages)
             out[case] = {"shared": kernel.metadata.shared, "stages": stages, "waits": loop_waits(kernel.asm["ttgir"])}
         except Exception as e:  # noqa: BLE001 - reported by the test of this case
             out[case] = {"error": f"{type(e).__name__}: {e}"[-2000:]}
