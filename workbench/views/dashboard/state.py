@@ -365,7 +365,8 @@ class Session(Job):
 
     def _search(self) -> HeadConfig:
         """The search on this one sample (`search.layer_scores` per captured layer, then `choose`);
-        layers that were not captured stay dense and are listed in the provenance."""
+        layers that were not captured stay dense and are listed in the provenance; layers the model fixes
+        (sliding window) keep the model's own entry."""
         from workbench.search.search import Evidence, build_config, choose, default_candidates, layer_scores
 
         cap, shape = self.capture, self.shape
@@ -373,6 +374,9 @@ class Session(Job):
         ev = Evidence.empty(cands, [self.sample.describe()], [cap.n], len(cap.layers), shape.n_heads)
         for i, layer in enumerate(cap.layers):
             self._step(f"searching patterns: layer {layer}", i, len(cap.layers))
+            if shape.window(layer) is not None:  # the model fixes this layer: nothing to search
+                ev.done[0, i] = 1
+                continue
             q, k, _ = cap.layer_qkv(layer)
             ev.fill(0, i, layer_scores(q, k, cap.scale, cands))
         skipped = [l for l in range(shape.n_layers) if l not in cap.layers]
@@ -380,7 +384,8 @@ class Session(Job):
             "command": "workbench dashboard (search on the loaded sample)", "dense_not_searched": skipped})
         heads = {(cap.layers[e.layer], e.head): HeadEntry.from_dict({**e.to_dict(), "layer": cap.layers[e.layer]})
                  for e in cfg.heads}
-        cfg.heads = [heads.get((l, h)) or HeadEntry(l, h, "dense", {})
+        cfg.heads = [HeadEntry.model_fixed(l, h, shape.window(l)) if shape.window(l) is not None
+                     else heads.get((l, h)) or HeadEntry(l, h, "dense", {})
                      for l in range(shape.n_layers) for h in range(shape.n_heads)]
         cfg.check("dashboard search")
         return cfg

@@ -172,6 +172,8 @@ class HeadState(Job):
         params = {k: int(params[k]) for k in PARAMS[pattern]}
         i = self.layer * s.config.model["n_heads"] + self.head
         old = s.config.heads[i]
+        if old.fixed:
+            raise ValueError(s.config.fixed_reason(self.layer, self.head))
         s.config.heads[i] = HeadEntry(old.layer, old.head, pattern, params)
         try:
             s.config.check("edit")
@@ -211,7 +213,7 @@ class HeadState(Job):
             est, note = None, f"no estimate: {err}"
         entry = HeadEntry(e.layer, e.head, e.pattern, e.params, recall={"mean": round(mass, 6), "worst": round(mass, 6)},
                           density={"logical": round(view["logical"], 6), "physical": round(view["physical"], 6)},
-                          oracle=round(oracle, 6), minference=e.minference)
+                          oracle=round(oracle, 6), minference=e.minference, fixed=e.fixed)
         s.config.heads[self.layer * s.config.model["n_heads"] + self.head] = entry
         self.result = {
             "entry": entry, "index": index, "mass": mass, "oracle": oracle, "tiles": tiles,
