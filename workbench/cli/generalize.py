@@ -9,24 +9,8 @@ dense for both. Writes JSON + HTML (`workbench.search.generalize`, `workbench.vi
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: write comma-separated whole numbers, e.g. 4096,8192") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: write comma-separated whole numbers >= 1, e.g. 4096,8192")
-    return values
-
-
-def _names(text: str) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError(f"{text!r}: give at least one task, comma-separated, e.g. multikey,passkey")
-    return names
+from workbench.cli._args import add_device, add_out, add_tasks, int_list, positive_int, resolve_device_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,22 +18,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__)
     p.add_argument("--config", required=True, help="head config to evaluate (searched at length L)")
     p.add_argument("--model", default=None, help="model folder, hub id or gemma-3-270m (default: the embedded SmolLM2-135M)")
-    p.add_argument("--lengths", type=_ints, required=True, help="longer prompt lengths in tokens, comma-separated "
+    p.add_argument("--lengths", type=int_list, required=True, help="longer prompt lengths in tokens, comma-separated "
                    "(L is added), e.g. 4096,8192")
-    p.add_argument("--tasks", type=_names, default=["multikey"], help="held-out tasks: passkey, multikey, vartrack, code "
-                   "or UTF-8 text files, comma-separated (default multikey)")
-    p.add_argument("--samples", type=int, default=1, help="held-out prompts per task and length (default 1)")
-    p.add_argument("--searched-at", type=int, default=None, help="L, when the config does not record its calibration "
-                   "lengths (default: the longest calibration prompt in its provenance)")
+    add_tasks(p, "multikey", what="held-out tasks")
+    p.add_argument("--samples", type=positive_int, default=1, help="held-out prompts per task and length (default 1)")
+    p.add_argument("--searched-at", type=positive_int, default=None, help="L, when the config does not record its "
+                   "calibration lengths (default: the longest calibration prompt in its provenance)")
     p.add_argument("--target", type=float, default=None, help="mass a head must keep (default: the config's target)")
     p.add_argument("--quality-samples", type=int, default=4, help="prompts at the longest length run end to end "
                    "(retrieval, KL vs dense) for both variants (default 4; 0 skips)")
     p.add_argument("--max-new-tokens", type=int, default=8, help="greedy decoding length of that check (default 8)")
     p.add_argument("--backend", default="auto", help="sparse path of that check: auto (Triton on CUDA, PyTorch "
                    "reference on CPU), triton or torch")
-    p.add_argument("--out", default=None, help="JSON path, HTML beside it (default reports/generalize/<model>.json)")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when a GPU is visible)")
-    p.add_argument("--dtype", default=None, help="model dtype (default float32 on the CPU, bfloat16 on a GPU)")
+    add_out(p, None, "JSON path, the HTML report beside it", shown="reports/generalize/<model>.json")
+    add_device(p)  # --dtype default: bfloat16 on a GPU
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.set_defaults(func=run)
@@ -58,23 +40,27 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from workbench.cli._args import check_lengths, check_tasks, out_file
     from workbench.config import HeadConfig
-    from workbench.core.device import parse_dtype, resolve_device
+    from workbench.core.corpus import TASKS
     from workbench.core.model import load_model
+    from workbench.data import file_stem
     from workbench.search.generalize import generalization_report
     from workbench.views.lengths import write_html
 
-    if args.samples < 1:
-        raise ValueError(f"--samples {args.samples}: give at least 1 held-out prompt per task and length")
+    check_tasks(args.tasks, TASKS)
     if args.quality_samples < 0:
         raise ValueError(f"--quality-samples {args.quality_samples}: give 0 (skip) or more prompts")
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
-    dtype = parse_dtype(args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model, tok, shape = load_model(args.model, device=device, dtype=dtype)
+    if args.out:
+        out_file(args.out)
+    where = resolve_device_args(args, gpu_dtype=torch.bfloat16)
+    device, dtype = where["device"], where["dtype"]
+    model, tok, shape = load_model(args.model, **where)
+    check_lengths(args.lengths, shape.max_positions, shape.name)
     config = HeadConfig.load(args.config, shape)
-    out = Path(args.out or f"reports/generalize/{shape.name}.json")
+    out = out_file(args.out or f"reports/generalize/{file_stem(shape.name)}.json")
     command = (f"workbench generalize --config {args.config} --lengths {','.join(map(str, args.lengths))} "
                f"--tasks {','.join(args.tasks)} --samples {args.samples} --quality-samples {args.quality_samples} "
                f"--max-new-tokens {args.max_new_tokens} --device {device} --dtype {str(dtype).removeprefix('torch.')}"
