@@ -282,12 +282,12 @@ def test_registry_maps_config_kinds_to_classes_and_back():
         assert pattern_class(kind) is cls and cls.kind == kind and default_params(kind, 1024) == cls.defaults(1024)
     with pytest.raises(ValueError, match="unknown pattern 'tri'.*register_pattern"):
         pattern_class("tri")
-    own = {"params": (), "order": 1000, "defaults": classmethod(lambda cls, n: {})}
+    own = {"title": "test", "params": (), "order": 1000, "defaults": classmethod(lambda cls, n: {})}
     with pytest.raises(ValueError, match="already VerticalSlash"):
         register_pattern(type("Other", (PatternBase,), {"kind": "vs", **own}))
     with pytest.raises(ValueError, match="`kind`"):
         register_pattern(type("Nameless", (PatternBase,), {}))
-    with pytest.raises(ValueError, match=r"must set \['order', 'defaults'\]"):
+    with pytest.raises(ValueError, match=r"must set \['title', 'order', 'defaults'\]"):
         register_pattern(type("Bare", (PatternBase,), {"kind": "bare", "params": ()}))
     with pytest.raises(ValueError, match="inherit `bench_kernel` from BlockSparse"):
         register_pattern(type("Child", (BlockSparse,), {"kind": "child", **own}))

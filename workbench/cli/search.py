@@ -172,8 +172,10 @@ def holdout_summary(result: dict, cfg, sample: dict) -> dict:
     """Condense `evaluate_config` output for provenance: means, worst head, segment means, oracle gap."""
     import torch
 
+    from workbench.patterns import pattern_class
+
     mass, oracle = result["mass"], result["oracle"]
-    dynamic = torch.tensor([[e.pattern in ("vs", "block") for e in cfg.layer(l)] for l in range(mass.shape[0])])
+    dynamic = torch.tensor([[not pattern_class(e.pattern).static for e in cfg.layer(l)] for l in range(mass.shape[0])])
     gap = (oracle - mass).clamp(min=0)
     worst = divmod(int(mass.argmin()), mass.shape[1])
     return {

@@ -639,13 +639,11 @@ def local_head(head: int, tp_size: int, n_heads: int) -> tuple[int, int]:
 
 
 def _to_minference(e: HeadEntry, max_positions: int, score: Any = None) -> list:
-    """[pattern, vertical, slash, score] of one head (dense: both sizes = max length)."""
-    if e.pattern == "vs":
-        return [MINFERENCE_NAMES["vs"], e.params["vertical"], e.params["slash"], score]
-    if e.pattern == "ashape":
-        return [MINFERENCE_NAMES["ashape"], e.params["sink"], e.params["window"], score]
-    if e.pattern == "block":
-        return [MINFERENCE_NAMES["block"], e.params["topk"], 0, score]
+    """[pattern, vertical, slash, score] of one head: the kind's `minference_sizes` (dense: both sizes =
+    max length, as MInference writes a dense head)."""
+    cls = pattern_class(e.pattern)
+    if cls.minference_name:
+        return [cls.minference_name, *cls.minference_sizes(e.params), score]
     if e.pattern != "dense":
         hint = (f"MInference runs it model-wide as attn_type={MINFERENCE_ATTN_TYPES[e.pattern]!r}"
                 if e.pattern in MINFERENCE_ATTN_TYPES else "MInference has no equivalent")
@@ -655,15 +653,13 @@ def _to_minference(e: HeadEntry, max_positions: int, score: Any = None) -> list:
 
 
 def _from_minference_entry(raw: Any, max_positions: int) -> tuple[str, dict[str, int]]:
-    """(pattern, params) of a checked entry (see `_parse_minference_entry`)."""
+    """(pattern, params) of a checked entry (see `_parse_minference_entry`): the kind of its name, sizes through
+    the kind's `from_minference_sizes`; a vertical_and_slash entry with both sizes >= max length is dense."""
     name, v, s = raw[0], raw[1], raw[2]
-    if name == MINFERENCE_NAMES["vs"]:
-        if v >= max_positions and s >= max_positions:
-            return "dense", {}
-        return "vs", {"vertical": v, "slash": max(s, 1)}
-    if name == MINFERENCE_NAMES["ashape"]:
-        return "ashape", {"sink": v, "window": max(s, 1)}
-    return "block", {"topk": max(v, 1)}
+    kind = next(k for k, n in MINFERENCE_NAMES.items() if n == name)
+    if kind == "vs" and v >= max_positions and s >= max_positions:
+        return "dense", {}
+    return kind, PATTERNS[kind].from_minference_sizes(v, s)
 
 
 def _parse_minference_entry(raw: Any, max_positions: int, where: str) -> tuple[str, dict[str, int]]:

@@ -20,8 +20,9 @@ How to add a pattern: write one module here with one class that subclasses `Patt
 imported. In its own body (the decorator refuses a class that misses one, or that would inherit a
 kind's member from another registered kind):
 
-- `kind` (its config name), `params` (the names of its per-head sizes, whole numbers >= 0), `order` (its
-  place in every list of kinds: an unused number), `defaults(n)` (the sizes a head switched to it gets at
+- `kind` (its config name), `title` (its name in pages and reports), `params` (the names of its per-head
+  sizes, whole numbers >= 0), `order` (its place in every list of kinds and its colour in figures: an
+  unused number), `defaults(n)` (the sizes a head switched to it gets at
   prompt length n; keep budgets well below n / 4);
 - the `Pattern` methods (`row_mask`, `edges`, `tiles`, `to_tiles`, `mask_mod`, `shapes`, `head`, and the
   classmethod `for_heads` that indexes one layer's heads, online from q and k where it needs them;
@@ -31,7 +32,8 @@ kind's member from another registered kind):
   `default_candidates`, else they are `method_candidates`), `evidence(params, sums)` (closed-form scores
   from the exact reductions; the default is one exact pass per candidate), `sweep` (`Sweep`: its
   `workbench compare` row), `bench_kernel` (its kernel's row in `workbench bench kernels`),
-  `minference_name` / `minference_attn_type` (its name in MInference's per-head config / model-wide).
+  `minference_name` with `minference_sizes` / `from_minference_sizes` (its entry in MInference's per-head
+  config), `minference_attn_type` (the model-wide `attn_type` MInference runs it as).
 
 Tests: `tests/unit/test_registry.py` walks every registered kind through config, search, export and the
 dashboard, and fails for a kind it cannot walk; add one instance to `tests/unit/test_patterns.py::

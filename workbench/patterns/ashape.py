@@ -50,6 +50,7 @@ class AShape(PatternBase):
     """Sink + sliding window for H heads. `sink`, `window`: tokens (an int, or Long `[H]`)."""
 
     kind = "ashape"
+    title = "A-shape"
     params = ("sink", "window")
     order = 10
     bench_kernel = "a_shape"
@@ -70,6 +71,15 @@ class AShape(PatternBase):
     @classmethod
     def defaults(cls, n: int) -> dict[str, int]:
         return {"sink": 64, "window": default_budget(n)}
+
+    @classmethod
+    def minference_sizes(cls, params: dict[str, int]) -> tuple[int, int]:
+        """MInference's stream_llm reuses its two sizes as (n_init, n_local)."""
+        return params["sink"], params["window"]
+
+    @classmethod
+    def from_minference_sizes(cls, vertical: int, slash: int) -> dict[str, int]:
+        return {"sink": vertical, "window": max(slash, 1)}
 
     @classmethod
     def grid(cls, n: int) -> list[dict[str, int]]:

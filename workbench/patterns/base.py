@@ -158,9 +158,10 @@ class Pattern(Protocol):
 
 
 PATTERNS: dict[str, type] = {}  # config kind -> pattern class, in the classes' `order`
-_OWN = ("kind", "params", "order", "defaults")  # what each registered class sets in its own body
+_OWN = ("kind", "title", "params", "order", "defaults")  # what each registered class sets in its own body
+# what a class may take from PatternBase (safe defaults) but never from another registered kind
 _NOT_FROM_ANOTHER_KIND = ("bench_kernel", "minference_name", "minference_attn_type", "default_search", "grid",
-                          "evidence", "sweep")  # PatternBase's defaults are safe; another kind's are not
+                          "evidence", "sweep")
 
 
 def register_pattern(cls: type) -> type:
@@ -324,8 +325,9 @@ class PatternBase:
     """What every pattern computes the same way from its other parts, and what the workbench asks a
     pattern class about its kind (each registered class sets the starred ones in its own body):
 
-    - `kind`*, `params`* (config name and the names of its per-head sizes), `order`* (its place in every
-      list of kinds: schema, menus, search grids, sweeps);
+    - `kind`*, `title`*, `params`* (config name, the name pages and reports show, and the names of its
+      per-head sizes), `order`* (its place in every list of kinds: schema, menus, search grids, sweeps,
+      the colours of figures);
     - `defaults(n)`*: the sizes a head gets when a user switches it to this kind at prompt length n;
     - `grid(n)`: its search candidates at length n, part of `default_candidates` when `default_search`,
       else of `method_candidates` (default: none);
@@ -342,6 +344,7 @@ class PatternBase:
 
     n_heads: int
     kind: ClassVar[str]
+    title: ClassVar[str]
     params: ClassVar[tuple[str, ...]]
     order: ClassVar[int]
     static: ClassVar[bool] = False
@@ -355,6 +358,16 @@ class PatternBase:
     def defaults(cls, n: int) -> dict[str, int]:
         """Config params of a head switched to this kind at prompt length n (budgets well below n / 4)."""
         raise NotImplementedError(f"{cls.__name__} sets no default sizes: define `defaults(n)`")
+
+    @classmethod
+    def minference_sizes(cls, params: dict[str, int]) -> tuple[int, int]:
+        """(vertical_size, slash_size) of its MInference entry (kinds with a `minference_name`)."""
+        raise NotImplementedError(f"{cls.__name__} has no MInference entry")
+
+    @classmethod
+    def from_minference_sizes(cls, vertical: int, slash: int) -> dict[str, int]:
+        """Config params of an MInference entry of this kind (sizes checked >= 0)."""
+        raise NotImplementedError(f"{cls.__name__} has no MInference entry")
 
     @classmethod
     def grid(cls, n: int) -> list[dict[str, int]]:

@@ -39,6 +39,7 @@ class BlockSparse(PatternBase):
     """Block table for H heads; `block` is the tile size in tokens (64)."""
 
     kind = "block"
+    title = "Block-Sparse"
     params = ("topk",)
     order = 30
     bench_kernel = "block_sparse"
@@ -57,6 +58,15 @@ class BlockSparse(PatternBase):
     @classmethod
     def defaults(cls, n: int) -> dict[str, int]:
         return {"topk": max(2, default_budget(n) // BLOCK)}
+
+    @classmethod
+    def minference_sizes(cls, params: dict[str, int]) -> tuple[int, int]:
+        """[topk, 0] (MInference's block_sparse kernel runs top-100 whatever the sizes)."""
+        return params["topk"], 0
+
+    @classmethod
+    def from_minference_sizes(cls, vertical: int, slash: int) -> dict[str, int]:
+        return {"topk": max(vertical, 1)}
 
     @classmethod
     def grid(cls, n: int) -> list[dict[str, int]]:

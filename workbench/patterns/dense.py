@@ -32,6 +32,7 @@ class Dense(PatternBase):
     """Full causal attention for H heads."""
 
     kind = "dense"
+    title = "dense"
     params = ()
     order = 40
     bench_kernel = "dense_sdpa"

@@ -70,6 +70,7 @@ class Dilated(_Offsets):
     """`window` taps spaced `dilation` tokens apart, ending at the diagonal (int or Long `[H]` each)."""
 
     kind = "dilated"
+    title = "dilated"
     params = ("window", "dilation")
     order = 60
     sweep = Sweep("dilated", "taps", (128, 256, 512), lambda v: {"window": int(v), "dilation": 2}, online=False)
@@ -97,6 +98,7 @@ class Strided(_Offsets):
     """A local `window` plus every `stride`-th earlier token (int or Long `[H]` each)."""
 
     kind = "strided"
+    title = "strided"
     params = ("window", "stride")
     order = 70
     sweep = Sweep("strided", "stride", (256, 128, 64), lambda v: {"window": 128, "stride": int(v)}, online=False)

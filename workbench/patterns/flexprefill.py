@@ -45,6 +45,7 @@ class FlexPrefill(PatternBase):
     `tau_milli` (thousandths) and `min_budget` (tokens)."""
 
     kind = "flexprefill"
+    title = "FlexPrefill"
     params = ("gamma_milli", "tau_milli", "min_budget")
     order = 90
     bench_kernel = None

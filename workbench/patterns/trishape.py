@@ -34,6 +34,7 @@ class TriShape(PatternBase):
     """Sink + window for H heads, dense for the last `last` query rows. All in tokens (int or Long `[H]`)."""
 
     kind = "trishape"
+    title = "Tri-shape"
     params = ("sink", "window", "last")
     order = 50
     bench_kernel = None

@@ -54,6 +54,7 @@ class VerticalSlash(PatternBase):
     """VS index for H heads: `columns` Long `[H, Kv]`, `offsets` Long `[H, Ks]` (-1 = padding)."""
 
     kind = "vs"
+    title = "Vertical-Slash"
     params = ("vertical", "slash")
     order = 20
     bench_kernel = "vertical_slash"
@@ -72,6 +73,14 @@ class VerticalSlash(PatternBase):
     @classmethod
     def defaults(cls, n: int) -> dict[str, int]:
         return _sizes(default_budget(n))
+
+    @classmethod
+    def minference_sizes(cls, params: dict[str, int]) -> tuple[int, int]:
+        return params["vertical"], params["slash"]
+
+    @classmethod
+    def from_minference_sizes(cls, vertical: int, slash: int) -> dict[str, int]:
+        return {"vertical": vertical, "slash": max(slash, 1)}
 
     @classmethod
     def grid(cls, n: int) -> list[dict[str, int]]:

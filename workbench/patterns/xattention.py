@@ -91,6 +91,7 @@ class XAttention(BlockSparse):
     and `stride` (S in tokens)."""
 
     kind = "xattention"
+    title = "XAttention"
     params = ("tau_milli", "stride")
     order = 80
     bench_kernel = None

@@ -158,7 +158,7 @@ def time_model_layer(cap: Any, config: Any, layer: int, *, device: str | torch.d
     sp = SparsePrefill(None, cap.shape, config, min_length=0, backend=backend)
     be = sp.resolve_backend(q)
     plan = sp.plans[layer]
-    patterns = {**dict.fromkeys(("vs", "block", "ashape", "dense"), 0), **{k: len(h) for k, h in plan.heads.items()}}
+    patterns = {**dict.fromkeys(PATTERNS, 0), **{k: len(h) for k, h in plan.heads.items()}}
     dense_ms = _median_ms(lambda: sdpa(q, k, v, is_causal=True, scale=cap.scale, enable_gqa=True), reps)
     if plan.all_dense:
         index_ms, sparse_ms, path = 0.0, dense_ms, "all heads dense: dense SDPA, as the prefill runs it"

@@ -7,9 +7,11 @@ import html
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-COLORS = {"a-shape": "#1f77b4", "tri-shape": "#17becf", "dilated": "#8c564b", "strided": "#7f7f7f",
-          "vertical-slash": "#2ca02c", "block-sparse": "#ff7f0e", "xattention": "#d62728",
-          "flexprefill": "#9467bd", "searched config": "#000000"}
+from workbench.patterns import PATTERNS
+from workbench.views.viz import PATTERN_COLORS
+
+COLORS = {**{cls.sweep.name: PATTERN_COLORS[kind] for kind, cls in PATTERNS.items() if cls.sweep},
+          "searched config": "#000000"}  # each method's sweep in its kind's colour
 
 
 def pareto_figure(report: Mapping[str, Any], length: int | None = None, key: str = "mass", title: str | None = None):

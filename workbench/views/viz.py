@@ -23,9 +23,9 @@ from workbench.analysis.stats import LayerStats, attention_rows
 from workbench.patterns import PATTERNS
 
 KIND_COLORS = {"sink+local": "#4c78a8", "vertical": "#f58518", "slash": "#54a24b", "block": "#b279a2", "diffuse": "#9d9d9d"}
-PATTERN_COLORS = {"vs": "#f58518", "ashape": "#4c78a8", "block": "#b279a2", "dense": "#7f7f7f"}
-PATTERN_NAMES = {"vs": "Vertical-Slash", "ashape": "A-shape", "block": "Block-Sparse", "dense": "dense"}
-_SPARE_COLORS = ["#e45756", "#72b7b2", "#eeca3b", "#ff9da6", "#9d755d", "#54a24b"]  # kinds registered later
+PALETTE = ["#4c78a8", "#f58518", "#b279a2", "#7f7f7f", "#e45756", "#72b7b2", "#eeca3b", "#ff9da6", "#9d755d", "#54a24b"]
+PATTERN_COLORS = {kind: PALETTE[i % len(PALETTE)] for i, kind in enumerate(PATTERNS)}  # in the registry's order
+PATTERN_NAMES = {kind: cls.title for kind, cls in PATTERNS.items()}
 TIME_PARTS = ("T_proj", "T_index", "T_sparse", "T_dense", "T_other")  # T_dense: dense attention (the reference)
 TIME_COLORS = {"T_proj": "#4c78a8", "T_index": "#f58518", "T_sparse": "#54a24b", "T_dense": "#e45756",
                "T_other": "#9d9d9d"}
@@ -178,12 +178,6 @@ def _patterns_and_recall(patterns: Any, recall: Any) -> tuple[list[list[str]], n
     return names, r, labels
 
 
-def pattern_colors() -> dict[str, str]:
-    """Colour of every registered pattern kind: the built-in ones fixed, later ones from a spare palette."""
-    extra = sorted(set(PATTERNS) - set(PATTERN_COLORS))
-    return {**PATTERN_COLORS, **{kind: _SPARE_COLORS[i % len(_SPARE_COLORS)] for i, kind in enumerate(extra)}}
-
-
 def _tint(color: str, white: float) -> str:
     """`color` (#rrggbb) mixed with a share `white` of white."""
     rgb = [int(color[i:i + 2], 16) for i in (1, 3, 5)]
@@ -212,7 +206,7 @@ def pattern_grid(patterns: Any, recall: Any = None, title: str | None = None, fl
     lo = min(lo, 0.99)
     width = max(520, 36 * H + 330)
     fig = go.Figure()
-    for pat, color in pattern_colors().items():
+    for pat, color in PATTERN_COLORS.items():
         mask = np.array([[p == pat for p in row] for row in names]) & seen
         if not mask.any():
             continue
@@ -276,7 +270,7 @@ def head_thumbnails(thumbs: Any, patterns: Any = None, recall: Any = None, title
         names, r, labels = _patterns_and_recall(patterns, recall)
         if r.shape != (L, H):
             raise ValueError(f"patterns/recall are {r.shape} but thumbs has {L} layers x {H} heads")
-        colors = pattern_colors()
+        colors = PATTERN_COLORS
         for l in range(L):
             for h in range(H):
                 fig.add_shape(type="rect", x0=h * pitch - 0.5, x1=(h + 1) * pitch - 1.5, y0=l * pitch - 0.5,
@@ -496,7 +490,7 @@ def head_tradeoff(evidence: Any, layer: int, head: int, target: float | None = N
     physical = evidence.density()[1][:, layer, head].mean(0)
     worst = evidence.mass[:, layer, head].amin(0)
     curves = {}
-    for pat in pattern_colors():
+    for pat in PATTERN_COLORS:
         idx = [c for c, cand in enumerate(evidence.candidates) if cand.pattern == pat]
         if idx:
             curves[PATTERN_NAMES.get(pat, pat)] = (physical[idx], worst[idx])
