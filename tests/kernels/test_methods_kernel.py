@@ -1,4 +1,5 @@
-"""Issue 19's patterns run on the existing Triton prefill kernel through `to_tiles`: the kernel equals
+"""The newer prefill patterns (Tri-shape, dilated, strided, XAttention, FlexPrefill) run on the
+existing Triton prefill kernel through `to_tiles`: the kernel equals
 exact attention over the tiles (CPU: Triton interpreter, fp32; GPU: bf16), and on XAttention, whose
 tiles are exactly its mask, equals the logical pattern."""
 from __future__ import annotations
@@ -68,7 +69,7 @@ def test_whole_model_on_the_kernel_matches_the_reference(embedded):
     assert torch.allclose(logits[0], logits[1], atol=1e-3, rtol=1e-3)
 
 
-# ---- every registered kind through SparsePrefill (issue 14 leftovers: no name switch in sparse.py) ----------
+# ---- every registered kind through SparsePrefill (no name switch in sparse.py) -------------------------------
 MIXED = [("dense", {}), ("ashape", {"sink": 4, "window": 40}), ("vs", {"vertical": 12, "slash": 20}),
          ("block", {"topk": 2}), ("trishape", {"sink": 4, "window": 32, "last": 20}),
          ("dilated", {"window": 10, "dilation": 3}), ("strided", {"window": 8, "stride": 17}),

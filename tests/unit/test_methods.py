@@ -1,4 +1,4 @@
-"""Issue 19's methods: Tri-shape, dilated, strided, XAttention, FlexPrefill (prefill) and Quest (decode).
+"""The newer methods: Tri-shape, dilated, strided, XAttention, FlexPrefill (prefill) and Quest (decode).
 
 Row masks against brute-force definitions at small n, physical tiles covering the mask, the vectorised
 index builders against plain loops, adaptive thresholds at 1.0 giving dense, Quest's bound."""

@@ -237,7 +237,7 @@ def protocol_cases(n: int, gen: torch.Generator) -> list:
              random_vs(2, n, gen),
              BlockSparse(torch.randint(-1, m + 2, (3, m, 3), generator=gen).int()),
              Dense(2)]
-    from workbench.patterns.dilated import Dilated, Strided  # issue 19's kinds (tests/unit/test_methods.py)
+    from workbench.patterns.dilated import Dilated, Strided  # the newer kinds (tests/unit/test_methods.py)
     from workbench.patterns.flexprefill import flexprefill
     from workbench.patterns.trishape import TriShape
     from workbench.patterns.xattention import xattention

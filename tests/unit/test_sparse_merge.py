@@ -1,5 +1,5 @@
 """The Triton launch of a layer whose heads are only A-shape and dense gives every head its own band: the
-regression behind issue 15's 25x gap (the single-group shortcut handed head h the tiles of the h-th banded
+regression behind a 25x quality gap on the GPU (the single-group shortcut handed head h the tiles of the h-th banded
 head, e.g. a dense head an A-shape head's window)."""
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Helpers shared by the patterns of issue 19: per-row-block or per-head choice between two tilings,
-tile counts, cumulative-share selection, and sorted position lists from boolean masks.
+"""Helpers shared by the newer prefill patterns (Tri-shape, dilated, strided, XAttention, FlexPrefill):
+per-row-block or per-head choice between two tilings, tile counts, cumulative-share selection, and sorted
+position lists from boolean masks.
 
 All run on q's device with no host synchronisation except `select_tiles`' width (static: the wider of
 the two inputs).
