@@ -135,6 +135,7 @@ def test_paths_that_cannot_be_used_get_one_line(tmp_path, sentinel, capsys, monk
     fails(capsys, ["decode", "--out", str(folder)], "--out", "is a folder")
     fails(capsys, ["export", str(SMOL), "--out", str(sentinel / "x.json")], "is a file, not a folder")
     fails(capsys, ["export", str(SMOL), "--tp", "0", "--rank", "0"], "--tp", ">= 1")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # set by the kernel tests' modules in this process
     fails(capsys, ["prefill", "quality", "--backend", "triton", "--device", "cpu", "--out", str(tmp_path / "q.json")],
           "workbench prefill quality: error: --backend triton", "GPU", "--backend torch")
     fails(capsys, ["prefill", "quality", "--out", str(sentinel)], "--out report", str(sentinel), "another --out")
