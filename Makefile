@@ -11,7 +11,7 @@ run: $(STAMP)
 
 test: $(STAMP) browser
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -n 2 --dist loadgroup tests
+	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=30 tests
 
 install: $(STAMP)
 

@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.xdist_group("sm90_compile")  # one worker compiles every case once (~2 min on 2 cores)
+
 SMEM_SM90 = 232448  # bytes of shared memory one H100 / H200 program may use
 PREFILL_CASES = {  # id: (d, pack, rows, block, piece, split, tma, window, persistent[, q/k/v dtype])
     "vs_per_head": (128, 1, 64, 64, 64, True, False, False, False),  # the Vertical-Slash default
