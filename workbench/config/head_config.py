@@ -252,7 +252,9 @@ class HeadConfig:
                 if isinstance(v, bool) or not isinstance(v, int):
                     raise ConfigError(f"{where} is not a whole number: write an integer such as {low + 1} "
                                       "(no decimals, quotes or booleans)")
-                if not low <= v <= high:
+                if v < low:
+                    raise ConfigError(f"{where} must be >= {low}: use a value from {low} to {high}")
+                if v > high:
                     unit = ("thousandths (1000 = 1.0)" if k.endswith("_milli") else
                             f"the model's max length model.max_positions = {limit}")
                     raise ConfigError(f"{where} is outside [{low}, {high}]: sizes cannot exceed {unit}; "

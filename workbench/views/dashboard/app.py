@@ -89,7 +89,9 @@ class HeadTab(Tab):
     def __init__(self, **params):
         super().__init__(**params)
         self.pattern = pn.widgets.Select(name="pattern", options=list(PARAMS), css_classes=["wb-pattern"], width=160)
-        self.sizes = {k: pn.widgets.IntInput(name=k, value=0, start=0, css_classes=[f"wb-{k}"], width=110)
+        # no `start`: the browser would silently keep the old value of a size typed below it; the config's check
+        # refuses it instead, with the reason in the tab's Alert
+        self.sizes = {k: pn.widgets.IntInput(name=k, value=0, css_classes=[f"wb-{k}"], width=110)
                       for k in _SIZES}
         self.proxy = pn.pane.HTML("", css_classes=["wb-proxy-settings"])
         self.numbers = pn.pane.HTML("", css_classes=["wb-numbers"], width=560)
