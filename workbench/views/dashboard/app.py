@@ -113,14 +113,7 @@ class HeadTab(Tab):
         if not r:
             return
         e = r["entry"]
-        self._syncing = True
-        try:
-            self.pattern.value = e.pattern
-            for k, v in e.params.items():
-                self.sizes[k].value = v
-        finally:
-            self._syncing = False
-        self._show_sizes()
+        self._show_entry(e.pattern, e.params)
         seg, est = r["segments"], r["estimate"]
         estimate = "-" if est is None else (f"{_us(est['kernel_ms'] + est['index_ms'])} ({_us(est['kernel_ms'])} kernel + "
                                             f"{_us(est['index_ms'])} index) vs dense {_us(est['dense_ms'])}")
@@ -151,17 +144,28 @@ class HeadTab(Tab):
         for k, w in self.sizes.items():
             w.visible = k in PARAMS[self.pattern.value]
 
-    def _pattern_changed(self, _event) -> None:
-        """A new pattern starts from its default sizes at this prompt's length."""
-        self._show_sizes()
-        if self._syncing or self.job.view is None:
-            return
+    def _show_entry(self, pattern: str, sizes: dict[str, int]) -> None:
+        """Put `pattern` and `sizes` into the editor (not an edit). The sizes are in their inputs before the
+        pattern's inputs show, and the browser gets it all in one message: a size typed into an input as soon
+        as it appears is not overwritten by a value the server sent after showing it."""
         self._syncing = True
         try:
-            for k, v in _default_sizes(self.pattern.value, self.session.capture.n).items():
-                self.sizes[k].value = v
+            with pn.io.hold():
+                for k, v in sizes.items():
+                    self.sizes[k].value = v
+                self.pattern.value = pattern
+                self._show_sizes()
         finally:
             self._syncing = False
+
+    def _pattern_changed(self, _event) -> None:
+        """A new pattern starts from its default sizes at this prompt's length."""
+        if self._syncing:  # _show_entry shows the sizes once they are set
+            return
+        if self.job.view is None:
+            self._show_sizes()
+            return
+        self._show_entry(self.pattern.value, _default_sizes(self.pattern.value, self.session.capture.n))
         self._edited(None)
 
     def _edited(self, _event) -> None:
