@@ -1,5 +1,7 @@
-"""The Decode tab in a real browser: a real `workbench dashboard` server (CPU, embedded model, 256-token sample)
-driven by Playwright through Debian's headless Chromium. Decoding runs the engine's CPU reference path."""
+"""The Decode tab in a real browser: a real `workbench dashboard` server (CPU, embedded model, 1024-token sample)
+driven by Playwright through Debian's headless Chromium. Decoding runs the engine's CPU reference path. The sample
+is long enough for the tab's default budget (1 sink + 2 local + 8 top-k blocks of 64 tokens): the engine refuses a
+budget that selects more blocks than the sequence has."""
 from __future__ import annotations
 
 import re
@@ -17,7 +19,7 @@ DONE = ".wb-decode-job-state[data-state='ready']"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("decode_ui")
-    with dashboard(folder, "--length", "256", "--layers", "0-1", "--config", "search", "--device", "cpu") as (url, log):
+    with dashboard(folder, "--length", "1024", "--layers", "0-1", "--config", "search", "--device", "cpu") as (url, log):
         yield url, log
 
 
