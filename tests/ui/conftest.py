@@ -25,6 +25,7 @@ HEAD_READY = ".wb-head-job-state[data-state='ready']"  # the Head tab's job: the
 ERROR = ".wb-error:visible"  # an Alert: the sidebar's, or a tab's (a failed job, a refused input)
 LOAD_S = 600  # the first session captures and searches the sample on a busy 2-core machine
 STEP_MS = 300_000  # any one click's effect; generous because CI shares 2 cores with other tests
+EDIT_MS = 30_000  # an edit re-scores one head on the page's own thread: seconds at most, even on a busy CI machine
 ROOT = Path(__file__).parents[2]
 SHIPPED = ROOT / "workbench" / "data" / "configs" / "SmolLM2-135M-Instruct.json"
 
@@ -95,7 +96,17 @@ def until(page, locator, timeout_ms=STEP_MS):
                  for i in range(states.count())]
         pytest.fail(f"waited {timeout_ms / 1000:.0f} s for {locator}; the page's states are {shown}")
     if page.locator(ERROR).count():
-        pytest.fail(f"the page shows an error: {page.locator(ERROR).first.inner_text()}")
+        pytest.fail(f"the page shows an error: {alert_text(page.locator(ERROR).first)!r}")
+
+
+# An Alert's text is inside its shadow root, which inner_text() does not read; STYLE / SCRIPT text left out.
+DEEP_TEXT = """(e) => { const walk = (n) => (n.shadowRoot ? walk(n.shadowRoot) : '') + [...n.childNodes].map((c) =>
+  c.nodeType === Node.TEXT_NODE ? c.textContent : (['STYLE', 'SCRIPT'].includes(c.nodeName) ? '' : walk(c))).join('');
+  return walk(e).replace(/\\s+/g, ' ').trim(); }"""
+
+
+def alert_text(locator) -> str:
+    return locator.evaluate(DEEP_TEXT)
 
 
 def open_page(browser, url, width: int = 1400):
@@ -133,13 +144,16 @@ def open_head(page, layer, head):
 
 
 def edit(page, pattern, **sizes):
-    """Choose a pattern and sizes in the Head tab; returns the captured mass shown afterwards."""
+    """Choose a pattern and sizes in the Head tab as a user does (the switch's default sizes show before a size
+    is typed); returns the captured mass shown afterwards. An edit is computed at once on the page's thread:
+    one that has not shown within EDIT_MS will not show."""
     before = page.locator(".wb-head-head").inner_text()
     page.locator(".wb-pattern select").select_option(pattern)
+    until(page, page.locator(".wb-head-head", has_text=re.compile(f": {re.escape(pattern)}\\(")), EDIT_MS)
     for k, v in sizes.items():
         fill(page, f".wb-{k}", v)
     want = ", ".join(f"{k}={v}" for k, v in sizes.items())
-    until(page, page.locator(".wb-head-head", has_text=f"{pattern}({want})"))
+    until(page, page.locator(".wb-head-head", has_text=f"{pattern}({want})"), EDIT_MS)
     assert page.locator(".wb-head-head").inner_text() != before
     return number(page, "captured")
 

@@ -100,7 +100,7 @@ def test_export_save_and_reimport(server, browser):
     other.locator(".wb-message", has_text="imported").wait_for(timeout=LOAD_S * 1000)
     wait_ready(other)
     tab(other, "Head")
-    other.locator(".wb-head-head", has_text="ashape(sink=2, window=16)").wait_for(timeout=STEP_MS)
+    until(other, other.locator(".wb-head-head", has_text="ashape(sink=2, window=16)"))
     assert number(other, "captured") == pytest.approx(mass, abs=1e-4)
     other.close()
 

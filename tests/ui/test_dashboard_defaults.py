@@ -4,7 +4,19 @@ every budget is below n / 4 and the head's physical density below 1 (sizes from 
 from __future__ import annotations
 
 import pytest
-from conftest import HEAD_READY, LOAD_S, SHIPPED, assert_no_traceback, dashboard, fill, number, open_page, tab, until
+from conftest import (
+    EDIT_MS,
+    HEAD_READY,
+    LOAD_S,
+    SHIPPED,
+    assert_no_traceback,
+    dashboard,
+    fill,
+    number,
+    open_page,
+    tab,
+    until,
+)
 
 pytestmark = [pytest.mark.ui, pytest.mark.model, pytest.mark.xdist_group("dashboard")]
 
@@ -34,7 +46,7 @@ def test_a_head_switched_to_a_pattern_gets_budgets_below_a_quarter_of_the_prompt
         current = page.locator(".wb-head-head").inner_text()
         page.locator(".wb-pattern select").select_option("dense" if f": {kind}(" in current else kind)
         page.locator(".wb-pattern select").select_option(kind)
-        until(page, page.locator(".wb-head-head", has_text=f": {kind}("))
+        until(page, page.locator(".wb-head-head", has_text=f": {kind}("), EDIT_MS)
         values = {k: int(page.locator(f".wb-{k} input").input_value()) for k in sizes}
         tokens = {k: v * TOKENS.get(k, 1) for k, v in values.items()}
         assert all(v < n / 4 for v in tokens.values()), f"{kind} at {n} tokens: {values}"

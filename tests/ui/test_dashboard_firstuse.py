@@ -9,6 +9,7 @@ import re
 
 import pytest
 from conftest import (
+    EDIT_MS,
     ERROR,
     HEAD_READY,
     LOAD_S,
@@ -116,7 +117,7 @@ def test_sidebar_inputs_are_applied_or_refused_with_a_message(server, browser):
 
     open_head(page, 1, 0)  # a negative budget is refused by the config's check, and the inputs go back
     page.locator(".wb-pattern select").select_option("vs")
-    until(page, page.locator(".wb-head-head", has_text="vs("))
+    until(page, page.locator(".wb-head-head", has_text="vs("), EDIT_MS)
     fill(page, ".wb-vertical", -5)
     page.locator(".wb-head-job-error", has_text=re.compile(r"edit refused: .*vertical = -5 .*must be >= 0")).wait_for(
         timeout=10_000)
