@@ -30,9 +30,10 @@ def tiny_config(tiny_gemma):
 
 def fixed_and_dense(shape: ModelShape) -> HeadConfig:
     """The model itself as a config: its window on the fixed layers, dense elsewhere."""
-    heads = [HeadEntry.model_fixed(l, h, shape.window(l)) if shape.window(l) else HeadEntry(l, h, "dense", {})
-             for l in range(shape.n_layers) for h in range(shape.n_heads)]
-    return HeadConfig(model=shape.to_dict(), heads=heads, provenance={"source": "test"})
+    cfg = HeadConfig.every_head(shape, "dense", {}, source="test")
+    assert [e.fixed for e in cfg.heads] == [shape.window(e.layer) is not None for e in cfg.heads]
+    assert {e.params["window"] for e in cfg.heads if e.fixed} == {96}
+    return cfg
 
 
 def test_search_records_fixed_layers_and_never_scores_them(tiny_gemma, tiny_config):

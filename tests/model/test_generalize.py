@@ -57,9 +57,7 @@ def test_mass_by_length_on_tiny_gemma_matches_evaluate_config(tiny_gemma, embedd
     layers are 1 and their density is the window's."""
     model, shape = tiny_gemma
     tok = embedded[1]
-    heads = [HeadEntry.model_fixed(l, h, 96) if shape.window(l) else HeadEntry(l, h, "ashape", {"sink": 16, "window": 64})
-             for l in range(shape.n_layers) for h in range(shape.n_heads)]
-    cfg = HeadConfig(model=shape.to_dict(), heads=heads, provenance={"calibration": [{"length": 256}]})
+    cfg = HeadConfig.every_head(shape, "ashape", {"sink": 16, "window": 64}, calibration=[{"length": 256}])
     prompts = held_out_samples(tok, ["multikey"], [256, 512], 1, cfg)
     table = head_mass_by_length(model, shape, cfg, prompts, progress=False)
     assert table["lengths"] == [256, 512] and table["mass"].shape == (2, 4, 2)

@@ -177,6 +177,17 @@ class HeadConfig:
     proxy: dict[str, Any] = field(default_factory=lambda: dict(PROXY_DEFAULTS))
     block: int = 64
 
+    @classmethod
+    def every_head(cls, shape: ModelShape, pattern: str, params: dict[str, int], **provenance: Any) -> HeadConfig:
+        """`pattern(params)` on every head the model leaves free; a sliding-window layer's heads as the model
+        runs them (fixed)."""
+        heads = [HeadEntry.model_fixed(l, h, shape.window(l)) if shape.window(l) is not None
+                 else HeadEntry(l, h, pattern, dict(params))
+                 for l in range(shape.n_layers) for h in range(shape.n_heads)]
+        cfg = cls(model=shape.to_dict(), heads=heads, provenance=dict(provenance))
+        cfg.check("every_head")
+        return cfg
+
     # ---- serialisation -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "model": copy.deepcopy(self.model), "block": self.block,
