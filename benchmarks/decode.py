@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from workbench_benchmarks.shapes import LLAMA3_8B, TINY_LLAMA, random_llama
+from workbench_benchmarks.shapes import LLAMA3_8B, random_llama
 
 from workbench.core.io import write_json
+from workbench.core.shapes import resolve_shape
 from workbench.core.timing import environment as timing_environment
 from workbench.core.timing import measure, nvidia_smi
 from workbench.decode.engine.decoder import OFFLOAD, STORE_DTYPES, DecodeEngine, EngineConfig, kv_bytes
@@ -272,7 +273,6 @@ def run(a: argparse.Namespace) -> int:
     if any(x not in STORE_DTYPES for x in stores) or not stores:
         raise ValueError(f"--store-dtypes {a.store_dtypes!r}: give a comma list of {', '.join(STORE_DTYPES)}")
     budget = Budget(init=1, local=2, topk=8) if a.tiny else PAPER_BUDGET
-    dims = TINY_LLAMA if a.tiny else LLAMA3_8B
     result: dict[str, Any] = {
         "what": f"decode engine modes on a RANDOM-WEIGHT {'TINY' if a.tiny else 'Llama-3-8B'}-shaped model (synthetic "
                 f"KV), {a.layers} of 32 layers (layer 0 resident, {a.layers - 1} offloaded), {dtype}, host KV stores "
@@ -281,13 +281,14 @@ def run(a: argparse.Namespace) -> int:
         "environment": environment() if device == "cuda" else timing_environment(), "runs": [], "stores": {},
         "copy_by_store": {}}
     out = Path(a.out)
-    model = random_llama(a.layers, dims=dims, device=device, dtype=dtype, max_positions=max(c for c, _ in plan) + 4096)
+    model, shape = random_llama(a.layers, tiny=a.tiny, device=device, dtype=dtype,
+                                max_positions=max(c for c, _ in plan) + 4096)
     result["weights_gib"] = sum(p.numel() * p.element_size() for p in model.parameters()) / GiB
     # One store per store dtype, made when its pass starts and freed after it: batch x blocks per sequence of the
     # largest run (other layouts view it).
     blocks = max(b * -(-(c + a.warmup + 2 * a.steps + 4) // BLOCK) for c, bs in plan for b in bs)
     for n, store_dtype in enumerate(stores):
-        spec = StoreSpec(a.layers - 1, 1, dims["num_key_value_heads"], blocks, dims["head_dim"], dtype,
+        spec = StoreSpec(a.layers - 1, 1, shape.n_kv_heads, blocks, shape.head_dim, dtype,
                          STORE_DTYPES[store_dtype])
         t0 = time.perf_counter()
         print(f"pinning a {spec.nbytes / GiB:.1f} GiB {store_dtype} store", flush=True)
@@ -551,9 +552,9 @@ def run_capacity(a: argparse.Namespace) -> dict[str, Any]:
     """Largest batch dense-resident vs sparse-offload-forecast at `--context` (all `--capacity-layers` layers of
     the random-weight Llama-3-8B shape, or the tiny shape), and the host-RAM cap at 128K tokens."""
     device, dtype = _where(a)
-    dims = TINY_LLAMA if a.tiny else LLAMA3_8B
     budget = Budget(init=1, local=2, topk=8) if a.tiny else PAPER_BUDGET
-    model = random_llama(a.capacity_layers, dims=dims, device=device, dtype=dtype, max_positions=max(a.context, 131072) + 4096)
+    model, _ = random_llama(a.capacity_layers, tiny=a.tiny, device=device, dtype=dtype,
+                            max_positions=max(a.context, 131072) + 4096)
     host_limit = int(a.host_gib * GiB)
     runs = {m: largest_batch(model, m, a.context, budget, steps=a.steps, host_limit=host_limit)
             for m in ("dense-resident", "sparse-offload-forecast")}
@@ -583,7 +584,8 @@ def capacity(context: int, layers: int, budget: Budget, weights_gib: float, gpu_
     """Largest batch per mode at `context` tokens for a Llama-3-8B-shaped model of `layers` layers, from the
     bytes each sequence needs (bf16 KV and compressed keys) against 92% of GPU memory after weights and
     85% of host memory (pinned store)."""
-    hkv, d = LLAMA3_8B["num_key_value_heads"], LLAMA3_8B["head_dim"]
+    shape = resolve_shape(LLAMA3_8B)
+    hkv, d = shape.n_kv_heads, shape.head_dim
     full = context * hkv * d * 2 * 2 / GiB
     cache = budget.total * BLOCK * hkv * d * 2 * 2 / GiB
     ck = context / budget.stride * hkv * d * 2 / GiB

@@ -49,7 +49,7 @@ def _model(n_layers: int):
 
     from workbench.core.model import model_shape
 
-    model = random_llama(n_layers)
+    model, _ = random_llama(n_layers)
     return model, model_shape(model, f"random Llama-3-8B shape ({n_layers} layers)", fp="random-seed0")
 
 
@@ -88,7 +88,6 @@ def run(args: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         raise ValueError("workbench bench prefill needs a CUDA GPU (none found): run it on the GPU machine")
-    from workbench_benchmarks.shapes import LLAMA3_8B
 
     from workbench.core.timing import environment
 
@@ -111,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
                               "full_layers": FULL_LAYERS, "rows": []}
     g = torch.Generator(device="cuda").manual_seed(0)
     for n in lengths:
-        ids = torch.randint(0, LLAMA3_8B["vocab_size"], (1, n), device="cuda", generator=g)
+        ids = torch.randint(0, model.config.vocab_size, (1, n), device="cuda", generator=g)
         points = {"dense": None, **configs}
         for name, cfg in points.items():
             if cfg is None:

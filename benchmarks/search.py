@@ -145,7 +145,7 @@ class RandomSample:
 def random_llama_search(args: argparse.Namespace) -> int:
     """The search of a random Llama-3-8B shape over the torchrun ranks; rank 0 writes the JSON."""
     import torch
-    from workbench_benchmarks.shapes import LLAMA3_8B, TINY_LLAMA, random_llama
+    from workbench_benchmarks.shapes import random_llama
 
     from workbench.core.io import write_json
     from workbench.core.model import model_shape
@@ -155,13 +155,12 @@ def random_llama_search(args: argparse.Namespace) -> int:
     d = distributed.init()
     length = args.length or 16384
     t_build = time.perf_counter()
-    dims = TINY_LLAMA if args.tiny else LLAMA3_8B
-    model = random_llama(args.layers, dims=dims, device=d.device,
+    model, _ = random_llama(args.layers, tiny=args.tiny, device=d.device,
                          dtype=torch.bfloat16 if d.device.type == "cuda" else torch.float32)
     # the fingerprint hashes sampled weight bytes: the ranks' agreement check compares real weights
     shape = model_shape(model, f"random {'tiny Llama' if args.tiny else 'Llama-3-8B'} shape ({args.layers} layers)")
     g = torch.Generator().manual_seed(args.seed)
-    samples = [RandomSample(torch.randint(dims["vocab_size"], (length,), generator=g), seed=i)
+    samples = [RandomSample(torch.randint(model.config.vocab_size, (length,), generator=g), seed=i)
                for i in range(args.samples)]
     build_seconds = time.perf_counter() - t_build
     if d.device.type == "cuda":
