@@ -10,6 +10,7 @@ import re
 
 import pytest
 from conftest import (
+    EDIT_MS,
     ERROR,
     HEAD_READY,
     LOAD_S,
@@ -26,6 +27,7 @@ from conftest import (
     until,
     wait_ready,
 )
+from playwright.sync_api import expect
 
 pytestmark = [pytest.mark.ui, pytest.mark.model, pytest.mark.xdist_group("dashboard")]
 
@@ -51,9 +53,13 @@ def server(tmp_path_factory):
 def test_grid_click_opens_a_head_and_an_edit_changes_its_recall(server, browser):
     url, _, _ = server
     page = open_page(browser, url)
+    # the drawn grid: before it the pane holds an empty plot, whose plot area has another size and place
+    until(page, page.locator(".wb-grid .gtitle", has_text="pattern per head"), EDIT_MS)
     box = page.locator(".wb-grid .nsewdrag").first.bounding_box()
     layer, head = 2, 3  # the grid shows 30 layers x 9 heads; cell centres
     page.mouse.click(box["x"] + (head + 0.5) / 9 * box["width"], box["y"] + (layer + 0.5) / 30 * box["height"])
+    expect(page.locator(".wb-layer input")).to_have_value(str(layer), timeout=EDIT_MS)  # the sidebar follows the click
+    expect(page.locator(".wb-head-index input")).to_have_value(str(head), timeout=EDIT_MS)
     until(page, page.locator(".wb-head-head", has_text=f"layer {layer}, head {head}:"), LOAD_S * 1000)  # Head tab opened
     until(page, page.locator(HEAD_READY))
     wide = edit(page, "ashape", sink=64, window=256)
