@@ -202,10 +202,14 @@ def test_latency_tab_says_what_ran_where_and_its_chart_matches_its_legend(server
     page.close()
 
 
+# Every value the bar takes, however briefly (a job of a few 100 ms sends its steps between two samples of a
+# poll): each change of its value attribute, old and new.
 PROGRESS = """(css) => { window.__seen = window.__seen || {}; const seen = window.__seen[css] = [];
   const [host, inner] = css.split(' ');  // the bar is inside its pane's shadow root
-  setInterval(() => window.__deep(host).forEach((h) => (h.shadowRoot || h).querySelectorAll(inner)
-    .forEach((e) => seen.push(e.getAttribute('value')))), 20); }"""
+  const watch = new MutationObserver((records) => records.filter((r) => r.target.matches(inner))
+    .forEach((r) => seen.push(r.oldValue, r.target.getAttribute('value'))));
+  window.__deep(host).forEach((h) => watch.observe(h.shadowRoot || h,
+    {subtree: true, attributes: true, attributeOldValue: true, attributeFilter: ['value']})); }"""
 
 
 def _values(page, css) -> list[int]:
