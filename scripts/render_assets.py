@@ -1,7 +1,7 @@
 """Render the README figures into assets/ with the same `workbench.views.viz` functions the notebooks use.
 
     python scripts/render_assets.py [--length 2048] [--out assets] [--html]
-    python scripts/render_assets.py --dashboard [--length 2048]   # screenshots of every dashboard tab
+    python scripts/render_assets.py --dashboard [--length 2048] [--tabs Lengths]   # screenshots of dashboard tabs
 
 Attention figures come from the embedded model on the CPU (a passkey prompt of --length tokens); the
 head grid from the shipped config; the latency figures from the committed H200 benchmark JSON. PNGs are
@@ -102,6 +102,7 @@ TAB_ACTIONS = {  # what each tab shows in its screenshot: the button pressed fir
     "Heads": (None, ".wb-grid .main-svg"),
     "Head": (None, ".wb-map .main-svg"),
     "Proxy": (None, ".wb-proxy-bars .main-svg"),
+    "Lengths": (".wb-lengths-run button", ".wb-lengths-takeaway"),
     "Forecast": (".wb-forecast-load button", ".wb-forecast-iou .main-svg"),
     "Latency": (".wb-lat-run button", ".wb-lat-plot .main-svg"),
     "Export/Import": (None, ".wb-download"),
@@ -109,7 +110,11 @@ TAB_ACTIONS = {  # what each tab shows in its screenshot: the button pressed fir
 }
 
 
-def dashboard_screenshots(out: Path, length: int, widths: tuple[int, ...] = (1280, 1920), timeout_s: float = 1800) -> list[Path]:
+LENGTHS = "1024, 2048, 4096"  # what the Lengths tab evaluates the shipped config (searched at 8192) at
+
+
+def dashboard_screenshots(out: Path, length: int, widths: tuple[int, ...] = (1280, 1920), timeout_s: float = 1800,
+                          tabs: tuple[str, ...] = tuple(TAB_ACTIONS)) -> list[Path]:
     """Every dashboard tab at each window width: a real `workbench dashboard` (the shipped config, all layers,
     a passkey prompt of `length` tokens, the CPU) in headless Chromium -> out/dashboard_<tab>_<width>.png."""
     import shutil
@@ -136,7 +141,7 @@ def dashboard_screenshots(out: Path, length: int, widths: tuple[int, ...] = (128
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=shutil.which("chromium") or "/usr/bin/chromium",
                                         args=["--headless", "--no-sandbox", "--disable-gpu"])
-            paths = shoot_tabs(browser, url, out, widths, timeout_s)
+            paths = shoot_tabs(browser, url, out, widths, timeout_s, tabs=tabs)
             browser.close()
     finally:
         proc.terminate()
@@ -146,9 +151,9 @@ def dashboard_screenshots(out: Path, length: int, widths: tuple[int, ...] = (128
 
 
 def shoot_tabs(browser, url: str, out: Path, widths: tuple[int, ...], timeout_s: float,
-               head: tuple[int, int] = SHOWN_HEAD) -> list[Path]:
-    """Open the dashboard at `url`, open `head` (layer, head), fill every tab (TAB_ACTIONS) and screenshot each
-    at each width."""
+               head: tuple[int, int] = SHOWN_HEAD, tabs: tuple[str, ...] = tuple(TAB_ACTIONS)) -> list[Path]:
+    """Open the dashboard at `url`, open `head` (layer, head), fill each of `tabs` (TAB_ACTIONS) and screenshot
+    it at each width."""
     import re
 
     page = browser.new_page(viewport={"width": widths[0], "height": 1000})
@@ -162,13 +167,17 @@ def shoot_tabs(browser, url: str, out: Path, widths: tuple[int, ...], timeout_s:
     page.locator(".wb-head-head", has_text=f"layer {head[0]}, head {head[1]}:").wait_for()
     paths = []
     for width in widths:
-        for tab, (button, ready) in TAB_ACTIONS.items():
+        for tab in tabs:
+            button, ready = TAB_ACTIONS[tab]
             page.set_viewport_size({"width": width, "height": 1000})
             page.locator(".bk-tab").filter(has_text=re.compile(f"^{re.escape(tab)}$")).click()
             if button and width == widths[0]:
                 if tab == "Decode":  # a short run: 4 new tokens
                     page.locator(".wb-decode-tokens input").fill("4")
                     page.locator(".wb-decode-tokens input").press("Enter")
+                if tab == "Lengths":
+                    page.locator(".wb-lengths-lengths input").fill(LENGTHS)
+                    page.locator(".wb-lengths-lengths input").press("Enter")
                 page.locator(button).click()
             page.locator(ready).first.wait_for()
             page.wait_for_timeout(1500)
@@ -191,9 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-model", action="store_true", help="only the figures from committed JSON and configs")
     p.add_argument("--dashboard", action="store_true",
                    help="only the dashboard screenshots: every tab at 1280 and 1920 px (Playwright + Chromium)")
+    p.add_argument("--tabs", default=None, help="with --dashboard: only these tabs, comma-separated (e.g. Lengths)")
     args = p.parse_args(argv)
     if args.dashboard:
-        for path in dashboard_screenshots(Path(args.out), args.length):
+        tabs = tuple(t.strip() for t in args.tabs.split(",")) if args.tabs else tuple(TAB_ACTIONS)
+        unknown = [t for t in tabs if t not in TAB_ACTIONS]
+        if unknown:
+            sys.exit(f"--tabs {unknown} unknown: choose from {list(TAB_ACTIONS)}")
+        for path in dashboard_screenshots(Path(args.out), args.length, tabs=tabs):
             print("wrote", path)
         return 0
     if not args.html:

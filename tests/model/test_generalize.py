@@ -71,6 +71,31 @@ def test_mass_by_length_on_tiny_gemma_matches_evaluate_config(tiny_gemma, embedd
     assert (scaled["density"][1, [1, 3]] > table["density"][1, [1, 3]]).all()  # a window of 128 at 512, not 64
 
 
+def test_chosen_layers_shorter_lengths_and_a_progress_callback(tiny_gemma, embedded):
+    """The dashboard's call: only the chosen layers are evaluated (the others NaN, fixed ones 1), a length below
+    L is evaluated too (the drop is measured to the length farthest from L), and the callback sees every layer."""
+    from workbench.views.lengths import evaluated_heads, takeaway
+
+    model, shape = tiny_gemma
+    tok = embedded[1]
+    cfg = HeadConfig.every_head(shape, "ashape", {"sink": 16, "window": 64}, calibration=[{"length": 256}])
+    calls = []
+    rep = generalization_report(model, tok, shape, cfg, lengths=[128, 256], layers=[1, 0], quality_samples=0,
+                                progress=lambda what, done, total: calls.append((what, done, total)))
+    assert rep["settings"]["layers"] == [1] and rep["settings"]["drop_to"] == 128
+    assert evaluated_heads(rep) == [(1, 0), (1, 1)] and rep["summary"]["as_is"]["128"]["heads"] == 2
+    assert [c[1:] for c in calls if "layer" in c[0]] == [(1, 2), (2, 2)] and "128 tokens" in calls[0][0]
+    mass = rep["mass"]["as_is"]["128"]["mass"]
+    assert mass[0] == [1.0, 1.0] and all(x != x for x in mass[3]) and all(0 < x <= 1 for x in mass[1])
+    scaled = rep["mass"]["scaled"]["128"]["density"][1]
+    assert all(s >= a for s, a in zip(rep["mass"]["as_is"]["128"]["density"][1], scaled))  # budgets x 1/2
+    assert "At 256 tokens" in takeaway(rep)
+    with pytest.raises(ValueError, match="all fixed by the model"):
+        generalization_report(model, tok, shape, cfg, lengths=[256], layers=[0, 2], quality_samples=0, progress=False)
+    with pytest.raises(ValueError, match=r"layers \[7\] do not exist"):
+        generalization_report(model, tok, shape, cfg, lengths=[256], layers=[7], quality_samples=0, progress=False)
+
+
 def test_report_names_dropping_heads_and_runs_both_variants_end_to_end(embedded, smol_config, tmp_path):
     from workbench.views.lengths import write_html
 
@@ -107,8 +132,8 @@ def test_cli_generalize_and_its_refusals(embedded, smol_config, tmp_path, capsys
                  "--device", "cpu", "--no-progress", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "heads below target" in printed and out.exists() and out.with_suffix(".html").exists()
-    assert main(["generalize", "--config", str(path), "--lengths", "64", "--device", "cpu", "--out", str(out)]) == 2
-    assert "below the searched length 128" in capsys.readouterr().err
+    assert main(["generalize", "--config", str(path), "--lengths", "0", "--device", "cpu", "--out", str(out)]) == 2
+    assert "whole numbers >= 1" in capsys.readouterr().err
     assert main(["generalize", "--config", str(path), "--lengths", "9000", "--device", "cpu", "--out", str(out)]) == 2
     assert "at most 8192" in capsys.readouterr().err
 

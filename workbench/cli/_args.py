@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from workbench.core.device import DTYPES, check_device_map, parse_dtype, resolve_device
-from workbench.core.ranges import parse_ranges
+from workbench.core.ranges import parse_counts, parse_ranges
 
 
 class Parser(argparse.ArgumentParser):
@@ -39,14 +39,11 @@ def positive_int(text: str) -> int:
 
 
 def int_list(text: str) -> list[int]:
-    """"4096,8192" -> [4096, 8192]: comma-separated whole numbers >= 1 (at least one)."""
+    """"4096,8192" -> [4096, 8192] (`workbench.core.ranges.parse_counts`)."""
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: write comma-separated whole numbers, e.g. 4096,8192") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: write comma-separated whole numbers >= 1, e.g. 4096,8192")
-    return values
+        return parse_counts(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def layer_list(text: str) -> list[int]:

@@ -1,4 +1,4 @@
-"""`workbench generalize`: does a head config searched at length L hold at longer lengths?
+"""`workbench generalize`: does a head config searched at length L hold at other (longer) lengths?
 
 Per head, the captured attention mass of the config's online indexes on held-out prompts at L and at each of
 --lengths (all query rows and the answer rows), the heads that fall below the config's target (the ones to
@@ -18,8 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__)
     p.add_argument("--config", required=True, help="head config to evaluate (searched at length L)")
     p.add_argument("--model", default=None, help="model folder, hub id or gemma-3-270m (default: the embedded SmolLM2-135M)")
-    p.add_argument("--lengths", type=int_list, required=True, help="longer prompt lengths in tokens, comma-separated "
-                   "(L is added), e.g. 4096,8192")
+    p.add_argument("--lengths", type=int_list, required=True, help="prompt lengths in tokens, comma-separated, "
+                   "usually longer than L (L is added), e.g. 4096,8192")
     add_tasks(p, "multikey", what="held-out tasks")
     p.add_argument("--samples", type=positive_int, default=1, help="held-out prompts per task and length (default 1)")
     p.add_argument("--searched-at", type=positive_int, default=None, help="L, when the config does not record its "

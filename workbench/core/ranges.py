@@ -1,5 +1,5 @@
-"""Lists of indices written as ranges, e.g. layers "0-3,7" <-> [0, 1, 2, 3, 7] (the command line, the
-dashboard's settings and error messages all use this one spelling)."""
+"""Lists of indices written as ranges, e.g. layers "0-3,7" <-> [0, 1, 2, 3, 7], and lists of counts such as
+lengths "4096,8192" (the command line, the dashboard's inputs and error messages all use these spellings)."""
 from __future__ import annotations
 
 
@@ -18,6 +18,19 @@ def parse_ranges(text: str, what: str = "layers") -> list[int]:
                              "with low <= high, comma-separated)") from None
         out.update(range(lo, hi + 1))
     return sorted(out)
+
+
+def parse_counts(text: str, what: str = "") -> list[int]:
+    """"4096, 8192" -> [4096, 8192]: comma-separated whole numbers >= 1, at least one, in the order given.
+    Raises ValueError naming `what` and the spelling."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"{what + ' ' if what else ''}{text!r}: write comma-separated whole numbers >= 1, "
+                         "e.g. 4096,8192")
+    return values
 
 
 def format_ranges(ids: list[int]) -> str:

@@ -9,6 +9,18 @@ from typing import Any
 from workbench.core.io import write_text
 
 
+def table_html(rows: list[dict[str, Any]], digits: int = 3, css: str = "") -> str:
+    """An HTML table of `rows` (columns: the first row's keys; floats with `digits` decimals)."""
+    cols = list(rows[0]) if rows else []
+
+    def fmt(v: Any) -> str:
+        return f"{v:.{digits}f}" if isinstance(v, float) else html.escape(str(v))
+
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{fmt(r.get(c, ''))}</td>" for c in cols) + "</tr>" for r in rows)
+    return f"<table class='{html.escape(css)}'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
 class Report:
     """Collect sections, then `write(path)`. Figures are plotly figures; plotly.js is embedded once,
     so the page works offline."""
@@ -25,14 +37,8 @@ class Report:
         self.parts.append(f"<p>{html.escape(text)}</p>")
 
     def table(self, rows: list[dict[str, Any]], digits: int = 3) -> None:
-        if not rows:
-            return
-        cols = list(rows[0])
-        def fmt(v: Any) -> str:
-            return f"{v:.{digits}f}" if isinstance(v, float) else html.escape(str(v))
-        head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
-        body = "".join("<tr>" + "".join(f"<td>{fmt(r.get(c, ''))}</td>" for c in cols) + "</tr>" for r in rows)
-        self.parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+        if rows:
+            self.parts.append(table_html(rows, digits))
 
     def figure(self, fig: Any) -> None:
         self.parts.append(fig.to_html(full_html=False, include_plotlyjs=not self._js_included))

@@ -14,12 +14,13 @@ engine runs the PyTorch reference kernels with no streams: nothing overlaps, so 
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from workbench.core.progress import Progress, reporter
 from workbench.decode.engine.decoder import MODES, OFFLOAD, STORE_DTYPES, DecodeEngine, EngineConfig, check_budget
 from workbench.decode.engine.llama import decoder_layers
 from workbench.decode.engine.reuse import ReuseMeter
@@ -30,7 +31,6 @@ DEFAULT_MODES = ("dense-resident", "sparse-resident", "sparse-offload-sync", "sp
                  "sparse-offload-forecast")
 ALL_MODES = (*DEFAULT_MODES, "forecast-without-prefetch")
 EVENT_STEPS = 4  # eager CUDA steps timed with events (copy time, stall) after the speed run
-Progress = Callable[[str, int, int], None]  # (what, done, total)
 
 
 def parse_spec(spec: str, store_dtype: str = "model") -> tuple[str, str, str]:
@@ -139,19 +139,6 @@ class Comparison:
         return out
 
 
-def _tqdm_progress() -> tuple[Progress, Callable[[], None]]:
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=1, unit="step")
-
-    def update(what: str, done: int, total: int) -> None:
-        bar.total, bar.n = total, done
-        bar.set_description(what, refresh=False)
-        bar.refresh()
-
-    return update, bar.close
-
-
 @torch.no_grad()
 def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch.Tensor], *,
                   modes: Sequence[str] = DEFAULT_MODES, new_tokens: int = 16, budget: Budget | None = None,
@@ -200,10 +187,7 @@ def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch
                          "positions: use a shorter prompt or fewer new tokens")
     if any(mode != "dense-resident" for mode, _, _ in parsed) or quality:
         check_budget(budget, max_tokens)
-    close = None
-    if progress is True:
-        progress, close = _tqdm_progress()
-    report = progress or (lambda what, done, total: None)
+    report, close = reporter(progress)
     stores = sorted({store for _, _, store in parsed} - {"model"})
     total = (len(specs) + (3 + 3 * len(stores)) * quality) * (new_tokens - 1) + len(prompts)
     result = Comparison(device_label(model), budget, [int(p.numel()) for p in prompts], new_tokens)
@@ -227,8 +211,7 @@ def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch
             result.quality = _quality(model, result, config, prompts, prefilled, max_tokens, heads, report, done, total,
                                       stores)
     finally:
-        if close:
-            close()
+        close()
     return result
 
 

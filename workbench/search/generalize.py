@@ -1,10 +1,10 @@
-"""Does a head config searched at one length hold at longer lengths, or must it be searched again?
+"""Does a head config searched at one length hold at other lengths, or must it be searched again?
 
 A config is searched at length L (its calibration prompts). On held-out prompts (tasks or seeds the search
-never saw) at L and at longer lengths, every head's captured attention mass under the index the config
-runs online, over all query rows and over the answer rows (the last `TAIL_ROWS`), is compared with its mass
-at L; the heads that fall below the config's target at a length are the ones to search again there. Two
-variants side by side:
+never saw) at L and at other lengths (longer ones, where budgets in tokens may fall short, or shorter), every
+head's captured attention mass under the index the config runs online, over all query rows and over the
+answer rows (the last `TAIL_ROWS`), is compared with its mass at L; the heads that fall below the config's
+target at a length are the ones to search again there. Two variants side by side:
 
 - "as_is": the budgets in tokens as searched (a VS head keeps its 1000 columns at 4L);
 - "scaled": every budget multiplied by n / L, i.e. the same fraction of the prompt (`scale_config`).
@@ -19,6 +19,7 @@ the whole JSON report (`workbench generalize`, notebook 08; `views.lengths.write
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from workbench import __version__
 from workbench.config import PARAMS, ConfigError, HeadConfig, HeadEntry
 from workbench.core.io import write_json
 from workbench.core.model import ModelShape
+from workbench.core.progress import Progress, reporter
 from workbench.core.timing import environment
 from workbench.patterns import AShape, causal_tiles
 from workbench.search.search import TAIL_ROWS, TARGET, Candidate, layer_scores
@@ -103,17 +105,18 @@ def held_out_samples(tok: Any, tasks: Sequence[str], lengths: Sequence[int], cou
 
 def head_mass_by_length(model: torch.nn.Module, shape: ModelShape, config: HeadConfig,
                         samples: dict[int, Sequence[Any]], *, scaled_from: int | None = None,
-                        progress: bool = True) -> dict[str, Any]:
+                        layers: Sequence[int] | None = None, progress: bool | Progress = True) -> dict[str, Any]:
     """Per-head captured mass of `config`'s online indexes at each length (the dashboard's mass-vs-length view).
 
     samples: {n: prompts of n tokens} (`corpus.Sample`). scaled_from: L to scale the budgets from at each n
-    (`scale_config`), None to run the sizes as they are. Only the layers the model does not fix are captured;
-    fixed layers get mass 1 (the model's own attention). Returns {"lengths": [n...], "mass", "mass_worst",
-    "tail", "tail_worst", "density": Float `[len(lengths), L, H]`} (mean / worst over the prompts of a
-    length; tail = the last `TAIL_ROWS` query rows; density = physical 64x64 tiles / causal tiles)."""
+    (`scale_config`), None to run the sizes as they are. layers: the layers to evaluate (default: every layer
+    the model does not fix); fixed layers get mass 1 (the model's own attention), layers not evaluated NaN.
+    progress: True a tqdm bar, a callable gets (what, done, total) after each layer. Returns {"lengths":
+    [n...], "mass", "mass_worst", "tail", "tail_worst", "density": Float `[len(lengths), L, H]`} (mean / worst over
+    the prompts of a length; tail = the last `TAIL_ROWS` query rows; density = physical 64x64 tiles / causal tiles)."""
     config.validate(shape)
     scale = (lambda n: config) if scaled_from is None else (lambda n: scale_config(config, n, scaled_from))
-    return mass_tables(model, shape, {"mass": scale}, samples, progress)["mass"]
+    return mass_tables(model, shape, {"mass": scale}, samples, layers, progress)["mass"]
 
 
 def _candidate(e: HeadEntry) -> Candidate:
@@ -122,7 +125,8 @@ def _candidate(e: HeadEntry) -> Candidate:
 
 @torch.no_grad()
 def mass_tables(model: torch.nn.Module, shape: ModelShape, variants: dict[str, Callable[[int], HeadConfig]],
-                samples: dict[int, Sequence[Any]], progress: bool = True) -> dict[str, dict[str, Any]]:
+                samples: dict[int, Sequence[Any]], layers: Sequence[int] | None = None,
+                progress: bool | Progress = True) -> dict[str, dict[str, Any]]:
     """`head_mass_by_length` of several configs at once: {name: a function n -> the config to run at n}. One
     capture per prompt and one exact pass per layer (`search.layer_scores` over the union of the configs'
     candidates: the mass of the index each candidate runs online, all rows and answer rows, and its tiles)
@@ -134,53 +138,77 @@ def mass_tables(model: torch.nn.Module, shape: ModelShape, variants: dict[str, C
         shape.check_length(n)
         if not samples[n]:
             raise ValueError(f"no prompts of length {n}: give at least one per length")
+    free = evaluated_layers(shape, layers)
+    skipped = [l for l in shape.free_layers if l not in free]
     size = (len(lengths), shape.n_layers, shape.n_heads)
     tables = {name: {key: torch.ones(size, dtype=torch.float64) for key in ("mass", "mass_worst", "tail",
                                                                             "tail_worst", "density")}
               for name in variants}
-    free = shape.free_layers
-    bar = tqdm(total=sum(len(samples[n]) for n in lengths) * len(free), desc="mass by length", unit="layer",
-               disable=not progress)
-    for i, n in enumerate(lengths):
-        configs = {name: fn(n) for name, fn in variants.items()}
-        for cfg in configs.values():
-            cfg.validate(shape)
-        mass = {name: torch.ones(len(samples[n]), *size[1:], dtype=torch.float64) for name in variants}
-        tail = {name: m.clone() for name, m in mass.items()}
-        for s, sample in enumerate(samples[n]):
-            cap = capture_attention(model, shape, sample.input_ids, free, dtype=torch.float32, progress=False)
-            for layer in free:
-                q, k, _ = cap.layer_qkv(layer)
-                entries = {name: cfg.layer(layer) for name, cfg in configs.items()}
-                cands = sorted({_candidate(e) for es in entries.values() for e in es}, key=lambda c: c.label())
-                proxies = {tuple(sorted(cfg.proxy.items())) for cfg in configs.values()}
-                if len(proxies) != 1:
-                    raise ValueError("the configs use different online proxy settings: evaluate them one at a time")
-                scores = layer_scores(q, k, cap.scale, cands, next(iter(configs.values())).proxy)
-                for name, es in entries.items():
-                    c = torch.tensor([cands.index(_candidate(e)) for e in es])
-                    h = torch.arange(len(es))
-                    mass[name][s, layer], tail[name][s, layer] = scores["mass"][h, c], scores["tail"][h, c]
-                    tables[name]["density"][i, layer] = scores["tiles"][h, c] / causal_tiles(n)
-                bar.update(1)
-            del cap
-        for name, table in tables.items():
-            for layer in shape.fixed_layers:
-                table["density"][i, layer] = AShape(0, shape.window(layer), shape.n_heads).tiles(n).double() \
-                    / causal_tiles(n)
-            table["mass"][i], table["mass_worst"][i] = mass[name].mean(0), mass[name].amin(0)
-            table["tail"][i], table["tail_worst"][i] = tail[name].mean(0), tail[name].amin(0)
-    bar.close()
+    report, close = reporter(progress, unit="layer")
+    total, done = sum(len(samples[n]) for n in lengths) * len(free), 0
+    try:
+        for i, n in enumerate(lengths):
+            configs = {name: fn(n) for name, fn in variants.items()}
+            for cfg in configs.values():
+                cfg.validate(shape)
+            mass = {name: torch.ones(len(samples[n]), *size[1:], dtype=torch.float64) for name in variants}
+            tail = {name: m.clone() for name, m in mass.items()}
+            for s, sample in enumerate(samples[n]):
+                where = f"{n} tokens, prompt {s + 1}/{len(samples[n])}"
+                report(f"{where}: capturing", done, total)
+                cap = capture_attention(model, shape, sample.input_ids, free, dtype=torch.float32, progress=False)
+                for layer in free:
+                    q, k, _ = cap.layer_qkv(layer)
+                    entries = {name: cfg.layer(layer) for name, cfg in configs.items()}
+                    cands = sorted({_candidate(e) for es in entries.values() for e in es}, key=lambda c: c.label())
+                    proxies = {tuple(sorted(cfg.proxy.items())) for cfg in configs.values()}
+                    if len(proxies) != 1:
+                        raise ValueError("the configs use different online proxy settings: evaluate them one at a time")
+                    scores = layer_scores(q, k, cap.scale, cands, next(iter(configs.values())).proxy)
+                    for name, es in entries.items():
+                        c = torch.tensor([cands.index(_candidate(e)) for e in es])
+                        h = torch.arange(len(es))
+                        mass[name][s, layer], tail[name][s, layer] = scores["mass"][h, c], scores["tail"][h, c]
+                        tables[name]["density"][i, layer] = scores["tiles"][h, c] / causal_tiles(n)
+                    done += 1
+                    report(f"{where}: layer {layer}", done, total)
+                del cap
+            for name, table in tables.items():
+                for layer in shape.fixed_layers:
+                    table["density"][i, layer] = AShape(0, shape.window(layer), shape.n_heads).tiles(n).double() \
+                        / causal_tiles(n)
+                table["mass"][i], table["mass_worst"][i] = mass[name].mean(0), mass[name].amin(0)
+                table["tail"][i], table["tail_worst"][i] = tail[name].mean(0), tail[name].amin(0)
+    finally:
+        close()
+    for table in tables.values():
+        for t in table.values():
+            t[:, skipped] = float("nan")
     return {name: {"lengths": lengths, **table} for name, table in tables.items()}
 
 
+def evaluated_layers(shape: ModelShape, layers: Sequence[int] | None) -> list[int]:
+    """The layers a length evaluation captures: `layers` (default: every layer), less the ones the model fixes;
+    raises naming a layer the model does not have."""
+    if layers is None:
+        return list(shape.free_layers)
+    bad = [l for l in layers if not 0 <= l < shape.n_layers]
+    if bad:
+        raise ValueError(f"layers {bad} do not exist: {shape.name} has layers 0-{shape.n_layers - 1}")
+    free = [l for l in sorted(set(layers)) if l in shape.free_layers]
+    if not free:
+        raise ValueError(f"layers {sorted(set(layers))} are all fixed by the model (sliding window): give one of "
+                         f"{list(shape.free_layers)}")
+    return free
+
+
 def _quality(model, tok, shape, config: HeadConfig, samples: Sequence[Any], max_new_tokens: int, backend: str,
-             progress: bool) -> dict[str, Any]:
+             progress: bool | Progress) -> dict[str, Any]:
     """Retrieval and next-token KL of one config vs dense on `samples` (one length)."""
     from workbench.prefill.quality import sample_record
 
     records = [sample_record(model, tok, shape, config, s, max_new_tokens, cosine=False, backend=backend)
-               for s in tqdm(samples, desc="quality", unit="prompt", disable=not progress, leave=False)]
+               for s in tqdm(samples, desc="quality", unit="prompt", disable=progress is not True, leave=False)]
     kls = [r["kl"] for r in records]
     return {"n": samples[0].length, "samples": len(records),
             "dense_correct": sum(r["dense_correct"] for r in records),
@@ -199,25 +227,24 @@ def generalization_report(model: torch.nn.Module, tok: Any, shape: ModelShape, c
                           lengths: Sequence[int], tasks: Sequence[str] = ("multikey",), samples: int = 1,
                           searched_at: int | None = None, target: float | None = None,
                           quality_samples: int = 4, max_new_tokens: int = 8, backend: str = "auto",
-                          out: str | Path | None = None, command: str = "", config_source: str = "",
-                          progress: bool = True) -> dict[str, Any]:
+                          layers: Sequence[int] | None = None, out: str | Path | None = None, command: str = "",
+                          config_source: str = "", progress: bool | Progress = True) -> dict[str, Any]:
     """The length-generalisation report of `config` (see the module docstring) as a plain-JSON dict.
 
-    lengths: the longer lengths to evaluate at (L itself is added); tasks / samples: held-out prompts per
+    lengths: the other lengths to evaluate at, usually longer (L itself is added); tasks / samples: held-out prompts per
     length; target: the mass a head must keep (default: the config's search target, else `TARGET`; the
     answer-row target is the config's tail_target when it has one); quality_samples: prompts at the longest
     length run end to end (0: skip), cycling through the answerable tasks among `tasks` (passkey, multikey),
-    else passkey. With `out`, the JSON is written atomically after each variant."""
+    else passkey; layers: the layers to evaluate (default: every layer the model does not fix); progress: True
+    tqdm bars, a callable gets (what, done, total) after each layer. With `out`, the JSON is written atomically
+    after each variant."""
     L = searched_at or searched_length(config)
     lengths = sorted({L, *lengths})
-    if lengths[0] < L:
-        raise ValueError(f"lengths {lengths} include lengths below the searched length {L}: give longer lengths "
-                         f"(e.g. {2 * L},{4 * L})")
     for n in lengths:
         shape.check_length(n)
     target = target if target is not None else float(config.provenance.get("target", TARGET))
     tail_target = float(config.provenance.get("tail_target") or target)
-    drop_to = 4 * L if 4 * L in lengths else lengths[-1]
+    drop_to = 4 * L if 4 * L in lengths else max(lengths, key=lambda n: (abs(math.log(n / L)), n))  # farthest from L
     prompts = held_out_samples(tok, tasks, lengths, samples, config)
     report: dict[str, Any] = {
         "model": shape.to_dict(),
@@ -226,7 +253,8 @@ def generalization_report(model: torch.nn.Module, tok: Any, shape: ModelShape, c
                    "calibration": config.provenance.get("calibration"), "fixed_layers": list(shape.fixed_layers)},
         "settings": {"lengths": lengths, "tasks": list(tasks), "samples": samples, "quality_samples": quality_samples,
                      "max_new_tokens": max_new_tokens, "drop": DROP, "drop_to": drop_to, "tail_rows": TAIL_ROWS,
-                     "held_out_seed": HELD_OUT_SEED, "backend": backend},
+                     "held_out_seed": HELD_OUT_SEED, "backend": backend,
+                     "layers": evaluated_layers(shape, layers)},
         "prompts": {str(n): [s.describe() for s in prompts[n]] for n in lengths},
         "patterns": [[e.pattern for e in config.layer(l)] for l in range(shape.n_layers)],
         "labels": [[e.label() + (" (fixed)" if e.fixed else "") for e in config.layer(l)] for l in range(shape.n_layers)],
@@ -234,10 +262,10 @@ def generalization_report(model: torch.nn.Module, tok: Any, shape: ModelShape, c
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "environment": environment(),
         "mass": {}, "summary": {}, "below_target": {}, "dropping": {}, "quality": {}}
     i_L, i_d = lengths.index(L), lengths.index(drop_to)
-    free = [(l, h) for l in shape.free_layers for h in range(shape.n_heads)]
+    free = [(l, h) for l in report["settings"]["layers"] for h in range(shape.n_heads)]
     config.validate(shape)
     tables = mass_tables(model, shape, {"as_is": lambda n: config, "scaled": lambda n: scale_config(config, n, L)},
-                         prompts, progress)
+                         prompts, layers, progress)
     for variant in VARIANTS:
         table = tables[variant]
         report["mass"][variant] = {str(n): {key: _round(table[key][i]) for key in

@@ -47,17 +47,58 @@ def mass_vs_length(lengths: Sequence[int], mass: Any, patterns: Sequence[Sequenc
     return fig
 
 
-def report_figure(report: Mapping[str, Any], variant: str = "as_is", only_dropping: bool = False):
-    """`mass_vs_length` of a generalisation report (`search.generalize.generalization_report`): every head of
-    the layers the model does not fix, or only the heads that drop by more than the report's threshold."""
-    lengths = report["settings"]["lengths"]
+def evaluated_heads(report: Mapping[str, Any]) -> list[tuple[int, int]]:
+    """(layer, head) of every head a generalisation report evaluated (its settings' layers; reports written
+    before layers were a setting evaluated every layer the model does not fix)."""
     model = report["model"]
     fixed = set(report["config"].get("fixed_layers") or [])
-    patterns = report["patterns"]
-    heads = ([(r["layer"], r["head"]) for r in report["dropping"][variant]] if only_dropping else
-             [(l, h) for l in range(model["n_layers"]) if l not in fixed for h in range(model["n_heads"])])
+    layers = report["settings"].get("layers") or [l for l in range(model["n_layers"]) if l not in fixed]
+    return [(l, h) for l in layers for h in range(model["n_heads"])]
+
+
+def below_target_heads(report: Mapping[str, Any], variant: str = "as_is") -> list[tuple[int, int]]:
+    """(layer, head) of the heads below the report's target at any of its lengths."""
+    return sorted({(l, h) for heads in report["below_target"][variant].values() for l, h in heads})
+
+
+def summary_rows(report: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per variant and length: mean mass, worst head (all rows / answer rows), heads below target,
+    mean physical density."""
+    return [{"variant": v, "length": int(n), **row} for v, rows in report["summary"].items() for n, row in rows.items()]
+
+
+def takeaway(report: Mapping[str, Any]) -> str:
+    """One sentence: at the longest length, how many heads fall below target as searched and with budgets
+    scaled to n, and the density each costs."""
+    n = str(report["settings"]["lengths"][-1])
+    L = report["config"]["searched_at"]
+    s = {v: report["summary"][v][n] for v in report["summary"]}
+    a = s["as_is"]
+    text = (f"At {n} tokens, {a['heads_below_target']} of {a['heads']} heads fall below the target "
+            f"{report['config']['target']} with the budgets searched at {L} (worst head {a['mass_worst_head']:.3f} over "
+            f"all rows, {a['tail_worst_head']:.3f} over answer rows; mean density {a['physical_density_mean']:.3f})")
+    if "scaled" in s:
+        b = s["scaled"]
+        text += (f"; with every budget x n/L, {b['heads_below_target']} (worst {b['mass_worst_head']:.3f} / "
+                 f"{b['tail_worst_head']:.3f}; mean density {b['physical_density_mean']:.3f})")
+    drops = len(report["dropping"]["as_is"])
+    return text + (f". {drops} heads lose more than {report['settings']['drop']} of their mass from {L} to "
+                   f"{report['settings']['drop_to']} tokens: search those again at the longer length." if drops else
+                   f". No head loses more than {report['settings']['drop']} of its mass from {L} to "
+                   f"{report['settings']['drop_to']} tokens.")
+
+
+def report_figure(report: Mapping[str, Any], variant: str = "as_is", only_dropping: bool = False,
+                  heads: Sequence[tuple[int, int]] | None = None):
+    """`mass_vs_length` of a generalisation report (`search.generalize.generalization_report`): `heads`, else
+    every head it evaluated, or only the heads that drop by more than the report's threshold."""
+    lengths = report["settings"]["lengths"]
+    model = report["model"]
+    if heads is None:
+        heads = ([(r["layer"], r["head"]) for r in report["dropping"][variant]] if only_dropping else
+                 evaluated_heads(report))
     table = lambda v: [report["mass"][v][str(n)]["mass"] for n in lengths]  # noqa: E731
-    return mass_vs_length(lengths, table(variant), patterns, heads=heads, target=report["config"]["target"],
+    return mass_vs_length(lengths, table(variant), report["patterns"], heads=heads, target=report["config"]["target"],
                           scaled=table("scaled") if variant == "as_is" and "scaled" in report["mass"] else None,
                           title=f"{model['name']}: mass per head vs length, config searched at "
                                 f"{report['config']['searched_at']} tokens (solid: as searched, dotted: budgets x n/L)")
@@ -81,9 +122,9 @@ def write_html(report: Mapping[str, Any], path: str | Path) -> Path:
                  if c.get("fixed_layers") else ""))
     if report.get("command"):
         page.text("Command: " + report["command"])
+    page.text("Takeaway: " + takeaway(report))
     page.heading("Summary (layers the model does not fix)")
-    page.table([{"variant": v, "length": n, **row} for v, rows in report["summary"].items() for n, row in rows.items()],
-               digits=4)
+    page.table(summary_rows(report), digits=4)
     for variant, rows in report["dropping"].items():
         page.heading(f"Heads whose mean mass drops by more than {s['drop']} from {c['searched_at']} to "
                      f"{s['drop_to']} tokens ({variant}): {len(rows)}")
@@ -97,16 +138,12 @@ def write_html(report: Mapping[str, Any], path: str | Path) -> Path:
         page.parts.append(report_figure(report, only_dropping=True).to_html(include_plotlyjs="cdn", full_html=False))
     page.heading("Every head (worst prompt, all rows / answer rows)")
     rows = []
-    fixed = set(c.get("fixed_layers") or [])
-    for l in range(report["model"]["n_layers"]):
-        if l in fixed:
-            continue
-        for h in range(report["model"]["n_heads"]):
-            row: dict[str, Any] = {"layer": l, "head": h, "config": report["labels"][l][h]}
-            for v in report["mass"]:
-                for n in s["lengths"]:
-                    t = report["mass"][v][str(n)]
-                    row[f"{v} {n}"] = f"{t['mass_worst'][l][h]:.4f} / {t['tail_worst'][l][h]:.4f}"
-            rows.append(row)
+    for l, h in evaluated_heads(report):
+        row: dict[str, Any] = {"layer": l, "head": h, "config": report["labels"][l][h]}
+        for v in report["mass"]:
+            for n in s["lengths"]:
+                t = report["mass"][v][str(n)]
+                row[f"{v} {n}"] = f"{t['mass_worst'][l][h]:.4f} / {t['tail_worst'][l][h]:.4f}"
+        rows.append(row)
     page.table(rows)
     return page.write(path)

@@ -14,7 +14,7 @@ Also: the layer x layer IoU matrix of exact top-k sets and decode-time churn wit
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -33,11 +33,11 @@ from workbench.analysis.block_sets import (
 )
 from workbench.core.capture import capture_attention
 from workbench.core.model import ModelShape
+from workbench.core.progress import Progress
 from workbench.decode.forecast.heads import ForecastHeads, candidate_positions, rope_tables, teacher_blocks, teacher_scores
 from workbench.patterns.infllm import Budget, compress_keys, row_block_scores
 from workbench.patterns.quest import group_page_scores, page_bounds
 
-Progress = Callable[[str, int, int], None]  # (what, done, total)
 SELECTORS = ("oracle", "teacher", "same_layer", "forecast", "quest", "proxy", "reuse", "coarse_forecast")
 
 

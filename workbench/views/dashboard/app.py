@@ -1,4 +1,5 @@
-"""The Panel dashboard: browse heads, edit patterns live, export configs, see forecast, latency and decode.
+"""The Panel dashboard: browse heads, edit patterns live, check a config at longer lengths, export configs,
+see forecast, latency and decode.
 
 Serve it with `workbench dashboard` or `panel serve workbench/views/dashboard/app.py` (options through
 WORKBENCH_DASHBOARD_* variables, see `state.Settings`). Each browser tab gets its own `Session` (sample,
@@ -19,6 +20,7 @@ from workbench.config import MINFERENCE_DEFAULT, PARAMS
 from workbench.patterns import default_params
 from workbench.views import viz  # absolute imports: `panel serve` runs this file as a script
 from workbench.views.dashboard.decode_tab import DecodeTab
+from workbench.views.dashboard.lengths_tab import LengthsTab
 from workbench.views.dashboard.state import SEARCH, Session, Settings
 from workbench.views.dashboard.tab import JobStatus, Tab, html_table, on_page_loop
 from workbench.views.dashboard.tab_state import ForecastState, HeadState, LatencyState
@@ -382,7 +384,7 @@ class ExportTab(Tab):
                          "Import a HeadConfig or MInference JSON:", self.fill_missing, self.upload, self.message)
 
 
-TABS: list[type[Tab]] = [HeadsTab, HeadTab, ProxyTab, ForecastTab, LatencyTab, ExportTab, DecodeTab]
+TABS: list[type[Tab]] = [HeadsTab, HeadTab, ProxyTab, LengthsTab, ForecastTab, LatencyTab, ExportTab, DecodeTab]
 
 
 class Dashboard(pn.viewable.Viewer):

@@ -1,12 +1,13 @@
 """What the dashboard's computing tabs own: their state and their background `Job` (no Panel here).
 
 `HeadState` (Head tab: one head's exact attention, re-scored live under edits), `ForecastState`,
-`LatencyState` and `DecodeState`. Each reads the session's sample, config and selection and registers its
-job with the session (a new sample waits for it). The latency estimate (`Estimate`) reads a GPU kernel
+`LatencyState`, `DecodeState` and `LengthsState`. Each reads the session's sample, config and selection and
+registers its job with the session (a new sample waits for it). The latency estimate (`Estimate`) reads a GPU kernel
 benchmark and is labelled with the GPU it was measured on: it is never this machine's time.
 """
 from __future__ import annotations
 
+import copy
 import math
 import threading
 import time
@@ -18,7 +19,7 @@ import param
 
 from workbench.config import PARAMS, HeadEntry
 from workbench.patterns import default_params
-from workbench.views.dashboard.state import SHARED, Job, Session, latency_rates
+from workbench.views.dashboard.state import MIN_LENGTH, SHARED, Job, Session, config_digest, latency_rates
 
 FORECAST_REPORTS = ("reports/forecast/forecast.json", "assets/benchmarks/forecast_cpu.json")
 
@@ -388,3 +389,84 @@ class DecodeState(Job):
                       for spec, run in result.runs.items()}
         self.answer = s.sample.answer
         self.result = result
+
+
+# ----------------------------------------------------------------------------- Lengths tab
+
+MAX_PROMPTS = 8  # held-out prompts per length the Lengths tab accepts
+
+
+class LengthsState(Job):
+    """The session's config (its edits included) at longer prompt lengths, on held-out prompts: every
+    evaluated head's captured mass per length as searched and with its budgets scaled to n
+    (`search.generalize.generalization_report`; its end-to-end check is left to `workbench generalize`)."""
+
+    def __init__(self, session: Session, **params):
+        super().__init__(**params)
+        self.session = session
+        session.jobs.append(self)
+        self.report: dict[str, Any] | None = None
+        self._stop = False
+
+    def searched_at(self) -> tuple[int, str]:
+        """(L, where it comes from): the config's calibration length, else the loaded sample's length."""
+        from workbench.config import ConfigError
+        from workbench.search.generalize import searched_length
+
+        try:
+            return searched_length(self.session.config), "the length the config was searched at"
+        except ConfigError:
+            return self.session.length, "the loaded sample's length: the config records no calibration length"
+
+    def default_lengths(self) -> list[int]:
+        """L, 2L and 4L capped at the model's positions; L / 4, L / 2 and L when L is the longest it allows."""
+        L, _ = self.searched_at()
+        top = self.session.shape.max_positions
+        scales = (1, 2, 4) if 2 * L <= top else (0.25, 0.5, 1)
+        return sorted({min(max(int(m * L), MIN_LENGTH), top) for m in scales})
+
+    def evaluate(self, lengths: str, prompts: int, task: str):
+        """Start the evaluation; raises at once naming the field for lengths outside [MIN_LENGTH, the model's positions],
+        a prompt count outside 1..MAX_PROMPTS or an unknown task."""
+        from workbench.core.corpus import TASKS
+        from workbench.core.ranges import parse_counts
+
+        s = self.session
+        if s.config is None or s.busy:
+            raise RuntimeError("no sample loaded yet: wait for 'ready' or press Load sample")
+        L, _ = self.searched_at()
+        values = sorted(set(parse_counts(lengths or "", "lengths")))
+        top = s.shape.max_positions
+        for n in values:
+            if n < MIN_LENGTH:
+                raise ValueError(f"length {n} is below the minimum of {MIN_LENGTH} tokens: give {MIN_LENGTH} to {top}")
+            if n > top:
+                raise ValueError(f"length {n} is above the {top} positions {s.shape.name} allows: give at most {top}")
+        if prompts is None or not 1 <= prompts <= MAX_PROMPTS:
+            raise ValueError(f"prompts per length = {prompts}: give 1 to {MAX_PROMPTS}")
+        if task not in TASKS:
+            raise ValueError(f"task {task!r} is unknown: choose one of {list(TASKS)}")
+        config = copy.deepcopy(s.config)  # later edits do not change a running evaluation
+        self._stop = False
+        return self.run_job("evaluating lengths", lambda: self._evaluate(config, values, int(prompts), task, L))
+
+    def stop(self) -> None:
+        """Stop after the current layer (the job then fails with 'stopped')."""
+        self._stop = True
+
+    def _evaluate(self, config: Any, lengths: list[int], prompts: int, task: str, L: int) -> None:
+        from workbench.search.generalize import generalization_report
+
+        s = self.session
+        model, tok, shape = SHARED.model(s.settings.model, s.settings.device, s.settings.dtype)
+
+        def report(what: str, done: int, total: int) -> None:
+            if self._stop:
+                raise Stopped("stopped by the user")
+            self._step(f"evaluating lengths: {what}", done, total)
+
+        key = ("lengths", shape.fingerprint, config_digest(config), tuple(lengths), prompts, task, L, s.settings.layers)
+        self.report = SHARED.memo(key, lambda: generalization_report(
+            model, tok, shape, config, lengths=lengths, tasks=(task,), samples=prompts, searched_at=L,
+            quality_samples=0, layers=s.settings.layers, config_source=s.config_source, progress=report,
+            command="workbench dashboard (Lengths tab)"))
