@@ -13,9 +13,10 @@ from workbench.config.head_config import (
     check_schema,
     global_head,
     local_head,
+    model_heads,
     rank_kv_heads,
     tp_split,
 )
 
 __all__ = ["FORMAT", "MINFERENCE_DEFAULT", "PARAMS", "PROXY_DEFAULTS", "SCHEMA", "ConfigError", "HeadConfig", "HeadEntry",
-           "check_schema", "global_head", "local_head", "rank_kv_heads", "tp_split"]
+           "check_schema", "global_head", "local_head", "model_heads", "rank_kv_heads", "tp_split"]

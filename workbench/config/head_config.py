@@ -25,6 +25,7 @@ import copy
 import json
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -167,6 +168,13 @@ class HeadEntry:
         return self.pattern + "(" + ", ".join(f"{k}={v}" for k, v in self.params.items()) + ")"
 
 
+def model_heads(shape: ModelShape, free: Callable[[int, int], HeadEntry]) -> list[HeadEntry]:
+    """Every head of the model in config order: on a sliding-window layer the model's own entry
+    (`HeadEntry.model_fixed`), elsewhere `free(layer, head)`."""
+    return [HeadEntry.model_fixed(l, h, shape.window(l)) if shape.window(l) is not None else free(l, h)
+            for l in range(shape.n_layers) for h in range(shape.n_heads)]
+
+
 @dataclass
 class HeadConfig:
     """Per-head pattern choices for one model. `heads` is sorted by (layer, head)."""
@@ -181,9 +189,7 @@ class HeadConfig:
     def every_head(cls, shape: ModelShape, pattern: str, params: dict[str, int], **provenance: Any) -> HeadConfig:
         """`pattern(params)` on every head the model leaves free; a sliding-window layer's heads as the model
         runs them (fixed)."""
-        heads = [HeadEntry.model_fixed(l, h, shape.window(l)) if shape.window(l) is not None
-                 else HeadEntry(l, h, pattern, dict(params))
-                 for l in range(shape.n_layers) for h in range(shape.n_heads)]
+        heads = model_heads(shape, lambda l, h: HeadEntry(l, h, pattern, dict(params)))
         cfg = cls(model=shape.to_dict(), heads=heads, provenance=dict(provenance))
         cfg.check("every_head")
         return cfg

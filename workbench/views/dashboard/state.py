@@ -25,7 +25,7 @@ from typing import Any
 import param
 import torch
 
-from workbench.config import ConfigError, HeadConfig, HeadEntry
+from workbench.config import ConfigError, HeadConfig, HeadEntry, model_heads
 from workbench.core.corpus import TASKS
 from workbench.core.ranges import parse_ranges
 from workbench.data import file_stem, shipped_config
@@ -384,9 +384,7 @@ class Session(Job):
             "command": "workbench dashboard (search on the loaded sample)", "dense_not_searched": skipped})
         heads = {(cap.layers[e.layer], e.head): HeadEntry.from_dict({**e.to_dict(), "layer": cap.layers[e.layer]})
                  for e in cfg.heads}
-        cfg.heads = [HeadEntry.model_fixed(l, h, shape.window(l)) if shape.window(l) is not None
-                     else heads.get((l, h)) or HeadEntry(l, h, "dense", {})
-                     for l in range(shape.n_layers) for h in range(shape.n_heads)]
+        cfg.heads = model_heads(shape, lambda l, h: heads.get((l, h)) or HeadEntry(l, h, "dense", {}))
         cfg.check("dashboard search")
         return cfg
 
