@@ -80,7 +80,7 @@ def _wait_nudging(page, locator, url: str, token: str, total_ms: int) -> int:
     """Wait up to `total_ms` for `locator`; every 30 s without it, open one more websocket to the kernel from the
     page (the server then asks the kernel for its info, and the kernel's status messages reach every open
     connection). That matters only when the server's socket missed a wakeup, as nbclient's did (see
-    test_notebooks.CELL_TIMEOUT_S): the next message on the socket delivers what waited. Returns the nudges."""
+    test_notebooks.SlicedChannel): the next message on the socket delivers what waited. Returns the nudges."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     deadline, nudges = time.monotonic() + total_ms / 1000, 0

@@ -8,21 +8,52 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from queue import Empty
 
 import pytest
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
+from jupyter_client.asynchronous import AsyncKernelClient  # noqa: E402  (after the skips: notebook extra)
+from jupyter_client.channels import AsyncZMQSocketChannel  # noqa: E402
+from jupyter_client.manager import AsyncKernelManager  # noqa: E402
+from traitlets import Type, default  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 CI_SIZES = {"WORKBENCH_NB_LENGTH": "512", "WORKBENCH_NB_LAYERS": "0,4,11", "WORKBENCH_NB_QUICK": "1"}
-# nbclient waits for each cell's execute_reply in one poll of the shell socket, as long as the cell timeout. Here
-# (pyzmq 27, jupyter_client 8.10, two kernels at once on 2 cores) that poll sometimes misses the reply of a
-# cell the kernel has finished (kernel idle, its idle status received) and returns it only when the poll times
-# out: notebook 02 saw its editor cell's reply 480 s late, twice, and CI's 900 s test limit ran out. A cell
-# timeout of 150 s bounds that stall; a cell really busy for 150 s (the longest takes ~60 s here) still fails.
-CELL_TIMEOUT_S = 150
+CELL_TIMEOUT_S = 480
+
+
+class SlicedChannel(AsyncZMQSocketChannel):
+    """A kernel channel that waits for a message in polls of at most 1 s.
+
+    nbclient waits for each cell's execute_reply in one asyncio poll of the shell socket as long as the cell
+    timeout. Here (pyzmq 27.3, jupyter_client 8.10, 2 cores) that poll sometimes misses the reply of a cell the
+    kernel has finished (kernel idle, its idle status received) and sees it only when the poll times out and
+    checks the socket once more: notebook 02's editor cells waited 480 s each, and CI's 900 s limit ran out.
+    Polls of 1 s make such a missed wakeup cost 1 s; a cell busy past the timeout still fails."""
+
+    async def get_msg(self, timeout: float | None = None) -> dict:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+            try:
+                return await super().get_msg(timeout=step)
+            except Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+
+
+class SlicedClient(AsyncKernelClient):
+    shell_channel_class = Type(SlicedChannel)
+    iopub_channel_class = Type(SlicedChannel)
+
+
+class SlicedKernelManager(AsyncKernelManager):
+    @default("client_factory")
+    def _sliced(self) -> type:
+        return SlicedClient
 
 
 def test_there_are_eight_notebooks_stored_without_outputs():
@@ -43,6 +74,7 @@ def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     monkeypatch.setenv("WORKBENCH_NB_OUT", str(tmp_path))
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                                     kernel_manager_class=SlicedKernelManager,
                                      resources={"metadata": {"path": str(tmp_path)}})
     t0 = time.perf_counter()
     try:

@@ -18,7 +18,8 @@ def table_html(rows: list[dict[str, Any]], digits: int = 3, css: str = "") -> st
 
     head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
     body = "".join("<tr>" + "".join(f"<td>{fmt(r.get(c, ''))}</td>" for c in cols) + "</tr>" for r in rows)
-    return f"<table class='{html.escape(css)}'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    cls = f" class='{html.escape(css)}'" if css else ""
+    return f"<table{cls}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 class Report:
