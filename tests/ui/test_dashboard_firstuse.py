@@ -78,7 +78,7 @@ def test_no_request_leaves_localhost_during_a_page_load_and_every_tab(server, br
     page.set_default_timeout(STEP_MS)
     page.goto(url)
     wait_ready(page)
-    for name in ("Heads", "Head", "Proxy", "Forecast", "Latency", "Export/Import", "Decode"):
+    for name in ("Heads", "Head", "Proxy", "Lengths", "Forecast", "Latency", "Export/Import", "Decode"):
         tab(page, name)
         page.wait_for_timeout(500)
     tab(page, "Forecast")
@@ -142,6 +142,7 @@ def test_sidebar_inputs_are_applied_or_refused_with_a_message(server, browser):
 
 def test_plots_show_small_gaps_a_colour_scale_and_count_only_captured_heads(server, browser):
     page = open_page(browser, server[0])
+    page.locator(".wb-grid .js-plotly-plot .colorbar").first.wait_for(state="attached", timeout=30_000)  # drawn
     grid = _plot(page, ".wb-grid")
     assert grid["colorbar"]  # the shade's scale
     assert grid["title"][2] <= grid["width"] + 1  # the title is not cut
