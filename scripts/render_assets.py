@@ -175,7 +175,8 @@ def shoot_tabs(browser, url: str, out: Path, widths: tuple[int, ...], timeout_s:
                 if tab == "Decode":  # a short run: 4 new tokens
                     page.locator(".wb-decode-tokens input").fill("4")
                     page.locator(".wb-decode-tokens input").press("Enter")
-                if tab == "Lengths":
+                if tab == "Lengths":  # typed once the tab has drawn its defaults (else they arrive after the text)
+                    page.locator(".wb-lengths-note p").wait_for()
                     page.locator(".wb-lengths-lengths input").fill(LENGTHS)
                     page.locator(".wb-lengths-lengths input").press("Enter")
                 page.locator(button).click()

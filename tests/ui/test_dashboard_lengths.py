@@ -37,6 +37,7 @@ def test_lengths_tab_refuses_bad_lengths_then_draws_mass_per_head_vs_length(serv
     page.locator(ERROR).wait_for(state="hidden", timeout=15_000)  # a good request clears the refusal
     until(page, page.locator(".wb-lengths-takeaway"), LOAD_S * 1000)
     until(page, page.locator(DONE))
+    expect(page.locator(".wb-lengths-lengths input")).to_have_value("512,1024")  # what the user typed stays
     takeaway = page.locator(".wb-lengths-takeaway").inner_text()
     assert takeaway.startswith("At 1024 tokens,") and "of 18 heads fall below the target" in takeaway
     rows = page.locator("table.wb-lengths-table tbody tr")

@@ -68,24 +68,22 @@ def summary_rows(report: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def takeaway(report: Mapping[str, Any]) -> str:
-    """One sentence: at the longest length, how many heads fall below target as searched and with budgets
-    scaled to n, and the density each costs."""
-    n = str(report["settings"]["lengths"][-1])
-    L = report["config"]["searched_at"]
-    s = {v: report["summary"][v][n] for v in report["summary"]}
-    a = s["as_is"]
+    """One sentence: at the length farthest from L (the report's drop length), how many heads fall below target
+    as searched and with budgets scaled to n, the density each costs, and how many heads lose mass."""
+    s, L = report["settings"], report["config"]["searched_at"]
+    n = str(s["drop_to"])
+    a = report["summary"]["as_is"][n]
     text = (f"At {n} tokens, {a['heads_below_target']} of {a['heads']} heads fall below the target "
             f"{report['config']['target']} with the budgets searched at {L} (worst head {a['mass_worst_head']:.3f} over "
             f"all rows, {a['tail_worst_head']:.3f} over answer rows; mean density {a['physical_density_mean']:.3f})")
-    if "scaled" in s:
-        b = s["scaled"]
+    if "scaled" in report["summary"]:
+        b = report["summary"]["scaled"][n]
         text += (f"; with every budget x n/L, {b['heads_below_target']} (worst {b['mass_worst_head']:.3f} / "
                  f"{b['tail_worst_head']:.3f}; mean density {b['physical_density_mean']:.3f})")
     drops = len(report["dropping"]["as_is"])
-    return text + (f". {drops} heads lose more than {report['settings']['drop']} of their mass from {L} to "
-                   f"{report['settings']['drop_to']} tokens: search those again at the longer length." if drops else
-                   f". No head loses more than {report['settings']['drop']} of its mass from {L} to "
-                   f"{report['settings']['drop_to']} tokens.")
+    return text + (f". {drops} heads lose more than {s['drop']} of their mass from {L} to {n} tokens: search those "
+                   f"again at {n}." if drops else
+                   f". No head loses more than {s['drop']} of its mass from {L} to {n} tokens.")
 
 
 def report_figure(report: Mapping[str, Any], variant: str = "as_is", only_dropping: bool = False,

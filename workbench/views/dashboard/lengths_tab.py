@@ -52,7 +52,8 @@ class LengthsTab(Tab):
         self.plot = pn.pane.Plotly(None, config={"displayModeBar": False}, css_classes=["wb-lengths-plot"],
                                    visible=False, sizing_mode="stretch_width")
         self._default = ""
-        self.button.on_click(lambda _: self.run(self._start, self._draw))
+        self._new_report = False
+        self.button.on_click(lambda _: self.run(self._start, self._evaluated))
         self.stop.on_click(lambda _: self.job.stop())
         self.show.param.watch(lambda _: self._safely(self._draw_figure), "value")
         self.job.param.watch(on_page_loop(self._follow), ["busy"])
@@ -60,6 +61,10 @@ class LengthsTab(Tab):
 
     def _start(self):
         return self.job.evaluate(self.lengths.value, self.prompts.value, self.task.value)
+
+    def _evaluated(self) -> None:
+        self._new_report = True
+        self._draw()
 
     def _follow(self, *_events: Any) -> None:
         self.button.disabled, self.stop.disabled = self.job.busy, not self.job.busy
@@ -93,6 +98,10 @@ class LengthsTab(Tab):
                  f"mass at {rep['settings']['drop_to']}": r["mass_at_drop_to"], "drop": r["drop"]}
                 for r in drops[:MAX_ROWS]]
         more = f" (the {MAX_ROWS} largest shown)" if len(drops) > MAX_ROWS else ""
+        if self._new_report:  # show the first non-empty set: heads that lose mass, below target, or all
+            self._new_report = False
+            self.show.value = next((label for label in SHOW if SHOW[label] in ("dropping", "below", "all")
+                                    and self._heads(SHOW[label])), "every head")
         self.summary.object = (
             STYLE + f"<p class='wb-lengths-takeaway'><b>{html.escape(lengths.takeaway(rep))}</b></p>"
             + table_html(lengths.summary_rows(rep), 4, "wb-lengths-table")
@@ -100,8 +109,8 @@ class LengthsTab(Tab):
                f"{len(drops)}{more}</p>" + table_html(rows, 4, "wb-lengths-drops") if drops else ""))
         self._draw_figure()
 
-    def _heads(self) -> list[tuple[int, int]]:
-        rep, which = self.job.report, SHOW[self.show.value]
+    def _heads(self, which: str | None = None) -> list[tuple[int, int]]:
+        rep, which = self.job.report, which or SHOW[self.show.value]
         if which == "dropping":
             return [(r["layer"], r["head"]) for r in rep["dropping"]["as_is"]]
         if which == "below":
