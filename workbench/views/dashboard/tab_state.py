@@ -332,10 +332,31 @@ class Stopped(Exception):
     """Raised from the progress callback when the user presses Stop."""
 
 
+class StoppableJob(Job):
+    """A tab's job that the user can stop: `stop()` makes the next progress report raise `Stopped`."""
+
+    _stop = False
+
+    def stop(self) -> None:
+        """Stop at the next progress report (the job then fails with 'stopped')."""
+        self._stop = True
+
+    def _reporter(self, prefix: str):
+        """A library progress callback (what, done, total) that moves this job's bar and honours `stop()`."""
+        self._stop = False
+
+        def report(what: str, done: int, total: int) -> None:
+            if self._stop:
+                raise Stopped("stopped by the user")
+            self._step(f"{prefix}: {what}", done, total)
+
+        return report
+
+
 ONE_AT_A_TIME = threading.Lock()  # sessions decode in turn: a CUDA-graph capture must not meet another thread's work
 
 
-class DecodeState(Job):
+class DecodeState(StoppableJob):
     """The session's sample decoded in several engine modes (`decode.compare.compare_modes`), with the
     greedy text of every mode and whether it contains the sample's answer."""
 
@@ -346,7 +367,6 @@ class DecodeState(Job):
         self.result = None  # a decode.compare.Comparison
         self.texts: dict[str, str] = {}
         self.answer = ""
-        self._stop = False
 
     def decode(self, modes: list[str], new_tokens: int, budget: dict[str, int]):
         """Start decoding; raises at once (naming the field) for an empty mode list or a bad budget."""
@@ -363,12 +383,8 @@ class DecodeState(Job):
         if missing:
             raise ValueError(f"budget {', '.join(missing)} blocks: type a whole number")
         plan = Budget(**budget)  # raises naming a negative count
-        self._stop = False
         return self.run_job("decoding", lambda: self._decode(list(modes), int(new_tokens), plan))
 
-    def stop(self) -> None:
-        """Stop after the current decode step (the job then fails with 'stopped')."""
-        self._stop = True
 
     def _decode(self, modes: list[str], new_tokens: int, budget: Any) -> None:
         from workbench.decode.compare import compare_modes
@@ -376,11 +392,7 @@ class DecodeState(Job):
         s = self.session
         model, tok, _ = SHARED.model(s.settings.model, s.settings.device, s.settings.dtype)
 
-        def report(what: str, done: int, total: int) -> None:
-            if self._stop:
-                raise Stopped("stopped by the user")
-            self._step(f"decoding: {what}", done, total)
-
+        report = self._reporter("decoding")
         self.status = "decoding: waiting for another session's decode"
         with ONE_AT_A_TIME:
             result = compare_modes(model, s.sample.input_ids, modes=modes, new_tokens=new_tokens, budget=budget,
@@ -396,7 +408,7 @@ class DecodeState(Job):
 MAX_PROMPTS = 8  # held-out prompts per length the Lengths tab accepts
 
 
-class LengthsState(Job):
+class LengthsState(StoppableJob):
     """The session's config (its edits included) at longer prompt lengths, on held-out prompts: every
     evaluated head's captured mass per length as searched and with its budgets scaled to n
     (`search.generalize.generalization_report`; its end-to-end check is left to `workbench generalize`)."""
@@ -406,7 +418,6 @@ class LengthsState(Job):
         self.session = session
         session.jobs.append(self)
         self.report: dict[str, Any] | None = None
-        self._stop = False
 
     def searched_at(self) -> tuple[int, str]:
         """(L, where it comes from): the config's calibration length, else the loaded sample's length."""
@@ -447,12 +458,8 @@ class LengthsState(Job):
         if task not in TASKS:
             raise ValueError(f"task {task!r} is unknown: choose one of {list(TASKS)}")
         config = copy.deepcopy(s.config)  # later edits do not change a running evaluation
-        self._stop = False
         return self.run_job("evaluating lengths", lambda: self._evaluate(config, values, int(prompts), task, L))
 
-    def stop(self) -> None:
-        """Stop after the current layer (the job then fails with 'stopped')."""
-        self._stop = True
 
     def _evaluate(self, config: Any, lengths: list[int], prompts: int, task: str, L: int) -> None:
         from workbench.search.generalize import generalization_report
@@ -460,11 +467,7 @@ class LengthsState(Job):
         s = self.session
         model, tok, shape = SHARED.model(s.settings.model, s.settings.device, s.settings.dtype)
 
-        def report(what: str, done: int, total: int) -> None:
-            if self._stop:
-                raise Stopped("stopped by the user")
-            self._step(f"evaluating lengths: {what}", done, total)
-
+        report = self._reporter("evaluating lengths")
         key = ("lengths", shape.fingerprint, config_digest(config), tuple(lengths), prompts, task, L, s.settings.layers)
         self.report = SHARED.memo(key, lambda: generalization_report(
             model, tok, shape, config, lengths=lengths, tasks=(task,), samples=prompts, searched_at=L,
