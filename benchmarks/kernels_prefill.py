@@ -39,11 +39,14 @@ SHAPES = {  # name: (query heads, KV heads, head_dim, rope theta)
 
 VARIANTS = {  # --variants: our kernel timed side by side on the same tiles (`sparse_prefill` keyword arguments)
     "default": {},  # the library's choice: `loop_variant` (split / TMA per program shape) and `default_config`
-    "split": {"split": True, "tma": False},  # masked prefix / unmasked interior / masked suffix, pointer loads
-    "tma": {"split": True, "tma": True},  # split, every K/V tile (and a per-head program's Q/O) through TMA
-    "single": {"split": False},  # one loop masking the pieces on an edge
+    "split": {"split": True, "tma": False, "persistent": False},  # masked prefix / unmasked interior / masked
+    # suffix, pointer loads
+    "tma": {"split": True, "tma": True, "persistent": False},  # split, every K/V tile (and a per-head program's
+    # Q/O) through TMA
+    "single": {"split": False, "persistent": False},  # one loop masking the pieces on an edge
     "persistent": {"persistent": True},  # the default loop on a persistent grid, most pieces first
-    "ws": {"split": True, "tma": True, "warp_specialize": True},  # + warp-specialised interior (compile-checked)
+    "ws": {"split": True, "tma": True, "warp_specialize": True, "persistent": False},  # + warp-specialised
+    # interior (compile-checked)
 }
 
 
@@ -575,8 +578,10 @@ def compare_minference(args: argparse.Namespace) -> int:
                 variant, default's output). A variant that resolves to the default's loop is not run twice."""
                 pack = hq // tiles.shape[1]
                 rows_per_program = (128 if d <= 128 else 64) // pack if pack > 1 else tiles.block
-                split, tma = loop_variant(pack, tiles.column_index.shape[-1] > 1 and kw.get("sink") is None, hopper, d)
-                same = {"split": split and not tma, "tma": split and tma, "single": not split}
+                split, tma, persistent = loop_variant(pack, tiles.column_index.shape[-1] > 1 and kw.get("sink") is None,
+                                                      hopper, d)
+                same = {"split": split and not tma and not persistent, "tma": split and tma and not persistent,
+                        "single": not split and not persistent, "persistent": persistent}
                 times = {}
                 for name in names if only is None else [x for x in names if x in only]:
                     if name == "ws" and (pack > 1 or kw.get("sink") is not None):
@@ -594,7 +599,8 @@ def compare_minference(args: argparse.Namespace) -> int:
                 timed = {name: ms for name, ms in times.items() if isinstance(ms, float)}
                 out = sparse_prefill(q, k, v, tiles, scale=scale, **kw)[0]
                 warps, stages = default_config(d, rows_per_program, pack)
-                times["default_is"] = {"split": split, "tma": tma and split, "num_warps": warps, "num_stages": stages}
+                times["default_is"] = {"split": split, "tma": tma and split, "persistent": persistent, "num_warps": warps,
+                                       "num_stages": stages}
                 return times, min(timed, key=timed.get), out
 
             def row(pattern, tiles, times, best, mi_ms=None, area=None, **extra):
@@ -642,13 +648,13 @@ def compare_minference(args: argparse.Namespace) -> int:
 
             # block-sparse: our index (pooled scores + selection) vs MInference's pool + topk, both kernels on our table
             score_ms = time_ms(lambda: pooled_scores(q, k))
-            score_tf32x3_ms = time_ms(lambda: pooled_scores(q, k, precision="tf32x3"))
+            score_ieee_ms = time_ms(lambda: pooled_scores(q, k, precision="ieee"))
             score = pooled_scores(q, k)
             select_ms = time_ms(lambda: select_blocks(score, args.topk))
             score = None
             idx_ms = time_ms(lambda: selected_block_tiles(block_index(q, k, args.topk)))
             mi_idx_ms = time_ms(lambda: mi["block"]._build_block_index(q, kx, args.topk, 64, 64)) if with_mi else None
-            index = {"index_ms": idx_ms, "pool_and_score_ms": score_ms, "pool_and_score_tf32x3_ms": score_tf32x3_ms,
+            index = {"index_ms": idx_ms, "pool_and_score_ms": score_ms, "pool_and_score_ieee_ms": score_ieee_ms,
                      "select_ms": select_ms,
                      "minference_index_ms": mi_idx_ms,
                      "index_ratio_to_minference": idx_ms / mi_idx_ms if mi_idx_ms else None}

@@ -321,12 +321,13 @@ def test_bf16_model_shapes_every_pattern_per_head_and_packed(Hq, Hkv, D):
 
 
 VARIANTS = {"split": {"split": True}, "tma": {"split": True, "tma": True}, "single": {"split": False},
-            "tma_persistent": {"split": True, "tma": True, "persistent": True}}
+            "tma_persistent": {"split": True, "tma": True, "persistent": True},
+            "split_persistent": {"split": True, "tma": False, "persistent": True}}  # Vertical-Slash's default on Hopper
 
 
 @pytest.mark.parametrize("variant,block,width", [(v, b, w) for v in ("split", "tma", "single")
                                                  for b, w in ((64, 0), (128, 64), (128, 0))]
-                         + [("tma_persistent", 128, 64)])
+                         + [("tma_persistent", 128, 64), ("split_persistent", 64, 0)])
 def test_long_tiles_prefix_interior_suffix_match_reference(variant, block, width):
     """n = 700: row blocks with masked prefix pieces (window edge, starts below 0), unmasked interior
     pieces and masked suffix pieces, per head and GQA-packed, for every piece loop of the kernel and
