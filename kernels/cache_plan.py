@@ -94,9 +94,10 @@ def store_row(x, bh, pos, d, Host, HostS, Out, HOST_TOKENS, QMAX, HOST: tl.const
         xf = x.to(tl.float32)
         scale = tl.math.div_rn(tl.max(tl.abs(xf), 0), QMAX)
         y = tl.where(scale > 0, tl.math.div_rn(xf, tl.where(scale > 0, scale, 1.0)), 0.0)
-        if INT8:
-            y = tl.minimum(tl.maximum(tl.math.floor(y + 0.5), -127.0), 127.0)
-        codes = y.to(Host.dtype.element_ty)
+        if INT8:  # the codes' own type: without a host store Host points at x, whose type rounds nothing
+            codes = tl.minimum(tl.maximum(tl.math.floor(y + 0.5), -127.0), 127.0).to(tl.int8)
+        else:
+            codes = y.to(tl.float8e4nv)
         if OUT:
             tl.store(Out + bh * d.shape[0] + d, (codes.to(tl.float32) * scale).to(Out.dtype.element_ty))
         if HOST:

@@ -46,6 +46,12 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
     return xout, h
 
 
+# No FP fusion: with it Triton folds the products' 16-bit rounding below into one fma.rn.f16 per element, a
+# different rounding from transformers' rotary embedding (seen in the sm_90 PTX, and on the H200 as 1-ulp
+# products that cancel into 64-ulp differences of q).
+ROPE_LAUNCH = {"num_warps": 1, "enable_fp_fusion": False}
+
+
 @triton.jit
 def _rope_split_kernel(X, Cos, Sin, CosF, SinF, Q, K, V, F, Pos, HostK, HostV, HostSK, HostSV, Kout, Vout, Tail, CKeys,
                        HOST_TOKENS, NC1, STRIDE, QMAX, Hq, Hkv, Htot, D: tl.constexpr, APPEND: tl.constexpr,
@@ -109,7 +115,7 @@ def rope_split(qkvf: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: 
         raise ValueError("appending the token needs its positions")
     _rope_split_kernel[(B, htot)](qkvf, cos, sin, cos_f if forecast_heads else cos, sin_f if forecast_heads else sin,
                                   q, k, v, f if forecast_heads else q, positions if append else q, *targets,
-                                  heads, kv_heads, htot, D=D, APPEND=bool(append), **flags, num_warps=1)
+                                  heads, kv_heads, htot, D=D, APPEND=bool(append), **flags, **ROPE_LAUNCH)
     return q, k, v, f
 
 

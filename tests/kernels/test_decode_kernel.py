@@ -219,8 +219,29 @@ def test_append_token_matches_reference(D, quant):
             written = x != 0
             assert (x[written] == y[written]).float().mean() > 0.8, name
         else:
-            torch.testing.assert_close(y, x, rtol=0, atol=1e-6 if name == "ckeys" else 0, msg=name)
+            torch.testing.assert_close(y, x, rtol=0, atol=1e-6 if name == "ckeys" else 0,
+                                       msg=lambda m, name=name: f"{name}: {m}")
     assert got[7].abs().sum() > 0 and got[0].abs().sum() > 0 and (quant is None or got[4].abs().sum() > 0)
+
+
+@pytest.mark.parametrize("quant", [torch.int8, torch.float8_e4m3fn])
+def test_append_token_without_a_host_store_still_quantises_the_attended_token(quant):
+    """A resident quantised layer (no host store, `k_out` only): the token the decoder attends to is
+    dequantize(quantize(k)), as the offloaded layer's, so resident@fp8 is the lossless reference of
+    offload@fp8 (the FP8 codes were once cast to k's own dtype here: no rounding at all)."""
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(2, 3, 64, generator=g) * 3).to(DEV), torch.randn(2, 3, 64, generator=g).to(DEV)
+    outs = []
+    for fn in (append_token_ref, append_token):
+        ko, vo = torch.zeros(2, 3, 64, device=DEV), torch.zeros(2, 3, 64, device=DEV)
+        fn(k, v, torch.tensor([7, 70]).to(DEV), quant=quant, k_out=ko, v_out=vo)
+        outs.append(torch.stack([ko, vo]).cpu())
+    ref, got = outs
+    assert not torch.equal(ref, torch.stack([k, v]).cpu())  # the reference rounds
+    if quant == torch.float8_e4m3fn and DEV == "cpu":  # the interpreter's FP8 rounding: see the test above
+        assert (ref == got).float().mean() > 0.8
+    else:
+        assert torch.equal(ref, got)
 
 
 @pytest.mark.parametrize("D", [32, 256])

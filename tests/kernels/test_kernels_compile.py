@@ -19,7 +19,8 @@ pytestmark = pytest.mark.xdist_group("sm90_compile")  # one worker compiles ever
 
 SMEM_SM90 = 232448  # bytes of shared memory one H100 / H200 program may use
 PREFILL_CASES = {  # id: (d, pack, rows, block, piece, split, tma, window, persistent[, q/k/v dtype])
-    "vs_per_head": (128, 1, 64, 64, 64, True, False, False, False),  # the Vertical-Slash default
+    "vs_per_head": (128, 1, 64, 64, 64, True, False, False, False),  # Vertical-Slash off Hopper
+    "vs_per_head_persistent": (128, 1, 64, 64, 64, True, False, False, True),  # the Vertical-Slash default on Hopper
     "ashape_per_head_tma_persistent": (128, 1, 64, 64, 64, True, True, True, True),
     "block_packed": (128, 4, 32, 64, 64, False, False, False, False),  # the group-shared block-sparse default
     "vs_128x64": (128, 1, 128, 128, 64, True, False, False, False),  # 128-row tiles over 64-wide pieces
@@ -35,7 +36,7 @@ STRIDES = ("sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "sob",
 
 
 def compile_sm90(fn, types: dict[str, str], constants: dict[str, object], aligned: tuple[str, ...], num_warps: int,
-                 num_stages: int = 3):
+                 num_stages: int = 3, **options):
     """`fn` compiled for sm_90: pointers and `aligned` integers 16-divisible (as torch tensors and their
     strides are at run time), other arguments i32 unless `types` says otherwise."""
     import triton
@@ -46,7 +47,7 @@ def compile_sm90(fn, types: dict[str, str], constants: dict[str, object], aligne
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     source = ASTSource(fn, signature, constexprs=constants, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages, **options})
 
 
 def loop_waits(ttgir: str) -> list[list[int]]:
@@ -61,7 +62,7 @@ def loop_waits(ttgir: str) -> list[list[int]]:
 
 def compile_all() -> dict[str, dict]:
     """Every case's shared memory, stages and per-loop waits (or its error)."""
-    from workbench_kernels import index_build, prefill
+    from workbench_kernels import index_build, layer, prefill
 
     out: dict[str, dict] = {}
     for case, (d, pack, rows, block, piece, split, tma, window, persistent, *dtype) in PREFILL_CASES.items():
@@ -103,6 +104,14 @@ def compile_all() -> dict[str, dict]:
         out["index"] = {"tensor_core_dots": dots}
     except Exception as e:  # noqa: BLE001 - reported by the index test
         out["index"] = {"error": f"{type(e).__name__}: {e}"[-2000:]}
+    out["rope"] = {}
+    for dt in ("fp16", "bf16"):
+        types = {n: f"*{dt}" for n in ("X", "Cos", "Sin", "Q", "K", "V", "HostK", "HostV", "Kout", "Vout", "Tail",
+                                      "CKeys")} | {n: "*fp32" for n in ("CosF", "SinF", "F", "HostSK", "HostSV")}
+        rope = compile_sm90(layer._rope_split_kernel, {**types, "Pos": "*i64", "QMAX": "fp32"},
+                            dict(D=64, APPEND=False, W=32, HOST=False, QUANT=False, INT8=False, OUT=False,
+                                 COMPRESS=False), (), **layer.ROPE_LAUNCH)
+        out["rope"][dt] = re.findall(r"\b(?:fma|mul|add)\.rn\.\w+", rope.asm["ptx"])
     return out
 
 
@@ -120,7 +129,9 @@ def test_prefill_kernel_compiles_for_sm90_within_shared_memory(compiled, case):
     assert "error" not in result, result.get("error")
     assert result["shared"] <= SMEM_SM90
     if not PREFILL_CASES[case][6] and result["stages"] == 3:  # cp.async K/V: every piece loop keeps copies in flight
-        assert result["waits"] and all(w and min(w) >= 1 for w in result["waits"]), result["waits"]
+        waits = result["waits"][1:] if PREFILL_CASES[case][8] else result["waits"]  # persistent: the first loop is
+        # the one over work items (its Q rows load once per item, no copy to keep in flight)
+        assert waits and all(w and min(w) >= 1 for w in waits), result["waits"]
 
 
 def test_index_kernels_compile_for_sm90(compiled):
@@ -129,6 +140,15 @@ def test_index_kernels_compile_for_sm90(compiled):
     result = compiled["index"]
     assert "error" not in result, result.get("error")
     assert result["tensor_core_dots"] == {"ieee": 0, "tf32x3": 3}
+
+
+def test_rope_rounds_like_transformers_for_sm90(compiled):
+    """The decode step's RoPE in 16 bits: each product rounded, then the sum (transformers' rotary embedding on
+    the GPU), no fused multiply-add: with one, the engine's q and k leave the model's by an ulp of a product."""
+    for dt, ops in compiled["rope"].items():
+        assert not [op for op in ops if op.startswith("fma")], (dt, ops)
+        ptx = {"fp16": "f16", "bf16": "bf16"}[dt]
+        assert f"mul.rn.{ptx}" in ops and f"add.rn.{ptx}" in ops, (dt, ops)
 
 
 if __name__ == "__main__":

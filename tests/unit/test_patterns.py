@@ -378,3 +378,17 @@ def test_mask_mod_builds_a_flex_block_mask():
     mask = p.row_mask(0, n, n)
     assert bool((dense >= mask).all())  # every block holding a kept pair is visited
     assert torch.equal(dense.reshape(4, 3, 64, 3, 64).any(4).any(2), mask.reshape(4, 3, 64, 3, 64).any(4).any(2))
+
+
+
+def test_causal_rows_follow_the_device_not_an_earlier_call():
+    """The cached causal rows are keyed by the device they are asked on: a CPU call first, then the same rows
+    inside `with torch.device(...)` (as `layer_scores` runs on a GPU capture) give that device's tensor
+    (a GPU lane run mixed a cached CPU mask into CUDA sums)."""
+    from workbench.patterns.base import causal_rows
+
+    assert causal_rows(0, 8, 8).device.type == "cpu"
+    with torch.device("meta"):
+        assert causal_rows(0, 8, 8).device.type == "meta"
+    assert causal_rows(0, 8, 8, "meta").device.type == "meta"
+    assert causal_rows(0, 8, 8).device.type == "cpu"

@@ -110,9 +110,10 @@ class AShape(PatternBase):
 
     def row_mask(self, r0: int, r1: int, n: int) -> torch.Tensor:
         check_rows(r0, r1, n)
-        pos = torch.arange(n)
+        pos = torch.arange(n, device=self.sink.device)
         band = toeplitz_rows(masks.local(pos[None, :], self.window[:, None]), r0, r1, n)
-        return band.logical_or_(masks.sink(pos[None, :], self.sink[:, None])[:, None, :] & causal_rows(r0, r1, n))
+        return band.logical_or_(masks.sink(pos[None, :], self.sink[:, None])[:, None, :]
+                                & causal_rows(r0, r1, n, pos.device))
 
     def edges(self, n: int) -> torch.Tensor:
         i = torch.arange(n)[None, :]

@@ -206,10 +206,15 @@ def default_params(kind: str, n: int) -> dict[str, int]:
 
 # ----------------------------------------------------------------------------- shared geometry
 
-@functools.lru_cache(maxsize=4)
 def causal_rows(r0: int, r1: int, n: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Bool `[r1-r0, n]`: the causal mask of rows r0..r1-1. Cached (the dashboard asks for the same
-    8K x 8K mask on every edit): read it, never write into it."""
+    """Bool `[r1-r0, n]`: the causal mask of rows r0..r1-1 on `device` (None: the current default device,
+    a `with torch.device(...)` block's included). Cached (the dashboard asks for the same 8K x 8K mask on
+    every edit): read it, never write into it."""
+    return _causal_rows(r0, r1, n, torch.device(device) if device is not None else torch.get_default_device())
+
+
+@functools.lru_cache(maxsize=4)
+def _causal_rows(r0: int, r1: int, n: int, device: torch.device) -> torch.Tensor:
     return torch.ones(r1 - r0, n, dtype=torch.bool, device=device).tril_(r0)
 
 

@@ -59,8 +59,8 @@ class TriShape(PatternBase):
 
     def row_mask(self, r0: int, r1: int, n: int) -> torch.Tensor:
         check_rows(r0, r1, n)
-        i = torch.arange(r0, r1)[None, :, None]
-        j = torch.arange(n)[None, None, :]
+        i = torch.arange(r0, r1, device=self.last.device)[None, :, None]
+        j = torch.arange(n, device=self.last.device)[None, None, :]
         question = i >= n - self.last[:, None, None]
         return self.ashape.row_mask(r0, r1, n) | (question & (j <= i))
 
