@@ -123,15 +123,14 @@ def test_sidebar_inputs_are_applied_or_refused_with_a_message(server, browser):
         timeout=10_000)
     assert page.locator(".wb-vertical input").input_value() != "-5"
 
-    # a saved config named after the model becomes a choice; with it, the search target does not apply
+    # a saved config named after the model becomes a choice at once (no reload); with it, the search target
+    # does not apply
     tab(page, "Export/Import")
     page.locator(".wb-name input").fill("SmolLM2-135M-Instruct")
     page.locator(".wb-save button").click()
     page.locator(".wb-message", has_text="saved").wait_for(timeout=STEP_MS)
-    page.locator(".wb-load button").click()
-    wait_ready(page)
     choice = str(configs / "SmolLM2-135M-Instruct.json")
-    page.locator(".wb-config select").select_option(choice)
+    page.locator(".wb-config select").select_option(choice)  # waits for the option to appear
     page.locator(".wb-load button").click()
     until(page, page.locator(".wb-config-text", has_text=f"loaded from {choice}"), LOAD_S * 1000)
     wait_ready(page)

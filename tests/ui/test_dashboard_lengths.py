@@ -4,7 +4,7 @@ evaluates the session's config on held-out prompts at other lengths (`search.gen
 from __future__ import annotations
 
 import pytest
-from conftest import ERROR, LOAD_S, alert_text, assert_no_traceback, dashboard, fill, open_page, tab, until
+from conftest import ERROR, LOAD_S, alert_text, assert_no_traceback, dashboard, edit, fill, open_head, open_page, tab, until
 
 pytestmark = [pytest.mark.ui, pytest.mark.model, pytest.mark.xdist_group("dashboard")]
 
@@ -51,5 +51,10 @@ def test_lengths_tab_refuses_bad_lengths_then_draws_mass_per_head_vs_length(serv
     page.locator(".wb-lengths-show button", has_text="the selected head").click()
     expect(trace).to_have_count(2, timeout=30_000)
     assert page.locator(".wb-lengths-run button").is_enabled()  # not left busy by the job's thread
+    assert not page.locator(".wb-lengths-stale").count()
+    open_head(page, 4, 2)  # an edit after the evaluation: the report says it is of the config as it was
+    edit(page, "ashape", sink=1, window=8)
+    tab(page, "Lengths")
+    until(page, page.locator(".wb-lengths-stale", has_text="The config changed after this evaluation"))
     page.close()
     assert_no_traceback(server[1])

@@ -43,7 +43,7 @@ def mass_vs_length(lengths: Sequence[int], mass: Any, patterns: Sequence[Sequenc
         fig.add_hline(y=target, line_dash="dash", line_color="#444", annotation_text=f"target {target}")
     fig.update_layout(title=title or "Captured attention mass per head vs prompt length", height=420,
                       xaxis={"title": "prompt length (tokens)", "type": "log", "tickvals": list(lengths)},
-                      yaxis={"title": "captured mass"}, margin={"l": 60, "r": 20, "t": 50, "b": 50})
+                      yaxis={"title": "captured mass"}, margin={"l": 60, "r": 20, "t": 70, "b": 50})
     return fig
 
 
@@ -99,7 +99,8 @@ def report_figure(report: Mapping[str, Any], variant: str = "as_is", only_droppi
     return mass_vs_length(lengths, table(variant), report["patterns"], heads=heads, target=report["config"]["target"],
                           scaled=table("scaled") if variant == "as_is" and "scaled" in report["mass"] else None,
                           title=f"{model['name']}: mass per head vs length, config searched at "
-                                f"{report['config']['searched_at']} tokens (solid: as searched, dotted: budgets x n/L)")
+                                f"{report['config']['searched_at']} tokens<br><sub>solid: budgets as searched; "
+                                "dotted: every budget x n/L</sub>")
 
 
 def write_html(report: Mapping[str, Any], path: str | Path) -> Path:

@@ -411,6 +411,7 @@ class Dashboard(pn.viewable.Viewer):
         for w in (self.task, self.length, self.seed, self.config, self.target):
             w.param.watch(lambda _: self._inputs(), "value")
         s.param.watch(on_page_loop(self._follow), ["busy", "layer", "head"])
+        s.param.watch(on_page_loop(lambda *_: self.config.param.update(options=self._choices())), ["saved_version"])
         self.tabs_list = [cls(session=s, open_tab=self.open_tab) for cls in TABS]
         self.tabs = pn.Tabs(*((t.title, t) for t in self.tabs_list), dynamic=False, css_classes=["wb-tabs"],
                             sizing_mode="stretch_width")

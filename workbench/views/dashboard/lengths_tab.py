@@ -57,7 +57,7 @@ class LengthsTab(Tab):
         self.stop.on_click(lambda _: self.job.stop())
         self.show.param.watch(lambda _: self._safely(self._draw_figure), "value")
         self.job.param.watch(on_page_loop(self._follow), ["busy"])
-        self.session.param.watch(on_page_loop(self.changed), ["config_version", "layer", "head"])
+        self.session.param.watch(on_page_loop(self.changed), ["config_version", "grid_version", "layer", "head"])
 
     def _start(self):
         return self.job.evaluate(self.lengths.value, self.prompts.value, self.task.value)
@@ -102,8 +102,11 @@ class LengthsTab(Tab):
             self._new_report = False
             self.show.value = next((label for label in SHOW if SHOW[label] in ("dropping", "below", "all")
                                     and self._heads(SHOW[label])), "every head")
+        stale = ("<p class='wb-lengths-stale'><b>The config changed after this evaluation</b> (a head edited or "
+                 "another config loaded): what follows is the config as it was. Press Evaluate for the current one."
+                 "</p>") if self.job.stale() else ""
         self.summary.object = (
-            STYLE + f"<p class='wb-lengths-takeaway'><b>{html.escape(lengths.takeaway(rep))}</b></p>"
+            STYLE + stale + f"<p class='wb-lengths-takeaway'><b>{html.escape(lengths.takeaway(rep))}</b></p>"
             + table_html(lengths.summary_rows(rep), 4, "wb-lengths-table")
             + (f"<p>Heads that lose more than {rep['settings']['drop']} of their mass, budgets as searched: "
                f"{len(drops)}{more}</p>" + table_html(rows, 4, "wb-lengths-drops") if drops else ""))

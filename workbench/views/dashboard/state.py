@@ -259,6 +259,7 @@ class Session(Job):
     sample_version = param.Integer(default=0)  # bumped when a new sample is loaded
     config_version = param.Integer(default=0)  # bumped when a new config is evaluated (load, import)
     grid_version = param.Integer(default=0)  # bumped when any head's pattern or captured mass changes
+    saved_version = param.Integer(default=0)  # bumped when a config is saved into the configs folder
 
     def __init__(self, settings: Settings, **params):
         super().__init__(**params)
@@ -438,6 +439,7 @@ class Session(Job):
     def save(self, name: str) -> Path:
         path = config_path(self.settings.configs_dir, name)
         self.config.save(path)
+        self.saved_version += 1
         return path
 
     def import_text(self, text: str | bytes, source: str = "uploaded config", fill_missing: bool = False) -> Future:

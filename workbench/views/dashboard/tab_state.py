@@ -385,7 +385,6 @@ class DecodeState(StoppableJob):
         plan = Budget(**budget)  # raises naming a negative count
         return self.run_job("decoding", lambda: self._decode(list(modes), int(new_tokens), plan))
 
-
     def _decode(self, modes: list[str], new_tokens: int, budget: Any) -> None:
         from workbench.decode.compare import compare_modes
 
@@ -418,6 +417,11 @@ class LengthsState(StoppableJob):
         self.session = session
         session.jobs.append(self)
         self.report: dict[str, Any] | None = None
+        self.report_digest: str | None = None  # `config_digest` of the config the report evaluated
+
+    def stale(self) -> bool:
+        """True when the session's config changed (a head edited, another config loaded) after the report."""
+        return self.report is not None and self.report_digest != config_digest(self.session.config)
 
     def searched_at(self) -> tuple[int, str]:
         """(L, where it comes from): the config's calibration length, else the loaded sample's length."""
@@ -460,7 +464,6 @@ class LengthsState(StoppableJob):
         config = copy.deepcopy(s.config)  # later edits do not change a running evaluation
         return self.run_job("evaluating lengths", lambda: self._evaluate(config, values, int(prompts), task, L))
 
-
     def _evaluate(self, config: Any, lengths: list[int], prompts: int, task: str, L: int) -> None:
         from workbench.search.generalize import generalization_report
 
@@ -468,8 +471,9 @@ class LengthsState(StoppableJob):
         model, tok, shape = SHARED.model(s.settings.model, s.settings.device, s.settings.dtype)
 
         report = self._reporter("evaluating lengths")
-        key = ("lengths", shape.fingerprint, config_digest(config), tuple(lengths), prompts, task, L, s.settings.layers)
-        self.report = SHARED.memo(key, lambda: generalization_report(
+        digest = config_digest(config)
+        key = ("lengths", shape.fingerprint, digest, tuple(lengths), prompts, task, L, s.settings.layers)
+        self.report_digest, self.report = digest, SHARED.memo(key, lambda: generalization_report(
             model, tok, shape, config, lengths=lengths, tasks=(task,), samples=prompts, searched_at=L,
             quality_samples=0, layers=s.settings.layers, config_source=s.config_source, progress=report,
             command="workbench dashboard (Lengths tab)"))
