@@ -368,6 +368,9 @@ def test_compare_modes_reports_every_mode_and_offload_is_lossless(embedded):
         assert (row["bytes_moved_per_step"] > 0) == offload and (row["hit_rate"] is not None) == offload
     spans = out.runs["sparse-offload-forecast"].timeline
     assert {s["stream"] for s in spans} == {"compute", "copy"} and all(s["end"] >= s["start"] for s in spans)
+    short = compare_modes(model, prompt, modes=["sparse-resident"], new_tokens=3, progress=False)  # no budget:
+    # the default 1 + 2 + 8 blocks cut to the 5 blocks of 256 + 3 (+ 2 traced / spare) tokens
+    assert (short.budget.init, short.budget.local, short.budget.topk) == (1, 2, 2)
     with pytest.raises(ValueError, match="only sparse-resident takes a selector"):
         compare_modes(model, prompt, modes=["sparse-offload-sync/forecast"], progress=False)
     with pytest.raises(ValueError, match="unknown"):

@@ -1,7 +1,7 @@
 """The Decode tab in a real browser: a real `workbench dashboard` server (CPU, embedded model, 1024-token sample)
 driven by Playwright through Debian's headless Chromium. Decoding runs the engine's CPU reference path. The sample
-is long enough for the tab's default budget (1 sink + 2 local + 8 top-k blocks of 64 tokens): the engine refuses a
-budget that selects more blocks than the sequence has."""
+holds the library's whole default budget (1 sink + 2 local + 8 top-k blocks of 64 tokens; a shorter one gets it cut
+to its blocks, tests/model/test_gemma_dashboard.py)."""
 from __future__ import annotations
 
 import re

@@ -162,3 +162,12 @@ def test_decode_rejects_mismatched_compressed_keys():
     ck = CompressedKeys.from_keys(torch.randn(1, 2, 100, 8))
     with pytest.raises(ValueError, match="heads"):
         select_blocks(torch.randn(1, 3, 1, 8), ck)
+
+
+@pytest.mark.parametrize("tokens, expected", [(8192, (1, 2, 8)), (704, (1, 2, 8)), (616, (1, 2, 7)), (130, (1, 2, 0)),
+                                              (64, (1, 0, 0))])
+def test_fitted_budget_cuts_topk_then_local_to_the_blocks_a_sequence_has(tokens, expected):
+    b = Budget.fitted(tokens)
+    assert (b.init, b.local, b.topk) == expected
+    assert b.total <= math.ceil(tokens / b.block)
+    assert Budget.fitted(2048, topk=100, block=32).topk == 64 - 3  # other sizes are cut the same way

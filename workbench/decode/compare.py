@@ -139,6 +139,12 @@ class Comparison:
         return out
 
 
+def decode_length(prompt_tokens: int, new_tokens: int, cuda: bool, trace: bool = True) -> int:
+    """Tokens a sequence reaches in `compare_modes`: the prompt, the new tokens, the untimed steps that warm
+    the CUDA events (on CUDA) and the traced step, plus one."""
+    return prompt_tokens + new_tokens + (EVENT_STEPS if cuda else 0) + (1 if trace else 0) + 1
+
+
 @torch.no_grad()
 def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch.Tensor], *,
                   modes: Sequence[str] = DEFAULT_MODES, new_tokens: int = 16, budget: Budget | None = None,
@@ -147,7 +153,7 @@ def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch
                   progress: bool | Progress = True) -> Comparison:
     """Greedy-generate `new_tokens` (the prefill's token, then new_tokens - 1 decode steps) after each prompt
     (`[N]` one sequence, or a list of `[N_b]`: a batch) in every mode of `modes` (see `parse_mode`) with the
-    same `budget` (default init 1, local 2, top-k 8 blocks).
+    same `budget` (default: init 1, local 2, top-k 8 blocks, cut to the sequence by `Budget.fitted`).
 
     `graph` (default: on CUDA, unless measure_reuse) times CUDA-graph replay; `trace` records one step's compute/copy spans
     (`workbench.decode.timeline`); `ctas` = programs of the UVA gather kernel. `measure_reuse` (eager steps, a
@@ -172,7 +178,6 @@ def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch
         raise ValueError(f"new_tokens must be >= 2 (the prefill's token and at least one decode step), got {new_tokens}")
     prompts = [prompts] if isinstance(prompts, torch.Tensor) else list(prompts)
     prompts = [p.reshape(-1) for p in prompts]
-    budget = budget or Budget(init=1, local=2, topk=8)
     lm = decoder_layers(model)
     cuda = lm.device.type == "cuda"
     use_graph = cuda and not measure_reuse if graph is None else graph
@@ -180,8 +185,8 @@ def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch
         raise ValueError("graph=True needs the model on CUDA: pass graph=None or False on the CPU")
     if use_graph and measure_reuse:
         raise ValueError("measure_reuse counts blocks in Python at every step: pass graph=None or False")
-    extra = (EVENT_STEPS if cuda else 0) + (1 if trace else 0)
-    max_tokens = max(p.numel() for p in prompts) + new_tokens + extra + 1
+    max_tokens = decode_length(max(p.numel() for p in prompts), new_tokens, cuda, trace)
+    budget = budget or Budget.fitted(max_tokens)
     if max_tokens > lm.max_positions:
         raise ValueError(f"prompt + new_tokens = {max_tokens} tokens exceed the model's {lm.max_positions} "
                          "positions: use a shorter prompt or fewer new tokens")

@@ -18,7 +18,7 @@ K = init + local + topk.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,6 +64,17 @@ class Budget:
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
+
+    @classmethod
+    def fitted(cls, max_tokens: int, **sizes: int) -> Budget:
+        """The budget `sizes` (defaults above) cut to what sequences of `max_tokens` tokens hold: top-k,
+        then local, lowered until init + local + topk <= ceil(max_tokens / block). A 600-token prompt
+        decoding 16 tokens has 10 blocks, so the default 1 + 2 + 8 becomes 1 + 2 + 7."""
+        b = cls(**sizes)
+        n_blocks = -(-max_tokens // b.block)
+        topk = max(0, min(b.topk, n_blocks - b.init - b.local))
+        local = max(0, min(b.local, n_blocks - b.init - topk))
+        return replace(b, local=local, topk=topk)
 
 
 def n_compressed(n: int, window: int = 32, stride: int = 16) -> int:

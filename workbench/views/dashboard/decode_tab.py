@@ -23,7 +23,6 @@ COLUMNS = (("mode", "mode"), ("tokens/s", "tps"), ("MB moved / step", "mb"), ("c
 TEXT_COLUMNS = (("mode", "mode"), ("generated text", "text"), ("answer found", "found"),
                 ("same tokens as dense", "dense"), ("same tokens as its reference", "same"))
 DENSE = "dense-resident"
-BUDGET = {"init": 1, "local": 2, "topk": 8}  # blocks of 64 tokens: the library's default budget
 
 
 def _num(x: float | None, digits: int) -> str:
@@ -79,8 +78,9 @@ class DecodeTab(Tab):
         self.modes = pn.widgets.MultiChoice(name="modes", value=list(DEFAULT_MODES), options=list(ALL_MODES), width=420,
                                             css_classes=["wb-decode-modes"])
         self.new_tokens = pn.widgets.IntInput(name="new tokens", value=16, width=110, css_classes=["wb-decode-tokens"])
+        self._fitted = self.job.fitted_budget(self.new_tokens.value)  # the budget the inputs show unless edited
         self.budget = {k: pn.widgets.IntInput(name=f"{k} blocks", value=v, width=100, css_classes=[f"wb-decode-{k}"])
-                       for k, v in BUDGET.items()}
+                       for k, v in self._fitted.items()}
         self.button = pn.widgets.Button(name="Decode", button_type="primary", css_classes=["wb-decode-run"])
         self.stop = pn.widgets.Button(name="Stop", css_classes=["wb-decode-stop"], disabled=True)
         self.table = pn.pane.HTML("Press Decode: the loaded sample is the prompt; every mode generates the new tokens "
@@ -94,6 +94,17 @@ class DecodeTab(Tab):
         self.stop.on_click(lambda _: self.job.stop())
         self.which.param.watch(lambda _: self._draw_timeline(), "value")
         self.job.param.watch(on_page_loop(self._follow), ["busy"])
+        self.new_tokens.param.watch(lambda _: self._fit_budget(), "value")
+        self.session.param.watch(on_page_loop(lambda *_: self._fit_budget()), ["sample_version"])
+
+    def _fit_budget(self) -> None:
+        """Show the default budget cut to the sample (a 600-token prompt has 10 blocks, not the default's 11),
+        unless the user typed another budget."""
+        shown = {k: w.value for k, w in self.budget.items()}
+        if shown == self._fitted:
+            self._fitted = self.job.fitted_budget(self.new_tokens.value)
+            for k, w in self.budget.items():
+                w.value = self._fitted[k]
 
     def _start(self):
         return self.job.decode(self.modes.value, self.new_tokens.value, {k: w.value for k, w in self.budget.items()})

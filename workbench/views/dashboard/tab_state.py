@@ -368,6 +368,20 @@ class DecodeState(StoppableJob):
         self.texts: dict[str, str] = {}
         self.answer = ""
 
+    def fitted_budget(self, new_tokens: int) -> dict[str, int]:
+        """{"init", "local", "topk"}: the library's default budget cut to the loaded sample decoding
+        `new_tokens` (`Budget.fitted`); the default itself before a sample is loaded."""
+        from workbench.decode.compare import decode_length
+        from workbench.patterns.infllm import Budget
+
+        s = self.session
+        if s.sample is None:
+            b = Budget()
+        else:
+            b = Budget.fitted(decode_length(int(s.sample.input_ids.numel()), max(2, int(new_tokens or 2)),
+                                            str(s.settings.device).startswith("cuda")))
+        return {"init": b.init, "local": b.local, "topk": b.topk}
+
     def decode(self, modes: list[str], new_tokens: int, budget: dict[str, int]):
         """Start decoding; raises at once (naming the field) for an empty mode list or a bad budget."""
         from workbench.patterns.infllm import Budget
