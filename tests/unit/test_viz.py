@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from workbench.analysis import stats
 from workbench.analysis.stats import LayerStats, layer_stats
 from workbench.patterns import AShape, BlockSparse, Dense, Stack, VerticalSlash, block_proxy, vs_proxy
 from workbench.views import viz
@@ -58,22 +59,32 @@ def test_max_pooling_keeps_a_one_token_line():
     assert fig.data[0].dx == 8 and fig.data[0].x0 == 3.5  # cells are in token units
 
 
-def test_zoom_is_exact_and_refuses_large_regions():
+def test_zoom_is_exact_when_it_fits_and_pooled_when_it_does_not():
     torch.manual_seed(0)
     q, k = torch.randn(4, 300, 16), torch.randn(2, 300, 16)
     scale = 0.25
-    fig = viz.attention_zoom(q, k, scale, 3, rows=(120, 180), cols=(40, 200))
     s = (q[3] @ k[1].T) * scale
     s = s.masked_fill(torch.ones(300, 300, dtype=torch.bool).triu(1), float("-inf"))
-    p = torch.softmax(s, -1)[120:180, 40:200]
-    want = viz.to_db(p)
-    assert np.array_equal(fig.data[0].z, want)
-    assert fig.data[0].x0 == 40 and fig.data[0].y0 == 120 and fig.data[0].dx == 1
-    with pytest.raises(ValueError, match="larger than max_cells"):
-        viz.attention_zoom(q, k, scale, 0, rows=(0, 300), max_cells=100)
-    with pytest.raises(ValueError, match="out of range"):
+    p = torch.softmax(s, -1)
+    fig = viz.attention_zoom(q, k, scale, 3, rows=(120, 180), cols=(40, 200))
+    assert np.array_equal(fig.data[0].z, viz.to_db(p[120:180, 40:200]))
+    assert fig.data[0].x0 == 40 and fig.data[0].y0 == 120 and fig.data[0].dx == 1 and "(exact)" in fig.layout.title.text
+    # 250 x 200 tokens at 100 cells per side: cells of 3 tokens from (30, 100), a partial last row of cells
+    tokens = [f"t{i}" for i in range(300)]
+    fig = viz.attention_zoom(q, k, scale, 3, rows=(30, 280), cols=(100, 300), max_cells=100, pattern=AShape(4, 37, 4),
+                             tokens=tokens, marks={"needle": [(150, 160)]})
+    z, cell = fig.data[0], 3
+    assert z.dx == z.dy == cell and z.x0 == 100 + 1 and z.y0 == 30 + 1 and np.asarray(z.z).shape == (84, 67)
+    assert "max over 3x3-token cells" in fig.layout.title.text
+    want = torch.nn.functional.max_pool2d(p[None, 30:280, 100:300], cell, ceil_mode=True)[0]
+    assert np.array_equal(z.z, viz.to_db(want))
+    assert np.array_equal(z.z, viz.to_db(stats.window_map(q, k, scale, 3, (30, 280), (100, 300), 100)[0]))
+    assert fig.layout.xaxis.range == (99.5, 299.5) and fig.layout.yaxis.range == (279.5, 29.5)
+    assert any(t.type == "scatter" for t in fig.data) and len(fig.layout.shapes) == 1  # the overlay and the needle
+    assert fig.layout.xaxis.tickvals[0] == 100 and fig.layout.yaxis.tickvals[-1] == 279
+    with pytest.raises(ValueError, match="head=4 is out of range"):
         viz.attention_zoom(q, k, scale, 4, rows=(0, 10))
-    with pytest.raises(ValueError, match="non-empty ranges"):
+    with pytest.raises(ValueError, match=r"rows=\(50, 50\) must satisfy"):
         viz.attention_zoom(q, k, scale, 0, rows=(50, 50))
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from workbench.analysis.head_kinds import HeadProfile
-from workbench.analysis.stats import LayerStats, attention_rows
+from workbench.analysis.stats import LayerStats, window_map
 from workbench.patterns import PATTERNS
 
 KIND_COLORS = {"sink+local": "#4c78a8", "vertical": "#f58518", "slash": "#54a24b", "block": "#b279a2", "diffuse": "#9d9d9d"}
@@ -335,7 +335,8 @@ def attention_map(stats: LayerStats, head: int, title: str | None = None, max_ce
     """Max-pooled attention map of one head from `LayerStats.max_map` (max keeps thin vertical and slash
     lines visible), pooled further to at most `max_cells` x `max_cells`; `pattern` is overlaid
     (`add_pattern`); `tokens` (`[N]` texts, `token_texts`) label the axes and `marks` outline token
-    spans such as a needle (`add_tokens`). Zoom in at full resolution with `attention_zoom`."""
+    spans such as a needle (`add_tokens`). `attention_zoom` recomputes a region: exact per token, or
+    re-reduced at the finest cell that fits when the region is larger than `max_cells`."""
     if not isinstance(stats, LayerStats):
         raise ValueError(f"stats must be a LayerStats (workbench.analysis.stats.layer_stats), got {type(stats).__name__}")
     if not 0 <= head < stats.max_map.shape[0]:
@@ -355,36 +356,21 @@ def attention_zoom(q: torch.Tensor, k: torch.Tensor, scale: float, head: int, ro
                    cols: tuple[int, int] | None = None, max_cells: int = MAX_CELLS, pattern: Any = None,
                    title: str | None = None, floor_db: int = FLOOR_DB, tokens: Sequence[str] | None = None,
                    marks: Mapping[str, Sequence[tuple[int, int]]] | None = None):
-    """Exact attention probabilities of one head in a region, one cell per (query, key); `tokens` and
-    `marks` label it as in `attention_map`.
+    """Attention of one head in a region, recomputed (`stats.window_map`): exact, one cell per (query, key),
+    when each side fits `max_cells` tokens; a larger region max-pooled at the finest cell that fits (the
+    title says the cell). Either way each row keeps its full causal softmax. `pattern`, `tokens` and
+    `marks` are drawn as in `attention_map`.
 
     q `[Hq, N, D]`, k `[Hkv, N, D]` (one layer); rows = (r0, r1) query rows, cols = (c0, c1) keys
-    (default (0, r1)); each side at most `max_cells` tokens. Only rows r0..r1-1 are computed
-    (`stats.attention_rows(rows=...)`), each with its full causal softmax."""
-    if q.dim() != 3 or k.dim() != 3:
-        raise ValueError(f"q must be [Hq, N, D] and k [Hkv, N, D] (one layer), got {tuple(q.shape)} and {tuple(k.shape)}")
-    hq, n = q.shape[0], q.shape[1]
-    if not 0 <= head < hq:
-        raise ValueError(f"head {head} is out of range: q has heads 0..{hq - 1}")
-    if k.shape[0] == 0 or hq % k.shape[0]:
-        raise ValueError(f"q has {hq} heads and k {k.shape[0]}: query heads must be a multiple of KV heads")
+    (default (0, r1)). The cost is the rows' normalisers plus rows x (c1 - c0), not the whole head."""
     r0, r1 = rows
     c0, c1 = cols if cols is not None else (0, r1)
-    if not (0 <= r0 < r1 <= n and 0 <= c0 < c1 <= n):
-        raise ValueError(f"rows=({r0}, {r1}) and cols=({c0}, {c1}) must be non-empty ranges inside 0..{n}")
-    if r1 - r0 > max_cells or c1 - c0 > max_cells:
-        raise ValueError(f"zoom region {r1 - r0} x {c1 - c0} tokens is larger than max_cells={max_cells} per side: "
-                         "pick a smaller region, or use attention_map for the whole head")
-    kv = head // (hq // k.shape[0])
-    p = torch.zeros(r1 - r0, c1 - c0)
-    for a, b, chunk, _ in attention_rows(q[head:head + 1], k[kv:kv + 1], scale, rows=(r0, r1)):
-        w = min(c1, b) - c0
-        if w > 0:
-            p[a - r0:b - r0, :w] = chunk[0, :, c0:c0 + w]
-    fig = _map_figure(p, r0, c0, 1, r1 - r0, c1 - c0,
-                      title or f"head {head}: queries {r0}..{r1 - 1}, keys {c0}..{c1 - 1} (exact)", floor_db)
+    p, cell = window_map(q, k, scale, head, (r0, r1), (c0, c1), max_cells)
+    what = "exact" if cell == 1 else f"max over {cell}x{cell}-token cells"
+    fig = _map_figure(p, r0, c0, cell, r1 - r0, c1 - c0,
+                      title or f"head {head}: queries {r0}..{r1 - 1}, keys {c0}..{c1 - 1} ({what})", floor_db)
     if pattern is not None:
-        add_pattern(fig, pattern, head, n)
+        add_pattern(fig, pattern, head, q.shape[1])
     if tokens is not None:
         add_tokens(fig, tokens, (r0, r1), (c0, c1), marks)
     return fig
