@@ -210,7 +210,10 @@ def causal_rows(r0: int, r1: int, n: int, device: torch.device | str | None = No
     """Bool `[r1-r0, n]`: the causal mask of rows r0..r1-1 on `device` (None: the current default device,
     a `with torch.device(...)` block's included). Cached (the dashboard asks for the same 8K x 8K mask on
     every edit): read it, never write into it."""
-    return _causal_rows(r0, r1, n, torch.device(device) if device is not None else torch.get_default_device())
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    if device.type == "cuda" and device.index is None:  # one cached copy for "cuda" and "cuda:0"
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _causal_rows(r0, r1, n, device)
 
 
 @functools.lru_cache(maxsize=4)

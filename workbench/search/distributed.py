@@ -98,14 +98,15 @@ def _layers_of(sample: int, n_layers: int, rank: int, world_size: int) -> list[i
 def score_shard(model: torch.nn.Module, shape: ModelShape, samples: Sequence[Any], candidates: Sequence[Candidate],
                 d: Dist, proxy: dict[str, Any] | None = None, progress: bool = True) -> Evidence:
     """This rank's part of the evidence: `collect_evidence` over its (sample, layer) shard, each sample
-    captured once with only the layers this rank scores."""
-    from workbench.core.capture import capture_attention
+    streamed layer by layer as `search_heads` does (`stream_capture`: one layer's q/k/v in memory, the
+    forward in query chunks), keeping only the layers this rank scores."""
+    from workbench.core.stream import stream_capture
 
     if shape.n_layers < d.world_size:
         raise ValueError(f"{d.world_size} ranks for {shape.n_layers} layers: use --nproc_per_node <= {shape.n_layers}")
     lengths = [int(s.input_ids.numel()) for s in samples]
-    captures = (capture_attention(model, shape, s.input_ids, progress=False,
-                                  layers=_layers_of(i, shape.n_layers, d.rank, d.world_size))
+    captures = (stream_capture(model, shape, s.input_ids, progress=False,
+                               layers=_layers_of(i, shape.n_layers, d.rank, d.world_size))
                 for i, s in enumerate(samples))
     return collect_evidence(captures, [s.describe() for s in samples], lengths, candidates, shape.n_layers,
                             shape.n_heads, proxy, progress, shard=(d.rank, d.world_size))
