@@ -104,3 +104,64 @@ def test_head_index_is_the_configs_index_for_that_head():
     for h, e in enumerate(heads):
         one = head_index(e, q[h], k[h // 2], 0.25, PROXY_DEFAULTS)
         assert torch.equal(one.row_mask(0, 256, 256), stack.parts[h].row_mask(0, 256, 256))
+
+
+def test_head_map_box_zoom_redraws_the_window_and_a_reset_restores_the_whole_head():
+    """The Head tab's map on the server (no browser): a box zoom (`relayout_data` ranges) redraws the window
+    re-reduced at up to 256 cells per side, a small window exactly, a reset (autorange) the whole head; the
+    ranges a new figure reports back redraw nothing (no loop)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from workbench.analysis.stats import layer_stats, window_map
+    from workbench.config import HeadEntry
+    from workbench.core.capture import Capture
+    from workbench.core.model import ModelShape
+    from workbench.views import viz
+    from workbench.views.dashboard.app import HeadTab
+    from workbench.views.dashboard.state import Session, Settings
+
+    n = 600
+    shape = ModelShape(name="tiny", architecture="llama", n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
+                       hidden_size=32, rope_type="default", rope_theta=10000.0, max_positions=1024, fingerprint="abc")
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 2, n, 16, generator=g), torch.randn(1, 1, n, 16, generator=g), torch.zeros(1, 1, n, 16)
+    tab = HeadTab(session=Session(Settings()))
+    s, h = tab.session, tab.job
+    s.capture = Capture(q, k, v, (0,), shape, torch.zeros(n, dtype=torch.long), 0.25)
+    s.sample, s.tokens = SimpleNamespace(needles=[(100, 110)]), [f"t{i}" for i in range(n)]
+    h.layer, h.head = 0, 1
+    h.stats = layer_stats(q[0, 1:], k[0], 0.25, resolution=256)
+    h.result = {"entry": HeadEntry(0, 1, "ashape", {"sink": 4, "window": 37}), "index": AShape(4, 37)}
+    tab._draw_map()
+
+    def heatmap():
+        return tab.map.object.data[0]
+
+    assert tab._cell == heatmap().dx == 3 and np.asarray(heatmap().z).shape == (200, 200)  # the pooled stats
+    box = {"xaxis.range[0]": 49.7, "xaxis.range[1]": 449.2, "yaxis.range[0]": 499.4, "yaxis.range[1]": 99.6}
+    tab.map.relayout_data = box  # keys 50..449, queries 100..499: 400 tokens, cells of 2
+    z = heatmap()
+    assert tab._cell == z.dx == 2 and (z.x0, z.y0) == (50.5, 100.5) and np.asarray(z.z).shape == (200, 200)
+    want, cell = window_map(q[0], k[0], 0.25, 1, (100, 500), (50, 450), max_cells=256)
+    assert cell == 2 and np.array_equal(z.z, viz.to_db(want))
+    title = tab.map.object.layout.title.text
+    assert "layer 0 head 1" in title and "queries 100..499, keys 50..449, max over 2x2-token cells" in title
+    assert any(t.type == "scatter" for t in tab.map.object.data)  # the pattern overlay
+    assert tab.map.object.layout.xaxis.tickvals[0] == 50 and len(tab.map.object.layout.shapes) == 1  # tokens, needle
+    zoomed = tab.map.object
+    # the new figure reports its own ranges back: the same window, nothing redrawn
+    tab.map.relayout_data = {"xaxis.range[0]": 49.5, "xaxis.range[1]": 449.5, "yaxis.range[0]": 499.5,
+                             "yaxis.range[1]": 99.5}
+    tab.map.relayout_data = {"autosize": True}
+    assert tab.map.object is zoomed
+    tab.map.relayout_data = {"xaxis.range[0]": 300.2, "xaxis.range[1]": 340.4, "yaxis.range[0]": 420.9, "yaxis.range[1]": 380}
+    assert tab._cell == heatmap().dx == 1 and (heatmap().x0, heatmap().y0) == (300, 380)  # exact: 41 x 41 tokens
+    assert "exact" in tab.map.object.layout.title.text
+    tab.map.relayout_data = {"xaxis.autorange": True, "yaxis.autorange": True}
+    assert tab._cell == heatmap().dx == 3 and np.asarray(heatmap().z).shape == (200, 200)
+    tab.map.relayout_data = {"xaxis.range[0]": -0.5, "xaxis.range[1]": 599.5, "yaxis.range[0]": 599.5, "yaxis.range[1]": -0.5}
+    assert tab._cell == 3  # the whole head's own ranges: still the pooled stats
+    tab._hovered(SimpleNamespace(new={"points": [{"x": 301, "y": 1}]}))
+    assert "300..302" in tab.hover.object

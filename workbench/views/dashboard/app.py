@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import io
+import math
 import os
 from typing import Any
 
@@ -41,6 +42,18 @@ def _fmt(x: Any, digits: int = 4) -> str:
 
 def _us(ms: float) -> str:
     return f"{ms * 1e3:.2f} us" if ms < 1 else f"{ms:.2f} ms"
+
+
+def _zoom_span(relayout: dict[str, Any], axis: str, n: int) -> tuple[int, int] | None:
+    """The tokens [a, b) that a Plotly box zoom shows along `axis` ("x": keys, "y": queries), clipped to
+    0..n; None when the event has no range for that axis or the range misses every token. Token t spans
+    t - 0.5 .. t + 0.5, so a partly shown token counts."""
+    lo, hi = relayout.get(f"{axis}axis.range[0]"), relayout.get(f"{axis}axis.range[1]")
+    if lo is None or hi is None:
+        return None
+    lo, hi = sorted((float(lo), float(hi)))  # the query axis runs downwards
+    a, b = max(0, math.floor(lo + 0.5)), min(n, math.ceil(hi + 0.5))
+    return (a, b) if a < b else None
 
 
 def _counts(patterns: dict[str, int]) -> str:
@@ -101,12 +114,15 @@ class HeadTab(Tab):
         self.map = pn.pane.Plotly(None, config={"displayModeBar": False}, css_classes=["wb-map"])
         self.hover = pn.pane.HTML("Hover the map: the tokens of the hovered row (query) and column (key) show here.",
                                   css_classes=["wb-hover"], sizing_mode="stretch_width")
-        self._cell = 1
+        self._cell = 1  # tokens per map cell (the hover text)
+        self._zoom: tuple[tuple[int, int], tuple[int, int]] | None = None  # (query rows, keys) of a box zoom
+        self._zoom_of = None  # the head's stats the zoom was made on: another head starts whole
         self._syncing = False
         self.pattern.param.watch(self._pattern_changed, "value")
         for w in self.sizes.values():
             w.param.watch(self._edited, "value")
         self.map.param.watch(self._hovered, "hover_data")
+        self.map.param.watch(self._zoomed, "relayout_data")
         self.job.param.watch(on_page_loop(self.changed), "version")
 
     def _draw(self) -> None:
@@ -136,9 +152,26 @@ class HeadTab(Tab):
         self.proxy.object = "VS proxy: " + ", ".join(f"{k} = {v}" for k, v in s.config.proxy.items())
         self.segments.object = viz.segment_recall({k: [v] for k, v in seg.items() if k != "all"},
                                                   labels=[f"L{h.layer} H{h.head}"], title="captured mass per query segment")
+        self._draw_map()
+
+    def _draw_map(self) -> None:
+        """The head's map: the whole head from its pooled stats, or, after a box zoom on this head, the
+        zoomed window recomputed at up to 256 cells per side (`viz.attention_zoom`: exact per token when
+        it fits, else re-reduced at the finest cell that fits)."""
+        s, h = self.session, self.job
+        label = f"layer {h.layer} head {h.head}: {h.result['entry'].label()}"
         marks = {"needle": s.sample.needles} if s.sample.needles else None
-        fig = viz.attention_map(h.stats, 0, max_cells=256, pattern=r["index"], tokens=s.tokens, marks=marks,
-                                title=f"layer {h.layer} head {h.head}: {e.label()}")
+        overlays = dict(max_cells=256, pattern=h.result["index"], tokens=s.tokens, marks=marks)
+        if self._zoom is None or self._zoom_of is not h.stats:
+            fig = viz.attention_map(h.stats, 0, title=label, **overlays)
+        else:
+            rows, cols = self._zoom
+            q, k, _ = s.capture.head_qkv(h.layer, h.head)
+            fig = viz.attention_zoom(q[None], k[None], s.capture.scale, 0, rows, cols, **overlays)
+            cell = int(fig.data[0].dx)
+            cells = "exact" if cell == 1 else f"max over {cell}x{cell}-token cells"
+            fig.update_layout(title=f"{label}<br><sup>zoom: queries {rows[0]}..{rows[1] - 1}, keys {cols[0]}..{cols[1] - 1}, "
+                                    f"{cells} (double-click: whole head)</sup>")
         self._cell = int(fig.data[0].dx)
         self.map.object = fig
 
@@ -189,6 +222,25 @@ class HeadTab(Tab):
         t = viz.hovered_tokens(self.session.tokens, float(point["x"]), float(point["y"]), self._cell)
         self.hover.object = (f"<div class='wb-hover-text'><b>query</b> {html.escape(t['query'])}<br>"
                              f"<b>key</b> {html.escape(t['key'])}</div>")
+
+    def _zoomed(self, event) -> None:
+        """A box zoom (drag on the map) redraws the zoomed window; a reset (double-click: autorange) draws the
+        whole head again. A new figure makes the browser report its ranges again: the same window, no redraw
+        (no loop); other layout events (autosize) are ignored."""
+        h, d = self.job, event.new or {}
+        if h.stats is None or not h.result:
+            return
+        if d.get("xaxis.autorange") or d.get("yaxis.autorange"):
+            zoom = None
+        else:
+            rows, cols = _zoom_span(d, "y", h.stats.n), _zoom_span(d, "x", h.stats.n)
+            if rows is None or cols is None:
+                return
+            zoom = None if rows == cols == (0, h.stats.n) else (rows, cols)
+        if zoom == (self._zoom if self._zoom_of is h.stats else None):
+            return
+        self._zoom, self._zoom_of = zoom, h.stats
+        self._safely(self._draw_map)
 
     def body(self):
         editor = pn.Row(self.pattern, *self.sizes.values())
