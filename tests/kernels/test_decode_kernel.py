@@ -220,8 +220,24 @@ def test_append_token_matches_reference(D, quant):
             assert (x[written] == y[written]).float().mean() > 0.8, name
         else:
             torch.testing.assert_close(y, x, rtol=0, atol=1e-6 if name == "ckeys" else 0,
-                                       msg=lambda m, name=name: f"{name}: {m}")
+                                       msg=lambda m, name=name, i=i: f"{name}: {m}{_own_codes(ref, got, i, pos)}")
     assert got[7].abs().sum() > 0 and got[0].abs().sum() > 0 and (quant is None or got[4].abs().sum() > 0)
+
+
+def _own_codes(ref: list[torch.Tensor], got: list[torch.Tensor], i: int, pos: torch.Tensor) -> str:
+    """For a k / v out mismatch: whether each side's attended token equals its own stored codes x scale (on
+    the CPU), i.e. which side's in-register dequantisation leaves its store (an H200 run once failed here
+    with equal codes and scales)."""
+    if i not in (4, 5):
+        return ""
+    b = torch.arange(len(pos))
+    p = pos.cpu()
+
+    def own(side: list[torch.Tensor]) -> bool:
+        codes, scale = side[i - 4][b, :, p], side[i - 2][b, :, p]
+        return torch.equal((codes * scale[..., None]).half().float(), side[i])
+
+    return f"; equal to its own codes x scale: reference {own(ref)}, kernel {own(got)}"
 
 
 @pytest.mark.parametrize("quant", [torch.int8, torch.float8_e4m3fn])
