@@ -103,6 +103,11 @@ def _db_colorscale(floor_db: int) -> list:
     return scale
 
 
+def cell_text(cell: int) -> str:
+    """How a map's cells read: "exact" (one token per side) or "max over 8x8-token cells"."""
+    return "exact" if cell == 1 else f"max over {cell}x{cell}-token cells"
+
+
 def _map_figure(p: torch.Tensor, row0: int, col0: int, cell: int, n_rows: int, n_cols: int, title: str,
                 floor_db: int):
     """Heatmap of probabilities `[R, C]` whose cell (r, c) covers `cell` x `cell` tokens starting at
@@ -366,9 +371,8 @@ def attention_zoom(q: torch.Tensor, k: torch.Tensor, scale: float, head: int, ro
     r0, r1 = rows
     c0, c1 = cols if cols is not None else (0, r1)
     p, cell = window_map(q, k, scale, head, (r0, r1), (c0, c1), max_cells)
-    what = "exact" if cell == 1 else f"max over {cell}x{cell}-token cells"
     fig = _map_figure(p, r0, c0, cell, r1 - r0, c1 - c0,
-                      title or f"head {head}: queries {r0}..{r1 - 1}, keys {c0}..{c1 - 1} ({what})", floor_db)
+                      title or f"head {head}: queries {r0}..{r1 - 1}, keys {c0}..{c1 - 1} ({cell_text(cell)})", floor_db)
     if pattern is not None:
         add_pattern(fig, pattern, head, q.shape[1])
     if tokens is not None:

@@ -168,10 +168,8 @@ class HeadTab(Tab):
             rows, cols = self._zoom
             q, k, _ = s.capture.head_qkv(h.layer, h.head)
             fig = viz.attention_zoom(q[None], k[None], s.capture.scale, 0, rows, cols, **overlays)
-            cell = int(fig.data[0].dx)
-            cells = "exact" if cell == 1 else f"max over {cell}x{cell}-token cells"
             fig.update_layout(title=f"{label}<br><sup>zoom: queries {rows[0]}..{rows[1] - 1}, keys {cols[0]}..{cols[1] - 1}, "
-                                    f"{cells} (double-click: whole head)</sup>")
+                                    f"{viz.cell_text(int(fig.data[0].dx))} (double-click: whole head)</sup>")
         self._cell = int(fig.data[0].dx)
         self.map.object = fig
 
