@@ -16,9 +16,9 @@ from workbench.analysis import stats  # noqa: E402
 N, D, SCALE = 200, 64, 0.125
 
 
-def _qk(hq: int, hkv: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _qk(hq: int, hkv: int, seed: int = 0, d: int = D) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(hq, N, D, generator=g) * 1.5, torch.randn(hkv, N, D, generator=g) * 1.5
+    return torch.randn(hq, N, d, generator=g) * 1.5, torch.randn(hkv, N, d, generator=g) * 1.5
 
 
 def _pooled_by_hand(q, k, head, rows, cols, cell):
@@ -49,6 +49,20 @@ def test_window_map_is_the_dense_softmax_pooled(hq, hkv, head, rows, cols, max_c
     want = _pooled_by_hand(q, k, head, rows, cols, cell)
     assert got_cell == cell and got.dtype == torch.float32 and max(got.shape) <= max_cells
     torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=0)
+
+
+def test_gemma_shape_one_kv_head_and_head_dim_256_on_both_paths(monkeypatch):
+    """Gemma-3-270M's global layers: 4 query heads on one KV head, head_dim 256."""
+    monkeypatch.setattr(stats, "WINDOW_PROBS", 900)
+    q, k = _qk(4, 1, seed=7, d=256)
+    q = q / 4  # scores of the same spread as the d = 64 cases
+    want = _pooled_by_hand(q, k, 3, (20, 133), (7, 180), 4)
+    got, cell = stats.window_map(q, k, SCALE, 3, (20, 133), (7, 180), max_cells=50)
+    assert cell == 4
+    torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=0)
+    with stats.backend("triton"):
+        tri, _ = stats.window_map(q, k, SCALE, 3, (20, 133), (7, 180), max_cells=50)
+    torch.testing.assert_close(tri, got, atol=1e-6, rtol=1e-5)
 
 
 def test_a_window_above_the_diagonal_is_zero():
