@@ -3,11 +3,13 @@ Llama-3-8B shape analysed layer by layer (`workbench.core.stream`), next to the 
 
 Per point n:layers (default 131072:32 and 1048576:4): random token ids, then
 - dense prefill: the layer-major runner with no analysis (the model's own decoder layers over the
-  prompt in query chunks, lower-right causal flash attention), its own forward time per layer;
+  prompt in query chunks; each chunk's attention two fused calls, cuDNN's where it takes the inputs,
+  merged by their row log-sum-exps), its own forward time per layer;
 - analysis: the same forward keeping each layer's q/k, then per layer the head profiles of
   `workbench analyze` (`LayerProfiles`: `layer_stats` with the profile maps) and the search evidence of
-  one sample (`layer_scores` on `default_candidates(n)`), each timed on its own (synchronised). One
-  forward serves both: "capture + statistics" = forward + statistics, "search evidence" = forward +
+  one sample (`layer_scores` on `default_candidates(n)`), each timed on its own (synchronised), both
+  reading the forward's row log-sum-exps (`LayerRunner.row_lse`) instead of a first pass of their own.
+  One forward serves both: "capture + statistics" = forward + statistics, "search evidence" = forward +
   scoring; each would be one such pass on its own.
 Per-layer times are extrapolated to the full 32 layers (setup + 32 x the mean measured layer), as
 `benchmarks/prefill_e2e.py` does; a point run with all 32 layers is measured, not extrapolated. Peak GPU
@@ -125,11 +127,14 @@ def _analysis(model, shape, ids, layers: int, chunk, clock: _Clock) -> dict[str,
     _reset_peak(clock)
     t0 = clock.now()
     stream = runner.layers(ids, range(layers))
+    lse_from_forward = []
     for layer, q, k, _ in stream:
+        lse = runner.row_lse  # the forward's row log-sum-exps (fused kernels on a GPU): pass 1 skipped
+        lse_from_forward.append(lse is not None)
         a = clock.now()
-        profiles(layer, q, k)
+        profiles(layer, q, k, lse=lse)
         b = clock.now()
-        layer_scores(q, k, scale, cands)
+        layer_scores(q, k, scale, cands, lse=lse)
         c = clock.now()
         stats_s.append(b - a)
         scores_s.append(c - b)
@@ -139,7 +144,8 @@ def _analysis(model, shape, ids, layers: int, chunk, clock: _Clock) -> dict[str,
     stream.close()
     return {"layers_measured": len(stats_s), "setup_s": runner.setup_seconds,
             "forward_per_layer_s": runner.layer_seconds, "statistics_per_layer_s": stats_s,
-            "scoring_per_layer_s": scores_s, "candidates": len(cands), "seconds_measured": clock.now() - t0,
+            "scoring_per_layer_s": scores_s, "candidates": len(cands), "lse_from_forward": all(lse_from_forward),
+            "seconds_measured": clock.now() - t0,
             "peak_gib": _peak_gib(clock)}
 
 

@@ -11,7 +11,9 @@ every sum is fp32. Extra memory is the outputs: O(n) per head, plus the pooled m
   walks one tile diagonal (row block - key block = t constant) in chunks of `chunk` tiles, so the
   mass by offset i - j needs one skew per program, not per tile: the tiles of a diagonal add up in a
   64 x 64 accumulator whose entry (r, c) is offset 64 t + r - c, read along its diagonals once with
-  `tl.gather` at the end. Column sums of each tile go out by atomic adds (64 per tile), tile masses
+  `tl.gather` at the end. Column sums of each tile go out by atomic adds (64 per tile), on request the
+  rows' sums of p log p too (the entropy: pass 2 alone serves a caller that already holds the lse, as
+  the forward's own attention gives it, `workbench.core.stream`), tile masses
   and pooled maps by plain stores where a tile owns its cells (cell divides 64) or atomic add / max
   where a cell spans tiles (cell > 64). Programs of neighbouring diagonals run side by side and read
   the same key block at the same step (L2 reuse), but each step loads its q tile too. The other walk
@@ -173,8 +175,9 @@ def _pool_tile(p, whole, OUT, m, kb, R, A0, RA, BLOCK: tl.constexpr, CELL: tl.co
 @triton.jit
 def _tile_probs(q, kbase, LSE2, hN, m, kb, ROW0, ROW1, N, qk_scale, skn, dims, r,
                 D: tl.constexpr, BLOCK: tl.constexpr, PREC: tl.constexpr):
-    """p `[BLOCK, BLOCK]` of rows m*BLOCK.. and keys kb*BLOCK.. (0 outside causal rows [ROW0, ROW1)).
-    Always masked: a branch on the tile's position around the dot breaks Triton 3.6's software pipeliner."""
+    """(p, log2 p) `[BLOCK, BLOCK]` of rows m*BLOCK.. and keys kb*BLOCK.. (p is 0 outside causal rows
+    [ROW0, ROW1); log2 p is finite everywhere, so p * log2 p is 0 there). Always masked: a branch on the
+    tile's position around the dot breaks Triton 3.6's software pipeliner."""
     rows = m * BLOCK + r
     keys = kb * BLOCK + r
     k = tl.load(kbase + keys[:, None] * skn + dims[None, :], mask=(keys[:, None] < N) & (dims[None, :] < D), other=0.0)
@@ -182,8 +185,16 @@ def _tile_probs(q, kbase, LSE2, hN, m, kb, ROW0, ROW1, N, qk_scale, skn, dims, r
     row_ok = (rows >= ROW0) & (rows < ROW1)
     lse = tl.load(LSE2 + hN + rows, mask=row_ok, other=0.0)
     keep = row_ok[:, None] & (keys[None, :] <= rows[:, None])
-    p = tl.where(keep, tl.math.exp2(s * qk_scale - lse[:, None]), 0.0)
-    return p
+    logp = s * qk_scale - lse[:, None]
+    p = tl.where(keep, tl.math.exp2(logp), 0.0)
+    return p, logp
+
+
+@triton.jit
+def _entropy_out(p, logp, ENT, hN, m, N, r, BLOCK: tl.constexpr):
+    """Add this tile's sum of p log2 p per row to ENT (the rows' entropy in bits, negated)."""
+    rows = m * BLOCK + r
+    tl.atomic_add(ENT + hN + rows, tl.sum(p * logp, 1), mask=rows < N, sem="relaxed")
 
 
 @triton.jit
@@ -219,11 +230,11 @@ def _offsets_out(acc, t, DIAG, hN, N, r, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _diagonal_walk_kernel(Q, K, LSE2, COL, DIAG, TILE, MAXM, SUMM, qk_scale, N, G, ROW0, ROW1, CHUNK_T, TR, TA0, TRA, MR,
-                          sqh, sqn, skh, skn,
+def _diagonal_walk_kernel(Q, K, LSE2, COL, DIAG, TILE, MAXM, SUMM, ENT, qk_scale, N, G, ROW0, ROW1, CHUNK_T, TR, TA0,
+                          TRA, MR, sqh, sqn, skh, skn,
                           D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, COLS: tl.constexpr,
                           DIAGS: tl.constexpr, TILE_CELL: tl.constexpr, MAP_CELL: tl.constexpr,
-                          MAX_MAP: tl.constexpr, MEAN_MAP: tl.constexpr, PREC: tl.constexpr):
+                          MAX_MAP: tl.constexpr, MEAN_MAP: tl.constexpr, ENTROPY: tl.constexpr, PREC: tl.constexpr):
     # One program: CHUNK_T tiles of tile diagonal t (row block m reads key block m - t); their sum is
     # skewed once at the end.
     t = tl.program_id(0)
@@ -240,9 +251,11 @@ def _diagonal_walk_kernel(Q, K, LSE2, COL, DIAG, TILE, MAXM, SUMM, qk_scale, N, 
         rows = m * BLOCK + r
         q = tl.load(Q + h * sqh + rows[:, None] * sqn + dims[None, :], mask=(rows[:, None] < N) & (dims[None, :] < D),
                     other=0.0)
-        p = _tile_probs(q, kbase, LSE2, hN, m, m - t, ROW0, ROW1, N, qk_scale, skn, dims, r, D, BLOCK, PREC)
+        p, logp = _tile_probs(q, kbase, LSE2, hN, m, m - t, ROW0, ROW1, N, qk_scale, skn, dims, r, D, BLOCK, PREC)
         if DIAGS:
             acc += p
+        if ENTROPY:
+            _entropy_out(p, logp, ENT, hN, m, N, r, BLOCK)
         _tile_out(p, m, m - t, h, hN, COL, TILE, MAXM, SUMM, N, TR, TA0, TRA, MR, r, BLOCK, COLS, TILE_CELL, MAP_CELL,
                   MAX_MAP, MEAN_MAP)
     if DIAGS:
@@ -251,11 +264,11 @@ def _diagonal_walk_kernel(Q, K, LSE2, COL, DIAG, TILE, MAXM, SUMM, qk_scale, N, 
 
 
 @triton.jit
-def _row_walk_kernel(Q, K, LSE2, COL, DIAG, TILE, MAXM, SUMM, qk_scale, N, G, ROW0, ROW1, TR, TA0, TRA, MR,
+def _row_walk_kernel(Q, K, LSE2, COL, DIAG, TILE, MAXM, SUMM, ENT, qk_scale, N, G, ROW0, ROW1, TR, TA0, TRA, MR,
                      sqh, sqn, skh, skn,
                      D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, COLS: tl.constexpr,
                      DIAGS: tl.constexpr, TILE_CELL: tl.constexpr, MAP_CELL: tl.constexpr,
-                     MAX_MAP: tl.constexpr, MEAN_MAP: tl.constexpr, PREC: tl.constexpr):
+                     MAX_MAP: tl.constexpr, MEAN_MAP: tl.constexpr, ENTROPY: tl.constexpr, PREC: tl.constexpr):
     # One program: row block m (late ones first) against key blocks 0..m, q loaded once; every tile
     # is skewed on its own.
     m = ROW0 // BLOCK + tl.num_programs(0) - 1 - tl.program_id(0)
@@ -268,7 +281,9 @@ def _row_walk_kernel(Q, K, LSE2, COL, DIAG, TILE, MAXM, SUMM, qk_scale, N, G, RO
     kbase = K + (h // G) * skh
     hN = h * N
     for kb in range(0, m + 1):
-        p = _tile_probs(q, kbase, LSE2, hN, m, kb, ROW0, ROW1, N, qk_scale, skn, dims, r, D, BLOCK, PREC)
+        p, logp = _tile_probs(q, kbase, LSE2, hN, m, kb, ROW0, ROW1, N, qk_scale, skn, dims, r, D, BLOCK, PREC)
+        if ENTROPY:
+            _entropy_out(p, logp, ENT, hN, m, N, r, BLOCK)
         _tile_out(p, m, kb, h, hN, COL, TILE, MAXM, SUMM, N, TR, TA0, TRA, MR, r, BLOCK, COLS, TILE_CELL, MAP_CELL,
                   MAX_MAP, MEAN_MAP)
         if DIAGS:
@@ -404,14 +419,15 @@ def row_lse(q: torch.Tensor, k: torch.Tensor, scale: float, rows: tuple[int, int
 def attention_sums(q: torch.Tensor, k: torch.Tensor, scale: float, lse: torch.Tensor,
                    rows: tuple[int, int] | None = None, *, columns: bool = True, diagonals: bool = True,
                    block: int = 0, cell: int = 0, max_map: bool = False, mean_map: bool = False,
-                   walk: str = "diagonal", chunk: int = CHUNK, num_warps: int = 4,
+                   entropy: bool = False, walk: str = "diagonal", chunk: int = CHUNK, num_warps: int = 4,
                    num_stages: int = 2) -> dict[str, torch.Tensor]:
     """Pass 2: reductions of p = exp(scale q.k - lse) over the query rows `rows` (default all).
 
     Returns the requested ones, fp32: "column_mass" `[Hq, N]` (sum over rows), "diag_mass" `[Hq, N]`
     (by offset i - j), "block_mass" `[Hq, m1 - m0, M]` (`block` x `block` tile sums of the row blocks
     m0 = r0 // block .. m1 = ceil(r1 / block) that meet `rows`, M = ceil(N / block): `[Hq, M, M]` for all rows),
-    "max_map" / "sum_map" `[Hq, R, R]` (max / sum over `cell` x `cell` squares, R = ceil(N / cell)).
+    "max_map" / "sum_map" `[Hq, R, R]` (max / sum over `cell` x `cell` squares, R = ceil(N / cell)),
+    "row_entropy" `[Hq, N]` (-sum of p ln p over each row's keys, nats; 0 outside `rows`).
     `block` and `cell` must satisfy `pooling_supported`; 0 = not requested. `walk`: "diagonal" (programs
     along tile diagonals, `chunk` tiles each, one skew per program) or "rows" (a program per row block,
     one skew per tile); `num_warps`, `num_stages`: launch settings."""
@@ -431,13 +447,15 @@ def attention_sums(q: torch.Tensor, k: torch.Tensor, scale: float, lse: torch.Te
            "diag_mass": torch.zeros(Hq, n, device=dev) if diagonals else None,
            "block_mass": torch.zeros(Hq, TRA, TR, device=dev) if block else None,
            "max_map": torch.zeros(Hq, MR, MR, device=dev) if max_map else None,
-           "sum_map": torch.zeros(Hq, MR, MR, device=dev) if mean_map else None}
+           "sum_map": torch.zeros(Hq, MR, MR, device=dev) if mean_map else None,
+           "row_entropy": torch.zeros(Hq, n, device=dev) if entropy else None}
     lse2 = (lse.float() * LOG2E).contiguous()
     m_lo, m_hi = r0 // BLOCK, (r1 - 1) // BLOCK
     outs = [empty if out[name] is None else out[name] for name in out]
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1))
     flags = dict(D=d, DP=dp, BLOCK=BLOCK, COLS=columns, DIAGS=diagonals, TILE_CELL=block, MAP_CELL=cell,
-                 MAX_MAP=max_map, MEAN_MAP=mean_map, PREC=prec, num_warps=num_warps, num_stages=num_stages)
+                 MAX_MAP=max_map, MEAN_MAP=mean_map, ENTROPY=entropy, PREC=prec, num_warps=num_warps,
+                 num_stages=num_stages)
     if walk == "diagonal":
         grid = (m_hi + 1, triton.cdiv(m_hi - m_lo + 1, chunk), Hq)
         _diagonal_walk_kernel[grid](q, k, lse2, *outs, scale * LOG2E, n, g, r0, r1, chunk, TR, TA0, TRA, MR, *strides,
@@ -447,22 +465,30 @@ def attention_sums(q: torch.Tensor, k: torch.Tensor, scale: float, lse: torch.Te
                                                 *strides, **flags)
     else:
         raise ValueError(f"walk={walk!r}: use 'diagonal' or 'rows'")
+    if entropy:  # the kernels add up sum p log2 p
+        out["row_entropy"].mul_(-LN2.value)
     return {name: t for name, t in out.items() if t is not None}
 
 
 def layer_stats(q: torch.Tensor, k: torch.Tensor, scale: float, resolution: int = 1024, block: int = BLOCK,
-                maps: Collection[str] = MAPS) -> LayerStats:
+                maps: Collection[str] = MAPS, lse: torch.Tensor | None = None) -> LayerStats:
     """`attn_stats_ref.layer_stats` in two passes: the pooling cell ceil(N / resolution) and `block` must
-    satisfy `pooling_supported`."""
+    satisfy `pooling_supported`. `lse` `[Hq, N]` (natural log, e.g. from the forward's attention) saves
+    pass 1; the entropy then comes from pass 2, as it does whenever pass 2 runs."""
     check_qk(q, k)
     Hq, n, _ = q.shape
     want, cell = stats_layout(n, resolution, block, maps)
-    lse, ent = row_lse(q, k, scale, entropy="row_entropy" in want)
+    ent = None
+    if want == {"row_entropy"}:  # one pass
+        lse, ent = row_lse(q, k, scale, entropy=True)
+    elif lse is None:
+        lse, _ = row_lse(q, k, scale)
     pooled = bool(want & {"max_map", "mean_map"})
-    sums = {} if want == {"row_entropy"} else attention_sums(
+    sums = {} if ent is not None else attention_sums(
         q, k, scale, lse, columns="column_mass" in want, diagonals="diag_mass" in want,
         block=block if "block_mass" in want else 0, cell=cell if pooled else 0, max_map="max_map" in want,
-        mean_map="mean_map" in want)
+        mean_map="mean_map" in want, entropy="row_entropy" in want)
+    ent = sums.get("row_entropy", ent)
     mean = sums.get("sum_map")
     if mean is not None:
         sizes = cell_sizes(n, cell, q.device)

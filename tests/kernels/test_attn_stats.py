@@ -66,9 +66,25 @@ def test_both_walks_of_pass_two_give_the_same_sums():
     lse = attn_stats.row_lse(q, k, 0.2)[0]
     want = ref.layer_stats(q, k, 0.2, resolution=75, block=16)
     for walk, chunk in (("diagonal", 1), ("rows", 0)):
-        got = attn_stats.attention_sums(q, k, 0.2, lse, block=16, cell=2, max_map=True, walk=walk, chunk=chunk or 32)
-        for name in ("column_mass", "diag_mass", "block_mass", "max_map"):
+        got = attn_stats.attention_sums(q, k, 0.2, lse, block=16, cell=2, max_map=True, entropy=True, walk=walk,
+                                        chunk=chunk or 32)
+        for name in ("column_mass", "diag_mass", "block_mass", "max_map", "row_entropy"):
             close(got[name], getattr(want, name))
+
+
+def test_layer_stats_kernel_reads_a_given_lse_and_skips_pass_one():
+    """With the rows' lse given (as the streamed forward hands it over) the statistics equal the two-pass
+    ones; a wrong lse shows in every mass (so it is read, not recomputed)."""
+    n, d = 200, 64
+    q, k = qk(6, 2, n, d, seed=7)
+    want = ref.layer_stats(q, k, 0.125, resolution=50, block=16)
+    lse = attn_stats.row_lse(q, k, 0.125)[0]
+    got = attn_stats.layer_stats(q, k, 0.125, resolution=50, block=16, lse=lse)
+    for name in MAPS:
+        close(getattr(got, name), getattr(want, name))
+    off = attn_stats.layer_stats(q, k, 0.125, resolution=50, block=16, lse=lse + 1.0)
+    close(off.column_mass, want.column_mass / torch.e)
+    assert stats.layer_stats(q, k, 0.125, resolution=50, block=16, lse=lse).column_mass is not None
 
 
 @pytest.mark.parametrize("rows", [None, (136, 200), (13, 77), (199, 200)])

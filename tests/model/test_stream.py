@@ -154,7 +154,7 @@ def test_a_stopped_run_says_which_layer_it_reached(embedded, prompt):
     model, _, shape = embedded
     cap = stream_capture(model, shape, prompt, layers=LAYERS, progress=False)
 
-    def stop(layer, q, k, v):
+    def stop(layer, q, k, v, lse=None):
         if layer == 14:
             raise KeyboardInterrupt
 
@@ -188,7 +188,7 @@ def test_cli_random_weights_and_no_half_written_report(tmp_path):
     stopped = tmp_path / "stopped"
     code = subprocess.run([sys.executable, "-c", (
         "import sys; from workbench.analysis.layer_profiles import LayerProfiles\n"
-        "def stop(self, layer, *a):\n"
+        "def stop(self, layer, *a, **kw):\n"
         "    raise KeyboardInterrupt\n"
         "LayerProfiles.__call__ = stop\n"
         "from workbench.cli import main\n"

@@ -1,5 +1,6 @@
-"""GPU lane: the streaming forward of a random-weight Llama-3-8B shape in bf16 (chunks use lower-right
-causal flash attention with GQA) agrees with the model's own forward and stays within its memory estimate."""
+"""GPU lane: the streaming forward of a random-weight Llama-3-8B shape in bf16 (each chunk two fused attention
+calls merged by their row log-sum-exps) agrees with the model's own forward, stays within its memory estimate,
+and hands over row log-sum-exps equal to the statistics kernels' own first pass."""
 import pytest
 import torch
 
@@ -47,3 +48,31 @@ def test_peak_memory_stays_within_the_estimate(llama):
     estimate = sum(peak_bytes(shape, n, chunk, intermediate=model.config.intermediate_size, dtype_bytes=2, cuda=True,
                               analysis=None).values())
     assert peak <= estimate, (peak / 2**30, estimate / 2**30)
+
+
+def test_the_forwards_row_lse_equals_pass_one_and_gives_the_same_statistics(llama):
+    """`LayerRunner.row_lse` (ragged chunks) equals `attn_stats.row_lse` of the captured q/k; the statistics
+    and the search scores read from it equal those of the two-pass path."""
+    from workbench_kernels import attn_stats
+
+    from workbench.analysis.layer_profiles import PROFILE_MAPS
+    from workbench.analysis.stats import layer_stats
+    from workbench.core.stream import LayerRunner
+    from workbench.search.search import default_candidates, layer_scores
+
+    model, shape = llama
+    n = 8000
+    ids = torch.randint(0, model.config.vocab_size, (n,), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    runner = LayerRunner(model, chunk=3000, progress=False)
+    scale = float(model.model.layers[0].self_attn.scaling)
+    for _, q, k, _v in runner.layers(ids, [0, 1]):
+        lse = runner.row_lse
+        assert lse is not None and lse.shape == (shape.n_heads, n) and lse.dtype == torch.float32
+        torch.testing.assert_close(lse, attn_stats.row_lse(q, k, scale)[0], atol=2e-3, rtol=0)
+        got = layer_stats(q, k, scale, block=64, maps=PROFILE_MAPS, lse=lse)
+        want = layer_stats(q, k, scale, block=64, maps=PROFILE_MAPS)
+        for name in PROFILE_MAPS:
+            torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=2e-3, rtol=1e-3)
+        cands = default_candidates(n)[:6]
+        a, b = layer_scores(q, k, scale, cands, lse=lse), layer_scores(q, k, scale, cands)
+        torch.testing.assert_close(a["mass"], b["mass"], atol=1e-3, rtol=0)

@@ -33,10 +33,13 @@ class LayerProfiles:
         self.top: dict[str, tuple[HeadProfile, LayerStats]] = {}
         self.seconds = 0.0
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None,
+                 lse: torch.Tensor | None = None) -> None:
+        """Profile one layer: q `[Hq, N, D]`, k `[Hkv, N, D]`; `lse` `[Hq, N]` the rows' log-sum-exps when the
+        forward gave them (`LayerRunner.row_lse`; saves the statistics' first pass)."""
         t0 = time.perf_counter()
         n = q.shape[1]
-        st = layer_stats(q, k, self.scale, resolution=self.resolution, block=tile_size(n), maps=PROFILE_MAPS)
+        st = layer_stats(q, k, self.scale, resolution=self.resolution, block=tile_size(n), maps=PROFILE_MAPS, lse=lse)
         profiles = profile_layer(st, layer)  # reads the maps back: synchronises
         self.profiles += profiles
         for kind in TOP_KINDS:

@@ -146,6 +146,7 @@ class LayerReductions:
     proxy: dict[str, Any] = field(default_factory=dict)
     all_rows: LayerSums | None = None
     answer_rows: LayerSums | None = None
+    lse: torch.Tensor | None = None  # [Hq, N] the rows' log-sum-exps when known (the streamed forward's)
 
     @property
     def n(self) -> int:
@@ -158,7 +159,7 @@ class LayerReductions:
     @property
     def sums(self) -> LayerSums:
         if self.all_rows is None:
-            self.all_rows = layer_sums(self.q, self.k, self.scale)
+            self.all_rows = layer_sums(self.q, self.k, self.scale, lse=self.lse)
         return self.all_rows
 
     @property

@@ -57,13 +57,16 @@ def use_triton(q: torch.Tensor) -> bool:
 
 
 def layer_stats(q: torch.Tensor, k: torch.Tensor, scale: float, resolution: int = 1024, block: int = BLOCK,
-                chunk: int = 256, progress: bool = False, maps: Collection[str] = MAPS) -> LayerStats:
+                chunk: int = 256, progress: bool = False, maps: Collection[str] = MAPS,
+                lse: torch.Tensor | None = None) -> LayerStats:
     """The requested statistics (`maps`, a subset of `MAPS`) of one layer, exact.
 
     q `[Hq, N, D]`, k `[Hkv, N, D]`; query head h reads KV head h // (Hq // Hkv). `resolution` caps the
     pooled maps at R x R cells (cell = ceil(N / resolution)). On the reference path `chunk` query rows
     are in memory at a time (`[Hq, chunk, N]` fp32) and every map costs passes over them: request only
-    those you read; `progress` shows a bar there (the kernels take one launch per pass).
+    those you read; `progress` shows a bar there (the kernels take one launch per pass). `lse` `[Hq, N]`
+    (the rows' log-normalisers, natural log, e.g. `LayerRunner.row_lse`) saves the kernels their first
+    pass; the reference computes each row's normaliser with its probabilities and does not read it.
     """
     ref.check_qk(q, k)
     want, cell = ref.stats_layout(q.shape[1], resolution, block, maps)
@@ -72,7 +75,7 @@ def layer_stats(q: torch.Tensor, k: torch.Tensor, scale: float, resolution: int 
 
         if (attn_stats.pooling_supported(cell) or not want & {"max_map", "mean_map"}) and (
                 attn_stats.pooling_supported(block) or "block_mass" not in want):
-            return attn_stats.layer_stats(q, k, scale, resolution, block, maps)
+            return attn_stats.layer_stats(q, k, scale, resolution, block, maps, lse)
     bar = (lambda chunks, total: tqdm(chunks, total=total, desc="stats", leave=False)) if progress else None
     return ref.layer_stats(q, k, scale, resolution, block, chunk, bar, maps)
 

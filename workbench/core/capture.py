@@ -48,6 +48,11 @@ class Capture:
         i = self.index(layer)
         return self.q[i], self.k[i], self.v[i]
 
+    def layer_lse(self, layer: int) -> None:
+        """None: a Capture keeps no row log-sum-exps (a `StreamCapture` has the forward's)."""
+        self.index(layer)
+        return None
+
     def head_qkv(self, layer: int, head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v `[N, D]` for query head `head` of `layer` (k/v from its KV head)."""
         if not 0 <= head < self.shape.n_heads:

@@ -13,6 +13,9 @@ chunk calls the model's decoder-layer module. Masks are not materialised (a [32K
 each layer receives the model's own mask function (`ModelMask`), checked against what the attention
 here computes - causal with the chunk's offset (lower-right aligned), within the layer's
 `sliding_window` (Gemma-3, Mistral) - and a model whose mask differs (bidirectional, chunked) is refused.
+On a GPU a full layer's chunk runs as two fused attention calls (cuDNN's, else flash attention's: the
+keys before the chunk unmasked, the chunk's own keys causal) merged by their row log-sum-exps, which the
+runner keeps for the kept layers (`row_lse`): the statistics and the search then skip their first pass.
 
 - `LayerRunner(model).layers(ids, keep)`: yields (layer, q, k, v) of the kept layers, in order.
 - `LayerRunner(model).steps(ids)`: yields (layer, hidden state) after each layer (no analysis: the dense
@@ -114,13 +117,78 @@ def _tokens(obj: Any, n: int, start: int, end: int) -> Any:
     return obj
 
 
+LseAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _cudnn_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    return out[0], out[1].reshape(q.shape[:3])
+
+
+def _flash_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return out[0], out[1].reshape(q.shape[:3])
+
+
+_LSE_OPS: dict[tuple[Any, ...], LseAttention | None] = {}  # input kind -> the fused kernel that takes it
+
+
+def lse_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> LseAttention | None:
+    """A fused attention kernel that also returns each row's log-sum-exp, for inputs like these: called as
+    `attend(q, k, v, causal, scale)` -> (out `[1, Hq, C, D]`, lse `[1, Hq, C]` fp32, natural log of the
+    scaled scores), GQA-native, `causal` for a square block. cuDNN's where it takes these inputs (on the
+    H200 1.8x flash attention's speed at 1M keys), else flash attention's; None on the CPU or where
+    neither does. Probed once per kind of input (device, dtype, heads, head_dim) on one token."""
+    if not query.is_cuda:
+        return None
+    kind = (query.device, query.dtype, query.shape[1], key.shape[1], query.shape[-1])
+    if kind not in _LSE_OPS:
+        _LSE_OPS[kind] = None
+        for op in (_cudnn_lse, _flash_lse):
+            try:
+                op(query[:, :, :1], key[:, :, :1], value[:, :, :1], True, scale)
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError:  # this kernel does not take these inputs (dtype, head_dim, GQA, GPU)
+                continue
+            _LSE_OPS[kind] = op
+            break
+    return _LSE_OPS[kind]
+
+
+def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the keys of A and B together from attention over each: out `[..., C, D]` and lse
+    `[..., C]` (natural log) of both -> (out in out_a's dtype, lse fp32), weights exp(lse_x - lse)."""
+    lse = torch.logaddexp(lse_a.float(), lse_b.float())
+    out = out_a.float().mul_((lse_a - lse).exp_()[..., None])
+    out.add_(out_b.float().mul_((lse_b - lse).exp_()[..., None]))
+    return out.to(out_a.dtype), lse
+
+
+def split_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, start: int, scale: float,
+                           attend: LseAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of rows [start, start + C) over keys [0, start + C) as two calls of `attend`: the
+    chunk's own keys (a causal square) and, from the second chunk on, the keys before it (no mask), merged
+    by their log-sum-exps. query `[1, Hq, C, D]`, key/value `[1, Hkv, start + C, D]` -> (out `[1, Hq, C, D]`,
+    lse `[1, Hq, C]` fp32)."""
+    own = attend(query, key[:, :, start:], value[:, :, start:], True, scale)
+    if start == 0:
+        return own
+    return merge_partials(*attend(query, key[:, :, :start], value[:, :, :start], False, scale), *own)
+
+
 def chunk_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    start: int, window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+                    start: int, window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal attention of query rows [start, start + C) over keys [0, start + C).
 
-    query `[1, Hq, C, D]`, key/value `[1, Hkv, start + C, D]` -> `[1, C, Hq, D]`. `window` (a sliding
-    layer): row i sees keys (i - window, i]. The first chunk of a full layer is the model's own SDPA call;
-    later chunks are lower-right causal (flash attention on a GPU, no mask tensor)."""
+    query `[1, Hq, C, D]`, key/value `[1, Hkv, start + C, D]` -> (`[1, C, Hq, D]`, the rows' lse `[1, Hq, C]`
+    or None). `window` (a sliding layer): row i sees keys (i - window, i], through SDPA with a mask. A full
+    layer on a GPU: `split_causal_attention` on the fused kernel of `lse_kernel` (no mask tensor; the
+    lse comes free and spares the statistics their first pass). Elsewhere the first chunk is the model's
+    own SDPA call and later chunks are lower-right causal SDPA, with no lse."""
     from torch.nn.attention.bias import causal_lower_right
 
     c, e = query.shape[2], key.shape[2]
@@ -129,10 +197,14 @@ def chunk_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         rows = torch.arange(start, e, device=query.device)[:, None]
         cols = torch.arange(k0, e, device=query.device)[None]
         mask = (cols <= rows) & (cols > rows - window)
-        return dense_attention(module, query, key[:, :, k0:], value[:, :, k0:], mask[None, None], **kwargs)
-    if start == 0:
-        return dense_attention(module, query, key, value, None, **kwargs)
+        return dense_attention(module, query, key[:, :, k0:], value[:, :, k0:], mask[None, None], **kwargs)[0], None
     scale = kwargs.get("scaling") or module.scaling
+    attend = lse_kernel(query, key, value, scale)
+    if attend is not None:
+        out, lse = split_causal_attention(query, key, value, start, scale, attend)
+        return out.transpose(1, 2).contiguous(), lse
+    if start == 0:
+        return dense_attention(module, query, key, value, None, **kwargs)[0], None
     gqa = query.shape[1] != key.shape[1]
     if gqa and query.is_cuda:
         from torch.backends.cuda import SDPAParams, can_use_flash_attention
@@ -154,9 +226,12 @@ class _LayerState:
     q: torch.Tensor | None = None  # [1, Hq, N, D]
     k: torch.Tensor | None = None  # [1, Hkv, N, D]
     v: torch.Tensor | None = None
+    lse: torch.Tensor | None = None  # [1, Hq, N] fp32: the kept layer's row log-sum-exps, when every chunk gave them
+    lse_ok: bool = False
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        return {name: t for name, t in (("q", self.q), ("k", self.k), ("v", self.v)) if t is not None}
+        return {name: t for name, t in (("q", self.q), ("k", self.k), ("v", self.v), ("lse", self.lse))
+                if t is not None}
 
 
 # The buffers of the last finished run, by weak reference: alive only while a caller still holds a layer's
@@ -165,7 +240,7 @@ _spare: dict[str, weakref.ref] = {}
 
 
 def _buffer(old: torch.Tensor | None, like: torch.Tensor, n: int) -> torch.Tensor:
-    shape = (like.shape[0], like.shape[1], n, like.shape[3])
+    shape = (like.shape[0], like.shape[1], n, *like.shape[3:])
     if old is not None and old.shape == shape and old.dtype == like.dtype and old.device == like.device:
         return old
     return torch.empty(shape, dtype=like.dtype, device=like.device)
@@ -204,6 +279,15 @@ class LayerRunner:
     def decoder(self) -> Any:
         return self.model.model
 
+    @property
+    def row_lse(self) -> torch.Tensor | None:
+        """`[Hq, N]` fp32: the log-sum-exp of each query row's scaled scores (natural log) of the kept layer
+        just yielded, as the forward's attention computed it (`chunk_attention`); None where it gave none
+        (the CPU, a sliding-window layer, inputs the fused kernels do not take). The statistics and the
+        search read it instead of their first pass. Valid until the next layer is asked for."""
+        st = self._state
+        return st.lse[0] if st.keep_q and st.lse_ok and st.lse is not None else None
+
     def _attend(self, module, query, key, value, attention_mask, **kwargs):
         st = self._state
         s, e = st.start, st.start + query.shape[2]
@@ -217,7 +301,13 @@ class LayerRunner:
         window = kwargs.pop("sliding_window", None) or getattr(module, "sliding_window", None)
         if s == 0:
             check_mask(attention_mask, window, n)
-        return chunk_attention(module, query, st.k[:, :, :e], st.v[:, :, :e], s, window, **kwargs)
+        out, lse = chunk_attention(module, query, st.k[:, :, :e], st.v[:, :, :e], s, window, **kwargs)
+        if st.keep_q:
+            st.lse_ok = (st.lse_ok or s == 0) and lse is not None
+            if st.lse_ok:
+                st.lse = _buffer(st.lse, lse, n)
+                st.lse[:, :, s:e] = lse
+        return out, None
 
     def _layer_inputs(self, hidden: torch.Tensor, last: int) -> list[Any]:
         """(args, kwargs) the model's own forward passes to decoder layers 0..last (hidden state left out)."""
@@ -286,8 +376,9 @@ class LayerRunner:
 
     def layers(self, input_ids: torch.Tensor, keep: Sequence[int]
                ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Yield (layer, q `[Hq, N, D]`, k `[Hkv, N, D]`, v) for each layer of `keep`, in order; the
-        forward stops after the last. The tensors are reused: they hold a layer until the next is asked for."""
+        """Yield (layer, q `[Hq, N, D]`, k `[Hkv, N, D]`, v) for each layer of `keep`, in order (its row lse:
+        `row_lse`); the forward stops after the last. The tensors are reused: they hold a layer until the next
+        is asked for."""
         keep = sorted(set(keep))
         for layer, _ in self.steps(input_ids, keep, keep[-1]):
             if layer in keep:
@@ -303,7 +394,7 @@ class LayerRunner:
 
 # ---- a Capture whose layers are computed on demand -------------------------------------------------------
 
-LayerFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], Any]
+LayerFn = Callable[..., Any]  # fn(layer, q, k, v, lse=`[Hq, N]` or None)
 
 
 class StreamCapture:
@@ -314,8 +405,8 @@ class StreamCapture:
     the forward up to it; asking for an earlier one starts a new forward (`passes` counts them). A layer's
     tensors are valid until the next layer is asked for, of this or of another streaming capture (one
     streaming forward at a time: asking another capture for a layer ends this one's forward and its buffers
-    are reused). `on_layer(fn)` calls fn(layer, q, k, v) once per layer when the forward first reaches it
-    (e.g. the statistics, computed in the same pass as the evidence).
+    are reused). `on_layer(fn)` calls fn(layer, q, k, v, lse=`layer_lse(layer)`) once per layer when the
+    forward first reaches it (e.g. the statistics, computed in the same pass as the evidence).
     """
 
     def __init__(self, model: torch.nn.Module, shape: ModelShape, input_ids: torch.Tensor,
@@ -362,8 +453,15 @@ class StreamCapture:
             if self._current[0] not in self._seen:
                 self._seen.add(self._current[0])
                 for fn in self._observers:
-                    fn(*self._current)
+                    fn(*self._current, lse=self.runner.row_lse)
         return self._current[1], self._current[2], self._current[3]
+
+    def layer_lse(self, layer: int) -> torch.Tensor | None:
+        """`[Hq, N]` fp32 row log-sum-exps of `layer` from the forward's attention (`LayerRunner.row_lse`), or
+        None: only for the layer `layer_qkv` returned last."""
+        if self._current is None or self._current[0] != layer:
+            return None
+        return self.runner.row_lse
 
     def head_qkv(self, layer: int, head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not 0 <= head < self.shape.n_heads:
@@ -460,12 +558,13 @@ def peak_bytes(shape: ModelShape, n: int, chunk: int, *, intermediate: int, dtyp
         "qkv": n * (hq + 2 * hkv) * d * b,
         "rope": 4 * n * d * 4,
         "chunk": c * (6 * shape.hidden_size + 3 * intermediate + 2 * (hq + 2 * hkv) * d) * b
-        + (c * n * (4 * hq + 5) if c < n and not cuda else c * hq * 8),  # CPU chunks after the first: mask, scores
+        + (c * n * (4 * hq + 5) if c < n and not cuda else c * hq * (8 + 8 * d)),  # CPU chunks after the first:
+        # mask, scores; a GPU's: the row sums and two fp32 partial outputs (`merge_partials`)
     }
     if analysis:
         tiles = math.ceil(n / tile_size(n)) ** 2 + (math.ceil(n / 64) ** 2 if analysis == "evidence" else 0)
         rows = GIB if cuda else 4 * hq * 256 * n * 4
-        parts["analysis"] = 16 * hq * n * 4 + hq * tiles * 4 + rows
+        parts["analysis"] = 17 * hq * n * 4 + hq * tiles * 4 + rows  # + the forward's row lse
     return parts
 
 

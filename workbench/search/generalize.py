@@ -164,7 +164,8 @@ def mass_tables(model: torch.nn.Module, shape: ModelShape, variants: dict[str, C
                     proxies = {tuple(sorted(cfg.proxy.items())) for cfg in configs.values()}
                     if len(proxies) != 1:
                         raise ValueError("the configs use different online proxy settings: evaluate them one at a time")
-                    scores = layer_scores(q, k, cap.scale, cands, next(iter(configs.values())).proxy)
+                    scores = layer_scores(q, k, cap.scale, cands, next(iter(configs.values())).proxy,
+                                          cap.layer_lse(layer))
                     for name, es in entries.items():
                         c = torch.tensor([cands.index(_candidate(e)) for e in es])
                         h = torch.arange(len(es))

@@ -99,18 +99,20 @@ def method_candidates(n: int) -> list[Candidate]:
 
 @torch.no_grad()
 def layer_scores(q: torch.Tensor, k: torch.Tensor, scale: float, candidates: Sequence[Candidate],
-                 proxy: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+                 proxy: dict[str, Any] | None = None, lse: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Score every candidate on all heads of one layer of one prompt.
 
     q `[Hq, N, D]`, k `[Hkv, N, D]`. Returns {"mass", "tail", "oracle", "tiles", "edges"}: `[Hq, C]` float64;
     mass = exact captured fraction of the index the candidate would run, tail = the same over the
     last `TAIL_ROWS` query rows only (the answer rows), oracle = the same-budget oracle's mass (= mass
     where the pattern has no online choice), tiles = physical 64x64 tiles, edges = logical edges: each kind's
-    `evidence` from one set of exact reductions. Computed on q's device, returned on the CPU.
+    `evidence` from one set of exact reductions. Computed on q's device, returned on the CPU. `lse` `[Hq, N]`:
+    the rows' log-sum-exps when the caller has them (`capture.layer_lse(layer)`: the streamed forward's),
+    saving the first pass.
     """
     out = {name: torch.zeros(q.shape[0], len(candidates), dtype=torch.float64) for name in METRICS}
     with torch.device(q.device):  # factories below follow the capture onto its device
-        sums = LayerReductions(q, k, scale, {**PROXY_DEFAULTS, **(proxy or {})})
+        sums = LayerReductions(q, k, scale, {**PROXY_DEFAULTS, **(proxy or {})}, lse=lse)
         for kind, cls in PATTERNS.items():
             mine = [c for c, cand in enumerate(candidates) if cand.pattern == kind]
             if mine:
@@ -291,7 +293,7 @@ def collect_evidence(captures: Iterable[Any], samples: Sequence[dict[str, Any]],
             if layer in fixed or (s * n_layers + layer) % world != rank:
                 continue
             q, k, _ = cap.layer_qkv(layer)
-            ev.fill(s, layer, layer_scores(q, k, cap.scale, candidates, proxy))
+            ev.fill(s, layer, layer_scores(q, k, cap.scale, candidates, proxy, cap.layer_lse(layer)))
             bar.update(1)
         cap.close()  # a streamed capture ends its forward: the model's own attention is back
     bar.close()
@@ -351,7 +353,7 @@ def evaluate_config(config: HeadConfig, capture: Any, progress: bool = False) ->
         mass[layer] = rows.mean(-1).double()
         cands = sorted({Candidate(e.pattern, tuple(e.params[p] for p in PARAMS[e.pattern])) for e in entries},
                        key=lambda c: c.label())
-        scores = layer_scores(q, k, capture.scale, cands, config.proxy)
+        scores = layer_scores(q, k, capture.scale, cands, config.proxy, capture.layer_lse(layer))
         for h, e in enumerate(entries):
             c = cands.index(Candidate(e.pattern, tuple(e.params[p] for p in PARAMS[e.pattern])))
             oracle[layer, h] = scores["oracle"][h, c]
@@ -432,7 +434,7 @@ def pattern_fits(capture: Any, config: HeadConfig | None = None, target: float =
     heads, layers = [], []
     for layer in tqdm(capture.layers, desc="pattern fits", unit="layer", disable=not progress, leave=False):
         q, k, _ = capture.layer_qkv(layer)
-        sc = layer_scores(q, k, capture.scale, cands, config.proxy if config else None)
+        sc = layer_scores(q, k, capture.scale, cands, config.proxy if config else None, capture.layer_lse(layer))
         ev = Evidence.empty(cands, [{}], [n], 1, q.shape[0])
         ev.fill(0, 0, sc)
         fit = choose(ev, target)[0]

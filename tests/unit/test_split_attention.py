@@ -1,0 +1,52 @@
+"""A streamed chunk's attention as two calls merged by their row log-sum-exps (`workbench.core.stream`):
+equal to one causal softmax over all keys, with GQA, on the first chunk and on later ones."""
+import math
+
+import pytest
+import torch
+
+from workbench.core.stream import lse_kernel, merge_partials, split_causal_attention
+
+
+def softmax_attention(q, k, v, causal, scale):
+    """Plain attention with each row's log-sum-exp: q `[1, Hq, C, D]`, k/v `[1, Hkv, K, D]`, causal lower-right."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale
+    if causal:
+        c, e = s.shape[-2:]
+        s = s.masked_fill(torch.ones(c, e, dtype=torch.bool).triu(e - c + 1), float("-inf"))
+    return (s.softmax(-1) @ v.double()).to(q.dtype), s.logsumexp(-1).float()
+
+
+@pytest.mark.parametrize("start,c", [(0, 48), (80, 48), (37, 61)])
+def test_split_chunk_equals_one_causal_softmax(start, c):
+    g = torch.Generator().manual_seed(start)
+    q = torch.randn(1, 8, c, 32, generator=g)
+    k, v = (torch.randn(1, 2, start + c, 32, generator=g) for _ in range(2))
+    scale = 1 / math.sqrt(32)
+    out, lse = split_causal_attention(q, k, v, start, scale, softmax_attention)
+    want_out, want_lse = softmax_attention(q, k, v, True, scale)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_merging_two_key_sets_weights_each_by_its_mass():
+    """Merging attention over keys A and over keys B gives attention over A + B; a key set far below the
+    other (lse 30 lower) contributes nothing measurable."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 10, 16, generator=g)
+    k, v = (torch.randn(1, 4, 30, 16, generator=g) for _ in range(2))
+    a = softmax_attention(q, k[:, :, :12], v[:, :, :12], False, 0.25)
+    b = softmax_attention(q, k[:, :, 12:], v[:, :, 12:], False, 0.25)
+    out, lse = merge_partials(*a, *b)
+    want_out, want_lse = softmax_attention(q, k, v, False, 0.25)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    out, lse = merge_partials(a[0], a[1], b[0], b[1] - 30.0)
+    torch.testing.assert_close(out, a[0], atol=1e-6, rtol=1e-6)
+
+
+def test_no_fused_kernel_on_the_cpu():
+    q = torch.randn(1, 4, 8, 16)
+    assert lse_kernel(q, q[:, :2], q[:, :2], 0.25) is None
