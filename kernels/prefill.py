@@ -251,11 +251,17 @@ def loop_variant(pack: int, columns: bool, hopper: bool, head_dim: int = 128) ->
 
 
 def default_config(d: int, rows: int, pack: int) -> tuple[int, int]:
-    """(num_warps, num_stages) per program shape: 4 warps for 64-row programs of head_dim <= 128, else 8;
-    3 stages: K/V tiles load two pieces ahead (2 stages load the next piece only after this one's math,
-    no overlap). Shared memory at 3 stages (Triton 3.9, sm_90): 64 rows x 128 dims 112 KB (two programs
-    per SM), 128 rows 128 KB, 64 rows x 256 dims 224 KB (of 227)."""
-    return (4 if pack * rows == 64 and d <= 128 else 8), 3
+    """(num_warps, num_stages) per program shape: 4 warps (one warpgroup) for 64-row programs, 8 for 128
+    rows; 3 stages: K/V tiles load two pieces ahead (2 stages load the next piece only after this one's
+    math, no overlap). Shared memory at 3 stages (Triton 3.9, sm_90): 64 rows x 128 dims 112 KB (two
+    programs per SM), 128 rows 128 KB, 64 rows x 256 dims 224 KB (of 227); 128 rows x 256 dims need 256 KB
+    and run at 2 (`sparse_prefill` steps down). On the H200 at head_dim 256 (Gemma-3, 64K) 4 warps ran
+    64-row VS, block-sparse and A-shape at 0.60 / 0.73 / 0.61 of dense SDPA's TFLOP/s, 8 warps at 0.38 /
+    0.41 / 0.39 (kernels/NOTES.md)."""
+    return (4 if pack * rows == 64 else 8), 3
+
+
+_FITTING_STAGES: dict[tuple, int] = {}  # program kind -> the most stages that fit the GPU's shared memory
 
 
 def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -283,8 +289,9 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` (last dim contiguous; fp16/bf16/fp32; D a power of two,
     16..256). `tiles` are per query head (H = Hq) or group-shared (H = Hkv: the G = Hq / Hkv query
     heads of a KV head attend to the same keys, as InfLLM-V2 selects them); group-shared tiles run
-    GQA-packed, `pack_rows` rows per program (`pack_rows / G` of each head; default 128, 64 at head_dim
-    256), so each K/V tile loads once for all G heads. Optional per-head A-shape token mask: `sink`,
+    GQA-packed, `pack_rows` rows per program (`pack_rows / G` of each head; default 128: packed A-shape
+    at head_dim 256 ran at 0.74 of dense with 128 rows, 0.61 with 64), so each K/V tile loads once for all
+    G heads. Optional per-head A-shape token mask: `sink`,
     `window` Int `[Hq]` (tokens; use `NO_WINDOW` / 0 for heads without). `split`: walk the pieces of a
     tile as masked prefix, unmasked interior, masked suffix (an interior with no per-piece branch when
     `tiles.disjoint`); False: one loop that masks the pieces it finds on an edge. `tma` (with `split`,
@@ -299,7 +306,7 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     if D & (D - 1) or not 16 <= D <= 256:
         raise ValueError(f"head_dim must be a power of two in 16..256 for the Triton kernel, got {D}")
     if pack_rows is None:
-        pack_rows = 128 if D <= 128 else 64
+        pack_rows = 128
     M = -(-N // tiles.block)
     if tiles.shape[1] == Hkv and Hq != Hkv:
         G = Hq // Hkv
@@ -366,9 +373,12 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     if num_stages is not None:
         launch(num_stages)
         return o, lse
-    for stages in range(auto_stages, 0, -1):  # fewer stages until the tiles fit this GPU's shared memory
-        try:  # (fp32 tiles take twice bf16's: fp32 at head_dim 256 fits one stage only)
-            launch(stages)
+    kind = (dev, q.dtype, D, block, tiles.piece, pack, rows, split, tma, persistent, warp_specialize, has_window,
+            num_warps or auto_warps)
+    for stages in range(_FITTING_STAGES.get(kind, auto_stages), 0, -1):  # fewer stages until the tiles fit this
+        try:  # GPU's shared memory (fp32 tiles take twice bf16's: fp32 at head_dim 256 fits one stage only);
+            launch(stages)  # remembered, so that later calls do not fail first
+            _FITTING_STAGES[kind] = stages
             break
         except OutOfResources:
             if stages == 1:
