@@ -84,6 +84,20 @@ def plan_blocks(blocks: torch.Tensor, slot_of: torch.Tensor, block_in: torch.Ten
 
 
 @triton.jit
+def e4m3_value(codes):
+    """FP8 e4m3 codes -> their fp32 values, decoded with integer ops (bit pattern s eeee mmm: (8 + m) 2^(e - 10),
+    subnormals m 2^-9; the codes here never hold NaN). On the H200 (Triton 3.6) the in-register
+    `codes.to(tl.float32)` of a 256-wide row gave wrong values for half of it while the same codes stored
+    were right (`test_append_token_matches_reference[quant2-256]`); this decode takes no conversion path."""
+    b = codes.to(tl.uint8, bitcast=True).to(tl.int32)
+    e = (b >> 3) & 15
+    m = (b & 7).to(tl.float32)
+    power = ((e + 117) << 23).to(tl.float32, bitcast=True)  # 2^(e - 10), exact
+    mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * power)
+    return tl.where(b >= 128, -mag, mag)
+
+
+@triton.jit
 def store_row(x, bh, pos, d, Host, HostS, Out, HOST_TOKENS, QMAX, HOST: tl.constexpr, QUANT: tl.constexpr,
               INT8: tl.constexpr, OUT: tl.constexpr):
     """The new token's K (or V) row x `[D]` of head row bh at position pos: into the host store (values, or codes
@@ -96,10 +110,12 @@ def store_row(x, bh, pos, d, Host, HostS, Out, HOST_TOKENS, QMAX, HOST: tl.const
         y = tl.where(scale > 0, tl.math.div_rn(xf, tl.where(scale > 0, scale, 1.0)), 0.0)
         if INT8:  # the codes' own type: without a host store Host points at x, whose type rounds nothing
             codes = tl.minimum(tl.maximum(tl.math.floor(y + 0.5), -127.0), 127.0).to(tl.int8)
+            value = codes.to(tl.float32)
         else:
             codes = y.to(tl.float8e4nv)
+            value = e4m3_value(codes)
         if OUT:
-            tl.store(Out + bh * d.shape[0] + d, (codes.to(tl.float32) * scale).to(Out.dtype.element_ty))
+            tl.store(Out + bh * d.shape[0] + d, (value * scale).to(Out.dtype.element_ty))
         if HOST:
             tl.store(Host + hrow * d.shape[0] + d, codes)
             tl.store(HostS + hrow, scale)

@@ -30,6 +30,9 @@ GRACE_S = 20  # a lane may overrun its share by this much (teardown, JSON) befor
 # Tests that may spend minutes in a cold compile run last in their lane (flex_attention: >90 s per case on the
 # H200 in the last session's lane); the lane's other tests are reported whatever these do.
 RUN_LAST = ("test_compiled_flex_backend_equals_triton",)
+# sm_90 compiles without a GPU (CPU-bound, minutes of ptxas): CI runs them; on the GPU machine of 2026-12-02
+# they held three of the four kernel shards past the lane's share, so the lane leaves them out.
+COMPILE_ONLY = "tests/kernels/test_kernels_compile.py"
 
 
 def gpu_test_files(notebook: bool) -> list[str]:
@@ -51,7 +54,8 @@ def lanes() -> dict[str, dict[str, object]]:
     notebooks 87 / 118 s, gpu 121 / 148 s, kernels 179 s for all 135 tests in 4 shards (the second run gave
     the kernels 144 s and left 37 of them)."""
     return {
-        "kernels": {"args": ["tests/kernels"], "estimate_s": 190, "test_timeout_s": 180, "shards": 4},
+        "kernels": {"args": ["tests/kernels", f"--ignore={COMPILE_ONLY}"], "estimate_s": 190, "test_timeout_s": 180,
+                    "shards": 4},
         "gpu": {"args": ["-m", "gpu and not notebook", *gpu_test_files(notebook=False)], "estimate_s": 150,
                 "test_timeout_s": 150},
         "notebooks": {"args": ["-m", "gpu and notebook", *gpu_test_files(notebook=True)], "estimate_s": 120,
