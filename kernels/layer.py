@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .cache_plan import append_args, roll_row, store_row
+from .cache_plan import append_args, roll_row, row_warps, store_row
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
 # No FP fusion: with it Triton folds the products' 16-bit rounding below into one fma.rn.f16 per element, a
 # different rounding from transformers' rotary embedding (seen in the sm_90 PTX, and on the H200 as 1-ulp
 # products that cancel into 64-ulp differences of q).
-ROPE_LAUNCH = {"num_warps": 1, "enable_fp_fusion": False}
+ROPE_LAUNCH = {"enable_fp_fusion": False}  # num_warps: `cache_plan.row_warps(D)` (one element per thread)
 
 
 @triton.jit
@@ -115,7 +115,8 @@ def rope_split(qkvf: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: 
         raise ValueError("appending the token needs its positions")
     _rope_split_kernel[(B, htot)](qkvf, cos, sin, cos_f if forecast_heads else cos, sin_f if forecast_heads else sin,
                                   q, k, v, f if forecast_heads else q, positions if append else q, *targets,
-                                  heads, kv_heads, htot, D=D, APPEND=bool(append), **flags, **ROPE_LAUNCH)
+                                  heads, kv_heads, htot, D=D, APPEND=bool(append), **flags, num_warps=row_warps(D),
+                                  **ROPE_LAUNCH)
     return q, k, v, f
 
 

@@ -9,10 +9,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 from workbench_kernels.block_select import select_blocks  # noqa: E402
-from workbench_kernels.cache_plan import append_token, e4m3_value, plan_blocks  # noqa: E402
+from workbench_kernels.cache_plan import append_token, plan_blocks  # noqa: E402
 from workbench_kernels.cache_plan_ref import append_token_ref, plan_blocks_ref  # noqa: E402
 from workbench_kernels.decode import sparse_decode  # noqa: E402
 from workbench_kernels.decode_ref import sparse_decode_ref  # noqa: E402
@@ -189,7 +187,7 @@ def test_plan_blocks_matches_reference_over_steps():
     assert int(got[2]) > 0 and int(got[3]) > 0
 
 
-@pytest.mark.parametrize("D", [16, 256])
+@pytest.mark.parametrize("D", [16, 64, 256])
 @pytest.mark.parametrize("quant", [None, torch.int8, torch.float8_e4m3fn])
 def test_append_token_matches_reference(D, quant):
     """Host store row (values, or codes + scales), the dequantised token the decoder attends to, and the
@@ -389,20 +387,3 @@ def test_layer_glue_kernels_match_their_references_and_the_llama_modules(dtype):
     assert torch.equal(q_hf, rope_split_ref(*args)[0])
     gate, up = rand(3, 1536), rand(3, 1536)
     torch.testing.assert_close(silu_mul(gate, up), silu_mul_ref(gate, up), rtol=1e-6, atol=1e-6)
-
-
-
-@triton.jit
-def _decode_e4m3(Codes, Out, N: tl.constexpr):
-    i = tl.arange(0, N)
-    tl.store(Out + i, e4m3_value(tl.load(Codes + i).to(tl.float8e4nv, bitcast=True)))
-
-
-def test_e4m3_decode_equals_torchs_float8_values():
-    """`cache_plan.e4m3_value` (integer decode) gives every finite FP8 e4m3 code's value exactly, also in a
-    256-wide row (the width where the in-register conversion went wrong on the H200)."""
-    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # all but the NaNs
-    codes = torch.cat([codes, codes[:2]]).to(DEV)  # 256 wide
-    out = torch.zeros(256, device=DEV)
-    _decode_e4m3[(1,)](codes, out, N=256)
-    torch.testing.assert_close(out.cpu(), codes.cpu().view(torch.float8_e4m3fn).float(), rtol=0, atol=0)
