@@ -24,9 +24,9 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     os.close(fd)
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file ordinary permissions
     try:
         yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~umask)  # ordinary permissions: mkstemp makes 0600, and so does safetensors' writer
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
