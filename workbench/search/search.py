@@ -486,7 +486,7 @@ def compare_proxies(capture: Any, vertical: int, slash: int, variants: Sequence[
     oracles: list[torch.Tensor] = []
     for layer in tqdm(capture.layers, desc="proxies", unit="layer", disable=not progress, leave=False):
         q, k, _ = capture.layer_qkv(layer)
-        sums = LayerReductions(q, k, capture.scale)
+        sums = LayerReductions(q, k, capture.scale, lse=capture.layer_lse(layer))
         st = sums.sums
         indexes = [vs_proxy(q, k, capture.scale, vertical, slash, **{**PROXY_DEFAULTS, **v}) for v in variants]
         best_cols = top_positions(st.column_mass, 0, vertical)
