@@ -115,8 +115,8 @@ def compile_all() -> dict[str, dict]:
     return out
 
 
-@pytest.fixture(scope="module")
-def compiled() -> dict[str, dict]:
+@pytest.fixture(scope="session")  # once per worker: xdist interleaves other modules' tests, and a module-scoped
+def compiled() -> dict[str, dict]:  # fixture was torn down and compiled everything again (2 x ~10 min, cold cache)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
