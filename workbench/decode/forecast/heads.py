@@ -37,8 +37,23 @@ from workbench.patterns.infllm import (
     visible,
 )
 
-FORMAT = "workbench.decode.forecast.heads/1"
-FORMATS = (FORMAT, "workbench.forecast/1")  # the same layout under its name before the package re-layout
+FORMAT = "workbench.decode.forecast.heads/2"  # "codes" int8 [L, Hkv * D, hidden] + "scales" fp16 [L, Hkv * D]
+FP16_FORMATS = ("workbench.decode.forecast.heads/1", "workbench.forecast/1")  # earlier files: "weight" fp16
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT8 per row: weight `[..., C]` -> (codes int8 `[..., C]`, scales fp16 `[...]`), weight ~
+    codes * scale, scale = max |row| / 127 (in fp16). Idempotent: quantising `dequantize_rows` of the result
+    gives the same codes and scales."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(-1) / 127).half()
+    s = scales.float()
+    codes = torch.where(s[..., None] > 0, w / torch.where(s > 0, s, 1.0)[..., None], 0.0)
+    return codes.round().clamp(-127, 127).to(torch.int8), scales
+
+
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return codes.float() * scales.float()[..., None]
 
 
 def rope_tables(model: nn.Module, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,14 +135,16 @@ class ForecastHeads(nn.Module):
         return select_blocks(f, ck, budget)
 
     def save(self, path: str | Path) -> Path:
-        """safetensors, fp16 weight; metadata = format, model shape and provenance (atomic write)."""
+        """safetensors, the weight as INT8 rows with fp16 scales (`quantize_rows`: half of fp16's bytes; the
+        shipped SmolLM2 heads are 3.3 MB); metadata = format, model shape and provenance (atomic write)."""
         from safetensors.torch import save_file
 
         from workbench.core.io import atomic_path
 
         meta = {"format": FORMAT, "shape": json.dumps(self.shape.to_dict()), "meta": json.dumps(self.meta)}
+        codes, scales = quantize_rows(self.weight)
         with atomic_path(path) as tmp:
-            save_file({"weight": self.weight.detach().half().contiguous()}, str(tmp), metadata=meta)
+            save_file({"codes": codes.contiguous(), "scales": scales.contiguous()}, str(tmp), metadata=meta)
         return Path(path)
 
     @classmethod
@@ -143,10 +160,12 @@ class ForecastHeads(nn.Module):
         try:
             with safe_open(str(path), "pt") as f:
                 md = f.metadata() or {}
-                if md.get("format") not in FORMATS or "weight" not in f.keys():
+                tensors = ("weight",) if md.get("format") in FP16_FORMATS else ("codes", "scales")
+                if md.get("format") not in (FORMAT, *FP16_FORMATS) or not set(tensors) <= set(f.keys()):
                     raise ModelError(f"{path} is not a forecast-heads file (format {md.get('format')!r}, "
                                      f"expected {FORMAT!r}): give a file written by `workbench forecast train`")
-                weight = f.get_tensor("weight")
+                weight = f.get_tensor("weight") if len(tensors) == 1 else dequantize_rows(
+                    f.get_tensor("codes"), f.get_tensor("scales"))
         except SafetensorError as e:
             raise ModelError(f"{path} is not a safetensors file ({e}): give the .safetensors file written by "
                              "`workbench forecast train`") from None
