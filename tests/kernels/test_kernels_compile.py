@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.xdist_group("sm90_compile")  # one worker compiles every case once (~10 min cold on 2 cores)
+
 SMEM_SM90 = 232448  # bytes of shared memory one H100 / H200 program may use
 PREFILL_CASES = {  # id: (d, pack, rows, block, piece, split, tma, window, persistent[, q/k/v dtype])
     "vs_per_head": (128, 1, 64, 64, 64, True, False, False, False),  # Vertical-Slash off Hopper
@@ -113,23 +115,12 @@ def compile_all() -> dict[str, dict]:
     return out
 
 
-@pytest.fixture(scope="session")
-def compiled(tmp_path_factory, worker_id) -> dict[str, dict]:
-    """Every case compiled once per test run: the first xdist worker to get here compiles, the other reads its
-    result (`xdist_group` does not keep these tests on one worker under pytest 9, and each worker compiled
-    everything: 2 x ~9 min of a cold 2-core run)."""
-    from filelock import FileLock
-
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if worker_id != "master" else base  # the run's folder, common to its workers
-    result = shared / "sm90_compile.json"
-    with FileLock(str(result) + ".lock"):
-        if not result.exists():
-            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-            run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=900)
-            assert run.returncode == 0, run.stderr[-3000:]
-            result.write_text(run.stdout.strip().splitlines()[-1])
-    return json.loads(result.read_text())
+@pytest.fixture(scope="session")  # once per worker: xdist interleaves other modules' tests, and a module-scoped
+def compiled() -> dict[str, dict]:  # fixture was torn down and compiled everything again (2 x ~10 min, cold cache)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("case", list(PREFILL_CASES))
