@@ -8,6 +8,7 @@ float32 scale: scale = max |x| / QMAX, code = x / scale (FP8: round to nearest e
 so that every implementation rounds alike), value = code * scale in the model's dtype. The gather dequantises
 while it copies, so the GPU cache holds model-dtype values, and the decoder attends to exactly
 `dequantize_rows(*quantize_rows(x))` whether a block came from the host or was appended on the GPU.
+The forecast heads' files hold their weight as the same INT8 rows with fp16 scales (`scale_dtype`).
 """
 from __future__ import annotations
 
@@ -16,23 +17,28 @@ import torch
 QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
 
 
-def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x `[..., D]` -> codes `[..., D]` in `dtype` (float8_e4m3fn or int8) and scales `[...]` float32."""
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype,
+                  scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[..., D]` -> codes `[..., D]` in `dtype` (float8_e4m3fn or int8) and scales `[...]` in `scale_dtype`.
+    The scale is computed in float32, rounded to `scale_dtype`, and x is divided by the rounded scale, so that
+    quantising `dequantize_rows` of the result gives the same codes and scales back."""
     if dtype not in QMAX:
         raise ValueError(f"quantised store dtype must be float8_e4m3fn or int8, got {dtype}")
     xf = x.float()
     amax = xf.abs().amax(-1)
-    scale = amax / torch.full_like(amax, QMAX[dtype])  # a true division: CUDA's `tensor / scalar` multiplies by
-    # the rounded reciprocal, one ulp away from the kernels' div_rn on some rows (seen on the H200)
-    y = torch.where(scale[..., None] > 0, xf / scale.clamp(min=torch.finfo(torch.float32).tiny)[..., None], 0.0)
+    scale = (amax / torch.full_like(amax, QMAX[dtype])).to(scale_dtype)  # a true division: CUDA's `tensor /
+    # scalar` multiplies by the rounded reciprocal, one ulp away from the kernels' div_rn on some rows (H200)
+    s = scale.float()
+    y = torch.where(s[..., None] > 0, xf / s.clamp(min=torch.finfo(torch.float32).tiny)[..., None], 0.0)
+    y = y.clamp(-QMAX[dtype], QMAX[dtype])  # a scale rounded down (fp16) can put |y| just past QMAX
     if dtype == torch.int8:
-        y = torch.floor(y + 0.5).clamp(-127, 127)
+        y = torch.floor(y + 0.5)
     return y.to(dtype), scale
 
 
 def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """codes `[..., D]`, scales `[...]` -> values `[..., D]` in `dtype`."""
-    return (codes.float() * scale[..., None]).to(dtype)
+    """codes `[..., D]`, scales `[...]` (any float dtype) -> values `[..., D]` in `dtype`."""
+    return (codes.float() * scale.float()[..., None]).to(dtype)
 
 
 def check_gather_args(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor,

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from workbench_kernels.gather_ref import dequantize_rows, quantize_rows
 
 from workbench.core.model import ModelError, ModelShape
 from workbench.patterns.infllm import (
@@ -39,21 +40,6 @@ from workbench.patterns.infllm import (
 
 FORMAT = "workbench.decode.forecast.heads/2"  # "codes" int8 [L, Hkv * D, hidden] + "scales" fp16 [L, Hkv * D]
 FP16_FORMATS = ("workbench.decode.forecast.heads/1", "workbench.forecast/1")  # earlier files: "weight" fp16
-
-
-def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric INT8 per row: weight `[..., C]` -> (codes int8 `[..., C]`, scales fp16 `[...]`), weight ~
-    codes * scale, scale = max |row| / 127 (in fp16). Idempotent: quantising `dequantize_rows` of the result
-    gives the same codes and scales."""
-    w = weight.detach().float()
-    scales = (w.abs().amax(-1) / 127).half()
-    s = scales.float()
-    codes = torch.where(s[..., None] > 0, w / torch.where(s > 0, s, 1.0)[..., None], 0.0)
-    return codes.round().clamp(-127, 127).to(torch.int8), scales
-
-
-def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return codes.float() * scales.float()[..., None]
 
 
 def rope_tables(model: nn.Module, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,14 +121,15 @@ class ForecastHeads(nn.Module):
         return select_blocks(f, ck, budget)
 
     def save(self, path: str | Path) -> Path:
-        """safetensors, the weight as INT8 rows with fp16 scales (`quantize_rows`: half of fp16's bytes; the
-        shipped SmolLM2 heads are 3.3 MB); metadata = format, model shape and provenance (atomic write)."""
+        """safetensors, the weight as INT8 rows with fp16 scales (`gather_ref.quantize_rows`: half of fp16's bytes,
+        and save -> load -> save is exact; the shipped SmolLM2 heads are 3.3 MB); metadata = format, model shape
+        and provenance (atomic write)."""
         from safetensors.torch import save_file
 
         from workbench.core.io import atomic_path
 
         meta = {"format": FORMAT, "shape": json.dumps(self.shape.to_dict()), "meta": json.dumps(self.meta)}
-        codes, scales = quantize_rows(self.weight)
+        codes, scales = quantize_rows(self.weight.detach(), torch.int8, torch.float16)
         with atomic_path(path) as tmp:
             save_file({"codes": codes.contiguous(), "scales": scales.contiguous()}, str(tmp), metadata=meta)
         return Path(path)
@@ -165,7 +152,7 @@ class ForecastHeads(nn.Module):
                     raise ModelError(f"{path} is not a forecast-heads file (format {md.get('format')!r}, "
                                      f"expected {FORMAT!r}): give a file written by `workbench forecast train`")
                 weight = f.get_tensor("weight") if len(tensors) == 1 else dequantize_rows(
-                    f.get_tensor("codes"), f.get_tensor("scales"))
+                    f.get_tensor("codes"), f.get_tensor("scales"), torch.float32)
         except SafetensorError as e:
             raise ModelError(f"{path} is not a safetensors file ({e}): give the .safetensors file written by "
                              "`workbench forecast train`") from None
