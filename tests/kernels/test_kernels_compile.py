@@ -95,7 +95,7 @@ def compile_all() -> dict[str, dict]:
                                                     "Diag": "*fp32", "qk_scale": "fp32"},
                      dict(D=256, R=64), ("Q", "K", "Lse", "Col", "Diag", *qk_strides), 4)
         compile_sm90(index_build._block_topk_kernel, {"Score": "*fp32", "Budget": "*i32", "Out": "*i32"},
-                     dict(R=4, NPAD=2048, KPAD=128), ("Score", "Budget", "Out"), 8)
+                     dict(R=1, NPAD=2048, KPAD=128), ("Score", "Budget", "Out"), 4)
         dots = {}
         for precision in ("ieee", "tf32x3"):
             scores = compile_sm90(index_build._block_scores_kernel, {"QP": "*fp32", "KP": "*fp32", "Score": "*fp32"},

@@ -186,6 +186,25 @@ def test_block_index_kernel_on_long_rows_and_budgets():
         assert agree == 1 if DEV == "cpu" else agree > 0.95
 
 
+def test_block_selection_over_every_band_of_rows():
+    """`select_blocks` launches one program per query block, one launch per power-of-two band of m
+    (m < 128, 128..255, 256..511 here): each band selects what torch.topk selects; ties at the
+    threshold go to the lowest block ids."""
+    from workbench_kernels.index_build import select_blocks
+    from workbench_kernels.topk import top_blocks
+
+    g = torch.Generator().manual_seed(11)
+    score = torch.randn(1, 2, 300, 300, generator=g)
+    for topk, per_head in ((9, None), (torch.tensor([3, 140]), torch.tensor([3, 140]))):
+        got = select_blocks(score.to(DEV), topk).cpu()
+        assert torch.equal(got, top_blocks(score, int(torch.as_tensor(topk).max()), per_head))
+    score[0, 1, 200, :150] = 0.0  # 150 tied candidates; the row's other 50 are random
+    row = select_blocks(score.to(DEV), torch.tensor([3, 140])).cpu()[0, 1, 200]
+    above = (score[0, 1, 200, :200] > 0).nonzero().flatten()
+    want = torch.cat([above, torch.arange(139 - len(above)), torch.tensor([200])]).sort().values
+    assert torch.equal(row[:140].long(), want)
+
+
 def test_group_shared_indexes_select_from_the_summed_group_scores():
     """group_shared=True: one index per KV head, chosen from the scores added over its query heads."""
     from workbench_kernels.index_build import block_index
