@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from workbench_benchmarks.shapes import LLAMA3_8B, random_llama
+from workbench_kernels.gather_ref import GATHER_CTAS
 
 from workbench.core.io import write_json
 from workbench.core.shapes import resolve_shape
@@ -226,7 +227,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="modes: dynamic-block reuse rate measured on the embedded model (required there)")
     p.add_argument("--plan", default="32768:1,8,32,64;65536:1,8,32;131072:1,4,8,16",
                    help="modes: context:batches;... (batches ascending)")
-    p.add_argument("--sweep-ctas", default="8,16,32,64")
+    p.add_argument("--ctas", type=int, default=None, help="programs of the gather kernel (default: the engine's)")
+    p.add_argument("--sweep-ctas", default=None,
+                   help="modes: more CTA counts for the offload modes at the longest context "
+                        "(default 8,16,32,64; none with --quick)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--host-gib", type=float, default=100.0, help="pinned host memory the store may take")
@@ -268,7 +272,9 @@ def run(a: argparse.Namespace) -> int:
     if a.reuse is None:
         raise ValueError("--part modes needs --reuse (the dynamic-block reuse rate measured on the embedded model, e.g. 0.79)")
     plan = [(int(c), [int(b) for b in bs.split(",")]) for c, bs in (x.split(":") for x in a.plan.split(";"))]
-    ctas_list = [int(c) for c in a.sweep_ctas.split(",")]
+    ctas = a.ctas or GATHER_CTAS
+    sweep = a.sweep_ctas if a.sweep_ctas is not None else "" if a.quick else "8,16,32,64"
+    ctas_list = [int(c) for c in sweep.split(",") if c]
     stores = [x.strip() for x in a.store_dtypes.split(",")]
     if any(x not in STORE_DTYPES for x in stores) or not stores:
         raise ValueError(f"--store-dtypes {a.store_dtypes!r}: give a comma list of {', '.join(STORE_DTYPES)}")
@@ -277,7 +283,7 @@ def run(a: argparse.Namespace) -> int:
         "what": f"decode engine modes on a RANDOM-WEIGHT {'TINY' if a.tiny else 'Llama-3-8B'}-shaped model (synthetic "
                 f"KV), {a.layers} of 32 layers (layer 0 resident, {a.layers - 1} offloaded), {dtype}, host KV stores "
                 f"{stores}; offload modes and 'sparse-resident' with reuse_imposed run the same ImposedReuse hook",
-        "layers": a.layers, "budget": budget.to_dict(),
+        "layers": a.layers, "budget": budget.to_dict(), "ctas": ctas,
         "environment": environment() if device == "cuda" else timing_environment(), "runs": [], "stores": {},
         "copy_by_store": {}}
     out = Path(a.out)
@@ -295,7 +301,7 @@ def run(a: argparse.Namespace) -> int:
         store = BlockStore(spec, limit_bytes=int(a.host_gib * GiB))
         fill_store(store)
         result["stores"][store_dtype] = {"gib": spec.nbytes / GiB, "seconds_to_pin_and_fill": time.perf_counter() - t0}
-        result["copy_by_store"][store_dtype] = copy_rates(store, ctas_list if not a.quick else [16]) \
+        result["copy_by_store"][store_dtype] = copy_rates(store, sorted({ctas, *ctas_list})) \
             if device == "cuda" else None
         if n == 0:
             result["copy"] = result["copy_by_store"][store_dtype]
@@ -311,23 +317,23 @@ def run(a: argparse.Namespace) -> int:
             for batch in batches:
                 jobs = []
                 if n == 0:  # resident modes do not touch the store: once
-                    jobs += [("dense-resident", None, 16), ("sparse-resident", None, 16),
-                             ("sparse-resident", a.reuse, 16)]
-                jobs += [(m, r, 16) for m in OFFLOAD for r in ((a.reuse,) if a.quick else (None, a.reuse))]
-                if context == max(c for c, _ in plan) and not a.quick:
+                    jobs += [("dense-resident", None, ctas), ("sparse-resident", None, ctas),
+                             ("sparse-resident", a.reuse, ctas)]
+                jobs += [(m, r, ctas) for m in OFFLOAD for r in ((a.reuse,) if a.quick else (None, a.reuse))]
+                if context == max(c for c, _ in plan):
                     jobs += [(m, a.reuse, c) for m in ("sparse-offload-sync", "sparse-offload-forecast")
-                             for c in ctas_list if c != 16]
-                for mode, reuse, ctas in jobs:
+                             for c in ctas_list if c != ctas]
+                for mode, reuse, job_ctas in jobs:
                     try:
-                        r = run_one(model, store, mode, context, batch, steps=a.steps, warmup=a.warmup, ctas=ctas,
+                        r = run_one(model, store, mode, context, batch, steps=a.steps, warmup=a.warmup, ctas=job_ctas,
                                     reuse=reuse, budget=budget, store_dtype=store_dtype if mode in OFFLOAD else "model")
                     except Exception as e:  # a refusal (capacity, OOM) or a failure: record it, go on
-                        r = {"mode": mode, "context": context, "batch": batch, "ctas": ctas, "reuse_imposed": reuse,
+                        r = {"mode": mode, "context": context, "batch": batch, "ctas": job_ctas, "reuse_imposed": reuse,
                              "store_dtype": store_dtype, "refused": f"{type(e).__name__}: {str(e)[:300]}"}
                         _free()
                     result["runs"].append(r)
                     write_json(out, result)
-                    print(f"{context:>7} b{batch:<3} {mode:<26} {r['store_dtype']:<5} reuse={reuse} ctas={ctas:<3} "
+                    print(f"{context:>7} b{batch:<3} {mode:<26} {r['store_dtype']:<5} reuse={reuse} ctas={job_ctas:<3} "
                           + (f"{r['tokens_per_s']:9.1f} tok/s (eager {r['eager_tokens_per_s']:7.1f}) hit={r['hit_rate']} "
                              f"launches/layer={r['launches_per_layer_step']} copy(events)={r['eager_copy_gbps']} "
                              f"copy(kernel)={r['profiled_copy_gbps']} MB/step={r['bytes_moved_per_step'] / 1e6:.1f}"
@@ -611,7 +617,9 @@ def summarize(result: dict[str, Any], host_gib: float = 128.0) -> dict[str, Any]
     copies = result.get("copy_by_store") or {"model": result["copy"]}
     memcpy = max((c["pinned_memcpy_gbps"] for c in copies.values() if c), default=None)
 
-    def find(mode, context, batch, reuse, store="model", ctas=16):
+    ctas = result.get("ctas", 16)  # the CTA count of the main runs (16 before it was recorded)
+
+    def find(mode, context, batch, reuse, store="model"):
         for r in runs:
             if (r["mode"], r["context"], r["batch"], r["reuse_imposed"], r["ctas"], r.get("store_dtype", "model")) == (
                     mode, context, batch, reuse, ctas, store):
@@ -623,7 +631,7 @@ def summarize(result: dict[str, Any], host_gib: float = 128.0) -> dict[str, Any]
 
     ratios = []
     for r in runs:
-        if r["mode"] != "sparse-offload-forecast" or r["ctas"] != 16:
+        if r["mode"] != "sparse-offload-forecast" or r["ctas"] != ctas:
             continue
         key, store = (r["context"], r["batch"]), r.get("store_dtype", "model")
         sync = find("sparse-offload-sync", *key, r["reuse_imposed"], store)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+GATHER_CTAS = 32  # programs of the UVA gather kernel by default (kernels/NOTES.md: 16 starve beside other kernels)
 
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype,

@@ -418,12 +418,15 @@ def test_decode_benchmark_modes_part_runs_on_the_cpu(one_thread, tmp_path):
     out = tmp_path / "modes.json"
     bench, args = _bench_args("--part", "modes", "--device", "cpu", "--tiny", "--layers", "3", "--reuse", "0.75",
                               "--plan", "4096:2", "--quick", "--store-dtypes", "model,int8", "--steps", "2",
-                              "--warmup", "1", "--check", "--host-gib", "1", "--out", str(out))
+                              "--warmup", "1", "--check", "--host-gib", "1", "--sweep-ctas", "8", "--out", str(out))
     assert bench.run(args) == 0
     r = json.loads(out.read_text())
     assert all(all(v.values()) for check in r["lossless_gpu"].values() for v in (check["eager"],))
     runs = [x for x in r["runs"] if "tokens_per_s" in x]
-    assert len(runs) == len(r["runs"]) == 3 + 3 + 3  # resident (no hook, hook), dense; offload x 2 stores
+    # resident (no hook, hook), dense; offload x 2 stores; sync and forecast at 8 CTAs x 2 stores
+    assert len(runs) == len(r["runs"]) == 3 + 3 + 3 + 2 * 2
+    assert sorted({x["ctas"] for x in runs}) == sorted({8, r["ctas"]})
+    assert len(r["summary"]["ratios"]) == 2  # the main CTA count's forecast runs only
     ratios = {x["store_dtype"]: x for x in r["summary"]["ratios"]}
     assert set(ratios) == {"model", "int8"} and ratios["int8"]["mb_moved_per_step"] < ratios["model"]["mb_moved_per_step"]
     assert all(x["forecast_over_sparse_resident_same_hook"] for x in ratios.values())

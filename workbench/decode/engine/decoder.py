@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
+from workbench_kernels.gather_ref import GATHER_CTAS
 
 from workbench.decode.engine.cache import BlockCache, CopyPlan
 from workbench.decode.engine.hooks import CopyTimer, StepHooks
@@ -68,7 +69,7 @@ class EngineConfig:
     budget: Budget = field(default_factory=Budget)
     selector: str = "same-layer"
     cache_blocks: int | None = None
-    ctas: int = 16
+    ctas: int = GATHER_CTAS
     kernels: str = "auto"
     splits: int | None = None
     store_dtype: str = "model"
