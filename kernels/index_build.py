@@ -355,8 +355,8 @@ def select_blocks(score: torch.Tensor, topk: int | torch.Tensor = 100) -> torch.
     `topk` in all (an int, or Long per query head: tables per KV head take their group's largest)
     -> Int32 `[B, H, M, max topk]`, ascending, -1 padded. Each Triton program selects one query block
     (exact k-th value by bisection, no sort, no host sync), one launch per power-of-two band of m so a
-    row scans at most twice its candidates, with ~16 scores per thread (fewer registers, more programs
-    per SM: 2.4-3.3x faster than 4-8 rows per program on the H200, kernels/NOTES.md); on the CPU without
+    row scans at most twice its candidates, with ~32 scores per thread (fewer registers, more programs
+    per SM: 2.7-2.9x faster than 4-8 rows per program on the H200, kernels/NOTES.md); on the CPU without
     the Triton interpreter `topk.top_blocks` (the same blocks)."""
     B, H, M, _ = score.shape
     n_budgets = torch.as_tensor(topk).numel()
@@ -368,7 +368,8 @@ def select_blocks(score: torch.Tensor, topk: int | torch.Tensor = 100) -> torch.
     kernel = score.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
     if not kernel or k_max == 0 or M > MAX_TOPK_BLOCKS:
         return top_blocks(score, k_max, per_head)
-    budgets = (per_head if per_head is not None else torch.full((H,), k_max)).to(score.device, torch.int32)
+    budgets = (per_head.to(score.device, torch.int32) if per_head is not None
+               else torch.full((H,), k_max, dtype=torch.int32, device=score.device))  # no host copy
     out = torch.empty(B, H, M, k_max, dtype=torch.int32, device=score.device)
     score = score.contiguous()
     lo = 0
@@ -377,7 +378,7 @@ def select_blocks(score: torch.Tensor, topk: int | torch.Tensor = 100) -> torch.
         hi = min(M, npad)
         _block_topk_kernel[(B * H * (hi - lo),)](score, budgets, out, M, H, k_max, lo, hi, R=1, NPAD=npad,
                                                  KPAD=triton.next_power_of_2(k_max),
-                                                 num_warps=min(16, max(1, npad // 512)))
+                                                 num_warps=min(16, max(1, npad // 1024)))
         lo = hi
     return out
 
