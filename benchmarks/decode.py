@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 from workbench_benchmarks.shapes import LLAMA3_8B, random_llama
-from workbench_kernels.gather_ref import GATHER_CTAS
+from workbench_kernels.gather_ref import gather_ctas
 
 from workbench.core.io import write_json
 from workbench.core.shapes import resolve_shape
@@ -95,6 +95,12 @@ def copy_rates(store: BlockStore, ctas_list: list[int]) -> dict[str, Any]:
         gather[str(ctas)] = 2 * m * block_bytes / (ms / 1e3) / 1e9
     return {"pinned_memcpy_gbps": memcpy, "gather_gbps_by_ctas": gather, "gather_block_bytes": block_bytes,
             "store_dtype": store.spec.quant and str(store.spec.quant).replace("torch.", "") or "model"}
+
+
+def main_run(result: dict[str, Any], run: dict[str, Any]) -> bool:
+    """Whether a modes run is at its store's main CTA count, not one of the `--sweep-ctas` extras (files before
+    `ctas_main`: the file's `ctas`, else 16)."""
+    return run.get("ctas_main", run["ctas"] == (result.get("ctas") or 16))
 
 
 def fill_store(store: BlockStore) -> None:
@@ -227,7 +233,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="modes: dynamic-block reuse rate measured on the embedded model (required there)")
     p.add_argument("--plan", default="32768:1,8,32,64;65536:1,8,32;131072:1,4,8,16",
                    help="modes: context:batches;... (batches ascending)")
-    p.add_argument("--ctas", type=int, default=None, help="programs of the gather kernel (default: the engine's)")
+    p.add_argument("--ctas", type=int, default=None, help="programs of the gather kernel (default: gather_ctas per store)")
     p.add_argument("--sweep-ctas", default=None,
                    help="modes: more CTA counts for the offload modes at the longest context "
                         "(default 8,16,32,64; none with --quick)")
@@ -272,7 +278,6 @@ def run(a: argparse.Namespace) -> int:
     if a.reuse is None:
         raise ValueError("--part modes needs --reuse (the dynamic-block reuse rate measured on the embedded model, e.g. 0.79)")
     plan = [(int(c), [int(b) for b in bs.split(",")]) for c, bs in (x.split(":") for x in a.plan.split(";"))]
-    ctas = a.ctas or GATHER_CTAS
     sweep = a.sweep_ctas if a.sweep_ctas is not None else "" if a.quick else "8,16,32,64"
     ctas_list = [int(c) for c in sweep.split(",") if c]
     stores = [x.strip() for x in a.store_dtypes.split(",")]
@@ -283,7 +288,7 @@ def run(a: argparse.Namespace) -> int:
         "what": f"decode engine modes on a RANDOM-WEIGHT {'TINY' if a.tiny else 'Llama-3-8B'}-shaped model (synthetic "
                 f"KV), {a.layers} of 32 layers (layer 0 resident, {a.layers - 1} offloaded), {dtype}, host KV stores "
                 f"{stores}; offload modes and 'sparse-resident' with reuse_imposed run the same ImposedReuse hook",
-        "layers": a.layers, "budget": budget.to_dict(), "ctas": ctas,
+        "layers": a.layers, "budget": budget.to_dict(), "ctas": a.ctas,
         "environment": environment() if device == "cuda" else timing_environment(), "runs": [], "stores": {},
         "copy_by_store": {}}
     out = Path(a.out)
@@ -298,6 +303,7 @@ def run(a: argparse.Namespace) -> int:
                          STORE_DTYPES[store_dtype])
         t0 = time.perf_counter()
         print(f"pinning a {spec.nbytes / GiB:.1f} GiB {store_dtype} store", flush=True)
+        ctas = a.ctas or gather_ctas(spec.quant is not None)  # this store's main CTA count
         store = BlockStore(spec, limit_bytes=int(a.host_gib * GiB))
         fill_store(store)
         result["stores"][store_dtype] = {"gib": spec.nbytes / GiB, "seconds_to_pin_and_fill": time.perf_counter() - t0}
@@ -331,6 +337,7 @@ def run(a: argparse.Namespace) -> int:
                         r = {"mode": mode, "context": context, "batch": batch, "ctas": job_ctas, "reuse_imposed": reuse,
                              "store_dtype": store_dtype, "refused": f"{type(e).__name__}: {str(e)[:300]}"}
                         _free()
+                    r["ctas_main"] = job_ctas == ctas
                     result["runs"].append(r)
                     write_json(out, result)
                     print(f"{context:>7} b{batch:<3} {mode:<26} {r['store_dtype']:<5} reuse={reuse} ctas={job_ctas:<3} "
@@ -617,12 +624,10 @@ def summarize(result: dict[str, Any], host_gib: float = 128.0) -> dict[str, Any]
     copies = result.get("copy_by_store") or {"model": result["copy"]}
     memcpy = max((c["pinned_memcpy_gbps"] for c in copies.values() if c), default=None)
 
-    ctas = result.get("ctas", 16)  # the CTA count of the main runs (16 before it was recorded)
-
     def find(mode, context, batch, reuse, store="model"):
         for r in runs:
-            if (r["mode"], r["context"], r["batch"], r["reuse_imposed"], r["ctas"], r.get("store_dtype", "model")) == (
-                    mode, context, batch, reuse, ctas, store):
+            key = (r["mode"], r["context"], r["batch"], r["reuse_imposed"], r.get("store_dtype", "model"))
+            if main_run(result, r) and key == (mode, context, batch, reuse, store):
                 return r
         return None
 
@@ -631,7 +636,7 @@ def summarize(result: dict[str, Any], host_gib: float = 128.0) -> dict[str, Any]
 
     ratios = []
     for r in runs:
-        if r["mode"] != "sparse-offload-forecast" or r["ctas"] != ctas:
+        if r["mode"] != "sparse-offload-forecast" or not main_run(result, r):
             continue
         key, store = (r["context"], r["batch"]), r.get("store_dtype", "model")
         sync = find("sparse-offload-sync", *key, r["reuse_imposed"], store)

@@ -5,7 +5,7 @@ blocks with wide loads straight from pinned host memory (a pinned CPU tensor's p
 the GPU under unified addressing), so a gather of scattered blocks is one launch with no CPU work.
 The number of copies is read from device memory, so the caller never synchronises to count misses.
 Few CTAs leave SMs to the attention and FFN kernels running beside the copy, but PCIe reads are long:
-too few programs keep too few bytes in flight once other kernels share the SMs (32 is the default).
+too few programs keep too few bytes in flight once other kernels share the SMs (`gather_ctas`).
 With scales the source holds FP8 / INT8 codes (half the bytes over PCIe of bf16) and each token row is
 dequantised into the cache's dtype (`gather_ref.dequantize_rows`). Same contracts as `gather_ref`.
 """
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gather_ref import GATHER_CTAS, check_gather_args
+from .gather_ref import check_gather_args, gather_ctas
 
 
 @triton.jit
@@ -45,10 +45,10 @@ def _gather_blocks_kernel(SrcK, SrcV, DstK, DstV, SrcIdx, DstIdx, Count, ScaleK,
 
 
 def gather_blocks(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
-                  src_idx: torch.Tensor, dst_idx: torch.Tensor, count: torch.Tensor, ctas: int = GATHER_CTAS,
+                  src_idx: torch.Tensor, dst_idx: torch.Tensor, count: torch.Tensor, ctas: int | None = None,
                   scale_k: torch.Tensor | None = None, scale_v: torch.Tensor | None = None) -> None:
     """dst[dst_idx[i]] = src[src_idx[i]] for i < count where dst_idx[i] >= 0 (K and V) with `ctas`
-    persistent programs.
+    persistent programs (None: `gather_ctas`, by whether the store is quantised).
 
     src pools `[S, E]` (pinned host memory on the GPU path), dst pools `[S', E]`, indices `[M]` int,
     count a 1-element int tensor on the GPU. E = 64 rows x a power of two >= 16 elements (a 64-token
@@ -60,6 +60,7 @@ def gather_blocks(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor,
     for src, dst in ((src_k, dst_k), (src_v, dst_v)):
         check_gather_args(src, dst, src_idx, dst_idx, count, quantised)
     E = src_k.shape[1]
+    ctas = gather_ctas(quantised) if ctas is None else ctas
     if ctas < 1:
         raise ValueError(f"ctas must be >= 1, got {ctas}")
     R = scale_k.shape[1] if quantised else 64

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from workbench_kernels.gather_ref import GATHER_CTAS
-
 from workbench.cli._args import add_device, add_length, add_out, add_tasks, positive_int, renamed, resolve_device_args
 
 
@@ -28,8 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_tasks(p, "passkey", what="corpus task of the prompts", one=True)
     p.add_argument("--budget", default="1,2,8", help="init,local,topk blocks of 64 tokens")
     p.add_argument("--heads", default=None, help="trained Forecast heads (.safetensors); default: q_proj warm start")
-    p.add_argument("--ctas", type=positive_int, default=GATHER_CTAS,
-                   help=f"programs of the UVA gather kernel (default {GATHER_CTAS})")
+    p.add_argument("--ctas", type=positive_int, default=None,
+                   help="programs of the UVA gather kernel (default 32; 64 with an FP8 / INT8 store)")
     p.add_argument("--store-dtype", default="model", choices=["model", "fp8", "int8"],
                    help="offloaded KV on the host: the model's dtype, or FP8 (e4m3) / INT8 codes with per-row scales "
                         "(half the PCIe bytes of bf16; resident modes round through the same codes)")

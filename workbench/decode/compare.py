@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from workbench_kernels.gather_ref import GATHER_CTAS
 
 from workbench.core.progress import Progress, reporter
 from workbench.decode.engine.decoder import MODES, OFFLOAD, STORE_DTYPES, DecodeEngine, EngineConfig, check_budget
@@ -149,7 +148,7 @@ def decode_length(prompt_tokens: int, new_tokens: int, cuda: bool, trace: bool =
 @torch.no_grad()
 def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch.Tensor], *,
                   modes: Sequence[str] = DEFAULT_MODES, new_tokens: int = 16, budget: Budget | None = None,
-                  heads: Any = None, graph: bool | None = None, trace: bool = True, ctas: int = GATHER_CTAS,
+                  heads: Any = None, graph: bool | None = None, trace: bool = True, ctas: int | None = None,
                   measure_reuse: bool = False, quality: bool = False, store_dtype: str = "model",
                   progress: bool | Progress = True) -> Comparison:
     """Greedy-generate `new_tokens` (the prefill's token, then new_tokens - 1 decode steps) after each prompt

@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from workbench_kernels.gather_ref import GATHER_CTAS
 
 from workbench.decode.engine.cache import BlockCache, CopyPlan
 from workbench.decode.engine.hooks import CopyTimer, StepHooks
@@ -62,14 +61,15 @@ class EngineConfig:
     """How to decode. `selector` only matters for sparse-resident (offload modes fix their own; "quest"
     also replaces InfLLM-V2 in sparse-offload-sync);
     `cache_blocks` = GPU cache slots per (sequence, KV head), default budget.total; `ctas` = programs of
-    the gather kernel; `kernels` = "triton", "torch" (reference) or "auto" (Triton on CUDA); `store_dtype` =
+    the gather kernel (None: `gather_ctas`, 32 for a model-dtype store, 64 for FP8 / INT8); `kernels` =
+    "triton", "torch" (reference) or "auto" (Triton on CUDA); `store_dtype` =
     "model", "fp8" or "int8": how the offloadable layers' KV is kept (see the module docstring)."""
 
     mode: str = "sparse-offload-forecast"
     budget: Budget = field(default_factory=Budget)
     selector: str = "same-layer"
     cache_blocks: int | None = None
-    ctas: int = GATHER_CTAS
+    ctas: int | None = None
     kernels: str = "auto"
     splits: int | None = None
     store_dtype: str = "model"
@@ -432,7 +432,7 @@ class DecodeEngine:
         dst = cache.k.view(cache.k.shape[0], -1), cache.v.view(cache.v.shape[0], -1)
         scales = tuple(s.view(-1, BLOCK) for s in self.host_scales[layer]) if self.quant else (None, None)
         self._emit("copy_start", layer)
-        kw = {"ctas": self.config.ctas} if self.triton else {}
+        kw = {"ctas": self.config.ctas} if self.triton and self.config.ctas else {}
         self._gather(*src, *dst, plan.src, plan.dst, plan.count, scale_k=scales[0], scale_v=scales[1], **kw)
         self._emit("copy_end", layer)
 
