@@ -63,6 +63,8 @@ def attention_figures(length: int) -> dict:
 
 
 def benchmark_figures() -> dict:
+    from workbench_benchmarks.decode import main_run
+
     from workbench.config import HeadConfig
     from workbench.views import viz
 
@@ -88,8 +90,8 @@ def benchmark_figures() -> dict:
         context = max(r["context"] for r in bench["runs"])
         groups: dict = {}
         for r in bench["runs"]:
-            if r["context"] == context and r["ctas"] == 16 and r["reuse_imposed"] in (None, 0.79) and \
-                    not (r["mode"].startswith(("sparse-offload", "forecast")) and r["reuse_imposed"] is None):
+            if r["context"] == context and main_run(bench, r) and r.get("store_dtype", "model") == "model" \
+                    and r["reuse_imposed"] == (None if r["mode"].endswith("-resident") else 0.79):
                 groups.setdefault(r["mode"], {})[f"batch {r['batch']}"] = r["tokens_per_s"]
         figs["decode_h200"] = viz.grouped_bars(groups, "tokens/s", title=f"{bench['environment']['gpu']}: decode at "
                                                f"{context // 1024}K tokens, {bench['layers']} layers of a random-weight "
