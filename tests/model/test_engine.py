@@ -494,6 +494,18 @@ def test_compare_modes_store_dtypes_are_lossless_move_fewer_bytes_and_report_the
         compare_modes(model, prompt, modes=["sparse-resident@fp16"], progress=False)
 
 
+def test_with_store_keeps_dense_exact_and_suffixes_every_other_mode():
+    from workbench.decode.compare import DEFAULT_MODES, reference_of, with_store
+
+    specs = with_store(DEFAULT_MODES, "int8")
+    assert specs[0] == "dense-resident" and all(s.endswith("@int8") for s in specs[1:])
+    assert all(reference_of(s) in specs for s in specs if reference_of(s))  # every offload mode's reference runs too
+    assert with_store(["sparse-resident@fp8", "sparse-offload-sync"], "model") == ["sparse-resident@fp8",
+                                                                                  "sparse-offload-sync"]
+    with pytest.raises(ValueError, match="store 'fp4' is unknown: choose one of model, fp8, int8"):
+        with_store(DEFAULT_MODES, "fp4")
+
+
 def test_a_budget_beyond_the_sequence_blocks_is_refused_naming_topk():
     """A top-k of 100000 used to size every block buffer by 100003 blocks per head (gigabytes per layer): the
     decode looked hung. It is refused before anything is prefilled or allocated, with the largest useful top-k."""

@@ -55,6 +55,26 @@ def test_decode_tab_shows_every_mode_its_text_and_offload_is_lossless(server, br
     page.close()
 
 
+def test_an_int8_host_store_decodes_every_mode_but_dense_through_the_codes(server, browser):
+    """The host KV store select: every mode but dense-resident runs with INT8 codes (rows marked @int8), the
+    offload modes still give their resident references' tokens, and the device line says what the codes are."""
+    page = open_page(browser, server[0])
+    tab(page, "Decode")
+    fill(page, ".wb-decode-tokens", 3)
+    page.locator(".wb-decode-store select").select_option(label="INT8")
+    page.locator(".wb-decode-run button").click()
+    until(page, page.locator("table.wb-decode tr[data-mode='sparse-offload-sync@int8']"), LOAD_S * 1000)
+    until(page, page.locator(DONE))
+    assert "INT8 codes" in page.locator(".wb-decode-device").inner_text()
+    modes = page.locator("table.wb-decode tr[data-mode]").evaluate_all("rows => rows.map(r => r.dataset.mode)")
+    assert modes == ["dense-resident"] + [f"{m}@int8" for m in MODES[1:]], modes
+    for offload, ref in (("sparse-offload-sync@int8", "sparse-resident@int8"),
+                         ("sparse-offload-forecast@int8", "sparse-resident/forecast@int8")):
+        same = page.locator(f"table.wb-decode-text tr[data-mode='{offload}'] .wb-decode-same").inner_text()
+        assert same == f"{ref}: yes", same
+    page.close()
+
+
 def test_a_bad_decode_budget_shows_an_error_within_10_s(server, browser):
     """A negative count is refused before any work; a top-k far beyond the prompt's blocks is the library's
     to refuse: its message shows in the tab's Alert within 10 s and the Decode button works again."""

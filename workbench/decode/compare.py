@@ -54,6 +54,15 @@ def parse_mode(spec: str) -> tuple[str, str]:
     return mode, selector or fixed
 
 
+def with_store(modes: Sequence[str], store: str) -> list[str]:
+    """The mode specs with the KV of every mode but dense-resident kept as `store` ("model", "fp8", "int8"):
+    dense-resident stays exact, the baseline every mode's tokens are compared with, so its distance shows the
+    store's cost; a spec with its own `@` suffix keeps it."""
+    if store not in STORE_DTYPES:
+        raise ValueError(f"store {store!r} is unknown: choose one of {', '.join(STORE_DTYPES)}")
+    return [m if store == "model" or m == "dense-resident" or "@" in m else f"{m}@{store}" for m in modes]
+
+
 def reference_of(spec: str) -> str | None:
     """The resident mode whose tokens an offload mode must reproduce exactly (None for resident modes); it
     keeps the spec's store suffix."""

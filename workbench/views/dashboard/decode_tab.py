@@ -1,4 +1,5 @@
-"""The Decode tab: decode the loaded sample with the loaded model in several engine modes side by side.
+"""The Decode tab: decode the loaded sample with the loaded model in several engine modes side by side,
+the KV of every mode but dense-resident in the model's dtype or as FP8 / INT8 codes (the host store's dtype).
 
 One library call does the work (`workbench.decode.compare.compare_modes`, the same one notebook 06 makes,
 through `tab_state.DecodeState`); this module lays out its controls, a table of the modes' speed and bytes,
@@ -55,11 +56,16 @@ def decode_tables(result: Comparison, texts: dict[str, str], answer: str) -> str
             "hit": _num(r["hit_rate"], 3), "hidden": _num(r["hidden_fraction"], 2), "gbps": _num(r["copy_gbps"], 1),
             "graph": ("yes" if r["cuda_graph"] else "no") + (f" ({r['note']})" if r["note"] else "")}))
         same_dense = "-" if dense is None else f"{int((tokens == dense.tokens[0]).sum())} of {len(tokens)}"
-        same = "-" if r["reference"] is None else f"{r['reference']}: {'yes' if r['equals_reference'] else 'NO'}"
+        same = "-" if r["reference"] is None else f"{r['reference']}: " + (
+            "not run" if r["equals_reference"] is None else "yes" if r["equals_reference"] else "NO")
         found = "-" if not answer else (f"yes ({answer})" if answer in texts[spec] else f"no ({answer})")
         generated.append((spec, {"mode": spec, "text": texts[spec], "found": found, "dense": same_dense, "same": same}))
     hidden = "" if result.device.startswith("cuda") else (
         " No streams on the CPU: copies run inline, so no share of the copy is hidden.")
+    stores = sorted({spec.partition("@")[2] for spec in result.runs} - {""})
+    if stores:
+        hidden += (f" KV kept as {' / '.join(s.upper() for s in stores)} codes with a scale per token row "
+                   "(modes marked @): their distance from dense-resident includes the rounding.")
     return (f"<p class='wb-decode-device'>{html.escape(result.device)}: prompt {result.prompt_tokens[0]} tokens, "
             f"{result.new_tokens} new tokens, budget {html.escape(budget_text(result.budget))}.{hidden}</p>"
             + _table("wb-decode", COLUMNS, numbers) + "<p></p>" + _table("wb-decode-text", TEXT_COLUMNS, generated))
@@ -78,6 +84,8 @@ class DecodeTab(Tab):
         self.modes = pn.widgets.MultiChoice(name="modes", value=list(DEFAULT_MODES), options=list(ALL_MODES), width=420,
                                             css_classes=["wb-decode-modes"])
         self.new_tokens = pn.widgets.IntInput(name="new tokens", value=16, width=110, css_classes=["wb-decode-tokens"])
+        self.store = pn.widgets.Select(name="host KV store", value="model", width=130, css_classes=["wb-decode-store"],
+                                       options={"model dtype": "model", "FP8 (e4m3)": "fp8", "INT8": "int8"})
         self._fitted = self.job.fitted_budget(self.new_tokens.value)  # the budget the inputs show unless edited
         self.budget = {k: pn.widgets.IntInput(name=f"{k} blocks", value=v, width=100, css_classes=[f"wb-decode-{k}"])
                        for k, v in self._fitted.items()}
@@ -107,7 +115,8 @@ class DecodeTab(Tab):
                 w.value = self._fitted[k]
 
     def _start(self):
-        return self.job.decode(self.modes.value, self.new_tokens.value, {k: w.value for k, w in self.budget.items()})
+        return self.job.decode(self.modes.value, self.new_tokens.value, {k: w.value for k, w in self.budget.items()},
+                               self.store.value)
 
     def _follow(self, *_events: Any) -> None:
         self.button.disabled, self.stop.disabled = self.job.busy, not self.job.busy
@@ -132,6 +141,6 @@ class DecodeTab(Tab):
         self.plot.visible = True
 
     def body(self):
-        controls = pn.Row(self.modes, self.new_tokens, *self.budget.values())
+        controls = pn.Row(self.modes, self.new_tokens, self.store, *self.budget.values())
         return pn.Column(controls, pn.Row(self.button, self.stop), self.table, self.which, self.plot,
                          sizing_mode="stretch_width")

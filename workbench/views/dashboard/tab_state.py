@@ -382,8 +382,10 @@ class DecodeState(StoppableJob):
                                             str(s.settings.device).startswith("cuda")))
         return {"init": b.init, "local": b.local, "topk": b.topk}
 
-    def decode(self, modes: list[str], new_tokens: int, budget: dict[str, int]):
-        """Start decoding; raises at once (naming the field) for an empty mode list or a bad budget."""
+    def decode(self, modes: list[str], new_tokens: int, budget: dict[str, int], store: str = "model"):
+        """Start decoding; raises at once (naming the field) for an empty mode list, a bad budget or an unknown
+        host KV store (`store`: every mode but dense-resident keeps its KV as that, `compare.with_store`)."""
+        from workbench.decode.compare import with_store
         from workbench.patterns.infllm import Budget
 
         s = self.session
@@ -397,7 +399,8 @@ class DecodeState(StoppableJob):
         if missing:
             raise ValueError(f"budget {', '.join(missing)} blocks: type a whole number")
         plan = Budget(**budget)  # raises naming a negative count
-        return self.run_job("decoding", lambda: self._decode(list(modes), int(new_tokens), plan))
+        specs = with_store(modes, store)
+        return self.run_job("decoding", lambda: self._decode(specs, int(new_tokens), plan))
 
     def _decode(self, modes: list[str], new_tokens: int, budget: Any) -> None:
         from workbench.decode.compare import compare_modes
