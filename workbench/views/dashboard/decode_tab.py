@@ -141,6 +141,7 @@ class DecodeTab(Tab):
         self.plot.visible = True
 
     def body(self):
-        controls = pn.Row(self.modes, self.new_tokens, self.store, *self.budget.values())
+        controls = pn.FlexBox(self.modes, self.new_tokens, self.store, *self.budget.values(), flex_wrap="wrap",
+                              sizing_mode="stretch_width")  # wraps where the inputs do not fit one row
         return pn.Column(controls, pn.Row(self.button, self.stop), self.table, self.which, self.plot,
                          sizing_mode="stretch_width")
