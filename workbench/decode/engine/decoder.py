@@ -432,7 +432,7 @@ class DecodeEngine:
         dst = cache.k.view(cache.k.shape[0], -1), cache.v.view(cache.v.shape[0], -1)
         scales = tuple(s.view(-1, BLOCK) for s in self.host_scales[layer]) if self.quant else (None, None)
         self._emit("copy_start", layer)
-        kw = {"ctas": self.config.ctas} if self.triton and self.config.ctas else {}
+        kw = {"ctas": self.config.ctas} if self.triton else {}
         self._gather(*src, *dst, plan.src, plan.dst, plan.count, scale_k=scales[0], scale_v=scales[1], **kw)
         self._emit("copy_end", layer)
 

@@ -62,7 +62,7 @@ def decode_tables(result: Comparison, texts: dict[str, str], answer: str) -> str
         generated.append((spec, {"mode": spec, "text": texts[spec], "found": found, "dense": same_dense, "same": same}))
     hidden = "" if result.device.startswith("cuda") else (
         " No streams on the CPU: copies run inline, so no share of the copy is hidden.")
-    stores = sorted({spec.partition("@")[2] for spec in result.runs} - {""})
+    stores = sorted({r["store_dtype"] for r in result.rows()} - {"model"})
     if stores:
         hidden += (f" KV kept as {' / '.join(s.upper() for s in stores)} codes with a scale per token row "
                    "(modes marked @): their distance from dense-resident includes the rounding.")
