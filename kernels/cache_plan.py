@@ -7,8 +7,8 @@ keys). Same contracts as `cache_plan_ref`.
 prefix sum and matched to the misses' ranks (the reference's assignment exactly), the maps are updated
 in place and the copy list is written into the row's own segment (no compaction; atomics only for the
 two counters).
-`append_token`: one program per row writes K and V into pinned host memory through UVA (FP8 / INT8 codes and
-their scales for a quantised store, and the dequantised values the decoder attends to) and rolls the
+`append_token`: one program per row writes K and V into pinned host memory through UVA (FP8 / INT8 / INT4 codes
+and their scales for a quantised store, and the dequantised values the decoder attends to) and rolls the
 compressed-key window.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gather_ref import QMAX
+from .gather_ref import INT4, QMAX, row_layout
 
 
 @triton.jit
@@ -93,12 +93,27 @@ def row_warps(d: int) -> int:
 
 @triton.jit
 def store_row(x, bh, pos, d, Host, HostS, Out, HOST_TOKENS, QMAX, HOST: tl.constexpr, QUANT: tl.constexpr,
-              INT8: tl.constexpr, OUT: tl.constexpr):
+              INT8: tl.constexpr, INT4: tl.constexpr, OUT: tl.constexpr):
     """The new token's K (or V) row x `[D]` of head row bh at position pos: into the host store (values, or codes
-    and the row's scale = max |x| / QMAX, rounded like `gather_ref.quantize_rows`) and its dequantised value
-    into Out (what the decoder attends to). Shared by `append_token` and `layer.rope_split`."""
+    and the row's scale = max |x| / QMAX, rounded like `gather_ref.quantize_rows`; INT4: D / 2 packed bytes and a
+    float16 scale per group of 32) and its dequantised value into Out (what the decoder attends to). Shared by
+    `append_token` and `layer.rope_split`."""
     hrow = bh * HOST_TOKENS + pos
-    if QUANT:
+    D: tl.constexpr = d.shape[0]
+    if QUANT and INT4:  # integer work only: the FP8 conversion issue of `row_warps` does not arise
+        G: tl.constexpr = D // 32
+        xg = tl.reshape(x.to(tl.float32), (G, 32))
+        scale = tl.math.div_rn(tl.max(tl.abs(xg), 1), QMAX).to(tl.float16).to(tl.float32)  # [G]
+        div = tl.broadcast_to(tl.where(scale > 0, scale, 1.0)[:, None], (G, 32))
+        y = tl.where(scale[:, None] > 0, tl.math.div_rn(xg, div), 0.0)
+        codes = tl.minimum(tl.maximum(tl.math.floor(y + 0.5), -QMAX), QMAX)  # [G, 32]
+        if OUT:
+            tl.store(Out + bh * D + d, tl.reshape(codes * scale[:, None], (D,)).to(Out.dtype.element_ty))
+        if HOST:
+            lo, hi = tl.split(tl.reshape(codes.to(tl.int32) + 8, (D // 2, 2)))  # elements 2j, 2j + 1
+            tl.store(Host + hrow * (D // 2) + tl.arange(0, D // 2), (lo + (hi << 4)).to(tl.uint8))
+            tl.store(HostS + hrow * G + tl.arange(0, G), scale.to(tl.float16))
+    elif QUANT:
         xf = x.to(tl.float32)
         scale = tl.math.div_rn(tl.max(tl.abs(xf), 0), QMAX)
         y = tl.where(scale > 0, tl.math.div_rn(xf, tl.where(scale > 0, scale, 1.0)), 0.0)
@@ -107,12 +122,12 @@ def store_row(x, bh, pos, d, Host, HostS, Out, HOST_TOKENS, QMAX, HOST: tl.const
         else:
             codes = y.to(tl.float8e4nv)
         if OUT:
-            tl.store(Out + bh * d.shape[0] + d, (codes.to(tl.float32) * scale).to(Out.dtype.element_ty))
+            tl.store(Out + bh * D + d, (codes.to(tl.float32) * scale).to(Out.dtype.element_ty))
         if HOST:
-            tl.store(Host + hrow * d.shape[0] + d, codes)
+            tl.store(Host + hrow * D + d, codes)
             tl.store(HostS + hrow, scale)
     elif HOST:
-        tl.store(Host + hrow * d.shape[0] + d, x.to(Host.dtype.element_ty))
+        tl.store(Host + hrow * D + d, x.to(Host.dtype.element_ty))
 
 
 @triton.jit
@@ -134,13 +149,13 @@ def roll_row(k, bh, pos, d, Tail, CKeys, NC1, STRIDE, W: tl.constexpr):
 def _append_token_kernel(K, V, Pos, HostK, HostV, HostSK, HostSV, Kout, Vout, Tail, CKeys,
                          H, HOST_TOKENS, NC1, STRIDE, QMAX,
                          D: tl.constexpr, W: tl.constexpr, HOST: tl.constexpr, QUANT: tl.constexpr,
-                         INT8: tl.constexpr, OUT: tl.constexpr, COMPRESS: tl.constexpr):
+                         INT8: tl.constexpr, INT4: tl.constexpr, OUT: tl.constexpr, COMPRESS: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D)
     pos = tl.load(Pos + bh // H).to(tl.int64)
     k = tl.load(K + bh * D + d)
-    store_row(k, bh, pos, d, HostK, HostSK, Kout, HOST_TOKENS, QMAX, HOST, QUANT, INT8, OUT)
-    store_row(tl.load(V + bh * D + d), bh, pos, d, HostV, HostSV, Vout, HOST_TOKENS, QMAX, HOST, QUANT, INT8, OUT)
+    store_row(k, bh, pos, d, HostK, HostSK, Kout, HOST_TOKENS, QMAX, HOST, QUANT, INT8, INT4, OUT)
+    store_row(tl.load(V + bh * D + d), bh, pos, d, HostV, HostSV, Vout, HOST_TOKENS, QMAX, HOST, QUANT, INT8, INT4, OUT)
     if COMPRESS:
         roll_row(k, bh, pos, d, Tail, CKeys, NC1, STRIDE, W)
 
@@ -158,7 +173,9 @@ def append_args(k: torch.Tensor, *, host_k: torch.Tensor | None = None, host_v: 
     if host_k is not None and (host_k.dtype in QMAX) != (quant is not None):
         raise ValueError(f"a {host_k.dtype} host store needs quant={host_k.dtype} and its scales")
     if quant is not None and quant not in QMAX:
-        raise ValueError(f"quant must be float8_e4m3fn or int8, got {quant}")
+        raise ValueError(f"quant must be float8_e4m3fn, int8 or uint8 (INT4), got {quant}")
+    if quant is not None:
+        row_layout(quant, D)  # INT4: head_dim a power of two >= 32
     if quant is not None and host_k is not None and host_scale_k is None:
         raise ValueError("a quantised host store needs host_scale_k and host_scale_v")
     ptrs = tuple(t if t is not None else k for t in (host_k, host_v, host_scale_k, host_scale_v, k_out, v_out, tail,
@@ -166,7 +183,7 @@ def append_args(k: torch.Tensor, *, host_k: torch.Tensor | None = None, host_v: 
     ints = (host_k.shape[2] if host_k is not None else 0, ckeys.shape[2] if ckeys is not None else 0, stride,
             QMAX.get(quant, 1.0))
     flags = dict(W=tail.shape[2] if tail is not None else 1, HOST=host_k is not None, QUANT=quant is not None,
-                 INT8=quant == torch.int8, OUT=k_out is not None, COMPRESS=tail is not None)
+                 INT8=quant == torch.int8, INT4=quant == INT4, OUT=k_out is not None, COMPRESS=tail is not None)
     return ptrs + ints, flags
 
 

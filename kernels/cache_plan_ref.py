@@ -6,7 +6,7 @@ by a hit, in selection order, evicting whatever that slot held. Returns the pool
 block and a copy list (store block -> cache slot, -1 = nothing to copy) with no host synchronisation.
 
 `append_token_ref`: write each sequence's new key/value row into the pinned host store (quantised for an
-FP8 / INT8 store, with the values the decoder must attend to), and/or roll the compressed keys
+FP8 / INT8 / INT4 store, with the values the decoder must attend to), and/or roll the compressed keys
 (`roll_compressed_ref`). The token enters the pool the decoder attends to in the decode kernel itself.
 """
 from __future__ import annotations
@@ -59,7 +59,8 @@ def append_token_ref(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, 
     """k, v `[B, H, D]` (the new token, after RoPE) at `positions` `[B]`. Writes, each where given:
 
     - host_k/v `[B, H, NBh * 64, D]` (the pinned host store's rows; codes when `quant` is float8_e4m3fn or int8,
-      with their scales in host_scale_k/v `[B, H, NBh * 64]` float32);
+      with their scales in host_scale_k/v `[B, H, NBh * 64]` float32; `quant` INT4 (uint8): `[B, H, NBh * 64, D / 2]`
+      packed codes and `[B, H, NBh * 64, D / 32]` float16 scales, `gather_ref.quantize_rows`);
     - k_out/v_out `[B, H, D]`: what the decoder must attend to for this token, `dequantize_rows(quantize_rows(k))`
       in k_out's dtype (a quantised store: the same values a later gather of the block gives back);
     - tail `[B, H, W, D]` float32 and ckeys `[B, H, Nc + 1, D]`: the compressed keys (from the exact k).

@@ -7,7 +7,8 @@ The number of copies is read from device memory, so the caller never synchronise
 Few CTAs leave SMs to the attention and FFN kernels running beside the copy, but PCIe reads are long:
 too few programs keep too few bytes in flight once other kernels share the SMs (`gather_ctas`).
 With scales the source holds FP8 / INT8 codes (half the bytes over PCIe of bf16) and each token row is
-dequantised into the cache's dtype (`gather_ref.dequantize_rows`). Same contracts as `gather_ref`.
+dequantised into the cache's dtype (`gather_ref.dequantize_rows`), or INT4 codes (a quarter, plus a float16 scale
+per 32 elements), unpacked and dequantised per group. Same contracts as `gather_ref`.
 """
 from __future__ import annotations
 
@@ -15,31 +16,45 @@ import torch
 import triton
 import triton.language as tl
 
-from .gather_ref import check_gather_args, gather_ctas
+from .gather_ref import INT4, check_gather_args, gather_ctas
+
+
+@triton.jit
+def _unpack_int4(b):
+    """INT4 bytes `[RB, W / 2]` -> codes `[RB, W]` float32 (low nibble first, each nibble code + 8)."""
+    lo = (b & 15).to(tl.int32) - 8
+    hi = (b >> 4).to(tl.int32) - 8
+    return tl.reshape(tl.join(lo, hi), (b.shape[0], 2 * b.shape[1])).to(tl.float32)
 
 
 @triton.jit
 def _gather_blocks_kernel(SrcK, SrcV, DstK, DstV, SrcIdx, DstIdx, Count, ScaleK, ScaleV, NCTA,
-                          R: tl.constexpr, W: tl.constexpr, RB: tl.constexpr, QUANT: tl.constexpr):
+                          R: tl.constexpr, W: tl.constexpr, RB: tl.constexpr, QUANT: tl.constexpr,
+                          INT4: tl.constexpr):
     """Blocks of R rows x W elements, RB rows per step: the K and V rows of a step are both loaded
     before either is stored, so each program keeps two PCIe reads in flight. No branch: a cache hit
-    (dst -1) masks its loads and stores."""
+    (dst -1) masks its loads and stores. INT4: a "row" is a group of W = 32 elements, W / 2 bytes in the source."""
     pid = tl.program_id(0)
     n = tl.load(Count)
     E: tl.constexpr = R * W
+    SW: tl.constexpr = W // 2 if INT4 else W  # source elements per row
     rows = tl.arange(0, RB)
     offs = rows[:, None] * W + tl.arange(0, W)[None, :]  # [RB, W]
+    src_offs = rows[:, None] * SW + tl.arange(0, SW)[None, :]  # [RB, SW]
     for i in range(pid, n, NCTA):
         d = tl.load(DstIdx + i).to(tl.int64)
         s = tl.load(SrcIdx + i).to(tl.int64)
         move = offs * 0 + d >= 0  # as a tensor: the interpreter takes no scalar mask
         for r0 in tl.static_range(0, R, RB):
-            k = tl.load(SrcK + s * E + r0 * W + offs, mask=move)
-            v = tl.load(SrcV + s * E + r0 * W + offs, mask=move)
-            if QUANT:  # one float32 scale per token row
+            src_move = src_offs * 0 + d >= 0
+            k = tl.load(SrcK + s * (R * SW) + r0 * SW + src_offs, mask=src_move)
+            v = tl.load(SrcV + s * (R * SW) + r0 * SW + src_offs, mask=src_move)
+            if INT4:
+                k, v = _unpack_int4(k), _unpack_int4(v)
+            if QUANT:  # one scale per token row (INT4: per group), float32 or float16
                 row_move = rows * 0 + d >= 0
-                k = k.to(tl.float32) * tl.load(ScaleK + s * R + r0 + rows, mask=row_move)[:, None]
-                v = v.to(tl.float32) * tl.load(ScaleV + s * R + r0 + rows, mask=row_move)[:, None]
+                k = k.to(tl.float32) * tl.load(ScaleK + s * R + r0 + rows, mask=row_move).to(tl.float32)[:, None]
+                v = v.to(tl.float32) * tl.load(ScaleV + s * R + r0 + rows, mask=row_move).to(tl.float32)[:, None]
             tl.store(DstK + d * E + r0 * W + offs, k.to(DstK.dtype.element_ty), mask=move)
             tl.store(DstV + d * E + r0 * W + offs, v.to(DstV.dtype.element_ty), mask=move)
 
@@ -52,14 +67,16 @@ def gather_blocks(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor,
 
     src pools `[S, E]` (pinned host memory on the GPU path), dst pools `[S', E]`, indices `[M]` int,
     count a 1-element int tensor on the GPU. E = 64 rows x a power of two >= 16 elements (a 64-token
-    block of any power-of-two head_dim >= 16). With scales `[S, R]` float32 (pinned too) src holds codes,
-    dequantised per row of E / R (a power of two). On the H200 beside decode-sized GEMMs 16 programs
+    block of any power-of-two head_dim >= 16). With scales (pinned too) src holds codes: FP8 / INT8 with
+    scales `[S, R]` float32, dequantised per row of E / R (a power of two); INT4 (uint8 src `[S, E / 2]`) with
+    scales `[S, E / 32]` float16, per group of 32. On the H200 beside decode-sized GEMMs 16 programs
     moved 41 GB/s (bf16) / 31 (FP8), 32-64 moved 46-49 of the 54 GB/s pinned memcpy (kernels/NOTES.md).
     """
     quantised = scale_k is not None
     for src, dst in ((src_k, dst_k), (src_v, dst_v)):
         check_gather_args(src, dst, src_idx, dst_idx, count, quantised)
-    E = src_k.shape[1]
+    E = dst_k.shape[1]
+    int4 = quantised and src_k.dtype == INT4
     ctas = gather_ctas(quantised) if ctas is None else ctas
     if ctas < 1:
         raise ValueError(f"ctas must be >= 1, got {ctas}")
@@ -69,9 +86,11 @@ def gather_blocks(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor,
         raise ValueError(f"block size in elements must be 64 rows x a power of two >= 16 (the scales' R rows "
                          f"when quantised), got E = {E}" + (f", R = {R}" if quantised else ""))
     if quantised and (scale_k.shape != (src_k.shape[0], R) or scale_v.shape != scale_k.shape):
-        raise ValueError(f"scales must be [S={src_k.shape[0]}, R] float32, got {tuple(scale_k.shape)} and "
+        raise ValueError(f"scales must be [S={src_k.shape[0]}, R] (INT4: R = E / 32), got {tuple(scale_k.shape)} and "
                          f"{tuple(scale_v.shape)}")
+    if int4 and W != 32:
+        raise ValueError(f"INT4 codes need one scale per 32 elements: scales [S, {E // 32}], got {tuple(scale_k.shape)}")
     rb = min(R, max(1, 8192 // W))  # rows per step: 8K elements of K and of V in flight per program
     _gather_blocks_kernel[(ctas,)](src_k, src_v, dst_k, dst_v, src_idx, dst_idx, count,
                                    scale_k if quantised else src_k, scale_v if quantised else src_v, ctas,
-                                   R=R, W=W, RB=rb, QUANT=quantised, num_warps=4)
+                                   R=R, W=W, RB=rb, QUANT=quantised, INT4=int4, num_warps=4)

@@ -56,7 +56,7 @@ ROPE_LAUNCH = {"enable_fp_fusion": False}  # num_warps: `cache_plan.row_warps(D)
 def _rope_split_kernel(X, Cos, Sin, CosF, SinF, Q, K, V, F, Pos, HostK, HostV, HostSK, HostSV, Kout, Vout, Tail, CKeys,
                        HOST_TOKENS, NC1, STRIDE, QMAX, Hq, Hkv, Htot, D: tl.constexpr, APPEND: tl.constexpr,
                        W: tl.constexpr, HOST: tl.constexpr, QUANT: tl.constexpr, INT8: tl.constexpr,
-                       OUT: tl.constexpr, COMPRESS: tl.constexpr):
+                       INT4: tl.constexpr, OUT: tl.constexpr, COMPRESS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, D)
@@ -78,7 +78,7 @@ def _rope_split_kernel(X, Cos, Sin, CosF, SinF, Q, K, V, F, Pos, HostK, HostV, H
             tl.store(K + bh * D + d, y)
             if APPEND:  # the new key: host store row (quantised or not) and compressed keys
                 pos = tl.load(Pos + b).to(tl.int64)
-                store_row(y, bh, pos, d, HostK, HostSK, Kout, HOST_TOKENS, QMAX, HOST, QUANT, INT8, OUT)
+                store_row(y, bh, pos, d, HostK, HostSK, Kout, HOST_TOKENS, QMAX, HOST, QUANT, INT8, INT4, OUT)
                 if COMPRESS:
                     roll_row(y, bh, pos, d, Tail, CKeys, NC1, STRIDE, W)
     elif h < Hq + 2 * Hkv:
@@ -86,7 +86,7 @@ def _rope_split_kernel(X, Cos, Sin, CosF, SinF, Q, K, V, F, Pos, HostK, HostV, H
         tl.store(V + bh * D + d, x)
         if APPEND:
             pos = tl.load(Pos + b).to(tl.int64)
-            store_row(x, bh, pos, d, HostV, HostSV, Vout, HOST_TOKENS, QMAX, HOST, QUANT, INT8, OUT)
+            store_row(x, bh, pos, d, HostV, HostSV, Vout, HOST_TOKENS, QMAX, HOST, QUANT, INT8, INT4, OUT)
     else:
         c = tl.load(CosF + b * D + d)
         s = tl.load(SinF + b * D + d)
