@@ -29,6 +29,7 @@ duplicates count once, offsets >= n and columns >= n are ignored.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -315,15 +316,27 @@ def selected_block_tiles(block_index: torch.Tensor) -> VSTiles:
     return VSTiles(count, offsets, torch.zeros_like(count), empty, BLOCK, 0, True)
 
 
-def merge_tiles(parts: list[tuple[list[int] | torch.Tensor, VSTiles]], num_heads: int) -> VSTiles:
+def write_heads(out: VSTiles, heads: slice | torch.Tensor, tiles: VSTiles) -> None:
+    """Write one group's tiles (`[B, h, M]`) into the full-width `out` at `heads` (a slice or Long `[h]`)."""
+    out.block_count[:, heads] = tiles.block_count
+    out.block_offset[:, heads, :, : tiles.block_offset.shape[-1]] = tiles.block_offset
+    out.column_count[:, heads] = tiles.column_count
+    out.column_index[:, heads, :, : tiles.column_index.shape[-1]] = tiles.column_index
+
+
+def merge_tiles(parts: list[tuple[list[int] | torch.Tensor, VSTiles]], num_heads: int, cover: bool = True,
+                head_index: Callable[[list[int]], slice | torch.Tensor] | None = None) -> VSTiles:
     """Tiles of head groups -> one `VSTiles` over all `num_heads` heads, for one launch over a layer
     whose heads use different patterns. parts: (head ids `[h]`, tiles with H = h) per group; every
-    head must appear exactly once. Piece/column widths are padded to the widest group."""
+    head must appear exactly once (`cover=False`: at most once, the others keep count 0 and -1 padding,
+    to be filled in later by `write_heads`). Piece/column widths are padded to the widest group.
+    `head_index(ids)`: the device index of a group's heads (e.g. cached, or a slice for a contiguous run);
+    default a Long tensor made per group."""
     if len({(t.block, t.piece) for _, t in parts}) != 1:
         raise ValueError("all tiles must use the same block size and piece width")
-    heads = torch.cat([torch.as_tensor(h, dtype=torch.long).reshape(-1) for h, _ in parts])
-    if sorted(heads.tolist()) != list(range(num_heads)):
-        raise ValueError(f"head ids must cover 0..{num_heads - 1} exactly once; got {sorted(heads.tolist())}")
+    ids = sorted(torch.cat([torch.as_tensor(h, dtype=torch.long).reshape(-1) for h, _ in parts]).tolist())
+    if (ids != list(range(num_heads))) if cover else (len(set(ids)) != len(ids) or not set(ids) <= set(range(num_heads))):
+        raise ValueError(f"head ids must cover 0..{num_heads - 1} exactly once; got {ids}")
     t0 = parts[0][1]
     B, _, M = t0.shape
     ns = max(t.block_offset.shape[-1] for _, t in parts)
@@ -335,13 +348,10 @@ def merge_tiles(parts: list[tuple[list[int] | torch.Tensor, VSTiles]], num_heads
                   torch.full((B, num_heads, M, nc), -1, dtype=torch.int32, device=dev), t0.block, t0.width,
                   all(t.disjoint for _, t in parts))
     for h, t in parts:
-        h = torch.as_tensor(h, dtype=torch.long, device=dev).reshape(-1)
-        if t.shape != (B, h.numel(), M):
-            raise ValueError(f"tiles for heads {h.tolist()} have shape {t.shape}, expected {(B, h.numel(), M)}")
-        out.block_count[:, h] = t.block_count
-        out.block_offset[:, h, :, : t.block_offset.shape[-1]] = t.block_offset
-        out.column_count[:, h] = t.column_count
-        out.column_index[:, h, :, : t.column_index.shape[-1]] = t.column_index
+        ids_h = torch.as_tensor(h, dtype=torch.long).reshape(-1).tolist()
+        if t.shape != (B, len(ids_h), M):
+            raise ValueError(f"tiles for heads {ids_h} have shape {t.shape}, expected {(B, len(ids_h), M)}")
+        write_heads(out, head_index(ids_h) if head_index else torch.tensor(ids_h, device=dev), t)
     return out
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 from workbench_kernels import NO_WINDOW, masks
-from workbench_kernels.index_ref import VSTiles, merge_tiles
+from workbench_kernels.index_ref import VSTiles, merge_tiles, write_heads
 
 from workbench.config import HeadConfig
 from workbench.core.attention import attention_override, dense_attention
@@ -288,15 +288,18 @@ class SparsePrefill:
                 self._static[key] = self._bands(bands, hq, dev)
             return self._static[key]
 
+        def head_index(ids: list[int]) -> slice | torch.Tensor:  # cached on the device per layer and head set
+            return self._heads_on(layer, ("heads", tuple(ids)), ids, 1, dev)[0]
+
         if len(parts) == 1:
             return (parts[0][1], *band_of())
         if not static:
-            return (merge_parts(parts, hq, self._heads_on, layer), *band_of())
+            return (merge_tiles(parts, hq, head_index=None if layer is None else head_index), *band_of())
         t0 = parts[0][1]
         key = (layer, B, n, t0.block, t0.piece, dev)
         if key not in self._static:
-            self._static[key] = merge_parts([groups[kind][:2] for kind in static], hq, self._heads_on, layer,
-                                            cover=False)
+            self._static[key] = merge_tiles([groups[kind][:2] for kind in static], hq, cover=False,
+                                            head_index=None if layer is None else head_index)
         base = self._static[key]
         online = [(kind, *groups[kind][:2]) for kind in groups if kind not in static]
         if not online:
@@ -342,43 +345,6 @@ class SparsePrefill:
                 return keys, mask if band is None else mask & band_mask(*band, keys, r0, r1)
             o[:, h] = masked_prefill(q[:, h], k[:, h // G], v[:, h // G], rows, scale)
         return o
-
-
-def write_heads(out: Any, h: slice | torch.Tensor, t: Any) -> None:
-    """Write one kind's tiles (`[B, len(h), M]`) into the full-width `out` at heads `h`."""
-    out.block_count[:, h] = t.block_count
-    out.block_offset[:, h, :, : t.block_offset.shape[-1]] = t.block_offset
-    out.column_count[:, h] = t.column_count
-    out.column_index[:, h, :, : t.column_index.shape[-1]] = t.column_index
-
-
-def merge_parts(parts: list[tuple[list[int], Any]], hq: int, heads_on: Callable, layer: int | None,
-                cover: bool = True) -> Any:
-    """`index_ref.merge_tiles` with each kind's head index cached on the device (a slice for a contiguous
-    run): the same tiles, no host-to-device copy per kind. `cover=False`: heads outside `parts` keep
-    count 0 and -1 padding (the static part of a layer, filled in later by `write_heads`)."""
-    if layer is None:
-        return merge_tiles(parts, hq)
-    if len({(t.block, t.piece) for _, t in parts}) != 1:
-        raise ValueError("all tiles must use the same block size and piece width")
-    ids = sorted(h for heads, _ in parts for h in heads)
-    if (ids != list(range(hq))) if cover else (len(set(ids)) != len(ids) or not set(ids) <= set(range(hq))):
-        raise ValueError(f"head ids must cover 0..{hq - 1} exactly once; got {ids}")
-    t0 = parts[0][1]
-    B, _, M = t0.shape
-    ns = max(t.block_offset.shape[-1] for _, t in parts)
-    nc = max(t.column_index.shape[-1] for _, t in parts)
-    dev = t0.block_count.device
-    out = VSTiles(torch.zeros(B, hq, M, dtype=torch.int32, device=dev),
-                  torch.full((B, hq, M, ns), -1, dtype=torch.int32, device=dev),
-                  torch.zeros(B, hq, M, dtype=torch.int32, device=dev),
-                  torch.full((B, hq, M, nc), -1, dtype=torch.int32, device=dev), t0.block, t0.width,
-                  all(t.disjoint for _, t in parts))
-    for heads, t in parts:
-        if t.shape != (B, len(heads), M):
-            raise ValueError(f"tiles for heads {heads} have shape {t.shape}, expected {(B, len(heads), M)}")
-        write_heads(out, heads_on(layer, ("heads", tuple(heads)), heads, 1, dev)[0], t)
-    return out
 
 
 def band_mask(sink: torch.Tensor, window: torch.Tensor, keys: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
