@@ -39,6 +39,7 @@ import torch
 from tqdm.auto import tqdm
 
 from workbench.core.attention import attention_override, dense_attention
+from workbench.core.capture import Capture
 from workbench.core.device import model_device
 from workbench.core.model import ModelError, ModelShape
 
@@ -463,12 +464,7 @@ class StreamCapture:
             return None
         return self.runner.row_lse
 
-    def head_qkv(self, layer: int, head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not 0 <= head < self.shape.n_heads:
-            raise ModelError(f"head {head} is out of range: the model has query heads 0..{self.shape.n_heads - 1}")
-        q, k, v = self.layer_qkv(layer)
-        kv = self.shape.kv_head(head)
-        return q[head], k[kv], v[kv]
+    head_qkv = Capture.head_qkv  # one head's view of `layer_qkv`, as a Capture gives it
 
     def run(self) -> None:
         """Visit every layer once (for observers that need no consumer)."""
