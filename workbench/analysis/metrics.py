@@ -115,14 +115,9 @@ def layer_sums(q: torch.Tensor, k: torch.Tensor, scale: float, block: int = BLOC
 def column_offset_mass(q: torch.Tensor, k: torch.Tensor, scale: float, lse: torch.Tensor,
                        column_sets: list[torch.Tensor], prefixes: list[list[int]] | None = None,
                        rows: int | tuple[int, int] | None = None, chunk: int | None = None) -> list[torch.Tensor]:
-    """Mass that sets of columns hold at each offset: for columns `[Hq, V]` (-1 padded, no duplicates)
-    `[Hq, N]` = sum over j in the set of p[j + d, j] (units: rows), with p recomputed only at those
-    columns from the row log-normalisers `lse` `[Hq, N]` (`layer_sums`). `rows` limits the sum to query rows
-    < rows (an int) or to rows [r0, r1) (a pair; `lse` must hold those rows).
-
-    With `prefixes[i]` (ascending budgets), set i is read in preference order and its result is
-    `[P, Hq, N]`: the sums of its first prefixes[i][0], [1], ... columns (nested budgets at the cost of
-    the largest). Triton on CUDA tensors, the reference (`chunk` rows at a time) otherwise."""
+    """Mass that sets of columns `[Hq, V]` hold at each offset d, `[Hq, N]` (or `[P, Hq, N]` per prefix budget),
+    units: rows; the contract is `workbench_kernels.attn_stats_ref.column_offset_mass`'s. Triton on CUDA
+    tensors, the reference (`chunk` rows at a time) otherwise."""
     if use_triton(q):
         from workbench_kernels import attn_stats
 
