@@ -8,7 +8,7 @@
 results): block reuse between steps is then not realistic, so offload modes also run with `ImposedReuse` at
 the dynamic reuse rate measured on the embedded model (`--reuse`), and so does one sparse-resident run (the same
 hook's work on both sides of the forecast / resident ratio). One pass per host KV store dtype (`--store-dtypes`,
-bf16 / FP8 / INT8 codes). Measures, in the same process: the pinned host->device copy rate, the UVA gather
+bf16 / FP8 / INT8 / INT4 codes). Measures, in the same process: the pinned host->device copy rate, the UVA gather
 kernel's rate per CTA count, then per (context, batch, mode, reuse, store) tokens/s (CUDA graphs), kernel
 launches per layer per step (PyTorch profiler, with and without the hook), bytes moved, cache hit rate, copy
 rate (eager CUDA events, and the profiled gather kernels' own time), fraction of transfer hidden, peak GPU
@@ -76,8 +76,8 @@ def copy_rates(store: BlockStore, ctas_list: list[int]) -> dict[str, Any]:
     ms = measure(partial(dst.copy_, raw, non_blocking=True), cuda=True, min_reps=5, max_reps=5).median_ms
     memcpy = n / (ms / 1e3) / 1e9
     del dst
-    E = BLOCK * store.spec.head_dim
-    blocks = src_k.numel() // E
+    E, width = BLOCK * store.spec.head_dim, BLOCK * store.spec.row_codes  # elements of a block, codes of it
+    blocks = src_k.numel() // width
     m = 8192  # 8192 blocks of K + 8192 of V
     dk = torch.empty(m, E, dtype=store.spec.dtype, device="cuda")
     dv = torch.empty_like(dk)
@@ -86,15 +86,15 @@ def copy_rates(store: BlockStore, ctas_list: list[int]) -> dict[str, Any]:
     count = torch.tensor([m], dtype=torch.int32, device="cuda")
     scales = {}
     if store.spec.quant:
-        scales = {"scale_k": store.sk[0].view(-1, BLOCK), "scale_v": store.sv[0].view(-1, BLOCK)}
-    block_bytes = E * src_k.element_size() + (BLOCK * 4 if scales else 0)
+        scales = {"scale_k": store.sk[0].view(blocks, -1), "scale_v": store.sv[0].view(blocks, -1)}
+    block_bytes = StoreSpec(1, 1, 1, 1, store.spec.head_dim, store.spec.dtype, store.spec.quant).nbytes // 2  # K or V
     gather = {}
     for ctas in ctas_list:
-        ms = measure(partial(gather_blocks, src_k.view(-1, E), src_v.view(-1, E), dk, dv, src_idx, dst_idx, count,
+        ms = measure(partial(gather_blocks, src_k.view(-1, width), src_v.view(-1, width), dk, dv, src_idx, dst_idx, count,
                              ctas=ctas, **scales), cuda=True, min_reps=4, max_reps=4).median_ms
         gather[str(ctas)] = 2 * m * block_bytes / (ms / 1e3) / 1e9
     return {"pinned_memcpy_gbps": memcpy, "gather_gbps_by_ctas": gather, "gather_block_bytes": block_bytes,
-            "store_dtype": store.spec.quant and str(store.spec.quant).replace("torch.", "") or "model"}
+            "store_dtype": next(k for k, v in STORE_DTYPES.items() if v == store.spec.quant)}
 
 
 def main_run(result: dict[str, Any], run: dict[str, Any]) -> bool:
@@ -109,19 +109,20 @@ def fill_store(store: BlockStore) -> None:
     from workbench_kernels.gather_ref import quantize_rows
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    D = store.spec.head_dim
+    D, width, per_row = store.spec.head_dim, store.spec.row_codes, store.spec.row_scales  # per token row
     for i in range(store.spec.layers):
         for codes, scales in ((store.k[i], store.sk[i] if store.spec.quant else None),
                               (store.v[i], store.sv[i] if store.spec.quant else None)):
             for start in range(0, codes.numel(), 256 * 1024 ** 2):
                 chunk = codes[start:start + 256 * 1024 ** 2]
-                x = torch.randn(chunk.numel() // D, D, device=device, dtype=store.spec.dtype)
+                x = torch.randn(chunk.numel() // width, D, device=device, dtype=store.spec.dtype)
                 if scales is None:
                     chunk.copy_(x.view(-1))
                 else:
                     q, sc = quantize_rows(x, store.spec.quant)
                     chunk.copy_(q.view(-1))
-                    scales[start // D:start // D + sc.numel()].copy_(sc)
+                    row = start // width * per_row
+                    scales[row:row + sc.numel()].copy_(sc.view(-1))
     _sync()
 
 
@@ -243,7 +244,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check", action="store_true", help="modes: first check on the GPU that offload modes are lossless")
     p.add_argument("--quick", action="store_true", help="modes: imposed reuse only, no CTA sweep, no natural-reuse run")
     p.add_argument("--store-dtypes", default="model,fp8,int8",
-                   help="modes / embedded: host KV stores of the offload modes (model = the model's dtype, fp8, int8)")
+                   help="modes / embedded: host KV stores of the offload modes (model = the model's dtype, fp8, int8, "
+                        "int4)")
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu (modes: with --tiny)")
     p.add_argument("--prompt", type=int, default=4096, help="embedded: prompt tokens")
     p.add_argument("--new-tokens", type=int, default=64, help="embedded: tokens decoded per mode")

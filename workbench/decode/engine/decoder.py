@@ -17,7 +17,9 @@ a ring of the blocks their window spans on the GPU and attend to exactly their w
 layers are selected from, offloaded and forecast.
 
 `store_dtype` "fp8" / "int8" keeps the offloaded layers' host KV as one-byte codes with per-row scales (half
-the PCIe bytes of bf16), dequantised by the gather kernel; resident modes then round the same layers' KV
+the PCIe bytes of bf16), "int4" as 4-bit codes with a float16 scale per 32 elements (0.28x bf16's bytes at
+head_dim 128; needs a power-of-two head_dim >= 32; clearly lossier than FP8, see kernels/NOTES.md "INT4 host
+store"), dequantised by the gather kernel; resident modes then round the same layers' KV
 through the same codes, so that each offload mode still reproduces its resident reference token for token,
 and the quality cost of the store is the resident mode's distance from dense ("model" keeps the model dtype).
 
@@ -38,6 +40,7 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
+from workbench_kernels.gather_ref import INT4
 
 from workbench.decode.engine.cache import BlockCache, CopyPlan
 from workbench.decode.engine.hooks import CopyTimer, StepHooks
@@ -52,7 +55,7 @@ MODES = ("dense-resident", "sparse-resident", "sparse-offload-sync", "sparse-off
          "forecast-without-prefetch")
 SELECTORS = ("same-layer", "forecast", "quest")  # quest: workbench.decode.quest page bounds
 OFFLOAD = MODES[2:]
-STORE_DTYPES = {"model": None, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+STORE_DTYPES = {"model": None, "fp8": torch.float8_e4m3fn, "int8": torch.int8, "int4": INT4}
 SelectHook = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -61,9 +64,9 @@ class EngineConfig:
     """How to decode. `selector` only matters for sparse-resident (offload modes fix their own; "quest"
     also replaces InfLLM-V2 in sparse-offload-sync);
     `cache_blocks` = GPU cache slots per (sequence, KV head), default budget.total; `ctas` = programs of
-    the gather kernel (None: `gather_ctas`, 32 for a model-dtype store, 64 for FP8 / INT8); `kernels` =
+    the gather kernel (None: `gather_ctas`, 32 for a model-dtype store, 64 for FP8 / INT8 / INT4); `kernels` =
     "triton", "torch" (reference) or "auto" (Triton on CUDA); `store_dtype` =
-    "model", "fp8" or "int8": how the offloadable layers' KV is kept (see the module docstring)."""
+    "model", "fp8", "int8" or "int4": how the offloadable layers' KV is kept (see the module docstring)."""
 
     mode: str = "sparse-offload-forecast"
     budget: Budget = field(default_factory=Budget)
@@ -97,7 +100,7 @@ class EngineConfig:
 
     @property
     def quant(self) -> torch.dtype | None:
-        """The store's code dtype (None: the model's dtype)."""
+        """The store's code dtype (None: the model's dtype; "int4": `gather_ref.INT4`, uint8 bytes of two codes)."""
         return STORE_DTYPES[self.store_dtype]
 
 
@@ -155,7 +158,7 @@ def kv_bytes(config: EngineConfig, *, layers: int, kv_heads: int, head_dim: int,
     """(GPU bytes, pinned host bytes) a `DecodeEngine` of `config` allocates for `batch` sequences of up to
     `max_tokens` tokens: resident KV (every layer, or layer 0 and sliding layers when offloading; a sliding
     layer keeps its window's ring), per-layer block caches, compressed keys; the host store holds the other
-    layers' KV (codes and scales for an FP8 / INT8 store). Both are linear in `batch`."""
+    layers' KV (codes and scales for an FP8 / INT8 / INT4 store). Both are linear in `batch`."""
     windows = list(windows) if windows is not None else [None] * layers
     esize = torch.tensor([], dtype=dtype).element_size()
     nb = math.ceil(max_tokens / BLOCK)
@@ -232,8 +235,8 @@ class DecodeEngine:
         self.quantised = {i for i in self.full if i > 0} if self.quant else set()
         self.triton, self._decode, self._gather, self._append = _kernels(config.kernels, self.device)
         self.fused = self.triton and FusedOps.supports(lm)
-        code_bytes = torch.tensor([], dtype=self.quant or self.dtype).element_size()
-        self.block_bytes = 2 * BLOCK * D * code_bytes + (2 * BLOCK * 4 if self.quant else 0)  # moved per block
+        self.block_bytes = StoreSpec(1, 1, 1, 1, D, self.dtype, self.quant).nbytes  # K + V of a block with scales
+        # (checks an INT4 store's head_dim before anything is allocated)
         gpu_need, self.host_kv_bytes = kv_bytes(config, layers=L, kv_heads=Hkv, head_dim=D, dtype=self.dtype,
                                                 batch=batch, max_tokens=max_tokens, windows=self.windows)
         self.gpu_kv_bytes = gpu_need
@@ -384,7 +387,7 @@ class DecodeEngine:
         for layer in self.slot if fill_host else ():
             for i, t in enumerate(self.host[layer]):
                 for b in range(self.batch):
-                    x = torch.randn(t.shape[1:], generator=g, device=self.device)
+                    x = torch.randn(*t.shape[1:-1], self.lm.head_dim, generator=g, device=self.device)
                     if self.quant:
                         codes, scale = quantize_rows(x, self.quant)
                         t[b].copy_(codes)
@@ -426,11 +429,9 @@ class DecodeEngine:
     def _copy(self, layer: int, plan: CopyPlan) -> None:
         """Gather `plan`'s missing blocks of `layer` from the host store into its cache (current stream)."""
         cache = self.caches[layer]
-        hk, hv = self.host[layer]
-        width = BLOCK * self.lm.head_dim
-        src = hk.view(-1, width), hv.view(-1, width)
+        src = tuple(t.flatten(0, 2).flatten(1) for t in self.host[layer])  # [B * Hkv * nb, 64 * D] (INT4: 32 * D)
         dst = cache.k.view(cache.k.shape[0], -1), cache.v.view(cache.v.shape[0], -1)
-        scales = tuple(s.view(-1, BLOCK) for s in self.host_scales[layer]) if self.quant else (None, None)
+        scales = tuple(s.flatten(0, 2).flatten(1) for s in self.host_scales[layer]) if self.quant else (None, None)
         self._emit("copy_start", layer)
         kw = {"ctas": self.config.ctas} if self.triton else {}
         self._gather(*src, *dst, plan.src, plan.dst, plan.count, scale_k=scales[0], scale_v=scales[1], **kw)

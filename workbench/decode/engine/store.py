@@ -4,7 +4,9 @@ Per layer one flat K buffer and one flat V buffer; `view(batch, n_blocks)` lays 
 `[batch, Hkv, n_blocks, 64, D]` (any layout whose size fits reuses the same memory), so a store
 allocated once serves several batch sizes and contexts. A quantised store (`StoreSpec.quant`: FP8 e4m3 or
 INT8) holds one-byte codes and one float32 scale per token row of each head (`scales`), half the bytes of a
-bf16 store (plus 4 / D); `workbench_kernels.gather_ref.quantize_rows` defines the codes. Capacity is checked before anything is
+bf16 store (plus 4 / D); an INT4 store (`quant` = `gather_ref.INT4`, uint8) holds D / 2 bytes of packed 4-bit
+codes and D / 32 float16 scales per row, a quarter (plus 1 / 16: 72 bytes a 128-dim row);
+`workbench_kernels.gather_ref.quantize_rows` defines the codes. Capacity is checked before anything is
 allocated: a request that does not fit is refused with the numbers and the fix, and a failed
 allocation frees whatever it had taken.
 """
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from workbench_kernels import BLOCK
+from workbench_kernels.gather_ref import INT4, SCALE_DTYPE, row_layout
 
 GiB = 1024 ** 3
 
@@ -36,7 +39,8 @@ def host_memory_available() -> int:
 class StoreSpec:
     """Size of a block store: `layers` offloaded layers, each holding `batch` sequences of `n_blocks`
     64-token blocks for `kv_heads` heads of `head_dim` (K and V) of a model in `dtype`; `quant`
-    (float8_e4m3fn or int8) stores codes and per-row scales instead of `dtype` values."""
+    (float8_e4m3fn, int8 or `INT4`) stores codes and scales instead of `dtype` values (an INT4 store needs a
+    power-of-two head_dim >= 32: ValueError otherwise)."""
 
     layers: int
     batch: int
@@ -46,20 +50,44 @@ class StoreSpec:
     dtype: torch.dtype
     quant: torch.dtype | None = None
 
+    def __post_init__(self) -> None:
+        if self.quant is not None:
+            row_layout(self.quant, self.head_dim)
+
     @property
     def codes_dtype(self) -> torch.dtype:
         """The dtype of the K/V buffers: `quant` or the model's."""
         return self.quant or self.dtype
 
     @property
+    def row_codes(self) -> int:
+        """Elements of one token row of one head in the K/V buffers: head_dim (INT4: head_dim / 2 bytes)."""
+        return row_layout(self.quant, self.head_dim)[0] if self.quant else self.head_dim
+
+    @property
+    def row_scales(self) -> int:
+        """Scales per token row of one head: 0 (model dtype), 1 (FP8 / INT8), head_dim / 32 (INT4)."""
+        return row_layout(self.quant, self.head_dim)[1] if self.quant else 0
+
+    @property
+    def scale_shape(self) -> tuple[int, ...]:
+        """Trailing shape of a row's scales: () per row (FP8 / INT8), (head_dim / 32,) per group (INT4)."""
+        return (self.row_scales,) if self.quant == INT4 else ()
+
+    @property
+    def layer_rows(self) -> int:
+        """Token rows of one layer's K (or V) buffer (every sequence and KV head)."""
+        return self.batch * self.kv_heads * self.n_blocks * BLOCK
+
+    @property
     def layer_elements(self) -> int:
         """Elements of one layer's K (or V) buffer."""
-        return self.batch * self.kv_heads * self.n_blocks * BLOCK * self.head_dim
+        return self.layer_rows * self.row_codes
 
     @property
     def nbytes(self) -> int:
-        codes = self.layer_elements * torch.tensor([], dtype=self.codes_dtype).element_size()
-        scales = self.layer_elements // self.head_dim * 4 if self.quant else 0
+        codes = self.layer_elements * self.codes_dtype.itemsize
+        scales = self.layer_rows * self.row_scales * SCALE_DTYPE[self.quant].itemsize if self.quant else 0
         return 2 * self.layers * (codes + scales)
 
     @property
@@ -121,7 +149,7 @@ class BlockStore:
                     t = torch.empty(spec.layer_elements, dtype=spec.codes_dtype)
                     bufs.append(_register(t) if self.pinned else t)
                 for bufs in (self.sk, self.sv) if spec.quant else ():
-                    t = torch.empty(spec.layer_elements // spec.head_dim, dtype=torch.float32)
+                    t = torch.empty(spec.layer_rows * spec.row_scales, dtype=SCALE_DTYPE[spec.quant])
                     bufs.append(_register(t) if self.pinned else t)
         except (RuntimeError, StoreCapacityError) as e:
             self.close()
@@ -129,24 +157,27 @@ class BlockStore:
                                      "nothing was kept: reduce the batch (--batch) or the prompt length (--length)") from e
 
     def view(self, layer: int, batch: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of layer slot `layer` as `[batch, Hkv, n_blocks, 64, D]` views of the same memory."""
+        """K and V of layer slot `layer` as `[batch, Hkv, n_blocks, 64, D]` views of the same memory (INT4 codes:
+        `[..., D / 2]` uint8)."""
         if self.closed:
             raise StoreCapacityError("the block store is closed: make a new one")
         s = self.spec
-        need = batch * s.kv_heads * n_blocks * BLOCK * s.head_dim
+        need = batch * s.kv_heads * n_blocks * BLOCK * s.row_codes
         if need > s.layer_elements:
             raise StoreCapacityError(f"batch {batch} x {n_blocks * BLOCK} tokens does not fit a store made for "
                                      f"batch {s.batch} x {s.tokens} tokens: make a larger store")
-        shape = (batch, s.kv_heads, n_blocks, BLOCK, s.head_dim)
+        shape = (batch, s.kv_heads, n_blocks, BLOCK, s.row_codes)
         return self.k[layer][:need].view(shape), self.v[layer][:need].view(shape)
 
     def scales(self, layer: int, batch: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Per-row scales of layer slot `layer` as `[batch, Hkv, n_blocks, 64]` float32 (None: not quantised)."""
-        if not self.spec.quant:
+        """Scales of layer slot `layer` as `[batch, Hkv, n_blocks, 64]` float32 (FP8 / INT8: per row) or
+        `[batch, Hkv, n_blocks, 64, D / 32]` float16 (INT4: per group of 32); None: not quantised."""
+        s = self.spec
+        if not s.quant:
             return None
         self.view(layer, batch, n_blocks)  # checks the size and that the store is open
-        need = batch * self.spec.kv_heads * n_blocks * BLOCK
-        shape = (batch, self.spec.kv_heads, n_blocks, BLOCK)
+        need = batch * s.kv_heads * n_blocks * BLOCK * s.row_scales
+        shape = (batch, s.kv_heads, n_blocks, BLOCK, *s.scale_shape)
         return self.sk[layer][:need].view(shape), self.sv[layer][:need].view(shape)
 
     @property
