@@ -28,56 +28,35 @@ def _unpack_int4(b):
 
 
 @triton.jit
-def _codes(Src, s, d, r0, src_offs, R: tl.constexpr, SW: tl.constexpr):
-    """Rows r0.. of source block s as stored (`[RB, SW]`); nothing is read when d < 0 (a cache hit)."""
-    return tl.load(Src + s * (R * SW) + r0 * SW + src_offs, mask=src_offs * 0 + d >= 0)  # a tensor mask: the
-    # interpreter takes no scalar one
-
-
-@triton.jit
-def _put(Dst, Scale, x, s, d, r0, rows, offs, R: tl.constexpr, W: tl.constexpr, QUANT: tl.constexpr,
-         INT4: tl.constexpr):
-    """Dequantise one step's codes `x` of block s (INT4: unpack; QUANT: one scale per row, INT4 per group) and
-    store them as rows r0.. of destination block d (nothing when d < 0)."""
-    if INT4:
-        x = _unpack_int4(x)
-    if QUANT:
-        x = x.to(tl.float32) * tl.load(Scale + s * R + r0 + rows, mask=rows * 0 + d >= 0).to(tl.float32)[:, None]
-    tl.store(Dst + d * (R * W) + r0 * W + offs, x.to(Dst.dtype.element_ty), mask=offs * 0 + d >= 0)
-
-
-@triton.jit
 def _gather_blocks_kernel(SrcK, SrcV, DstK, DstV, SrcIdx, DstIdx, Count, ScaleK, ScaleV, NCTA,
                           R: tl.constexpr, W: tl.constexpr, RB: tl.constexpr, QUANT: tl.constexpr,
-                          INT4: tl.constexpr, PAIR: tl.constexpr):
-    """Blocks of R rows x W elements, RB rows per step: the K and V rows of a step (of PAIR = 2 blocks: items
-    i and i + NCTA) are all loaded before any is stored, so each program keeps 2 * PAIR PCIe reads in flight.
-    No branch: a cache hit (dst -1) masks its loads and stores. INT4: a "row" is a group of W = 32 elements,
-    W / 2 bytes in the source."""
+                          INT4: tl.constexpr):
+    """Blocks of R rows x W elements, RB rows per step: the K and V rows of a step are both loaded
+    before either is stored, so each program keeps two PCIe reads in flight. No branch: a cache hit
+    (dst -1) masks its loads and stores. INT4: a "row" is a group of W = 32 elements, W / 2 bytes in the source."""
     pid = tl.program_id(0)
     n = tl.load(Count)
+    E: tl.constexpr = R * W
     SW: tl.constexpr = W // 2 if INT4 else W  # source elements per row
     rows = tl.arange(0, RB)
     offs = rows[:, None] * W + tl.arange(0, W)[None, :]  # [RB, W]
     src_offs = rows[:, None] * SW + tl.arange(0, SW)[None, :]  # [RB, SW]
-    for i in range(pid, n, NCTA * PAIR):
+    for i in range(pid, n, NCTA):
         d = tl.load(DstIdx + i).to(tl.int64)
         s = tl.load(SrcIdx + i).to(tl.int64)
-        if PAIR == 2:  # the second item; past the list: -1 (moves nothing)
-            j = tl.minimum(i + NCTA, n - 1)
-            d2 = tl.where(i + NCTA < n, tl.load(DstIdx + j).to(tl.int64), -1)
-            s2 = tl.load(SrcIdx + j).to(tl.int64)
+        move = offs * 0 + d >= 0  # as a tensor: the interpreter takes no scalar mask
         for r0 in tl.static_range(0, R, RB):
-            k = _codes(SrcK, s, d, r0, src_offs, R, SW)
-            v = _codes(SrcV, s, d, r0, src_offs, R, SW)
-            if PAIR == 2:
-                k2 = _codes(SrcK, s2, d2, r0, src_offs, R, SW)
-                v2 = _codes(SrcV, s2, d2, r0, src_offs, R, SW)
-            _put(DstK, ScaleK, k, s, d, r0, rows, offs, R, W, QUANT, INT4)
-            _put(DstV, ScaleV, v, s, d, r0, rows, offs, R, W, QUANT, INT4)
-            if PAIR == 2:
-                _put(DstK, ScaleK, k2, s2, d2, r0, rows, offs, R, W, QUANT, INT4)
-                _put(DstV, ScaleV, v2, s2, d2, r0, rows, offs, R, W, QUANT, INT4)
+            src_move = src_offs * 0 + d >= 0
+            k = tl.load(SrcK + s * (R * SW) + r0 * SW + src_offs, mask=src_move)
+            v = tl.load(SrcV + s * (R * SW) + r0 * SW + src_offs, mask=src_move)
+            if INT4:
+                k, v = _unpack_int4(k), _unpack_int4(v)
+            if QUANT:  # one scale per token row (INT4: per group), float32 or float16
+                row_move = rows * 0 + d >= 0
+                k = k.to(tl.float32) * tl.load(ScaleK + s * R + r0 + rows, mask=row_move).to(tl.float32)[:, None]
+                v = v.to(tl.float32) * tl.load(ScaleV + s * R + r0 + rows, mask=row_move).to(tl.float32)[:, None]
+            tl.store(DstK + d * E + r0 * W + offs, k.to(DstK.dtype.element_ty), mask=move)
+            tl.store(DstV + d * E + r0 * W + offs, v.to(DstV.dtype.element_ty), mask=move)
 
 
 def gather_blocks(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
@@ -112,7 +91,6 @@ def gather_blocks(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor,
     if int4 and W != 32:
         raise ValueError(f"INT4 codes need one scale per 32 elements: scales [S, {E // 32}], got {tuple(scale_k.shape)}")
     rb = min(R, max(1, 8192 // W))  # rows per step: 8K elements of K and of V in flight per program
-    pair = 2 if int4 else 1  # INT4's 8K elements are 4 KB: two blocks a step keep FP8's bytes in flight
     _gather_blocks_kernel[(ctas,)](src_k, src_v, dst_k, dst_v, src_idx, dst_idx, count,
                                    scale_k if quantised else src_k, scale_v if quantised else src_v, ctas,
-                                   R=R, W=W, RB=rb, QUANT=quantised, INT4=int4, PAIR=pair, num_warps=4)
+                                   R=R, W=W, RB=rb, QUANT=quantised, INT4=int4, num_warps=4)
