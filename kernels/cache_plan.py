@@ -110,8 +110,9 @@ def store_row(x, bh, pos, d, Host, HostS, Out, HOST_TOKENS, QMAX, HOST: tl.const
         if OUT:
             tl.store(Out + bh * D + d, tl.reshape(codes * scale[:, None], (D,)).to(Out.dtype.element_ty))
         if HOST:
-            lo, hi = tl.split(tl.reshape(codes.to(tl.int32) + 8, (D // 2, 2)))  # elements 2j, 2j + 1
-            tl.store(Host + hrow * (D // 2) + tl.arange(0, D // 2), (lo + (hi << 4)).to(tl.uint8))
+            halves = tl.permute(tl.reshape(codes.to(tl.int32) + 8, (G, 2, 16)), (0, 2, 1))  # [G, 16, 2]
+            lo, hi = tl.split(halves)  # elements j and j + 16 of each group
+            tl.store(Host + hrow * (D // 2) + tl.arange(0, D // 2), tl.reshape(lo + (hi << 4), (D // 2,)).to(tl.uint8))
             tl.store(HostS + hrow * G + tl.arange(0, G), scale.to(tl.float16))
     elif QUANT:
         xf = x.to(tl.float32)

@@ -20,11 +20,13 @@ from .gather_ref import INT4, check_gather_args, gather_ctas
 
 
 @triton.jit
-def _unpack_int4(b):
-    """INT4 bytes `[RB, W / 2]` -> codes `[RB, W]` float32 (low nibble first, each nibble code + 8)."""
-    lo = (b & 15).to(tl.int32) - 8
-    hi = (b >> 4).to(tl.int32) - 8
-    return tl.reshape(tl.join(lo, hi), (b.shape[0], 2 * b.shape[1])).to(tl.float32)
+def _store_int4(Dst, b, scale, half, mask, SW: tl.constexpr):
+    """INT4 bytes `b` `[RB, 16]` of RB groups (byte j: element j in the low nibble, j + 16 in the high one, each
+    code + 8) times their scales `[RB, 1]` -> the groups' two halves at Dst + half and Dst + half + 16."""
+    lo = ((b & 15).to(tl.int32) - 8).to(tl.float32) * scale
+    hi = ((b >> 4).to(tl.int32) - 8).to(tl.float32) * scale
+    tl.store(Dst + half, lo.to(Dst.dtype.element_ty), mask=mask)
+    tl.store(Dst + SW + half, hi.to(Dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -49,14 +51,20 @@ def _gather_blocks_kernel(SrcK, SrcV, DstK, DstV, SrcIdx, DstIdx, Count, ScaleK,
             src_move = src_offs * 0 + d >= 0
             k = tl.load(SrcK + s * (R * SW) + r0 * SW + src_offs, mask=src_move)
             v = tl.load(SrcV + s * (R * SW) + r0 * SW + src_offs, mask=src_move)
-            if INT4:
-                k, v = _unpack_int4(k), _unpack_int4(v)
             if QUANT:  # one scale per token row (INT4: per group), float32 or float16
                 row_move = rows * 0 + d >= 0
-                k = k.to(tl.float32) * tl.load(ScaleK + s * R + r0 + rows, mask=row_move).to(tl.float32)[:, None]
-                v = v.to(tl.float32) * tl.load(ScaleV + s * R + r0 + rows, mask=row_move).to(tl.float32)[:, None]
-            tl.store(DstK + d * E + r0 * W + offs, k.to(DstK.dtype.element_ty), mask=move)
-            tl.store(DstV + d * E + r0 * W + offs, v.to(DstV.dtype.element_ty), mask=move)
+                sk = tl.load(ScaleK + s * R + r0 + rows, mask=row_move).to(tl.float32)[:, None]
+                sv = tl.load(ScaleV + s * R + r0 + rows, mask=row_move).to(tl.float32)[:, None]
+            if INT4:  # two contiguous half-groups per group, no interleave
+                half = rows[:, None] * W + tl.arange(0, SW)[None, :]  # [RB, W / 2]
+                move_half = half * 0 + d >= 0
+                _store_int4(DstK + d * E + r0 * W, k, sk, half, move_half, SW)
+                _store_int4(DstV + d * E + r0 * W, v, sv, half, move_half, SW)
+            else:
+                if QUANT:
+                    k, v = k.to(tl.float32) * sk, v.to(tl.float32) * sv
+                tl.store(DstK + d * E + r0 * W + offs, k.to(DstK.dtype.element_ty), mask=move)
+                tl.store(DstV + d * E + r0 * W + offs, v.to(DstV.dtype.element_ty), mask=move)
 
 
 def gather_blocks(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,

@@ -49,9 +49,10 @@ def row_layout(quant: torch.dtype, head_dim: int) -> tuple[int, int]:
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype,
                   scale_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x `[..., D]` -> (codes, scales in `scale_dtype`, default `SCALE_DTYPE[dtype]`). FP8 / INT8: codes `[..., D]` in
-    `dtype`, one scale per row `[...]`. INT4 (`dtype` = `INT4`): codes `[..., D / 2]` uint8, element 2j in the low
-    nibble of byte j and 2j + 1 in the high one, each nibble code + 8 (1..15: unpacked with a mask, a shift and
-    one subtraction), one scale per group of 32 elements `[..., D / 32]`.
+    `dtype`, one scale per row `[...]`. INT4 (`dtype` = `INT4`): codes `[..., D / 2]` uint8, 16 bytes per group of
+    32 elements, byte j of a group holding its element j in the low nibble and element j + 16 in the high one,
+    each nibble code + 8 (1..15: the gather unpacks a group with a mask, a shift and one subtraction into its two
+    contiguous halves, no interleave), one scale per group of 32 elements `[..., D / 32]`.
     The scale = max |x| / QMAX over the row (group) is computed in float32 and rounded to `scale_dtype`, x is divided
     by the rounded scale and clamped to +-QMAX, so that quantising `dequantize_rows` of the result gives the same
     codes and scales back; then rounded (FP8: to nearest even; INT8 and INT4: floor(y + 0.5)). INT4's error is at
@@ -73,16 +74,17 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype,
     y = torch.floor(y + 0.5)
     if dtype == torch.int8:
         return y.to(dtype), scale
-    nibbles = (y + 8).to(torch.uint8).flatten(-2).unflatten(-1, (-1, 2))
-    return nibbles[..., 0] | (nibbles[..., 1] << 4), scale
+    nibbles = (y + 8).to(torch.uint8)  # [..., G, 32]
+    return (nibbles[..., : GROUP // 2] | (nibbles[..., GROUP // 2:] << 4)).flatten(-2), scale
 
 
 def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """FP8 / INT8 codes `[..., D]` with scales `[...]`, or INT4 codes `[..., D / 2]` uint8 with scales `[..., D / 32]`
     (any float dtype) -> values `[..., D]` in `dtype`."""
     if codes.dtype == INT4:
-        c = torch.stack((codes & 15, codes >> 4), -1).flatten(-2).float() - 8  # [..., D]
-        return (c.unflatten(-1, (-1, GROUP)) * scale.float()[..., None]).flatten(-2).to(dtype)
+        b = codes.unflatten(-1, (-1, GROUP // 2))  # [..., G, 16]
+        c = torch.cat((b & 15, b >> 4), -1).float() - 8  # [..., G, 32]
+        return (c * scale.float()[..., None]).flatten(-2).to(dtype)
     return (codes.float() * scale.float()[..., None]).to(dtype)
 
 

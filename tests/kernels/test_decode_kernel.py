@@ -188,8 +188,8 @@ def test_int4_rows_round_trip_stay_within_half_a_step_and_refuse_a_bad_head_dim(
     assert (err <= scale.float()[..., None] / 2 * (1 + 1e-6)).all()
     assert err[0, 0, 1:].max() < 1e3 / 7 / 2 / 10  # the outlier's neighbours keep their own scales
     row = torch.zeros(32)
-    row[:4] = torch.tensor([7.0, -7.0, 3.0, 0.49])  # scale 1: codes 7, -7, 3, 0 -> nibbles 15, 1, 11, 8
-    c, s = quantize_rows(row, INT4)
+    row[[0, 16, 1, 17]] = torch.tensor([7.0, -7.0, 3.0, 0.49])  # scale 1: codes 7, -7, 3, 0 -> nibbles 15, 1, 11, 8
+    c, s = quantize_rows(row, INT4)  # byte j: element j low, element j + 16 high
     assert float(s) == 1.0 and c[:2].tolist() == [15 | 1 << 4, 11 | 8 << 4] and (c[2:] == 8 | 8 << 4).all()
     assert torch.equal(dequantize_rows(*quantize_rows(torch.zeros(2, 64), INT4), torch.float32), torch.zeros(2, 64))
     for bad in (48, 16):
