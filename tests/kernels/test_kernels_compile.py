@@ -98,9 +98,10 @@ def compile_all() -> dict[str, dict]:
                      dict(R=1, NPAD=2048, KPAD=128), ("Score", "Budget", "Out"), 4)
         dots = {}
         for precision in ("ieee", "tf32x3"):
-            scores = compile_sm90(index_build._block_scores_kernel, {"QP": "*fp32", "KP": "*fp32", "Score": "*fp32"},
-                                  dict(D=128, BT=64, PRECISION=precision), ("QP", "KP", "Score"), 4)
-            dots[precision] = scores.asm["ttgir"].count("warp_group_dot ")
+            for d in (128, 256):  # head_dim 256 in two 128-wide chunks: tensor cores there too
+                scores = compile_sm90(index_build._block_scores_kernel, {"QP": "*fp32", "KP": "*fp32", "Score": "*fp32"},
+                                      dict(D=d, DK=128, BT=64, PRECISION=precision), ("QP", "KP", "Score"), 4)
+                dots[f"{precision}/{d}"] = scores.asm["ttgir"].count("warp_group_dot ")
         out["index"] = {"tensor_core_dots": dots}
     except Exception as e:  # noqa: BLE001 - reported by the index test
         out["index"] = {"error": f"{type(e).__name__}: {e}"[-2000:]}
@@ -139,7 +140,7 @@ def test_index_kernels_compile_for_sm90(compiled):
     the sizes a 128K-token layer gives them; the 3xTF32 scores on the tensor cores, the IEEE ones on FMA."""
     result = compiled["index"]
     assert "error" not in result, result.get("error")
-    assert result["tensor_core_dots"] == {"ieee": 0, "tf32x3": 3}
+    assert result["tensor_core_dots"] == {"ieee/128": 0, "ieee/256": 0, "tf32x3/128": 3, "tf32x3/256": 6}
 
 
 def test_rope_rounds_like_transformers_for_sm90(compiled):
