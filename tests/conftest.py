@@ -80,3 +80,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.model)
         if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
             item.add_marker(no_cuda)
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """One headless Chromium per test process, shared by the dashboard (tests/ui) and JupyterLab
+    (tests/notebooks) tests: Playwright's sync API cannot start a second session in a thread that holds one."""
+    from headless import ARGS, CHROMIUM
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield b
+        b.close()

@@ -16,12 +16,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from headless import CHROMIUM
 
 pytestmark = [pytest.mark.ui, pytest.mark.notebook, pytest.mark.model, pytest.mark.xdist_group("jupyterlab")]
 
 ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]
 SIZES = {"WORKBENCH_NB_LENGTH": "512", "WORKBENCH_NB_LAYERS": "0,4,11", "WORKBENCH_NB_QUICK": "1"}
 RUN_MS = 480_000  # every cell of the notebook on a shared 2-core machine (about 30 s alone)
 
@@ -98,53 +97,50 @@ def _wait_nudging(page, locator, url: str, token: str, total_ms: int) -> int:
         nudges += 1
 
 
-def test_notebook_02_editor_redraws_its_figure_after_a_pattern_change(lab):
+def test_notebook_02_editor_redraws_its_figure_after_a_pattern_change(lab, browser):
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
-    from playwright.sync_api import sync_playwright
 
     url, token, folder = lab
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.set_default_timeout(RUN_MS)
-            page.goto(f"{url}/lab/tree/02_fit_search_edit.ipynb?token={token}")
-            page.locator(".jp-Notebook").wait_for()
-            deadline = time.monotonic() + 300
-            while _kernel_states(url, token) != ["idle"]:  # the kernel started and answered
-                assert time.monotonic() < deadline, _diagnosis(page, url, token, folder)
-                time.sleep(1)
-            page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for()
-            started = page.locator(".jp-InputPrompt", has_text=re.compile(r"\[(\*|\d+)\]"))
-            for _ in range(3):  # a click on the menu before the notebook is ready runs nothing: try again
-                page.locator(".lm-MenuBar-itemLabel", has_text=re.compile("^Run$")).click()
-                page.locator(".lm-Menu-itemLabel", has_text=re.compile("^Run All Cells$")).click()
-                try:
-                    started.first.wait_for(timeout=30_000)
-                    break
-                except PlaywrightTimeout:
-                    page.keyboard.press("Escape")
-            editor = page.locator(".widget-output .gtitle")  # the editor's figure lives in its Output widget
-            nudges = 0
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        page.set_default_timeout(RUN_MS)
+        page.goto(f"{url}/lab/tree/02_fit_search_edit.ipynb?token={token}")
+        page.locator(".jp-Notebook").wait_for()
+        deadline = time.monotonic() + 300
+        while _kernel_states(url, token) != ["idle"]:  # the kernel started and answered
+            assert time.monotonic() < deadline, _diagnosis(page, url, token, folder)
+            time.sleep(1)
+        page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for()
+        started = page.locator(".jp-InputPrompt", has_text=re.compile(r"\[(\*|\d+)\]"))
+        for _ in range(3):  # a click on the menu before the notebook is ready runs nothing: try again
+            page.locator(".lm-MenuBar-itemLabel", has_text=re.compile("^Run$")).click()
+            page.locator(".lm-Menu-itemLabel", has_text=re.compile("^Run All Cells$")).click()
             try:
-                nudges = _wait_nudging(page, editor.first, url, token, RUN_MS)
-                nudges += _wait_nudging(page, page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']"),
-                                        url, token, RUN_MS)  # every cell ran
+                started.first.wait_for(timeout=30_000)
+                break
             except PlaywrightTimeout:
-                pytest.fail(f"notebook 02 did not finish in {RUN_MS / 1000:.0f} s ({nudges} nudges): "
-                            + _diagnosis(page, url, token, folder))
-            print(f"notebook 02 ran with {nudges} nudges")
-            errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']",
-                                  has_text="Traceback")
-            assert errors.count() == 0, errors.first.inner_text()
-            before = editor.first.text_content()
-            pattern = page.locator(".widget-dropdown select").first
-            new = next(v for v in ("ashape", "block", "vs") if f": {v}(" not in before)
-            pattern.select_option(new)
-            redrawn = page.locator(".widget-output .gtitle", has_text=f": {new}(")
-            redrawn.wait_for(timeout=120_000)
-            assert page.locator(".widget-output .gtitle").count() == 1  # redrawn in place, not appended
-            assert page.locator(".widget-output .gtitle").text_content() != before
-            assert page.locator(".widget-output .xtick").count() > 0  # a real plotly figure, with token ticks
-        finally:
-            browser.close()
+                page.keyboard.press("Escape")
+        editor = page.locator(".widget-output .gtitle")  # the editor's figure lives in its Output widget
+        nudges = 0
+        try:
+            nudges = _wait_nudging(page, editor.first, url, token, RUN_MS)
+            nudges += _wait_nudging(page, page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']"),
+                                    url, token, RUN_MS)  # every cell ran
+        except PlaywrightTimeout:
+            pytest.fail(f"notebook 02 did not finish in {RUN_MS / 1000:.0f} s ({nudges} nudges): "
+                        + _diagnosis(page, url, token, folder))
+        print(f"notebook 02 ran with {nudges} nudges")
+        errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']",
+                              has_text="Traceback")
+        assert errors.count() == 0, errors.first.inner_text()
+        before = editor.first.text_content()
+        pattern = page.locator(".widget-dropdown select").first
+        new = next(v for v in ("ashape", "block", "vs") if f": {v}(" not in before)
+        pattern.select_option(new)
+        redrawn = page.locator(".widget-output .gtitle", has_text=f": {new}(")
+        redrawn.wait_for(timeout=120_000)
+        assert page.locator(".widget-output .gtitle").count() == 1  # redrawn in place, not appended
+        assert page.locator(".widget-output .gtitle").text_content() != before
+        assert page.locator(".widget-output .xtick").count() > 0  # a real plotly figure, with token ticks
+    finally:
+        page.close()

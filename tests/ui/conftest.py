@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -16,10 +15,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from headless import CHROMIUM
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 READY = ".wb-state[data-state='ready']"  # the sidebar's job: the sample is loaded and evaluated
 HEAD_READY = ".wb-head-job-state[data-state='ready']"  # the Head tab's job: the head is open
 ERROR = ".wb-error:visible"  # an Alert: the sidebar's, or a tab's (a failed job, a refused input)
@@ -71,16 +68,6 @@ def assert_no_traceback(log_path: Path) -> None:
                   r"coro=<WebSocketProtocol13\.write_message.*?\ntornado\.websocket\.WebSocketClosedError\n",
                   "", log_path.read_text(), flags=re.S)
     assert "Traceback" not in text and "TypeError" not in text, text[-6000:]
-
-
-@pytest.fixture(scope="session")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        yield b
-        b.close()
 
 
 def until(page, locator, timeout_ms=STEP_MS):
