@@ -87,7 +87,7 @@ def copy_rates(store: BlockStore, ctas_list: list[int]) -> dict[str, Any]:
     scales = {}
     if store.spec.quant:
         scales = {"scale_k": store.sk[0].view(blocks, -1), "scale_v": store.sv[0].view(blocks, -1)}
-    block_bytes = StoreSpec(1, 1, 1, 1, store.spec.head_dim, store.spec.dtype, store.spec.quant).nbytes // 2  # K or V
+    block_bytes = store.spec.block_bytes // 2  # K or V
     gather = {}
     for ctas in ctas_list:
         ms = measure(partial(gather_blocks, src_k.view(-1, width), src_v.view(-1, width), dk, dv, src_idx, dst_idx, count,

@@ -43,6 +43,7 @@ def _gather_blocks_kernel(SrcK, SrcV, DstK, DstV, SrcIdx, DstIdx, Count, ScaleK,
     rows = tl.arange(0, RB)
     offs = rows[:, None] * W + tl.arange(0, W)[None, :]  # [RB, W]
     src_offs = rows[:, None] * SW + tl.arange(0, SW)[None, :]  # [RB, SW]
+    half = rows[:, None] * W + tl.arange(0, SW)[None, :]  # INT4: the low half of each group in the destination
     for i in range(pid, n, NCTA):
         d = tl.load(DstIdx + i).to(tl.int64)
         s = tl.load(SrcIdx + i).to(tl.int64)
@@ -56,7 +57,6 @@ def _gather_blocks_kernel(SrcK, SrcV, DstK, DstV, SrcIdx, DstIdx, Count, ScaleK,
                 sk = tl.load(ScaleK + s * R + r0 + rows, mask=row_move).to(tl.float32)[:, None]
                 sv = tl.load(ScaleV + s * R + r0 + rows, mask=row_move).to(tl.float32)[:, None]
             if INT4:  # two contiguous half-groups per group, no interleave
-                half = rows[:, None] * W + tl.arange(0, SW)[None, :]  # [RB, W / 2]
                 move_half = half * 0 + d >= 0
                 _store_int4(DstK + d * E + r0 * W, k, sk, half, move_half, SW)
                 _store_int4(DstV + d * E + r0 * W, v, sv, half, move_half, SW)

@@ -236,7 +236,7 @@ class DecodeEngine:
         self.quantised = {i for i in self.full if i > 0} if self.quant else set()
         self.triton, self._decode, self._gather, self._append = _kernels(config.kernels, self.device)
         self.fused = self.triton and FusedOps.supports(lm)
-        self.block_bytes = StoreSpec(1, 1, 1, 1, D, self.dtype, self.quant).nbytes  # K + V of a block with scales
+        self.block_bytes = StoreSpec(1, 1, 1, 1, D, self.dtype, self.quant).block_bytes  # moved per block
         # (checks an INT4 store's head_dim before anything is allocated)
         gpu_need, self.host_kv_bytes = kv_bytes(config, layers=L, kv_heads=Hkv, head_dim=D, dtype=self.dtype,
                                                 batch=batch, max_tokens=max_tokens, windows=self.windows)

@@ -85,10 +85,19 @@ class StoreSpec:
         return self.layer_rows * self.row_codes
 
     @property
+    def row_bytes(self) -> int:
+        """Bytes of one token row of one head, K or V: codes plus scales."""
+        return self.row_codes * self.codes_dtype.itemsize + (self.row_scales * SCALE_DTYPE[self.quant].itemsize
+                                                             if self.quant else 0)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes the gather moves per 64-token block of one head, K + V (codes and scales)."""
+        return 2 * BLOCK * self.row_bytes
+
+    @property
     def nbytes(self) -> int:
-        codes = self.layer_elements * self.codes_dtype.itemsize
-        scales = self.layer_rows * self.row_scales * SCALE_DTYPE[self.quant].itemsize if self.quant else 0
-        return 2 * self.layers * (codes + scales)
+        return 2 * self.layers * self.layer_rows * self.row_bytes
 
     @property
     def tokens(self) -> int:
