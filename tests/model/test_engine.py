@@ -244,6 +244,38 @@ def _tiny_llama(device: str):
     return LlamaForCausalLM(cfg).to(device).eval()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("store", ["model", "int8"])
+def test_fill_synthetic_gives_a_layer_the_same_kv_resident_or_in_the_host_store(store, device):
+    """The benchmarks' lossless check compares modes on synthetic KV: an offloaded layer's host rows must hold
+    the resident engine's numbers (through the store's codes when quantised), and the compressed keys too. (One
+    generator over all draws held on the CPU, where draws are one stream, and not on CUDA, where each call's draws
+    start at an offset that depends on the earlier calls' sizes: the H200 check read false for every store.)"""
+    from workbench_kernels.gather_ref import dequantize_rows
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = _tiny_llama(device)
+    budget = Budget(init=1, local=1, topk=2)
+    engines = {mode: DecodeEngine(model, EngineConfig(mode=mode, budget=budget, store_dtype=store), batch=2,
+                                  max_tokens=700) for mode in ("sparse-resident", "sparse-offload-sync")}
+    for eng in engines.values():
+        eng.fill_synthetic([640, 512], seed=3)
+    res, off = engines["sparse-resident"], engines["sparse-offload-sync"]
+    assert set(off.slot) == {1, 2}
+    for layer in off.slot:
+        pool = res.kv[layer].view(2, 2, 2, -1, 64, 32)
+        for part, host in enumerate(off.host[layer]):
+            rows = host if off.quant is None else dequantize_rows(host, off.host_scales[layer][part], torch.float32)
+            assert torch.equal(rows.to(pool.device, pool.dtype), pool[part])
+    assert torch.equal(res.kv[0], off.kv[0])
+    for layer in res.ck:
+        assert torch.equal(res.ck[layer].keys, off.ck[layer].keys) and torch.equal(res.ck[layer].tail, off.ck[layer].tail)
+    assert not torch.equal(res.kv[1][0], res.kv[2][0])  # layers draw their own numbers
+    for eng in engines.values():
+        eng.close()
+
+
 def test_engine_close_with_and_gc_release_the_store():
     import gc
     import weakref

@@ -373,31 +373,39 @@ class DecodeEngine:
     @torch.no_grad()
     def fill_synthetic(self, lengths: list[int], seed: int = 0, fill_host: bool = True) -> None:
         """Benchmark start: random KV and compressed keys as if prompts of `lengths` were prefilled.
+        Every draw (one sequence's K or V of one layer, one layer's compressed keys) has its own seed, so a layer
+        holds the same numbers whether it is resident or in the host store, in every mode and on every device.
         `fill_host=False` leaves the host store as it is (a benchmark fills it once)."""
         from workbench_kernels.gather_ref import dequantize_rows, quantize_rows
 
-        g = torch.Generator(device=self.device).manual_seed(seed)
+        def draw(shape: tuple[int, ...], *key: int) -> torch.Tensor:
+            g = torch.Generator(device=self.device).manual_seed(hash((seed, *key)) & (2**63 - 1))
+            return torch.randn(shape, generator=g, device=self.device)
+
         if len(lengths) != self.batch or max(lengths) > self.max_tokens:
             raise StoreCapacityError(f"need {self.batch} lengths of at most {self.max_tokens} tokens, got {lengths}")
-        for layer, t in self.kv.items():  # the same draws as the host store's below, so modes share their KV
-            for part in t.view(-1, BLOCK, t.shape[-1]).split(4096):  # bounded staging buffers
-                x = torch.randn(part.shape, generator=g, device=self.device)
-                if layer in self.quantised:  # what the quantised store would give back
-                    x = dequantize_rows(*quantize_rows(x, self.quant), torch.float32)
-                part.copy_(x.to(self.dtype))
-        for layer in self.slot if fill_host else ():
-            for i, t in enumerate(self.host[layer]):
+        Hkv, D = self.lm.n_kv_heads, self.lm.head_dim
+        for layer, t in self.kv.items():
+            pool = t.view(2, self.batch, Hkv, -1, BLOCK, D)
+            for part in range(2):
                 for b in range(self.batch):
-                    x = torch.randn(*t.shape[1:-1], self.lm.head_dim, generator=g, device=self.device)
+                    x = draw(pool.shape[2:], layer, part, b)
+                    if layer in self.quantised:  # what the quantised store would give back
+                        x = dequantize_rows(*quantize_rows(x, self.quant), torch.float32)
+                    pool[part, b].copy_(x.to(self.dtype))
+        for layer in self.slot if fill_host else ():
+            for part, t in enumerate(self.host[layer]):
+                for b in range(self.batch):
+                    x = draw((*t.shape[1:-1], D), layer, part, b)
                     if self.quant:
                         codes, scale = quantize_rows(x, self.quant)
                         t[b].copy_(codes)
-                        self.host_scales[layer][i][b].copy_(scale)
+                        self.host_scales[layer][part][b].copy_(scale)
                     else:
                         t[b].copy_(x.to(self.dtype))
-        for ck in self.ck.values():
-            ck.keys.normal_(generator=g)
-            ck.tail.normal_(generator=g)
+        for layer, ck in self.ck.items():
+            ck.keys.copy_(draw(ck.keys.shape, layer, 2))
+            ck.tail.copy_(draw(ck.tail.shape, layer, 3))
         self.positions.copy_(torch.tensor(lengths, device=self.device))
 
     # ------------------------------------------------------------------ one decode step
