@@ -133,6 +133,30 @@ def test_gather_blocks_matches_reference(ctas, dtype):
     assert torch.isnan(dk.cpu()[dst_idx[n:].cpu()]).all()  # entries past count untouched
 
 
+@pytest.mark.parametrize("ctas", [1, 3])
+def test_gather_blocks_skips_hits_in_a_long_list(ctas):
+    """The engine's copy list holds every selected block, most of them cache hits (dst -1): programs read the
+    list in chunks and move the misses only. A list of several chunks per program, hits and misses mixed, a count
+    that ends inside a chunk: the same pools as the reference."""
+    g = torch.Generator().manual_seed(ctas)
+    src_k, src_v = torch.randn(300, 1024, generator=g), torch.randn(300, 1024, generator=g)
+    if DEV == "cuda":
+        src_k, src_v = src_k.pin_memory(), src_v.pin_memory()
+    M, n = 250, 231
+    src_idx = torch.randint(0, 300, (M,), generator=g).to(DEV)
+    dst_idx = torch.randperm(400, generator=g)[:M]
+    dst_idx[torch.rand(M, generator=g) < 0.8] = -1  # hits
+    dst_idx = dst_idx.to(DEV)
+    count = torch.tensor([n], dtype=torch.int32, device=DEV)
+    out = []
+    for fn, kw in ((gather_blocks, {"ctas": ctas}), (gather_blocks_ref, {})):
+        dk, dv = torch.zeros(400, 1024, device=DEV), torch.zeros(400, 1024, device=DEV)
+        fn(src_k, src_v, dk, dv, src_idx, dst_idx, count, **kw)
+        out.append((dk, dv))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+    assert 20 < int((dst_idx[:n] >= 0).sum()) and out[0][0].abs().sum(-1).gt(0).sum() == (dst_idx[:n] >= 0).sum()
+
+
 @pytest.mark.parametrize("D", [64, 256])
 @pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn, INT4])
 def test_gather_blocks_dequantises_like_the_reference(D, codes):
