@@ -1,0 +1,49 @@
+"""Exploratory: per-kernel device time of the VS index -> tiles conversion and the block
+index at the bench's planted inputs, H200."""
+import json
+import math
+import sys
+from collections import defaultdict
+
+import torch
+from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
+from workbench_kernels.index_build import block_index, vs_index, vs_tiles, pooled_scores, select_blocks
+from workbench_kernels.index_ref import selected_block_tiles
+
+out = {}
+
+
+def prof(fn, reps=10):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    agg = defaultdict(float)
+    for e in p.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            agg[e.name[:70]] += e.device_time / reps
+    s = torch.cuda.Event(enable_timing=True); t = torch.cuda.Event(enable_timing=True)
+    ms = []
+    for _ in range(9):
+        s.record(); fn(); t.record(); torch.cuda.synchronize(); ms.append(s.elapsed_time(t))
+    ms.sort()
+    return {"wall_ms": ms[4], "kernel_us_total": sum(agg.values()), "launches": None,
+            "kernels_us": dict(sorted(agg.items(), key=lambda x: -x[1]))}
+
+
+for shape in sys.argv[1].split(","):
+    hq, hkv, d, theta = SHAPES[shape]
+    for n in (65536, 131072):
+        q, k, v = planted_inputs(hq, hkv, d, n, theta, dev="cuda", dtype=torch.bfloat16)
+        cols, offs = vs_index(q, k, 1 / math.sqrt(d), 1000, 6096)
+        r = {"vs_tiles": prof(lambda: vs_tiles(cols, offs, n)),
+             "block_index": prof(lambda: selected_block_tiles(block_index(q, k, 100))),
+             "pooled_scores": prof(lambda: pooled_scores(q, k))}
+        out[f"{shape}/{n}"] = r
+        print(shape, n, json.dumps({a: {"wall_ms": b["wall_ms"], "kern": b["kernel_us_total"],
+                                        "top": list(b["kernels_us"].items())[:8]} for a, b in r.items()}), flush=True)
+        del q, k, v
+json.dump(out, open(sys.argv[2], "w"), indent=1)
