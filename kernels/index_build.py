@@ -12,10 +12,11 @@ diagonals with one `tl.gather` (row r, offset 64u + t sits at column 64 + r - t)
 owns the diagonal sums of offsets [64u, 64u + 64) without atomics. Top-k selection is the shared
 `topk.top_positions` (the one `workbench.patterns.vs_proxy` uses).
 
-The tile conversion (`vs_tiles`, the same tiles as `index_ref.vs_to_tiles`) runs in two Triton passes
-over the sorted offsets, never over n-sized arrays: `vs_cover` places each head's pieces (the greedy
-cover of `index_ref.vs_pieces`, one program per head), then one program per row block expands the
-pieces and packs the surviving columns.
+The tile conversion (`vs_tiles`, the same tiles as `index_ref.vs_to_tiles`) is two Triton launches and
+no torch op between them: one program per head sorts its offsets and columns (`tl.sort`), dedupes the
+columns and places the pieces (the greedy cover of `index_ref.vs_pieces`, from the offsets, never over
+n-sized arrays; `vs_cover`), then one program per row block finds its pieces by a two-level search of
+the head's piece ends, expands them and packs the surviving columns.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .index_ref import VSTiles, max_pieces_total, piece_ranges, unique_columns
+from .index_ref import VSTiles, max_pieces_total, vs_tile_bounds
 from .topk import budget, top_blocks, top_positions
 
 LOG2E = 1.4426950408889634
@@ -127,21 +128,34 @@ def _max(a, b):
 
 
 @triton.jit
-def _vs_cover_kernel(Offs, Ends, Covered, KS, P, L, N, B_ROW: tl.constexpr, W: tl.constexpr, KPAD: tl.constexpr):
-    """One head's greedy cover in d-space from its sorted offsets (invalid ones = N, at the end).
+def _vs_cover_kernel(Offsets, Columns, Ends, Covered, Cols, H, KS, KV, P, L, N, sob, soh, sok, scb, sch, sck,
+                     B_ROW: tl.constexpr, W: tl.constexpr, KPAD: tl.constexpr, CPAD: tl.constexpr):
+    """One head (program (b, h)): its KS offsets and KV columns in any order (< 0 or >= N: invalid) ->
+    Cols (the columns sorted, invalid and repeated ones = N), Ends and Covered (`index_ref.vs_pieces`).
 
-    Offset o_i covers d in [o_i - B_ROW + 1, o_i]. Walking the offsets in order with `reach` = the
-    last d covered so far: if reach <= o_i - B_ROW (a reset) the pieces restart at o_i - B_ROW + 1 and
-    reach becomes o_i; else they continue at reach + 1 and reach becomes the first value >= o_i in
+    The offsets plus offset 0, invalid ones = N, sorted (KPAD >= KS + 1, pads N), are covered greedily in
+    d-space. Offset o_i covers d in [o_i - B_ROW + 1, o_i]. Walking the offsets in order with `reach` =
+    the last d covered so far: if reach <= o_i - B_ROW (a reset) the pieces restart at o_i - B_ROW + 1
+    and reach becomes o_i; else they continue at reach + 1 and reach becomes the first value >= o_i in
     reach's residue mod W. So reach_i = o_r + W * ceil((o_i - o_r) / W), r = the last reset <= i,
     and a reset needs a gap o_i - o_{i-1} >= B_ROW. The resets are found by fixed-point iteration
     (start: every such gap; each pass settles at least the first unsettled one, usually 2-4 passes),
     then offset i writes its ceil((o_i - lo_i) / W) <= B_ROW / W pieces (lo_i: the d below its
-    first piece) and marks their d's in `Covered`."""
+    first piece) and marks their d's in `Covered` (zeroed first by this program)."""
     bh = tl.program_id(0).to(tl.int64)
+    b = bh // H
+    h = bh % H
     i = tl.arange(0, KPAD)
-    o = tl.load(Offs + bh * KS + i, mask=i < KS, other=N)
-    o_prev = tl.load(Offs + bh * KS + i - 1, mask=(i >= 1) & (i < KS), other=-(1 << 30))
+    for s in range(0, L, KPAD):
+        tl.store(Covered + bh * L + s + i, 0, mask=s + i < L)
+    j = tl.arange(0, CPAD)
+    c = tl.load(Columns + b * scb + h * sch + j * sck, mask=j < KV, other=N)
+    c = tl.sort(tl.where((c >= 0) & (c < N), c, N).to(tl.int32))
+    dup = (j > 0) & (c == tl.gather(c, tl.maximum(j - 1, 0), 0))
+    tl.store(Cols + bh * KV + j, tl.where(dup, N, c), mask=j < KV)
+    o = tl.load(Offsets + b * sob + h * soh + (i - 1) * sok, mask=(i >= 1) & (i <= KS), other=N)  # i = 0: offset 0
+    o = tl.sort(tl.where(i == 0, 0, tl.where((o >= 0) & (o < N), o, N)).to(tl.int32))
+    o_prev = tl.where(i >= 1, tl.gather(o, tl.maximum(i - 1, 0), 0), -(1 << 30))
     gap = o - o_prev >= B_ROW  # i = 0 (offset 0) always
     reset = gap
     reach_prev = o_prev
@@ -156,45 +170,66 @@ def _vs_cover_kernel(Offs, Ends, Covered, KS, P, L, N, B_ROW: tl.constexpr, W: t
     lo = tl.where(reset, o - B_ROW, reach_prev)
     count = tl.where(o < N, tl.maximum(tl.cdiv(o - lo, W), 0), 0)
     pos = tl.cumsum(count, 0) - count
+    tl.debug_barrier()  # the zeros above are stored before any thread marks
     for k in tl.static_range(B_ROW // W):
         end = lo + (k + 1) * W  # the piece's d of its lowest key
         tl.store(Ends + bh * P + pos + k, end, mask=k < count)
-        for j in range(W):
-            d = end - j
+        for t in range(W):
+            d = end - t
             tl.store(Covered + bh * L + d + B_ROW - 1, 1, mask=(k < count) & (d < N))
     for s in range(tl.sum(count, 0), P, KPAD):
         tl.store(Ends + bh * P + s + i, 2147483647, mask=s + i < P)
+
+
+def _vs_heads(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int,
+              width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One `_vs_cover_kernel` launch over columns `[B, H, KV]` and offsets `[B, H, KS]` (any integer dtype,
+    order, strides) -> (ends Int32 `[B, H, max_pieces_total]` ascending, INT32_MAX padded; covered Int8
+    `[B, H, n + block - 1]`; cols Int32 `[B, H, KV]`, `index_ref.unique_columns`)."""
+    B, H, KS = offsets.shape
+    KV = columns.shape[-1]
+    dev = offsets.device
+    ends = torch.empty(B, H, max_pieces_total(n, KS, block, width), dtype=torch.int32, device=dev)
+    covered = torch.empty(B, H, n + block - 1, dtype=torch.int8, device=dev)
+    cols = torch.empty(B, H, KV, dtype=torch.int32, device=dev)
+    kpad, cpad = triton.next_power_of_2(KS + 1), triton.next_power_of_2(max(KV, 1))
+    _vs_cover_kernel[(B * H,)](offsets, columns, ends, covered, cols, H, KS, KV, ends.shape[-1], covered.shape[-1], n,
+                               *offsets.stride(), *columns.stride(), B_ROW=block, W=width, KPAD=kpad, CPAD=cpad,
+                               num_warps=max(4, min(16, max(kpad, cpad) // 256)))
+    return ends, covered, cols
 
 
 @torch.no_grad()
 def vs_cover(offsets: torch.Tensor, n: int, block: int = 64, width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`index_ref.vs_pieces(offsets, n, block, static=True, width=width)` by one Triton program per head:
     (ends Int32 `[B, H, max_pieces_total]` ascending, INT32_MAX padded; covered Int8 `[B, H, n + block - 1]`)."""
-    B, H, KS = offsets.shape
-    w = width or block
-    off = offsets.long()
-    off = torch.where((off >= 0) & (off < n), off, n)
-    off = torch.cat([torch.zeros_like(off[..., :1]), off], -1).to(torch.int32).sort(-1).values.contiguous()
-    P = max_pieces_total(n, KS, block, w)
-    ends = torch.empty(B, H, P, dtype=torch.int32, device=offsets.device)
-    covered = torch.zeros(B, H, n + block - 1, dtype=torch.int8, device=offsets.device)
-    kpad = triton.next_power_of_2(KS + 1)
-    _vs_cover_kernel[(B * H,)](off, ends, covered, KS + 1, P, n + block - 1, n, B_ROW=block, W=w, KPAD=kpad,
-                               num_warps=max(4, min(16, kpad // 256)))
-    return ends, covered
+    return _vs_heads(offsets[..., :0], offsets, n, block, width or block)[:2]
 
 
 @triton.jit
-def _expand_tiles_kernel(Ends, Hi, Covered, Cols, BlockCount, BlockOffset, ColumnCount, ColumnIndex,
-                         P, L, KV, NS, NC, M, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+def _expand_tiles_kernel(Ends, Covered, Cols, BlockCount, BlockOffset, ColumnCount, ColumnIndex,
+                         P, L, KV, NS, NC, M, N, BLOCK: tl.constexpr, W: tl.constexpr, CHUNK: tl.constexpr):
+    """Row block m of one head: its pieces, the ends e with m*BLOCK - N < e <= m*BLOCK + W - 1 (start
+    m*BLOCK - e), and its columns (< m*BLOCK and not covered, in order)."""
     bh = tl.program_id(0)
     m = tl.program_id(1)
     row0 = m * BLOCK
     lanes = tl.arange(0, CHUNK)
     tile = bh * M + m
+    # the ends <= x for x = (row0 - N, row0 + W - 1): first counted on every S-th end, then within one stride
+    x = tl.where(tl.arange(0, 2) == 0, row0 - N, row0 + W - 1)[:, None]
+    S = tl.cdiv(P, CHUNK)
+    sample = tl.load(Ends + bh * P + lanes * S, mask=lanes * S < P, other=2147483647)
+    base = tl.maximum(tl.sum((sample[None, :] <= x).to(tl.int32), 1) - 1, 0) * S  # [2]
+    below = base
+    for s0 in range(0, S, CHUNK):
+        t = base[:, None] + s0 + lanes[None, :]
+        e = tl.load(Ends + bh * P + t, mask=(s0 + lanes[None, :] < S) & (t < P), other=2147483647)
+        below += tl.sum((e <= x).to(tl.int32), 1)
+    hi = tl.max(below, 0)
+    count = tl.minimum(hi - tl.min(below, 0), NS)
+    tl.store(BlockCount + tile, count)
     # pieces: ends[hi - count : hi], written in ascending key order (start = row0 - end)
-    count = tl.load(BlockCount + tile)
-    hi = tl.load(Hi + tile)
     for t0 in range(0, count, CHUNK):
         t = t0 + lanes
         e = tl.load(Ends + bh * P + hi - 1 - t, mask=t < count, other=0)
@@ -214,26 +249,23 @@ def _expand_tiles_kernel(Ends, Hi, Covered, Cols, BlockCount, BlockOffset, Colum
 
 @torch.no_grad()
 def vs_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int = 64, width: int = 0) -> VSTiles:
-    """Same tiles as `index_ref.vs_to_tiles` (static widths), without the `[B, H, M, width]` torch
-    intermediates and without host sync. Entries past the counts are left unwritten."""
+    """Same tiles as `index_ref.vs_to_tiles` (static widths `vs_tile_bounds`) from columns `[B, H, KV]` and
+    offsets `[B, H, KS]` in any order: two Triton launches (per head, then per row block), no host sync, no
+    torch ops (only `torch.empty`), no `[B, H, M, width]` intermediates. Entries past the counts are left
+    unwritten."""
     B, H, KV = columns.shape
     M = -(-n // block)
     w = width or block
-    ends, cov = vs_cover(offsets, n, block, w)
-    cols = unique_columns(columns, n).to(torch.int32).contiguous()
-    P = ends.shape[-1]
-    NS = min(2 * (-(-n // w)) + 4, max_pieces_total(n, offsets.shape[-1], block, w))
-    NC = max(KV, 1)
+    ends, cov, cols = _vs_heads(columns, offsets, n, block, w)
+    NS, NC = vs_tile_bounds(n, KV, offsets.shape[-1], block, w)
     dev = columns.device
-    hi, count = piece_ranges(ends, n, block, w)
-    tiles = VSTiles(count.clamp(max=NS).contiguous(),
+    tiles = VSTiles(torch.empty(B, H, M, dtype=torch.int32, device=dev),
                     torch.empty(B, H, M, NS, dtype=torch.int32, device=dev),
                     torch.empty(B, H, M, dtype=torch.int32, device=dev),
                     torch.empty(B, H, M, NC, dtype=torch.int32, device=dev), block, width, disjoint=True)
-    _expand_tiles_kernel[(B * H, M)](ends, hi.contiguous(), cov, cols, tiles.block_count, tiles.block_offset,
-                                     tiles.column_count,
-                                     tiles.column_index, P, cov.shape[-1], KV, NS, NC, M, BLOCK=block,
-                                     CHUNK=256, num_warps=4)
+    _expand_tiles_kernel[(B * H, M)](ends, cov, cols, tiles.block_count, tiles.block_offset, tiles.column_count,
+                                     tiles.column_index, ends.shape[-1], cov.shape[-1], KV, NS, NC, M, n,
+                                     BLOCK=block, W=w, CHUNK=256, num_warps=4)
     return tiles
 
 

@@ -7,7 +7,6 @@ import torch
 import triton
 import triton.language as tl
 from workbench_kernels.gather import gather_blocks
-from workbench_kernels.gather_ref import INT4
 
 
 @triton.jit
@@ -38,7 +37,11 @@ def timed(fn, reps=20):
     ts = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); torch.cuda.synchronize(); ts.append(a.elapsed_time(b))
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
     ts.sort()
     return ts[len(ts) // 2]
 
@@ -77,7 +80,6 @@ for store in sys.argv[1].split(","):
                                                              srci, dsti, cnt, ctas, B=E // 2, SB=E // 32, num_warps=nw))
                     out[f"int4-raw-w{nw}/{m}/{ctas}"] = {"ms": ms, "gbps": 2 * m * nbytes / ms / 1e6}
                     print("int4 raw", nw, m, ctas, f"{ms:.3f} ms {2 * m * nbytes / ms / 1e6:.1f} GB/s", flush=True)
-    del src, sc, dst
 a = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
 b = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
 ms = timed(lambda: b.copy_(a, non_blocking=True), 5)

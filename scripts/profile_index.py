@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import torch
 from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
-from workbench_kernels.index_build import block_index, vs_index, vs_tiles, pooled_scores, select_blocks
+from workbench_kernels.index_build import block_index, pooled_scores, vs_index, vs_tiles
 from workbench_kernels.index_ref import selected_block_tiles
 
 out = {}
@@ -25,10 +25,15 @@ def prof(fn, reps=10):
     for e in p.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             agg[e.name[:70]] += e.device_time / reps
-    s = torch.cuda.Event(enable_timing=True); t = torch.cuda.Event(enable_timing=True)
+    s = torch.cuda.Event(enable_timing=True)
+    t = torch.cuda.Event(enable_timing=True)
     ms = []
     for _ in range(9):
-        s.record(); fn(); t.record(); torch.cuda.synchronize(); ms.append(s.elapsed_time(t))
+        s.record()
+        fn()
+        t.record()
+        torch.cuda.synchronize()
+        ms.append(s.elapsed_time(t))
     ms.sort()
     return {"wall_ms": ms[4], "kernel_us_total": sum(agg.values()), "launches": None,
             "kernels_us": dict(sorted(agg.items(), key=lambda x: -x[1]))}
@@ -45,5 +50,4 @@ for shape in sys.argv[1].split(","):
         out[f"{shape}/{n}"] = r
         print(shape, n, json.dumps({a: {"wall_ms": b["wall_ms"], "kern": b["kernel_us_total"],
                                         "top": list(b["kernels_us"].items())[:8]} for a, b in r.items()}), flush=True)
-        del q, k, v
 json.dump(out, open(sys.argv[2], "w"), indent=1)

@@ -81,12 +81,13 @@ def compile_all() -> dict[str, dict]:
         except Exception as e:  # noqa: BLE001 - reported by the test of this case
             out[case] = {"error": f"{type(e).__name__}: {e}"[-2000:]}
     try:
-        compile_sm90(index_build._vs_cover_kernel, {"Offs": "*i32", "Ends": "*i32", "Covered": "*i8"},
-                     dict(B_ROW=64, W=64, KPAD=8192), ("Offs", "Ends", "Covered"), 16)
+        cover_ptrs = {"Offsets": "*i64", "Columns": "*i64", "Ends": "*i32", "Covered": "*i8", "Cols": "*i32"}
+        compile_sm90(index_build._vs_cover_kernel, cover_ptrs, dict(B_ROW=64, W=64, KPAD=8192, CPAD=1024, sok=1, sck=1),
+                     (*cover_ptrs, "sob", "soh", "scb", "sch"), 16)
         compile_sm90(index_build._expand_tiles_kernel,
-                     {name: "*i32" for name in ("Ends", "Hi", "Cols", "BlockCount", "BlockOffset", "ColumnCount",
+                     {name: "*i32" for name in ("Ends", "Cols", "BlockCount", "BlockOffset", "ColumnCount",
                                                 "ColumnIndex")} | {"Covered": "*i8"},
-                     dict(BLOCK=64, CHUNK=256), ("Ends", "Hi", "Covered", "Cols"), 4)
+                     dict(BLOCK=64, W=64, CHUNK=256), ("Ends", "Covered", "Cols"), 4)
         qk_strides = ("sqb", "sqh", "sqn", "skb", "skh", "skn")
         compile_sm90(index_build._row_stats_kernel, {"Q": "*bf16", "K": "*bf16", "Mpart": "*fp32", "Lpart": "*fp32",
                                                      "qk_scale": "fp32"},

@@ -75,8 +75,56 @@ def test_vs_tiles_kernel_equals_reference_conversion(n, block, width):
     g = torch.Generator().manual_seed(n)
     cols = torch.randint(-1, n, (2, 3, 17), generator=g)
     offs = torch.cat([torch.randint(0, 130, (2, 3, 9), generator=g), torch.randint(-1, n + 9, (2, 3, 5), generator=g)], -1)
-    fast = vs_tiles(cols.to(DEV), offs.to(DEV), n, block, width)
-    ref = vs_to_tiles(cols, offs, n, block, width=width)
+    assert_same_tiles(vs_tiles(cols.to(DEV), offs.to(DEV), n, block, width), vs_to_tiles(cols, offs, n, block, width=width), n)
+
+
+@pytest.mark.parametrize("block,width", [(64, 0), (128, 64)])
+def test_vs_tiles_kernel_sorts_and_dedupes_its_inputs(block, width):
+    """Unsorted offsets and columns, each value repeated, with -1, -5 and >= n entries, as strided views:
+    the kernel's own sort and dedupe give the reference tiles."""
+    n = 333
+    g = torch.Generator().manual_seed(block + width)
+    offs = torch.randint(-8, 140, (2, 20, 3), generator=g)
+    offs = torch.cat([offs, offs.flip(1)], 1)  # [2, 40, 3]: every value twice, unsorted
+    offs[:, 3], offs[:, 11], offs[0, 17] = -5, n + 3, n
+    offs[1, 25:32] = torch.randint(140, n, (7, 3), generator=g)  # scattered ranges far from the diagonal
+    cols = torch.randint(-1, n, (2, 15, 3), generator=g)
+    cols = torch.cat([cols, cols[:, torch.randperm(15, generator=g)]], 1)
+    cols[:, 4], cols[1, 9] = -5, n + 3
+    offs, cols = offs.transpose(1, 2), cols.transpose(1, 2)  # [2, 3, 40], [2, 3, 30], not contiguous
+    assert_same_tiles(vs_tiles(cols.to(DEV), offs.to(DEV), n, block, width), vs_to_tiles(cols, offs, n, block, width=width), n)
+
+
+def test_vs_tiles_is_two_launches_and_allocations(monkeypatch):
+    """`vs_tiles` runs no torch op but `torch.empty` around its two Triton launches (on the GPU each op is a
+    launch of ~30 us host time; the kernels are stubbed here, so the interpreter's own torch calls do not count)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from workbench_kernels import index_build
+
+    calls = []
+
+    class Launch:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append(self.name)
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    for name in ("_vs_cover_kernel", "_expand_tiles_kernel"):
+        monkeypatch.setattr(index_build, name, Launch(name))
+    cols, offs = torch.randint(0, 300, (1, 2, 9)), torch.randint(0, 300, (1, 2, 5))
+    with Log():
+        vs_tiles(cols, offs, 300)
+    assert [c for c in calls if c != "aten.empty.memory_format"] == ["_vs_cover_kernel", "_expand_tiles_kernel"]
+
+
+def assert_same_tiles(fast, ref, n):
+    """`vs_tiles` output equals `vs_to_tiles`' on the counts, the live piece starts and the computed keys."""
     assert torch.equal(fast.block_count.cpu(), ref.block_count)
     assert torch.equal(fast.column_count.cpu(), ref.column_count)
     assert fast.disjoint and ref.disjoint
