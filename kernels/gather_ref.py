@@ -12,6 +12,9 @@ dequantises while it copies, so the GPU cache holds model-dtype values, and the 
 `dequantize_rows(*quantize_rows(x))` whether a block came from the host or was appended on the GPU.
 INT4 costs clearly more quality than FP8 (SmolLM2-135M, 4K passkey prompt, fp32, CPU: dense@int4 top-1 0.857, KL
 0.072 vs dense@fp8 0.952, 0.0057; kernels/NOTES.md "INT4 host store"): an option, never the default.
+A store format (`kv_quant`) may round keys and values differently: "int8k-int4v" keeps INT8 keys and INT4 values
+(KL 0.0070 against FP8's 0.0079 on the real model at 0.77x FP8's bytes, where INT4 keys cost 0.092: kernels/NOTES.md
+"Which 4-bit KV to build next").
 The forecast heads' files hold their weight as the same INT8 rows with fp16 scales (`scale_dtype`).
 """
 from __future__ import annotations
@@ -24,6 +27,16 @@ GROUP = 32  # elements of a row per INT4 scale
 # float16 INT4 scales: 8 bytes per 128-dim row instead of 16 (72 bytes a row, not 80: 10 % less over PCIe); the
 # scale is a max / 7, far inside float16's range for KV, and x is divided by the rounded scale anyway
 SCALE_DTYPE = {torch.float8_e4m3fn: torch.float32, torch.int8: torch.float32, INT4: torch.float16}
+
+
+def kv_quant(quant: torch.dtype | tuple | None) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """A store format -> (key codes dtype, value codes dtype), each None (the model's dtype), FP8, INT8 or `INT4`: one
+    dtype rounds both alike (the "fp8" / "int8" / "int4" stores), a pair (k, v) each its own ("int8k-int4v")."""
+    if isinstance(quant, tuple):
+        if len(quant) != 2:
+            raise ValueError(f"a store format is one code dtype or a (key, value) pair, got {quant}")
+        return quant
+    return quant, quant
 
 
 def gather_ctas(quantised: bool) -> int:
@@ -90,6 +103,7 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 
 def check_gather_args(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor,
                       count: torch.Tensor, quantised: bool = False) -> None:
+    """One part's (K's or V's) pools, `quantised` when its scales are given, and the copy list."""
     packed = 2 if quantised and src.dtype == INT4 else 1  # INT4: E / 2 bytes of codes per block
     if src.dim() != 2 or dst.dim() != 2 or src.shape[1] * packed != dst.shape[1] or (src.dtype != dst.dtype and not quantised):
         raise ValueError(f"src and dst must be [S, E] pools with the same E (INT4 codes: E / 2 bytes) and dtype, got "
@@ -108,18 +122,18 @@ def gather_blocks_ref(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Ten
     """dst[dst_idx[i]] = src[src_idx[i]] for i < count where dst_idx[i] >= 0 (-1: nothing to move), for K and
     V. Pools `[S, E]`, indices `[M]`. With scales the source holds codes, dequantised into dst's dtype: FP8 / INT8
     `[S, E]` with scales `[S, R]` float32 (R rows of E / R elements per block), or INT4 `[S, E / 2]` uint8 with
-    scales `[S, E / 32]` float16 (the block's groups of 32 in order: a group never straddles two rows)."""
-    quantised = scale_k is not None
-    for src, dst in ((src_k, dst_k), (src_v, dst_v)):
-        check_gather_args(src, dst, src_idx, dst_idx, count, quantised)
+    scales `[S, E / 32]` float16 (the block's groups of 32 in order: a group never straddles two rows). K and V
+    each have their own format (a part without scales holds values: "int8k-int4v" gives INT8 K, INT4 V)."""
+    for src, dst, scale in ((src_k, dst_k, scale_k), (src_v, dst_v, scale_v)):
+        check_gather_args(src, dst, src_idx, dst_idx, count, scale is not None)
     n = int(count.reshape(()).item())
     move = dst_idx[:n] >= 0
     s, d = src_idx[:n][move].long().cpu(), dst_idx[:n][move].long().to(dst_k.device)
     for src, dst, scale in ((src_k, dst_k, scale_k), (src_v, dst_v, scale_v)):
         block = src[s]
-        if quantised and src.dtype == INT4:
+        if scale is not None and src.dtype == INT4:
             block = dequantize_rows(block, scale[s], dst.dtype)
-        elif quantised:
+        elif scale is not None:
             rows = scale.shape[1]
             block = dequantize_rows(block.view(len(s), rows, src.shape[1] // rows), scale[s], dst.dtype)
             block = block.view(len(s), src.shape[1])

@@ -158,17 +158,20 @@ def test_gather_blocks_skips_hits_in_a_long_list(ctas):
 
 
 @pytest.mark.parametrize("D", [64, 256])
-@pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn, INT4])
+@pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn, INT4, (torch.int8, INT4)],
+                         ids=["int8", "fp8", "int4", "int8k-int4v"])
 def test_gather_blocks_dequantises_like_the_reference(D, codes):
     """An FP8 / INT8 store: one-byte codes and per-row float32 scales in, model-dtype rows out, bit for bit
     the reference's `dequantize_rows` (the interpreter reads FP8 exactly; it is its rounding *to* FP8 that
-    is off, see the append test). INT4: packed bytes `[S, E / 2]` and float16 scales per 32 elements `[S, E / 32]`."""
-    from workbench_kernels.gather_ref import dequantize_rows, quantize_rows
+    is off, see the append test). INT4: packed bytes `[S, E / 2]` and float16 scales per 32 elements `[S, E / 32]`.
+    "int8k-int4v": INT8 K rows with `[S, 64]` float32 scales beside INT4 V groups with `[S, E / 32]` float16 ones."""
+    from workbench_kernels.gather_ref import dequantize_rows, kv_quant, quantize_rows
 
     g = torch.Generator().manual_seed(D)
     x = torch.randn(30, 64, D, generator=g) * torch.rand(30, 64, 1, generator=g) * 10
     y = torch.randn(30, 64, D, generator=g)
-    (qk, sk), (qv, sv) = quantize_rows(x, codes), quantize_rows(y, codes)
+    codes, codes_v = kv_quant(codes)
+    (qk, sk), (qv, sv) = quantize_rows(x, codes), quantize_rows(y, codes_v)
     pin = (lambda t: t.pin_memory()) if DEV == "cuda" else (lambda t: t)
     src = [pin(t.view(30, -1)) for t in (qk, qv)]
     scales = [pin(t.reshape(30, -1)) for t in (sk, sv)]
@@ -186,6 +189,7 @@ def test_gather_blocks_dequantises_like_the_reference(D, codes):
     moved = [(int(s), int(d)) for s, d in zip(src_idx[:7].cpu(), dst_idx[:7].cpu()) if d >= 0]
     for s, d in moved:
         assert torch.equal(out[0][0][d].view(64, D), dequantize_rows(qk[s], sk[s], torch.float16))
+        assert torch.equal(out[0][1][d].view(64, D), dequantize_rows(qv[s], sv[s], torch.float16))
     err = (dequantize_rows(qk, sk, torch.float32) - x).abs().amax(-1) / x.abs().amax(-1)
     bound = {torch.int8: 1 / 127, torch.float8_e4m3fn: 1 / 16, INT4: 1.001 / 14}[codes]  # half a step (FP8: 3 bits;
     # INT4: of the group's float16 scale)
