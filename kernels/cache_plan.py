@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gather_ref import INT4, QMAX, row_layout
+from .gather_ref import INT4, QMAX, kv_quant, row_layout
 
 
 @triton.jit
@@ -148,43 +148,50 @@ def roll_row(k, bh, pos, d, Tail, CKeys, NC1, STRIDE, W: tl.constexpr):
 
 @triton.jit
 def _append_token_kernel(K, V, Pos, HostK, HostV, HostSK, HostSV, Kout, Vout, Tail, CKeys,
-                         H, HOST_TOKENS, NC1, STRIDE, QMAX,
-                         D: tl.constexpr, W: tl.constexpr, HOST: tl.constexpr, QUANT: tl.constexpr,
-                         INT8: tl.constexpr, INT4: tl.constexpr, OUT: tl.constexpr, COMPRESS: tl.constexpr):
+                         H, HOST_TOKENS, NC1, STRIDE, QMAX_K, QMAX_V,
+                         D: tl.constexpr, W: tl.constexpr, HOST: tl.constexpr, QUANT_K: tl.constexpr,
+                         INT8_K: tl.constexpr, INT4_K: tl.constexpr, QUANT_V: tl.constexpr, INT8_V: tl.constexpr,
+                         INT4_V: tl.constexpr, OUT: tl.constexpr, COMPRESS: tl.constexpr):
     bh = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D)
     pos = tl.load(Pos + bh // H).to(tl.int64)
     k = tl.load(K + bh * D + d)
-    store_row(k, bh, pos, d, HostK, HostSK, Kout, HOST_TOKENS, QMAX, HOST, QUANT, INT8, INT4, OUT)
-    store_row(tl.load(V + bh * D + d), bh, pos, d, HostV, HostSV, Vout, HOST_TOKENS, QMAX, HOST, QUANT, INT8, INT4, OUT)
+    store_row(k, bh, pos, d, HostK, HostSK, Kout, HOST_TOKENS, QMAX_K, HOST, QUANT_K, INT8_K, INT4_K, OUT)
+    store_row(tl.load(V + bh * D + d), bh, pos, d, HostV, HostSV, Vout, HOST_TOKENS, QMAX_V, HOST, QUANT_V, INT8_V,
+              INT4_V, OUT)
     if COMPRESS:
         roll_row(k, bh, pos, d, Tail, CKeys, NC1, STRIDE, W)
 
 
 def append_args(k: torch.Tensor, *, host_k: torch.Tensor | None = None, host_v: torch.Tensor | None = None,
                 host_scale_k: torch.Tensor | None = None, host_scale_v: torch.Tensor | None = None,
-                quant: torch.dtype | None = None, k_out: torch.Tensor | None = None, v_out: torch.Tensor | None = None,
+                quant: torch.dtype | tuple | None = None, k_out: torch.Tensor | None = None, v_out: torch.Tensor | None = None,
                 tail: torch.Tensor | None = None, ckeys: torch.Tensor | None = None, stride: int = 16
                 ) -> tuple[tuple, dict]:
     """Check `append_token`'s keyword arguments -> (pointer and integer arguments, constexprs) of `store_row` and
-    `roll_row` (unused pointers point at k). Shared with `layer.rope_split`."""
+    `roll_row` (unused pointers point at k). `quant`: the store format (`gather_ref.kv_quant`: one dtype for K and
+    V, or a (K, V) pair), so each part has its own QMAX_* and QUANT_* / INT8_* / INT4_* flags. Shared with
+    `layer.rope_split`."""
     D = k.shape[-1]
     if D & (D - 1) or (tail is not None and tail.shape[2] & (tail.shape[2] - 1)):
         raise ValueError(f"head_dim ({D}) and the compression window must be powers of two for the Triton kernel")
-    if host_k is not None and (host_k.dtype in QMAX) != (quant is not None):
-        raise ValueError(f"a {host_k.dtype} host store needs quant={host_k.dtype} and its scales")
-    if quant is not None and quant not in QMAX:
-        raise ValueError(f"quant must be float8_e4m3fn, int8 or uint8 (INT4), got {quant}")
-    if quant is not None:
-        row_layout(quant, D)  # INT4: head_dim a power of two >= 32
-    if quant is not None and host_k is not None and host_scale_k is None:
-        raise ValueError("a quantised host store needs host_scale_k and host_scale_v")
+    ints = (host_k.shape[2] if host_k is not None else 0, ckeys.shape[2] if ckeys is not None else 0, stride)
+    flags = dict(W=tail.shape[2] if tail is not None else 1, HOST=host_k is not None, OUT=k_out is not None,
+                 COMPRESS=tail is not None)
+    qk, qv = kv_quant(quant)
+    for part, q, host, scale in (("K", qk, host_k, host_scale_k), ("V", qv, host_v, host_scale_v)):
+        if host is not None and (host.dtype in QMAX) != (q is not None):
+            raise ValueError(f"a {host.dtype} host store needs quant={host.dtype} and its scales")
+        if q is not None and q not in QMAX:
+            raise ValueError(f"quant must be float8_e4m3fn, int8 or uint8 (INT4), got {q}")
+        if q is not None:
+            row_layout(q, D)  # INT4: head_dim a power of two >= 32
+        if q is not None and host is not None and scale is None:
+            raise ValueError("a quantised host store needs host_scale_k and host_scale_v")
+        ints += (QMAX.get(q, 1.0),)
+        flags.update({f"QUANT_{part}": q is not None, f"INT8_{part}": q == torch.int8, f"INT4_{part}": q == INT4})
     ptrs = tuple(t if t is not None else k for t in (host_k, host_v, host_scale_k, host_scale_v, k_out, v_out, tail,
                                                       ckeys))
-    ints = (host_k.shape[2] if host_k is not None else 0, ckeys.shape[2] if ckeys is not None else 0, stride,
-            QMAX.get(quant, 1.0))
-    flags = dict(W=tail.shape[2] if tail is not None else 1, HOST=host_k is not None, QUANT=quant is not None,
-                 INT8=quant == torch.int8, INT4=quant == INT4, OUT=k_out is not None, COMPRESS=tail is not None)
     return ptrs + ints, flags
 
 

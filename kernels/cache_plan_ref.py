@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .gather_ref import QMAX, dequantize_rows, quantize_rows
+from .gather_ref import QMAX, dequantize_rows, kv_quant, quantize_rows
 
 
 def plan_blocks_ref(blocks: torch.Tensor, slot_of: torch.Tensor, block_in: torch.Tensor, hits: torch.Tensor,
@@ -53,36 +53,35 @@ def plan_blocks_ref(blocks: torch.Tensor, slot_of: torch.Tensor, block_in: torch
 def append_token_ref(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
                      host_k: torch.Tensor | None = None, host_v: torch.Tensor | None = None,
                      host_scale_k: torch.Tensor | None = None, host_scale_v: torch.Tensor | None = None,
-                     quant: torch.dtype | None = None, k_out: torch.Tensor | None = None,
+                     quant: torch.dtype | tuple | None = None, k_out: torch.Tensor | None = None,
                      v_out: torch.Tensor | None = None, tail: torch.Tensor | None = None,
                      ckeys: torch.Tensor | None = None, stride: int = 16) -> None:
     """k, v `[B, H, D]` (the new token, after RoPE) at `positions` `[B]`. Writes, each where given:
 
     - host_k/v `[B, H, NBh * 64, D]` (the pinned host store's rows; codes when `quant` is float8_e4m3fn or int8,
       with their scales in host_scale_k/v `[B, H, NBh * 64]` float32; `quant` INT4 (uint8): `[B, H, NBh * 64, D / 2]`
-      packed codes and `[B, H, NBh * 64, D / 32]` float16 scales, `gather_ref.quantize_rows`);
+      packed codes and `[B, H, NBh * 64, D / 32]` float16 scales, `gather_ref.quantize_rows`; a (K, V) pair
+      `gather_ref.kv_quant` rounds each part its own way: (int8, INT4) for "int8k-int4v");
     - k_out/v_out `[B, H, D]`: what the decoder must attend to for this token, `dequantize_rows(quantize_rows(k))`
       in k_out's dtype (a quantised store: the same values a later gather of the block gives back);
     - tail `[B, H, W, D]` float32 and ckeys `[B, H, Nc + 1, D]`: the compressed keys (from the exact k).
     The token reaches the attended pool through the decode kernel (`k_new` / `v_new`).
     """
-    B, H, D = k.shape
-    ks, vs = k, v
-    if quant is not None:
-        (ks, sk), (vs, sv) = quantize_rows(k, quant), quantize_rows(v, quant)
-        if k_out is not None:
-            k_out.copy_(dequantize_rows(ks, sk, k_out.dtype))
-            v_out.copy_(dequantize_rows(vs, sv, v_out.dtype))
-    if host_k is not None:
-        if (host_k.dtype in QMAX) != (quant is not None) or (quant is not None and host_scale_k is None):
-            raise ValueError(f"a {host_k.dtype} host store needs quant={host_k.dtype} and its scales")
-        b = torch.arange(B, device=host_k.device)
-        p = positions.to(host_k.device)
-        host_k[b, :, p] = ks.to(host_k.device, host_k.dtype)
-        host_v[b, :, p] = vs.to(host_v.device, host_v.dtype)
-        if quant is not None:
-            host_scale_k[b, :, p] = sk.to(host_scale_k.device)
-            host_scale_v[b, :, p] = sv.to(host_scale_v.device)
+    B = k.shape[0]
+    for x, q, out, host, host_scale in ((k, kv_quant(quant)[0], k_out, host_k, host_scale_k),
+                                        (v, kv_quant(quant)[1], v_out, host_v, host_scale_v)):
+        codes = x
+        if q is not None:
+            codes, scale = quantize_rows(x, q)
+            if out is not None:
+                out.copy_(dequantize_rows(codes, scale, out.dtype))
+        if host is not None:
+            if (host.dtype in QMAX) != (q is not None) or (q is not None and host_scale is None):
+                raise ValueError(f"a {host.dtype} host store needs quant={host.dtype} and its scales")
+            b, p = torch.arange(B, device=host.device), positions.to(host.device)
+            host[b, :, p] = codes.to(host.device, host.dtype)
+            if q is not None:
+                host_scale[b, :, p] = scale.to(host_scale.device)
     if tail is not None:
         roll_compressed_ref(k, positions, tail, ckeys, stride)
 

@@ -54,9 +54,10 @@ ROPE_LAUNCH = {"enable_fp_fusion": False}  # num_warps: `cache_plan.row_warps(D)
 
 @triton.jit
 def _rope_split_kernel(X, Cos, Sin, CosF, SinF, Q, K, V, F, Pos, HostK, HostV, HostSK, HostSV, Kout, Vout, Tail, CKeys,
-                       HOST_TOKENS, NC1, STRIDE, QMAX, Hq, Hkv, Htot, D: tl.constexpr, APPEND: tl.constexpr,
-                       W: tl.constexpr, HOST: tl.constexpr, QUANT: tl.constexpr, INT8: tl.constexpr,
-                       INT4: tl.constexpr, OUT: tl.constexpr, COMPRESS: tl.constexpr):
+                       HOST_TOKENS, NC1, STRIDE, QMAX_K, QMAX_V, Hq, Hkv, Htot, D: tl.constexpr,
+                       APPEND: tl.constexpr, W: tl.constexpr, HOST: tl.constexpr, QUANT_K: tl.constexpr,
+                       INT8_K: tl.constexpr, INT4_K: tl.constexpr, QUANT_V: tl.constexpr, INT8_V: tl.constexpr,
+                       INT4_V: tl.constexpr, OUT: tl.constexpr, COMPRESS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, D)
@@ -78,7 +79,7 @@ def _rope_split_kernel(X, Cos, Sin, CosF, SinF, Q, K, V, F, Pos, HostK, HostV, H
             tl.store(K + bh * D + d, y)
             if APPEND:  # the new key: host store row (quantised or not) and compressed keys
                 pos = tl.load(Pos + b).to(tl.int64)
-                store_row(y, bh, pos, d, HostK, HostSK, Kout, HOST_TOKENS, QMAX, HOST, QUANT, INT8, INT4, OUT)
+                store_row(y, bh, pos, d, HostK, HostSK, Kout, HOST_TOKENS, QMAX_K, HOST, QUANT_K, INT8_K, INT4_K, OUT)
                 if COMPRESS:
                     roll_row(y, bh, pos, d, Tail, CKeys, NC1, STRIDE, W)
     elif h < Hq + 2 * Hkv:
@@ -86,7 +87,7 @@ def _rope_split_kernel(X, Cos, Sin, CosF, SinF, Q, K, V, F, Pos, HostK, HostV, H
         tl.store(V + bh * D + d, x)
         if APPEND:
             pos = tl.load(Pos + b).to(tl.int64)
-            store_row(x, bh, pos, d, HostV, HostSV, Vout, HOST_TOKENS, QMAX, HOST, QUANT, INT8, INT4, OUT)
+            store_row(x, bh, pos, d, HostV, HostSV, Vout, HOST_TOKENS, QMAX_V, HOST, QUANT_V, INT8_V, INT4_V, OUT)
     else:
         c = tl.load(CosF + b * D + d)
         s = tl.load(SinF + b * D + d)

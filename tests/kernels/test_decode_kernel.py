@@ -250,25 +250,31 @@ def test_plan_blocks_matches_reference_over_steps():
 
 
 @pytest.mark.parametrize("D", [16, 64, 256])
-@pytest.mark.parametrize("quant", [None, torch.int8, torch.float8_e4m3fn, INT4])
+@pytest.mark.parametrize("quant", [None, torch.int8, torch.float8_e4m3fn, INT4, (torch.int8, INT4)],
+                         ids=["model", "int8", "fp8", "int4", "int8k-int4v"])
 def test_append_token_matches_reference(D, quant):
     """Host store row (values, or codes + scales), the dequantised token the decoder attends to, and the
-    compressed keys (95 completes a window, 300 does not)."""
-    if quant == INT4 and D < 32:
+    compressed keys (95 completes a window, 300 does not). "int8k-int4v": INT8 key rows and their float32
+    scales, INT4 value groups and their float16 ones, in one launch."""
+    from workbench_kernels.gather_ref import SCALE_DTYPE, kv_quant
+
+    if INT4 in kv_quant(quant) and D < 32:
         pytest.skip("INT4 groups 32 elements: head_dim 16 is refused (see the INT4 round-trip test)")
     H, W, nbk = 3, 32, 10
-    width, scales = (D // 2, (D // 32,)) if quant == INT4 else (D, ())
+    pin = (lambda t: t.pin_memory()) if DEV == "cuda" else (lambda t: t)
+
+    def rows(q: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:  # one part's zeroed codes and scales
+        width, scales = (D // 2, (D // 32,)) if q == INT4 else (D, ())
+        return (pin(torch.zeros(2, H, nbk * 64, width).to(q or torch.float32)),
+                pin(torch.zeros(2, H, nbk * 64, *scales).to(SCALE_DTYPE.get(q, torch.float32))))
+
     outs = []
     for fn in (append_token_ref, append_token):
         g = torch.Generator().manual_seed(5)
         pos = torch.tensor([95, 300]).to(DEV)
         k, v = (torch.randn(2, H, D, generator=g) * 3).to(DEV), torch.randn(2, H, D, generator=g).to(DEV)
         tail, ck = torch.randn(2, H, W, D, generator=g).to(DEV), torch.zeros(2, H, 30, D, device=DEV)
-        pin = (lambda t: t.pin_memory()) if DEV == "cuda" else (lambda t: t)
-        hk = pin(torch.zeros(2, H, nbk * 64, width).to(quant or torch.float32))
-        hv = pin(hk.clone())
-        sk = pin(torch.zeros(2, H, nbk * 64, *scales).to(torch.float16 if quant == INT4 else torch.float32))
-        sv = pin(sk.clone())
+        (hk, sk), (hv, sv) = (rows(q) for q in kv_quant(quant))
         ko, vo = torch.zeros(2, H, D, dtype=torch.float16, device=DEV), torch.zeros(2, H, D, dtype=torch.float16, device=DEV)
         kw = dict(host_scale_k=sk, host_scale_v=sv, quant=quant, k_out=ko, v_out=vo) if quant else {}
         fn(k, v, pos, host_k=hk, host_v=hv, tail=tail, ckeys=ck, **kw)
@@ -294,8 +300,11 @@ def _own_codes(ref: list[torch.Tensor], got: list[torch.Tensor], i: int, pos: to
     """For a k / v out mismatch: whether each side's attended token equals its own stored codes x scale (on
     the CPU), i.e. which side's in-register dequantisation leaves its store (an H200 run once failed here
     with equal codes and scales)."""
+    from workbench_kernels.gather_ref import kv_quant
+
     if i not in (4, 5):
         return ""
+    quant = kv_quant(quant)[i - 4]
     b = torch.arange(len(pos))
     p = pos.cpu()
 
@@ -308,7 +317,7 @@ def _own_codes(ref: list[torch.Tensor], got: list[torch.Tensor], i: int, pos: to
     return f"; equal to its own codes x scale: reference {own(ref)}, kernel {own(got)}"
 
 
-@pytest.mark.parametrize("quant", [torch.int8, torch.float8_e4m3fn, INT4])
+@pytest.mark.parametrize("quant", [torch.int8, torch.float8_e4m3fn, INT4, (torch.int8, INT4)])
 def test_append_token_without_a_host_store_still_quantises_the_attended_token(quant):
     """A resident quantised layer (no host store, `k_out` only): the token the decoder attends to is
     dequantize(quantize(k)), as the offloaded layer's, so resident@fp8 is the lossless reference of
@@ -457,10 +466,13 @@ def test_layer_glue_kernels_match_their_references_and_the_llama_modules(dtype):
     torch.testing.assert_close(silu_mul(gate, up), silu_mul_ref(gate, up), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("quant", [INT4, (torch.int8, INT4)], ids=["int4", "int8k-int4v"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rope_split_appends_int4_rows_like_the_reference(dtype):
+def test_rope_split_appends_int4_rows_like_the_reference(dtype, quant):
     """The fused RoPE split's append (`store_row` in `layer._rope_split_kernel`) into an INT4 host store: packed
-    codes, float16 group scales and the dequantised token the decoder attends to, bit for bit the reference's."""
+    codes, float16 group scales and the dequantised token the decoder attends to, bit for bit the reference's;
+    "int8k-int4v": the keys as INT8 rows with float32 scales in the same launch."""
+    from workbench_kernels.gather_ref import SCALE_DTYPE, kv_quant, row_layout
     from workbench_kernels.layer import rope_split
     from workbench_kernels.layer_ref import rope_split_ref
 
@@ -472,11 +484,12 @@ def test_rope_split_appends_int4_rows_like_the_reference(dtype):
     pin = (lambda t: t.pin_memory()) if DEV == "cuda" else (lambda t: t)
     outs = []
     for fn in (rope_split_ref, rope_split):
-        hk, hv = (pin(torch.zeros(B, Hkv, T, D // 2, dtype=torch.uint8)) for _ in "kv")
-        sk, sv = (pin(torch.zeros(B, Hkv, T, D // 32, dtype=torch.float16)) for _ in "kv")
+        hk, hv = (pin(torch.zeros(B, Hkv, T, row_layout(q, D)[0], dtype=q)) for q in kv_quant(quant))
+        sk, sv = (pin(torch.zeros(B, Hkv, T, *((D // 32,) if q == INT4 else ()), dtype=SCALE_DTYPE[q]))
+                  for q in kv_quant(quant))  # per group of 32 (INT4) or per row (INT8)
         ko, vo = torch.zeros(B, Hkv, D, dtype=dtype, device=DEV), torch.zeros(B, Hkv, D, dtype=dtype, device=DEV)
         q, k, v, _ = fn(qkvf, cos, sin, H, Hkv, 0, positions=pos, host_k=hk, host_v=hv, host_scale_k=sk,
-                        host_scale_v=sv, quant=INT4, k_out=ko, v_out=vo)
+                        host_scale_v=sv, quant=quant, k_out=ko, v_out=vo)
         if DEV == "cuda":
             torch.cuda.synchronize()
         outs.append([t.cpu() for t in (k, v, hk, hv, sk, sv, ko, vo)])

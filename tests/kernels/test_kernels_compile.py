@@ -110,9 +110,10 @@ def compile_all() -> dict[str, dict]:
     for dt in ("fp16", "bf16"):
         types = {n: f"*{dt}" for n in ("X", "Cos", "Sin", "Q", "K", "V", "HostK", "HostV", "Kout", "Vout", "Tail",
                                       "CKeys")} | {n: "*fp32" for n in ("CosF", "SinF", "F", "HostSK", "HostSV")}
-        rope = compile_sm90(layer._rope_split_kernel, {**types, "Pos": "*i64", "QMAX": "fp32"},
-                            dict(D=64, APPEND=False, W=32, HOST=False, QUANT=False, INT8=False, INT4=False, OUT=False,
-                                 COMPRESS=False), (), 2, **layer.ROPE_LAUNCH)
+        rope = compile_sm90(layer._rope_split_kernel, {**types, "Pos": "*i64", "QMAX_K": "fp32", "QMAX_V": "fp32"},
+                            dict(D=64, APPEND=False, W=32, HOST=False, QUANT_K=False, INT8_K=False, INT4_K=False,
+                                 QUANT_V=False, INT8_V=False, INT4_V=False, OUT=False, COMPRESS=False), (), 2,
+                            **layer.ROPE_LAUNCH)
         out["rope"][dt] = re.findall(r"\b(?:fma|mul|add)\.rn\.\w+", rope.asm["ptx"])
     return out
 
