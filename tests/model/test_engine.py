@@ -245,7 +245,7 @@ def _tiny_llama(device: str):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("store", ["model", "int8"])
+@pytest.mark.parametrize("store", ["model", "int8", "int8k-int4v"])
 def test_fill_synthetic_gives_a_layer_the_same_kv_resident_or_in_the_host_store(store, device):
     """The benchmarks' lossless check compares modes on synthetic KV: an offloaded layer's host rows must hold
     the resident engine's numbers (through the store's codes when quantised), and the compressed keys too. (One
@@ -368,7 +368,7 @@ def test_offload_modes_lossless_on_the_gpu_triton_and_graphs():
             first = e.prefill(prompts, 24)
             return e.run(first, 24, graph=graph, progress=False)[0].cpu()
 
-    for store in ("model", "fp8", "int8", "int4"):
+    for store in ("model", "fp8", "int8", "int4", "int8k-int4v"):
         for graph in (False, True):
             res = decode("sparse-resident", "same-layer", graph, store)
             assert torch.equal(decode("sparse-offload-sync", "same-layer", graph, store), res), (store, graph)
@@ -529,44 +529,47 @@ def test_compare_modes_store_dtypes_are_lossless_move_fewer_bytes_and_report_the
 def test_with_store_keeps_dense_exact_and_suffixes_every_other_mode():
     from workbench.decode.compare import DEFAULT_MODES, reference_of, with_store
 
-    for store in ("int8", "int4"):
+    for store in ("int8", "int4", "int8k-int4v"):
         specs = with_store(DEFAULT_MODES, store)
         assert specs[0] == "dense-resident" and all(s.endswith(f"@{store}") for s in specs[1:])
         assert all(reference_of(s) in specs for s in specs if reference_of(s))  # every offload mode's reference runs too
     assert with_store(["sparse-resident@fp8", "sparse-offload-sync"], "model") == ["sparse-resident@fp8",
                                                                                   "sparse-offload-sync"]
-    with pytest.raises(ValueError, match="store 'fp4' is unknown: choose one of model, fp8, int8, int4"):
+    with pytest.raises(ValueError, match="store 'fp4' is unknown: choose one of model, fp8, int8, int4, int8k-int4v"):
         with_store(DEFAULT_MODES, "fp4")
 
 
-def test_int4_store_is_lossless_on_the_reference_and_triton_paths_and_moves_a_quarter_of_the_bytes():
-    """store_dtype "int4" end to end on the CPU: each offload mode gives its @int4 resident reference's tokens on the
-    reference path and on the fused Triton path (interpreter: UVA gather, rope_split's append), the two paths agree,
-    a block moves 64 x (D / 2 code bytes + D / 32 float16 scales) per K and V, and the 4-bit rounding reaches the
-    logits (dense-resident@int4 is not dense-resident)."""
+# bytes of a K row + a V row at head_dim 32: INT4 16 code bytes + one float16 scale; INT8 32 codes + a float32 scale
+@pytest.mark.parametrize(("store", "row_bytes"), [("int4", (16 + 2) * 2), ("int8k-int4v", (32 + 4) + (16 + 2))])
+def test_int4_stores_are_lossless_on_the_reference_and_triton_paths_and_move_fewer_bytes(store, row_bytes):
+    """store_dtype "int4" and "int8k-int4v" end to end on the CPU: each offload mode gives its @store resident
+    reference's tokens on the reference path and on the fused Triton path (interpreter: UVA gather, rope_split's
+    append), the two paths agree, a block moves 64 x (D / 2 code bytes + D / 32 float16 scales) per INT4 part and
+    64 x (D codes + a float32 scale) per INT8 part, and the rounding reaches the logits (dense-resident@store is not
+    dense-resident)."""
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1 before triton is imported")
     model = _tiny_llama("cpu")  # fp32, head_dim 32: one group per row
     prompts = [torch.arange(400) % 251, torch.arange(300) % 241]
-    runs = [("sparse-resident", "same-layer", "int4"), ("sparse-offload-sync", "same-layer", "int4"),
-            ("sparse-resident", "forecast", "int4"), ("sparse-offload-forecast", "forecast", "int4"),
-            ("dense-resident", "same-layer", "int4")]
+    runs = [("sparse-resident", "same-layer", store), ("sparse-offload-sync", "same-layer", store),
+            ("sparse-resident", "forecast", store), ("sparse-offload-forecast", "forecast", store),
+            ("dense-resident", "same-layer", store)]
     out, engines = {}, {}
     for kernels in ("torch", "triton"):
-        for mode, selector, store in runs + [("dense-resident", "same-layer", "model")] * (kernels == "torch"):
-            cfg = EngineConfig(mode=mode, budget=Budget(init=1, local=1, topk=2), selector=selector, store_dtype=store,
+        for mode, selector, kind in runs + [("dense-resident", "same-layer", "model")] * (kernels == "torch"):
+            cfg = EngineConfig(mode=mode, budget=Budget(init=1, local=1, topk=2), selector=selector, store_dtype=kind,
                                kernels=kernels)
             with DecodeEngine(model, cfg, batch=2, max_tokens=512) as eng:
                 assert eng.fused == (kernels == "triton")
                 first = eng.prefill(prompts, 6)
-                out[(kernels, mode, selector, store)] = eng.run(first, 6, keep_logits=True, progress=False)
-                engines[(kernels, mode, store)] = (eng.block_bytes, eng.host_kv_bytes)
+                out[(kernels, mode, selector, kind)] = eng.run(first, 6, keep_logits=True, progress=False)
+                engines[(kernels, mode, kind)] = (eng.block_bytes, eng.host_kv_bytes)
     for k in ("torch", "triton"):
         for offload, selector in (("sparse-offload-sync", "same-layer"), ("sparse-offload-forecast", "forecast")):
-            got, want = out[(k, offload, selector, "int4")], out[(k, "sparse-resident", selector, "int4")]
+            got, want = out[(k, offload, selector, store)], out[(k, "sparse-resident", selector, store)]
             assert torch.equal(got[0], want[0]), (k, offload)
             assert got[2].hit_rate is not None and got[2].hit_rate < 1  # blocks were gathered from the store
-            assert got[2].store_dtype == "int4" and got[2].bytes_moved_per_step * 6 % (2 * 64 * (16 + 2)) == 0
+            assert got[2].store_dtype == store and got[2].bytes_moved_per_step * 6 % (64 * row_bytes) == 0
     for (kernels, *run), (tokens, logits, _) in out.items():
         if kernels == "torch" and ("triton", *run) in out:
             tri = out[("triton", *run)]
@@ -575,10 +578,10 @@ def test_int4_store_is_lossless_on_the_reference_and_triton_paths_and_moves_a_qu
             # the fused selection sums scores in another order: one near-tie block flips at a step of sequence 0
             # (with the model-dtype store too); a wrong gather or append would move every later step
             assert close.mean() > (0.99 if run[0] == "dense-resident" else 0.8), (run, close)
-    block_bytes, host_bytes = engines[("torch", "sparse-offload-sync", "int4")]
-    assert block_bytes == 2 * 64 * (16 + 2)  # fp32 model: 2 * 64 * 128 bytes in its own dtype
-    assert host_bytes == 2 * 2 * 2 * 2 * 8 * 64 * (16 + 2)  # K + V, 2 offloaded layers, batch 2, 2 heads, 8 blocks
-    dense4, dense = (out[("torch", "dense-resident", "same-layer", store)][1] for store in ("int4", "model"))
+    block_bytes, host_bytes = engines[("torch", "sparse-offload-sync", store)]
+    assert block_bytes == 64 * row_bytes  # fp32 model: 2 * 64 * 128 bytes in its own dtype
+    assert host_bytes == 2 * 2 * 2 * 8 * 64 * row_bytes  # 2 offloaded layers, batch 2, 2 heads, 8 blocks
+    dense4, dense = (out[("torch", "dense-resident", "same-layer", kind)][1] for kind in (store, "model"))
     assert (dense4 - dense).abs().max() > 1e-3
 
 
@@ -668,6 +671,32 @@ def test_gemma_engine_greedy_tokens_equal_hf_generate_fp32():
     assert torch.equal(tokens[("sparse-offload-forecast", "forecast")], tokens[("sparse-resident", "forecast")])
 
 
+def test_int8k_int4v_store_sizes_keys_as_int8_rows_and_values_as_int4_groups():
+    """"int8k-int4v": K rows of 128 one-byte codes + a float32 scale, V rows of 64 packed bytes + 4 float16 scales at
+    head_dim 128 (204 bytes a K + V row: 0.77x FP8's 264); the existing stores keep their sizes; a store quantising
+    one part only is refused."""
+    from workbench_kernels.gather_ref import INT4
+
+    from workbench.decode.engine.decoder import STORE_DTYPES
+
+    def spec(quant):
+        return StoreSpec(layers=2, batch=1, kv_heads=2, n_blocks=4, head_dim=128, dtype=torch.bfloat16, quant=quant)
+
+    mixed = spec(STORE_DTYPES["int8k-int4v"])
+    assert mixed.quant == (torch.int8, INT4) and [p.bytes for p in mixed.parts] == [128 + 4, 64 + 8]
+    assert mixed.block_bytes == 64 * (132 + 72) and mixed.nbytes == 2 * (2 * 4 * 64) * (132 + 72)
+    assert {k: spec(q).block_bytes for k, q in STORE_DTYPES.items()} == {
+        "model": 2 * 64 * 256, "fp8": 2 * 64 * 132, "int8": 2 * 64 * 132, "int4": 2 * 64 * 72, "int8k-int4v": 64 * 204}
+    assert mixed.block_bytes / spec(torch.float8_e4m3fn).block_bytes == pytest.approx(0.773, abs=1e-3)
+    with BlockStore(mixed, pinned=False) as store:
+        (k, v), (sk, sv) = store.view(1, 1, 4), store.scales(1, 1, 4)
+        assert (k.shape, k.dtype, v.shape, v.dtype) == ((1, 2, 4, 64, 128), torch.int8, (1, 2, 4, 64, 64), torch.uint8)
+        assert (sk.shape, sk.dtype, sv.shape, sv.dtype) == ((1, 2, 4, 64), torch.float32, (1, 2, 4, 64, 4),
+                                                            torch.float16)
+    with pytest.raises(ValueError, match="both K and V or for neither"):
+        spec((torch.int8, None))
+
+
 @pytest.mark.gpu
 def test_gemma_offload_lossless_on_the_gpu_bf16_graphs():
     """Gemma-3 on CUDA (module path, Triton kernels at d = 256, sliding rings) under CUDA graphs."""
@@ -678,12 +707,12 @@ def test_gemma_offload_lossless_on_the_gpu_bf16_graphs():
     out = {}
     for mode, selector in (("sparse-resident", "forecast"), ("sparse-offload-forecast", "forecast"),
                            ("sparse-resident", "same-layer"), ("sparse-offload-sync", "same-layer")):
-        for store in ("model", "fp8", "int4"):
+        for store in ("model", "fp8", "int4", "int8k-int4v"):
             cfg = EngineConfig(mode=mode, selector=selector, budget=Budget(init=1, local=2, topk=3), store_dtype=store)
             with DecodeEngine(model, cfg, batch=1, max_tokens=1200) as eng:
                 first = eng.prefill([prompt.cuda()], 16)
                 out[(mode, selector, store)] = eng.run(first, 16, graph=True, progress=False)[0].cpu()
-    for store in ("model", "fp8", "int4"):
+    for store in ("model", "fp8", "int4", "int8k-int4v"):
         assert torch.equal(out[("sparse-offload-forecast", "forecast", store)], out[("sparse-resident", "forecast", store)])
         assert torch.equal(out[("sparse-offload-sync", "same-layer", store)], out[("sparse-resident", "same-layer", store)])
 

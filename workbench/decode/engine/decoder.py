@@ -22,7 +22,9 @@ head_dim 128; needs a power-of-two head_dim >= 32; clearly lossier than FP8: on 
 0.857, KL 0.072 vs FP8's 0.952, 0.0057, kernels/NOTES.md "INT4 host store"), dequantised by the gather kernel;
 resident modes then round the same layers' KV through the same codes, so that each offload mode still reproduces
 its resident reference token for token, and the quality cost of the store is the resident mode's distance from
-dense ("model" keeps the model dtype).
+dense ("model" keeps the model dtype). "int8k-int4v" keeps the keys as INT8 rows and the values as INT4 groups
+(0.77x FP8's bytes; on the real model KL 0.0070 vs FP8's 0.0079, where INT4 keys cost 0.092: kernels/NOTES.md
+"Which 4-bit KV to build next").
 
 The same code runs on the CPU (no streams; PyTorch reference kernels and the model's own modules by
 default), which is how losslessness is tested: offload modes must produce exactly the tokens of
@@ -41,7 +43,7 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from workbench_kernels.gather_ref import INT4
+from workbench_kernels.gather_ref import INT4, kv_quant
 
 from workbench.decode.engine.cache import BlockCache, CopyPlan
 from workbench.decode.engine.hooks import CopyTimer, StepHooks
@@ -56,7 +58,8 @@ MODES = ("dense-resident", "sparse-resident", "sparse-offload-sync", "sparse-off
          "forecast-without-prefetch")
 SELECTORS = ("same-layer", "forecast", "quest")  # quest: workbench.decode.quest page bounds
 OFFLOAD = MODES[2:]
-STORE_DTYPES = {"model": None, "fp8": torch.float8_e4m3fn, "int8": torch.int8, "int4": INT4}
+STORE_DTYPES = {"model": None, "fp8": torch.float8_e4m3fn, "int8": torch.int8, "int4": INT4,
+                "int8k-int4v": (torch.int8, INT4)}  # (key codes, value codes): `gather_ref.kv_quant`
 SelectHook = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -67,7 +70,8 @@ class EngineConfig:
     `cache_blocks` = GPU cache slots per (sequence, KV head), default budget.total; `ctas` = programs of
     the gather kernel (None: `gather_ctas`, 32 for a model-dtype store, 64 for FP8 / INT8 / INT4); `kernels` =
     "triton", "torch" (reference) or "auto" (Triton on CUDA); `store_dtype` =
-    "model", "fp8", "int8" or "int4": how the offloadable layers' KV is kept (see the module docstring)."""
+    "model", "fp8", "int8", "int4" or "int8k-int4v": how the offloadable layers' KV is kept (see the module
+    docstring)."""
 
     mode: str = "sparse-offload-forecast"
     budget: Budget = field(default_factory=Budget)
@@ -100,8 +104,9 @@ class EngineConfig:
             self.mode == "sparse-resident" and self.selector == "forecast")
 
     @property
-    def quant(self) -> torch.dtype | None:
-        """The store's code dtype (None: the model's dtype; "int4": `gather_ref.INT4`, uint8 bytes of two codes)."""
+    def quant(self) -> torch.dtype | tuple[torch.dtype, torch.dtype] | None:
+        """The store's code dtype (None: the model's dtype; "int4": `gather_ref.INT4`, uint8 bytes of two codes), or
+        its (key, value) pair ("int8k-int4v": (int8, INT4))."""
         return STORE_DTYPES[self.store_dtype]
 
 
@@ -319,20 +324,16 @@ class DecodeEngine:
         from workbench_kernels.gather_ref import dequantize_rows, quantize_rows
 
         n, Hkv, D = k.shape[1], self.lm.n_kv_heads, self.lm.head_dim
-        quant = self.quant if layer in self.quantised else None
-        if quant:
-            (ck, sk), (cv, sv) = quantize_rows(k, quant), quantize_rows(v, quant)
+        parts = [(x, None, None) for x in (k, v)]  # (values, codes, scales) of K and V
+        if layer in self.quantised:
+            parts = [(x, *quantize_rows(x, q)) for x, q in zip((k, v), kv_quant(self.quant))]
         if layer in self.slot:
-            hk, hv = self.host[layer]
-            if quant:
-                hk[b].flatten(1, 2)[:, :n], hv[b].flatten(1, 2)[:, :n] = ck.cpu(), cv.cpu()
-                sk_host, sv_host = self.host_scales[layer]
-                sk_host[b].flatten(1, 2)[:, :n], sv_host[b].flatten(1, 2)[:, :n] = sk.cpu(), sv.cpu()
-            else:
-                hk[b].flatten(1, 2)[:, :n], hv[b].flatten(1, 2)[:, :n] = k.cpu(), v.cpu()
+            for part, (x, codes, scale) in enumerate(parts):
+                self.host[layer][part][b].flatten(1, 2)[:, :n] = (x if codes is None else codes).cpu()
+                if codes is not None:
+                    self.host_scales[layer][part][b].flatten(1, 2)[:, :n] = scale.cpu()
             return
-        if quant:
-            k, v = dequantize_rows(ck, sk, self.dtype), dequantize_rows(cv, sv, self.dtype)
+        k, v = (x if codes is None else dequantize_rows(codes, scale, self.dtype) for x, codes, scale in parts)
         R = self.row_blocks[layer]
         first = max(0, (n - 1) // BLOCK - R + 1) * BLOCK  # a ring keeps the last R blocks
         pos = torch.arange(first, n, device=self.device)
@@ -391,14 +392,14 @@ class DecodeEngine:
                 for b in range(self.batch):
                     x = draw(pool.shape[2:], layer, part, b)
                     if layer in self.quantised:  # what the quantised store would give back
-                        x = dequantize_rows(*quantize_rows(x, self.quant), torch.float32)
+                        x = dequantize_rows(*quantize_rows(x, kv_quant(self.quant)[part]), torch.float32)
                     pool[part, b].copy_(x.to(self.dtype))
         for layer in self.slot if fill_host else ():
             for part, t in enumerate(self.host[layer]):
                 for b in range(self.batch):
                     x = draw((*t.shape[1:-1], D), layer, part, b)
                     if self.quant:
-                        codes, scale = quantize_rows(x, self.quant)
+                        codes, scale = quantize_rows(x, kv_quant(self.quant)[part])
                         t[b].copy_(codes)
                         self.host_scales[layer][part][b].copy_(scale)
                     else:

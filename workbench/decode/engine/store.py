@@ -5,7 +5,8 @@ Per layer one flat K buffer and one flat V buffer; `view(batch, n_blocks)` lays 
 allocated once serves several batch sizes and contexts. A quantised store (`StoreSpec.quant`: FP8 e4m3 or
 INT8) holds one-byte codes and one float32 scale per token row of each head (`scales`), half the bytes of a
 bf16 store (plus 4 / D); an INT4 store (`quant` = `gather_ref.INT4`, uint8) holds D / 2 bytes of packed 4-bit
-codes and D / 32 float16 scales per row, a quarter (plus 1 / 16: 72 bytes a 128-dim row);
+codes and D / 32 float16 scales per row, a quarter (plus 1 / 16: 72 bytes a 128-dim row); "int8k-int4v" (`quant` the
+pair (int8, INT4)) keeps K as INT8 rows and V as INT4 groups (132 + 72 bytes a 128-dim row, 0.77x FP8's);
 `workbench_kernels.gather_ref.quantize_rows` defines the codes. Capacity is checked before anything is
 allocated: a request that does not fit is refused with the numbers and the fix, and a failed
 allocation frees whatever it had taken.
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from workbench_kernels import BLOCK
-from workbench_kernels.gather_ref import INT4, SCALE_DTYPE, row_layout
+from workbench_kernels.gather_ref import INT4, SCALE_DTYPE, kv_quant, row_layout
 
 GiB = 1024 ** 3
 
@@ -36,11 +37,51 @@ def host_memory_available() -> int:
 
 
 @dataclass(frozen=True)
+class RowFormat:
+    """How one part (K or V) of a store keeps a token row of one head of `head_dim`: `quant` codes (float8_e4m3fn or
+    int8: `head_dim` codes and one float32 scale; `INT4`: head_dim / 2 bytes and head_dim / 32 float16 scales) or,
+    with `quant` None, the model's `dtype` values."""
+
+    quant: torch.dtype | None
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def codes_dtype(self) -> torch.dtype:
+        """The dtype of the part's buffers: `quant` or the model's."""
+        return self.quant or self.dtype
+
+    @property
+    def codes(self) -> int:
+        """Elements of one row in the part's buffer: head_dim (INT4: head_dim / 2 bytes)."""
+        return row_layout(self.quant, self.head_dim)[0] if self.quant else self.head_dim
+
+    @property
+    def scales(self) -> int:
+        """Scales per row: 0 (model dtype), 1 (FP8 / INT8), head_dim / 32 (INT4)."""
+        return row_layout(self.quant, self.head_dim)[1] if self.quant else 0
+
+    @property
+    def scale_dtype(self) -> torch.dtype | None:
+        return SCALE_DTYPE[self.quant] if self.quant else None
+
+    @property
+    def scale_shape(self) -> tuple[int, ...]:
+        """Trailing shape of a row's scales: () per row (FP8 / INT8), (head_dim / 32,) per group (INT4)."""
+        return (self.scales,) if self.quant == INT4 else ()
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of one row: codes plus scales."""
+        return self.codes * self.codes_dtype.itemsize + (self.scales * self.scale_dtype.itemsize if self.quant else 0)
+
+
+@dataclass(frozen=True)
 class StoreSpec:
     """Size of a block store: `layers` offloaded layers, each holding `batch` sequences of `n_blocks`
     64-token blocks for `kv_heads` heads of `head_dim` (K and V) of a model in `dtype`; `quant`
-    (float8_e4m3fn, int8 or `INT4`) stores codes and scales instead of `dtype` values (an INT4 store needs a
-    power-of-two head_dim >= 32: ValueError otherwise)."""
+    (float8_e4m3fn, int8 or `INT4`, or a (K, V) pair of them: `gather_ref.kv_quant`) stores codes and scales
+    instead of `dtype` values (an INT4 part needs a power-of-two head_dim >= 32: ValueError otherwise)."""
 
     layers: int
     batch: int
@@ -48,31 +89,19 @@ class StoreSpec:
     n_blocks: int
     head_dim: int
     dtype: torch.dtype
-    quant: torch.dtype | None = None
+    quant: torch.dtype | tuple[torch.dtype, torch.dtype] | None = None
 
     def __post_init__(self) -> None:
-        if self.quant is not None:
-            row_layout(self.quant, self.head_dim)
+        qk, qv = kv_quant(self.quant)
+        if (qk is None) != (qv is None):
+            raise ValueError(f"a store keeps codes for both K and V or for neither, got {self.quant}")
+        for q in (qk, qv) if qk is not None else ():
+            row_layout(q, self.head_dim)
 
     @property
-    def codes_dtype(self) -> torch.dtype:
-        """The dtype of the K/V buffers: `quant` or the model's."""
-        return self.quant or self.dtype
-
-    @property
-    def row_codes(self) -> int:
-        """Elements of one token row of one head in the K/V buffers: head_dim (INT4: head_dim / 2 bytes)."""
-        return row_layout(self.quant, self.head_dim)[0] if self.quant else self.head_dim
-
-    @property
-    def row_scales(self) -> int:
-        """Scales per token row of one head: 0 (model dtype), 1 (FP8 / INT8), head_dim / 32 (INT4)."""
-        return row_layout(self.quant, self.head_dim)[1] if self.quant else 0
-
-    @property
-    def scale_shape(self) -> tuple[int, ...]:
-        """Trailing shape of a row's scales: () per row (FP8 / INT8), (head_dim / 32,) per group (INT4)."""
-        return (self.row_scales,) if self.quant == INT4 else ()
+    def parts(self) -> tuple[RowFormat, RowFormat]:
+        """The K and the V rows' formats."""
+        return tuple(RowFormat(q, self.head_dim, self.dtype) for q in kv_quant(self.quant))
 
     @property
     def layer_rows(self) -> int:
@@ -80,24 +109,13 @@ class StoreSpec:
         return self.batch * self.kv_heads * self.n_blocks * BLOCK
 
     @property
-    def layer_elements(self) -> int:
-        """Elements of one layer's K (or V) buffer."""
-        return self.layer_rows * self.row_codes
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one token row of one head, K or V: codes plus scales."""
-        return self.row_codes * self.codes_dtype.itemsize + (self.row_scales * SCALE_DTYPE[self.quant].itemsize
-                                                             if self.quant else 0)
-
-    @property
     def block_bytes(self) -> int:
         """Bytes the gather moves per 64-token block of one head, K + V (codes and scales)."""
-        return 2 * BLOCK * self.row_bytes
+        return BLOCK * sum(p.bytes for p in self.parts)
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.layers * self.layer_rows * self.row_bytes
+        return self.layers * self.layer_rows * sum(p.bytes for p in self.parts)
 
     @property
     def tokens(self) -> int:
@@ -154,11 +172,11 @@ class BlockStore:
         self._finalizer = weakref.finalize(self, _release, [self.k, self.v, self.sk, self.sv], self.pinned)
         try:
             for _ in range(spec.layers):
-                for bufs in (self.k, self.v):
-                    t = torch.empty(spec.layer_elements, dtype=spec.codes_dtype)
+                for bufs, part in zip((self.k, self.v), spec.parts):
+                    t = torch.empty(spec.layer_rows * part.codes, dtype=part.codes_dtype)
                     bufs.append(_register(t) if self.pinned else t)
-                for bufs in (self.sk, self.sv) if spec.quant else ():
-                    t = torch.empty(spec.layer_rows * spec.row_scales, dtype=SCALE_DTYPE[spec.quant])
+                for bufs, part in zip((self.sk, self.sv), spec.parts) if spec.quant else ():
+                    t = torch.empty(spec.layer_rows * part.scales, dtype=part.scale_dtype)
                     bufs.append(_register(t) if self.pinned else t)
         except (RuntimeError, StoreCapacityError) as e:
             self.close()
@@ -171,23 +189,24 @@ class BlockStore:
         if self.closed:
             raise StoreCapacityError("the block store is closed: make a new one")
         s = self.spec
-        need = batch * s.kv_heads * n_blocks * BLOCK * s.row_codes
-        if need > s.layer_elements:
+        rows = batch * s.kv_heads * n_blocks * BLOCK
+        if rows > s.layer_rows:
             raise StoreCapacityError(f"batch {batch} x {n_blocks * BLOCK} tokens does not fit a store made for "
                                      f"batch {s.batch} x {s.tokens} tokens: make a larger store")
-        shape = (batch, s.kv_heads, n_blocks, BLOCK, s.row_codes)
-        return self.k[layer][:need].view(shape), self.v[layer][:need].view(shape)
+        return tuple(t[layer][:rows * p.codes].view(batch, s.kv_heads, n_blocks, BLOCK, p.codes)
+                     for t, p in zip((self.k, self.v), s.parts))
 
     def scales(self, layer: int, batch: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Scales of layer slot `layer` as `[batch, Hkv, n_blocks, 64]` float32 (FP8 / INT8: per row) or
-        `[batch, Hkv, n_blocks, 64, D / 32]` float16 (INT4: per group of 32); None: not quantised."""
+        `[batch, Hkv, n_blocks, 64, D / 32]` float16 (INT4: per group of 32), each part its own; None: not
+        quantised."""
         s = self.spec
         if not s.quant:
             return None
         self.view(layer, batch, n_blocks)  # checks the size and that the store is open
-        need = batch * s.kv_heads * n_blocks * BLOCK * s.row_scales
-        shape = (batch, s.kv_heads, n_blocks, BLOCK, *s.scale_shape)
-        return self.sk[layer][:need].view(shape), self.sv[layer][:need].view(shape)
+        rows = batch * s.kv_heads * n_blocks * BLOCK
+        return tuple(t[layer][:rows * p.scales].view(batch, s.kv_heads, n_blocks, BLOCK, *p.scale_shape)
+                     for t, p in zip((self.sk, self.sv), s.parts))
 
     @property
     def closed(self) -> bool:
