@@ -76,8 +76,9 @@ def copy_rates(store: BlockStore, ctas_list: list[int]) -> dict[str, Any]:
     ms = measure(partial(dst.copy_, raw, non_blocking=True), cuda=True, min_reps=5, max_reps=5).median_ms
     memcpy = n / (ms / 1e3) / 1e9
     del dst
-    E, width = BLOCK * store.spec.head_dim, BLOCK * store.spec.row_codes  # elements of a block, codes of it
-    blocks = src_k.numel() // width
+    E = BLOCK * store.spec.head_dim  # elements of a block
+    width_k, width_v = (BLOCK * p.codes for p in store.spec.parts)  # codes of a K / V block
+    blocks = src_k.numel() // width_k
     m = 8192  # 8192 blocks of K + 8192 of V
     dk = torch.empty(m, E, dtype=store.spec.dtype, device="cuda")
     dv = torch.empty_like(dk)
@@ -87,12 +88,12 @@ def copy_rates(store: BlockStore, ctas_list: list[int]) -> dict[str, Any]:
     scales = {}
     if store.spec.quant:
         scales = {"scale_k": store.sk[0].view(blocks, -1), "scale_v": store.sv[0].view(blocks, -1)}
-    block_bytes = store.spec.block_bytes // 2  # K or V
+    block_bytes = store.spec.block_bytes // 2  # K or V (their mean: int8k-int4v's K and V blocks differ)
     gather = {}
     for ctas in ctas_list:
-        ms = measure(partial(gather_blocks, src_k.view(-1, width), src_v.view(-1, width), dk, dv, src_idx, dst_idx, count,
-                             ctas=ctas, **scales), cuda=True, min_reps=4, max_reps=4).median_ms
-        gather[str(ctas)] = 2 * m * block_bytes / (ms / 1e3) / 1e9
+        ms = measure(partial(gather_blocks, src_k.view(-1, width_k), src_v.view(-1, width_v), dk, dv, src_idx, dst_idx,
+                             count, ctas=ctas, **scales), cuda=True, min_reps=4, max_reps=4).median_ms
+        gather[str(ctas)] = m * store.spec.block_bytes / (ms / 1e3) / 1e9
     return {"pinned_memcpy_gbps": memcpy, "gather_gbps_by_ctas": gather, "gather_block_bytes": block_bytes,
             "store_dtype": next(k for k, v in STORE_DTYPES.items() if v == store.spec.quant)}
 
@@ -109,17 +110,18 @@ def fill_store(store: BlockStore) -> None:
     from workbench_kernels.gather_ref import quantize_rows
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    D, width, per_row = store.spec.head_dim, store.spec.row_codes, store.spec.row_scales  # per token row
+    D = store.spec.head_dim
     for i in range(store.spec.layers):
-        for codes, scales in ((store.k[i], store.sk[i] if store.spec.quant else None),
-                              (store.v[i], store.sv[i] if store.spec.quant else None)):
+        for codes, scales, part in ((store.k[i], store.sk[i] if store.spec.quant else None, store.spec.parts[0]),
+                                    (store.v[i], store.sv[i] if store.spec.quant else None, store.spec.parts[1])):
+            width, per_row = part.codes, part.scales  # per token row
             for start in range(0, codes.numel(), 256 * 1024 ** 2):
                 chunk = codes[start:start + 256 * 1024 ** 2]
                 x = torch.randn(chunk.numel() // width, D, device=device, dtype=store.spec.dtype)
                 if scales is None:
                     chunk.copy_(x.view(-1))
                 else:
-                    q, sc = quantize_rows(x, store.spec.quant)
+                    q, sc = quantize_rows(x, part.quant)
                     chunk.copy_(q.view(-1))
                     row = start // width * per_row
                     scales[row:row + sc.numel()].copy_(sc.view(-1))
@@ -245,7 +247,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="modes: imposed reuse only, no CTA sweep, no natural-reuse run")
     p.add_argument("--store-dtypes", default="model,fp8,int8",
                    help="modes / embedded: host KV stores of the offload modes (model = the model's dtype, fp8, int8, "
-                        "int4)")
+                        "int4, int8k-int4v)")
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu (modes: with --tiny)")
     p.add_argument("--prompt", type=int, default=4096, help="embedded: prompt tokens")
     p.add_argument("--new-tokens", type=int, default=64, help="embedded: tokens decoded per mode")

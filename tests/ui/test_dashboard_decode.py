@@ -55,21 +55,24 @@ def test_decode_tab_shows_every_mode_its_text_and_offload_is_lossless(server, br
     page.close()
 
 
-def test_an_int8_host_store_decodes_every_mode_but_dense_through_the_codes(server, browser):
-    """The host KV store select: every mode but dense-resident runs with INT8 codes (rows marked @int8), the
-    offload modes still give their resident references' tokens, and the device line says what the codes are."""
+@pytest.mark.parametrize(("label", "store", "codes"), [("INT8", "int8", "INT8 codes"),
+                                                      ("INT8 keys, INT4 values", "int8k-int4v", "INT8-key / INT4-value")])
+def test_an_int8_host_store_decodes_every_mode_but_dense_through_the_codes(server, browser, label, store, codes):
+    """The host KV store select: every mode but dense-resident runs with INT8 codes (rows marked @int8; or INT8 keys
+    and INT4 values, @int8k-int4v), the offload modes still give their resident references' tokens, and the device
+    line says what the codes are."""
     page = open_page(browser, server[0])
     tab(page, "Decode")
     fill(page, ".wb-decode-tokens", 3)
-    page.locator(".wb-decode-store select").select_option(label="INT8")
+    page.locator(".wb-decode-store select").select_option(label=label)
     page.locator(".wb-decode-run button").click()
-    until(page, page.locator("table.wb-decode tr[data-mode='sparse-offload-sync@int8']"), LOAD_S * 1000)
+    until(page, page.locator(f"table.wb-decode tr[data-mode='sparse-offload-sync@{store}']"), LOAD_S * 1000)
     until(page, page.locator(DONE))
-    assert "INT8 codes" in page.locator(".wb-decode-device").inner_text()
+    assert codes in page.locator(".wb-decode-device").inner_text()
     modes = page.locator("table.wb-decode tr[data-mode]").evaluate_all("rows => rows.map(r => r.dataset.mode)")
-    assert modes == ["dense-resident"] + [f"{m}@int8" for m in MODES[1:]], modes
-    for offload, ref in (("sparse-offload-sync@int8", "sparse-resident@int8"),
-                         ("sparse-offload-forecast@int8", "sparse-resident/forecast@int8")):
+    assert modes == ["dense-resident"] + [f"{m}@{store}" for m in MODES[1:]], modes
+    for offload, ref in ((f"sparse-offload-sync@{store}", f"sparse-resident@{store}"),
+                         (f"sparse-offload-forecast@{store}", f"sparse-resident/forecast@{store}")):
         same = page.locator(f"table.wb-decode-text tr[data-mode='{offload}'] .wb-decode-same").inner_text()
         assert same == f"{ref}: yes", same
     page.close()

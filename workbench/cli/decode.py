@@ -27,11 +27,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", default="1,2,8", help="init,local,topk blocks of 64 tokens")
     p.add_argument("--heads", default=None, help="trained Forecast heads (.safetensors); default: q_proj warm start")
     p.add_argument("--ctas", type=positive_int, default=None,
-                   help="programs of the UVA gather kernel (default 32; 64 with an FP8 / INT8 / INT4 store)")
-    p.add_argument("--store-dtype", default="model", choices=["model", "fp8", "int8", "int4"],
+                   help="programs of the UVA gather kernel (default 32; 64 with a quantised store)")
+    p.add_argument("--store-dtype", default="model", choices=["model", "fp8", "int8", "int4", "int8k-int4v"],
                    help="offloaded KV on the host: the model's dtype, or FP8 (e4m3) / INT8 codes with per-row scales "
                         "(half the PCIe bytes of bf16), or INT4 codes with a float16 scale per 32 elements (0.28x "
-                        "bf16's at head_dim 128; lossier); resident modes round through the same codes")
+                        "bf16's at head_dim 128; lossier), or int8k-int4v: INT8 keys and INT4 values (0.77x FP8's "
+                        "bytes, about FP8's quality); resident modes round through the same codes")
     add_device(p)  # --dtype default: bfloat16 on a GPU
     p.add_argument("--graph", action="store_true",
                    help="CUDA only: replay each step as a CUDA graph (faster; no per-copy event timings)")

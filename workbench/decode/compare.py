@@ -5,7 +5,8 @@ A *mode spec* is an engine mode, optionally with the selector of sparse-resident
 store dtype after an at sign: `"sparse-resident"` (same-layer selection) and `"sparse-resident/forecast"` are the
 lossless references of `sparse-offload-sync` and of the two forecast modes (`"sparse-offload-sync/quest"`
 offloads Quest's selection, whose reference is `"sparse-resident/quest"`); `"sparse-offload-forecast@fp8"` keeps
-the offloaded KV as FP8 codes (`"@int8"`: INT8, `"@int4"`: 4-bit codes with a scale per 32 elements; no suffix:
+the offloaded KV as FP8 codes (`"@int8"`: INT8, `"@int4"`: 4-bit codes with a scale per 32 elements,
+`"@int8k-int4v"`: INT8 keys and INT4 values; no suffix:
 the `store_dtype` argument, default the model's dtype), and its lossless reference is
 `"sparse-resident/forecast@fp8"`, whose distance from dense is the cost of the store (`quality=True`). Every mode
 decodes the same prefilled prompt(s) greedily;
@@ -56,7 +57,7 @@ def parse_mode(spec: str) -> tuple[str, str]:
 
 
 def with_store(modes: Sequence[str], store: str) -> list[str]:
-    """The mode specs with the KV of every mode but dense-resident kept as `store` ("model", "fp8", "int8", "int4"):
+    """The mode specs with the KV of every mode but dense-resident kept as `store` (a key of `STORE_DTYPES`):
     dense-resident stays exact, the baseline every mode's tokens are compared with, so its distance shows the
     store's cost; a spec with its own `@` suffix keeps it."""
     if store not in STORE_DTYPES:
@@ -168,7 +169,7 @@ def compare_modes(model: torch.nn.Module, prompts: torch.Tensor | Sequence[torch
     `graph` (default: on CUDA, unless measure_reuse) times CUDA-graph replay; `trace` records one step's compute/copy spans
     (`workbench.decode.timeline`); `ctas` = programs of the UVA gather kernel. `measure_reuse` (eager steps, a
     host sync per layer) counts how many dynamic blocks stay selected from one step to the next. `store_dtype`
-    ("model", "fp8", "int8", "int4") is the KV store of specs without an `@` suffix. `quality` also decodes
+    ("model", "fp8", "int8", "int4", "int8k-int4v") is the KV store of specs without an `@` suffix. `quality` also decodes
     dense-resident and sparse-resident (same-layer, forecast) teacher-forced on dense's tokens, eagerly, for the
     model-dtype store and for every other store dtype the modes use (and dense-resident with that store), and
     fills `Comparison.quality` (top-1 agreement, KL dense -> sparse, free-running agreement where that mode ran).

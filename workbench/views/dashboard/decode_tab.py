@@ -1,5 +1,6 @@
 """The Decode tab: decode the loaded sample with the loaded model in several engine modes side by side,
-the KV of every mode but dense-resident in the model's dtype or as FP8 / INT8 / INT4 codes (the host store's dtype).
+the KV of every mode but dense-resident in the model's dtype or as FP8 / INT8 / INT4 codes, or INT8 keys with INT4
+values (the host store's dtype).
 
 One library call does the work (`workbench.decode.compare.compare_modes`, the same one notebook 06 makes,
 through `tab_state.DecodeState`); this module lays out its controls, a table of the modes' speed and bytes,
@@ -64,8 +65,9 @@ def decode_tables(result: Comparison, texts: dict[str, str], answer: str) -> str
         " No streams on the CPU: copies run inline, so no share of the copy is hidden.")
     stores = sorted({r["store_dtype"] for r in result.rows()} - {"model"})
     if stores:
-        hidden += (f" KV kept as {' / '.join(s.upper() for s in stores)} codes with a scale per token row"
-                   + (" (INT4: per 32 elements)" if "int4" in stores else "")
+        names = {"int8k-int4v": "INT8-key / INT4-value"}
+        hidden += (f" KV kept as {' / '.join(names.get(s, s.upper()) for s in stores)} codes with a scale per token row"
+                   + (" (INT4: per 32 elements)" if any("int4" in s for s in stores) else "")
                    + " (modes marked @): their distance from dense-resident includes the rounding.")
     return (f"<p class='wb-decode-device'>{html.escape(result.device)}: prompt {result.prompt_tokens[0]} tokens, "
             f"{result.new_tokens} new tokens, budget {html.escape(budget_text(result.budget))}.{hidden}</p>"
@@ -87,7 +89,8 @@ class DecodeTab(Tab):
         self.new_tokens = pn.widgets.IntInput(name="new tokens", value=16, width=110, css_classes=["wb-decode-tokens"])
         self.store = pn.widgets.Select(name="host KV store", value="model", width=190, css_classes=["wb-decode-store"],
                                        options={"model dtype": "model", "FP8 (e4m3)": "fp8", "INT8": "int8",
-                                                "INT4 (4-bit, groups of 32)": "int4"})
+                                                "INT4 (4-bit, groups of 32)": "int4",
+                                                "INT8 keys, INT4 values": "int8k-int4v"})
         self._fitted = self.job.fitted_budget(self.new_tokens.value)  # the budget the inputs show unless edited
         self.budget = {k: pn.widgets.IntInput(name=f"{k} blocks", value=v, width=100, css_classes=[f"wb-decode-{k}"])
                        for k, v in self._fitted.items()}
