@@ -132,13 +132,13 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
 
-    head = (f"{'mode':<26}{'selector':<11}{'store':<6}{'tok/s':>9}{'MB/step':>9}{'hit':>6}{'reuse':>7}{'hidden':>8}"
+    head = (f"{'mode':<26}{'selector':<11}{'store':<12}{'tok/s':>9}{'MB/step':>9}{'hit':>6}{'reuse':>7}{'hidden':>8}"
             f"{'copy GB/s':>10}{'peak GPU GiB':>13}")
     print(head)
     print("-" * len(head))
     for r in rows:
         mode = r["mode"].partition("@")[0].partition("/")[0]  # the selector and store have their own columns
-        print(f"{mode:<26}{r['selector']:<11}{r['store_dtype']:<6}{r['tokens_per_s']:>9.2f}"
+        print(f"{mode:<26}{r['selector']:<11}{r['store_dtype']:<12}{r['tokens_per_s']:>9.2f}"
               f"{r['bytes_moved_per_step'] / 1e6:>9.2f}"
               f"{f(r['hit_rate'], '.3f'):>6}{f(r['dynamic_reuse'], '.3f'):>7}{f(r['hidden_fraction'], '.2f'):>8}"
               f"{f(r['copy_gbps'], '.1f'):>10}{f(r['peak_gpu_bytes'] and r['peak_gpu_bytes'] / 2**30, '.2f'):>13}")
