@@ -68,8 +68,8 @@ def append_token_ref(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, 
     The token reaches the attended pool through the decode kernel (`k_new` / `v_new`).
     """
     B = k.shape[0]
-    for x, q, out, host, host_scale in ((k, kv_quant(quant)[0], k_out, host_k, host_scale_k),
-                                        (v, kv_quant(quant)[1], v_out, host_v, host_scale_v)):
+    qk, qv = kv_quant(quant)
+    for x, q, out, host, host_scale in ((k, qk, k_out, host_k, host_scale_k), (v, qv, v_out, host_v, host_scale_v)):
         codes = x
         if q is not None:
             codes, scale = quantize_rows(x, q)

@@ -8,6 +8,8 @@ import triton
 import triton.language as tl
 from workbench_kernels.gather import gather_blocks
 
+from workbench.core.timing import time_ms
+
 
 @triton.jit
 def _raw_kernel(SrcK, SrcV, DstK, DstV, ScK, ScV, DsK, DsV, SrcIdx, DstIdx, Count, NCTA,
@@ -31,19 +33,8 @@ def _raw_kernel(SrcK, SrcV, DstK, DstV, ScK, ScV, DsK, DsV, SrcIdx, DstIdx, Coun
 
 
 def timed(fn, reps=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
+    """Median ms of `reps` calls after 3 warm-up calls, CUDA events (`workbench.core.timing.time_ms`)."""
+    return time_ms(fn, cuda=True, warmup=3, min_reps=reps, max_reps=reps)
 
 
 S, E, CACHE = 16 * 8 * 2048, 64 * 128, 16 * 8 * 104

@@ -10,6 +10,8 @@ from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
 from workbench_kernels.index_build import block_index, pooled_scores, vs_index, vs_tiles
 from workbench_kernels.index_ref import selected_block_tiles
 
+from workbench.core.timing import time_ms
+
 out = {}
 
 
@@ -25,17 +27,8 @@ def prof(fn, reps=10):
     for e in p.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             agg[e.name[:70]] += e.device_time / reps
-    s = torch.cuda.Event(enable_timing=True)
-    t = torch.cuda.Event(enable_timing=True)
-    ms = []
-    for _ in range(9):
-        s.record()
-        fn()
-        t.record()
-        torch.cuda.synchronize()
-        ms.append(s.elapsed_time(t))
-    ms.sort()
-    return {"wall_ms": ms[4], "kernel_us_total": sum(agg.values()), "launches": None,
+    wall = time_ms(fn, cuda=True, warmup=1, min_reps=9, max_reps=9)
+    return {"wall_ms": wall, "kernel_us_total": sum(agg.values()),
             "kernels_us": dict(sorted(agg.items(), key=lambda x: -x[1]))}
 
 

@@ -386,20 +386,21 @@ class DecodeEngine:
         if len(lengths) != self.batch or max(lengths) > self.max_tokens:
             raise StoreCapacityError(f"need {self.batch} lengths of at most {self.max_tokens} tokens, got {lengths}")
         Hkv, D = self.lm.n_kv_heads, self.lm.head_dim
+        quant = kv_quant(self.quant)  # (K's codes, V's codes)
         for layer, t in self.kv.items():
             pool = t.view(2, self.batch, Hkv, -1, BLOCK, D)
             for part in range(2):
                 for b in range(self.batch):
                     x = draw(pool.shape[2:], layer, part, b)
                     if layer in self.quantised:  # what the quantised store would give back
-                        x = dequantize_rows(*quantize_rows(x, kv_quant(self.quant)[part]), torch.float32)
+                        x = dequantize_rows(*quantize_rows(x, quant[part]), torch.float32)
                     pool[part, b].copy_(x.to(self.dtype))
         for layer in self.slot if fill_host else ():
             for part, t in enumerate(self.host[layer]):
                 for b in range(self.batch):
                     x = draw((*t.shape[1:-1], D), layer, part, b)
                     if self.quant:
-                        codes, scale = quantize_rows(x, kv_quant(self.quant)[part])
+                        codes, scale = quantize_rows(x, quant[part])
                         t[b].copy_(codes)
                         self.host_scales[layer][part][b].copy_(scale)
                     else:
