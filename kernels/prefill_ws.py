@@ -1,0 +1,303 @@
+"""Warp-specialised Hopper (sm_90) tile loop for block-sparse causal prefill, in Gluon (issue 25, head_dim 128).
+
+FA3's structure over `VSTiles` pieces: one program takes CONSUMERS work items (64-row blocks of one query head,
+paired in `work_order`'s longest-first order), each served by its own consumer warpgroup with its own piece
+list and its own STAGES-deep shared-memory ring of K/V tiles. A 1-warp producer partition (few registers)
+issues the TMA loads of Q and of every ring's K/V tiles; `k_ready` / `v_ready` mbarriers (TMA transaction
+counts) tell a consumer a tile has landed, its `empty` arrive tells the producer the slot may be refilled.
+A consumer computes S = Q K^T with an async wgmma (Q and K from shared memory), the online softmax in fp32 with
+exp2, and O += P V (P from registers). With two consumers one warpgroup's softmax runs beside the other's
+GEMMs (the warp schedulers interleave them); OVERLAP adds FA3's intra-warpgroup overlap: the next piece's
+Q K^T is issued before this piece's P V, and the softmax of the next piece runs while P V is in flight.
+
+Tensors are addressed as flattened rows: q/o `[B * Hq * N, D]`, k/v `[B * Hkv * N, D]`. A K/V tile that
+crosses N reads the next head's rows (or TMA's zero fill past the tensor): those keys are masked, and their
+V rows are finite, so P = 0 cancels them. Output rows past N are not stored.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .index_ref import VSTiles
+from .prefill import LOG2E, work_order
+from .prefill_ref import check_prefill_args
+
+ROWS = 64  # query rows per consumer warpgroup (= tiles.block)
+KEYS = 64  # keys per piece (= tiles.piece)
+# TMA load global -> shared with an mbarrier: `async_load` from Triton 3.7 (3.9 removed the old name), the old
+# name in 3.6 (the H200 image's)
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+PRODUCER_REGS = gl.constexpr(24)  # registers per thread of the 1-warp producer (scalar code only)
+
+
+@gluon.jit
+def _work_item(Order, BlockCount, slot, n_work, N, H, G, M, NS, BLOCK_M: gl.constexpr):
+    """Work slot `slot` of `Order` -> (valid, q row, kv row, piece-list offset, piece count, first query row):
+    rows in the flattened q / k tensors; an invalid slot (past n_work) has no pieces."""
+    valid = slot < n_work
+    item = gl.load(Order + gl.minimum(slot, n_work - 1))
+    bh = item // M  # b * H + h
+    m = item % M
+    kvh = (bh // H) * (H // G) + (bh % H) // G  # b * Hkv + h // G
+    count = gl.where(valid, gl.load(BlockCount + item), 0)
+    return valid, bh * N + m * BLOCK_M, kvh * N, item.to(gl.int64) * NS, count, m * BLOCK_M
+
+
+@gluon.jit
+def _fill(t, n, kv_row, Offsets, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, ring: gl.constexpr,
+          STAGES: gl.constexpr):
+    """Producer: load piece t (of n) of ring `ring` into its slot t % STAGES."""
+    if t < n:
+        i = ring * STAGES + t % STAGES
+        # Fill j = t // STAGES of a slot overwrites what the consumer released with its arrive number j - 1 on
+        # `empty`, which completes that barrier's phase j - 1: wait for parity (j - 1) & 1 = (j & 1) ^ 1. For
+        # j = 0 that is parity 1, the phase "before" a fresh barrier's first, which counts as complete: the
+        # first STAGES fills do not wait.
+        mbarrier.wait(empty.index(i), ((t // STAGES) & 1) ^ 1)
+        row = kv_row + gl.load(Offsets + t)
+        # one arrive (the expect) plus the TMA bytes complete phase j of k_ready / v_ready
+        mbarrier.expect(k_ready.index(i), k_desc.block_type.nbytes)
+        tma_load(k_desc, [row, 0], k_ready.index(i), k_smem.index(i))
+        mbarrier.expect(v_ready.index(i), v_desc.block_type.nbytes)
+        tma_load(v_desc, [row, 0], v_ready.index(i), v_smem.index(i))
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, BlockCount, BlockOffset,
+              Order, n_work, N, H, G, M, NS, BLOCK_M: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr):
+    """1 warp: Q of each consumer once (q_bar phase 0), then the consumers' pieces, interleaved piece by piece."""
+    pid = gl.program_id(0)
+    _, q0, kv0, base0, n0, _ = _work_item(Order, BlockCount, pid * CONSUMERS, n_work, N, H, G, M, NS, BLOCK_M)
+    # a consumer with no pieces never waits for its Q: load it only where there are pieces (no TMA left in flight)
+    mbarrier.expect(q_bar.index(0), q_desc.block_type.nbytes, pred=n0 > 0)
+    tma_load(q_desc, [q0, 0], q_bar.index(0), q_smem.index(0), pred=n0 > 0)
+    if CONSUMERS == 1:
+        for t in range(n0):
+            _fill(t, n0, kv0, BlockOffset + base0, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, 0, STAGES)
+    else:
+        _, q1, kv1, base1, n1, _ = _work_item(Order, BlockCount, pid * CONSUMERS + 1, n_work, N, H, G, M, NS, BLOCK_M)
+        mbarrier.expect(q_bar.index(1), q_desc.block_type.nbytes, pred=n1 > 0)
+        tma_load(q_desc, [q1, 0], q_bar.index(1), q_smem.index(1), pred=n1 > 0)
+        for t in range(gl.maximum(n0, n1)):
+            _fill(t, n0, kv0, BlockOffset + base0, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, 0, STAGES)
+            _fill(t, n1, kv1, BlockOffset + base1, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, 1, STAGES)
+
+
+@gluon.jit
+def _softmax_step(s, p, rows, lanes, m_i, l_i, qk_scale, N, row_lo, BLOCK_N: gl.constexpr):
+    """Online-softmax step on raw scores s `[BLOCK_M, BLOCK_N]` of the piece starting at key p: masks keys
+    outside [0, N) and above the diagonal (only on pieces that reach them); returns (probabilities in
+    log2 units, alpha = rescale of the old sums, new max, new sum)."""
+    if (p < 0) | (p + BLOCK_N - 1 > row_lo) | (p + BLOCK_N > N):
+        keys = gl.expand_dims(p + lanes, 0)
+        keep = (keys <= gl.expand_dims(rows, 1)) & (keys < N) & (keys >= 0)
+        s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet stays at zero
+    alpha = gl.exp2(m_i - m_use)
+    prob = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+    return prob, alpha, m_new, l_i * alpha + gl.sum(prob, 1)
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset, Order, n_work,
+              qk_scale, N, H, G, M, NS, ring: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              D: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr):
+    """One warpgroup: BLOCK_M query rows over their pieces from ring `ring`; writes O rows and LSE."""
+    pid = gl.program_id(0)
+    valid, q_row, _, base, n, row_lo = _work_item(Order, BlockCount, pid * CONSUMERS + ring, n_work, N, H, G, M, NS,
+                                                  BLOCK_M)
+    Offsets = BlockOffset + base
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    rows = row_lo + gl.arange(0, BLOCK_M, layout=row_s)
+    lanes = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+    s0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    q = q_smem.index(ring)
+    mbarrier.wait(q_bar.index(ring), 0, pred=n > 0)  # Q lands once: phase 0
+    # Piece t sits in slot i = ring * STAGES + t % STAGES as that slot's fill j = t // STAGES, which completes
+    # phase j of k_ready[i] / v_ready[i]: wait for parity j & 1. The slot is released by an arrive on empty[i]
+    # once the P V wgmma that read V[i] (and, earlier, the Q K^T that read K[i]) has completed.
+    if OVERLAP:
+        prob, alpha = s0, m_i  # (set for every path; only read where n > 0)
+        if n > 0:  # prologue: the scores of piece 0
+            mbarrier.wait(k_ready.index(ring * STAGES), 0)
+            s = warpgroup_mma(q, k_smem.index(ring * STAGES).permute((1, 0)), s0, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            prob, alpha, m_i, l_i = _softmax_step(s, gl.load(Offsets), rows, lanes, m_i, l_i, qk_scale, N, row_lo,
+                                                  BLOCK_N)
+        for t in range(n - 1):
+            # issue Q K^T of piece t + 1 first, then P V of piece t; wait(1) retires the older group (Q K^T:
+            # wgmma groups complete in issue order) and leaves P V running beside the softmax of piece t + 1
+            i = ring * STAGES + t % STAGES
+            i1 = ring * STAGES + (t + 1) % STAGES
+            mbarrier.wait(k_ready.index(i1), ((t + 1) // STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(i1).permute((1, 0)), s0, use_acc=False, is_async=True)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            mbarrier.wait(v_ready.index(i), (t // STAGES) & 1)
+            acc = warpgroup_mma(gl.convert_layout(prob.to(k_smem.dtype), p_layout), v_smem.index(i), acc,
+                                is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s,))
+            prob, alpha, m_i, l_i = _softmax_step(s, gl.load(Offsets + t + 1), rows, lanes, m_i, l_i, qk_scale, N,
+                                                  row_lo, BLOCK_N)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index(i), count=1)
+        if n > 0:  # epilogue: P V of the last piece
+            t = n - 1
+            i = ring * STAGES + t % STAGES
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            mbarrier.wait(v_ready.index(i), (t // STAGES) & 1)
+            acc = warpgroup_mma(gl.convert_layout(prob.to(k_smem.dtype), p_layout), v_smem.index(i), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index(i), count=1)
+    else:
+        for t in range(n):
+            i = ring * STAGES + t % STAGES
+            phase = (t // STAGES) & 1
+            mbarrier.wait(k_ready.index(i), phase)
+            s = warpgroup_mma(q, k_smem.index(i).permute((1, 0)), s0, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s,))
+            prob, alpha, m_i, l_i = _softmax_step(s, gl.load(Offsets + t), rows, lanes, m_i, l_i, qk_scale, N,
+                                                  row_lo, BLOCK_N)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            mbarrier.wait(v_ready.index(i), phase)
+            acc = warpgroup_mma(gl.convert_layout(prob.to(k_smem.dtype), p_layout), v_smem.index(i), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index(i), count=1)
+    if valid:
+        r = gl.arange(0, BLOCK_M, layout=row_o)
+        dims = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        out = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+        ok = gl.expand_dims(row_lo + r < N, 1) & gl.expand_dims(dims < D, 0)
+        ptrs = O + gl.expand_dims((q_row + r).to(gl.int64) * D, 1) + gl.expand_dims(dims, 0)
+        gl.store(ptrs, out.to(O.dtype.element_ty), mask=ok)
+        lse = (m_i + gl.log2(l_i)) / 1.4426950408889634
+        gl.store(LSE + (q_row + gl.arange(0, BLOCK_M, layout=row_s)), lse, mask=rows < N)
+
+
+@gluon.jit(do_not_specialize=["n_work", "N", "M", "NS"])
+def _ws_prefill_kernel(q_desc, k_desc, v_desc, O, LSE, BlockCount, BlockOffset, Order, n_work, qk_scale, N, H, G, M,
+                       NS, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr):
+    """Program pid: work slots pid * CONSUMERS + c of `Order`. Shared memory: CONSUMERS Q tiles and CONSUMERS
+    rings of STAGES K and V tiles (64 x D each; bf16, D = 128: 16 KB a tile)."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    D: gl.constexpr = q_desc.block_type.shape[1]
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, BLOCK_M, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [CONSUMERS * STAGES, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [CONSUMERS * STAGES, BLOCK_N, D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS * STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS * STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS * STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.init(q_bar.index(c), count=1)
+    for i in gl.static_range(CONSUMERS * STAGES):
+        mbarrier.init(k_ready.index(i), count=1)  # the producer's expect is the one arrive; TMA bytes the rest
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)  # one consumer warpgroup releases each slot (one arrive)
+    # (the partition lists are written out in the calls: a Gluon tuple cannot hold a function)
+    if CONSUMERS == 1:
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset,
+                         Order, n_work, qk_scale, N, H, G, M, NS, 0, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, BlockCount,
+                         BlockOffset, Order, n_work, N, H, G, M, NS, BLOCK_M, CONSUMERS, STAGES)),
+        ], [1], [PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset,
+                         Order, n_work, qk_scale, N, H, G, M, NS, 0, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset,
+                         Order, n_work, qk_scale, N, H, G, M, NS, 1, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, BlockCount,
+                         BlockOffset, Order, n_work, N, H, G, M, NS, BLOCK_M, CONSUMERS, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+def launch_config(consumers: int) -> dict[str, int]:
+    """maxnreg (registers per thread the kernel is compiled for) and the worker consumer's registers.
+    Warps are allocated by warpgroup: 2 consumers + producer = 3 warpgroups (384 threads): 168 x 384 fits
+    the 64K registers of an SM (one program per SM, 160-224 KB of shared memory); the producer's warpgroup
+    runs at 24 and each consumer at 240. One consumer + producer = 2 warpgroups: maxnreg 128 lets two
+    programs share an SM (80-112 KB each), the consumer gets 232."""
+    return {"maxnreg": 168, "consumer_regs": 240} if consumers == 2 else {"maxnreg": 128, "consumer_regs": 232}
+
+
+def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None = None,
+               sink: torch.Tensor | None = None, window: torch.Tensor | None = None, stages: int = 2,
+               consumers: int = 2, overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention over the pieces of per-head block-sparse `tiles` on an sm_90 GPU (`sparse_prefill`'s
+    contract for the tiles it takes).
+
+    q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` (bf16 / fp16, D = 64 or 128; copied if not contiguous); query head
+    h reads KV head h // (Hq // Hkv). `tiles`: per query head (`[B, Hq, M]`, M = ceil(N / 64)), block 64,
+    64-key pieces that never overlap (`tiles.disjoint`: `block_sparse_to_tiles`), no vertical columns.
+    `stages`: K/V ring depth per consumer; `consumers`: 64-row work items per program (one consumer warpgroup
+    each); `overlap`: the next piece's Q K^T in flight beside this piece's P V. `sink` / `window` (A-shape)
+    are not supported: `sparse_prefill` takes them.
+    Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
+    """
+    B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v dtype must be bf16 or fp16 (all alike) for ws_prefill, got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}; use sparse_prefill for fp32")
+    if D not in (64, 128):
+        raise ValueError(f"head_dim {D} is not supported by ws_prefill (64 or 128); use sparse_prefill")
+    if sink is not None or window is not None:
+        raise ValueError("sink / window (A-shape token masks) are not supported by ws_prefill; use sparse_prefill")
+    if tiles.block != ROWS or tiles.piece != KEYS:
+        raise ValueError(f"tiles.block and tiles.width must give 64-row tiles of 64-key pieces for ws_prefill, got "
+                         f"block {tiles.block}, piece {tiles.piece}; build them with block=64, width=0")
+    M = -(-N // ROWS)
+    if tiles.shape[1] == Hkv != Hq:
+        raise ValueError(f"group-shared tiles (tiles H = Hkv = {Hkv}) are not supported by ws_prefill; expand them "
+                         f"to per-query-head tiles with index_ref.expand_groups(tiles, {Hq // Hkv})")
+    if tuple(tiles.shape) != (B, Hq, M):
+        raise ValueError(f"tiles are for [B, H, M] = {tuple(tiles.shape)} but q needs ({B}, {Hq}, {M}); rebuild them")
+    if not tiles.disjoint:
+        raise ValueError("tiles.disjoint is False (pieces may overlap): ws_prefill needs non-overlapping pieces, as "
+                         "block_sparse_to_tiles builds them")
+    if tiles.column_index.shape[-1] > 1 or bool(tiles.column_count.any()):
+        raise ValueError("tiles.column_index / column_count hold vertical columns, which ws_prefill does not take "
+                         "(no TMA gather on sm_90); use sparse_prefill for Vertical-Slash tiles")
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        raise ValueError(f"ws_prefill needs a Hopper GPU (sm_90), got device {q.device}; use sparse_prefill")
+    if consumers not in (1, 2) or stages < 1 + overlap:
+        raise ValueError(f"consumers must be 1 or 2 and stages >= 2 with overlap (the next piece's K waits in the ring "
+                         f"while this piece's slot is held), >= 1 without; got {consumers}, {stages}, overlap={overlap}")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([ROWS, D], gdt)
+    q_desc = TensorDescriptor.from_tensor(q.view(B * Hq * N, D), [ROWS, D], layout)
+    k_desc = TensorDescriptor.from_tensor(k.view(B * Hkv * N, D), [KEYS, D], layout)
+    v_desc = TensorDescriptor.from_tensor(v.view(B * Hkv * N, D), [KEYS, D], layout)
+    o = torch.empty_like(q)
+    lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
+    tiles = tiles.to(q.device)
+    bc, bo = tiles.block_count.contiguous(), tiles.block_offset.contiguous()
+    order = work_order(tiles, 1)
+    n_work = B * Hq * M
+    cfg = launch_config(consumers)
+    _ws_prefill_kernel[(triton.cdiv(n_work, consumers),)](
+        q_desc, k_desc, v_desc, o, lse, bc, bo, order, n_work, scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1],
+        CONSUMERS=consumers, STAGES=stages, OVERLAP=overlap, CONSUMER_REGS=cfg["consumer_regs"], num_warps=4,
+        maxnreg=cfg["maxnreg"])
+    return o, lse
