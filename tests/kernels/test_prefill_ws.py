@@ -1,0 +1,204 @@
+"""The warp-specialised Gluon prefill (`workbench_kernels.prefill_ws`): it compiles for sm_90 on any machine
+(Gluon's compiler pipeline ahead of time, the ptxas the triton wheel ships) into warp-specialised partitions
+with wgmma, TMA, no spills and its shared memory within the H200's; on an H200 it matches exact masked
+attention in bf16; inputs it does not take raise ValueError naming the field (checked on the CPU).
+
+The compiles run in a fresh process (this file as a script), as in test_kernels_compile.py: a process where
+the interpreter ran kernels cannot `triton.compile`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_kernels_compile import SMEM_SM90
+from workbench_kernels.index_ref import block_sparse_to_tiles, tiles_to_mask, vs_to_tiles
+from workbench_kernels.prefill_ref import masked_attention_ref
+
+CASES = {  # id: (consumers, stages, overlap, head_dim)
+    "two_consumers_2_stages": (2, 2, True, 128),  # the default
+    "two_consumers_3_stages": (2, 3, True, 128),
+    "one_consumer": (1, 2, True, 128),
+    "no_overlap": (2, 2, False, 128),
+    "head_dim_64": (2, 2, True, 64),
+}
+
+
+def compile_ws(consumers: int, stages: int, overlap: bool, d: int, dtype: str = "bf16"):
+    """`_ws_prefill_kernel` compiled for sm_90 (descriptor arguments typed as `ws_prefill` builds them)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from workbench_kernels import prefill_ws
+
+    fn = prefill_ws._ws_prefill_kernel
+    desc = f"tensordesc<{dtype}[64, {d}],{gl.NVMMASharedLayout.get_default_for([64, d], gl.bfloat16)!r}>"
+    pointers = {"O": f"*{dtype}", "LSE": "*fp32", "BlockCount": "*i32", "BlockOffset": "*i32", "Order": "*i32"}
+    types = {"q_desc": desc, "k_desc": desc, "v_desc": desc, "qk_scale": "fp32", **pointers}
+    cfg = prefill_ws.launch_config(consumers)
+    constants = dict(CONSUMERS=consumers, STAGES=stages, OVERLAP=overlap, CONSUMER_REGS=cfg["consumer_regs"])
+    signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in fn.arg_names}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}
+    source = GluonASTSource(fn, signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "maxnreg": cfg["maxnreg"]})
+
+
+def ptxas_report(ptx: str) -> str:
+    """`ptxas -v` of the PTX for sm_90a (registers, spill stores / loads)."""
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        run = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True)
+    return run.stdout + run.stderr
+
+
+def compile_all() -> dict[str, dict]:
+    """Per case: shared memory, wgmma / TMA instructions in the PTX, partitions and their register counts in
+    the TTGIR, ptxas registers and spills (or the error)."""
+    out: dict[str, dict] = {}
+    for case, args in CASES.items():
+        try:
+            kernel = compile_ws(*args)
+            ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
+            report = ptxas_report(ptx)
+            spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+            out[case] = {"shared": kernel.metadata.shared,
+                         "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+                         "tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+                         "partitions": len(re.findall(r"\bpartition\d+\(", ttgir)),
+                         "requested_regs": re.findall(r"requestedRegisters = array<i32: ([\d, ]+)>", ttgir),
+                         "setmaxnreg": sorted(set(re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", ptx))),
+                         "local": ptx.count(".local"), "spills": spills,
+                         "registers": [int(x) for x in re.findall(r"Used (\d+) registers", report)]}
+        except Exception as e:  # noqa: BLE001 - reported by the test of this case
+            out[case] = {"error": f"{type(e).__name__}: {e}"[-2000:]}
+    return out
+
+
+def gluon_hopper_reason() -> str | None:
+    """Why this Triton cannot build the kernel (None: it can)."""
+    try:
+        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
+        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
+    except ImportError as e:
+        return f"the installed Triton has no Gluon for Hopper: {e}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, dict]:
+    reason = gluon_hopper_reason()
+    if reason:
+        pytest.skip(reason)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ws_prefill_compiles_for_sm90(compiled, case):
+    """Worker partitions (producer, and the second consumer) beside the default one, registers moved between
+    them with setmaxnreg; per consumer 8 (head_dim 128) or 4 wgmma for Q K^T and 4 for P V per code path;
+    TMA loads; no local memory, no spills; shared memory within the H200's."""
+    result = compiled[case]
+    assert "error" not in result, result.get("error")
+    consumers, stages, overlap, d = CASES[case]
+    assert result["partitions"] == consumers, result  # workers: producer (+ the second consumer)
+    assert result["setmaxnreg"], result
+    per_path = d // 16 + 4  # Q K^T over head_dim, P V over 64 keys, in k-steps of 16
+    assert result["wgmma"] == consumers * per_path * (2 if overlap else 1), result  # overlap: + prologue/epilogue
+    assert result["tma_loads"] > 0
+    assert result["local"] == 0 and not any(result["spills"]), result
+    assert result["shared"] <= SMEM_SM90
+
+
+def block_index(B: int, H: int, n: int, keep: float, seed: int) -> torch.Tensor:
+    """Random causal key blocks Int `[B, H, M, M]` (-1 = dropped); block_sparse_to_tiles adds the diagonal."""
+    M = -(-n // 64)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.arange(M).expand(B, H, M, M)
+    return torch.where(torch.rand(B, H, M, M, generator=g) < keep, idx, -1).to(torch.int32)
+
+
+def qkv(B: int, Hq: int, Hkv: int, n: int, D: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, h, n, D, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv)]
+
+
+def hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not hopper(), reason="ws_prefill runs on sm_90 (H100 / H200) only")
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("keep", [1.0, 0.3], ids=["dense_causal", "block_sparse"])
+def test_ws_prefill_matches_masked_attention_bf16(case, keep):
+    """Every causal block and random selections (the diagonal always in), N not a multiple of 64, GQA 4:1,
+    an odd number of row blocks (the last program's second consumer has no work): o and lse against fp32
+    attention under the tiles' mask."""
+    from workbench_kernels.prefill_ws import ws_prefill
+
+    consumers, stages, overlap, d = CASES[case]
+    B, Hq, Hkv, n = 2, 8, 2, 1000
+    q, k, v = qkv(B, Hq, Hkv, n, d, seed=int(keep * 10))
+    tiles = block_sparse_to_tiles(block_index(B, Hq, n, keep, seed=1), n).to("cuda")
+    o, lse = ws_prefill(q, k, v, tiles, stages=stages, consumers=consumers, overlap=overlap)
+    ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(tiles, n))
+    assert torch.isfinite(o).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(o.float(), ro.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, rlse, atol=8e-2, rtol=2e-2)
+
+
+def error_cases() -> dict[str, tuple]:
+    """id: (q, k, v, tiles, extra kwargs, the field the message must name); CPU tensors."""
+    n = 200
+    q, k, v = (torch.randn(1, h, n, 128, dtype=torch.bfloat16) for h in (8, 2, 2))
+    tiles = block_sparse_to_tiles(block_index(1, 8, n, 0.5, seed=0), n)
+    shared = block_sparse_to_tiles(block_index(1, 2, n, 0.5, seed=0), n)
+    vs = vs_to_tiles(torch.tensor([[[3, 90]] * 8]), torch.tensor([[[0, 70]] * 8]), n)
+    q256, k256 = (torch.randn(1, h, n, 256, dtype=torch.bfloat16) for h in (8, 2))
+    return {
+        "columns": (q, k, v, vs, {}, "column"),
+        "group_shared": (q, k, v, shared, {}, "expand_groups"),
+        "block_128": (q, k, v, block_sparse_to_tiles(block_index(1, 8, n, 0.5, seed=0), n, block=128), {},
+                      "tiles.block"),
+        "head_dim_256": (q256, k256, k256, tiles, {}, "head_dim"),
+        "fp32": (q.float(), k.float(), v.float(), tiles, {}, "dtype"),
+        "window": (q, k, v, tiles, {"sink": torch.zeros(8), "window": torch.full((8,), 64)}, "window"),
+        "overlapping_pieces": (q, k, v, dataclasses.replace(tiles, disjoint=False), {}, "tiles.disjoint"),
+        "not_hopper": (q, k, v, tiles, {}, "Hopper"),
+    }
+
+
+@pytest.mark.parametrize("case", list(error_cases()))
+def test_ws_prefill_rejects_unsupported_inputs(case):
+    """Each unsupported input raises ValueError naming the field and the way out (sparse_prefill, expand_groups,
+    block 64); on a CPU tensor the last check is the device's."""
+    if gluon_hopper_reason():
+        pytest.skip(gluon_hopper_reason())
+    from workbench_kernels.prefill_ws import ws_prefill
+
+    q, k, v, tiles, kwargs, field = error_cases()[case]
+    if case == "not_hopper" and hopper():
+        pytest.skip("this machine is a Hopper GPU")
+    with pytest.raises(ValueError, match=field):
+        ws_prefill(q, k, v, tiles, **kwargs)
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_all()))
