@@ -1,0 +1,215 @@
+"""Exploratory (H200): the warp-specialised Gluon prefill (`workbench_kernels.prefill_ws`) against exact attention,
+dense SDPA and the Triton-language `sparse_prefill`, variants side by side (issue 25, head_dim 128).
+
+Steps, each in its own subprocess with a timeout (a wrong mbarrier phase hangs the GPU: the step is killed and
+recorded, the rest go on; a variant that fails or hangs its check is left out of the timings):
+  check   per variant: bf16 o / lse against `masked_attention_ref` on dense causal and random block tiles
+          (N = 1000, GQA 4:1, B = 2; head_dim 128, and 64 for the first variant)
+  dense   N = --dense-n (32768), Llama-3-8B's 32/8/128: every causal block through ws_prefill and sparse_prefill
+          vs SDPA(is_causal=True); TFLOP/s over the causal pairs, ratio to SDPA's
+  sparse  block-sparse top-k (`index_build.block_index` on the bench's planted inputs, 64-row tiles) at each of
+          --lengths: ws vs sparse_prefill, efficiency = physical density x SDPA ms / ms (as the bench)
+Variants: cCsS[o] = C consumer warpgroups (1 or 2), S ring stages, o = intra-warpgroup overlap.
+Writes --out (JSON: environment, per step results) and prints a summary."""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+from workbench.core.timing import environment, time_ms
+
+SHAPE = (32, 8, 128)  # Llama-3-8B: query heads, KV heads, head_dim
+
+
+def parse_variant(name: str) -> dict:
+    """'c2s3o' -> {consumers: 2, stages: 3, overlap: True}."""
+    body = name.removesuffix("o")
+    c, s = body[1:].split("s")
+    return {"consumers": int(c), "stages": int(s), "overlap": name.endswith("o")}
+
+
+def timed(fn) -> float:
+    """Median ms of 5 calls after 2 warm-up calls (compiles included there), CUDA events."""
+    return time_ms(fn, cuda=True, warmup=2, min_reps=5, max_reps=5)
+
+
+def check(variant: str) -> dict:
+    from workbench_kernels.index_ref import block_sparse_to_tiles, tiles_to_mask
+    from workbench_kernels.prefill_ref import masked_attention_ref
+    from workbench_kernels.prefill_ws import ws_prefill
+
+    out = {}
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, n = 2, 8, 2, 1000
+    M = -(-n // 64)
+    for d in (128, 64) if variant.startswith("first:") else (128,):
+        q, k, v = (torch.randn(B, h, n, d, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
+        for keep in (1.0, 0.3):
+            idx = torch.where(torch.rand(B, Hq, M, M, generator=g) < keep, torch.arange(M), -1).to(torch.int32)
+            tiles = block_sparse_to_tiles(idx, n).to("cuda")
+            t0 = time.perf_counter()
+            o, lse = ws_prefill(q, k, v, tiles, **parse_variant(variant.removeprefix("first:")))
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(tiles, n))
+            err, lse_err = (o.float() - ro.float()).abs().max().item(), (lse - rlse).abs().max().item()
+            out[f"d{d}/keep{keep}"] = {"max_abs_err_o": err, "max_abs_err_lse": lse_err, "first_call_s": seconds,
+                                       "ok": bool(err < 2e-2 + 2e-2 * ro.float().abs().max().item()
+                                                  and lse_err < 0.1 and torch.isfinite(o).all())}
+    return out
+
+
+def dense(variants: list[str], n: int) -> dict:
+    from workbench_kernels.index_ref import selected_block_tiles
+    from workbench_kernels.prefill import sparse_prefill
+    from workbench_kernels.prefill_ws import ws_prefill
+
+    hq, hkv, d = SHAPE
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, d, generator=g, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+    M = -(-n // 64)
+    m = torch.arange(M, device="cuda")
+    table = torch.where(m[None, :] <= m[:, None], m[None, :], -1).to(torch.int32)  # every causal block
+    tiles = selected_block_tiles(table.expand(1, hq, M, M))
+    flop = 4 * d * hq * n * (n + 1) // 2  # causal pairs
+    kx, vx = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    rows = {"sdpa": timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))}
+    ref, _ = sparse_prefill(q, k, v, tiles)
+    rows["sparse_prefill"] = timed(lambda: sparse_prefill(q, k, v, tiles))
+    out = {"n": n, "shape": SHAPE, "agreement_max_abs": {}}
+    for name in variants:
+        kw = parse_variant(name)
+        o, _ = ws_prefill(q, k, v, tiles, **kw)
+        out["agreement_max_abs"][name] = (o.float() - ref.float()).abs().max().item()
+        rows[f"ws/{name}"] = timed(lambda: ws_prefill(q, k, v, tiles, **kw))
+    out["rows"] = {key: {"ms": ms, "tflops": flop / ms / 1e9, "of_sdpa": rows["sdpa"] / ms} for key, ms in rows.items()}
+    return out
+
+
+def sparse(variants: list[str], lengths: list[int], topk: int) -> dict:
+    from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
+    from workbench_kernels.index_build import block_index
+    from workbench_kernels.index_ref import selected_block_tiles, tile_area
+    from workbench_kernels.prefill import sparse_prefill
+    from workbench_kernels.prefill_ws import ws_prefill
+
+    hq, hkv, d, theta = SHAPES["llama3-8b"]
+    out = {}
+    for n in lengths:
+        q, k, v = planted_inputs(hq, hkv, d, n, theta)
+        tiles = selected_block_tiles(block_index(q, k, topk))
+        density = tile_area(tiles, n).sum().item() / (hq * n * (n + 1) // 2)
+        kx, vx = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+        sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))
+        kx = vx = None
+        ref, _ = sparse_prefill(q, k, v, tiles)
+        rows = {"sparse_prefill": timed(lambda: sparse_prefill(q, k, v, tiles))}
+        agree = {}
+        for name in variants:
+            kw = parse_variant(name)
+            o, _ = ws_prefill(q, k, v, tiles, **kw)
+            agree[name] = (o.float() - ref.float()).abs().max().item()
+            rows[f"ws/{name}"] = timed(lambda: ws_prefill(q, k, v, tiles, **kw))
+        out[str(n)] = {"physical_density": density, "sdpa_ms": sdpa, "agreement_max_abs": agree,
+                       "rows": {key: {"ms": ms, "efficiency": density * sdpa / ms,
+                                      "vs_sparse_prefill": rows["sparse_prefill"] / ms} for key, ms in rows.items()}}
+        q = k = v = None
+        torch.cuda.empty_cache()
+    return out
+
+
+def child(args: argparse.Namespace) -> None:
+    variants = args.variants.split(",")
+    if args.child == "check":
+        result = check(args.variant)
+    elif args.child == "dense":
+        result = dense(variants, args.dense_n)
+    else:
+        result = sparse(variants, [int(x) for x in args.lengths.split(",")], args.topk)
+    print(json.dumps(result))
+
+
+def run_step(argv: list[str], timeout: float) -> dict:
+    """This script as a child (`--child ...`); its JSON, or why there is none."""
+    t0 = time.perf_counter()
+    try:
+        run = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout after {timeout:.0f} s (hang?)", "seconds": time.perf_counter() - t0}
+    if run.returncode:
+        return {"error": f"exit {run.returncode}: {run.stderr[-2500:]}", "seconds": time.perf_counter() - t0}
+    return {**json.loads(run.stdout.strip().splitlines()[-1]), "seconds": time.perf_counter() - t0}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="ws_probe.json")
+    p.add_argument("--variants", default="c2s2o,c2s3o,c1s2o,c1s3o,c2s2", help="cCsS[o], comma-separated")
+    p.add_argument("--steps", default="check,dense,sparse")
+    p.add_argument("--dense-n", type=int, default=32768)
+    p.add_argument("--lengths", default="65536,131072")
+    p.add_argument("--topk", type=int, default=100)
+    p.add_argument("--budget", type=float, default=450.0, help="seconds for all steps (each gets what is left)")
+    p.add_argument("--check-timeout", type=float, default=90.0)
+    p.add_argument("--dense-timeout", type=float, default=150.0)
+    p.add_argument("--sparse-timeout", type=float, default=200.0)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args)
+        return
+    start = time.perf_counter()
+    left = lambda cap: max(1.0, min(cap, args.budget - (time.perf_counter() - start)))  # noqa: E731
+    common = ["--variants", args.variants, "--dense-n", str(args.dense_n), "--lengths", args.lengths,
+              "--topk", str(args.topk)]
+    result = {"environment": environment(), "steps": {}}
+    save = lambda: json.dump(result, open(args.out, "w"), indent=1)  # noqa: E731
+    variants = args.variants.split(",")
+    steps = args.steps.split(",")
+    if "check" in steps:
+        good = []
+        for i, name in enumerate(variants):
+            tag = f"first:{name}" if i == 0 else name  # the first variant also checks head_dim 64
+            r = run_step(["--child", "check", "--variant", tag, *common], left(args.check_timeout))
+            result["steps"][f"check/{name}"] = r
+            save()
+            ok = "error" not in r and all(c["ok"] for k, c in r.items() if k != "seconds")
+            print(f"check {name}: {'ok' if ok else 'FAILED'} {r.get('error', '')[:300]}", flush=True)
+            if ok:
+                good.append(name)
+        variants = good
+        common[1] = ",".join(good)
+    if not variants:
+        print("no variant passed its check: no timings")
+    for step, cap in (("dense", args.dense_timeout), ("sparse", args.sparse_timeout)):
+        if step not in steps or not variants:
+            continue
+        r = run_step(["--child", step, *common], left(cap))
+        result["steps"][step] = r
+        save()
+        if "error" in r:
+            print(f"{step}: {r['error'][:600]}", flush=True)
+        elif step == "dense":
+            for key, row in r["rows"].items():
+                print(f"dense {r['n']} {key:16s} {row['ms']:8.2f} ms {row['tflops']:6.0f} TFLOP/s "
+                      f"{row['of_sdpa']:.3f} of SDPA", flush=True)
+        else:
+            for n, part in r.items():
+                if n == "seconds":
+                    continue
+                for key, row in part["rows"].items():
+                    print(f"top-{args.topk} {n} {key:16s} {row['ms']:8.2f} ms eff {row['efficiency']:.3f} "
+                          f"{row['vs_sparse_prefill']:.3f}x sparse_prefill (density {part['physical_density']:.3f})",
+                          flush=True)
+    result["seconds"] = time.perf_counter() - start
+    save()
+
+
+if __name__ == "__main__":
+    main()
