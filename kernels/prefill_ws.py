@@ -16,6 +16,7 @@ V rows are finite, so P = 0 cancels them. Output rows past N are not stored.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -38,16 +39,28 @@ PRODUCER_REGS = gl.constexpr(24)  # registers per thread of the 1-warp producer 
 
 
 @gluon.jit
-def _work_item(Order, BlockCount, slot, n_work, N, H, G, M, NS, BLOCK_M: gl.constexpr):
-    """Work slot `slot` of `Order` -> (valid, q row, kv row, piece-list offset, piece count, first query row):
-    rows in the flattened q / k tensors; an invalid slot (past n_work) has no pieces."""
+def _work_item(Order, BlockCount, pid, sub: gl.constexpr, n_work, N, H, G, M, NS, BLOCK_M: gl.constexpr,
+               CONSUMERS: gl.constexpr, SHARE: gl.constexpr):
+    """Consumer `sub` of program pid -> (valid, q row, kv row, piece-list offset, piece count, first query row):
+    rows in the flattened q / k tensors; a slot past n_work has no pieces. SHARE: `Order` lists (b, head pair,
+    row block) items, consumer `sub` takes query head 2 * pair + sub; else consumer `sub` takes (b, head, row
+    block) item pid * CONSUMERS + sub."""
+    if SHARE:
+        slot = pid
+    else:
+        slot = pid * CONSUMERS + sub
     valid = slot < n_work
     item = gl.load(Order + gl.minimum(slot, n_work - 1))
-    bh = item // M  # b * H + h
     m = item % M
+    if SHARE:
+        pair = item // M  # b * H / 2 + h / 2
+        bh = (pair // (H // 2)) * H + 2 * (pair % (H // 2)) + sub
+    else:
+        bh = item // M  # b * H + h
+    tile = bh * M + m
     kvh = (bh // H) * (H // G) + (bh % H) // G  # b * Hkv + h // G
-    count = gl.where(valid, gl.load(BlockCount + item), 0)
-    return valid, bh * N + m * BLOCK_M, kvh * N, item.to(gl.int64) * NS, count, m * BLOCK_M
+    count = gl.where(valid, gl.load(BlockCount + tile), 0)
+    return valid, bh * N + m * BLOCK_M, kvh * N, tile.to(gl.int64) * NS, count, m * BLOCK_M
 
 
 @gluon.jit
@@ -71,10 +84,13 @@ def _fill(t, n, kv_row, Offsets, k_desc, v_desc, k_smem, v_smem, k_ready, v_read
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, BlockCount, BlockOffset,
-              Order, n_work, N, H, G, M, NS, BLOCK_M: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr):
-    """1 warp: Q of each consumer once (q_bar phase 0), then the consumers' pieces, interleaved piece by piece."""
+              Order, n_work, N, H, G, M, NS, BLOCK_M: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
+              SHARE: gl.constexpr):
+    """1 warp: Q of each consumer once (q_bar phase 0), then the pieces: of the one shared ring (SHARE), else of
+    each consumer's ring, interleaved piece by piece."""
     pid = gl.program_id(0)
-    _, q0, kv0, base0, n0, _ = _work_item(Order, BlockCount, pid * CONSUMERS, n_work, N, H, G, M, NS, BLOCK_M)
+    _, q0, kv0, base0, n0, _ = _work_item(Order, BlockCount, pid, 0, n_work, N, H, G, M, NS, BLOCK_M, CONSUMERS,
+                                          SHARE)
     # a consumer with no pieces never waits for its Q: load it only where there are pieces (no TMA left in flight)
     mbarrier.expect(q_bar.index(0), q_desc.block_type.nbytes, pred=n0 > 0)
     tma_load(q_desc, [q0, 0], q_bar.index(0), q_smem.index(0), pred=n0 > 0)
@@ -82,12 +98,20 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_
         for t in range(n0):
             _fill(t, n0, kv0, BlockOffset + base0, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, 0, STAGES)
     else:
-        _, q1, kv1, base1, n1, _ = _work_item(Order, BlockCount, pid * CONSUMERS + 1, n_work, N, H, G, M, NS, BLOCK_M)
+        _, q1, kv1, base1, n1, _ = _work_item(Order, BlockCount, pid, 1, n_work, N, H, G, M, NS, BLOCK_M, CONSUMERS,
+                                              SHARE)
         mbarrier.expect(q_bar.index(1), q_desc.block_type.nbytes, pred=n1 > 0)
         tma_load(q_desc, [q1, 0], q_bar.index(1), q_smem.index(1), pred=n1 > 0)
-        for t in range(gl.maximum(n0, n1)):
-            _fill(t, n0, kv0, BlockOffset + base0, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, 0, STAGES)
-            _fill(t, n1, kv1, BlockOffset + base1, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, 1, STAGES)
+        if SHARE:  # both consumers read ring 0 (their piece lists are equal: ws_prefill checks)
+            for t in range(n0):
+                _fill(t, n0, kv0, BlockOffset + base0, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, 0,
+                      STAGES)
+        else:
+            for t in range(gl.maximum(n0, n1)):
+                _fill(t, n0, kv0, BlockOffset + base0, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, 0,
+                      STAGES)
+                _fill(t, n1, kv1, BlockOffset + base1, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, 1,
+                      STAGES)
 
 
 @gluon.jit
@@ -108,12 +132,15 @@ def _softmax_step(s, p, rows, lanes, m_i, l_i, qk_scale, N, row_lo, BLOCK_N: gl.
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset, Order, n_work,
-              qk_scale, N, H, G, M, NS, ring: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              D: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr):
-    """One warpgroup: BLOCK_M query rows over their pieces from ring `ring`; writes O rows and LSE."""
+              qk_scale, N, H, G, M, NS, sub: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              D: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+              SHARE: gl.constexpr):
+    """Consumer warpgroup `sub`: BLOCK_M query rows over their pieces from its ring (SHARE: the one ring both
+    consumers read); writes O rows and LSE."""
     pid = gl.program_id(0)
-    valid, q_row, _, base, n, row_lo = _work_item(Order, BlockCount, pid * CONSUMERS + ring, n_work, N, H, G, M, NS,
-                                                  BLOCK_M)
+    valid, q_row, _, base, n, row_lo = _work_item(Order, BlockCount, pid, sub, n_work, N, H, G, M, NS, BLOCK_M,
+                                                  CONSUMERS, SHARE)
+    ring: gl.constexpr = 0 if SHARE else sub
     Offsets = BlockOffset + base
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -127,11 +154,13 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, Bl
     l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
     s0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    q = q_smem.index(ring)
-    mbarrier.wait(q_bar.index(ring), 0, pred=n > 0)  # Q lands once: phase 0
+    q = q_smem.index(sub)
+    mbarrier.wait(q_bar.index(sub), 0, pred=n > 0)  # Q lands once: phase 0
     # Piece t sits in slot i = ring * STAGES + t % STAGES as that slot's fill j = t // STAGES, which completes
-    # phase j of k_ready[i] / v_ready[i]: wait for parity j & 1. The slot is released by an arrive on empty[i]
-    # once the P V wgmma that read V[i] (and, earlier, the Q K^T that read K[i]) has completed.
+    # phase j of k_ready[i] / v_ready[i]: wait for parity j & 1 (SHARE: both consumers wait for the same phase;
+    # a wait consumes nothing). The slot is released by an arrive on empty[i] once the P V wgmma that read V[i]
+    # (and, earlier, the Q K^T that read K[i]) has completed; SHARE: empty[i] counts 2 arrives, one per consumer,
+    # so its phase completes when both are done with the slot.
     if OVERLAP:
         prob, alpha = s0, m_i  # (set for every path; only read where n > 0)
         if n > 0:  # prologue: the scores of piece 0
@@ -194,41 +223,47 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, Bl
 @gluon.jit(do_not_specialize=["n_work", "N", "M", "NS"])
 def _ws_prefill_kernel(q_desc, k_desc, v_desc, O, LSE, BlockCount, BlockOffset, Order, n_work, qk_scale, N, H, G, M,
                        NS, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr):
-    """Program pid: work slots pid * CONSUMERS + c of `Order`. Shared memory: CONSUMERS Q tiles and CONSUMERS
-    rings of STAGES K and V tiles (64 x D each; bf16, D = 128: 16 KB a tile)."""
+                       SHARE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Program pid: work slots pid * CONSUMERS + c of `Order` (SHARE: slot pid, both consumers). Shared memory:
+    CONSUMERS Q tiles and RINGS (CONSUMERS, SHARE: 1) rings of STAGES K and V tiles (64 x D each; bf16,
+    D = 128: 16 KB a tile)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
+    RINGS: gl.constexpr = 1 if SHARE else CONSUMERS
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, BLOCK_M, D], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [CONSUMERS * STAGES, BLOCK_N, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [CONSUMERS * STAGES, BLOCK_N, D], v_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [RINGS * STAGES, BLOCK_N, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [RINGS * STAGES, BLOCK_N, D], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS * STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS * STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS * STAGES, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_bar.index(c), count=1)
-    for i in gl.static_range(CONSUMERS * STAGES):
+    for i in gl.static_range(RINGS * STAGES):
         mbarrier.init(k_ready.index(i), count=1)  # the producer's expect is the one arrive; TMA bytes the rest
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)  # one consumer warpgroup releases each slot (one arrive)
+        # every consumer reading the ring arrives once per slot use: 2 on a shared ring, else 1
+        mbarrier.init(empty.index(i), count=CONSUMERS if SHARE else 1)
     # (the partition lists are written out in the calls: a Gluon tuple cannot hold a function)
     if CONSUMERS == 1:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset,
-                         Order, n_work, qk_scale, N, H, G, M, NS, 0, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP)),
+                         Order, n_work, qk_scale, N, H, G, M, NS, 0, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP,
+                         SHARE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, BlockCount,
-                         BlockOffset, Order, n_work, N, H, G, M, NS, BLOCK_M, CONSUMERS, STAGES)),
+                         BlockOffset, Order, n_work, N, H, G, M, NS, BLOCK_M, CONSUMERS, STAGES, SHARE)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset,
-                         Order, n_work, qk_scale, N, H, G, M, NS, 0, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP)),
+                         Order, n_work, qk_scale, N, H, G, M, NS, 0, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP,
+                         SHARE)),
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset,
-                         Order, n_work, qk_scale, N, H, G, M, NS, 1, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP)),
+                         Order, n_work, qk_scale, N, H, G, M, NS, 1, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP,
+                         SHARE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, BlockCount,
-                         BlockOffset, Order, n_work, N, H, G, M, NS, BLOCK_M, CONSUMERS, STAGES)),
+                         BlockOffset, Order, n_work, N, H, G, M, NS, BLOCK_M, CONSUMERS, STAGES, SHARE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 def launch_config(consumers: int) -> dict[str, int]:
@@ -242,16 +277,19 @@ def launch_config(consumers: int) -> dict[str, int]:
 
 def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None = None,
                sink: torch.Tensor | None = None, window: torch.Tensor | None = None, stages: int = 2,
-               consumers: int = 2, overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+               consumers: int = 2, overlap: bool = True, share_kv: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over the pieces of per-head block-sparse `tiles` on an sm_90 GPU (`sparse_prefill`'s
     contract for the tiles it takes).
 
     q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` (bf16 / fp16, D = 64 or 128; copied if not contiguous); query head
     h reads KV head h // (Hq // Hkv). `tiles`: per query head (`[B, Hq, M]`, M = ceil(N / 64)), block 64,
     64-key pieces that never overlap (`tiles.disjoint`: `block_sparse_to_tiles`), no vertical columns.
-    `stages`: K/V ring depth per consumer; `consumers`: 64-row work items per program (one consumer warpgroup
-    each); `overlap`: the next piece's Q K^T in flight beside this piece's P V. `sink` / `window` (A-shape)
-    are not supported: `sparse_prefill` takes them.
+    `stages`: K/V ring depth per ring; `consumers`: 64-row work items per program (one consumer warpgroup
+    each); `overlap`: the next piece's Q K^T in flight beside this piece's P V; `share_kv` (2 consumers): a
+    program takes query heads 2j and 2j + 1 (one KV head: Hq / Hkv even) of one row block and both read one
+    K/V ring, so each tile crosses L2 once for 128 query rows (FA3's two consumer warpgroups); their piece
+    lists must be equal (dense causal, expanded group-shared tiles; checked, one host sync). `sink` / `window`
+    (A-shape) are not supported: `sparse_prefill` takes them.
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
     """
     B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
@@ -274,14 +312,20 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
     if not tiles.disjoint:
         raise ValueError("tiles.disjoint is False (pieces may overlap): ws_prefill needs non-overlapping pieces, as "
                          "block_sparse_to_tiles builds them")
+    tiles = tiles.to(q.device)
     if tiles.column_index.shape[-1] > 1 or bool(tiles.column_count.any()):
         raise ValueError("tiles.column_index / column_count hold vertical columns, which ws_prefill does not take "
                          "(no TMA gather on sm_90); use sparse_prefill for Vertical-Slash tiles")
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
-        raise ValueError(f"ws_prefill needs a Hopper GPU (sm_90), got device {q.device}; use sparse_prefill")
     if consumers not in (1, 2) or stages < 1 + overlap:
         raise ValueError(f"consumers must be 1 or 2 and stages >= 2 with overlap (the next piece's K waits in the ring "
                          f"while this piece's slot is held), >= 1 without; got {consumers}, {stages}, overlap={overlap}")
+    bc, bo = tiles.block_count.contiguous(), tiles.block_offset.contiguous()
+    if share_kv and (consumers != 2 or Hq // Hkv % 2 or not (torch.equal(bc[:, 0::2], bc[:, 1::2])
+                                                          and torch.equal(bo[:, 0::2], bo[:, 1::2]))):
+        raise ValueError("share_kv needs consumers=2, an even number of query heads per KV head and equal piece lists "
+                         "for heads 2j and 2j + 1 (tiles.block_count / block_offset); use share_kv=False")
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        raise ValueError(f"ws_prefill needs a Hopper GPU (sm_90), got device {q.device}; use sparse_prefill")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
@@ -291,13 +335,18 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
     v_desc = TensorDescriptor.from_tensor(v.view(B * Hkv * N, D), [KEYS, D], layout)
     o = torch.empty_like(q)
     lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
-    tiles = tiles.to(q.device)
-    bc, bo = tiles.block_count.contiguous(), tiles.block_offset.contiguous()
-    order = work_order(tiles, 1)
-    n_work = B * Hq * M
+    if share_kv:  # items (b, head pair, row block), ordered by the even heads' pieces
+        order = work_order(dataclasses.replace(tiles, block_count=bc[:, 0::2], column_count=tiles.column_count[:, 0::2]),
+                           1)
+        n_work = B * Hq // 2 * M
+        grid = n_work
+    else:
+        order = work_order(tiles, 1)
+        n_work = B * Hq * M
+        grid = triton.cdiv(n_work, consumers)
     cfg = launch_config(consumers)
-    _ws_prefill_kernel[(triton.cdiv(n_work, consumers),)](
+    _ws_prefill_kernel[(grid,)](
         q_desc, k_desc, v_desc, o, lse, bc, bo, order, n_work, scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1],
-        CONSUMERS=consumers, STAGES=stages, OVERLAP=overlap, CONSUMER_REGS=cfg["consumer_regs"], num_warps=4,
-        maxnreg=cfg["maxnreg"])
+        CONSUMERS=consumers, STAGES=stages, OVERLAP=overlap, SHARE=share_kv, CONSUMER_REGS=cfg["consumer_regs"],
+        num_warps=4, maxnreg=cfg["maxnreg"])
     return o, lse

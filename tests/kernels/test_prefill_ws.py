@@ -20,16 +20,18 @@ from test_kernels_compile import SMEM_SM90
 from workbench_kernels.index_ref import block_sparse_to_tiles, tiles_to_mask, vs_to_tiles
 from workbench_kernels.prefill_ref import masked_attention_ref
 
-CASES = {  # id: (consumers, stages, overlap, head_dim)
-    "two_consumers_2_stages": (2, 2, True, 128),  # the default
-    "two_consumers_3_stages": (2, 3, True, 128),
-    "one_consumer": (1, 2, True, 128),
-    "no_overlap": (2, 2, False, 128),
-    "head_dim_64": (2, 2, True, 64),
+CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv)
+    "two_consumers_2_stages": (2, 2, True, 128, False),  # the default
+    "two_consumers_3_stages": (2, 3, True, 128, False),
+    "one_consumer": (1, 2, True, 128, False),
+    "no_overlap": (2, 2, False, 128, False),
+    "head_dim_64": (2, 2, True, 64, False),
+    "shared_kv_3_stages": (2, 3, True, 128, True),
+    "shared_kv_4_stages": (2, 4, True, 128, True),
 }
 
 
-def compile_ws(consumers: int, stages: int, overlap: bool, d: int, dtype: str = "bf16"):
+def compile_ws(consumers: int, stages: int, overlap: bool, d: int, share: bool, dtype: str = "bf16"):
     """`_ws_prefill_kernel` compiled for sm_90 (descriptor arguments typed as `ws_prefill` builds them)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -42,7 +44,8 @@ def compile_ws(consumers: int, stages: int, overlap: bool, d: int, dtype: str = 
     pointers = {"O": f"*{dtype}", "LSE": "*fp32", "BlockCount": "*i32", "BlockOffset": "*i32", "Order": "*i32"}
     types = {"q_desc": desc, "k_desc": desc, "v_desc": desc, "qk_scale": "fp32", **pointers}
     cfg = prefill_ws.launch_config(consumers)
-    constants = dict(CONSUMERS=consumers, STAGES=stages, OVERLAP=overlap, CONSUMER_REGS=cfg["consumer_regs"])
+    constants = dict(CONSUMERS=consumers, STAGES=stages, OVERLAP=overlap, SHARE=share,
+                     CONSUMER_REGS=cfg["consumer_regs"])
     signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in fn.arg_names}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}
     source = GluonASTSource(fn, signature, constexprs=constants, attrs=attrs)
@@ -116,7 +119,7 @@ def test_ws_prefill_compiles_for_sm90(compiled, case):
     TMA loads; no local memory, no spills; shared memory within the H200's."""
     result = compiled[case]
     assert "error" not in result, result.get("error")
-    consumers, stages, overlap, d = CASES[case]
+    consumers, stages, overlap, d, _ = CASES[case]
     assert result["partitions"] == consumers, result  # workers: producer (+ the second consumer)
     assert result["setmaxnreg"], result
     per_path = d // 16 + 4  # Q K^T over head_dim, P V over 64 keys, in k-steps of 16
@@ -148,16 +151,17 @@ def hopper() -> bool:
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("keep", [1.0, 0.3], ids=["dense_causal", "block_sparse"])
 def test_ws_prefill_matches_masked_attention_bf16(case, keep):
-    """Every causal block and random selections (the diagonal always in), N not a multiple of 64, GQA 4:1,
-    an odd number of row blocks (the last program's second consumer has no work): o and lse against fp32
-    attention under the tiles' mask."""
+    """Every causal block and random selections (the diagonal always in; shared K/V: one per KV head), N not a
+    multiple of 64, GQA 4:1, an odd number of row blocks (the last program's second consumer has no work): o and
+    lse against fp32 attention under the tiles' mask."""
     from workbench_kernels.prefill_ws import ws_prefill
 
-    consumers, stages, overlap, d = CASES[case]
+    consumers, stages, overlap, d, share = CASES[case]
     B, Hq, Hkv, n = 2, 8, 2, 1000
     q, k, v = qkv(B, Hq, Hkv, n, d, seed=int(keep * 10))
-    tiles = block_sparse_to_tiles(block_index(B, Hq, n, keep, seed=1), n).to("cuda")
-    o, lse = ws_prefill(q, k, v, tiles, stages=stages, consumers=consumers, overlap=overlap)
+    index = block_index(B, Hkv if share else Hq, n, keep, seed=1)  # share_kv: one selection per KV head
+    tiles = block_sparse_to_tiles(index.repeat_interleave(Hq // index.shape[1], 1), n).to("cuda")
+    o, lse = ws_prefill(q, k, v, tiles, stages=stages, consumers=consumers, overlap=overlap, share_kv=share)
     ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(tiles, n))
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
     torch.testing.assert_close(o.float(), ro.float(), atol=2e-2, rtol=2e-2)
@@ -181,6 +185,7 @@ def error_cases() -> dict[str, tuple]:
         "fp32": (q.float(), k.float(), v.float(), tiles, {}, "dtype"),
         "window": (q, k, v, tiles, {"sink": torch.zeros(8), "window": torch.full((8,), 64)}, "window"),
         "overlapping_pieces": (q, k, v, dataclasses.replace(tiles, disjoint=False), {}, "tiles.disjoint"),
+        "share_kv_unequal_heads": (q, k, v, tiles, {"share_kv": True}, "share_kv"),
         "not_hopper": (q, k, v, tiles, {}, "Hopper"),
     }
 
