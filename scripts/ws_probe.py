@@ -9,12 +9,16 @@ recorded, the rest go on; a variant that fails or hangs its check is left out of
           vs SDPA(is_causal=True); TFLOP/s over the causal pairs, ratio to SDPA's
   sparse  block-sparse top-k (`index_build.block_index` on the bench's planted inputs, 64-row tiles) at each of
           --lengths: ws vs sparse_prefill, efficiency = physical density x SDPA ms / ms (as the bench)
-Variants: cCsS[o] = C consumer warpgroups (1 or 2), S ring stages, o = intra-warpgroup overlap.
+Variants: cCsS[o][k] = C consumer warpgroups (1 or 2), S ring stages, o = intra-warpgroup overlap, k = the two
+consumers share one K/V ring (query heads 2j, 2j + 1): checked on per-KV-head selections, timed on dense causal
+and on group-shared top-k (`block_index(group_shared=True)`, expanded per head) against sparse_prefill's
+GQA-packed kernel on the group-shared tiles.
 Writes --out (JSON: environment, per step results) and prints a summary."""
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -27,10 +31,9 @@ SHAPE = (32, 8, 128)  # Llama-3-8B: query heads, KV heads, head_dim
 
 
 def parse_variant(name: str) -> dict:
-    """'c2s3o' -> {consumers: 2, stages: 3, overlap: True}."""
-    body = name.removesuffix("o")
-    c, s = body[1:].split("s")
-    return {"consumers": int(c), "stages": int(s), "overlap": name.endswith("o")}
+    """'c2s3ok' -> {consumers: 2, stages: 3, overlap: True, share_kv: True}."""
+    c, s, o, k = re.fullmatch(r"c(\d)s(\d)(o?)(k?)", name).groups()
+    return {"consumers": int(c), "stages": int(s), "overlap": bool(o), "share_kv": bool(k)}
 
 
 def timed(fn) -> float:
@@ -47,13 +50,15 @@ def check(variant: str) -> dict:
     g = torch.Generator().manual_seed(0)
     B, Hq, Hkv, n = 2, 8, 2, 1000
     M = -(-n // 64)
+    kw = parse_variant(variant.removeprefix("first:"))
+    H = Hkv if kw["share_kv"] else Hq  # shared K/V: one selection per KV head, expanded to its query heads
     for d in (128, 64) if variant.startswith("first:") else (128,):
         q, k, v = (torch.randn(B, h, n, d, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
         for keep in (1.0, 0.3):
-            idx = torch.where(torch.rand(B, Hq, M, M, generator=g) < keep, torch.arange(M), -1).to(torch.int32)
-            tiles = block_sparse_to_tiles(idx, n).to("cuda")
+            idx = torch.where(torch.rand(B, H, M, M, generator=g) < keep, torch.arange(M), -1).to(torch.int32)
+            tiles = block_sparse_to_tiles(idx.repeat_interleave(Hq // H, 1), n).to("cuda")
             t0 = time.perf_counter()
-            o, lse = ws_prefill(q, k, v, tiles, **parse_variant(variant.removeprefix("first:")))
+            o, lse = ws_prefill(q, k, v, tiles, **kw)
             torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
             ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(tiles, n))
@@ -94,7 +99,7 @@ def dense(variants: list[str], n: int) -> dict:
 def sparse(variants: list[str], lengths: list[int], topk: int) -> dict:
     from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
     from workbench_kernels.index_build import block_index
-    from workbench_kernels.index_ref import selected_block_tiles, tile_area
+    from workbench_kernels.index_ref import expand_groups, selected_block_tiles, tile_area
     from workbench_kernels.prefill import sparse_prefill
     from workbench_kernels.prefill_ws import ws_prefill
 
@@ -102,22 +107,29 @@ def sparse(variants: list[str], lengths: list[int], topk: int) -> dict:
     out = {}
     for n in lengths:
         q, k, v = planted_inputs(hq, hkv, d, n, theta)
-        tiles = selected_block_tiles(block_index(q, k, topk))
-        density = tile_area(tiles, n).sum().item() / (hq * n * (n + 1) // 2)
         kx, vx = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
         sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))
         kx = vx = None
-        ref, _ = sparse_prefill(q, k, v, tiles)
-        rows = {"sparse_prefill": timed(lambda: sparse_prefill(q, k, v, tiles))}
-        agree = {}
-        for name in variants:
-            kw = parse_variant(name)
-            o, _ = ws_prefill(q, k, v, tiles, **kw)
-            agree[name] = (o.float() - ref.float()).abs().max().item()
-            rows[f"ws/{name}"] = timed(lambda: ws_prefill(q, k, v, tiles, **kw))
-        out[str(n)] = {"physical_density": density, "sdpa_ms": sdpa, "agreement_max_abs": agree,
-                       "rows": {key: {"ms": ms, "efficiency": density * sdpa / ms,
-                                      "vs_sparse_prefill": rows["sparse_prefill"] / ms} for key, ms in rows.items()}}
+        for selection in ("per_head", "group_shared"):
+            names = [x for x in variants if parse_variant(x)["share_kv"] == (selection == "group_shared")]
+            if not names:
+                continue
+            tiles = selected_block_tiles(block_index(q, k, topk, group_shared=selection == "group_shared"))
+            # sparse_prefill runs group-shared tiles GQA-packed; ws_prefill takes them expanded per query head
+            per_head = expand_groups(tiles, hq // tiles.shape[1])
+            density = tile_area(per_head, n).sum().item() / (hq * n * (n + 1) // 2)
+            ref, _ = sparse_prefill(q, k, v, tiles)
+            rows = {"sparse_prefill": timed(lambda: sparse_prefill(q, k, v, tiles))}
+            agree = {}
+            for name in names:
+                kw = parse_variant(name)
+                o, _ = ws_prefill(q, k, v, per_head, **kw)
+                agree[name] = (o.float() - ref.float()).abs().max().item()
+                rows[f"ws/{name}"] = timed(lambda: ws_prefill(q, k, v, per_head, **kw))
+            out[f"{selection}/{n}"] = {
+                "physical_density": density, "sdpa_ms": sdpa, "agreement_max_abs": agree,
+                "rows": {key: {"ms": ms, "efficiency": density * sdpa / ms, "vs_sparse_prefill": rows["sparse_prefill"] / ms}
+                         for key, ms in rows.items()}}
         q = k = v = None
         torch.cuda.empty_cache()
     return out
@@ -149,15 +161,15 @@ def run_step(argv: list[str], timeout: float) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="ws_probe.json")
-    p.add_argument("--variants", default="c2s2o,c2s3o,c1s2o,c1s3o,c2s2", help="cCsS[o], comma-separated")
+    p.add_argument("--variants", default="c2s2o,c2s3o,c1s2o,c2s2,c2s3ok,c2s4ok", help="cCsS[o][k], comma-separated")
     p.add_argument("--steps", default="check,dense,sparse")
     p.add_argument("--dense-n", type=int, default=32768)
     p.add_argument("--lengths", default="65536,131072")
     p.add_argument("--topk", type=int, default=100)
-    p.add_argument("--budget", type=float, default=450.0, help="seconds for all steps (each gets what is left)")
+    p.add_argument("--budget", type=float, default=440.0, help="seconds for all steps (each gets what is left)")
     p.add_argument("--check-timeout", type=float, default=90.0)
     p.add_argument("--dense-timeout", type=float, default=150.0)
-    p.add_argument("--sparse-timeout", type=float, default=200.0)
+    p.add_argument("--sparse-timeout", type=float, default=220.0)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
