@@ -9,6 +9,8 @@ A consumer computes S = Q K^T with an async wgmma (Q and K from shared memory), 
 exp2, and O += P V (P from registers). With two consumers one warpgroup's softmax runs beside the other's
 GEMMs (the warp schedulers interleave them); OVERLAP adds FA3's intra-warpgroup overlap: the next piece's
 Q K^T is issued before this piece's P V, and the softmax of the next piece runs while P V is in flight.
+SHARE: the two consumers take query heads 2j and 2j + 1 (one KV head) of one row block, whose piece lists are
+equal, and read one ring: each K/V tile is loaded once for 128 query rows.
 
 Tensors are addressed as flattened rows: q/o `[B * Hq * N, D]`, k/v `[B * Hkv * N, D]`. A K/V tile that
 crosses N reads the next head's rows (or TMA's zero fill past the tensor): those keys are masked, and their
@@ -266,10 +268,11 @@ def _ws_prefill_kernel(q_desc, k_desc, v_desc, O, LSE, BlockCount, BlockOffset, 
                          BlockOffset, Order, n_work, N, H, G, M, NS, BLOCK_M, CONSUMERS, STAGES, SHARE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
+
 def launch_config(consumers: int) -> dict[str, int]:
     """maxnreg (registers per thread the kernel is compiled for) and the worker consumer's registers.
     Warps are allocated by warpgroup: 2 consumers + producer = 3 warpgroups (384 threads): 168 x 384 fits
-    the 64K registers of an SM (one program per SM, 160-224 KB of shared memory); the producer's warpgroup
+    the 64K registers of an SM (one program per SM, 128-224 KB of shared memory); the producer's warpgroup
     runs at 24 and each consumer at 240. One consumer + producer = 2 warpgroups: maxnreg 128 lets two
     programs share an SM (80-112 KB each), the consumer gets 232."""
     return {"maxnreg": 168, "consumer_regs": 240} if consumers == 2 else {"maxnreg": 128, "consumer_regs": 232}
