@@ -167,7 +167,7 @@ def main() -> None:
     p.add_argument("--lengths", default="65536,131072")
     p.add_argument("--topk", type=int, default=100)
     p.add_argument("--budget", type=float, default=440.0, help="seconds for all steps (each gets what is left)")
-    p.add_argument("--check-timeout", type=float, default=90.0)
+    p.add_argument("--check-timeout", type=float, default=45.0, help="per variant; ~15 s normally (CUDA init, compile)")
     p.add_argument("--dense-timeout", type=float, default=150.0)
     p.add_argument("--sparse-timeout", type=float, default=220.0)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
