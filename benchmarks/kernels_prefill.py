@@ -37,16 +37,19 @@ SHAPES = {  # name: (query heads, KV heads, head_dim, rope theta)
 }
 
 
-VARIANTS = {  # --variants: our kernel timed side by side on the same tiles (`sparse_prefill` keyword arguments)
-    "default": {},  # the library's choice: `loop_variant` (split / TMA per program shape) and `default_config`
-    "split": {"split": True, "tma": False, "persistent": False},  # masked prefix / unmasked interior / masked
-    # suffix, pointer loads
-    "tma": {"split": True, "tma": True, "persistent": False},  # split, every K/V tile (and a per-head program's
-    # Q/O) through TMA
-    "single": {"split": False, "persistent": False},  # one loop masking the pieces on an edge
-    "persistent": {"persistent": True},  # the default loop on a persistent grid, most pieces first
-    "ws": {"split": True, "tma": True, "warp_specialize": True, "persistent": False},  # + warp-specialised
-    # interior (compile-checked)
+VARIANTS = {  # --variants: our kernels timed side by side on the same tiles (`sparse_prefill` keyword arguments)
+    "default": {},  # the library's choice: the Gluon kernel where it takes the tiles at head_dim 128, else the
+    # Triton-language loop at `loop_variant` (split / TMA per program shape) and `default_config`
+    "loop": {"warp_specialize": False},  # the Triton-language loop at its defaults
+    "split": {"split": True, "tma": False, "persistent": False, "warp_specialize": False},  # masked prefix /
+    # unmasked interior / masked suffix, pointer loads
+    "tma": {"split": True, "tma": True, "persistent": False, "warp_specialize": False},  # split, every K/V tile
+    # (and a per-head program's Q/O) through TMA
+    "single": {"split": False, "persistent": False, "warp_specialize": False},  # one loop masking the pieces on
+    # an edge
+    "persistent": {"persistent": True, "warp_specialize": False},  # the loop on a persistent grid, most pieces first
+    "ws": {"warp_specialize": True},  # the warp-specialised Gluon kernel (`prefill_ws`, sm_90; where it takes the
+    # tiles)
 }
 
 
@@ -478,8 +481,7 @@ def agreement(a, b) -> dict:
 
 def compiles_apart(kwargs: dict, d: int) -> str | None:
     """None if `sparse_prefill(**kwargs)` compiles and runs on a tiny bf16 input in a fresh process, else
-    its last error line: a compiler crash (Triton's Hopper warp specialisation may abort) must not take
-    the benchmark down."""
+    its last error line: a compiler crash or a hang of the Gluon kernel must not take the benchmark down."""
     import subprocess
 
     code = ("import torch\nfrom workbench_kernels.index_ref import block_sparse_to_tiles\n"
@@ -507,7 +509,7 @@ def compare_minference(args: argparse.Namespace) -> int:
     import torch
     from workbench_kernels.index_build import block_index, pooled_scores, select_blocks, vs_index, vs_tiles
     from workbench_kernels.index_ref import VSTiles, ashape_to_tiles, expand_groups, selected_block_tiles, tile_area
-    from workbench_kernels.prefill import default_config, loop_variant, sparse_prefill
+    from workbench_kernels.prefill import default_config, loop_variant, sparse_prefill, ws_takes
 
     from workbench.core.io import write_json
     from workbench.patterns import AShape, BlockSparse, VerticalSlash
@@ -575,32 +577,30 @@ def compare_minference(args: argparse.Namespace) -> int:
 
             def ours(tiles, only=None, **kw):
                 """The variants (`only` of them if given) on these tiles -> ({variant: ms or error}, best
-                variant, default's output). A variant that resolves to the default's loop is not run twice."""
+                variant, default's output). A variant that resolves to the default's kernel, or a loop variant
+                that resolves to the loop's defaults, is not run twice."""
                 pack = hq // tiles.shape[1]
                 rows_per_program = (128 if d <= 128 else 64) // pack if pack > 1 else tiles.block
                 split, tma, persistent = loop_variant(pack, tiles.column_index.shape[-1] > 1 and kw.get("sink") is None,
                                                       hopper, d)
+                ws_fits = hopper and ws_takes(q, tiles, kw.get("sink"))
+                ws_default = ws_fits and d == 128
                 same = {"split": split and not tma and not persistent, "tma": split and tma and not persistent,
-                        "single": not split and not persistent, "persistent": persistent}
+                        "single": not split and not persistent, "persistent": persistent,
+                        "loop": not ws_default, "ws": ws_default or not ws_fits}
                 times = {}
                 for name in names if only is None else [x for x in names if x in only]:
-                    if name == "ws" and (pack > 1 or kw.get("sink") is not None):
-                        continue  # compile-checked for per-head programs without a window only
                     if name == "ws" and ws_check is not None and ws_check.result():
                         result["skipped"]["ws"] = ws_check.result()
                         continue
                     if same.get(name):
-                        continue  # the default's loop
-                    try:
-                        times[name] = time_ms(lambda: sparse_prefill(q, k, v, tiles, scale=scale, **VARIANTS[name],
-                                                                     **kw))
-                    except Exception as e:  # noqa: BLE001 - a variant that does not compile here: say why
-                        times[name] = f"{type(e).__name__}: {str(e)[:200]}"
+                        continue  # the default's kernel or the loop's defaults (ws: also where it does not fit)
                 timed = {name: ms for name, ms in times.items() if isinstance(ms, float)}
                 out = sparse_prefill(q, k, v, tiles, scale=scale, **kw)[0]
                 warps, stages = default_config(d, rows_per_program, pack)
-                times["default_is"] = {"split": split, "tma": tma and split, "persistent": persistent, "num_warps": warps,
-                                       "num_stages": stages}
+                times["default_is"] = ({"kernel": "ws"} if ws_default else
+                                       {"kernel": "loop", "split": split, "tma": tma and split, "persistent": persistent,
+                                        "num_warps": warps, "num_stages": stages})
                 return times, min(timed, key=timed.get), out
 
             def row(pattern, tiles, times, best, mi_ms=None, area=None, **extra):

@@ -43,13 +43,13 @@ def _online_update(qk, qk_scale, v, m_i, l_i, acc):
 @triton.jit
 def _pieces(q, Kbase, Vbase, kdesc, vdesc, Offsets, lo, hi, n_blk, rows, N, sink, window, qk_scale, m_i, l_i, acc,
             skn, svn, dims, lanes, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CUT: tl.constexpr,
-            HAS_WINDOW: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+            HAS_WINDOW: tl.constexpr, TMA: tl.constexpr):
     """Online softmax over pieces lo..hi-1 of one tile. MASK: every mask (key range, the cut at the next
     piece, causal, sink/window); else no mask but, with CUT, the cut where a piece overlaps the next.
     TMA: K/V through tensor descriptors over this KV head's [N, D] rows (rows outside [0, N) read as
-    zeros), else pointer loads. WS: warp-specialised loop (Hopper/Blackwell; the unmasked run only)."""
+    zeros), else pointer loads."""
     p = tl.load(Offsets + lo, mask=lo < n_blk, other=0)
-    for t in tl.range(lo, hi, warp_specialize=WS and not MASK):
+    for t in range(lo, hi):
         # the next start, carried as a value: K/V addresses then never wait on a load of this iteration,
         # so the pipeliner can prefetch the tiles num_stages - 1 pieces ahead
         nxt = tl.load(Offsets + t + 1, mask=t + 1 < n_blk, other=1 << 30)
@@ -92,7 +92,7 @@ def _row_block(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount, ColumnInde
                qk_scale, N, HT, G, M, NS, NC, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
                D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr,
                ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, CUT: tl.constexpr,
-               TMA: tl.constexpr, WS: tl.constexpr):
+               TMA: tl.constexpr):
     """Work item (bh, mid): ROWS query rows of each of PACK query heads that share one tile list (PACK =
     1: one head, ROWS = BLOCK; PACK = G: the G heads of a KV head, ROWS = pack_rows / G of each), so each
     K/V tile loads once for PACK * ROWS rows. HT = heads of the tile list; mid = row block m, sub-block."""
@@ -169,13 +169,13 @@ def _row_block(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount, ColumnInde
             p_t = tl.load(BlockOffset + base + t_hi - 1, mask=t_hi > t_lo, other=-(1 << 30))
         m_i, l_i, acc = _pieces(q, Kbase, Vbase, kdesc, vdesc, BlockOffset + base, 0, t_lo, n_blk, rows, N, sink,
                                 window, qk_scale, m_i, l_i, acc, skn, svn, dims, lanes, BLOCK_N, True, False,
-                                HAS_WINDOW, TMA, WS)
+                                HAS_WINDOW, TMA)
         m_i, l_i, acc = _pieces(q, Kbase, Vbase, kdesc, vdesc, BlockOffset + base, t_lo, t_hi, n_blk, rows, N, sink,
                                 window, qk_scale, m_i, l_i, acc, skn, svn, dims, lanes, BLOCK_N, False, CUT,
-                                HAS_WINDOW, TMA, WS)
+                                HAS_WINDOW, TMA)
         m_i, l_i, acc = _pieces(q, Kbase, Vbase, kdesc, vdesc, BlockOffset + base, t_hi, n_blk, n_blk, rows, N, sink,
                                 window, qk_scale, m_i, l_i, acc, skn, svn, dims, lanes, BLOCK_N, True, False,
-                                HAS_WINDOW, TMA, WS)
+                                HAS_WINDOW, TMA)
     else:
         p = tl.load(BlockOffset + base, mask=n_blk > 0, other=0)
         for t in range(0, n_blk):
@@ -213,7 +213,7 @@ def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount
                            sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
                            D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr,
                            ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr, LONGEST_FIRST: tl.constexpr,
-                           SPLIT: tl.constexpr, CUT: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+                           SPLIT: tl.constexpr, CUT: tl.constexpr, TMA: tl.constexpr,
                            PERSISTENT: tl.constexpr):
     # Work items (bh, mid), bh = b * HT + tile head, mid = m * SUB + sub-block. PERSISTENT: a fixed grid
     # of programs, each taking items n_work apart from `Order` (most pieces first); else one program
@@ -225,7 +225,7 @@ def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount
             _row_block(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount, ColumnIndex, Sink, Window,
                        item // (M * SUB), item % (M * SUB), qk_scale, N, HT, G, M, NS, NC,
                        sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
-                       D, BLOCK, BLOCK_N, PACK, ROWS, HAS_WINDOW, SPLIT, CUT, TMA, WS)
+                       D, BLOCK, BLOCK_N, PACK, ROWS, HAS_WINDOW, SPLIT, CUT, TMA)
     else:
         mid = tl.program_id(1)
         if LONGEST_FIRST:
@@ -233,7 +233,7 @@ def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount
         _row_block(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount, ColumnIndex, Sink, Window,
                    tl.program_id(0), mid, qk_scale, N, HT, G, M, NS, NC,
                    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
-                   D, BLOCK, BLOCK_N, PACK, ROWS, HAS_WINDOW, SPLIT, CUT, TMA, WS)
+                   D, BLOCK, BLOCK_N, PACK, ROWS, HAS_WINDOW, SPLIT, CUT, TMA)
 
 
 def loop_variant(pack: int, columns: bool, hopper: bool, head_dim: int = 128) -> tuple[bool, bool, bool]:
@@ -284,7 +284,7 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
                    num_stages: int | None = None, longest_first: bool = True,
                    pack_rows: int | None = None, split: bool | None = None,
                    tma: bool | None = None, persistent: bool | None = None,
-                   warp_specialize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   warp_specialize: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over the keys of `tiles` (M = ceil(N / tiles.block)).
 
     q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` (last dim contiguous; fp16/bf16/fp32; D a power of two,
@@ -299,11 +299,19 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     on Hopper or newer): K/V tiles, and a per-head program's Q and O rows, through tensor descriptors
     (TMA). None: the fastest on the H200 for this program shape (`loop_variant`). `persistent`: one
     program per SM slot looping over the row blocks in `work_order` (None: `loop_variant`'s choice);
-    `warp_specialize`: the unmasked piece loop warp-specialised (Triton's `tl.range(warp_specialize=True)`;
-    where the compiler has it).
+    `warp_specialize`: True runs the tiles through the warp-specialised Gluon kernel (`prefill_ws.ws_prefill`:
+    TMA producer warp, two wgmma consumer warpgroups; sm_90, bf16 / fp16, head_dim 64 or 128, 64 x 64 tiles
+    without columns or A-shape masks; ValueError otherwise), False through the Triton-language loop below; None
+    (default): the Gluon kernel where it takes the tiles at head_dim 128 (H200, 64K / 128K, block-sparse top-100:
+    0.78 / 0.80 of dense SDPA's TFLOP/s per head against 0.70 / 0.73 here, group-shared 0.84 / 0.87 against
+    0.72 / 0.76: kernels/NOTES.md), else the loop below. The other knobs tune the loop below only.
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
     """
     B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
+    if (sink is None) != (window is None):
+        raise ValueError("give both sink and window (per-head A-shape mask) or neither")
+    if warp_specialize or (warp_specialize is None and D == 128 and ws_takes(q, tiles, sink)):
+        return _warp_specialized(q, k, v, tiles, scale, sink, window)
     if D & (D - 1) or not 16 <= D <= 256:
         raise ValueError(f"head_dim must be a power of two in 16..256 for the Triton kernel, got {D}")
     if pack_rows is None:
@@ -321,8 +329,6 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     rows = pack_rows // pack if pack > 1 else tiles.block
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k and v must be contiguous in the last (head_dim) dimension")
-    if (sink is None) != (window is None):
-        raise ValueError("give both sink and window (per-head A-shape mask) or neither")
     hopper = q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 9
     columns = tiles.column_index.shape[-1] > 1 and window is None  # Vertical-Slash column lists (a static width)
     auto_split, auto_tma, auto_persistent = loop_variant(pack, columns, hopper, D)
@@ -334,7 +340,7 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     strides16 = all(x.stride(2) * x.element_size() % 16 == 0 for x in (q, k, v))
     if tma and not strides16:
         raise ValueError("tma=True needs q, k and v rows 16-byte aligned (stride(2) * element size % 16 == 0)")
-    if tma or warp_specialize:
+    if tma:
         triton.set_allocator(_descriptor_scratch)
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     dev = q.device
@@ -368,13 +374,13 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
             D=D, BLOCK=block, BLOCK_N=tiles.piece, PACK=pack, ROWS=rows, HAS_WINDOW=has_window,
-            LONGEST_FIRST=longest_first, SPLIT=split, CUT=not tiles.disjoint, TMA=tma, WS=warp_specialize,
+            LONGEST_FIRST=longest_first, SPLIT=split, CUT=not tiles.disjoint, TMA=tma,
             PERSISTENT=persistent, num_warps=num_warps or auto_warps, num_stages=stages)
 
     if num_stages is not None:
         launch(num_stages)
         return o, lse
-    kind = (dev, q.dtype, D, block, tiles.piece, pack, rows, split, tma, persistent, warp_specialize, has_window,
+    kind = (dev, q.dtype, D, block, tiles.piece, pack, rows, split, tma, persistent, has_window,
             num_warps or auto_warps)
     for stages in range(_FITTING_STAGES.get(kind, auto_stages), 0, -1):  # fewer stages until the tiles fit this
         try:  # GPU's shared memory (fp32 tiles take twice bf16's: fp32 at head_dim 256 fits one stage only);
@@ -385,6 +391,29 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
             if stages == 1:
                 raise
     return o, lse
+
+
+def ws_takes(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None) -> bool:
+    """Whether `prefill_ws.ws_prefill` takes these tiles (static facts only, no host sync): an sm_90 GPU, bf16 /
+    fp16, 64-row tiles of disjoint 64-key pieces, no column lists (block-sparse tiles), no A-shape mask, and
+    group-shared tiles only with an even group (two query heads of a KV head share one K/V ring)."""
+    hq = q.shape[1]
+    return (q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) == (9, 0)
+            and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128)
+            and tiles.block == 64 and tiles.piece == 64 and tiles.disjoint and sink is None
+            and tiles.column_index.shape[-1] == 1 and (hq == tiles.shape[1] or hq // tiles.shape[1] % 2 == 0))
+
+
+def _warp_specialized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None,
+                      sink: torch.Tensor | None, window: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sparse_prefill` through the Gluon kernel: per-head tiles on separate rings (two stages), group-shared ones
+    expanded per head with both consumers on one ring (four stages), the fastest of each on the H200."""
+    from .prefill_ws import ws_prefill  # imports this module's work_order
+
+    if tiles.shape[1] != q.shape[1]:
+        return ws_prefill(q, k, v, expand_groups(tiles, q.shape[1] // tiles.shape[1]), scale, sink, window,
+                          stages=4, share_kv=True)
+    return ws_prefill(q, k, v, tiles, scale, sink, window)
 
 
 def vertical_slash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns: torch.Tensor,

@@ -68,7 +68,7 @@ def compile_all() -> dict[str, dict]:
     for case, (d, pack, rows, block, piece, split, tma, window, persistent, *dtype) in PREFILL_CASES.items():
         warps, stages = prefill.default_config(d, rows, pack)
         constants = dict(D=d, BLOCK=block, BLOCK_N=piece, PACK=pack, ROWS=rows, HAS_WINDOW=window,
-                         LONGEST_FIRST=True, SPLIT=split, CUT=False, TMA=tma, WS=False, PERSISTENT=persistent)
+                         LONGEST_FIRST=True, SPLIT=split, CUT=False, TMA=tma, PERSISTENT=persistent)
         types = {**PREFILL_PTRS, "qk_scale": "fp32", **{x: f"*{dtype[0]}" for x in ("Q", "K", "V", "O") if dtype}}
         try:
             kernel = compile_sm90(prefill._sparse_prefill_kernel, types, constants, (*PREFILL_PTRS, *STRIDES), warps,

@@ -257,6 +257,28 @@ def test_bad_tiles_name_the_problem():
         sparse_prefill(q, k.expand(1, 2, 100, 64), v.expand(1, 2, 100, 64), tiles)
 
 
+def test_warp_specialized_kernel_is_chosen_only_where_it_takes_the_tiles():
+    """The Gluon kernel takes 64 x 64 block tiles without columns or A-shape masks, per head or with an even group,
+    on sm_90; elsewhere the default is the Triton-language loop, and forcing the Gluon kernel names why not."""
+    from workbench_kernels.prefill import ws_takes
+
+    n = 256
+    q, k, v = qkv(1, 4, 2, n, 128, DTYPES[0])
+    index = torch.randint(-1, 4, (1, 4, 4, 2), generator=torch.Generator().manual_seed(0))
+    blocks = block_sparse_to_tiles(index, n)
+    vs = vs_to_tiles(torch.zeros(1, 4, 3, dtype=torch.long), torch.zeros(1, 4, 1, dtype=torch.long), n)
+    sm90 = DEV == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+    assert ws_takes(q, blocks, None) == sm90
+    assert not ws_takes(q, vs, None)  # column lists
+    assert not ws_takes(q, blocks, torch.zeros(4))  # A-shape mask
+    assert not ws_takes(q, block_sparse_to_tiles(index, n, 128, 64), None)  # 128-row tiles
+    assert not ws_takes(q[:, :3], block_sparse_to_tiles(index[:, :1], n), None)  # a group of 3 query heads
+    if not sm90:
+        with pytest.raises(ValueError, match="sm_90"):
+            sparse_prefill(*(x.half() for x in (q, k, v)), blocks, warp_specialize=True)
+    check(sparse_prefill(q, k, v, blocks), sparse_prefill(q, k, v, blocks, warp_specialize=False), DTYPES[0])
+
+
 @pytest.mark.parametrize("Hq,Hkv,block,width", [(4, 1, 64, 0), (8, 2, 64, 0), (4, 2, 128, 64), (6, 2, 64, 0)])
 def test_group_shared_tiles_run_gqa_packed_and_match_reference(Hq, Hkv, block, width):
     """Tiles for the KV heads (each group of G query heads shares them) run G heads per program
