@@ -78,12 +78,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "on the same indices (first shape of --shapes, each of --lengths)")
     p.add_argument("--minference-out", default="reports/benchmarks/prefill_minference_h200.json",
                    help="JSON output path of the --minference comparison")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"--minference: our kernel variants timed side by side on the same tiles, some of "
-                        f"{list(VARIANTS)} (default: the library's choice; split: masked prefix / unmasked interior / "
-                        f"masked suffix piece loops; tma: split with every K/V tile through TMA (Hopper); single: one "
-                        f"loop masking edge pieces; persistent: the default on a persistent longest-first grid; ws: "
-                        f"warp-specialised interior, compile-checked in a subprocess first); a row's time is its "
+    p.add_argument("--variants", default="default,loop,ws",
+                   help=f"--minference: our kernel variants timed side by side on the same tiles, on every shape, some "
+                        f"of {list(VARIANTS)} (default: the library's choice; loop: the Triton-language loop at its "
+                        f"defaults; split: masked prefix / unmasked interior / masked suffix piece loops; tma: split "
+                        f"with every K/V tile through TMA (Hopper); single: one loop masking edge pieces; persistent: "
+                        f"the loop on a persistent longest-first grid; ws: the warp-specialised Gluon kernel where it "
+                        f"takes the tiles, checked in a subprocess first); a row's time is its "
                         f"fastest variant, `default_ms` what the library runs")
 
 
@@ -561,7 +562,6 @@ def compare_minference(args: argparse.Namespace) -> int:
     for si, shape in enumerate(shapes):
         hq, hkv, d, theta = SHAPES[shape]
         G = hq // hkv
-        names = variants if si == 0 else ["default"]
         with_mi = d <= 128
         for n in [int(x) for x in args.lengths.split(",") if x]:
             q, k, v = planted_inputs(hq, hkv, d, n, theta, dev=dev, dtype=dtype)
@@ -589,7 +589,7 @@ def compare_minference(args: argparse.Namespace) -> int:
                         "single": not split and not persistent, "persistent": persistent,
                         "loop": not ws_default, "ws": ws_default or not ws_fits}
                 times = {}
-                for name in names if only is None else [x for x in names if x in only]:
+                for name in variants if only is None else [x for x in variants if x in only]:
                     if name == "ws" and ws_check is not None and ws_check.result():
                         result["skipped"]["ws"] = ws_check.result()
                         continue
