@@ -141,23 +141,36 @@ def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, 
 
 
 @gluon.jit
-def _masked(s, t, strips, Offsets, ColHead, CovHead, n_cols, rows, lanes, N, row_lo, BLOCK_N: gl.constexpr,
-            VS: gl.constexpr):
-    """Raw scores s `[BLOCK_M, BLOCK_N]` of item t with the keys it does not hold at -inf. VS and t < strips:
-    lane j holds packed column c = ColHead[64 t + j] iff 64 t + j < n_cols (the head's columns < row_lo) and
-    c is under no piece (CovHead[row_lo - c] == 0: CovHead points at covered d = 0); every such c < row_lo is
-    strictly causal. Else piece t - strips starting at key p: keys outside [0, N) and above the diagonal (only
-    on pieces that reach them)."""
+def _item_keys(t, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N: gl.constexpr, VS: gl.constexpr):
+    """What item t holds, loaded before its scores are waited for (the loads overlap the Q K^T wgmma): (p = the
+    first key of piece t - strips; keep Bool `[BLOCK_N]`, VS: lane j of strip t holds packed column
+    c = ColHead[64 t + j] iff 64 t + j < n_cols (the head's columns < row_lo) and c lies under none of the row
+    block's pieces (CovHead[row_lo - c] == 0; CovHead points at covered d = 0). On a piece (t >= strips) every
+    lane is out: 64 t + j >= 64 strips >= n_cols, so its loads are fully masked."""
+    if VS:
+        j = t * BLOCK_N + lanes
+        ok = j < n_cols
+        c = gl.load(ColHead + j, mask=ok, other=0)
+        keep = ok & (gl.load(CovHead + (row_lo - c), mask=ok, other=1) == 0)
+        p = gl.load(Offsets + gl.maximum(t - strips, 0))
+    else:
+        keep = lanes < 0  # (unused)
+        p = gl.load(Offsets + t)
+    return p, keep
+
+
+@gluon.jit
+def _masked(s, t, strips, p, keep, rows, lanes, N, row_lo, BLOCK_N: gl.constexpr, VS: gl.constexpr):
+    """Raw scores s `[BLOCK_M, BLOCK_N]` of item t with the keys it does not hold at -inf (p, keep: `_item_keys`):
+    a strip (VS, t < strips) keeps its `keep` lanes, every kept column being < row_lo (strictly causal); a
+    piece masks as `_piece_mask`."""
     if VS:
         if t < strips:
-            j = t * BLOCK_N + lanes
-            c = gl.load(ColHead + j, mask=j < n_cols, other=0)
-            cov = gl.load(CovHead + (row_lo - c), mask=j < n_cols, other=1)
-            s = gl.where(gl.expand_dims(cov == 0, 0), s, float("-inf"))
+            s = gl.where(gl.expand_dims(keep, 0), s, float("-inf"))
         else:
-            s = _piece_mask(s, gl.load(Offsets + t - strips), rows, lanes, N, row_lo, BLOCK_N)
+            s = _piece_mask(s, p, rows, lanes, N, row_lo, BLOCK_N)
     else:
-        s = _piece_mask(s, gl.load(Offsets + t), rows, lanes, N, row_lo, BLOCK_N)
+        s = _piece_mask(s, p, rows, lanes, N, row_lo, BLOCK_N)
     return s
 
 
@@ -225,8 +238,9 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, Bl
         if n > 0:  # prologue: the scores of piece 0
             mbarrier.wait(k_ready.index(ring * STAGES), 0)
             s = warpgroup_mma(q, k_smem.index(ring * STAGES).permute((1, 0)), s0, use_acc=False, is_async=True)
+            p, keep = _item_keys(0, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS)
             s = warpgroup_mma_wait(0, deps=(s,))
-            s = _masked(s, 0, strips, Offsets, ColHead, CovHead, n_cols, rows, lanes, N, row_lo, BLOCK_N, VS)
+            s = _masked(s, 0, strips, p, keep, rows, lanes, N, row_lo, BLOCK_N, VS)
             prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         for t in range(n - 1):
             # issue Q K^T of piece t + 1 first, then P V of piece t; wait(1) retires the older group (Q K^T:
@@ -235,12 +249,13 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, Bl
             i1 = ring * STAGES + (t + 1) % STAGES
             mbarrier.wait(k_ready.index(i1), ((t + 1) // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(i1).permute((1, 0)), s0, use_acc=False, is_async=True)
+            p, keep = _item_keys(t + 1, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             mbarrier.wait(v_ready.index(i), (t // STAGES) & 1)
             acc = warpgroup_mma(gl.convert_layout(prob.to(k_smem.dtype), p_layout), v_smem.index(i), acc,
                                 is_async=True)
             s = warpgroup_mma_wait(1, deps=(s,))
-            s = _masked(s, t + 1, strips, Offsets, ColHead, CovHead, n_cols, rows, lanes, N, row_lo, BLOCK_N, VS)
+            s = _masked(s, t + 1, strips, p, keep, rows, lanes, N, row_lo, BLOCK_N, VS)
             prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index(i), count=1)
@@ -259,8 +274,9 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, Bl
             phase = (t // STAGES) & 1
             mbarrier.wait(k_ready.index(i), phase)
             s = warpgroup_mma(q, k_smem.index(i).permute((1, 0)), s0, use_acc=False, is_async=True)
+            p, keep = _item_keys(t, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS)
             s = warpgroup_mma_wait(0, deps=(s,))
-            s = _masked(s, t, strips, Offsets, ColHead, CovHead, n_cols, rows, lanes, N, row_lo, BLOCK_N, VS)
+            s = _masked(s, t, strips, p, keep, rows, lanes, N, row_lo, BLOCK_N, VS)
             prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             mbarrier.wait(v_ready.index(i), phase)
