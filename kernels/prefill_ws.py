@@ -12,6 +12,16 @@ Q K^T is issued before this piece's P V, and the softmax of the next piece runs 
 SHARE: the two consumers take query heads 2j and 2j + 1 (one KV head) of one row block, whose piece lists are
 equal, and read one ring: each K/V tile is loaded once for 128 query rows.
 
+Vertical-Slash (`ws_vertical_slash`, VS=True): sm_90's TMA cannot gather scattered key rows, so each query head's
+unique columns are sorted and their K / V rows packed once per call into contiguous kc / vc `[B * Hq * KVP, D]`
+(KVP = columns rounded up to 64). Row block m walks first the prefix of its head's packed columns that are
+< m * 64 (their number from a searchsorted), 64 at a time, as "strips" through the same ring (kc / vc
+descriptors), then its slash pieces (`index_build.vs_slash_tiles`). A strip lane is masked unless its column
+lies under none of the row block's pieces (a d-space flag, d = m * 64 - column, the same for every row block),
+so the kept keys are exactly `index_ref.vs_to_tiles`'; covered columns cost their lanes but nothing else.
+Producer and consumer count the same items per work item (strips + pieces) and keep one running index t over
+them: the slot / phase arithmetic is the pieces-only one.
+
 Tensors are addressed as flattened rows: q/o `[B * Hq * N, D]`, k/v `[B * Hkv * N, D]`. A K/V tile that
 crosses N reads the next head's rows (or TMA's zero fill past the tensor): those keys are masked, and their
 V rows are finite, so P = 0 cancels them. Output rows past N are not stored.
