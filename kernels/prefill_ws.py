@@ -38,7 +38,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .index_ref import VSTiles
+from .index_ref import VSTiles, ashape_to_tiles
 from .prefill import LOG2E, work_order
 from .prefill_ref import check_prefill_args
 
@@ -52,12 +52,14 @@ PRODUCER_REGS = gl.constexpr(24)  # registers per thread of the 1-warp producer 
 
 @gluon.jit
 def _work_item(Order, BlockCount, ColCount, pid, sub: gl.constexpr, n_work, N, H, G, M, NS, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr, SHARE: gl.constexpr, VS: gl.constexpr):
+               BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr, SHARE: gl.constexpr, VS: gl.constexpr,
+               ASHAPE: gl.constexpr):
     """Consumer `sub` of program pid -> (valid, q row, kv row, piece-list offset, piece count, strip count, first
     query row, bh = b * H + h): rows in the flattened q / k tensors; a slot past n_work has no items. SHARE:
     `Order` lists (b, head pair, row block) items, consumer `sub` takes query head 2 * pair + sub; else consumer
-    `sub` takes (b, head, row block) item pid * CONSUMERS + sub. VS: the item first walks ceil(ColCount / BLOCK_N)
-    strips of its head's packed columns, then its pieces (strips 0 without VS)."""
+    `sub` takes (b, head, row block) item pid * CONSUMERS + sub. VS / ASHAPE: the item first walks
+    ceil(ColCount / BLOCK_N) strips (VS: of its head's packed columns; ASHAPE: of keys from 0, the sinks), then its
+    pieces (strips 0 otherwise)."""
     if SHARE:
         slot = pid
     else:
@@ -73,18 +75,20 @@ def _work_item(Order, BlockCount, ColCount, pid, sub: gl.constexpr, n_work, N, H
     tile = bh * M + m
     kvh = (bh // H) * (H // G) + (bh % H) // G  # b * Hkv + h // G
     count = gl.where(valid, gl.load(BlockCount + tile), 0)
+    strips = 0
     if VS:
         strips = gl.where(valid, (gl.load(ColCount + tile) + BLOCK_N - 1) // BLOCK_N, 0)
-    else:
-        strips = 0
+    if ASHAPE:
+        strips = gl.where(valid, (gl.load(ColCount + tile) + BLOCK_N - 1) // BLOCK_N, 0)
     return valid, bh * N + m * BLOCK_M, kvh * N, tile.to(gl.int64) * NS, count, strips, m * BLOCK_M, bh
 
 
 @gluon.jit
 def _fill(t, n, strips, kv_row, col_row, Offsets, k_desc, v_desc, kc_desc, vc_desc, k_smem, v_smem, k_ready, v_ready,
-          empty, ring: gl.constexpr, STAGES: gl.constexpr, VS: gl.constexpr):
+          empty, ring: gl.constexpr, STAGES: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr):
     """Producer: load item t (of n) of ring `ring` into its slot t % STAGES: VS and t < strips: strip t of the
-    packed columns (rows col_row + 64 t of kc / vc); else piece t - strips (rows kv_row + its start of k / v).
+    packed columns (rows col_row + 64 t of kc / vc); ASHAPE and t < strips: keys [64 t, 64 t + 64) of k / v;
+    else piece t - strips (rows kv_row + its start of k / v).
     One running index t over strips then pieces, so the slot / phase arithmetic is the pieces-only one."""
     if t < n:
         i = ring * STAGES + t % STAGES
@@ -98,6 +102,11 @@ def _fill(t, n, strips, kv_row, col_row, Offsets, k_desc, v_desc, kc_desc, vc_de
         if VS:
             if t < strips:
                 _load(kc_desc, vc_desc, col_row + t * kc_desc.block_type.shape[0], k_smem, v_smem, k_ready, v_ready, i)
+            else:
+                _load(k_desc, v_desc, kv_row + gl.load(Offsets + t - strips), k_smem, v_smem, k_ready, v_ready, i)
+        elif ASHAPE:
+            if t < strips:
+                _load(k_desc, v_desc, kv_row + t * k_desc.block_type.shape[0], k_smem, v_smem, k_ready, v_ready, i)
             else:
                 _load(k_desc, v_desc, kv_row + gl.load(Offsets + t - strips), k_smem, v_smem, k_ready, v_ready, i)
         else:
@@ -117,13 +126,14 @@ def _load(k_desc, v_desc, row, k_smem, v_smem, k_ready, v_ready, i):
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty,
               BlockCount, BlockOffset, ColCount, Order, n_work, N, H, G, M, NS, KVP, BLOCK_M: gl.constexpr,
-              CONSUMERS: gl.constexpr, STAGES: gl.constexpr, SHARE: gl.constexpr, VS: gl.constexpr):
+              CONSUMERS: gl.constexpr, STAGES: gl.constexpr, SHARE: gl.constexpr, VS: gl.constexpr,
+              ASHAPE: gl.constexpr):
     """1 warp: Q of each consumer once (q_bar phase 0), then the items (strips, pieces): of the one shared ring
     (SHARE), else of each consumer's ring, interleaved item by item."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     pid = gl.program_id(0)
     _, q0, kv0, base0, p0, s0, _, bh0 = _work_item(Order, BlockCount, ColCount, pid, 0, n_work, N, H, G, M, NS,
-                                                   BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS)
+                                                   BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS, ASHAPE)
     n0 = p0 + s0
     # a consumer with no items never waits for its Q: load it only where there are items (no TMA left in flight)
     mbarrier.expect(q_bar.index(0), q_desc.block_type.nbytes, pred=n0 > 0)
@@ -131,37 +141,42 @@ def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, 
     if CONSUMERS == 1:
         for t in range(n0):
             _fill(t, n0, s0, kv0, bh0 * KVP, BlockOffset + base0, k_desc, v_desc, kc_desc, vc_desc, k_smem, v_smem,
-                  k_ready, v_ready, empty, 0, STAGES, VS)
+                  k_ready, v_ready, empty, 0, STAGES, VS, ASHAPE)
     else:
         _, q1, kv1, base1, p1, s1, _, bh1 = _work_item(Order, BlockCount, ColCount, pid, 1, n_work, N, H, G, M, NS,
-                                                       BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS)
+                                                       BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS, ASHAPE)
         n1 = p1 + s1
         mbarrier.expect(q_bar.index(1), q_desc.block_type.nbytes, pred=n1 > 0)
         tma_load(q_desc, [q1, 0], q_bar.index(1), q_smem.index(1), pred=n1 > 0)
         if SHARE:  # both consumers read ring 0 (their piece lists are equal, no strips: ws_prefill checks)
             for t in range(n0):
                 _fill(t, n0, s0, kv0, bh0 * KVP, BlockOffset + base0, k_desc, v_desc, kc_desc, vc_desc, k_smem,
-                      v_smem, k_ready, v_ready, empty, 0, STAGES, VS)
+                      v_smem, k_ready, v_ready, empty, 0, STAGES, VS, ASHAPE)
         else:
             for t in range(gl.maximum(n0, n1)):
                 _fill(t, n0, s0, kv0, bh0 * KVP, BlockOffset + base0, k_desc, v_desc, kc_desc, vc_desc, k_smem,
-                      v_smem, k_ready, v_ready, empty, 0, STAGES, VS)
+                      v_smem, k_ready, v_ready, empty, 0, STAGES, VS, ASHAPE)
                 _fill(t, n1, s1, kv1, bh1 * KVP, BlockOffset + base1, k_desc, v_desc, kc_desc, vc_desc, k_smem,
-                      v_smem, k_ready, v_ready, empty, 1, STAGES, VS)
+                      v_smem, k_ready, v_ready, empty, 1, STAGES, VS, ASHAPE)
 
 
 @gluon.jit
-def _item_keys(t, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N: gl.constexpr, VS: gl.constexpr):
+def _item_keys(t, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N: gl.constexpr, VS: gl.constexpr,
+               ASHAPE: gl.constexpr):
     """What item t holds, loaded before its scores are waited for (the loads overlap the Q K^T wgmma): (p = the
     first key of piece t - strips; keep Bool `[BLOCK_N]`, VS: lane j of strip t holds packed column
     c = ColHead[64 t + j] iff 64 t + j < n_cols (the head's columns < row_lo) and c lies under none of the row
     block's pieces (CovHead[row_lo - c] == 0; CovHead points at covered d = 0). On a piece (t >= strips) every
-    lane is out: 64 t + j >= 64 strips >= n_cols, so its loads are fully masked."""
+    lane is out: 64 t + j >= 64 strips >= n_cols, so its loads are fully masked. ASHAPE: lane j of strip t
+    holds key 64 t + j iff it is < n_cols (the row block's sinks below its lowest piece)."""
     if VS:
         j = t * BLOCK_N + lanes
         ok = j < n_cols
         c = gl.load(ColHead + j, mask=ok, other=0)
         keep = ok & (gl.load(CovHead + (row_lo - c), mask=ok, other=1) == 0)
+        p = gl.load(Offsets + gl.maximum(t - strips, 0))
+    elif ASHAPE:
+        keep = t * BLOCK_N + lanes < n_cols
         p = gl.load(Offsets + gl.maximum(t - strips, 0))
     else:
         keep = lanes < 0  # (unused)
@@ -170,15 +185,27 @@ def _item_keys(t, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOC
 
 
 @gluon.jit
-def _masked(s, t, strips, p, keep, rows, lanes, N, row_lo, BLOCK_N: gl.constexpr, VS: gl.constexpr):
+def _masked(s, t, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_N: gl.constexpr, VS: gl.constexpr,
+            ASHAPE: gl.constexpr):
     """Raw scores s `[BLOCK_M, BLOCK_N]` of item t with the keys it does not hold at -inf (p, keep: `_item_keys`):
     a strip (VS, t < strips) keeps its `keep` lanes, every kept column being < row_lo (strictly causal); a
-    piece masks as `_piece_mask`."""
+    piece masks as `_piece_mask`. ASHAPE: a strip keeps its `keep` lanes (sinks, all < row_lo); a piece whose
+    lowest key is outside the window of the block's last row also keeps only keys j < sink or i - j < window
+    (the head's A-shape token mask; the window pieces hold the band, so a sink inside one is kept by it)."""
     if VS:
         if t < strips:
             s = gl.where(gl.expand_dims(keep, 0), s, float("-inf"))
         else:
             s = _piece_mask(s, p, rows, lanes, N, row_lo, BLOCK_N)
+    elif ASHAPE:
+        if t < strips:
+            s = gl.where(gl.expand_dims(keep, 0), s, float("-inf"))
+        else:
+            s = _piece_mask(s, p, rows, lanes, N, row_lo, BLOCK_N)
+            if row_lo + (BLOCK_N - 1) - p >= window:  # (rows per block = BLOCK_N = 64)
+                keys = gl.expand_dims(p + lanes, 0)
+                band = (keys < sink) | (gl.expand_dims(rows, 1) - keys < window)
+                s = gl.where(band, s, float("-inf"))
     else:
         s = _piece_mask(s, p, rows, lanes, N, row_lo, BLOCK_N)
     return s
@@ -208,14 +235,16 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset, ColCount, Cols,
-              Covered, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, sub: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, D: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
-              OVERLAP: gl.constexpr, SHARE: gl.constexpr, VS: gl.constexpr):
+              Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, sub: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CONSUMERS: gl.constexpr,
+              STAGES: gl.constexpr, OVERLAP: gl.constexpr, SHARE: gl.constexpr, VS: gl.constexpr,
+              ASHAPE: gl.constexpr):
     """Consumer warpgroup `sub`: BLOCK_M query rows over their items (VS: column strips, then pieces) from its
-    ring (SHARE: the one ring both consumers read); writes O rows and LSE."""
+    ring (SHARE: the one ring both consumers read); writes O rows and LSE. ASHAPE: its head's sink / window
+    (tokens) from Sink / Window Int32 `[H]`."""
     pid = gl.program_id(0)
     valid, q_row, _, base, pieces, strips, row_lo, bh = _work_item(Order, BlockCount, ColCount, pid, sub, n_work, N,
-                                                                   H, G, M, NS, BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS)
+                                                                   H, G, M, NS, BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS, ASHAPE)
     n = strips + pieces
     ring: gl.constexpr = 0 if SHARE else sub
     Offsets = BlockOffset + base
@@ -224,6 +253,11 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, Bl
         ColHead = Cols + bh * KVP  # this head's packed columns
         CovHead = Covered + bh.to(gl.int64) * L + (BLOCK_M - 1)  # its covered flag at d = 0
         n_cols = gl.where(valid, gl.load(ColCount + bh * M + row_lo // BLOCK_M), 0)
+    sink, window = 0, 0
+    if ASHAPE:
+        n_cols = gl.where(valid, gl.load(ColCount + bh * M + row_lo // BLOCK_M), 0)
+        sink = gl.load(Sink + bh % H)
+        window = gl.load(Window + bh % H)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
@@ -248,9 +282,9 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, Bl
         if n > 0:  # prologue: the scores of piece 0
             mbarrier.wait(k_ready.index(ring * STAGES), 0)
             s = warpgroup_mma(q, k_smem.index(ring * STAGES).permute((1, 0)), s0, use_acc=False, is_async=True)
-            p, keep = _item_keys(0, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS)
+            p, keep = _item_keys(0, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS, ASHAPE)
             s = warpgroup_mma_wait(0, deps=(s,))
-            s = _masked(s, 0, strips, p, keep, rows, lanes, N, row_lo, BLOCK_N, VS)
+            s = _masked(s, 0, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_N, VS, ASHAPE)
             prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         for t in range(n - 1):
             # issue Q K^T of piece t + 1 first, then P V of piece t; wait(1) retires the older group (Q K^T:
@@ -259,13 +293,13 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, Bl
             i1 = ring * STAGES + (t + 1) % STAGES
             mbarrier.wait(k_ready.index(i1), ((t + 1) // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(i1).permute((1, 0)), s0, use_acc=False, is_async=True)
-            p, keep = _item_keys(t + 1, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS)
+            p, keep = _item_keys(t + 1, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS, ASHAPE)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             mbarrier.wait(v_ready.index(i), (t // STAGES) & 1)
             acc = warpgroup_mma(gl.convert_layout(prob.to(k_smem.dtype), p_layout), v_smem.index(i), acc,
                                 is_async=True)
             s = warpgroup_mma_wait(1, deps=(s,))
-            s = _masked(s, t + 1, strips, p, keep, rows, lanes, N, row_lo, BLOCK_N, VS)
+            s = _masked(s, t + 1, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_N, VS, ASHAPE)
             prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index(i), count=1)
@@ -284,9 +318,9 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, Bl
             phase = (t // STAGES) & 1
             mbarrier.wait(k_ready.index(i), phase)
             s = warpgroup_mma(q, k_smem.index(i).permute((1, 0)), s0, use_acc=False, is_async=True)
-            p, keep = _item_keys(t, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS)
+            p, keep = _item_keys(t, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS, ASHAPE)
             s = warpgroup_mma_wait(0, deps=(s,))
-            s = _masked(s, t, strips, p, keep, rows, lanes, N, row_lo, BLOCK_N, VS)
+            s = _masked(s, t, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_N, VS, ASHAPE)
             prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             mbarrier.wait(v_ready.index(i), phase)
@@ -307,13 +341,15 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, Bl
 
 @gluon.jit(do_not_specialize=["n_work", "N", "M", "NS", "KVP", "L"])
 def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCount, BlockOffset, ColCount, Cols,
-                       Covered, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, CONSUMERS: gl.constexpr,
+                       Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, CONSUMERS: gl.constexpr,
                        STAGES: gl.constexpr, OVERLAP: gl.constexpr, SHARE: gl.constexpr, VS: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr):
+                       ASHAPE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Program pid: work slots pid * CONSUMERS + c of `Order` (SHARE: slot pid, both consumers). VS: kc / vc
     `[B * Hq * KVP, D]` hold each query head's packed columns' K / V rows (Cols Int32 `[B * Hq * KVP]` their
     keys, ascending), ColCount Int32 `[B, Hq, M]` how many are < the row block's first row, Covered Int8
-    `[B * Hq, L]` the d-space flags of `index_build.vs_slash_tiles` (unused without VS). Shared memory:
+    `[B * Hq, L]` the d-space flags of `index_build.vs_slash_tiles` (unused without VS). ASHAPE: ColCount the sink
+    keys [0, ColCount) below each row block's lowest piece (`index_ref.ashape_to_tiles`' column_count), Sink /
+    Window Int32 `[Hq]` the token mask. Shared memory:
     CONSUMERS Q tiles and RINGS (CONSUMERS, SHARE: 1) rings of STAGES K and V tiles (64 x D each; bf16,
     D = 128: 16 KB a tile)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -338,23 +374,23 @@ def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCo
     if CONSUMERS == 1:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset,
-                         ColCount, Cols, Covered, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 0, BLOCK_M,
-                         BLOCK_N, D, CONSUMERS, STAGES, OVERLAP, SHARE, VS)),
+                         ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 0,
+                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP, SHARE, VS, ASHAPE)),
             (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                          empty, BlockCount, BlockOffset, ColCount, Order, n_work, N, H, G, M, NS, KVP, BLOCK_M,
-                         CONSUMERS, STAGES, SHARE, VS)),
+                         CONSUMERS, STAGES, SHARE, VS, ASHAPE)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset,
-                         ColCount, Cols, Covered, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 0, BLOCK_M,
-                         BLOCK_N, D, CONSUMERS, STAGES, OVERLAP, SHARE, VS)),
+                         ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 0,
+                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP, SHARE, VS, ASHAPE)),
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset,
-                         ColCount, Cols, Covered, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 1, BLOCK_M,
-                         BLOCK_N, D, CONSUMERS, STAGES, OVERLAP, SHARE, VS)),
+                         ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 1,
+                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP, SHARE, VS, ASHAPE)),
             (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                          empty, BlockCount, BlockOffset, ColCount, Order, n_work, N, H, G, M, NS, KVP, BLOCK_M,
-                         CONSUMERS, STAGES, SHARE, VS)),
+                         CONSUMERS, STAGES, SHARE, VS, ASHAPE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -389,10 +425,11 @@ def _check_device(q: torch.Tensor) -> None:
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None, stages: int,
             consumers: int, overlap: bool, share_kv: bool,
-            packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+            band: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on checked, contiguous inputs. `packed` (VS): (kc, vc `[B * Hq * KVP, D]`, cols Int32
-    `[B, Hq, KVP]`, col_count Int32 `[B, Hq, M]`, covered Int8 `[B, Hq, L]`), see `_ws_prefill_kernel`."""
+    `[B, Hq, KVP]`, col_count Int32 `[B, Hq, M]`, covered Int8 `[B, Hq, L]`); `band` (A-shape, tiles from
+    `ashape_to_tiles`): (sink, window) Int32 `[Hq]` on q's device; see `_ws_prefill_kernel`."""
     B, Hq, N, D = q.shape
     Hkv = k.shape[1]
     M = -(-N // ROWS)
@@ -403,9 +440,10 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
     k_desc = TensorDescriptor.from_tensor(k.view(B * Hkv * N, D), [KEYS, D], layout)
     v_desc = TensorDescriptor.from_tensor(v.view(B * Hkv * N, D), [KEYS, D], layout)
     bc, bo = tiles.block_count.contiguous(), tiles.block_offset.contiguous()
+    sink, window = band if band is not None else (bc, bc)  # (unused without A-shape)
     if packed is None:  # the VS arguments are unused (VS=False): any tensors of the right kind
-        kc_desc, vc_desc, cols, col_count, covered = k_desc, v_desc, bc, bc, bc
-        strip_tiles = tiles
+        kc_desc, vc_desc, cols, col_count, covered = k_desc, v_desc, bc, tiles.column_count.contiguous(), bc
+        strip_tiles = tiles  # A-shape: column_count = its sink strips' keys
     else:
         kc, vc, cols, col_count, covered = packed
         kc_desc = TensorDescriptor.from_tensor(kc, [KEYS, D], layout)
@@ -424,10 +462,10 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
         grid = triton.cdiv(n_work, consumers)
     cfg = launch_config(consumers)
     _ws_prefill_kernel[(grid,)](
-        q_desc, k_desc, v_desc, kc_desc, vc_desc, o, lse, bc, bo, col_count, cols, covered, order, n_work,
-        scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1], cols.shape[-1], covered.shape[-1], CONSUMERS=consumers,
-        STAGES=stages, OVERLAP=overlap, SHARE=share_kv, VS=packed is not None, CONSUMER_REGS=cfg["consumer_regs"],
-        num_warps=4, maxnreg=cfg["maxnreg"])
+        q_desc, k_desc, v_desc, kc_desc, vc_desc, o, lse, bc, bo, col_count, cols, covered, sink, window, order,
+        n_work, scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1], cols.shape[-1], covered.shape[-1],
+        CONSUMERS=consumers, STAGES=stages, OVERLAP=overlap, SHARE=share_kv, VS=packed is not None,
+        ASHAPE=band is not None, CONSUMER_REGS=cfg["consumer_regs"], num_warps=4, maxnreg=cfg["maxnreg"])
     return o, lse
 
 
@@ -446,12 +484,13 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
     program takes query heads 2j and 2j + 1 (one KV head: Hq / Hkv even) of one row block and both read one
     K/V ring, so each tile crosses L2 once for 128 query rows (FA3's two consumer warpgroups); their piece
     lists must be equal (dense causal, expanded group-shared tiles; checked, one host sync). `sink` / `window`
-    (A-shape) are not supported: `sparse_prefill` takes them.
+    (A-shape) are not taken here: `ws_ashape` builds its own tiles.
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
     """
     B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap)
     if sink is not None or window is not None:
-        raise ValueError("sink / window (A-shape token masks) are not supported by ws_prefill; use sparse_prefill")
+        raise ValueError("sink / window (A-shape token masks) are not taken by ws_prefill; use "
+                         "ws_ashape(q, k, v, sink, window) or sparse_prefill")
     if tiles.block != ROWS or tiles.piece != KEYS:
         raise ValueError(f"tiles.block and tiles.width must give 64-row tiles of 64-key pieces for ws_prefill, got "
                          f"block {tiles.block}, piece {tiles.piece}; build them with block=64, width=0")
@@ -523,3 +562,26 @@ def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns
     tiles, covered, cols = vs_slash_tiles(columns.to(q.device), offsets.to(q.device), N, ROWS)
     kc, vc, cols, col_count = pack_columns(k, v, cols, Hq)
     return _launch(q, k, v, tiles, scale, stages, consumers, overlap, False, (kc, vc, cols, col_count, covered))
+
+
+def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | list[int],
+              window: torch.Tensor | list[int], scale: float | None = None, stages: int = 2, consumers: int = 2,
+              overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """A-shape prefill on an sm_90 GPU: per query head `sink` and `window` (tokens, `[Hq]`; window >= 1, sink
+    >= 0; `NO_WINDOW` for a head without a band) -> keys j <= i with j < sink or i - j < window (as
+    `ashape_prefill`). Tiles: `index_ref.ashape_to_tiles` per query head (window pieces, the sinks below a row
+    block's lowest piece as its columns [0, count)); the sinks are contiguous keys, so the kernel walks them as
+    strips of k / v from key 0 (lanes >= count masked) before the pieces, and applies the token mask on the
+    pieces that reach past the window. q, k, v, stages, consumers, overlap as `ws_prefill`.
+    Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log)."""
+    B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap)
+    sink_t = torch.as_tensor(sink).reshape(-1)
+    window_t = torch.as_tensor(window).reshape(-1)
+    if sink_t.numel() != Hq or window_t.numel() != Hq or sink_t.is_floating_point() or window_t.is_floating_point():
+        raise ValueError(f"sink and window must be integer token counts, one per query head ([{Hq}]); got "
+                         f"{sink_t.dtype} {tuple(sink_t.shape)} and {window_t.dtype} {tuple(window_t.shape)}")
+    _check_device(q)
+    tiles = ashape_to_tiles(sink_t, window_t, N, B, ROWS, device=q.device)  # checks window >= 1, sink >= 0
+    band = (sink_t.to(q.device, torch.int32), window_t.clamp(max=1 << 30).to(q.device, torch.int32))
+    return _launch(q.contiguous(), k.contiguous(), v.contiguous(), tiles, scale, stages, consumers, overlap, False,
+                   band=band)

@@ -3,7 +3,8 @@
 with wgmma, TMA, no spills and its shared memory within the H200's; on an H200 it matches exact masked
 attention in bf16; inputs it does not take raise ValueError naming the field (checked on the CPU).
 
-Vertical-Slash (`ws_vertical_slash`): the pieces and packed columns it builds (`index_build.vs_slash_tiles`,
+Vertical-Slash (`ws_vertical_slash`) and A-shape (`ws_ashape`) run on an H200 against the same reference; for VS
+the pieces and packed columns it builds (`index_build.vs_slash_tiles`,
 `pack_columns`; Triton's interpreter on a CPU) keep exactly `vs_to_tiles`' keys.
 
 The compiles run in a fresh process (this file as a script), as in test_kernels_compile.py: a process where
@@ -27,25 +28,29 @@ from test_kernels_compile import SMEM_SM90  # noqa: E402
 from workbench_kernels.index_ref import block_sparse_to_tiles, tiles_to_mask, vs_to_tiles  # noqa: E402
 from workbench_kernels.prefill_ref import masked_attention_ref  # noqa: E402
 
-CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, vertical_slash)
-    "two_consumers_2_stages": (2, 2, True, 128, False, False),  # the default
-    "two_consumers_3_stages": (2, 3, True, 128, False, False),
-    "one_consumer": (1, 2, True, 128, False, False),
-    "no_overlap": (2, 2, False, 128, False, False),
-    "head_dim_64": (2, 2, True, 64, False, False),
-    "shared_kv_3_stages": (2, 3, True, 128, True, False),
-    "shared_kv_4_stages": (2, 4, True, 128, True, False),
-    "vs_two_consumers_2_stages": (2, 2, True, 128, False, True),  # ws_vertical_slash's default
-    "vs_two_consumers_3_stages": (2, 3, True, 128, False, True),
-    "vs_one_consumer": (1, 2, True, 128, False, True),
-    "vs_no_overlap": (2, 2, False, 128, False, True),
-    "vs_head_dim_64": (2, 2, True, 64, False, True),
+CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block / vs / ashape)
+    "two_consumers_2_stages": (2, 2, True, 128, False, "block"),  # the default
+    "two_consumers_3_stages": (2, 3, True, 128, False, "block"),
+    "one_consumer": (1, 2, True, 128, False, "block"),
+    "no_overlap": (2, 2, False, 128, False, "block"),
+    "head_dim_64": (2, 2, True, 64, False, "block"),
+    "shared_kv_3_stages": (2, 3, True, 128, True, "block"),
+    "shared_kv_4_stages": (2, 4, True, 128, True, "block"),
+    "vs_two_consumers_2_stages": (2, 2, True, 128, False, "vs"),  # ws_vertical_slash's default
+    "vs_two_consumers_3_stages": (2, 3, True, 128, False, "vs"),
+    "vs_one_consumer": (1, 2, True, 128, False, "vs"),
+    "vs_no_overlap": (2, 2, False, 128, False, "vs"),
+    "vs_head_dim_64": (2, 2, True, 64, False, "vs"),
+    "ashape_two_consumers_2_stages": (2, 2, True, 128, False, "ashape"),  # ws_ashape's default
+    "ashape_one_consumer": (1, 2, True, 128, False, "ashape"),
+    "ashape_no_overlap": (2, 2, False, 128, False, "ashape"),
+    "ashape_head_dim_64": (2, 2, True, 64, False, "ashape"),
 }
-BLOCK_CASES = [case for case, args in CASES.items() if not args[-1]]
-VS_CASES = [case for case, args in CASES.items() if args[-1]]
+BLOCK_CASES, VS_CASES, ASHAPE_CASES = ([case for case, args in CASES.items() if args[-1] == pattern]
+                                       for pattern in ("block", "vs", "ashape"))
 
 
-def compile_ws(consumers: int, stages: int, overlap: bool, d: int, share: bool, vs: bool, dtype: str = "bf16"):
+def compile_ws(consumers: int, stages: int, overlap: bool, d: int, share: bool, pattern: str, dtype: str = "bf16"):
     """`_ws_prefill_kernel` compiled for sm_90 (descriptor arguments typed as `ws_prefill` builds them)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -56,10 +61,11 @@ def compile_ws(consumers: int, stages: int, overlap: bool, d: int, share: bool, 
     fn = prefill_ws._ws_prefill_kernel
     desc = f"tensordesc<{dtype}[64, {d}],{gl.NVMMASharedLayout.get_default_for([64, d], gl.bfloat16)!r}>"
     pointers = {"O": f"*{dtype}", "LSE": "*fp32", "BlockCount": "*i32", "BlockOffset": "*i32", "ColCount": "*i32",
-                "Cols": "*i32", "Covered": "*i8", "Order": "*i32"}
+                "Cols": "*i32", "Covered": "*i8", "Sink": "*i32", "Window": "*i32", "Order": "*i32"}
     types = {**{x: desc for x in ("q_desc", "k_desc", "v_desc", "kc_desc", "vc_desc")}, "qk_scale": "fp32", **pointers}
     cfg = prefill_ws.launch_config(consumers)
-    constants = dict(CONSUMERS=consumers, STAGES=stages, OVERLAP=overlap, SHARE=share, VS=vs,
+    constants = dict(CONSUMERS=consumers, STAGES=stages, OVERLAP=overlap, SHARE=share, VS=pattern == "vs",
+                     ASHAPE=pattern == "ashape",
                      CONSUMER_REGS=cfg["consumer_regs"])
     signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in fn.arg_names}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}
@@ -250,6 +256,29 @@ def test_ws_vertical_slash_matches_masked_attention_bf16(case, n):
     torch.testing.assert_close(lse, rlse, atol=8e-2, rtol=2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not hopper(), reason="ws_ashape runs on sm_90 (H100 / H200) only")
+@pytest.mark.parametrize("case", ASHAPE_CASES)
+def test_ws_ashape_matches_masked_attention_bf16(case):
+    """Per-head sinks (0, inside the first piece, over a strip, over a window piece) and windows (1, a piece's
+    width, wider than N, none), N = 1000, GQA 4:1: o and lse against fp32 attention under the A-shape mask."""
+    from workbench_kernels import NO_WINDOW
+    from workbench_kernels.index_ref import ashape_to_tiles
+    from workbench_kernels.prefill_ws import ws_ashape
+
+    consumers, stages, overlap, d, _, _ = CASES[case]
+    B, Hq, Hkv, n = 2, 8, 2, 1000
+    sink = torch.tensor([0, 4, 64, 100, 4, 0, 130, 700])
+    window = torch.tensor([64, 100, 1, 300, NO_WINDOW, 1200, 65, 17])
+    q, k, v = qkv(B, Hq, Hkv, n, d, seed=3)
+    o, lse = ws_ashape(q, k, v, sink, window, stages=stages, consumers=consumers, overlap=overlap)
+    mask = tiles_to_mask(ashape_to_tiles(sink, window, n, B), n, sink, window)
+    ro, rlse = masked_attention_ref(q, k, v, mask.cuda())
+    assert torch.isfinite(o).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(o.float(), ro.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, rlse, atol=8e-2, rtol=2e-2)
+
+
 def error_cases() -> dict[str, tuple]:
     """id: (q, k, v, tiles, extra kwargs, the field the message must name); CPU tensors."""
     n = 200
@@ -285,6 +314,24 @@ def test_ws_prefill_rejects_unsupported_inputs(case):
         pytest.skip("this machine is a Hopper GPU")
     with pytest.raises(ValueError, match=field):
         ws_prefill(q, k, v, tiles, **kwargs)
+
+
+@pytest.mark.parametrize("case", ["sink_shape", "window_dtype", "not_hopper"])
+def test_ws_ashape_rejects_unsupported_inputs(case):
+    """One integer sink and window per query head, an sm_90 GPU; else ValueError naming the field."""
+    if gluon_hopper_reason():
+        pytest.skip(gluon_hopper_reason())
+    from workbench_kernels.prefill_ws import ws_ashape
+
+    if case == "not_hopper" and hopper():
+        pytest.skip("this machine is a Hopper GPU")
+    q, k, v = (torch.randn(1, h, 200, 128, dtype=torch.bfloat16) for h in (8, 2, 2))
+    sink, window = torch.full((8,), 4), torch.full((8,), 64)
+    args, field = {"sink_shape": ((q, k, v, sink[:2], window), "sink"),
+                   "window_dtype": ((q, k, v, sink, window.float()), "window"),
+                   "not_hopper": ((q, k, v, sink, window), "Hopper")}[case]
+    with pytest.raises(ValueError, match=field):
+        ws_ashape(*args)
 
 
 @pytest.mark.parametrize("case", ["columns_shape", "offsets_dtype", "fp32", "not_hopper"])
