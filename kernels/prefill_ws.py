@@ -22,6 +22,10 @@ so the kept keys are exactly `index_ref.vs_to_tiles`'; covered columns cost thei
 Producer and consumer count the same items per work item (strips + pieces) and keep one running index t over
 them: the slot / phase arithmetic is the pieces-only one.
 
+A-shape (`ws_ashape`, ASHAPE=True): `index_ref.ashape_to_tiles`' window pieces, and its sink columns (keys
+[0, count) below a row block's lowest piece: contiguous) walked as strips read straight from k / v at key 0;
+pieces reaching past the window get the per-token mask (key < sink or row - key < window).
+
 Tensors are addressed as flattened rows: q/o `[B * Hq * N, D]`, k/v `[B * Hkv * N, D]`. A K/V tile that
 crosses N reads the next head's rows (or TMA's zero fill past the tensor): those keys are masked, and their
 V rows are finite, so P = 0 cancels them. Output rows past N are not stored.
@@ -76,9 +80,7 @@ def _work_item(Order, BlockCount, ColCount, pid, sub: gl.constexpr, n_work, N, H
     kvh = (bh // H) * (H // G) + (bh % H) // G  # b * Hkv + h // G
     count = gl.where(valid, gl.load(BlockCount + tile), 0)
     strips = 0
-    if VS:
-        strips = gl.where(valid, (gl.load(ColCount + tile) + BLOCK_N - 1) // BLOCK_N, 0)
-    if ASHAPE:
+    if VS or ASHAPE:
         strips = gl.where(valid, (gl.load(ColCount + tile) + BLOCK_N - 1) // BLOCK_N, 0)
     return valid, bh * N + m * BLOCK_M, kvh * N, tile.to(gl.int64) * NS, count, strips, m * BLOCK_M, bh
 
@@ -248,14 +250,13 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, Bl
     n = strips + pieces
     ring: gl.constexpr = 0 if SHARE else sub
     Offsets = BlockOffset + base
-    ColHead, CovHead, n_cols = Cols, Covered, 0
+    ColHead, CovHead, n_cols, sink, window = Cols, Covered, 0, 0, 0
+    if VS or ASHAPE:  # the keys its strips hold: VS the first n_cols packed columns, ASHAPE keys [0, n_cols)
+        n_cols = gl.where(valid, gl.load(ColCount + bh * M + row_lo // BLOCK_M), 0)
     if VS:
         ColHead = Cols + bh * KVP  # this head's packed columns
         CovHead = Covered + bh.to(gl.int64) * L + (BLOCK_M - 1)  # its covered flag at d = 0
-        n_cols = gl.where(valid, gl.load(ColCount + bh * M + row_lo // BLOCK_M), 0)
-    sink, window = 0, 0
     if ASHAPE:
-        n_cols = gl.where(valid, gl.load(ColCount + bh * M + row_lo // BLOCK_M), 0)
         sink = gl.load(Sink + bh % H)
         window = gl.load(Window + bh % H)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -272,7 +273,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, Bl
     s0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     q = q_smem.index(sub)
     mbarrier.wait(q_bar.index(sub), 0, pred=n > 0)  # Q lands once: phase 0
-    # Piece t sits in slot i = ring * STAGES + t % STAGES as that slot's fill j = t // STAGES, which completes
+    # Item t (strips, then pieces) sits in slot i = ring * STAGES + t % STAGES as that slot's fill j = t // STAGES
+    # (the producer walks the same n = strips + pieces items in the same order), which completes
     # phase j of k_ready[i] / v_ready[i]: wait for parity j & 1 (SHARE: both consumers wait for the same phase;
     # a wait consumes nothing). The slot is released by an arrive on empty[i] once the P V wgmma that read V[i]
     # (and, earlier, the Q K^T that read K[i]) has completed; SHARE: empty[i] counts 2 arrives, one per consumer,
