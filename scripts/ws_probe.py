@@ -170,7 +170,7 @@ def check_vs(variant: str) -> dict:
         o, lse = ws_vertical_slash(q, k, v, cols.cuda(), offs.cuda(), **kw)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(vs_to_tiles(cols, offs, n), n).cuda())
+        ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(vs_to_tiles(cols.cuda(), offs.cuda(), n), n))
         err, lse_err = (o.float() - ro.float()).abs().max().item(), (lse - rlse).abs().max().item()
         out[f"n{n}"] = {"max_abs_err_o": err, "max_abs_err_lse": lse_err, "first_call_s": seconds,
                         "ok": bool(err < 2e-2 + 2e-2 * ro.float().abs().max().item() and lse_err < 0.1
@@ -239,7 +239,7 @@ def check_ashape(variant: str) -> dict:
     o, lse = ws_ashape(q, k, v, sink, window, **kw)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    mask = tiles_to_mask(ashape_to_tiles(sink, window, n, B), n, sink, window)
+    mask = tiles_to_mask(ashape_to_tiles(sink, window, n, B, device="cuda"), n, sink.cuda(), window.cuda())
     ro, rlse = masked_attention_ref(q, k, v, mask.cuda())
     err, lse_err = (o.float() - ro.float()).abs().max().item(), (lse - rlse).abs().max().item()
     return {f"n{n}": {"max_abs_err_o": err, "max_abs_err_lse": lse_err, "first_call_s": seconds,
