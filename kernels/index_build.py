@@ -431,3 +431,28 @@ def block_index(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100
     added over its G query heads (budget: the group's largest), for the GQA-packed kernel."""
     budget(topk, q.shape[1], "topk")  # a per-head budget must match the query heads
     return select_blocks(pooled_scores(q, k, block, group_shared), topk)
+
+
+@torch.no_grad()
+def vs_slash_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int,
+                   block: int = 64) -> tuple[VSTiles, torch.Tensor, torch.Tensor]:
+    """`vs_tiles`' pieces without its per-row-block column lists, for a kernel that walks each head's columns
+    packed once (`prefill_ws.ws_vertical_slash`); no host sync. Returns (tiles: the pieces of `vs_tiles`,
+    column_count 0, column_index `[B, H, M, 1]` = -1; covered Int8 `[B, H, n + block - 1]`: index d + block - 1
+    is 1 iff d lies under a piece (d = m*block - key, the same for every row block m); cols Int32 `[B, H, KV]`:
+    the head's unique valid columns ascending, then n for the -1, out-of-range and repeated ones). Row block m
+    keeps column c iff c < m*block and covered[m*block - c + block - 1] == 0 (what `vs_to_tiles` keeps)."""
+    B, H, KV = columns.shape
+    M = -(-n // block)
+    ends, cov, cols = _vs_heads(columns, offsets, n, block, block)
+    NS, _ = vs_tile_bounds(n, KV, offsets.shape[-1], block, block)
+    dev = columns.device
+    tiles = VSTiles(torch.empty(B, H, M, dtype=torch.int32, device=dev),
+                    torch.empty(B, H, M, NS, dtype=torch.int32, device=dev),
+                    torch.empty(B, H, M, dtype=torch.int32, device=dev),
+                    torch.full((B, H, M, 1), -1, dtype=torch.int32, device=dev), block, 0, disjoint=True)
+    # KV = 0: the column loop is skipped (column_count = min(0, NC) = 0)
+    _expand_tiles_kernel[(B * H, M)](ends, cov, cols, tiles.block_count, tiles.block_offset, tiles.column_count,
+                                     tiles.column_index, ends.shape[-1], cov.shape[-1], 0, NS, 0, M, n,
+                                     BLOCK=block, W=block, CHUNK=256, num_warps=4)
+    return tiles, cov, cols.sort(-1).values

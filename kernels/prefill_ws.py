@@ -12,6 +12,20 @@ Q K^T is issued before this piece's P V, and the softmax of the next piece runs 
 SHARE: the two consumers take query heads 2j and 2j + 1 (one KV head) of one row block, whose piece lists are
 equal, and read one ring: each K/V tile is loaded once for 128 query rows.
 
+Vertical-Slash (`ws_vertical_slash`, VS=True): sm_90's TMA cannot gather scattered key rows, so each query head's
+unique columns are sorted and their K / V rows packed once per call into contiguous kc / vc `[B * Hq * KVP, D]`
+(KVP = columns rounded up to 64). Row block m walks first the prefix of its head's packed columns that are
+< m * 64 (their number from a searchsorted), 64 at a time, as "strips" through the same ring (kc / vc
+descriptors), then its slash pieces (`index_build.vs_slash_tiles`). A strip lane is masked unless its column
+lies under none of the row block's pieces (a d-space flag, d = m * 64 - column, the same for every row block),
+so the kept keys are exactly `index_ref.vs_to_tiles`'; covered columns cost their lanes but nothing else.
+Producer and consumer count the same items per work item (strips + pieces) and keep one running index t over
+them: the slot / phase arithmetic is the pieces-only one.
+
+A-shape (`ws_ashape`, ASHAPE=True): `index_ref.ashape_to_tiles`' window pieces, and its sink columns (keys
+[0, count) below a row block's lowest piece: contiguous) walked as strips read straight from k / v at key 0;
+pieces reaching past the window get the per-token mask (key < sink or row - key < window).
+
 Tensors are addressed as flattened rows: q/o `[B * Hq * N, D]`, k/v `[B * Hkv * N, D]`. A K/V tile that
 crosses N reads the next head's rows (or TMA's zero fill past the tensor): those keys are masked, and their
 V rows are finite, so P = 0 cancels them. Output rows past N are not stored.
@@ -28,7 +42,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .index_ref import VSTiles
+from .index_ref import VSTiles, ashape_to_tiles
 from .prefill import LOG2E, work_order
 from .prefill_ref import check_prefill_args
 
@@ -41,12 +55,15 @@ PRODUCER_REGS = gl.constexpr(24)  # registers per thread of the 1-warp producer 
 
 
 @gluon.jit
-def _work_item(Order, BlockCount, pid, sub: gl.constexpr, n_work, N, H, G, M, NS, BLOCK_M: gl.constexpr,
-               CONSUMERS: gl.constexpr, SHARE: gl.constexpr):
-    """Consumer `sub` of program pid -> (valid, q row, kv row, piece-list offset, piece count, first query row):
-    rows in the flattened q / k tensors; a slot past n_work has no pieces. SHARE: `Order` lists (b, head pair,
-    row block) items, consumer `sub` takes query head 2 * pair + sub; else consumer `sub` takes (b, head, row
-    block) item pid * CONSUMERS + sub."""
+def _work_item(Order, BlockCount, ColCount, pid, sub: gl.constexpr, n_work, N, H, G, M, NS, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr, SHARE: gl.constexpr, VS: gl.constexpr,
+               ASHAPE: gl.constexpr):
+    """Consumer `sub` of program pid -> (valid, q row, kv row, piece-list offset, piece count, strip count, first
+    query row, bh = b * H + h): rows in the flattened q / k tensors; a slot past n_work has no items. SHARE:
+    `Order` lists (b, head pair, row block) items, consumer `sub` takes query head 2 * pair + sub; else consumer
+    `sub` takes (b, head, row block) item pid * CONSUMERS + sub. VS / ASHAPE: the item first walks
+    ceil(ColCount / BLOCK_N) strips (VS: of its head's packed columns; ASHAPE: of keys from 0, the sinks), then its
+    pieces (strips 0 otherwise)."""
     if SHARE:
         slot = pid
     else:
@@ -62,13 +79,19 @@ def _work_item(Order, BlockCount, pid, sub: gl.constexpr, n_work, N, H, G, M, NS
     tile = bh * M + m
     kvh = (bh // H) * (H // G) + (bh % H) // G  # b * Hkv + h // G
     count = gl.where(valid, gl.load(BlockCount + tile), 0)
-    return valid, bh * N + m * BLOCK_M, kvh * N, tile.to(gl.int64) * NS, count, m * BLOCK_M
+    strips = 0
+    if VS or ASHAPE:
+        strips = gl.where(valid, (gl.load(ColCount + tile) + BLOCK_N - 1) // BLOCK_N, 0)
+    return valid, bh * N + m * BLOCK_M, kvh * N, tile.to(gl.int64) * NS, count, strips, m * BLOCK_M, bh
 
 
 @gluon.jit
-def _fill(t, n, kv_row, Offsets, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, ring: gl.constexpr,
-          STAGES: gl.constexpr):
-    """Producer: load piece t (of n) of ring `ring` into its slot t % STAGES."""
+def _fill(t, n, strips, kv_row, col_row, Offsets, k_desc, v_desc, kc_desc, vc_desc, k_smem, v_smem, k_ready, v_ready,
+          empty, ring: gl.constexpr, STAGES: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr):
+    """Producer: load item t (of n) of ring `ring` into its slot t % STAGES: VS and t < strips: strip t of the
+    packed columns (rows col_row + 64 t of kc / vc); ASHAPE and t < strips: keys [64 t, 64 t + 64) of k / v;
+    else piece t - strips (rows kv_row + its start of k / v).
+    One running index t over strips then pieces, so the slot / phase arithmetic is the pieces-only one."""
     if t < n:
         i = ring * STAGES + t % STAGES
         # Fill j = t // STAGES of a slot overwrites what the consumer released with its arrive number j - 1 on
@@ -76,55 +99,135 @@ def _fill(t, n, kv_row, Offsets, k_desc, v_desc, k_smem, v_smem, k_ready, v_read
         # j = 0 that is parity 1, the phase "before" a fresh barrier's first, which counts as complete: the
         # first STAGES fills do not wait.
         mbarrier.wait(empty.index(i), ((t // STAGES) & 1) ^ 1)
-        row = kv_row + gl.load(Offsets + t)
-        # one arrive (the expect) plus the TMA bytes complete phase j of k_ready / v_ready
-        mbarrier.expect(k_ready.index(i), k_desc.block_type.nbytes)
-        tma_load(k_desc, [row, 0], k_ready.index(i), k_smem.index(i))
-        mbarrier.expect(v_ready.index(i), v_desc.block_type.nbytes)
-        tma_load(v_desc, [row, 0], v_ready.index(i), v_smem.index(i))
+        # one arrive (the expect) plus the TMA bytes complete phase j of k_ready / v_ready (kc / vc tiles have
+        # the k / v tiles' shape and bytes, so the expect is the same on either path)
+        if VS:
+            if t < strips:
+                _load(kc_desc, vc_desc, col_row + t * kc_desc.block_type.shape[0], k_smem, v_smem, k_ready, v_ready, i)
+            else:
+                _load(k_desc, v_desc, kv_row + gl.load(Offsets + t - strips), k_smem, v_smem, k_ready, v_ready, i)
+        elif ASHAPE:
+            if t < strips:
+                _load(k_desc, v_desc, kv_row + t * k_desc.block_type.shape[0], k_smem, v_smem, k_ready, v_ready, i)
+            else:
+                _load(k_desc, v_desc, kv_row + gl.load(Offsets + t - strips), k_smem, v_smem, k_ready, v_ready, i)
+        else:
+            _load(k_desc, v_desc, kv_row + gl.load(Offsets + t), k_smem, v_smem, k_ready, v_ready, i)
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, BlockCount, BlockOffset,
-              Order, n_work, N, H, G, M, NS, BLOCK_M: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
-              SHARE: gl.constexpr):
-    """1 warp: Q of each consumer once (q_bar phase 0), then the pieces: of the one shared ring (SHARE), else of
-    each consumer's ring, interleaved piece by piece."""
+def _load(k_desc, v_desc, row, k_smem, v_smem, k_ready, v_ready, i):
+    """TMA loads of K / V rows [row, row + 64) into slot i; the expect (one arrive) plus the bytes complete the
+    slot's k_ready / v_ready phase."""
+    mbarrier.expect(k_ready.index(i), k_desc.block_type.nbytes)
+    tma_load(k_desc, [row, 0], k_ready.index(i), k_smem.index(i))
+    mbarrier.expect(v_ready.index(i), v_desc.block_type.nbytes)
+    tma_load(v_desc, [row, 0], v_ready.index(i), v_smem.index(i))
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty,
+              BlockCount, BlockOffset, ColCount, Order, n_work, N, H, G, M, NS, KVP, BLOCK_M: gl.constexpr,
+              CONSUMERS: gl.constexpr, STAGES: gl.constexpr, SHARE: gl.constexpr, VS: gl.constexpr,
+              ASHAPE: gl.constexpr):
+    """1 warp: Q of each consumer once (q_bar phase 0), then the items (strips, pieces): of the one shared ring
+    (SHARE), else of each consumer's ring, interleaved item by item."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     pid = gl.program_id(0)
-    _, q0, kv0, base0, n0, _ = _work_item(Order, BlockCount, pid, 0, n_work, N, H, G, M, NS, BLOCK_M, CONSUMERS,
-                                          SHARE)
-    # a consumer with no pieces never waits for its Q: load it only where there are pieces (no TMA left in flight)
+    _, q0, kv0, base0, p0, s0, _, bh0 = _work_item(Order, BlockCount, ColCount, pid, 0, n_work, N, H, G, M, NS,
+                                                   BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS, ASHAPE)
+    n0 = p0 + s0
+    # a consumer with no items never waits for its Q: load it only where there are items (no TMA left in flight)
     mbarrier.expect(q_bar.index(0), q_desc.block_type.nbytes, pred=n0 > 0)
     tma_load(q_desc, [q0, 0], q_bar.index(0), q_smem.index(0), pred=n0 > 0)
     if CONSUMERS == 1:
         for t in range(n0):
-            _fill(t, n0, kv0, BlockOffset + base0, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, 0, STAGES)
+            _fill(t, n0, s0, kv0, bh0 * KVP, BlockOffset + base0, k_desc, v_desc, kc_desc, vc_desc, k_smem, v_smem,
+                  k_ready, v_ready, empty, 0, STAGES, VS, ASHAPE)
     else:
-        _, q1, kv1, base1, n1, _ = _work_item(Order, BlockCount, pid, 1, n_work, N, H, G, M, NS, BLOCK_M, CONSUMERS,
-                                              SHARE)
+        _, q1, kv1, base1, p1, s1, _, bh1 = _work_item(Order, BlockCount, ColCount, pid, 1, n_work, N, H, G, M, NS,
+                                                       BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS, ASHAPE)
+        n1 = p1 + s1
         mbarrier.expect(q_bar.index(1), q_desc.block_type.nbytes, pred=n1 > 0)
         tma_load(q_desc, [q1, 0], q_bar.index(1), q_smem.index(1), pred=n1 > 0)
-        if SHARE:  # both consumers read ring 0 (their piece lists are equal: ws_prefill checks)
+        if SHARE:  # both consumers read ring 0 (their piece lists are equal, no strips: ws_prefill checks)
             for t in range(n0):
-                _fill(t, n0, kv0, BlockOffset + base0, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, 0,
-                      STAGES)
+                _fill(t, n0, s0, kv0, bh0 * KVP, BlockOffset + base0, k_desc, v_desc, kc_desc, vc_desc, k_smem,
+                      v_smem, k_ready, v_ready, empty, 0, STAGES, VS, ASHAPE)
         else:
             for t in range(gl.maximum(n0, n1)):
-                _fill(t, n0, kv0, BlockOffset + base0, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, 0,
-                      STAGES)
-                _fill(t, n1, kv1, BlockOffset + base1, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, 1,
-                      STAGES)
+                _fill(t, n0, s0, kv0, bh0 * KVP, BlockOffset + base0, k_desc, v_desc, kc_desc, vc_desc, k_smem,
+                      v_smem, k_ready, v_ready, empty, 0, STAGES, VS, ASHAPE)
+                _fill(t, n1, s1, kv1, bh1 * KVP, BlockOffset + base1, k_desc, v_desc, kc_desc, vc_desc, k_smem,
+                      v_smem, k_ready, v_ready, empty, 1, STAGES, VS, ASHAPE)
 
 
 @gluon.jit
-def _softmax_step(s, p, rows, lanes, m_i, l_i, qk_scale, N, row_lo, BLOCK_N: gl.constexpr):
-    """Online-softmax step on raw scores s `[BLOCK_M, BLOCK_N]` of the piece starting at key p: masks keys
-    outside [0, N) and above the diagonal (only on pieces that reach them); returns (probabilities in
-    log2 units, alpha = rescale of the old sums, new max, new sum)."""
+def _item_keys(t, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N: gl.constexpr, VS: gl.constexpr,
+               ASHAPE: gl.constexpr):
+    """What item t holds, loaded before its scores are waited for (the loads overlap the Q K^T wgmma): (p = the
+    first key of piece t - strips; keep Bool `[BLOCK_N]`, VS: lane j of strip t holds packed column
+    c = ColHead[64 t + j] iff 64 t + j < n_cols (the head's columns < row_lo) and c lies under none of the row
+    block's pieces (CovHead[row_lo - c] == 0; CovHead points at covered d = 0). On a piece (t >= strips) every
+    lane is out: 64 t + j >= 64 strips >= n_cols, so its loads are fully masked. ASHAPE: lane j of strip t
+    holds key 64 t + j iff it is < n_cols (the row block's sinks below its lowest piece)."""
+    if VS:
+        j = t * BLOCK_N + lanes
+        ok = j < n_cols
+        c = gl.load(ColHead + j, mask=ok, other=0)
+        keep = ok & (gl.load(CovHead + (row_lo - c), mask=ok, other=1) == 0)
+        p = gl.load(Offsets + gl.maximum(t - strips, 0))
+    elif ASHAPE:
+        keep = t * BLOCK_N + lanes < n_cols
+        p = gl.load(Offsets + gl.maximum(t - strips, 0))
+    else:
+        keep = lanes < 0  # (unused)
+        p = gl.load(Offsets + t)
+    return p, keep
+
+
+@gluon.jit
+def _masked(s, t, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_N: gl.constexpr, VS: gl.constexpr,
+            ASHAPE: gl.constexpr):
+    """Raw scores s `[BLOCK_M, BLOCK_N]` of item t with the keys it does not hold at -inf (p, keep: `_item_keys`):
+    a strip (VS, t < strips) keeps its `keep` lanes, every kept column being < row_lo (strictly causal); a
+    piece masks as `_piece_mask`. ASHAPE: a strip keeps its `keep` lanes (sinks, all < row_lo); a piece whose
+    lowest key is outside the window of the block's last row also keeps only keys j < sink or i - j < window
+    (the head's A-shape token mask; the window pieces hold the band, so a sink inside one is kept by it)."""
+    if VS:
+        if t < strips:
+            s = gl.where(gl.expand_dims(keep, 0), s, float("-inf"))
+        else:
+            s = _piece_mask(s, p, rows, lanes, N, row_lo, BLOCK_N)
+    elif ASHAPE:
+        if t < strips:
+            s = gl.where(gl.expand_dims(keep, 0), s, float("-inf"))
+        else:
+            s = _piece_mask(s, p, rows, lanes, N, row_lo, BLOCK_N)
+            if row_lo + (BLOCK_N - 1) - p >= window:  # (rows per block = BLOCK_N = 64)
+                keys = gl.expand_dims(p + lanes, 0)
+                band = (keys < sink) | (gl.expand_dims(rows, 1) - keys < window)
+                s = gl.where(band, s, float("-inf"))
+    else:
+        s = _piece_mask(s, p, rows, lanes, N, row_lo, BLOCK_N)
+    return s
+
+
+@gluon.jit
+def _piece_mask(s, p, rows, lanes, N, row_lo, BLOCK_N: gl.constexpr):
+    """Scores of the piece starting at key p: keys outside [0, N) and above the diagonal at -inf (only on pieces
+    that reach them)."""
     if (p < 0) | (p + BLOCK_N - 1 > row_lo) | (p + BLOCK_N > N):
         keys = gl.expand_dims(p + lanes, 0)
         keep = (keys <= gl.expand_dims(rows, 1)) & (keys < N) & (keys >= 0)
         s = gl.where(keep, s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, qk_scale):
+    """Online-softmax step on masked scores s `[BLOCK_M, BLOCK_N]`: returns (probabilities in log2 units,
+    alpha = rescale of the old sums, new max, new sum)."""
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet stays at zero
     alpha = gl.exp2(m_i - m_use)
@@ -133,17 +236,29 @@ def _softmax_step(s, p, rows, lanes, m_i, l_i, qk_scale, N, row_lo, BLOCK_N: gl.
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset, Order, n_work,
-              qk_scale, N, H, G, M, NS, sub: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              D: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-              SHARE: gl.constexpr):
-    """Consumer warpgroup `sub`: BLOCK_M query rows over their pieces from its ring (SHARE: the one ring both
-    consumers read); writes O rows and LSE."""
+def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset, ColCount, Cols,
+              Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, sub: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CONSUMERS: gl.constexpr,
+              STAGES: gl.constexpr, OVERLAP: gl.constexpr, SHARE: gl.constexpr, VS: gl.constexpr,
+              ASHAPE: gl.constexpr):
+    """Consumer warpgroup `sub`: BLOCK_M query rows over their items (VS: column strips, then pieces) from its
+    ring (SHARE: the one ring both consumers read); writes O rows and LSE. ASHAPE: its head's sink / window
+    (tokens) from Sink / Window Int32 `[H]`."""
     pid = gl.program_id(0)
-    valid, q_row, _, base, n, row_lo = _work_item(Order, BlockCount, pid, sub, n_work, N, H, G, M, NS, BLOCK_M,
-                                                  CONSUMERS, SHARE)
+    valid, q_row, _, base, pieces, strips, row_lo, bh = _work_item(Order, BlockCount, ColCount, pid, sub, n_work, N,
+                                                                   H, G, M, NS, BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS, ASHAPE)
+    n = strips + pieces
     ring: gl.constexpr = 0 if SHARE else sub
     Offsets = BlockOffset + base
+    ColHead, CovHead, n_cols, sink, window = Cols, Covered, 0, 0, 0
+    if VS or ASHAPE:  # the keys its strips hold: VS the first n_cols packed columns, ASHAPE keys [0, n_cols)
+        n_cols = gl.where(valid, gl.load(ColCount + bh * M + row_lo // BLOCK_M), 0)
+    if VS:
+        ColHead = Cols + bh * KVP  # this head's packed columns
+        CovHead = Covered + bh.to(gl.int64) * L + (BLOCK_M - 1)  # its covered flag at d = 0
+    if ASHAPE:
+        sink = gl.load(Sink + bh % H)
+        window = gl.load(Window + bh % H)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
@@ -158,7 +273,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, Bl
     s0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     q = q_smem.index(sub)
     mbarrier.wait(q_bar.index(sub), 0, pred=n > 0)  # Q lands once: phase 0
-    # Piece t sits in slot i = ring * STAGES + t % STAGES as that slot's fill j = t // STAGES, which completes
+    # Item t (strips, then pieces) sits in slot i = ring * STAGES + t % STAGES as that slot's fill j = t // STAGES
+    # (the producer walks the same n = strips + pieces items in the same order), which completes
     # phase j of k_ready[i] / v_ready[i]: wait for parity j & 1 (SHARE: both consumers wait for the same phase;
     # a wait consumes nothing). The slot is released by an arrive on empty[i] once the P V wgmma that read V[i]
     # (and, earlier, the Q K^T that read K[i]) has completed; SHARE: empty[i] counts 2 arrives, one per consumer,
@@ -168,9 +284,10 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, Bl
         if n > 0:  # prologue: the scores of piece 0
             mbarrier.wait(k_ready.index(ring * STAGES), 0)
             s = warpgroup_mma(q, k_smem.index(ring * STAGES).permute((1, 0)), s0, use_acc=False, is_async=True)
+            p, keep = _item_keys(0, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS, ASHAPE)
             s = warpgroup_mma_wait(0, deps=(s,))
-            prob, alpha, m_i, l_i = _softmax_step(s, gl.load(Offsets), rows, lanes, m_i, l_i, qk_scale, N, row_lo,
-                                                  BLOCK_N)
+            s = _masked(s, 0, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_N, VS, ASHAPE)
+            prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         for t in range(n - 1):
             # issue Q K^T of piece t + 1 first, then P V of piece t; wait(1) retires the older group (Q K^T:
             # wgmma groups complete in issue order) and leaves P V running beside the softmax of piece t + 1
@@ -178,13 +295,14 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, Bl
             i1 = ring * STAGES + (t + 1) % STAGES
             mbarrier.wait(k_ready.index(i1), ((t + 1) // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(i1).permute((1, 0)), s0, use_acc=False, is_async=True)
+            p, keep = _item_keys(t + 1, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS, ASHAPE)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             mbarrier.wait(v_ready.index(i), (t // STAGES) & 1)
             acc = warpgroup_mma(gl.convert_layout(prob.to(k_smem.dtype), p_layout), v_smem.index(i), acc,
                                 is_async=True)
             s = warpgroup_mma_wait(1, deps=(s,))
-            prob, alpha, m_i, l_i = _softmax_step(s, gl.load(Offsets + t + 1), rows, lanes, m_i, l_i, qk_scale, N,
-                                                  row_lo, BLOCK_N)
+            s = _masked(s, t + 1, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_N, VS, ASHAPE)
+            prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index(i), count=1)
         if n > 0:  # epilogue: P V of the last piece
@@ -202,9 +320,10 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, Bl
             phase = (t // STAGES) & 1
             mbarrier.wait(k_ready.index(i), phase)
             s = warpgroup_mma(q, k_smem.index(i).permute((1, 0)), s0, use_acc=False, is_async=True)
+            p, keep = _item_keys(t, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS, ASHAPE)
             s = warpgroup_mma_wait(0, deps=(s,))
-            prob, alpha, m_i, l_i = _softmax_step(s, gl.load(Offsets + t), rows, lanes, m_i, l_i, qk_scale, N,
-                                                  row_lo, BLOCK_N)
+            s = _masked(s, t, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_N, VS, ASHAPE)
+            prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             mbarrier.wait(v_ready.index(i), phase)
             acc = warpgroup_mma(gl.convert_layout(prob.to(k_smem.dtype), p_layout), v_smem.index(i), acc,
@@ -222,11 +341,17 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, Bl
         gl.store(LSE + (q_row + gl.arange(0, BLOCK_M, layout=row_s)), lse, mask=rows < N)
 
 
-@gluon.jit(do_not_specialize=["n_work", "N", "M", "NS"])
-def _ws_prefill_kernel(q_desc, k_desc, v_desc, O, LSE, BlockCount, BlockOffset, Order, n_work, qk_scale, N, H, G, M,
-                       NS, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-                       SHARE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    """Program pid: work slots pid * CONSUMERS + c of `Order` (SHARE: slot pid, both consumers). Shared memory:
+@gluon.jit(do_not_specialize=["n_work", "N", "M", "NS", "KVP", "L"])
+def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCount, BlockOffset, ColCount, Cols,
+                       Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, CONSUMERS: gl.constexpr,
+                       STAGES: gl.constexpr, OVERLAP: gl.constexpr, SHARE: gl.constexpr, VS: gl.constexpr,
+                       ASHAPE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Program pid: work slots pid * CONSUMERS + c of `Order` (SHARE: slot pid, both consumers). VS: kc / vc
+    `[B * Hq * KVP, D]` hold each query head's packed columns' K / V rows (Cols Int32 `[B * Hq * KVP]` their
+    keys, ascending), ColCount Int32 `[B, Hq, M]` how many are < the row block's first row, Covered Int8
+    `[B * Hq, L]` the d-space flags of `index_build.vs_slash_tiles` (unused without VS). ASHAPE: ColCount the sink
+    keys [0, ColCount) below each row block's lowest piece (`index_ref.ashape_to_tiles`' column_count), Sink /
+    Window Int32 `[Hq]` the token mask. Shared memory:
     CONSUMERS Q tiles and RINGS (CONSUMERS, SHARE: 1) rings of STAGES K and V tiles (64 x D each; bf16,
     D = 128: 16 KB a tile)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -251,21 +376,23 @@ def _ws_prefill_kernel(q_desc, k_desc, v_desc, O, LSE, BlockCount, BlockOffset, 
     if CONSUMERS == 1:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset,
-                         Order, n_work, qk_scale, N, H, G, M, NS, 0, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP,
-                         SHARE)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, BlockCount,
-                         BlockOffset, Order, n_work, N, H, G, M, NS, BLOCK_M, CONSUMERS, STAGES, SHARE)),
+                         ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 0,
+                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP, SHARE, VS, ASHAPE)),
+            (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                         empty, BlockCount, BlockOffset, ColCount, Order, n_work, N, H, G, M, NS, KVP, BLOCK_M,
+                         CONSUMERS, STAGES, SHARE, VS, ASHAPE)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset,
-                         Order, n_work, qk_scale, N, H, G, M, NS, 0, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP,
-                         SHARE)),
+                         ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 0,
+                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP, SHARE, VS, ASHAPE)),
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset,
-                         Order, n_work, qk_scale, N, H, G, M, NS, 1, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP,
-                         SHARE)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, BlockCount,
-                         BlockOffset, Order, n_work, N, H, G, M, NS, BLOCK_M, CONSUMERS, STAGES, SHARE)),
+                         ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 1,
+                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP, SHARE, VS, ASHAPE)),
+            (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                         empty, BlockCount, BlockOffset, ColCount, Order, n_work, N, H, G, M, NS, KVP, BLOCK_M,
+                         CONSUMERS, STAGES, SHARE, VS, ASHAPE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -278,6 +405,72 @@ def launch_config(consumers: int) -> dict[str, int]:
     return {"maxnreg": 168, "consumer_regs": 240} if consumers == 2 else {"maxnreg": 128, "consumer_regs": 232}
 
 
+def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stages: int, consumers: int,
+                overlap: bool) -> tuple[int, int, int, int, int]:
+    """The checks both entries share (ValueError naming the field); returns (B, Hq, Hkv, N, D)."""
+    B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v dtype must be bf16 or fp16 (all alike) for ws_prefill, got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}; use sparse_prefill for fp32")
+    if D not in (64, 128):
+        raise ValueError(f"head_dim {D} is not supported by ws_prefill (64 or 128); use sparse_prefill")
+    if consumers not in (1, 2) or stages < 1 + overlap:
+        raise ValueError(f"consumers must be 1 or 2 and stages >= 2 with overlap (the next piece's K waits in the ring "
+                         f"while this piece's slot is held), >= 1 without; got {consumers}, {stages}, overlap={overlap}")
+    return B, Hq, Hkv, N, D
+
+
+def _check_device(q: torch.Tensor) -> None:
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        raise ValueError(f"ws_prefill needs a Hopper GPU (sm_90), got device {q.device}; use sparse_prefill")
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None, stages: int,
+            consumers: int, overlap: bool, share_kv: bool,
+            packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+            band: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch on checked, contiguous inputs. `packed` (VS): (kc, vc `[B * Hq * KVP, D]`, cols Int32
+    `[B, Hq, KVP]`, col_count Int32 `[B, Hq, M]`, covered Int8 `[B, Hq, L]`); `band` (A-shape, tiles from
+    `ashape_to_tiles`): (sink, window) Int32 `[Hq]` on q's device; see `_ws_prefill_kernel`."""
+    B, Hq, N, D = q.shape
+    Hkv = k.shape[1]
+    M = -(-N // ROWS)
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([ROWS, D], gdt)
+    q_desc = TensorDescriptor.from_tensor(q.view(B * Hq * N, D), [ROWS, D], layout)
+    k_desc = TensorDescriptor.from_tensor(k.view(B * Hkv * N, D), [KEYS, D], layout)
+    v_desc = TensorDescriptor.from_tensor(v.view(B * Hkv * N, D), [KEYS, D], layout)
+    bc, bo = tiles.block_count.contiguous(), tiles.block_offset.contiguous()
+    sink, window = band if band is not None else (bc, bc)  # (unused without A-shape)
+    if packed is None:  # the VS arguments are unused (VS=False): any tensors of the right kind
+        kc_desc, vc_desc, cols, col_count, covered = k_desc, v_desc, bc, tiles.column_count.contiguous(), bc
+        strip_tiles = tiles  # A-shape: column_count = its sink strips' keys
+    else:
+        kc, vc, cols, col_count, covered = packed
+        kc_desc = TensorDescriptor.from_tensor(kc, [KEYS, D], layout)
+        vc_desc = TensorDescriptor.from_tensor(vc, [KEYS, D], layout)
+        strip_tiles = dataclasses.replace(tiles, column_count=col_count)  # work_order counts the strips
+    o = torch.empty_like(q)
+    lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
+    if share_kv:  # items (b, head pair, row block), ordered by the even heads' pieces
+        order = work_order(dataclasses.replace(tiles, block_count=bc[:, 0::2], column_count=tiles.column_count[:, 0::2]),
+                           1)
+        n_work = B * Hq // 2 * M
+        grid = n_work
+    else:
+        order = work_order(strip_tiles, 1)
+        n_work = B * Hq * M
+        grid = triton.cdiv(n_work, consumers)
+    cfg = launch_config(consumers)
+    _ws_prefill_kernel[(grid,)](
+        q_desc, k_desc, v_desc, kc_desc, vc_desc, o, lse, bc, bo, col_count, cols, covered, sink, window, order,
+        n_work, scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1], cols.shape[-1], covered.shape[-1],
+        CONSUMERS=consumers, STAGES=stages, OVERLAP=overlap, SHARE=share_kv, VS=packed is not None,
+        ASHAPE=band is not None, CONSUMER_REGS=cfg["consumer_regs"], num_warps=4, maxnreg=cfg["maxnreg"])
+    return o, lse
+
+
 def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None = None,
                sink: torch.Tensor | None = None, window: torch.Tensor | None = None, stages: int = 2,
                consumers: int = 2, overlap: bool = True, share_kv: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,23 +479,20 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
 
     q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` (bf16 / fp16, D = 64 or 128; copied if not contiguous); query head
     h reads KV head h // (Hq // Hkv). `tiles`: per query head (`[B, Hq, M]`, M = ceil(N / 64)), block 64,
-    64-key pieces that never overlap (`tiles.disjoint`: `block_sparse_to_tiles`), no vertical columns.
+    64-key pieces that never overlap (`tiles.disjoint`: `block_sparse_to_tiles`), no vertical columns
+    (Vertical-Slash: `ws_vertical_slash` takes the index itself).
     `stages`: K/V ring depth per ring; `consumers`: 64-row work items per program (one consumer warpgroup
     each); `overlap`: the next piece's Q K^T in flight beside this piece's P V; `share_kv` (2 consumers): a
     program takes query heads 2j and 2j + 1 (one KV head: Hq / Hkv even) of one row block and both read one
     K/V ring, so each tile crosses L2 once for 128 query rows (FA3's two consumer warpgroups); their piece
     lists must be equal (dense causal, expanded group-shared tiles; checked, one host sync). `sink` / `window`
-    (A-shape) are not supported: `sparse_prefill` takes them.
+    (A-shape) are not taken here: `ws_ashape` builds its own tiles.
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
     """
-    B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
-    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v dtype must be bf16 or fp16 (all alike) for ws_prefill, got {q.dtype}, {k.dtype}, "
-                         f"{v.dtype}; use sparse_prefill for fp32")
-    if D not in (64, 128):
-        raise ValueError(f"head_dim {D} is not supported by ws_prefill (64 or 128); use sparse_prefill")
+    B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap)
     if sink is not None or window is not None:
-        raise ValueError("sink / window (A-shape token masks) are not supported by ws_prefill; use sparse_prefill")
+        raise ValueError("sink / window (A-shape token masks) are not taken by ws_prefill; use "
+                         "ws_ashape(q, k, v, sink, window) or sparse_prefill")
     if tiles.block != ROWS or tiles.piece != KEYS:
         raise ValueError(f"tiles.block and tiles.width must give 64-row tiles of 64-key pieces for ws_prefill, got "
                          f"block {tiles.block}, piece {tiles.piece}; build them with block=64, width=0")
@@ -318,38 +508,82 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
     tiles = tiles.to(q.device)
     if tiles.column_index.shape[-1] > 1 or bool(tiles.column_count.any()):
         raise ValueError("tiles.column_index / column_count hold vertical columns, which ws_prefill does not take "
-                         "(no TMA gather on sm_90); use sparse_prefill for Vertical-Slash tiles")
-    if consumers not in (1, 2) or stages < 1 + overlap:
-        raise ValueError(f"consumers must be 1 or 2 and stages >= 2 with overlap (the next piece's K waits in the ring "
-                         f"while this piece's slot is held), >= 1 without; got {consumers}, {stages}, overlap={overlap}")
-    bc, bo = tiles.block_count.contiguous(), tiles.block_offset.contiguous()
+                         "(no TMA gather on sm_90); use ws_vertical_slash(q, k, v, columns, offsets) for "
+                         "Vertical-Slash, or sparse_prefill")
+    bc, bo = tiles.block_count, tiles.block_offset
     if share_kv and (consumers != 2 or Hq // Hkv % 2 or not (torch.equal(bc[:, 0::2], bc[:, 1::2])
                                                           and torch.equal(bo[:, 0::2], bo[:, 1::2]))):
         raise ValueError("share_kv needs consumers=2, an even number of query heads per KV head and equal piece lists "
                          "for heads 2j and 2j + 1 (tiles.block_count / block_offset); use share_kv=False")
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
-        raise ValueError(f"ws_prefill needs a Hopper GPU (sm_90), got device {q.device}; use sparse_prefill")
+    _check_device(q)
+    return _launch(q.contiguous(), k.contiguous(), v.contiguous(), tiles, scale, stages, consumers, overlap, share_kv)
+
+
+def pack_columns(k: torch.Tensor, v: torch.Tensor, cols: torch.Tensor,
+                 n_q_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each query head's columns' K / V rows, packed once per layer for TMA (sm_90 has no row gather).
+
+    k/v `[B, Hkv, N, D]` contiguous; cols Int32 `[B, Hq, KV]` ascending with invalid entries = N at the end
+    (`index_build.vs_slash_tiles`). Returns (kc, vc `[B * Hq * KVP, D]`: row (b * Hq + h) * KVP + i = key
+    cols[b, h, i] of KV head h // (Hq / Hkv), a padded / invalid entry reads key N - 1 (finite; the kernel
+    masks it); cols padded to Int32 `[B, Hq, KVP]` with N; col_count Int32 `[B, Hq, M]`: how many of a head's
+    columns are < m * 64, the prefix of its packed columns row block m walks). KVP = KV rounded up to 64 (>= 64).
+    """
+    B, Hkv, N, D = k.shape
+    M = -(-N // ROWS)
+    kvp = max(1, -(-cols.shape[-1] // KEYS)) * KEYS
+    cols = torch.nn.functional.pad(cols, (0, kvp - cols.shape[-1]), value=N)
+    head = torch.arange(B * n_q_heads, device=k.device).view(B, n_q_heads, 1)
+    kv_head = head // n_q_heads * Hkv + head % n_q_heads // (n_q_heads // Hkv)  # b * Hkv + h // G
+    rows = (kv_head * N + cols.clamp(max=N - 1)).view(-1)
+    kc, vc = (x.view(B * Hkv * N, D).index_select(0, rows) for x in (k, v))
+    starts = (torch.arange(M, device=k.device, dtype=torch.int32) * ROWS).expand(B, n_q_heads, M).contiguous()
+    col_count = torch.searchsorted(cols, starts, out_int32=True)  # left: columns < m * 64
+    return kc, vc, cols, col_count
+
+
+def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns: torch.Tensor,
+                      offsets: torch.Tensor, scale: float | None = None, stages: int = 2, consumers: int = 2,
+                      overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vertical-Slash prefill on an sm_90 GPU: MInference's index columns Long `[B, Hq, Kv]` (key positions),
+    offsets Long `[B, Hq, Ks]` (i - j), any order; -1, repeated, >= N entries ignored, offset 0 always in (as
+    `vertical_slash_prefill`, same keys as `index_ref.vs_to_tiles`). q, k, v, stages, consumers, overlap as
+    `ws_prefill`. The slash pieces come from `index_build.vs_slash_tiles`; each query head's unique columns are
+    packed once (`pack_columns`) and row block m walks the prefix of them < m*64, 64 at a time, as extra items
+    before its pieces (a column under one of its pieces masked), so the kernel reads each column once per row
+    block that keeps it. Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log)."""
+    from .index_build import vs_slash_tiles
+
+    B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap)
+    for name, x in (("columns", columns), ("offsets", offsets)):
+        if x.dim() != 3 or tuple(x.shape[:2]) != (B, Hq) or x.shape[-1] < 1 or x.dtype.is_floating_point:
+            raise ValueError(f"{name} must be an integer tensor [B, Hq, K] = [{B}, {Hq}, K >= 1] (per query head), "
+                             f"got {x.dtype} {tuple(x.shape)}; repeat group-shared indexes over the G query heads")
+    _check_device(q)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    scale = scale if scale is not None else 1.0 / math.sqrt(D)
-    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([ROWS, D], gdt)
-    q_desc = TensorDescriptor.from_tensor(q.view(B * Hq * N, D), [ROWS, D], layout)
-    k_desc = TensorDescriptor.from_tensor(k.view(B * Hkv * N, D), [KEYS, D], layout)
-    v_desc = TensorDescriptor.from_tensor(v.view(B * Hkv * N, D), [KEYS, D], layout)
-    o = torch.empty_like(q)
-    lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
-    if share_kv:  # items (b, head pair, row block), ordered by the even heads' pieces
-        order = work_order(dataclasses.replace(tiles, block_count=bc[:, 0::2], column_count=tiles.column_count[:, 0::2]),
-                           1)
-        n_work = B * Hq // 2 * M
-        grid = n_work
-    else:
-        order = work_order(tiles, 1)
-        n_work = B * Hq * M
-        grid = triton.cdiv(n_work, consumers)
-    cfg = launch_config(consumers)
-    _ws_prefill_kernel[(grid,)](
-        q_desc, k_desc, v_desc, o, lse, bc, bo, order, n_work, scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1],
-        CONSUMERS=consumers, STAGES=stages, OVERLAP=overlap, SHARE=share_kv, CONSUMER_REGS=cfg["consumer_regs"],
-        num_warps=4, maxnreg=cfg["maxnreg"])
-    return o, lse
+    tiles, covered, cols = vs_slash_tiles(columns.to(q.device), offsets.to(q.device), N, ROWS)
+    kc, vc, cols, col_count = pack_columns(k, v, cols, Hq)
+    return _launch(q, k, v, tiles, scale, stages, consumers, overlap, False, (kc, vc, cols, col_count, covered))
+
+
+def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | list[int],
+              window: torch.Tensor | list[int], scale: float | None = None, stages: int = 2, consumers: int = 2,
+              overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """A-shape prefill on an sm_90 GPU: per query head `sink` and `window` (tokens, `[Hq]`; window >= 1, sink
+    >= 0; `NO_WINDOW` for a head without a band) -> keys j <= i with j < sink or i - j < window (as
+    `ashape_prefill`). Tiles: `index_ref.ashape_to_tiles` per query head (window pieces, the sinks below a row
+    block's lowest piece as its columns [0, count)); the sinks are contiguous keys, so the kernel walks them as
+    strips of k / v from key 0 (lanes >= count masked) before the pieces, and applies the token mask on the
+    pieces that reach past the window. q, k, v, stages, consumers, overlap as `ws_prefill`.
+    Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log)."""
+    B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap)
+    sink_t = torch.as_tensor(sink).reshape(-1)
+    window_t = torch.as_tensor(window).reshape(-1)
+    if sink_t.numel() != Hq or window_t.numel() != Hq or sink_t.is_floating_point() or window_t.is_floating_point():
+        raise ValueError(f"sink and window must be integer token counts, one per query head ([{Hq}]); got "
+                         f"{sink_t.dtype} {tuple(sink_t.shape)} and {window_t.dtype} {tuple(window_t.shape)}")
+    _check_device(q)
+    tiles = ashape_to_tiles(sink_t, window_t, N, B, ROWS, device=q.device)  # checks window >= 1, sink >= 0
+    band = (sink_t.to(q.device, torch.int32), window_t.clamp(max=1 << 30).to(q.device, torch.int32))
+    return _launch(q.contiguous(), k.contiguous(), v.contiguous(), tiles, scale, stages, consumers, overlap, False,
+                   band=band)

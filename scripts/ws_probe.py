@@ -13,6 +13,16 @@ Variants: cCsS[o][k] = C consumer warpgroups (1 or 2), S ring stages, o = intra-
 consumers share one K/V ring (query heads 2j, 2j + 1): checked on per-KV-head selections, timed on dense causal
 and on group-shared top-k (`block_index(group_shared=True)`, expanded per head) against sparse_prefill's
 GQA-packed kernel on the group-shared tiles.
+  vs      Vertical-Slash (`ws_vertical_slash`): first per --vs-variants a check (bf16 o / lse against
+          `masked_attention_ref` under `vs_to_tiles`' mask; random columns / offsets with repeats, -1, >= N,
+          N = 1000 and 3000, GQA 4:1, B = 2), then VS(--vertical, --slash) from `index_build.vs_index` on the
+          bench's planted inputs at each of --lengths: ws vs sparse_prefill on `vs_tiles` of the same index,
+          efficiency = physical density of those tiles x SDPA ms / ms (ws computes more: the columns under a
+          row block's pieces are masked in its strips, not dropped: `ws_physical_density`). `--steps vs` runs
+          only this (~2 min).
+  ashape  A-shape (`ws_ashape`): a check per --vs-variants (per-head sinks / windows, N = 1000, GQA 4:1), then
+          sink --sink, window --window on every head at --lengths: ws vs `ashape_prefill` (group-shared tiles,
+          GQA-packed), efficiency over the per-head tiles' physical density. `--steps ashape` runs only this.
 Writes --out (JSON: environment, per step results) and prints a summary."""
 from __future__ import annotations
 
@@ -135,10 +145,153 @@ def sparse(variants: list[str], lengths: list[int], topk: int) -> dict:
     return out
 
 
+def vs_random_index(B: int, H: int, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Columns `[B, H, 300]`, offsets `[B, H, 63]`: repeats, -1, >= n, near the diagonal and scattered."""
+    cols = torch.randint(-1, n + 20, (B, H, 300), generator=g)
+    cols[..., 1::7] = cols[..., ::7][..., : cols[..., 1::7].shape[-1]]
+    near = torch.randint(-1, 200, (B, H, 30), generator=g)
+    return cols, torch.cat([near, torch.randint(0, n + 40, (B, H, 30), generator=g), near[..., :3]], -1)
+
+
+def check_vs(variant: str) -> dict:
+    from workbench_kernels.index_ref import tiles_to_mask, vs_to_tiles
+    from workbench_kernels.prefill_ref import masked_attention_ref
+    from workbench_kernels.prefill_ws import ws_vertical_slash
+
+    out = {}
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hkv = 2, 8, 2
+    kw = parse_variant(variant)
+    kw.pop("share_kv")
+    for n in (1000, 3000):
+        q, k, v = (torch.randn(B, h, n, 128, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
+        cols, offs = vs_random_index(B, Hq, n, g)
+        t0 = time.perf_counter()
+        o, lse = ws_vertical_slash(q, k, v, cols.cuda(), offs.cuda(), **kw)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(vs_to_tiles(cols.cuda(), offs.cuda(), n), n))
+        err, lse_err = (o.float() - ro.float()).abs().max().item(), (lse - rlse).abs().max().item()
+        out[f"n{n}"] = {"max_abs_err_o": err, "max_abs_err_lse": lse_err, "first_call_s": seconds,
+                        "ok": bool(err < 2e-2 + 2e-2 * ro.float().abs().max().item() and lse_err < 0.1
+                                   and torch.isfinite(o).all())}
+    return out
+
+
+def vs(variants: list[str], lengths: list[int], vertical: int, slash: int) -> dict:
+    from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
+    from workbench_kernels.index_build import vs_index, vs_slash_tiles, vs_tiles
+    from workbench_kernels.index_ref import tile_area
+    from workbench_kernels.prefill import sparse_prefill
+    from workbench_kernels.prefill_ws import pack_columns, ws_vertical_slash
+
+    hq, hkv, d, theta = SHAPES["llama3-8b"]
+    out = {}
+    for n in lengths:
+        q, k, v = planted_inputs(hq, hkv, d, n, theta)
+        kx, vx = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+        sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))
+        kx = vx = None
+        cols, offs = vs_index(q, k, 1.0 / d ** 0.5, vertical, min(slash, n))
+        tiles = vs_tiles(cols, offs, n)
+        pairs = hq * n * (n + 1) // 2
+        density = tile_area(tiles, n).sum().item() / pairs
+        pieces, _, packed = vs_slash_tiles(cols, offs, n)
+        strips = (pack_columns(k, v, packed, hq)[3].long() + 63) // 64
+        ws_area = ((pieces.block_count.long() + strips) * 64).sum().item() * 64  # (last row block counted full)
+        prep = {"vs_tiles": timed(lambda: vs_tiles(cols, offs, n)),  # sparse_prefill's index conversion
+                "ws_prep": timed(lambda: pack_columns(k, v, vs_slash_tiles(cols, offs, n)[2], hq))}  # ws's
+        ref, _ = sparse_prefill(q, k, v, tiles)
+        rows = {"sparse_prefill": timed(lambda: sparse_prefill(q, k, v, tiles))}  # tiles prebuilt
+        agree = {}
+        for name in variants:
+            kw = parse_variant(name)
+            kw.pop("share_kv")
+            o, _ = ws_vertical_slash(q, k, v, cols, offs, **kw)
+            agree[name] = (o.float() - ref.float()).abs().max().item()
+            ms = timed(lambda: ws_vertical_slash(q, k, v, cols, offs, **kw))  # with its own conversion + packing
+            rows[f"ws/{name}"] = ms
+            rows[f"ws/{name}-prep"] = ms - prep["ws_prep"]  # the kernel alone (estimate)
+        out[f"vs{vertical}_{slash}/{n}"] = {
+            "physical_density": density, "ws_physical_density": ws_area / pairs, "sdpa_ms": sdpa, "prep_ms": prep,
+            "agreement_max_abs": agree,
+            "rows": {key: {"ms": ms, "efficiency": density * sdpa / ms, "vs_sparse_prefill": rows["sparse_prefill"] / ms}
+                     for key, ms in rows.items()}}
+        q = k = v = tiles = ref = None
+        torch.cuda.empty_cache()
+    return out
+
+
+def check_ashape(variant: str) -> dict:
+    from workbench_kernels import NO_WINDOW
+    from workbench_kernels.index_ref import ashape_to_tiles, tiles_to_mask
+    from workbench_kernels.prefill_ref import masked_attention_ref
+    from workbench_kernels.prefill_ws import ws_ashape
+
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, n = 2, 8, 2, 1000
+    kw = parse_variant(variant)
+    kw.pop("share_kv")
+    sink = torch.tensor([0, 4, 64, 100, 4, 0, 130, 700])
+    window = torch.tensor([64, 100, 1, 300, NO_WINDOW, 1200, 65, 17])
+    q, k, v = (torch.randn(B, h, n, 128, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
+    t0 = time.perf_counter()
+    o, lse = ws_ashape(q, k, v, sink, window, **kw)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    mask = tiles_to_mask(ashape_to_tiles(sink, window, n, B, device="cuda"), n, sink.cuda(), window.cuda())
+    ro, rlse = masked_attention_ref(q, k, v, mask.cuda())
+    err, lse_err = (o.float() - ro.float()).abs().max().item(), (lse - rlse).abs().max().item()
+    return {f"n{n}": {"max_abs_err_o": err, "max_abs_err_lse": lse_err, "first_call_s": seconds,
+                      "ok": bool(err < 2e-2 + 2e-2 * ro.float().abs().max().item() and lse_err < 0.1
+                                 and torch.isfinite(o).all())}}
+
+
+def ashape(variants: list[str], lengths: list[int], sink: int, window: int) -> dict:
+    from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
+    from workbench_kernels.index_ref import ashape_to_tiles, tile_area
+    from workbench_kernels.prefill import ashape_prefill
+    from workbench_kernels.prefill_ws import ws_ashape
+
+    hq, hkv, d, theta = SHAPES["llama3-8b"]
+    out = {}
+    for n in lengths:
+        q, k, v = planted_inputs(hq, hkv, d, n, theta)
+        kx, vx = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+        sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))
+        kx = vx = None
+        sinks, windows = [sink] * hq, [window] * hq
+        density = tile_area(ashape_to_tiles(sinks, windows, n), n).sum().item() / (hq * n * (n + 1) // 2)
+        ref, _ = ashape_prefill(q, k, v, sinks, windows)
+        rows = {"sparse_prefill": timed(lambda: ashape_prefill(q, k, v, sinks, windows))}  # GQA-packed
+        agree = {}
+        for name in variants:
+            kw = parse_variant(name)
+            kw.pop("share_kv")
+            o, _ = ws_ashape(q, k, v, sinks, windows, **kw)
+            agree[name] = (o.float() - ref.float()).abs().max().item()
+            rows[f"ws/{name}"] = timed(lambda: ws_ashape(q, k, v, sinks, windows, **kw))
+        out[f"ashape{sink}_{window}/{n}"] = {
+            "physical_density": density, "sdpa_ms": sdpa, "agreement_max_abs": agree,
+            "rows": {key: {"ms": ms, "efficiency": density * sdpa / ms, "vs_sparse_prefill": rows["sparse_prefill"] / ms}
+                     for key, ms in rows.items()}}
+        q = k = v = ref = None
+        torch.cuda.empty_cache()
+    return out
+
+
 def child(args: argparse.Namespace) -> None:
     variants = args.variants.split(",")
     if args.child == "check":
         result = check(args.variant)
+    elif args.child == "check_vs":
+        result = check_vs(args.variant)
+    elif args.child == "check_ashape":
+        result = check_ashape(args.variant)
+    elif args.child == "ashape":
+        result = ashape(args.vs_variants.split(","), [int(x) for x in args.lengths.split(",")], args.sink, args.window)
+    elif args.child == "vs":
+        result = vs(args.vs_variants.split(","), [int(x) for x in args.lengths.split(",")], args.vertical, args.slash)
     elif args.child == "dense":
         result = dense(variants, args.dense_n)
     else:
@@ -162,7 +315,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="ws_probe.json")
     p.add_argument("--variants", default="c2s2o,c2s3o,c1s2o,c2s2,c2s3ok,c2s4ok", help="cCsS[o][k], comma-separated")
-    p.add_argument("--steps", default="check,dense,sparse")
+    p.add_argument("--steps", default="check,dense,sparse",
+                   help="any of check,dense,sparse,vs,ashape (vs, ashape: their own checks first)")
+    p.add_argument("--vs-variants", default="c2s2o,c1s2o,c2s3o", help="cCsS[o] for ws_vertical_slash / ws_ashape")
+    p.add_argument("--sink", type=int, default=128, help="A-shape sink tokens")
+    p.add_argument("--window", type=int, default=4096, help="A-shape window tokens")
+    p.add_argument("--vertical", type=int, default=1000, help="VS columns per head")
+    p.add_argument("--slash", type=int, default=6096, help="VS slash offsets per head")
+    p.add_argument("--vs-timeout", type=float, default=240.0)
     p.add_argument("--dense-n", type=int, default=32768)
     p.add_argument("--lengths", default="65536,131072")
     p.add_argument("--topk", type=int, default=100)
@@ -179,7 +339,8 @@ def main() -> None:
     start = time.perf_counter()
     left = lambda cap: max(1.0, min(cap, args.budget - (time.perf_counter() - start)))  # noqa: E731
     common = ["--variants", args.variants, "--dense-n", str(args.dense_n), "--lengths", args.lengths,
-              "--topk", str(args.topk)]
+              "--topk", str(args.topk), "--vertical", str(args.vertical), "--slash", str(args.slash), "--sink", str(args.sink),
+              "--window", str(args.window)]
     result = {"environment": environment(), "steps": {}}
     save = lambda: json.dump(result, open(args.out, "w"), indent=1)  # noqa: E731
     variants = args.variants.split(",")
@@ -219,6 +380,35 @@ def main() -> None:
                     print(f"top-{args.topk} {n} {key:16s} {row['ms']:8.2f} ms eff {row['efficiency']:.3f} "
                           f"{row['vs_sparse_prefill']:.3f}x sparse_prefill (density {part['physical_density']:.3f})",
                           flush=True)
+    for step in ("vs", "ashape"):
+        if step not in steps:
+            continue
+        good = []
+        for name in args.vs_variants.split(","):
+            r = run_step(["--child", f"check_{step}", "--variant", name, *common], left(args.check_timeout))
+            result["steps"][f"check_{step}/{name}"] = r
+            save()
+            ok = "error" not in r and all(c["ok"] for k, c in r.items() if k != "seconds")
+            detail = r.get("error", "")[:300] if ok or "error" in r else json.dumps(r)
+            print(f"check_{step} {name}: {'ok' if ok else 'FAILED'} {detail}", flush=True)
+            if ok:
+                good.append(name)
+        if not good:
+            print(f"no {step} variant passed its check: no {step} timings")
+            continue
+        r = run_step(["--child", step, "--vs-variants", ",".join(good), *common], left(args.vs_timeout))
+        result["steps"][step] = r
+        save()
+        if "error" in r:
+            print(f"{step}: {r['error'][:600]}", flush=True)
+        for n, part in r.items():
+            if n in ("seconds", "error"):
+                continue
+            extra = f", ws {part['ws_physical_density']:.3f}; prep ms {part['prep_ms']}" if step == "vs" else ""
+            for key, row in part["rows"].items():
+                print(f"{n} {key:20s} {row['ms']:8.2f} ms eff {row['efficiency']:.3f} "
+                      f"{row['vs_sparse_prefill']:.3f}x sparse_prefill (density {part['physical_density']:.3f}{extra})",
+                      flush=True)
     result["seconds"] = time.perf_counter() - start
     save()
 

@@ -3,6 +3,10 @@
 with wgmma, TMA, no spills and its shared memory within the H200's; on an H200 it matches exact masked
 attention in bf16; inputs it does not take raise ValueError naming the field (checked on the CPU).
 
+Vertical-Slash (`ws_vertical_slash`) and A-shape (`ws_ashape`) run on an H200 against the same reference; for VS
+the pieces and packed columns it builds (`index_build.vs_slash_tiles`,
+`pack_columns`; Triton's interpreter on a CPU) keep exactly `vs_to_tiles`' keys.
+
 The compiles run in a fresh process (this file as a script), as in test_kernels_compile.py: a process where
 the interpreter ran kernels cannot `triton.compile`."""
 from __future__ import annotations
@@ -16,22 +20,37 @@ import sys
 
 import pytest
 import torch
-from test_kernels_compile import SMEM_SM90
-from workbench_kernels.index_ref import block_sparse_to_tiles, tiles_to_mask, vs_to_tiles
-from workbench_kernels.prefill_ref import masked_attention_ref
 
-CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv)
-    "two_consumers_2_stages": (2, 2, True, 128, False),  # the default
-    "two_consumers_3_stages": (2, 3, True, 128, False),
-    "one_consumer": (1, 2, True, 128, False),
-    "no_overlap": (2, 2, False, 128, False),
-    "head_dim_64": (2, 2, True, 64, False),
-    "shared_kv_3_stages": (2, 3, True, 128, True),
-    "shared_kv_4_stages": (2, 4, True, 128, True),
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # index_build's kernels on the CPU (the compiles run apart)
+
+from test_kernels_compile import SMEM_SM90  # noqa: E402
+from workbench_kernels.index_ref import block_sparse_to_tiles, tiles_to_mask, vs_to_tiles  # noqa: E402
+from workbench_kernels.prefill_ref import masked_attention_ref  # noqa: E402
+
+CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block / vs / ashape)
+    "two_consumers_2_stages": (2, 2, True, 128, False, "block"),  # the default
+    "two_consumers_3_stages": (2, 3, True, 128, False, "block"),
+    "one_consumer": (1, 2, True, 128, False, "block"),
+    "no_overlap": (2, 2, False, 128, False, "block"),
+    "head_dim_64": (2, 2, True, 64, False, "block"),
+    "shared_kv_3_stages": (2, 3, True, 128, True, "block"),
+    "shared_kv_4_stages": (2, 4, True, 128, True, "block"),
+    "vs_two_consumers_2_stages": (2, 2, True, 128, False, "vs"),  # ws_vertical_slash's default
+    "vs_two_consumers_3_stages": (2, 3, True, 128, False, "vs"),
+    "vs_one_consumer": (1, 2, True, 128, False, "vs"),
+    "vs_no_overlap": (2, 2, False, 128, False, "vs"),
+    "vs_head_dim_64": (2, 2, True, 64, False, "vs"),
+    "ashape_two_consumers_2_stages": (2, 2, True, 128, False, "ashape"),  # ws_ashape's default
+    "ashape_one_consumer": (1, 2, True, 128, False, "ashape"),
+    "ashape_no_overlap": (2, 2, False, 128, False, "ashape"),
+    "ashape_head_dim_64": (2, 2, True, 64, False, "ashape"),
 }
+BLOCK_CASES, VS_CASES, ASHAPE_CASES = ([case for case, args in CASES.items() if args[-1] == pattern]
+                                       for pattern in ("block", "vs", "ashape"))
 
 
-def compile_ws(consumers: int, stages: int, overlap: bool, d: int, share: bool, dtype: str = "bf16"):
+def compile_ws(consumers: int, stages: int, overlap: bool, d: int, share: bool, pattern: str, dtype: str = "bf16"):
     """`_ws_prefill_kernel` compiled for sm_90 (descriptor arguments typed as `ws_prefill` builds them)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -41,10 +60,12 @@ def compile_ws(consumers: int, stages: int, overlap: bool, d: int, share: bool, 
 
     fn = prefill_ws._ws_prefill_kernel
     desc = f"tensordesc<{dtype}[64, {d}],{gl.NVMMASharedLayout.get_default_for([64, d], gl.bfloat16)!r}>"
-    pointers = {"O": f"*{dtype}", "LSE": "*fp32", "BlockCount": "*i32", "BlockOffset": "*i32", "Order": "*i32"}
-    types = {"q_desc": desc, "k_desc": desc, "v_desc": desc, "qk_scale": "fp32", **pointers}
+    pointers = {"O": f"*{dtype}", "LSE": "*fp32", "BlockCount": "*i32", "BlockOffset": "*i32", "ColCount": "*i32",
+                "Cols": "*i32", "Covered": "*i8", "Sink": "*i32", "Window": "*i32", "Order": "*i32"}
+    types = {**{x: desc for x in ("q_desc", "k_desc", "v_desc", "kc_desc", "vc_desc")}, "qk_scale": "fp32", **pointers}
     cfg = prefill_ws.launch_config(consumers)
-    constants = dict(CONSUMERS=consumers, STAGES=stages, OVERLAP=overlap, SHARE=share,
+    constants = dict(CONSUMERS=consumers, STAGES=stages, OVERLAP=overlap, SHARE=share, VS=pattern == "vs",
+                     ASHAPE=pattern == "ashape",
                      CONSUMER_REGS=cfg["consumer_regs"])
     signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in fn.arg_names}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}
@@ -106,7 +127,7 @@ def compiled() -> dict[str, dict]:
     reason = gluon_hopper_reason()
     if reason:
         pytest.skip(reason)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # compiled, not interpreted (the import's default is off)
     run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -119,7 +140,7 @@ def test_ws_prefill_compiles_for_sm90(compiled, case):
     TMA loads; no local memory, no spills; shared memory within the H200's."""
     result = compiled[case]
     assert "error" not in result, result.get("error")
-    consumers, stages, overlap, d, _ = CASES[case]
+    consumers, stages, overlap, d, _, _ = CASES[case]
     assert result["partitions"] == consumers, result  # workers: producer (+ the second consumer)
     assert result["setmaxnreg"], result
     per_path = d // 16 + 4  # Q K^T over head_dim, P V over 64 keys, in k-steps of 16
@@ -148,7 +169,7 @@ def hopper() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper(), reason="ws_prefill runs on sm_90 (H100 / H200) only")
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", BLOCK_CASES)
 @pytest.mark.parametrize("keep", [1.0, 0.3], ids=["dense_causal", "block_sparse"])
 def test_ws_prefill_matches_masked_attention_bf16(case, keep):
     """Every causal block and random selections (the diagonal always in; shared K/V: one per KV head), N not a
@@ -156,13 +177,103 @@ def test_ws_prefill_matches_masked_attention_bf16(case, keep):
     lse against fp32 attention under the tiles' mask."""
     from workbench_kernels.prefill_ws import ws_prefill
 
-    consumers, stages, overlap, d, share = CASES[case]
+    consumers, stages, overlap, d, share, _ = CASES[case]
     B, Hq, Hkv, n = 2, 8, 2, 1000
     q, k, v = qkv(B, Hq, Hkv, n, d, seed=int(keep * 10))
     index = block_index(B, Hkv if share else Hq, n, keep, seed=1)  # share_kv: one selection per KV head
     tiles = block_sparse_to_tiles(index.repeat_interleave(Hq // index.shape[1], 1), n).to("cuda")
     o, lse = ws_prefill(q, k, v, tiles, stages=stages, consumers=consumers, overlap=overlap, share_kv=share)
     ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(tiles, n))
+    assert torch.isfinite(o).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(o.float(), ro.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, rlse, atol=8e-2, rtol=2e-2)
+
+
+def vs_index(B: int, H: int, n: int, n_cols: int, n_offs: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random Vertical-Slash index (columns Long `[B, H, n_cols]`, offsets Long `[B, H, n_offs]`, unsorted) with
+    repeated, -1 and >= n entries, and offsets both near the diagonal and scattered."""
+    g = torch.Generator().manual_seed(seed)
+    cols = torch.randint(-1, n + 20, (B, H, n_cols), generator=g)
+    cols[..., 1::7] = cols[..., ::7][..., : cols[..., 1::7].shape[-1]]  # repeats
+    near = torch.randint(-1, 200, (B, H, n_offs // 2), generator=g)
+    far = torch.randint(0, n + 40, (B, H, n_offs - n_offs // 2), generator=g)
+    return cols, torch.cat([near, far, near[..., :3]], -1)
+
+
+@pytest.mark.parametrize("n", [333, 1000])
+def test_vs_packed_columns_keep_the_reference_keys(n):
+    """`vs_slash_tiles` gives `vs_to_tiles`' pieces; the packed columns' prefix < m*64 of row block m, less the
+    covered ones (the kernel's strip mask), is `vs_to_tiles`' column list of that row block; kc / vc rows are
+    the columns' K / V rows of the query head's KV head (GQA 4:1)."""
+    import triton
+    from workbench_kernels.index_build import vs_slash_tiles
+    from workbench_kernels.prefill_ws import pack_columns
+
+    if os.environ.get("TRITON_INTERPRET") == "1" and triton.__version__.startswith("3.6"):
+        pytest.skip("Triton 3.6's interpreter cannot run index_build._vs_cover_kernel (test_kernels_index fails alike)")
+    B, Hq, Hkv, D = 2, 8, 2, 16
+    cols, offs = vs_index(B, Hq, n, 150, 40, seed=n)
+    ref = vs_to_tiles(cols, offs, n)
+    tiles, covered, packed = vs_slash_tiles(cols, offs, n)
+    assert torch.equal(tiles.block_count, ref.block_count) and not tiles.column_count.any()
+    live = torch.arange(ref.block_offset.shape[-1]) < ref.block_count.unsqueeze(-1)
+    assert torch.equal(tiles.block_offset[..., : live.shape[-1]][live], ref.block_offset[live])
+    k, v = (torch.randn(B, Hkv, n, D) for _ in range(2))
+    kc, vc, pc, count = pack_columns(k, v, packed, Hq)
+    kvp = pc.shape[-1]
+    assert kvp % 64 == 0 and kc.shape == vc.shape == (B * Hq * kvp, D)
+    for b in range(B):
+        for h in range(Hq):
+            valid = pc[b, h][pc[b, h] < n].long()
+            assert torch.equal(valid, torch.unique(cols[b, h][(cols[b, h] >= 0) & (cols[b, h] < n)]))
+            rows = (b * Hq + h) * kvp + torch.arange(len(valid))
+            assert torch.equal(kc[rows], k[b, h // 4, valid]) and torch.equal(vc[rows], v[b, h // 4, valid])
+            for m in range(ref.shape[-1]):
+                prefix = pc[b, h, : count[b, h, m]].long()
+                assert (prefix < m * 64).all() and (pc[b, h, count[b, h, m]:] >= m * 64).all()
+                kept = prefix[covered[b, h, m * 64 - prefix + 63] == 0]
+                assert torch.equal(kept, ref.column_index[b, h, m, : ref.column_count[b, h, m]].long()), (b, h, m)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not hopper(), reason="ws_vertical_slash runs on sm_90 (H100 / H200) only")
+@pytest.mark.parametrize("case", VS_CASES)
+@pytest.mark.parametrize("n", [1000, 4096])
+def test_ws_vertical_slash_matches_masked_attention_bf16(case, n):
+    """Random columns / offsets (repeats, -1, >= N, near and far offsets), N = 1000 (not a multiple of 64) and
+    4096 (more columns than one strip per row block), GQA 4:1: o and lse against fp32 attention under
+    `vs_to_tiles`' mask."""
+    from workbench_kernels.prefill_ws import ws_vertical_slash
+
+    consumers, stages, overlap, d, _, _ = CASES[case]
+    B, Hq, Hkv = 2, 8, 2
+    q, k, v = qkv(B, Hq, Hkv, n, d, seed=n)
+    cols, offs = vs_index(B, Hq, n, 300, 60, seed=n)
+    o, lse = ws_vertical_slash(q, k, v, cols.cuda(), offs.cuda(), stages=stages, consumers=consumers, overlap=overlap)
+    ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(vs_to_tiles(cols.cuda(), offs.cuda(), n), n))
+    assert torch.isfinite(o).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(o.float(), ro.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, rlse, atol=8e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not hopper(), reason="ws_ashape runs on sm_90 (H100 / H200) only")
+@pytest.mark.parametrize("case", ASHAPE_CASES)
+def test_ws_ashape_matches_masked_attention_bf16(case):
+    """Per-head sinks (0, inside the first piece, over a strip, over a window piece) and windows (1, a piece's
+    width, wider than N, none), N = 1000, GQA 4:1: o and lse against fp32 attention under the A-shape mask."""
+    from workbench_kernels import NO_WINDOW
+    from workbench_kernels.index_ref import ashape_to_tiles
+    from workbench_kernels.prefill_ws import ws_ashape
+
+    consumers, stages, overlap, d, _, _ = CASES[case]
+    B, Hq, Hkv, n = 2, 8, 2, 1000
+    sink = torch.tensor([0, 4, 64, 100, 4, 0, 130, 700])
+    window = torch.tensor([64, 100, 1, 300, NO_WINDOW, 1200, 65, 17])
+    q, k, v = qkv(B, Hq, Hkv, n, d, seed=3)
+    o, lse = ws_ashape(q, k, v, sink, window, stages=stages, consumers=consumers, overlap=overlap)
+    mask = tiles_to_mask(ashape_to_tiles(sink, window, n, B, device="cuda"), n, sink.cuda(), window.cuda())
+    ro, rlse = masked_attention_ref(q, k, v, mask.cuda())
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
     torch.testing.assert_close(o.float(), ro.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, rlse, atol=8e-2, rtol=2e-2)
@@ -203,6 +314,43 @@ def test_ws_prefill_rejects_unsupported_inputs(case):
         pytest.skip("this machine is a Hopper GPU")
     with pytest.raises(ValueError, match=field):
         ws_prefill(q, k, v, tiles, **kwargs)
+
+
+@pytest.mark.parametrize("case", ["sink_shape", "window_dtype", "not_hopper"])
+def test_ws_ashape_rejects_unsupported_inputs(case):
+    """One integer sink and window per query head, an sm_90 GPU; else ValueError naming the field."""
+    if gluon_hopper_reason():
+        pytest.skip(gluon_hopper_reason())
+    from workbench_kernels.prefill_ws import ws_ashape
+
+    if case == "not_hopper" and hopper():
+        pytest.skip("this machine is a Hopper GPU")
+    q, k, v = (torch.randn(1, h, 200, 128, dtype=torch.bfloat16) for h in (8, 2, 2))
+    sink, window = torch.full((8,), 4), torch.full((8,), 64)
+    args, field = {"sink_shape": ((q, k, v, sink[:2], window), "sink"),
+                   "window_dtype": ((q, k, v, sink, window.float()), "window"),
+                   "not_hopper": ((q, k, v, sink, window), "Hopper")}[case]
+    with pytest.raises(ValueError, match=field):
+        ws_ashape(*args)
+
+
+@pytest.mark.parametrize("case", ["columns_shape", "offsets_dtype", "fp32", "not_hopper"])
+def test_ws_vertical_slash_rejects_unsupported_inputs(case):
+    """Per-query-head integer index of the right [B, Hq] shape, bf16 / fp16, an sm_90 GPU; else ValueError."""
+    if gluon_hopper_reason():
+        pytest.skip(gluon_hopper_reason())
+    from workbench_kernels.prefill_ws import ws_vertical_slash
+
+    if case == "not_hopper" and hopper():
+        pytest.skip("this machine is a Hopper GPU")
+    q, k, v = (torch.randn(1, h, 200, 128, dtype=torch.bfloat16) for h in (8, 2, 2))
+    cols, offs = torch.tensor([[[3, 90]] * 8]), torch.tensor([[[0, 70]] * 8])
+    args, field = {"columns_shape": ((q, k, v, cols[:, :2], offs), "columns"),
+                   "offsets_dtype": ((q, k, v, cols, offs.float()), "offsets"),
+                   "fp32": ((q.float(), k.float(), v.float(), cols, offs), "dtype"),
+                   "not_hopper": ((q, k, v, cols, offs), "Hopper")}[case]
+    with pytest.raises(ValueError, match=field):
+        ws_vertical_slash(*args)
 
 
 if __name__ == "__main__":
