@@ -505,12 +505,14 @@ def compare_minference(args: argparse.Namespace) -> int:
     group-shared; the tiles beside MInference's CUDA conversion; a same-work run with contiguous column
     strips bounds what gathering the columns into a packed buffer could gain); FlexAttention on the same
     64-aligned blocks (per-head rows of the first shape). Each of our rows times every --variants entry
-    on the same tiles (the first shape; the others: default and tma). MInference's kernels have no GQA:
+    on the same tiles, on every shape (the Gluon kernel's Vertical-Slash and A-shape entries on their own
+    prepared inputs). MInference's kernels have no GQA:
     they read K/V repeated to Hq heads, and take head_dim <= 128 only. `bars` sums up the issue's ratios."""
     import torch
     from workbench_kernels.index_build import block_index, pooled_scores, select_blocks, vs_index, vs_tiles
     from workbench_kernels.index_ref import VSTiles, ashape_to_tiles, expand_groups, selected_block_tiles, tile_area
     from workbench_kernels.prefill import default_config, loop_variant, sparse_prefill, ws_takes
+    from workbench_kernels.prefill_ws import pack_vertical_slash, ws_ashape, ws_vertical_slash
 
     from workbench.core.io import write_json
     from workbench.patterns import AShape, BlockSparse, VerticalSlash
@@ -603,6 +605,19 @@ def compare_minference(args: argparse.Namespace) -> int:
                                         "num_warps": warps, "num_stages": stages})
                 return times, min(timed, key=timed.get), out
 
+            def gluon(times, fn, out):
+                """Time `fn` (a `prefill_ws` entry on prepared inputs) as variant "ws" where the Gluon kernel runs
+                (sm_90, head_dim 64 / 128, "ws" in --variants, its check passed) -> (best variant, extras)."""
+                if "ws" not in variants or not hopper or d not in (64, 128) or (ws_check and ws_check.result()):
+                    return min((x for x in times if isinstance(times[x], float)), key=times.get), {}
+                try:
+                    times["ws"] = time_ms(fn)
+                    extra = {"ws_vs_loop_output": agreement(fn()[0], out)}
+                except Exception as e:  # noqa: BLE001 - keep the row, say why the Gluon kernel is missing
+                    times["ws"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    extra = {}
+                return min((x for x in times if isinstance(times[x], float)), key=times.get), extra
+
             def row(pattern, tiles, times, best, mi_ms=None, area=None, **extra):
                 area = area if area is not None else tile_area(tiles, n).sum().item() * (hq // tiles.shape[1])
                 ms = times[best]
@@ -683,7 +698,11 @@ def compare_minference(args: argparse.Namespace) -> int:
                 t_a = time_ms(lambda: ashape_to_tiles([args.sink] * h, [args.window] * h, n, 1, block, dev, width))
                 tiles = ashape_to_tiles([args.sink] * h, [args.window] * h, n, 1, block, dev, width)
                 times, best, out = ours(tiles, sink=sink, window=window)
-                r = row("a_shape" + ("_packed" if shared else ""), tiles, times, best, index_ms=t_a)
+                ws = {}
+                if not shared:  # the Gluon kernel on the same per-head tiles
+                    best, ws = gluon(times, lambda t=tiles: ws_ashape(q, k, v, sink, window, scale=scale, tiles=t),
+                                     out)
+                r = row("a_shape" + ("_packed" if shared else ""), tiles, times, best, index_ms=t_a, **ws)
                 if not shared:
                     with_flex(r, tiles, "a_shape", AShape(args.sink, args.window, hq).mask_mod(n, dev), sink=sink,
                               window=window)
@@ -698,6 +717,12 @@ def compare_minference(args: argparse.Namespace) -> int:
                 t_tiles = time_ms(lambda: vs_tiles(cols, offs, n))
                 times, best, out = ours(tiles)
                 mi_ms, extra = None, {"index_ms": t_idx + t_tiles, "tiles_ms": t_tiles}
+                if not shared and hopper and d in (64, 128):  # the Gluon kernel: its own tiles + packed columns
+                    packed = pack_vertical_slash(k, v, cols, offs, hq)
+                    best, ws = gluon(times, lambda: ws_vertical_slash(q, k, v, cols, offs, scale=scale, packed=packed),
+                                     out)
+                    extra.update(ws, ws_tiles_and_pack_ms=time_ms(lambda: pack_vertical_slash(k, v, cols, offs, hq)))
+                    packed = None
                 if with_mi:
                     full_c = cols.repeat_interleave(G, 1) if shared else cols
                     full_o = offs.repeat_interleave(G, 1) if shared else offs

@@ -542,18 +542,29 @@ def pack_columns(k: torch.Tensor, v: torch.Tensor, cols: torch.Tensor,
     return kc, vc, cols, col_count
 
 
+def pack_vertical_slash(k: torch.Tensor, v: torch.Tensor, columns: torch.Tensor, offsets: torch.Tensor,
+                        n_q_heads: int) -> tuple[VSTiles, tuple[torch.Tensor, ...]]:
+    """What `ws_vertical_slash` prepares once per layer from MInference's index (columns / offsets `[B, Hq, K]`):
+    the slash pieces (`index_build.vs_slash_tiles`) and the packed columns (kc, vc, cols, col_count, covered;
+    `pack_columns`). k / v contiguous `[B, Hkv, N, D]` on the GPU."""
+    from .index_build import vs_slash_tiles
+
+    tiles, covered, cols = vs_slash_tiles(columns.to(k.device), offsets.to(k.device), k.shape[2], ROWS)
+    return tiles, (*pack_columns(k, v, cols, n_q_heads), covered)
+
+
 def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns: torch.Tensor,
                       offsets: torch.Tensor, scale: float | None = None, stages: int = 2, consumers: int = 2,
-                      overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                      overlap: bool = True, packed: tuple[VSTiles, tuple[torch.Tensor, ...]] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Vertical-Slash prefill on an sm_90 GPU: MInference's index columns Long `[B, Hq, Kv]` (key positions),
     offsets Long `[B, Hq, Ks]` (i - j), any order; -1, repeated, >= N entries ignored, offset 0 always in (as
     `vertical_slash_prefill`, same keys as `index_ref.vs_to_tiles`). q, k, v, stages, consumers, overlap as
     `ws_prefill`. The slash pieces come from `index_build.vs_slash_tiles`; each query head's unique columns are
     packed once (`pack_columns`) and row block m walks the prefix of them < m*64, 64 at a time, as extra items
     before its pieces (a column under one of its pieces masked), so the kernel reads each column once per row
-    block that keeps it. Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log)."""
-    from .index_build import vs_slash_tiles
-
+    block that keeps it. `packed`: `pack_vertical_slash(k, v, columns, offsets, Hq)` made earlier (this call then
+    only launches). Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log)."""
     B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap)
     for name, x in (("columns", columns), ("offsets", offsets)):
         if x.dim() != 3 or tuple(x.shape[:2]) != (B, Hq) or x.shape[-1] < 1 or x.dtype.is_floating_point:
@@ -561,20 +572,20 @@ def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns
                              f"got {x.dtype} {tuple(x.shape)}; repeat group-shared indexes over the G query heads")
     _check_device(q)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    tiles, covered, cols = vs_slash_tiles(columns.to(q.device), offsets.to(q.device), N, ROWS)
-    kc, vc, cols, col_count = pack_columns(k, v, cols, Hq)
+    tiles, (kc, vc, cols, col_count, covered) = packed or pack_vertical_slash(k, v, columns, offsets, Hq)
     return _launch(q, k, v, tiles, scale, stages, consumers, overlap, False, (kc, vc, cols, col_count, covered))
 
 
 def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | list[int],
               window: torch.Tensor | list[int], scale: float | None = None, stages: int = 2, consumers: int = 2,
-              overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+              overlap: bool = True, tiles: VSTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A-shape prefill on an sm_90 GPU: per query head `sink` and `window` (tokens, `[Hq]`; window >= 1, sink
     >= 0; `NO_WINDOW` for a head without a band) -> keys j <= i with j < sink or i - j < window (as
     `ashape_prefill`). Tiles: `index_ref.ashape_to_tiles` per query head (window pieces, the sinks below a row
     block's lowest piece as its columns [0, count)); the sinks are contiguous keys, so the kernel walks them as
     strips of k / v from key 0 (lanes >= count masked) before the pieces, and applies the token mask on the
-    pieces that reach past the window. q, k, v, stages, consumers, overlap as `ws_prefill`.
+    pieces that reach past the window. q, k, v, stages, consumers, overlap as `ws_prefill`; `tiles`: those
+    per-head tiles made earlier (`ashape_to_tiles(sink, window, N, B, 64)`; this call then only launches).
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log)."""
     B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap)
     sink_t = torch.as_tensor(sink).reshape(-1)
@@ -583,7 +594,11 @@ def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Ten
         raise ValueError(f"sink and window must be integer token counts, one per query head ([{Hq}]); got "
                          f"{sink_t.dtype} {tuple(sink_t.shape)} and {window_t.dtype} {tuple(window_t.shape)}")
     _check_device(q)
-    tiles = ashape_to_tiles(sink_t, window_t, N, B, ROWS, device=q.device)  # checks window >= 1, sink >= 0
+    if tiles is None:
+        tiles = ashape_to_tiles(sink_t, window_t, N, B, ROWS, device=q.device)  # checks window >= 1, sink >= 0
+    elif tuple(tiles.shape) != (B, Hq, -(-N // ROWS)) or tiles.block != ROWS or tiles.piece != KEYS:
+        raise ValueError(f"tiles must be ashape_to_tiles(sink, window, {N}, {B}, 64) per query head ([{B}, {Hq}, "
+                         f"{-(-N // ROWS)}], 64 x 64), got {tuple(tiles.shape)}, {tiles.block} x {tiles.piece}")
     band = (sink_t.to(q.device, torch.int32), window_t.clamp(max=1 << 30).to(q.device, torch.int32))
     return _launch(q.contiguous(), k.contiguous(), v.contiguous(), tiles, scale, stages, consumers, overlap, False,
                    band=band)
