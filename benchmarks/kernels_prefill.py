@@ -598,6 +598,10 @@ def compare_minference(args: argparse.Namespace) -> int:
                     if same.get(name):
                         continue  # the default's kernel or the loop's defaults (ws: also where it does not fit)
                 timed = {name: ms for name, ms in times.items() if isinstance(ms, float)}
+                if not timed:  # every variant failed: say why, leave the row out
+                    print(f"{shape} {n}: every variant failed on these tiles: {times}", flush=True)
+                    result.setdefault("failed", []).append({"shape": shape, "n": n, "variant_ms": times})
+                    return times, None, None
                 out = sparse_prefill(q, k, v, tiles, scale=scale, **kw)[0]
                 warps, stages = default_config(d, rows_per_program, pack)
                 times["default_is"] = ({"kernel": "ws"} if ws_default else
@@ -677,6 +681,8 @@ def compare_minference(args: argparse.Namespace) -> int:
                 table = block_index(q, k, args.topk, group_shared=shared)
                 tiles = selected_block_tiles(table)
                 times, best, out = ours(tiles)
+                if best is None:
+                    continue
                 mi_ms, extra = None, {}
                 if with_mi:
                     full_table = table.repeat_interleave(G, 1).contiguous() if shared else table
@@ -698,6 +704,8 @@ def compare_minference(args: argparse.Namespace) -> int:
                 t_a = time_ms(lambda: ashape_to_tiles([args.sink] * h, [args.window] * h, n, 1, block, dev, width))
                 tiles = ashape_to_tiles([args.sink] * h, [args.window] * h, n, 1, block, dev, width)
                 times, best, out = ours(tiles, sink=sink, window=window)
+                if best is None:
+                    continue
                 ws = {}
                 if not shared:  # the Gluon kernel on the same per-head tiles
                     best, ws = gluon(times, lambda t=tiles: ws_ashape(q, k, v, sink, window, scale=scale, tiles=t),
@@ -716,6 +724,8 @@ def compare_minference(args: argparse.Namespace) -> int:
                 tiles = vs_tiles(cols, offs, n)
                 t_tiles = time_ms(lambda: vs_tiles(cols, offs, n))
                 times, best, out = ours(tiles)
+                if best is None:
+                    continue
                 mi_ms, extra = None, {"index_ms": t_idx + t_tiles, "tiles_ms": t_tiles}
                 if not shared and hopper and d in (64, 128):  # the Gluon kernel: its own tiles + packed columns
                     packed = pack_vertical_slash(k, v, cols, offs, hq)
@@ -773,7 +783,8 @@ def compare_minference(args: argparse.Namespace) -> int:
                 # 128-row tiles over 64-wide pieces (the greedy cover of each 128-row block's ranges)
                 tiles = vs_tiles(cols, offs, n, 128, 64)
                 times, best, out = ours(tiles, only=("default", "tma"))
-                row(name + "_128x64", tiles, times, best, mi_ms)
+                if best is not None:
+                    row(name + "_128x64", tiles, times, best, mi_ms)
                 del out, tiles
             result["bars"].setdefault(shape, {})[n] = bars(found)
             save()
