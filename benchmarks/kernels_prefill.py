@@ -597,6 +597,11 @@ def compare_minference(args: argparse.Namespace) -> int:
                         continue
                     if same.get(name):
                         continue  # the default's kernel or the loop's defaults (ws: also where it does not fit)
+                    try:
+                        times[name] = time_ms(lambda: sparse_prefill(q, k, v, tiles, scale=scale, **VARIANTS[name],
+                                                                     **kw))
+                    except Exception as e:  # noqa: BLE001 - a variant that does not compile here: say why
+                        times[name] = f"{type(e).__name__}: {str(e)[:200]}"
                 timed = {name: ms for name, ms in times.items() if isinstance(ms, float)}
                 if not timed:  # every variant failed: say why, leave the row out
                     print(f"{shape} {n}: every variant failed on these tiles: {times}", flush=True)
