@@ -450,7 +450,8 @@ def vs_slash_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int,
     tiles = VSTiles(torch.empty(B, H, M, dtype=torch.int32, device=dev),
                     torch.empty(B, H, M, NS, dtype=torch.int32, device=dev),
                     torch.empty(B, H, M, dtype=torch.int32, device=dev),
-                    torch.full((B, H, M, 1), -1, dtype=torch.int32, device=dev), block, 0, disjoint=True)
+                    torch.full((B, H, M, 1), -1, dtype=torch.int32, device=dev), block, 0, disjoint=True,
+                    columns=False)
     # KV = 0: the column loop is skipped (column_count = min(0, NC) = 0)
     _expand_tiles_kernel[(B * H, M)](ends, cov, cols, tiles.block_count, tiles.block_offset, tiles.column_count,
                                      tiles.column_index, ends.shape[-1], cov.shape[-1], 0, NS, 0, M, n,

@@ -53,6 +53,7 @@ class VSTiles:
     block: int = BLOCK
     width: int = 0  # piece width (and column strip width) in keys; 0 = `block`
     disjoint: bool = False  # pieces never overlap (p_t + piece <= p_{t+1}): the kernel skips the cut check
+    columns: bool = True  # False: no column lists at all (block-sparse tiles; column_count all 0), known statically
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -65,7 +66,7 @@ class VSTiles:
     def to(self, device: torch.device | str) -> VSTiles:
         return VSTiles(*(t.to(device) for t in (self.block_count, self.block_offset, self.column_count,
                                                 self.column_index)), block=self.block, width=self.width,
-                       disjoint=self.disjoint)
+                       disjoint=self.disjoint, columns=self.columns)
 
 
 def _check_bh(name: str, t: torch.Tensor, ndim: int = 3) -> None:
@@ -293,14 +294,14 @@ def block_sparse_to_tiles(block_index: torch.Tensor, n: int, block: int = BLOCK,
     keep = (srt < big) & torch.nn.functional.pad(srt[..., 1:] != srt[..., :-1], (1, 0), value=True)
     block_offset, block_count = _compact(srt * w, keep, None)
     empty = torch.full((B, H, M, 1), -1, dtype=torch.int32, device=dev)
-    return VSTiles(block_count, block_offset, torch.zeros_like(block_count), empty, block, width, True)
+    return VSTiles(block_count, block_offset, torch.zeros_like(block_count), empty, block, width, True, False)
 
 
 def expand_groups(tiles: VSTiles, group: int) -> VSTiles:
     """Group-shared tiles (one list per KV head) -> the per-query-head tiles they stand for (H x group)."""
     return VSTiles(*(t.repeat_interleave(group, 1) for t in (tiles.block_count, tiles.block_offset,
                                                              tiles.column_count, tiles.column_index)),
-                   tiles.block, tiles.width, tiles.disjoint)
+                   tiles.block, tiles.width, tiles.disjoint, tiles.columns)
 
 
 def selected_block_tiles(block_index: torch.Tensor) -> VSTiles:
@@ -313,7 +314,7 @@ def selected_block_tiles(block_index: torch.Tensor) -> VSTiles:
     offsets = torch.where(live, block_index * BLOCK, -1).to(torch.int32)
     count = live.sum(-1, dtype=torch.int32)
     empty = torch.full((*count.shape, 1), -1, dtype=torch.int32, device=block_index.device)
-    return VSTiles(count, offsets, torch.zeros_like(count), empty, BLOCK, 0, True)
+    return VSTiles(count, offsets, torch.zeros_like(count), empty, BLOCK, 0, True, False)
 
 
 def write_heads(out: VSTiles, heads: slice | torch.Tensor, tiles: VSTiles) -> None:

@@ -395,13 +395,14 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
 
 def ws_takes(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None) -> bool:
     """Whether `prefill_ws.ws_prefill` takes these tiles (static facts only, no host sync): an sm_90 GPU, bf16 /
-    fp16, 64-row tiles of disjoint 64-key pieces, no column lists (block-sparse tiles), no A-shape mask, and
-    group-shared tiles only with an even group (two query heads of a KV head share one K/V ring)."""
+    fp16, head_dim 64 / 128, 64-row tiles of disjoint 64-key pieces, no column lists (`tiles.columns` False:
+    block-sparse tiles), no A-shape mask, group-shared tiles only with an even group (two query heads of a KV head
+    share one K/V ring)."""
     hq = q.shape[1]
     return (q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) == (9, 0)
             and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128)
             and tiles.block == 64 and tiles.piece == 64 and tiles.disjoint and sink is None
-            and tiles.column_index.shape[-1] == 1 and (hq == tiles.shape[1] or hq // tiles.shape[1] % 2 == 0))
+            and not tiles.columns and (hq == tiles.shape[1] or hq // tiles.shape[1] % 2 == 0))
 
 
 def _warp_specialized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None,

@@ -506,7 +506,7 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
         raise ValueError("tiles.disjoint is False (pieces may overlap): ws_prefill needs non-overlapping pieces, as "
                          "block_sparse_to_tiles builds them")
     tiles = tiles.to(q.device)
-    if tiles.column_index.shape[-1] > 1 or bool(tiles.column_count.any()):
+    if tiles.columns and (tiles.column_index.shape[-1] > 1 or bool(tiles.column_count.any())):  # (one sync)
         raise ValueError("tiles.column_index / column_count hold vertical columns, which ws_prefill does not take "
                          "(no TMA gather on sm_90); use ws_vertical_slash(q, k, v, columns, offsets) for "
                          "Vertical-Slash, or sparse_prefill")

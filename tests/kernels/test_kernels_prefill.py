@@ -269,7 +269,8 @@ def test_warp_specialized_kernel_is_chosen_only_where_it_takes_the_tiles():
     vs = vs_to_tiles(torch.zeros(1, 4, 3, dtype=torch.long), torch.zeros(1, 4, 1, dtype=torch.long), n)
     sm90 = DEV == "cuda" and torch.cuda.get_device_capability() == (9, 0)
     assert ws_takes(q, blocks, None) == sm90
-    assert not ws_takes(q, vs, None)  # column lists
+    assert blocks.columns is False and vs.columns  # known without looking at the counts
+    assert not ws_takes(q, vs, None)  # a column list (one column: as wide as a block tile's empty list)
     assert not ws_takes(q, blocks, torch.zeros(4))  # A-shape mask
     assert not ws_takes(q, block_sparse_to_tiles(index, n, 128, 64), None)  # 128-row tiles
     assert not ws_takes(q[:, :3], block_sparse_to_tiles(index[:, :1], n), None)  # a group of 3 query heads

@@ -214,7 +214,9 @@ def test_vs_packed_columns_keep_the_reference_keys(n):
     B, Hq, Hkv, D = 2, 8, 2, 16
     cols, offs = vs_index(B, Hq, n, 150, 40, seed=n)
     ref = vs_to_tiles(cols, offs, n)
-    tiles, covered, packed = vs_slash_tiles(cols, offs, n)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the cover kernel: compiled on a GPU, else interpreted
+    tiles, covered, packed = vs_slash_tiles(cols.to(dev), offs.to(dev), n)
+    tiles, covered, packed = tiles.to("cpu"), covered.cpu(), packed.cpu()
     assert torch.equal(tiles.block_count, ref.block_count) and not tiles.column_count.any()
     live = torch.arange(ref.block_offset.shape[-1]) < ref.block_count.unsqueeze(-1)
     assert torch.equal(tiles.block_offset[..., : live.shape[-1]][live], ref.block_offset[live])
