@@ -408,12 +408,11 @@ def ws_takes(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None) -> bool
 def _warp_specialized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None,
                       sink: torch.Tensor | None, window: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`sparse_prefill` through the Gluon kernel: per-head tiles on separate rings (two stages), group-shared ones
-    expanded per head with both consumers on one ring (four stages), the fastest of each on the H200."""
+    with two query heads of a group on one ring (four stages), the fastest of each on the H200."""
     from .prefill_ws import ws_prefill  # imports this module's work_order
 
     if tiles.shape[1] != q.shape[1]:
-        return ws_prefill(q, k, v, expand_groups(tiles, q.shape[1] // tiles.shape[1]), scale, sink, window,
-                          stages=4, share_kv=True)
+        return ws_prefill(q, k, v, tiles, scale, sink, window, stages=4, share_kv=True)
     return ws_prefill(q, k, v, tiles, scale, sink, window)
 
 

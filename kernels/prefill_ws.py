@@ -42,7 +42,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .index_ref import VSTiles, ashape_to_tiles
+from .index_ref import VSTiles, ashape_to_tiles, expand_groups
 from .prefill import LOG2E, work_order
 from .prefill_ref import check_prefill_args
 
@@ -478,14 +478,16 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
     contract for the tiles it takes).
 
     q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` (bf16 / fp16, D = 64 or 128; copied if not contiguous); query head
-    h reads KV head h // (Hq // Hkv). `tiles`: per query head (`[B, Hq, M]`, M = ceil(N / 64)), block 64,
-    64-key pieces that never overlap (`tiles.disjoint`: `block_sparse_to_tiles`), no vertical columns
+    h reads KV head h // (Hq // Hkv). `tiles`: per query head (`[B, Hq, M]`, M = ceil(N / 64)) or, with share_kv,
+    per KV head (`[B, Hkv, M]`, group-shared), block 64, 64-key pieces that never overlap (`tiles.disjoint`:
+    `block_sparse_to_tiles`), no vertical columns
     (Vertical-Slash: `ws_vertical_slash` takes the index itself).
     `stages`: K/V ring depth per ring; `consumers`: 64-row work items per program (one consumer warpgroup
     each); `overlap`: the next piece's Q K^T in flight beside this piece's P V; `share_kv` (2 consumers): a
     program takes query heads 2j and 2j + 1 (one KV head: Hq / Hkv even) of one row block and both read one
     K/V ring, so each tile crosses L2 once for 128 query rows (FA3's two consumer warpgroups); their piece
-    lists must be equal (dense causal, expanded group-shared tiles; checked, one host sync). `sink` / `window`
+    lists must be equal: group-shared tiles (`[B, Hkv, M]`) are by construction, per-head ones are checked (one
+    host sync). `sink` / `window`
     (A-shape) are not taken here: `ws_ashape` builds its own tiles.
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
     """
@@ -497,9 +499,13 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
         raise ValueError(f"tiles.block and tiles.width must give 64-row tiles of 64-key pieces for ws_prefill, got "
                          f"block {tiles.block}, piece {tiles.piece}; build them with block=64, width=0")
     M = -(-N // ROWS)
-    if tiles.shape[1] == Hkv != Hq:
-        raise ValueError(f"group-shared tiles (tiles H = Hkv = {Hkv}) are not supported by ws_prefill; expand them "
-                         f"to per-query-head tiles with index_ref.expand_groups(tiles, {Hq // Hkv})")
+    grouped = tiles.shape[1] == Hkv != Hq
+    if grouped and not (share_kv and Hq // Hkv % 2 == 0):
+        raise ValueError(f"group-shared tiles (tiles H = Hkv = {Hkv}) need share_kv=True and an even group (got "
+                         f"{Hq // Hkv} query heads per KV head); else expand them to per-query-head tiles with "
+                         f"index_ref.expand_groups(tiles, {Hq // Hkv})")
+    if grouped:  # per query head, equal for every head of a group by construction: no check needed
+        tiles = expand_groups(tiles, Hq // Hkv)
     if tuple(tiles.shape) != (B, Hq, M):
         raise ValueError(f"tiles are for [B, H, M] = {tuple(tiles.shape)} but q needs ({B}, {Hq}, {M}); rebuild them")
     if not tiles.disjoint:
@@ -511,8 +517,8 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
                          "(no TMA gather on sm_90); use ws_vertical_slash(q, k, v, columns, offsets) for "
                          "Vertical-Slash, or sparse_prefill")
     bc, bo = tiles.block_count, tiles.block_offset
-    if share_kv and (consumers != 2 or Hq // Hkv % 2 or not (torch.equal(bc[:, 0::2], bc[:, 1::2])
-                                                          and torch.equal(bo[:, 0::2], bo[:, 1::2]))):
+    if share_kv and (consumers != 2 or Hq // Hkv % 2 or not grouped and not (torch.equal(bc[:, 0::2], bc[:, 1::2])
+                                                                          and torch.equal(bo[:, 0::2], bo[:, 1::2]))):
         raise ValueError("share_kv needs consumers=2, an even number of query heads per KV head and equal piece lists "
                          "for heads 2j and 2j + 1 (tiles.block_count / block_offset); use share_kv=False")
     _check_device(q)

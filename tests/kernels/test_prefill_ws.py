@@ -187,6 +187,10 @@ def test_ws_prefill_matches_masked_attention_bf16(case, keep):
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
     torch.testing.assert_close(o.float(), ro.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, rlse, atol=8e-2, rtol=2e-2)
+    if share:  # the group-shared tiles themselves (one list per KV head): the same launch
+        grouped = block_sparse_to_tiles(index, n).to("cuda")
+        o2, lse2 = ws_prefill(q, k, v, grouped, stages=stages, consumers=consumers, overlap=overlap, share_kv=True)
+        assert torch.equal(o2, o) and torch.equal(lse2, lse)
 
 
 def vs_index(B: int, H: int, n: int, n_cols: int, n_offs: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
