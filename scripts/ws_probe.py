@@ -51,9 +51,32 @@ def timed(fn) -> float:
     return time_ms(fn, cuda=True, warmup=2, min_reps=5, max_reps=5)
 
 
+def against_reference(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> dict:
+    """The first call of `fn` (-> (o, lse); its compile included) against masked attention under `mask`."""
+    from workbench_kernels.prefill_ref import masked_attention_ref
+
+    t0 = time.perf_counter()
+    o, lse = fn()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    ro, rlse = masked_attention_ref(q, k, v, mask)
+    err, lse_err = (o.float() - ro.float()).abs().max().item(), (lse - rlse).abs().max().item()
+    return {"max_abs_err_o": err, "max_abs_err_lse": lse_err, "first_call_s": seconds,
+            "ok": bool(err < 2e-2 + 2e-2 * ro.float().abs().max().item() and lse_err < 0.1 and torch.isfinite(o).all())}
+
+
+def planted(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """The benchmark's planted bf16 inputs at the Llama-3-8B shape and dense causal SDPA's ms on them."""
+    from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
+
+    hq, hkv, d, theta = SHAPES["llama3-8b"]
+    q, k, v = planted_inputs(hq, hkv, d, n, theta)
+    kx, vx = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    return q, k, v, timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))
+
+
 def check(variant: str) -> dict:
     from workbench_kernels.index_ref import block_sparse_to_tiles, tiles_to_mask
-    from workbench_kernels.prefill_ref import masked_attention_ref
     from workbench_kernels.prefill_ws import ws_prefill
 
     out = {}
@@ -67,15 +90,8 @@ def check(variant: str) -> dict:
         for keep in (1.0, 0.3):
             idx = torch.where(torch.rand(B, H, M, M, generator=g) < keep, torch.arange(M), -1).to(torch.int32)
             tiles = block_sparse_to_tiles(idx.repeat_interleave(Hq // H, 1), n).to("cuda")
-            t0 = time.perf_counter()
-            o, lse = ws_prefill(q, k, v, tiles, **kw)
-            torch.cuda.synchronize()
-            seconds = time.perf_counter() - t0
-            ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(tiles, n))
-            err, lse_err = (o.float() - ro.float()).abs().max().item(), (lse - rlse).abs().max().item()
-            out[f"d{d}/keep{keep}"] = {"max_abs_err_o": err, "max_abs_err_lse": lse_err, "first_call_s": seconds,
-                                       "ok": bool(err < 2e-2 + 2e-2 * ro.float().abs().max().item()
-                                                  and lse_err < 0.1 and torch.isfinite(o).all())}
+            out[f"d{d}/keep{keep}"] = against_reference(lambda: ws_prefill(q, k, v, tiles, **kw), q, k, v,
+                                                        tiles_to_mask(tiles, n))
     return out
 
 
@@ -107,7 +123,7 @@ def dense(variants: list[str], n: int) -> dict:
 
 
 def sparse(variants: list[str], lengths: list[int], topk: int) -> dict:
-    from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
+    from workbench_benchmarks.kernels_prefill import SHAPES
     from workbench_kernels.index_build import block_index
     from workbench_kernels.index_ref import expand_groups, selected_block_tiles, tile_area
     from workbench_kernels.prefill import sparse_prefill
@@ -116,10 +132,7 @@ def sparse(variants: list[str], lengths: list[int], topk: int) -> dict:
     hq, hkv, d, theta = SHAPES["llama3-8b"]
     out = {}
     for n in lengths:
-        q, k, v = planted_inputs(hq, hkv, d, n, theta)
-        kx, vx = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-        sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))
-        kx = vx = None
+        q, k, v, sdpa = planted(n)
         for selection in ("per_head", "group_shared"):
             names = [x for x in variants if parse_variant(x)["share_kv"] == (selection == "group_shared")]
             if not names:
@@ -155,7 +168,6 @@ def vs_random_index(B: int, H: int, n: int, g: torch.Generator) -> tuple[torch.T
 
 def check_vs(variant: str) -> dict:
     from workbench_kernels.index_ref import tiles_to_mask, vs_to_tiles
-    from workbench_kernels.prefill_ref import masked_attention_ref
     from workbench_kernels.prefill_ws import ws_vertical_slash
 
     out = {}
@@ -166,20 +178,13 @@ def check_vs(variant: str) -> dict:
     for n in (1000, 3000):
         q, k, v = (torch.randn(B, h, n, 128, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
         cols, offs = vs_random_index(B, Hq, n, g)
-        t0 = time.perf_counter()
-        o, lse = ws_vertical_slash(q, k, v, cols.cuda(), offs.cuda(), **kw)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(vs_to_tiles(cols.cuda(), offs.cuda(), n), n))
-        err, lse_err = (o.float() - ro.float()).abs().max().item(), (lse - rlse).abs().max().item()
-        out[f"n{n}"] = {"max_abs_err_o": err, "max_abs_err_lse": lse_err, "first_call_s": seconds,
-                        "ok": bool(err < 2e-2 + 2e-2 * ro.float().abs().max().item() and lse_err < 0.1
-                                   and torch.isfinite(o).all())}
+        out[f"n{n}"] = against_reference(lambda: ws_vertical_slash(q, k, v, cols.cuda(), offs.cuda(), **kw), q, k, v,
+                                         tiles_to_mask(vs_to_tiles(cols.cuda(), offs.cuda(), n), n))
     return out
 
 
 def vs(variants: list[str], lengths: list[int], vertical: int, slash: int) -> dict:
-    from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
+    from workbench_benchmarks.kernels_prefill import SHAPES
     from workbench_kernels.index_build import vs_index, vs_slash_tiles, vs_tiles
     from workbench_kernels.index_ref import tile_area
     from workbench_kernels.prefill import sparse_prefill
@@ -188,10 +193,7 @@ def vs(variants: list[str], lengths: list[int], vertical: int, slash: int) -> di
     hq, hkv, d, theta = SHAPES["llama3-8b"]
     out = {}
     for n in lengths:
-        q, k, v = planted_inputs(hq, hkv, d, n, theta)
-        kx, vx = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-        sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))
-        kx = vx = None
+        q, k, v, sdpa = planted(n)
         cols, offs = vs_index(q, k, 1.0 / d ** 0.5, vertical, min(slash, n))
         tiles = vs_tiles(cols, offs, n)
         pairs = hq * n * (n + 1) // 2
@@ -225,7 +227,6 @@ def vs(variants: list[str], lengths: list[int], vertical: int, slash: int) -> di
 def check_ashape(variant: str) -> dict:
     from workbench_kernels import NO_WINDOW
     from workbench_kernels.index_ref import ashape_to_tiles, tiles_to_mask
-    from workbench_kernels.prefill_ref import masked_attention_ref
     from workbench_kernels.prefill_ws import ws_ashape
 
     g = torch.Generator().manual_seed(0)
@@ -235,20 +236,12 @@ def check_ashape(variant: str) -> dict:
     sink = torch.tensor([0, 4, 64, 100, 4, 0, 130, 700])
     window = torch.tensor([64, 100, 1, 300, NO_WINDOW, 1200, 65, 17])
     q, k, v = (torch.randn(B, h, n, 128, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
-    t0 = time.perf_counter()
-    o, lse = ws_ashape(q, k, v, sink, window, **kw)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
     mask = tiles_to_mask(ashape_to_tiles(sink, window, n, B, device="cuda"), n, sink.cuda(), window.cuda())
-    ro, rlse = masked_attention_ref(q, k, v, mask.cuda())
-    err, lse_err = (o.float() - ro.float()).abs().max().item(), (lse - rlse).abs().max().item()
-    return {f"n{n}": {"max_abs_err_o": err, "max_abs_err_lse": lse_err, "first_call_s": seconds,
-                      "ok": bool(err < 2e-2 + 2e-2 * ro.float().abs().max().item() and lse_err < 0.1
-                                 and torch.isfinite(o).all())}}
+    return {f"n{n}": against_reference(lambda: ws_ashape(q, k, v, sink, window, **kw), q, k, v, mask)}
 
 
 def ashape(variants: list[str], lengths: list[int], sink: int, window: int) -> dict:
-    from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
+    from workbench_benchmarks.kernels_prefill import SHAPES
     from workbench_kernels.index_ref import ashape_to_tiles, tile_area
     from workbench_kernels.prefill import ashape_prefill
     from workbench_kernels.prefill_ws import ws_ashape
@@ -256,10 +249,7 @@ def ashape(variants: list[str], lengths: list[int], sink: int, window: int) -> d
     hq, hkv, d, theta = SHAPES["llama3-8b"]
     out = {}
     for n in lengths:
-        q, k, v = planted_inputs(hq, hkv, d, n, theta)
-        kx, vx = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-        sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))
-        kx = vx = None
+        q, k, v, sdpa = planted(n)
         sinks, windows = [sink] * hq, [window] * hq
         density = tile_area(ashape_to_tiles(sinks, windows, n), n).sum().item() / (hq * n * (n + 1) // 2)
         ref, _ = ashape_prefill(q, k, v, sinks, windows)
