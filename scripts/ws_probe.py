@@ -1,5 +1,6 @@
 """Exploratory (H200): the warp-specialised Gluon prefill (`workbench_kernels.prefill_ws`) against exact attention,
-dense SDPA and the Triton-language `sparse_prefill`, variants side by side (issue 25, head_dim 128).
+dense SDPA and the Triton-language loop (`sparse_prefill(..., warp_specialize=False)`), variants side by side
+(issue 25, head_dim 128).
 
 Steps, each in its own subprocess with a timeout (a wrong mbarrier phase hangs the GPU: the step is killed and
 recorded, the rest go on; a variant that fails or hangs its check is left out of the timings):
@@ -110,8 +111,8 @@ def dense(variants: list[str], n: int) -> dict:
     flop = 4 * d * hq * n * (n + 1) // 2  # causal pairs
     kx, vx = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
     rows = {"sdpa": timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))}
-    ref, _ = sparse_prefill(q, k, v, tiles)
-    rows["sparse_prefill"] = timed(lambda: sparse_prefill(q, k, v, tiles))
+    ref, _ = sparse_prefill(q, k, v, tiles, warp_specialize=False)
+    rows["sparse_prefill"] = timed(lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False))
     out = {"n": n, "shape": SHAPE, "agreement_max_abs": {}}
     for name in variants:
         kw = parse_variant(name)
@@ -141,8 +142,8 @@ def sparse(variants: list[str], lengths: list[int], topk: int) -> dict:
             # sparse_prefill runs group-shared tiles GQA-packed; ws_prefill takes them expanded per query head
             per_head = expand_groups(tiles, hq // tiles.shape[1])
             density = tile_area(per_head, n).sum().item() / (hq * n * (n + 1) // 2)
-            ref, _ = sparse_prefill(q, k, v, tiles)
-            rows = {"sparse_prefill": timed(lambda: sparse_prefill(q, k, v, tiles))}
+            ref, _ = sparse_prefill(q, k, v, tiles, warp_specialize=False)
+            rows = {"sparse_prefill": timed(lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False))}
             agree = {}
             for name in names:
                 kw = parse_variant(name)
@@ -203,8 +204,8 @@ def vs(variants: list[str], lengths: list[int], vertical: int, slash: int) -> di
         ws_area = ((pieces.block_count.long() + strips) * 64).sum().item() * 64  # (last row block counted full)
         prep = {"vs_tiles": timed(lambda: vs_tiles(cols, offs, n)),  # sparse_prefill's index conversion
                 "ws_prep": timed(lambda: pack_columns(k, v, vs_slash_tiles(cols, offs, n)[2], hq))}  # ws's
-        ref, _ = sparse_prefill(q, k, v, tiles)
-        rows = {"sparse_prefill": timed(lambda: sparse_prefill(q, k, v, tiles))}  # tiles prebuilt
+        ref, _ = sparse_prefill(q, k, v, tiles, warp_specialize=False)
+        rows = {"sparse_prefill": timed(lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False))}  # tiles prebuilt
         agree = {}
         for name in variants:
             kw = parse_variant(name)
