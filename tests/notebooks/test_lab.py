@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -61,10 +62,23 @@ def lab(tmp_path_factory):
         log.close()
 
 
+def _kernels(url: str, token: str) -> list[dict]:
+    """The kernels the server runs, from its REST API. A 500 is asked again for up to 10 s: jupyter_server lists a
+    kernel it is still creating and fails on its unset `last_activity` (seen in CI-sized runs, lab.log)."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/api/kernels?token={token}", timeout=10) as r:
+                return json.load(r)
+        except urllib.error.HTTPError as e:
+            if e.code != 500 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def _kernel_states(url: str, token: str) -> list[str]:
-    """Execution state of every kernel the server runs ("starting", "idle", "busy"), from its REST API."""
-    with urllib.request.urlopen(f"{url}/api/kernels?token={token}", timeout=10) as r:
-        return [k["execution_state"] for k in json.load(r)]
+    """Execution state of every kernel the server runs ("starting", "idle", "busy")."""
+    return [k["execution_state"] for k in _kernels(url, token)]
 
 
 def _diagnosis(page, url: str, token: str, folder: Path) -> str:
@@ -90,8 +104,7 @@ def _wait_nudging(page, locator, url: str, token: str, total_ms: int) -> int:
         except PlaywrightTimeout:
             if time.monotonic() > deadline:
                 raise
-        with urllib.request.urlopen(f"{url}/api/kernels?token={token}", timeout=10) as r:
-            kernel = json.load(r)[0]["id"]
+        kernel = _kernels(url, token)[0]["id"]
         ws = f"{url.replace('http', 'ws', 1)}/api/kernels/{kernel}/channels?token={token}"
         page.evaluate("(u) => { const w = new WebSocket(u); setTimeout(() => w.close(), 10000); }", ws)
         nudges += 1
