@@ -253,20 +253,30 @@ def vs_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int = 
     offsets `[B, H, KS]` in any order: two Triton launches (per head, then per row block), no host sync, no
     torch ops (only `torch.empty`), no `[B, H, M, width]` intermediates. Entries past the counts are left
     unwritten."""
+    return _expand_tiles(columns, offsets, n, block, width, with_columns=True)[0]
+
+
+def _expand_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int, width: int,
+                  with_columns: bool) -> tuple[VSTiles, torch.Tensor, torch.Tensor]:
+    """`_vs_heads`, then one `_expand_tiles_kernel` launch per (head, row block) -> (tiles, covered, cols);
+    without columns the column loop is skipped (column_count 0, column_index `[B, H, M, 1]` = -1)."""
     B, H, KV = columns.shape
     M = -(-n // block)
     w = width or block
     ends, cov, cols = _vs_heads(columns, offsets, n, block, w)
     NS, NC = vs_tile_bounds(n, KV, offsets.shape[-1], block, w)
     dev = columns.device
+    column_index = (torch.empty(B, H, M, NC, dtype=torch.int32, device=dev) if with_columns
+                    else torch.full((B, H, M, 1), -1, dtype=torch.int32, device=dev))
     tiles = VSTiles(torch.empty(B, H, M, dtype=torch.int32, device=dev),
                     torch.empty(B, H, M, NS, dtype=torch.int32, device=dev),
-                    torch.empty(B, H, M, dtype=torch.int32, device=dev),
-                    torch.empty(B, H, M, NC, dtype=torch.int32, device=dev), block, width, disjoint=True)
+                    torch.empty(B, H, M, dtype=torch.int32, device=dev), column_index, block, width, disjoint=True,
+                    columns=with_columns)
+    kv, nc = (KV, NC) if with_columns else (0, 0)  # KV = 0: column_count = min(0, NC) = 0
     _expand_tiles_kernel[(B * H, M)](ends, cov, cols, tiles.block_count, tiles.block_offset, tiles.column_count,
-                                     tiles.column_index, ends.shape[-1], cov.shape[-1], KV, NS, NC, M, n,
+                                     tiles.column_index, ends.shape[-1], cov.shape[-1], kv, NS, nc, M, n,
                                      BLOCK=block, W=w, CHUNK=256, num_warps=4)
-    return tiles
+    return tiles, cov, cols
 
 
 @triton.jit
@@ -442,18 +452,5 @@ def vs_slash_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int,
     is 1 iff d lies under a piece (d = m*block - key, the same for every row block m); cols Int32 `[B, H, KV]`:
     the head's unique valid columns ascending, then n for the -1, out-of-range and repeated ones). Row block m
     keeps column c iff c < m*block and covered[m*block - c + block - 1] == 0 (what `vs_to_tiles` keeps)."""
-    B, H, KV = columns.shape
-    M = -(-n // block)
-    ends, cov, cols = _vs_heads(columns, offsets, n, block, block)
-    NS, _ = vs_tile_bounds(n, KV, offsets.shape[-1], block, block)
-    dev = columns.device
-    tiles = VSTiles(torch.empty(B, H, M, dtype=torch.int32, device=dev),
-                    torch.empty(B, H, M, NS, dtype=torch.int32, device=dev),
-                    torch.empty(B, H, M, dtype=torch.int32, device=dev),
-                    torch.full((B, H, M, 1), -1, dtype=torch.int32, device=dev), block, 0, disjoint=True,
-                    columns=False)
-    # KV = 0: the column loop is skipped (column_count = min(0, NC) = 0)
-    _expand_tiles_kernel[(B * H, M)](ends, cov, cols, tiles.block_count, tiles.block_offset, tiles.column_count,
-                                     tiles.column_index, ends.shape[-1], cov.shape[-1], 0, NS, 0, M, n,
-                                     BLOCK=block, W=block, CHUNK=256, num_warps=4)
+    tiles, cov, cols = _expand_tiles(columns, offsets, n, block, 0, with_columns=False)
     return tiles, cov, cols.sort(-1).values
