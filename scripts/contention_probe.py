@@ -1,0 +1,163 @@
+"""Exploratory (H200, issue 26): does a UVA gather running beside decode slow the decode kernels down, and how much
+by the gather's programs, warps and rows per step?
+
+Sparse-resident decode (random-weight Llama-3-8B shape, `--layers` layers, synthetic KV at `--context`, the bench's
+ImposedReuse hook, one CUDA graph per step) is timed alone, then while a high-priority side stream (as the engine's)
+runs the gather kernel over a long list of scattered blocks of a pinned INT8-key / INT4-value store, and while the
+copy engine runs a plain pinned memcpy (no SMs). Ratios are measured side by side in one process; prints and
+writes JSON.
+
+    python scripts/contention_probe.py --out contention.json [--batch 16] [--context 131072]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import triton
+from workbench_benchmarks.decode import PAPER_BUDGET, environment, fill_store
+from workbench_benchmarks.shapes import random_llama
+from workbench_kernels import gather as gk
+
+from workbench.core.io import write_json
+from workbench.decode.engine.decoder import STORE_DTYPES, DecodeEngine, EngineConfig
+from workbench.decode.engine.reuse import ImposedReuse
+from workbench.decode.engine.store import BLOCK, BlockStore, StoreSpec
+
+
+def launch_gather(store: BlockStore, dk, dv, src_idx, dst_idx, count, ctas: int, warps: int, rows_k: int) -> None:
+    """`gather.gather_blocks` for an INT8-key / INT4-value store, with the warps and K rows per step given (V rows
+    per step scaled alike) instead of 4 warps and 8K elements per step."""
+    width_k, width_v = (BLOCK * p.codes for p in store.spec.parts)
+    blocks = store.k[0].numel() // width_k
+    sk, sv = store.sk[0].view(blocks, -1), store.sv[0].view(blocks, -1)
+    lk = gk._part_layout(store.k[0].view(-1, width_k), dk, sk, "k")
+    lv = gk._part_layout(store.v[0].view(-1, width_v), dv, sv, "v")
+    lv["RB"] = lv["R"] * rows_k // lk["R"]
+    lk["RB"] = rows_k
+    gk._gather_blocks_kernel[(ctas,)](
+        store.k[0].view(-1, width_k), store.v[0].view(-1, width_v), dk, dv, src_idx, dst_idx, count, sk, sv, ctas,
+        **{f"{key}_K": x for key, x in lk.items()}, **{f"{key}_V": x for key, x in lv.items()},
+        STEPS=lk["R"] // rows_k, CH=32, num_warps=warps)
+
+
+def timed_steps(eng: DecodeEngine, tok: torch.Tensor, steps: int, side=None) -> float:
+    """ms per graph-replayed decode step over `steps` replays (events on the main stream); `side()` enqueues the
+    concurrent work on its own stream first."""
+    if side is not None:
+        side()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(steps):
+        eng._graph_step(tok)
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / steps
+
+
+def median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--context", type=int, default=131072)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--reuse", type=float, default=0.79)
+    p.add_argument("--configs", default="16:4:64,32:4:64,48:4:64,64:4:64,32:1:64,32:2:64,32:8:64,32:4:16,48:2:32,"
+                                        "48:1:16")
+    p.add_argument("--splits", default="0,2", help="decode splits multipliers of the default (0: default only)")
+    a = p.parse_args()
+    result = {"what": f"sparse-resident decode (RANDOM-WEIGHT Llama-3-8B shape, {a.layers} layers, synthetic KV, "
+                      f"ImposedReuse {a.reuse}) alone vs beside a continuous int8k-int4v UVA gather / pinned memcpy",
+              "environment": environment(), "batch": a.batch, "context": a.context, "runs": []}
+    model, shape = random_llama(a.layers, max_positions=a.context + 4096)
+    max_tokens = a.context + 256
+    hook = ImposedReuse(PAPER_BUDGET, a.reuse, -(-max_tokens // BLOCK))
+    blocks = 65536
+    spec = StoreSpec(1, 1, shape.n_kv_heads, blocks // shape.n_kv_heads, shape.head_dim, torch.bfloat16,
+                     STORE_DTYPES["int8k-int4v"])
+    store = BlockStore(spec)
+    fill_store(store)
+    m = 8192
+    E = BLOCK * shape.head_dim
+    dk = torch.empty(m, E, dtype=torch.bfloat16, device="cuda")
+    dv = torch.empty_like(dk)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    src_idx = torch.randperm(blocks, generator=g)[:m].to(torch.int32).cuda()
+    dst_idx = torch.arange(m, dtype=torch.int32, device="cuda")
+    count = torch.tensor([m], dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream(priority=-1)
+    raw = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    raw_dst = torch.empty_like(raw, device="cuda")
+    lengths = [a.context - (i * 997) % 4096 for i in range(a.batch)]
+    for mult in [int(x) for x in a.splits.split(",")]:
+        from workbench_kernels.decode import default_splits
+        splits = None if mult == 0 else default_splits(a.batch, shape.n_kv_heads, PAPER_BUDGET.total) * mult
+        cfg = EngineConfig(mode="sparse-resident", budget=PAPER_BUDGET, selector="same-layer", splits=splits)
+        eng = DecodeEngine(model, cfg, batch=a.batch, max_tokens=max_tokens, select_hook=hook)
+        eng.fill_synthetic(lengths, fill_host=False)
+        tok = torch.randint(0, 1000, (a.batch,), device="cuda")
+        eng.run(tok, 3, graph=True, progress=False)  # compiles, captures
+        alone = median([timed_steps(eng, tok, a.steps) for _ in range(3)])
+        budget_ms = alone * a.steps * 1.3
+        row = {"splits": splits, "alone_ms_per_step": alone, "alone_tok_s": a.batch * 1e3 / alone, "beside": []}
+        print(json.dumps({k: v for k, v in row.items() if k != "beside"}), flush=True)
+
+        def memcpy_side(reps: int) -> None:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(reps):
+                    raw_dst.copy_(raw, non_blocking=True)
+
+        cp = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cp[0].record()
+        memcpy_side(3)
+        cp[1].record(side)
+        torch.cuda.synchronize()
+        memcpy_ms = cp[0].elapsed_time(cp[1]) / 3
+        reps = math.ceil(budget_ms / memcpy_ms) + 1
+        beside = median([timed_steps(eng, tok, a.steps, lambda: memcpy_side(reps)) for _ in range(3)])
+        row["beside"].append({"what": "pinned memcpy (copy engine)", "gbps_alone": raw.numel() / memcpy_ms / 1e6,
+                              "ms_per_step": beside, "ratio_to_alone": alone / beside})
+        print(json.dumps(row["beside"][-1]), flush=True)
+        for c in a.configs.split(","):
+            ctas, warps, rows_k = (int(x) for x in c.split(":"))
+            run = lambda: launch_gather(store, dk, dv, src_idx, dst_idx, count, ctas, warps, rows_k)  # noqa: E731
+            run()
+            ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ev[0].record()
+            for _ in range(3):
+                run()
+            ev[1].record()
+            torch.cuda.synchronize()
+            gather_ms = ev[0].elapsed_time(ev[1]) / 3
+            reps = math.ceil(budget_ms / gather_ms) + 1
+
+            def gather_side(reps: int = reps, run=run) -> None:
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(reps):
+                        run()
+
+            beside = median([timed_steps(eng, tok, a.steps, gather_side) for _ in range(3)])
+            row["beside"].append({"what": "gather", "ctas": ctas, "warps": warps, "rows_k_per_step": rows_k,
+                                  "gbps_alone": m * spec.block_bytes / gather_ms / 1e6, "ms_per_step": beside,
+                                  "ratio_to_alone": alone / beside})
+            print(json.dumps(row["beside"][-1]), flush=True)
+        result["runs"].append(row)
+        write_json(a.out, result)
+        eng.close()
+        del eng
+        torch.cuda.empty_cache()
+    result["triton"] = triton.__version__
+    write_json(a.out, result)
+
+
+if __name__ == "__main__":
+    main()
