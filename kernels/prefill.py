@@ -270,9 +270,17 @@ def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def work_order(tiles: VSTiles, sub: int) -> torch.Tensor:
+def work_order(tiles: VSTiles, sub: int, rows_first: bool = False) -> torch.Tensor:
     """Work items (bh * M * sub + m * sub + s) of the persistent kernel, most pieces and column strips
-    first (longest-processing-time order: the long items start early, the short ones fill the tail)."""
+    first (longest-processing-time order: the long items start early, the short ones fill the tail).
+    `rows_first`: the last row block first, every head of a row block before the next one (query heads of a KV
+    head adjacent): the items running together read nearly the same keys of one KV head when a pattern is
+    dense-ish, for L2 reuse; about longest-first too on causal patterns (later rows hold more keys)."""
+    B, H, M = tiles.shape
+    if rows_first:
+        mid = torch.arange(M * sub - 1, -1, -1, device=tiles.block_count.device)
+        bh = torch.arange(B * H, device=mid.device)
+        return (bh[None, :] * (M * sub) + mid[:, None]).reshape(-1).to(torch.int32)
     cost = tiles.block_count + (tiles.column_count + tiles.piece - 1) // tiles.piece  # [B, H, M]
     cost = cost.reshape(-1, 1).expand(-1, sub).reshape(-1)
     return torch.argsort(cost, descending=True, stable=True).to(torch.int32)
@@ -298,7 +306,8 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     `tiles.disjoint`); False: one loop that masks the pieces it finds on an edge. `tma` (with `split`,
     on Hopper or newer): K/V tiles, and a per-head program's Q and O rows, through tensor descriptors
     (TMA). None: the fastest on the H200 for this program shape (`loop_variant`). `persistent`: one
-    program per SM slot looping over the row blocks in `work_order` (None: `loop_variant`'s choice);
+    program per SM slot looping over the row blocks in `work_order` (None: `loop_variant`'s choice), most pieces
+    first, or with `longest_first=False` rows first (`work_order(rows_first=True)`; the grid: first row block first);
     `warp_specialize`: True runs the tiles through the warp-specialised Gluon kernel (`prefill_ws.ws_prefill`:
     TMA producer warp, two wgmma consumer warpgroups; sm_90, bf16 / fp16, head_dim 64 or 128, 64 x 64 tiles
     without columns or A-shape masks; ValueError otherwise), False through the Triton-language loop below; None
@@ -360,7 +369,7 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     sub = block // rows
     n_work = B * tiles.shape[1] * M * sub
     if persistent:
-        order = work_order(tiles, sub)
+        order = work_order(tiles, sub, rows_first=not longest_first)
         slots = torch.cuda.get_device_properties(dev).multi_processor_count * 2 if dev.type == "cuda" else 4
         grid = (min(n_work, slots),)
     else:

@@ -43,18 +43,67 @@ def launch_gather(store: BlockStore, dk, dv, src_idx, dst_idx, count, ctas: int,
         STEPS=lk["R"] // rows_k, CH=32, num_warps=warps)
 
 
-def timed_steps(eng: DecodeEngine, tok: torch.Tensor, steps: int, side=None) -> float:
-    """ms per graph-replayed decode step over `steps` replays (events on the main stream); `side()` enqueues the
-    concurrent work on its own stream first."""
+def timed_steps(eng: DecodeEngine, tok: torch.Tensor, steps: int, side=None, main=None) -> float:
+    """ms per graph-replayed decode step over `steps` replays (events on the main stream, or on `main`: a green
+    context's stream); `side()` enqueues the concurrent work on its own stream first."""
     if side is not None:
         side()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(steps):
-        eng._graph_step(tok)
-    b.record()
+    stream = main or torch.cuda.current_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(steps):
+            eng._graph_step(tok)
+        b.record()
     torch.cuda.synchronize()
     return a.elapsed_time(b) / steps
+
+
+def green_runs(a, eng, tok, alone, budget_ms, store, dk, dv, src_idx, dst_idx, count, m, block_bytes) -> list:
+    """The decode graph replayed in a green context of (SMs - k) SMs, alone and beside the gather in a green context
+    of k SMs (k from --green, k or 2k programs): SM partitions instead of sharing SMs."""
+    out = []
+    try:
+        from torch.cuda.green_contexts import GreenContext
+    except ImportError as e:
+        return [{"error": repr(e)}]
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    for k in [int(x) for x in a.green.split(",") if x]:
+        try:
+            side_gc, main_gc = (GreenContext.create(num_sms=x, device_id=0) for x in (k, total - k))
+            side, main = side_gc.Stream(), main_gc.Stream()
+            mine = median([timed_steps(eng, tok, a.steps, main=main) for _ in range(3)])
+            row = {"sms_gather": k, "sms_decode": total - k, "decode_alone_ms_per_step": mine,
+                   "ratio_to_full_gpu_alone": alone / mine, "beside": []}
+            for ctas in (k, 2 * k):
+                run = lambda: launch_gather(store, dk, dv, src_idx, dst_idx, count, ctas, 4, 64)  # noqa: E731, B023
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    run()
+                    ev[0].record()
+                    for _ in range(3):
+                        run()
+                    ev[1].record()
+                torch.cuda.synchronize()
+                gather_ms = ev[0].elapsed_time(ev[1]) / 3
+                reps = math.ceil(budget_ms / gather_ms) + 1
+
+                def gather_side(reps: int = reps, run=run) -> None:
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        for _ in range(reps):
+                            run()
+
+                beside = median([timed_steps(eng, tok, a.steps, gather_side, main) for _ in range(3)])
+                row["beside"].append({"ctas": ctas, "gbps_alone_in_green": m * block_bytes / gather_ms / 1e6,
+                                      "ms_per_step": beside, "ratio_to_full_gpu_alone": alone / beside})
+            out.append(row)
+        except Exception as e:  # noqa: BLE001 - an experiment: record what failed and go on
+            out.append({"sms_gather": k, "error": repr(e)[:400]})
+        print(json.dumps(out[-1]), flush=True)
+    return out
 
 
 def median(xs: list[float]) -> float:
@@ -72,12 +121,13 @@ def main() -> None:
     p.add_argument("--configs", default="16:4:64,32:4:64,48:4:64,64:4:64,32:1:64,32:2:64,32:8:64,32:4:16,48:2:32,"
                                         "48:1:16")
     p.add_argument("--splits", default="0,2", help="decode splits multipliers of the default (0: default only)")
+    p.add_argument("--green", default="8,16", help="SMs of a green context for the gather (the decode gets the rest)")
     a = p.parse_args()
     result = {"what": f"sparse-resident decode (RANDOM-WEIGHT Llama-3-8B shape, {a.layers} layers, synthetic KV, "
                       f"ImposedReuse {a.reuse}) alone vs beside a continuous int8k-int4v UVA gather / pinned memcpy",
               "environment": environment(), "batch": a.batch, "context": a.context, "runs": []}
     model, shape = random_llama(a.layers, max_positions=a.context + 4096)
-    max_tokens = a.context + 256
+    max_tokens = a.context + 2048  # every timed replay advances the positions
     hook = ImposedReuse(PAPER_BUDGET, a.reuse, -(-max_tokens // BLOCK))
     blocks = 65536
     spec = StoreSpec(1, 1, shape.n_kv_heads, blocks // shape.n_kv_heads, shape.head_dim, torch.bfloat16,
@@ -150,6 +200,9 @@ def main() -> None:
                                   "gbps_alone": m * spec.block_bytes / gather_ms / 1e6, "ms_per_step": beside,
                                   "ratio_to_alone": alone / beside})
             print(json.dumps(row["beside"][-1]), flush=True)
+        if mult == 0:
+            row["green"] = green_runs(a, eng, tok, alone, budget_ms, store, dk, dv, src_idx, dst_idx, count, m,
+                                      spec.block_bytes)
         result["runs"].append(row)
         write_json(a.out, result)
         eng.close()

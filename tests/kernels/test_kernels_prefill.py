@@ -345,12 +345,13 @@ def test_bf16_model_shapes_every_pattern_per_head_and_packed(Hq, Hkv, D):
 
 VARIANTS = {"split": {"split": True}, "tma": {"split": True, "tma": True}, "single": {"split": False},
             "tma_persistent": {"split": True, "tma": True, "persistent": True},
-            "split_persistent": {"split": True, "tma": False, "persistent": True}}  # Vertical-Slash's default on Hopper
+            "split_persistent": {"split": True, "tma": False, "persistent": True},  # Vertical-Slash's default on Hopper
+            "rows_persistent": {"split": True, "tma": False, "persistent": True, "longest_first": False}}
 
 
 @pytest.mark.parametrize("variant,block,width", [(v, b, w) for v in ("split", "tma", "single")
                                                  for b, w in ((64, 0), (128, 64), (128, 0))]
-                         + [("tma_persistent", 128, 64), ("split_persistent", 64, 0)])
+                         + [("tma_persistent", 128, 64), ("split_persistent", 64, 0), ("rows_persistent", 64, 0)])
 def test_long_tiles_prefix_interior_suffix_match_reference(variant, block, width):
     """n = 700: row blocks with masked prefix pieces (window edge, starts below 0), unmasked interior
     pieces and masked suffix pieces, per head and GQA-packed, for every piece loop of the kernel and
@@ -373,3 +374,24 @@ def test_long_tiles_prefix_interior_suffix_match_reference(variant, block, width
                                 width=width)
         out = sparse_prefill(q, k, v, tiles, sink=sink, window=window, **variant)
         check(out, masked_attention_ref(q, k, v, ashape_mask(sink, window, n).unsqueeze(0).to(DEV)), dtype)
+
+
+def test_work_order_takes_every_item_once_longest_or_rows_first():
+    """Both orders are permutations of the items; cost order puts the most pieces first, rows-first the last row
+    block first with every head of it (heads in order) before the next row block."""
+    from workbench_kernels.prefill import work_order
+
+    B, H, n = 2, 3, 300
+    M = -(-n // 64)
+    index = torch.randint(-1, M, (B, H, M, 4), generator=torch.Generator().manual_seed(0))
+    tiles = block_sparse_to_tiles(index, n, 64, 0)
+    cost = tiles.block_count.reshape(-1)
+    for sub in (1, 2):
+        longest = work_order(tiles, sub).long()
+        rows = work_order(tiles, sub, rows_first=True).long()
+        for order in (longest, rows):
+            assert torch.equal(order.sort().values, torch.arange(B * H * M * sub))
+        assert (cost[longest // sub].diff() <= 0).all()
+        mid, bh = rows % (M * sub), rows // (M * sub)
+        assert torch.equal(mid, torch.arange(M * sub - 1, -1, -1).repeat_interleave(B * H))
+        assert torch.equal(bh, torch.arange(B * H).repeat(M * sub))
