@@ -511,8 +511,8 @@ def compare_minference(args: argparse.Namespace) -> int:
     import torch
     from workbench_kernels.index_build import block_index, pooled_scores, select_blocks, vs_index, vs_tiles
     from workbench_kernels.index_ref import VSTiles, ashape_to_tiles, expand_groups, selected_block_tiles, tile_area
-    from workbench_kernels.prefill import default_config, loop_variant, sparse_prefill, ws_takes
-    from workbench_kernels.prefill_ws import pack_vertical_slash, ws_ashape, ws_vertical_slash
+    from workbench_kernels.prefill import default_config, loop_variant, sparse_prefill
+    from workbench_kernels.prefill_ws import pack_vertical_slash, ws_ashape, ws_takes, ws_vertical_slash
 
     from workbench.core.io import write_json
     from workbench.patterns import AShape, BlockSparse, VerticalSlash

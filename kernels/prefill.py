@@ -24,8 +24,7 @@ from triton.runtime.errors import OutOfResources
 
 from .index_ref import VSTiles, ashape_to_tiles, block_sparse_to_tiles, expand_groups, vs_to_tiles
 from .prefill_ref import check_prefill_args
-
-LOG2E = 1.4426950408889634
+from .schedule import LOG2E, work_order
 
 
 @triton.jit
@@ -270,22 +269,6 @@ def _descriptor_scratch(size: int, alignment: int, stream: int | None) -> torch.
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def work_order(tiles: VSTiles, sub: int, rows_first: bool = False) -> torch.Tensor:
-    """Work items (bh * M * sub + m * sub + s) of the persistent kernel, most pieces and column strips
-    first (longest-processing-time order: the long items start early, the short ones fill the tail).
-    `rows_first`: the last row block first, every head of a row block before the next one (query heads of a KV
-    head adjacent): the items running together read nearly the same keys of one KV head when a pattern is
-    dense-ish, for L2 reuse; about longest-first too on causal patterns (later rows hold more keys)."""
-    B, H, M = tiles.shape
-    if rows_first:
-        mid = torch.arange(M * sub - 1, -1, -1, device=tiles.block_count.device)
-        bh = torch.arange(B * H, device=mid.device)
-        return (bh[None, :] * (M * sub) + mid[:, None]).reshape(-1).to(torch.int32)
-    cost = tiles.block_count + (tiles.column_count + tiles.piece - 1) // tiles.piece  # [B, H, M]
-    cost = cost.reshape(-1, 1).expand(-1, sub).reshape(-1)
-    return torch.argsort(cost, descending=True, stable=True).to(torch.int32)
-
-
 def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles,
                    sink: torch.Tensor | None = None, window: torch.Tensor | None = None,
                    scale: float | None = None, num_warps: int | None = None,
@@ -319,7 +302,11 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
     if (sink is None) != (window is None):
         raise ValueError("give both sink and window (per-head A-shape mask) or neither")
-    if warp_specialize or (warp_specialize is None and D == 128 and ws_takes(q, tiles, sink)):
+    if warp_specialize is None and D == 128:
+        from .prefill_ws import ws_takes  # lazy, as in _warp_specialized
+
+        warp_specialize = ws_takes(q, tiles, sink)
+    if warp_specialize:
         return _warp_specialized(q, k, v, tiles, scale, sink, window)
     if D & (D - 1) or not 16 <= D <= 256:
         raise ValueError(f"head_dim must be a power of two in 16..256 for the Triton kernel, got {D}")
@@ -402,23 +389,11 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     return o, lse
 
 
-def ws_takes(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None) -> bool:
-    """Whether `prefill_ws.ws_prefill` takes these tiles (static facts only, no host sync): an sm_90 GPU, bf16 /
-    fp16, head_dim 64 / 128, 64-row tiles of disjoint 64-key pieces, no column lists (`tiles.columns` False:
-    block-sparse tiles), no A-shape mask, group-shared tiles only with an even group (two query heads of a KV head
-    share one K/V ring)."""
-    hq = q.shape[1]
-    return (q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) == (9, 0)
-            and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128)
-            and tiles.block == 64 and tiles.piece == 64 and tiles.disjoint and sink is None
-            and not tiles.columns and (hq == tiles.shape[1] or hq // tiles.shape[1] % 2 == 0))
-
-
 def _warp_specialized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None,
                       sink: torch.Tensor | None, window: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`sparse_prefill` through the Gluon kernel: per-head tiles on separate rings (two stages), group-shared ones
     with two query heads of a group on one ring (four stages), the fastest of each on the H200."""
-    from .prefill_ws import ws_prefill  # imports this module's work_order
+    from .prefill_ws import ws_prefill  # lazy: Gluon needs Triton's experimental module
 
     if tiles.shape[1] != q.shape[1]:
         return ws_prefill(q, k, v, tiles, scale, sink, window, stages=4, share_kv=True)

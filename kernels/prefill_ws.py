@@ -43,11 +43,13 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .index_ref import VSTiles, ashape_to_tiles, expand_groups
-from .prefill import LOG2E, work_order
 from .prefill_ref import check_prefill_args
+from .schedule import LOG2E, work_order
 
 ROWS = 64  # query rows per consumer warpgroup (= tiles.block)
 KEYS = 64  # keys per piece (= tiles.piece)
+DTYPES = (torch.bfloat16, torch.float16)  # q / k / v dtypes the kernel takes
+HEAD_DIMS = (64, 128)  # head_dims it takes
 # TMA load global -> shared with an mbarrier: `async_load` from Triton 3.7 (3.9 removed the old name), the old
 # name in 3.6 (the H200 image's)
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -409,10 +411,10 @@ def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stages: int, 
                 overlap: bool) -> tuple[int, int, int, int, int]:
     """The checks both entries share (ValueError naming the field); returns (B, Hq, Hkv, N, D)."""
     B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
-    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v dtype must be bf16 or fp16 (all alike) for ws_prefill, got {q.dtype}, {k.dtype}, "
                          f"{v.dtype}; use sparse_prefill for fp32")
-    if D not in (64, 128):
+    if D not in HEAD_DIMS:
         raise ValueError(f"head_dim {D} is not supported by ws_prefill (64 or 128); use sparse_prefill")
     if consumers not in (1, 2) or stages < 1 + overlap:
         raise ValueError(f"consumers must be 1 or 2 and stages >= 2 with overlap (the next piece's K waits in the ring "
@@ -420,9 +422,25 @@ def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stages: int, 
     return B, Hq, Hkv, N, D
 
 
+def _sm90(device: torch.device) -> bool:
+    """Whether `device` is a Hopper GPU (compute capability 9.0), the one target the kernel compiles for."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
 def _check_device(q: torch.Tensor) -> None:
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+    if not _sm90(q.device):
         raise ValueError(f"ws_prefill needs a Hopper GPU (sm_90), got device {q.device}; use sparse_prefill")
+
+
+def ws_takes(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None) -> bool:
+    """Whether `ws_prefill` takes these tiles for q `[B, Hq, N, D]` (static facts only, no host sync): an sm_90
+    GPU, bf16 / fp16, head_dim 64 / 128, 64-row tiles of disjoint 64-key pieces, no column lists (`tiles.columns`
+    False: block-sparse tiles), no A-shape mask, group-shared tiles only with an even group (two query heads of a
+    KV head share one K/V ring)."""
+    hq, h = q.shape[1], tiles.shape[1]
+    return (_sm90(q.device) and q.dtype in DTYPES and q.shape[-1] in HEAD_DIMS and tiles.block == ROWS
+            and tiles.piece == KEYS and tiles.disjoint and sink is None and not tiles.columns
+            and (hq == h or hq // h % 2 == 0))
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None, stages: int,
@@ -491,7 +509,7 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
     lists must be equal: group-shared tiles (`[B, Hkv, M]`) are by construction, per-head ones are checked (one
     host sync). `sink` / `window`
     (A-shape) are not taken here: `ws_ashape` builds its own tiles. `rows_first`: programs take the row blocks
-    from the last, every head of one before the next (`prefill.work_order`), instead of most pieces first.
+    from the last, every head of one before the next (`schedule.work_order`), instead of most pieces first.
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
     """
     B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap)

@@ -260,7 +260,7 @@ def test_bad_tiles_name_the_problem():
 def test_warp_specialized_kernel_is_chosen_only_where_it_takes_the_tiles():
     """The Gluon kernel takes 64 x 64 block tiles without columns or A-shape masks, per head or with an even group,
     on sm_90; elsewhere the default is the Triton-language loop, and forcing the Gluon kernel names why not."""
-    from workbench_kernels.prefill import ws_takes
+    from workbench_kernels.prefill_ws import ws_takes
 
     n = 256
     q, k, v = qkv(1, 4, 2, n, 128, DTYPES[0])
@@ -379,7 +379,7 @@ def test_long_tiles_prefix_interior_suffix_match_reference(variant, block, width
 def test_work_order_takes_every_item_once_longest_or_rows_first():
     """Both orders are permutations of the items; cost order puts the most pieces first, rows-first the last row
     block first with every head of it (heads in order) before the next row block."""
-    from workbench_kernels.prefill import work_order
+    from workbench_kernels.schedule import work_order
 
     B, H, n = 2, 3, 300
     M = -(-n // 64)
