@@ -289,8 +289,7 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     `tiles.disjoint`); False: one loop that masks the pieces it finds on an edge. `tma` (with `split`,
     on Hopper or newer): K/V tiles, and a per-head program's Q and O rows, through tensor descriptors
     (TMA). None: the fastest on the H200 for this program shape (`loop_variant`). `persistent`: one
-    program per SM slot looping over the row blocks in `work_order` (None: `loop_variant`'s choice), most pieces
-    first, or with `longest_first=False` rows first (`work_order(rows_first=True)`; the grid: first row block first);
+    program per SM slot looping over the row blocks in `work_order` (None: `loop_variant`'s choice);
     `warp_specialize`: True runs the tiles through the warp-specialised Gluon kernel (`prefill_ws.ws_prefill`:
     TMA producer warp, two wgmma consumer warpgroups; sm_90, bf16 / fp16, head_dim 64 or 128, 64 x 64 tiles
     without columns or A-shape masks; ValueError otherwise), False through the Triton-language loop below; None
@@ -356,7 +355,7 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     sub = block // rows
     n_work = B * tiles.shape[1] * M * sub
     if persistent:
-        order = work_order(tiles, sub, rows_first=not longest_first)
+        order = work_order(tiles, sub)
         slots = torch.cuda.get_device_properties(dev).multi_processor_count * 2 if dev.type == "cuda" else 4
         grid = (min(n_work, slots),)
     else:

@@ -345,13 +345,12 @@ def test_bf16_model_shapes_every_pattern_per_head_and_packed(Hq, Hkv, D):
 
 VARIANTS = {"split": {"split": True}, "tma": {"split": True, "tma": True}, "single": {"split": False},
             "tma_persistent": {"split": True, "tma": True, "persistent": True},
-            "split_persistent": {"split": True, "tma": False, "persistent": True},  # Vertical-Slash's default on Hopper
-            "rows_persistent": {"split": True, "tma": False, "persistent": True, "longest_first": False}}
+            "split_persistent": {"split": True, "tma": False, "persistent": True}}  # Vertical-Slash's default on Hopper
 
 
 @pytest.mark.parametrize("variant,block,width", [(v, b, w) for v in ("split", "tma", "single")
                                                  for b, w in ((64, 0), (128, 64), (128, 0))]
-                         + [("tma_persistent", 128, 64), ("split_persistent", 64, 0), ("rows_persistent", 64, 0)])
+                         + [("tma_persistent", 128, 64), ("split_persistent", 64, 0)])
 def test_long_tiles_prefix_interior_suffix_match_reference(variant, block, width):
     """n = 700: row blocks with masked prefix pieces (window edge, starts below 0), unmasked interior
     pieces and masked suffix pieces, per head and GQA-packed, for every piece loop of the kernel and
@@ -376,9 +375,8 @@ def test_long_tiles_prefix_interior_suffix_match_reference(variant, block, width
         check(out, masked_attention_ref(q, k, v, ashape_mask(sink, window, n).unsqueeze(0).to(DEV)), dtype)
 
 
-def test_work_order_takes_every_item_once_longest_or_rows_first():
-    """Both orders are permutations of the items; cost order puts the most pieces first, rows-first the last row
-    block first with every head of it (heads in order) before the next row block."""
+def test_work_order_takes_every_item_once_most_pieces_first():
+    """The persistent kernels' order is a permutation of the items, the most pieces first."""
     from workbench_kernels.schedule import work_order
 
     B, H, n = 2, 3, 300
@@ -387,11 +385,6 @@ def test_work_order_takes_every_item_once_longest_or_rows_first():
     tiles = block_sparse_to_tiles(index, n, 64, 0)
     cost = tiles.block_count.reshape(-1)
     for sub in (1, 2):
-        longest = work_order(tiles, sub).long()
-        rows = work_order(tiles, sub, rows_first=True).long()
-        for order in (longest, rows):
-            assert torch.equal(order.sort().values, torch.arange(B * H * M * sub))
-        assert (cost[longest // sub].diff() <= 0).all()
-        mid, bh = rows % (M * sub), rows // (M * sub)
-        assert torch.equal(mid, torch.arange(M * sub - 1, -1, -1).repeat_interleave(B * H))
-        assert torch.equal(bh, torch.arange(B * H).repeat(M * sub))
+        order = work_order(tiles, sub).long()
+        assert torch.equal(order.sort().values, torch.arange(B * H * M * sub))
+        assert (cost[order // sub].diff() <= 0).all()
