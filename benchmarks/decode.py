@@ -129,10 +129,12 @@ def fill_store(store: BlockStore) -> None:
 
 
 def run_one(model, store, mode: str, context: int, batch: int, *, steps: int, warmup: int, ctas: int,
-            reuse: float | None, budget: Budget, store_dtype: str = "model") -> dict[str, Any]:
+            reuse: float | None, budget: Budget, store_dtype: str = "model", gather_warps: int = 4,
+            splits: int | None = None) -> dict[str, Any]:
     max_tokens = context + warmup + 2 * steps + 4
     hook = ImposedReuse(budget, reuse, -(-max_tokens // BLOCK)) if reuse is not None and mode != "dense-resident" else None
-    cfg = EngineConfig(mode=mode, budget=budget, ctas=ctas, selector="same-layer", store_dtype=store_dtype)
+    cfg = EngineConfig(mode=mode, budget=budget, ctas=ctas, selector="same-layer", store_dtype=store_dtype,
+                       gather_warps=gather_warps, splits=splits)
     eng = DecodeEngine(model, cfg, batch=batch, max_tokens=max_tokens, store=store if mode in OFFLOAD else None,
                        select_hook=hook)
     lengths = [context - (i * 997) % 4096 for i in range(batch)]  # different lengths in one batch
@@ -163,8 +165,9 @@ def run_one(model, store, mode: str, context: int, batch: int, *, steps: int, wa
         out[f"eager_{k}_per_step"] = None if getattr(eager, k) is None else getattr(eager, k) / eager.steps
     out.update(eager_tokens_per_s=eager.tokens_per_s, eager_hit_rate=eager.hit_rate, eager_hidden_fraction=eager.hidden_fraction,
                eager_copy_gbps=eager.copy_gbps, hidden_fraction=None, copy_gbps=None)
-    out.update(context=context, ctas=ctas, reuse_imposed=reuse, lengths=[min(lengths), max(lengths)],
-               cuda_graph=eng.cuda and graph_error is None, graph_error=graph_error, fused_layers=eng.fused)
+    out.update(context=context, ctas=ctas, gather_warps=gather_warps, splits=splits, reuse_imposed=reuse,
+               lengths=[min(lengths), max(lengths)], cuda_graph=eng.cuda and graph_error is None, graph_error=graph_error,
+               fused_layers=eng.fused)
     eng.close()
     _free()
     return out
@@ -240,6 +243,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep-ctas", default=None,
                    help="modes: more CTA counts for the offload modes at the longest context "
                         "(default 8,16,32,64; none with --quick)")
+    p.add_argument("--variants", default="4:0",
+                   help="modes: gather warps:decode splits (0: default_splits) per engine variant, comma-separated; "
+                        "the first is the main one, the others rerun the resident-with-hook and offload jobs beside it")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--host-gib", type=float, default=100.0, help="pinned host memory the store may take")
@@ -284,6 +290,7 @@ def run(a: argparse.Namespace) -> int:
     plan = [(int(c), [int(b) for b in bs.split(",")]) for c, bs in (x.split(":") for x in a.plan.split(";"))]
     sweep = a.sweep_ctas if a.sweep_ctas is not None else "" if a.quick else "8,16,32,64"
     ctas_list = [int(c) for c in sweep.split(",") if c]
+    variants = [tuple(int(x) for x in v.split(":")) for v in a.variants.split(",")]
     stores = [x.strip() for x in a.store_dtypes.split(",")]
     if any(x not in STORE_DTYPES for x in stores) or not stores:
         raise ValueError(f"--store-dtypes {a.store_dtypes!r}: give a comma list of {', '.join(STORE_DTYPES)}")
@@ -333,18 +340,23 @@ def run(a: argparse.Namespace) -> int:
                 if context == max(c for c, _ in plan):
                     jobs += [(m, a.reuse, c) for m in ("sparse-offload-sync", "sparse-offload-forecast")
                              for c in ctas_list if c != ctas]
-                for mode, reuse, job_ctas in jobs:
+                jobs = [(*job, v) for v in range(len(variants)) for job in jobs
+                        if v == 0 or (job[1] is not None and job[2] == ctas)]
+                for mode, reuse, job_ctas, v in jobs:
+                    warps, splits = variants[v]
                     try:
                         r = run_one(model, store, mode, context, batch, steps=a.steps, warmup=a.warmup, ctas=job_ctas,
-                                    reuse=reuse, budget=budget, store_dtype=store_dtype if mode in OFFLOAD else "model")
+                                    reuse=reuse, budget=budget, store_dtype=store_dtype if mode in OFFLOAD else "model",
+                                    gather_warps=warps, splits=splits or None)
                     except Exception as e:  # a refusal (capacity, OOM) or a failure: record it, go on
                         r = {"mode": mode, "context": context, "batch": batch, "ctas": job_ctas, "reuse_imposed": reuse,
                              "store_dtype": store_dtype, "refused": f"{type(e).__name__}: {str(e)[:300]}"}
                         _free()
-                    r["ctas_main"] = job_ctas == ctas
+                    r["ctas_main"] = job_ctas == ctas and v == 0
                     result["runs"].append(r)
                     write_json(out, result)
                     print(f"{context:>7} b{batch:<3} {mode:<26} {r['store_dtype']:<5} reuse={reuse} ctas={job_ctas:<3} "
+                          f"warps:splits={warps}:{splits} "
                           + (f"{r['tokens_per_s']:9.1f} tok/s (eager {r['eager_tokens_per_s']:7.1f}) hit={r['hit_rate']} "
                              f"launches/layer={r['launches_per_layer_step']} copy(events)={r['eager_copy_gbps']} "
                              f"copy(kernel)={r['profiled_copy_gbps']} MB/step={r['bytes_moved_per_step'] / 1e6:.1f}"

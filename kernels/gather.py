@@ -111,9 +111,9 @@ def _part_layout(src: torch.Tensor, dst: torch.Tensor, scale: torch.Tensor | Non
 
 def gather_blocks(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
                   src_idx: torch.Tensor, dst_idx: torch.Tensor, count: torch.Tensor, ctas: int | None = None,
-                  scale_k: torch.Tensor | None = None, scale_v: torch.Tensor | None = None) -> None:
+                  scale_k: torch.Tensor | None = None, scale_v: torch.Tensor | None = None, warps: int = 4) -> None:
     """dst[dst_idx[i]] = src[src_idx[i]] for i < count where dst_idx[i] >= 0 (K and V) with `ctas`
-    persistent programs (None: `gather_ctas`, by whether the store is quantised).
+    persistent programs (None: `gather_ctas`, by whether the store is quantised) of `warps` warps each.
 
     src pools `[S, E]` (pinned host memory on the GPU path), dst pools `[S', E]`, indices `[M]` int,
     count a 1-element int tensor on the GPU. E = 64 rows x a power of two >= 16 elements (a 64-token
@@ -131,10 +131,12 @@ def gather_blocks(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor,
     ctas = gather_ctas(scale_k is not None or scale_v is not None) if ctas is None else ctas
     if ctas < 1:
         raise ValueError(f"ctas must be >= 1, got {ctas}")
+    if warps not in (1, 2, 4, 8):
+        raise ValueError(f"warps must be 1, 2, 4 or 8 (warps per gather program), got {warps}")
     lk, lv = _part_layout(src_k, dst_k, scale_k, "k"), _part_layout(src_v, dst_v, scale_v, "v")
     steps = lk["R"] // lk["RB"]  # = max(1, E / 8192): the same for both parts (R x W = E, RB x W = 8K)
     assert steps == lv["R"] // lv["RB"]
     _gather_blocks_kernel[(ctas,)](src_k, src_v, dst_k, dst_v, src_idx, dst_idx, count,
                                    src_k if scale_k is None else scale_k, src_v if scale_v is None else scale_v, ctas,
                                    **{f"{key}_K": x for key, x in lk.items()}, **{f"{key}_V": x for key, x in lv.items()},
-                                   STEPS=steps, CH=32, num_warps=4)
+                                   STEPS=steps, CH=32, num_warps=warps)

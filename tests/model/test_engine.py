@@ -450,13 +450,18 @@ def test_decode_benchmark_modes_part_runs_on_the_cpu(one_thread, tmp_path):
     out = tmp_path / "modes.json"
     bench, args = _bench_args("--part", "modes", "--device", "cpu", "--tiny", "--layers", "3", "--reuse", "0.75",
                               "--plan", "4096:2", "--quick", "--store-dtypes", "model,int4", "--steps", "2",
-                              "--warmup", "1", "--check", "--host-gib", "1", "--sweep-ctas", "8", "--out", str(out))
+                              "--warmup", "1", "--check", "--host-gib", "1", "--sweep-ctas", "8", "--variants", "4:0,1:4",
+                              "--out", str(out))
     assert bench.run(args) == 0
     r = json.loads(out.read_text())
     assert all(all(v.values()) for check in r["lossless_gpu"].values() for v in (check["eager"],))
     runs = [x for x in r["runs"] if "tokens_per_s" in x]
-    # resident (no hook, hook), dense; offload x 2 stores; sync and forecast at 8 CTAs x 2 stores
-    assert len(runs) == len(r["runs"]) == 3 + 3 + 3 + 2 * 2
+    # resident (no hook, hook), dense; offload x 2 stores; sync and forecast at 8 CTAs x 2 stores; the second variant:
+    # resident with the hook once, offload x 2 stores
+    assert len(runs) == len(r["runs"]) == 3 + 3 + 3 + 2 * 2 + 1 + 3 + 3
+    second = [x for x in runs if (x["gather_warps"], x["splits"]) == (1, 4)]
+    assert len(second) == 7 and not any(x["ctas_main"] for x in second)
+    runs = [x for x in runs if x not in second]
     offload = {(x["store_dtype"], x["ctas"], x["ctas_main"]) for x in runs if x["mode"] == "sparse-offload-forecast"}
     assert offload == {("model", 32, True), ("int4", 64, True), ("model", 8, False), ("int4", 8, False)}  # gather_ctas
     assert len(r["summary"]["ratios"]) == 2  # the main CTA count's forecast runs only
@@ -802,3 +807,11 @@ def test_fused_decode_step_launches_at_most_15_kernels_per_layer():
                 counts[layers] = _launches(eng, first)
         per_layer, per_step = (counts[4] - counts[2]) / 2, counts[2] - (counts[4] - counts[2])
         assert per_layer <= 13 and per_layer + per_step / 8 <= 15, (mode, counts)
+
+
+def test_gather_warps_outside_1_2_4_8_is_refused_naming_the_field():
+    from workbench.decode.engine.decoder import EngineConfig
+
+    with pytest.raises(ValueError, match="gather_warps must be 1, 2, 4 or 8, got 3"):
+        EngineConfig(gather_warps=3)
+    assert EngineConfig(gather_warps=1).gather_warps == 1

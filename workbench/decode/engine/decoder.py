@@ -68,7 +68,9 @@ class EngineConfig:
     """How to decode. `selector` only matters for sparse-resident (offload modes fix their own; "quest"
     also replaces InfLLM-V2 in sparse-offload-sync);
     `cache_blocks` = GPU cache slots per (sequence, KV head), default budget.total; `ctas` = programs of
-    the gather kernel (None: `gather_ctas`, 32 for a model-dtype store, 64 for FP8 / INT8 / INT4); `kernels` =
+    the gather kernel (None: `gather_ctas`, 32 for a model-dtype store, 64 for FP8 / INT8 / INT4), `gather_warps`
+    its warps per program; `splits` = programs per (sequence, KV head) of the decode kernel (None:
+    `decode.default_splits`); `kernels` =
     "triton", "torch" (reference) or "auto" (Triton on CUDA); `store_dtype` =
     "model", "fp8", "int8", "int4" or "int8k-int4v": how the offloadable layers' KV is kept (see the module
     docstring)."""
@@ -78,6 +80,7 @@ class EngineConfig:
     selector: str = "same-layer"
     cache_blocks: int | None = None
     ctas: int | None = None
+    gather_warps: int = 4
     kernels: str = "auto"
     splits: int | None = None
     store_dtype: str = "model"
@@ -93,6 +96,8 @@ class EngineConfig:
             raise ValueError("budget.local must be >= 1: the block being written must always be selected")
         if self.cache_blocks is not None and self.cache_blocks < self.budget.total:
             raise ValueError(f"cache_blocks={self.cache_blocks} is below the selection size {self.budget.total}")
+        if self.gather_warps not in (1, 2, 4, 8):
+            raise ValueError(f"gather_warps must be 1, 2, 4 or 8, got {self.gather_warps}")
         if self.kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"kernels {self.kernels!r}: choose auto, triton or torch")
         if self.store_dtype not in STORE_DTYPES:
@@ -444,7 +449,7 @@ class DecodeEngine:
         dst = cache.k.view(cache.k.shape[0], -1), cache.v.view(cache.v.shape[0], -1)
         scales = tuple(s.flatten(0, 2).flatten(1) for s in self.host_scales[layer]) if self.quant else (None, None)
         self._emit("copy_start", layer)
-        kw = {"ctas": self.config.ctas} if self.triton else {}
+        kw = {"ctas": self.config.ctas, "warps": self.config.gather_warps} if self.triton else {}
         self._gather(*src, *dst, plan.src, plan.dst, plan.count, scale_k=scales[0], scale_v=scales[1], **kw)
         self._emit("copy_end", layer)
 
