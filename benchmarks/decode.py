@@ -244,8 +244,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="modes: more CTA counts for the offload modes at the longest context "
                         "(default 8,16,32,64; none with --quick)")
     p.add_argument("--variants", default="4:0",
-                   help="modes: gather warps:decode splits (0: default_splits) per engine variant, comma-separated; "
-                        "the first is the main one, the others rerun the resident-with-hook and offload jobs beside it")
+                   help="modes: gather warps:decode splits[:gather programs] per engine variant (splits 0: "
+                        "default_splits; programs 0 or left out: --ctas / gather_ctas), comma-separated; the first is the "
+                        "main one, the others rerun the resident-with-hook and offload jobs beside it")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--host-gib", type=float, default=100.0, help="pinned host memory the store may take")
@@ -290,7 +291,7 @@ def run(a: argparse.Namespace) -> int:
     plan = [(int(c), [int(b) for b in bs.split(",")]) for c, bs in (x.split(":") for x in a.plan.split(";"))]
     sweep = a.sweep_ctas if a.sweep_ctas is not None else "" if a.quick else "8,16,32,64"
     ctas_list = [int(c) for c in sweep.split(",") if c]
-    variants = [tuple(int(x) for x in v.split(":")) for v in a.variants.split(",")]
+    variants = [(*(int(x) for x in v.split(":")), 0)[:3] for v in a.variants.split(",")]
     stores = [x.strip() for x in a.store_dtypes.split(",")]
     if any(x not in STORE_DTYPES for x in stores) or not stores:
         raise ValueError(f"--store-dtypes {a.store_dtypes!r}: give a comma list of {', '.join(STORE_DTYPES)}")
@@ -343,7 +344,8 @@ def run(a: argparse.Namespace) -> int:
                 jobs = [(*job, v) for v in range(len(variants)) for job in jobs
                         if v == 0 or (job[1] is not None and job[2] == ctas)]
                 for mode, reuse, job_ctas, v in jobs:
-                    warps, splits = variants[v]
+                    warps, splits, programs = variants[v]
+                    job_ctas = programs or job_ctas
                     try:
                         r = run_one(model, store, mode, context, batch, steps=a.steps, warmup=a.warmup, ctas=job_ctas,
                                     reuse=reuse, budget=budget, store_dtype=store_dtype if mode in OFFLOAD else "model",
