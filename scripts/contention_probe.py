@@ -1,6 +1,8 @@
 """Exploratory (H200, issue 26): does a UVA gather running beside decode slow the decode kernels down, and how much
 by the gather's programs, warps and rows per step?
 
+Also (`--configs raw/C:W:0`, `tma/C:W:0`) the codes alone moved with SM loads or with TMA bulk loads.
+
 Sparse-resident decode (random-weight Llama-3-8B shape, `--layers` layers, synthetic KV at `--context`, the bench's
 ImposedReuse hook, one CUDA graph per step) is timed alone, then while a high-priority side stream (as the engine's)
 runs the gather kernel over a long list of scattered blocks of a pinned INT8-key / INT4-value store, and while the
@@ -17,6 +19,7 @@ import math
 
 import torch
 import triton
+import triton.language as tl
 from workbench_benchmarks.decode import PAPER_BUDGET, environment, fill_store
 from workbench_benchmarks.shapes import random_llama
 from workbench_kernels import gather as gk
@@ -41,6 +44,38 @@ def launch_gather(store: BlockStore, dk, dv, src_idx, dst_idx, count, ctas: int,
         store.k[0].view(-1, width_k), store.v[0].view(-1, width_v), dk, dv, src_idx, dst_idx, count, sk, sv, ctas,
         **{f"{key}_K": x for key, x in lk.items()}, **{f"{key}_V": x for key, x in lv.items()},
         STEPS=lk["R"] // rows_k, CH=32, num_warps=warps)
+
+
+@triton.jit
+def _raw_copy_kernel(SrcK, SrcV, DstK, DstV, SrcIdx, DstIdx, Count, NCTA, R: tl.constexpr, WK: tl.constexpr,
+                     WV: tl.constexpr, TMA: tl.constexpr, S_ROWS):
+    """Move the K and V codes of the listed blocks (R rows of WK / WV bytes) untouched, with SM loads or (TMA) with
+    tensor-descriptor bulk loads from the pinned store: which of the two does the decode feel?"""
+    pid = tl.program_id(0)
+    n = tl.load(Count)
+    rows = tl.arange(0, R)
+    if TMA:
+        kd = tl.make_tensor_descriptor(SrcK, shape=[S_ROWS, WK], strides=[WK, 1], block_shape=[R, WK])
+        vd = tl.make_tensor_descriptor(SrcV, shape=[S_ROWS, WV], strides=[WV, 1], block_shape=[R, WV])
+    for i in tl.range(pid, n, NCTA, num_stages=3):
+        s = tl.load(SrcIdx + i).to(tl.int64)
+        d = tl.load(DstIdx + i).to(tl.int64)
+        if TMA:
+            k = kd.load([(s * R).to(tl.int32), 0])
+            v = vd.load([(s * R).to(tl.int32), 0])
+        else:
+            k = tl.load(SrcK + s * R * WK + rows[:, None] * WK + tl.arange(0, WK)[None, :])
+            v = tl.load(SrcV + s * R * WV + rows[:, None] * WV + tl.arange(0, WV)[None, :])
+        tl.store(DstK + d * R * WK + rows[:, None] * WK + tl.arange(0, WK)[None, :], k)
+        tl.store(DstV + d * R * WV + rows[:, None] * WV + tl.arange(0, WV)[None, :], v)
+
+
+def launch_raw(store: BlockStore, dk, dv, src_idx, dst_idx, count, ctas: int, warps: int, tma: bool) -> None:
+    """`_raw_copy_kernel` over the int8k-int4v store's codes (no scales, no dequantisation)."""
+    k, v = store.k[0].view(torch.uint8), store.v[0].view(torch.uint8)
+    wk, wv = k.numel() // (store.spec.layer_rows), v.numel() // (store.spec.layer_rows)
+    _raw_copy_kernel[(ctas,)](k, v, dk.view(torch.uint8), dv.view(torch.uint8), src_idx, dst_idx, count, ctas,
+                              R=BLOCK, WK=wk, WV=wv, TMA=tma, S_ROWS=store.spec.layer_rows, num_warps=warps)
 
 
 def timed_steps(eng: DecodeEngine, tok: torch.Tensor, steps: int, side=None, main=None) -> float:
@@ -126,6 +161,7 @@ def main() -> None:
     result = {"what": f"sparse-resident decode (RANDOM-WEIGHT Llama-3-8B shape, {a.layers} layers, synthetic KV, "
                       f"ImposedReuse {a.reuse}) alone vs beside a continuous int8k-int4v UVA gather / pinned memcpy",
               "environment": environment(), "batch": a.batch, "context": a.context, "runs": []}
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))  # descriptors
     model, shape = random_llama(a.layers, max_positions=a.context + 4096)
     max_tokens = a.context + 2048  # every timed replay advances the positions
     hook = ImposedReuse(PAPER_BUDGET, a.reuse, -(-max_tokens // BLOCK))
@@ -177,8 +213,24 @@ def main() -> None:
                               "ms_per_step": beside, "ratio_to_alone": alone / beside})
         print(json.dumps(row["beside"][-1]), flush=True)
         for c in a.configs.split(","):
+            kind, c = c.split("/") if "/" in c else ("gather", c)
             ctas, warps, rows_k = (int(x) for x in c.split(":"))
-            run = lambda: launch_gather(store, dk, dv, src_idx, dst_idx, count, ctas, warps, rows_k)  # noqa: E731
+            if kind == "gather":
+                run = lambda: launch_gather(store, dk, dv, src_idx, dst_idx, count, ctas, warps, rows_k)  # noqa: E731
+            else:  # raw / tma: the codes only
+                run = lambda: launch_raw(store, dk, dv, src_idx, dst_idx, count, ctas, warps, kind == "tma")  # noqa: E731
+            try:
+                run()
+                torch.cuda.synchronize()
+                if kind != "gather":  # the first listed block arrived intact
+                    d, src = int(dst_idx[0]), int(src_idx[0])
+                    got = dk.view(torch.uint8).view(-1)[d * BLOCK * 128:(d + 1) * BLOCK * 128]
+                    want = store.k[0].view(torch.uint8).view(-1, BLOCK * 128)[src]
+                    assert torch.equal(got.cpu(), want), f"{kind} moved wrong bytes"
+            except Exception as e:  # noqa: BLE001 - an experiment: record what failed and go on
+                row["beside"].append({"what": kind, "ctas": ctas, "warps": warps, "error": repr(e)[:400]})
+                print(json.dumps(row["beside"][-1]), flush=True)
+                continue
             run()
             ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             ev[0].record()
@@ -196,8 +248,9 @@ def main() -> None:
                         run()
 
             beside = median([timed_steps(eng, tok, a.steps, gather_side) for _ in range(3)])
-            row["beside"].append({"what": "gather", "ctas": ctas, "warps": warps, "rows_k_per_step": rows_k,
-                                  "gbps_alone": m * spec.block_bytes / gather_ms / 1e6, "ms_per_step": beside,
+            moved = m * spec.block_bytes if kind == "gather" else m * BLOCK * sum(p.codes for p in spec.parts)
+            row["beside"].append({"what": kind, "ctas": ctas, "warps": warps, "rows_k_per_step": rows_k,
+                                  "gbps_alone": moved / gather_ms / 1e6, "ms_per_step": beside,
                                   "ratio_to_alone": alone / beside})
             print(json.dumps(row["beside"][-1]), flush=True)
         if mult == 0:
