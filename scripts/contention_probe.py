@@ -1,7 +1,8 @@
 """Exploratory (H200, issue 26): does a UVA gather running beside decode slow the decode kernels down, and how much
 by the gather's programs, warps and rows per step?
 
-Also (`--configs raw/C:W:0`, `tma/C:W:0`) the codes alone moved with SM loads or with TMA bulk loads.
+Also (`--configs raw/C:W:0`, `tma/C:W:0`, `batch/N:0:0`, N blocks a call, 0: all) the codes alone moved with SM
+loads, TMA bulk loads or one `cuMemcpyBatchAsync` of the scattered blocks on the copy engines.
 
 Sparse-resident decode (random-weight Llama-3-8B shape, `--layers` layers, synthetic KV at `--context`, the bench's
 ImposedReuse hook, one CUDA graph per step) is timed alone, then while a high-priority side stream (as the engine's)
@@ -76,6 +77,44 @@ def launch_raw(store: BlockStore, dk, dv, src_idx, dst_idx, count, ctas: int, wa
     wk, wv = k.numel() // (store.spec.layer_rows), v.numel() // (store.spec.layer_rows)
     _raw_copy_kernel[(ctas,)](k, v, dk.view(torch.uint8), dv.view(torch.uint8), src_idx, dst_idx, count, ctas,
                               R=BLOCK, WK=wk, WV=wv, TMA=tma, S_ROWS=store.spec.layer_rows, num_warps=warps)
+
+
+def batch_copier(store: BlockStore, dk, dv, src_idx, dst_idx, m: int):
+    """A `cuMemcpyBatchAsync` (CUDA 12.8+ driver API, through ctypes) of the m listed blocks' K and V codes (2m
+    copies of 8 KB / 4 KB, copy engines, flag PREFER_OVERLAP_WITH_COMPUTE) -> (launch on the current stream, host
+    seconds of the last call)."""
+    import ctypes
+    import struct
+    import time
+
+    import numpy as np
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    v2 = hasattr(cuda, "cuMemcpyBatchAsync_v2")
+    fn = cuda.cuMemcpyBatchAsync_v2 if v2 else cuda.cuMemcpyBatchAsync
+    fn.restype = ctypes.c_int
+    k, v = store.k[0].view(torch.uint8), store.v[0].view(torch.uint8)
+    bk, bv = k.numel() // (store.spec.layer_rows // BLOCK), v.numel() // (store.spec.layer_rows // BLOCK)
+    s, d = src_idx.cpu().numpy().astype(np.uint64), dst_idx.cpu().numpy().astype(np.uint64)
+    srcs = np.concatenate([k.data_ptr() + s * bk, v.data_ptr() + s * bv]).astype(np.uint64)
+    dsts = np.concatenate([dk.data_ptr() + d * bk, dv.data_ptr() + d * bv]).astype(np.uint64)
+    sizes = np.concatenate([np.full(m, bk), np.full(m, bv)]).astype(np.uint64)
+    attrs = ctypes.create_string_buffer(struct.pack("iiiiiI", 1, 0, 0, 0, 0, 1))  # stream order; overlap with compute
+    idxs = (ctypes.c_size_t * 1)(0)
+    fail = ctypes.c_size_t(0)
+    host = [0.0]
+
+    def launch() -> None:
+        t0 = time.perf_counter()
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        args = [dsts.ctypes.data_as(ctypes.c_void_p), srcs.ctypes.data_as(ctypes.c_void_p),
+                sizes.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(2 * m), attrs, idxs, ctypes.c_size_t(1)]
+        rc = fn(*args, stream) if v2 else fn(*args, ctypes.byref(fail), stream)
+        host[0] = time.perf_counter() - t0
+        if rc:
+            raise RuntimeError(f"cuMemcpyBatchAsync{'_v2' if v2 else ''} returned {rc}")
+
+    return launch, host
 
 
 def timed_steps(eng: DecodeEngine, tok: torch.Tensor, steps: int, side=None, main=None) -> float:
@@ -215,8 +254,11 @@ def main() -> None:
         for c in a.configs.split(","):
             kind, c = c.split("/") if "/" in c else ("gather", c)
             ctas, warps, rows_k = (int(x) for x in c.split(":"))
+            host = None
             if kind == "gather":
                 run = lambda: launch_gather(store, dk, dv, src_idx, dst_idx, count, ctas, warps, rows_k)  # noqa: E731
+            elif kind == "batch":  # the codes only, on the copy engines
+                run, host = batch_copier(store, dk, dv, src_idx[: ctas or m], dst_idx[: ctas or m], ctas or m)
             else:  # raw / tma: the codes only
                 run = lambda: launch_raw(store, dk, dv, src_idx, dst_idx, count, ctas, warps, kind == "tma")  # noqa: E731
             try:
@@ -248,10 +290,11 @@ def main() -> None:
                         run()
 
             beside = median([timed_steps(eng, tok, a.steps, gather_side) for _ in range(3)])
-            moved = m * spec.block_bytes if kind == "gather" else m * BLOCK * sum(p.codes for p in spec.parts)
+            blocks = (ctas or m) if kind == "batch" else m
+            moved = m * spec.block_bytes if kind == "gather" else blocks * BLOCK * sum(p.codes for p in spec.parts)
             row["beside"].append({"what": kind, "ctas": ctas, "warps": warps, "rows_k_per_step": rows_k,
                                   "gbps_alone": moved / gather_ms / 1e6, "ms_per_step": beside,
-                                  "ratio_to_alone": alone / beside})
+                                  "ratio_to_alone": alone / beside, "host_ms_per_call": host and host[0] * 1e3})
             print(json.dumps(row["beside"][-1]), flush=True)
         if mult == 0:
             row["green"] = green_runs(a, eng, tok, alone, budget_ms, store, dk, dv, src_idx, dst_idx, count, m,
