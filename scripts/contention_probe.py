@@ -152,32 +152,39 @@ def green_runs(a, eng, tok, alone, budget_ms, store, dk, dv, src_idx, dst_idx, c
                    "ratio_to_full_gpu_alone": alone / mine, "beside": []}
             for ctas in (k, 2 * k):
                 run = lambda: launch_gather(store, dk, dv, src_idx, dst_idx, count, ctas, 4, 64)  # noqa: E731, B023
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    run()
-                    ev[0].record()
-                    for _ in range(3):
-                        run()
-                    ev[1].record()
-                torch.cuda.synchronize()
-                gather_ms = ev[0].elapsed_time(ev[1]) / 3
-                reps = math.ceil(budget_ms / gather_ms) + 1
-
-                def gather_side(reps: int = reps, run=run) -> None:
-                    side.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(side):
-                        for _ in range(reps):
-                            run()
-
-                beside = median([timed_steps(eng, tok, a.steps, gather_side, main) for _ in range(3)])
+                gather_ms, ms = beside(eng, tok, a.steps, budget_ms, run, side, main)
                 row["beside"].append({"ctas": ctas, "gbps_alone_in_green": m * block_bytes / gather_ms / 1e6,
-                                      "ms_per_step": beside, "ratio_to_full_gpu_alone": alone / beside})
+                                      "ms_per_step": ms, "ratio_to_full_gpu_alone": alone / ms})
             out.append(row)
         except Exception as e:  # noqa: BLE001 - an experiment: record what failed and go on
             out.append({"sms_gather": k, "error": repr(e)[:400]})
         print(json.dumps(out[-1]), flush=True)
     return out
+
+
+def beside(eng: DecodeEngine, tok: torch.Tensor, steps: int, budget_ms: float, run, stream, main=None
+           ) -> tuple[float, float]:
+    """(ms per call of the transfer `run` alone on `stream`, decode ms per step while `stream` repeats it for
+    `budget_ms`); `main`: the decode's stream (a green context's), default the current one."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+        ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ev[0].record()
+        for _ in range(3):
+            run()
+        ev[1].record()
+    torch.cuda.synchronize()
+    ms = ev[0].elapsed_time(ev[1]) / 3
+    reps = math.ceil(budget_ms / ms) + 1
+
+    def repeat() -> None:
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(reps):
+                run()
+
+    return ms, median([timed_steps(eng, tok, steps, repeat, main) for _ in range(3)])
 
 
 def median(xs: list[float]) -> float:
@@ -234,22 +241,9 @@ def main() -> None:
         row = {"splits": splits, "alone_ms_per_step": alone, "alone_tok_s": a.batch * 1e3 / alone, "beside": []}
         print(json.dumps({k: v for k, v in row.items() if k != "beside"}), flush=True)
 
-        def memcpy_side(reps: int) -> None:
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(reps):
-                    raw_dst.copy_(raw, non_blocking=True)
-
-        cp = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        cp[0].record()
-        memcpy_side(3)
-        cp[1].record(side)
-        torch.cuda.synchronize()
-        memcpy_ms = cp[0].elapsed_time(cp[1]) / 3
-        reps = math.ceil(budget_ms / memcpy_ms) + 1
-        beside = median([timed_steps(eng, tok, a.steps, lambda: memcpy_side(reps)) for _ in range(3)])
+        memcpy_ms, ms = beside(eng, tok, a.steps, budget_ms, lambda: raw_dst.copy_(raw, non_blocking=True), side)
         row["beside"].append({"what": "pinned memcpy (copy engine)", "gbps_alone": raw.numel() / memcpy_ms / 1e6,
-                              "ms_per_step": beside, "ratio_to_alone": alone / beside})
+                              "ms_per_step": ms, "ratio_to_alone": alone / ms})
         print(json.dumps(row["beside"][-1]), flush=True)
         for c in a.configs.split(","):
             kind, c = c.split("/") if "/" in c else ("gather", c)
@@ -273,28 +267,12 @@ def main() -> None:
                 row["beside"].append({"what": kind, "ctas": ctas, "warps": warps, "error": repr(e)[:400]})
                 print(json.dumps(row["beside"][-1]), flush=True)
                 continue
-            run()
-            ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            ev[0].record()
-            for _ in range(3):
-                run()
-            ev[1].record()
-            torch.cuda.synchronize()
-            gather_ms = ev[0].elapsed_time(ev[1]) / 3
-            reps = math.ceil(budget_ms / gather_ms) + 1
-
-            def gather_side(reps: int = reps, run=run) -> None:
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(reps):
-                        run()
-
-            beside = median([timed_steps(eng, tok, a.steps, gather_side) for _ in range(3)])
+            gather_ms, ms = beside(eng, tok, a.steps, budget_ms, run, side)
             blocks = (ctas or m) if kind == "batch" else m
             moved = m * spec.block_bytes if kind == "gather" else blocks * BLOCK * sum(p.codes for p in spec.parts)
             row["beside"].append({"what": kind, "ctas": ctas, "warps": warps, "rows_k_per_step": rows_k,
-                                  "gbps_alone": moved / gather_ms / 1e6, "ms_per_step": beside,
-                                  "ratio_to_alone": alone / beside, "host_ms_per_call": host and host[0] * 1e3})
+                                  "gbps_alone": moved / gather_ms / 1e6, "ms_per_step": ms,
+                                  "ratio_to_alone": alone / ms, "host_ms_per_call": host and host[0] * 1e3})
             print(json.dumps(row["beside"][-1]), flush=True)
         if mult == 0:
             row["green"] = green_runs(a, eng, tok, alone, budget_ms, store, dk, dv, src_idx, dst_idx, count, m,
