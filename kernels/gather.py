@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gather_ref import INT4, check_gather_args, gather_ctas
+from .gather_ref import GATHER_WARPS, INT4, check_gather_args, gather_ctas
 
 
 @triton.jit
@@ -131,7 +131,7 @@ def gather_blocks(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor,
     ctas = gather_ctas(scale_k is not None or scale_v is not None) if ctas is None else ctas
     if ctas < 1:
         raise ValueError(f"ctas must be >= 1, got {ctas}")
-    if warps not in (1, 2, 4, 8):
+    if warps not in GATHER_WARPS:
         raise ValueError(f"warps must be 1, 2, 4 or 8 (warps per gather program), got {warps}")
     lk, lv = _part_layout(src_k, dst_k, scale_k, "k"), _part_layout(src_v, dst_v, scale_v, "v")
     steps = lk["R"] // lk["RB"]  # = max(1, E / 8192): the same for both parts (R x W = E, RB x W = 8K)

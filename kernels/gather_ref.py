@@ -39,6 +39,9 @@ def kv_quant(quant: torch.dtype | tuple | None) -> tuple[torch.dtype | None, tor
     return quant, quant
 
 
+GATHER_WARPS = (1, 2, 4, 8)  # warps per program the gather kernel takes
+
+
 def gather_ctas(quantised: bool) -> int:
     """Programs of the UVA gather kernel by default: 32 for a model-dtype store, 64 for FP8 / INT8 / INT4 codes
     (their dequantisation keeps fewer bytes in flight per program). On the H200 in the decode engine at 128K

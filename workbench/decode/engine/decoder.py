@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from workbench_kernels.gather_ref import INT4, kv_quant
+from workbench_kernels.gather_ref import GATHER_WARPS, INT4, kv_quant
 
 from workbench.decode.engine.cache import BlockCache, CopyPlan
 from workbench.decode.engine.hooks import CopyTimer, StepHooks
@@ -96,7 +96,7 @@ class EngineConfig:
             raise ValueError("budget.local must be >= 1: the block being written must always be selected")
         if self.cache_blocks is not None and self.cache_blocks < self.budget.total:
             raise ValueError(f"cache_blocks={self.cache_blocks} is below the selection size {self.budget.total}")
-        if self.gather_warps not in (1, 2, 4, 8):
+        if self.gather_warps not in GATHER_WARPS:
             raise ValueError(f"gather_warps must be 1, 2, 4 or 8, got {self.gather_warps}")
         if self.kernels not in ("auto", "triton", "torch"):
             raise ValueError(f"kernels {self.kernels!r}: choose auto, triton or torch")
