@@ -256,7 +256,8 @@ def main() -> None:
             else:  # raw / tma: the codes only
                 run = lambda: launch_raw(store, dk, dv, src_idx, dst_idx, count, ctas, warps, kind == "tma")  # noqa: E731
             try:
-                run()
+                with torch.cuda.stream(side):  # not the legacy default stream, which the batch copy refuses
+                    run()
                 torch.cuda.synchronize()
                 if kind != "gather":  # the first listed block arrived intact
                     d, src = int(dst_idx[0]), int(src_idx[0])
