@@ -275,7 +275,7 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
                    num_stages: int | None = None, longest_first: bool = True,
                    pack_rows: int | None = None, split: bool | None = None,
                    tma: bool | None = None, persistent: bool | None = None,
-                   warp_specialize: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   warp_specialize: bool | None = None, kv_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over the keys of `tiles` (M = ceil(N / tiles.block)).
 
     q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` (last dim contiguous; fp16/bf16/fp32; D a power of two,
@@ -289,7 +289,8 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     `tiles.disjoint`); False: one loop that masks the pieces it finds on an edge. `tma` (with `split`,
     on Hopper or newer): K/V tiles, and a per-head program's Q and O rows, through tensor descriptors
     (TMA). None: the fastest on the H200 for this program shape (`loop_variant`). `persistent`: one
-    program per SM slot looping over the row blocks in `work_order` (None: `loop_variant`'s choice);
+    program per SM slot looping over the row blocks in `work_order` (None: `loop_variant`'s choice), with
+    `kv_major` every row block of one KV head's heads before the next KV head's;
     `warp_specialize`: True runs the tiles through the warp-specialised Gluon kernel (`prefill_ws.ws_prefill`:
     TMA producer warp, two wgmma consumer warpgroups; sm_90, bf16 / fp16, head_dim 64 or 128, 64 x 64 tiles
     without columns or A-shape masks; ValueError otherwise), False through the Triton-language loop below; None
@@ -306,7 +307,7 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
 
         warp_specialize = ws_takes(q, tiles, sink)
     if warp_specialize:
-        return _warp_specialized(q, k, v, tiles, scale, sink, window)
+        return _warp_specialized(q, k, v, tiles, scale, sink, window, kv_major)
     if D & (D - 1) or not 16 <= D <= 256:
         raise ValueError(f"head_dim must be a power of two in 16..256 for the Triton kernel, got {D}")
     if pack_rows is None:
@@ -355,7 +356,7 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     sub = block // rows
     n_work = B * tiles.shape[1] * M * sub
     if persistent:
-        order = work_order(tiles, sub)
+        order = work_order(tiles, sub, tiles.shape[1] // Hkv if kv_major else 0)
         slots = torch.cuda.get_device_properties(dev).multi_processor_count * 2 if dev.type == "cuda" else 4
         grid = (min(n_work, slots),)
     else:
@@ -389,14 +390,15 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
 
 
 def _warp_specialized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None,
-                      sink: torch.Tensor | None, window: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                      sink: torch.Tensor | None, window: torch.Tensor | None, kv_major: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sparse_prefill` through the Gluon kernel: per-head tiles on separate rings (two stages), group-shared ones
     with two query heads of a group on one ring (four stages), the fastest of each on the H200."""
     from .prefill_ws import ws_prefill  # lazy: Gluon needs Triton's experimental module
 
     if tiles.shape[1] != q.shape[1]:
-        return ws_prefill(q, k, v, tiles, scale, sink, window, stages=4, share_kv=True)
-    return ws_prefill(q, k, v, tiles, scale, sink, window)
+        return ws_prefill(q, k, v, tiles, scale, sink, window, stages=4, share_kv=True, kv_major=kv_major)
+    return ws_prefill(q, k, v, tiles, scale, sink, window, kv_major=kv_major)
 
 
 def vertical_slash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns: torch.Tensor,

@@ -446,8 +446,9 @@ def ws_takes(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None) -> bool
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None, stages: int,
             consumers: int, overlap: bool, share_kv: bool,
             packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-            band: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch on checked, contiguous inputs. `packed` (VS): (kc, vc `[B * Hq * KVP, D]`, cols Int32
+            band: tuple[torch.Tensor, torch.Tensor] | None = None, kv_major: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch on checked, contiguous inputs, items in `work_order` (by KV head first with `kv_major`). `packed` (VS): (kc, vc `[B * Hq * KVP, D]`, cols Int32
     `[B, Hq, KVP]`, col_count Int32 `[B, Hq, M]`, covered Int8 `[B, Hq, L]`); `band` (A-shape, tiles from
     `ashape_to_tiles`): (sink, window) Int32 `[Hq]` on q's device; see `_ws_prefill_kernel`."""
     B, Hq, N, D = q.shape
@@ -473,11 +474,11 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
     lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
     if share_kv:  # items (b, head pair, row block), ordered by the even heads' pieces
         order = work_order(dataclasses.replace(tiles, block_count=bc[:, 0::2], column_count=tiles.column_count[:, 0::2]),
-                           1)
+                           1, Hq // 2 // Hkv if kv_major else 0)
         n_work = B * Hq // 2 * M
         grid = n_work
     else:
-        order = work_order(strip_tiles, 1)
+        order = work_order(strip_tiles, 1, Hq // Hkv if kv_major else 0)
         n_work = B * Hq * M
         grid = triton.cdiv(n_work, consumers)
     cfg = launch_config(consumers)
@@ -491,7 +492,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
 
 def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None = None,
                sink: torch.Tensor | None = None, window: torch.Tensor | None = None, stages: int = 2,
-               consumers: int = 2, overlap: bool = True, share_kv: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               consumers: int = 2, overlap: bool = True, share_kv: bool = False,
+               kv_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over the pieces of per-head block-sparse `tiles` on an sm_90 GPU (`sparse_prefill`'s
     contract for the tiles it takes).
 
@@ -506,7 +508,9 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
     K/V ring, so each tile crosses L2 once for 128 query rows (FA3's two consumer warpgroups); their piece
     lists must be equal: group-shared tiles (`[B, Hkv, M]`) are by construction, per-head ones are checked (one
     host sync). `sink` / `window`
-    (A-shape) are not taken here: `ws_ashape` builds its own tiles.
+    (A-shape) are not taken here: `ws_ashape` builds its own tiles. `kv_major`: programs take every item of one KV
+    head before the next KV head's (`schedule.work_order(group=)`), most pieces first within; else most pieces
+    first over all heads.
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
     """
     B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap)
@@ -540,7 +544,8 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
         raise ValueError("share_kv needs consumers=2, an even number of query heads per KV head and equal piece lists "
                          "for heads 2j and 2j + 1 (tiles.block_count / block_offset); use share_kv=False")
     _check_device(q)
-    return _launch(q.contiguous(), k.contiguous(), v.contiguous(), tiles, scale, stages, consumers, overlap, share_kv)
+    return _launch(q.contiguous(), k.contiguous(), v.contiguous(), tiles, scale, stages, consumers, overlap, share_kv,
+                   kv_major=kv_major)
 
 
 def pack_columns(k: torch.Tensor, v: torch.Tensor, cols: torch.Tensor,
@@ -579,12 +584,12 @@ def pack_vertical_slash(k: torch.Tensor, v: torch.Tensor, columns: torch.Tensor,
 
 def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns: torch.Tensor,
                       offsets: torch.Tensor, scale: float | None = None, stages: int = 2, consumers: int = 2,
-                      overlap: bool = True, packed: tuple[VSTiles, tuple[torch.Tensor, ...]] | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      overlap: bool = True, packed: tuple[VSTiles, tuple[torch.Tensor, ...]] | None = None,
+                      kv_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Vertical-Slash prefill on an sm_90 GPU: MInference's index columns Long `[B, Hq, Kv]` (key positions),
     offsets Long `[B, Hq, Ks]` (i - j), any order; -1, repeated, >= N entries ignored, offset 0 always in (as
-    `vertical_slash_prefill`, same keys as `index_ref.vs_to_tiles`). q, k, v, stages, consumers, overlap as
-    `ws_prefill`. The slash pieces come from `index_build.vs_slash_tiles`; each query head's unique columns are
+    `vertical_slash_prefill`, same keys as `index_ref.vs_to_tiles`). q, k, v, stages, consumers, overlap, kv_major
+    as `ws_prefill`. The slash pieces come from `index_build.vs_slash_tiles`; each query head's unique columns are
     packed once (`pack_columns`) and row block m walks the prefix of them < m*64, 64 at a time, as extra items
     before its pieces (a column under one of its pieces masked), so the kernel reads each column once per row
     block that keeps it. `packed`: `pack_vertical_slash(k, v, columns, offsets, Hq)` made earlier (this call then
@@ -597,18 +602,20 @@ def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns
     _check_device(q)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     tiles, (kc, vc, cols, col_count, covered) = packed or pack_vertical_slash(k, v, columns, offsets, Hq)
-    return _launch(q, k, v, tiles, scale, stages, consumers, overlap, False, (kc, vc, cols, col_count, covered))
+    return _launch(q, k, v, tiles, scale, stages, consumers, overlap, False, (kc, vc, cols, col_count, covered),
+                   kv_major=kv_major)
 
 
 def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | list[int],
               window: torch.Tensor | list[int], scale: float | None = None, stages: int = 2, consumers: int = 2,
-              overlap: bool = True, tiles: VSTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              overlap: bool = True, tiles: VSTiles | None = None, kv_major: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """A-shape prefill on an sm_90 GPU: per query head `sink` and `window` (tokens, `[Hq]`; window >= 1, sink
     >= 0; `NO_WINDOW` for a head without a band) -> keys j <= i with j < sink or i - j < window (as
     `ashape_prefill`). Tiles: `index_ref.ashape_to_tiles` per query head (window pieces, the sinks below a row
     block's lowest piece as its columns [0, count)); the sinks are contiguous keys, so the kernel walks them as
     strips of k / v from key 0 (lanes >= count masked) before the pieces, and applies the token mask on the
-    pieces that reach past the window. q, k, v, stages, consumers, overlap as `ws_prefill`; `tiles`: those
+    pieces that reach past the window. q, k, v, stages, consumers, overlap, kv_major as `ws_prefill`; `tiles`: those
     per-head tiles made earlier (`ashape_to_tiles(sink, window, N, B, 64)`; this call then only launches).
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log)."""
     B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap)
@@ -625,4 +632,4 @@ def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Ten
                          f"{-(-N // ROWS)}], 64 x 64), got {tuple(tiles.shape)}, {tiles.block} x {tiles.piece}")
     band = (sink_t.to(q.device, torch.int32), window_t.clamp(max=1 << 30).to(q.device, torch.int32))
     return _launch(q.contiguous(), k.contiguous(), v.contiguous(), tiles, scale, stages, consumers, overlap, False,
-                   band=band)
+                   band=band, kv_major=kv_major)

@@ -9,11 +9,16 @@ from .index_ref import VSTiles
 LOG2E = 1.4426950408889634  # log2(e): both kernels' softmax scale in exp2 units (scale * LOG2E)
 
 
-def work_order(tiles: VSTiles, sub: int) -> torch.Tensor:
+def work_order(tiles: VSTiles, sub: int, group: int = 0) -> torch.Tensor:
     """Work items Int32 `[B * H * M * sub]` (item = bh * M * sub + m * sub + s for tiles `[B, H, M]`, `sub`
     programs per row block), most pieces and column strips first (longest-processing-time order: the long items
-    start early, the short ones fill the tail). Measured against it on the H200 and slower (kernels/NOTES.md):
-    the last row block first with every head of it before the next (for L2 reuse between query heads)."""
+    start early, the short ones fill the tail). `group` > 0: every item of a run of `group` heads (the query heads
+    of one KV head; 1 for GQA-packed tiles) before the next run's, most pieces first within, so the programs
+    running together read one KV head's keys (L2 reuse; H % group == 0). Measured against it on the H200 and
+    slower (kernels/NOTES.md): the last row block first with every head of it before the next."""
     cost = tiles.block_count + (tiles.column_count + tiles.piece - 1) // tiles.piece  # [B, H, M]
-    cost = cost.reshape(-1, 1).expand(-1, sub).reshape(-1)
+    cost = cost.reshape(-1, 1).expand(-1, sub).reshape(-1).long()
+    if group:
+        run = torch.arange(cost.numel(), device=cost.device) // (group * tiles.shape[2] * sub)
+        cost = cost - run * (int(cost.max()) + 1)  # run 0's items above run 1's, ...
     return torch.argsort(cost, descending=True, stable=True).to(torch.int32)

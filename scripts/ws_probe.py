@@ -10,8 +10,9 @@ recorded, the rest go on; a variant that fails or hangs its check is left out of
           vs SDPA(is_causal=True); TFLOP/s over the causal pairs, ratio to SDPA's
   sparse  block-sparse top-k (`index_build.block_index` on the bench's planted inputs, 64-row tiles) at each of
           --lengths: ws vs sparse_prefill, efficiency = physical density x SDPA ms / ms (as the bench)
-Variants: cCsS[o][k] = C consumer warpgroups (1 or 2), S ring stages, o = intra-warpgroup overlap, k = the two
-consumers share one K/V ring (query heads 2j, 2j + 1): checked on per-KV-head selections, timed on dense causal
+Variants: cCsS[o][k][g] = C consumer warpgroups (1 or 2), S ring stages, o = intra-warpgroup overlap, k = the two
+consumers share one K/V ring (query heads 2j, 2j + 1), g = items by KV head first (`kv_major`; the sparse and vs
+steps also time the persistent loop with it, "sparse_prefill/kv_major"): checked on per-KV-head selections, timed on dense causal
 and on group-shared top-k (`block_index(group_shared=True)`, expanded per head) against sparse_prefill's
 GQA-packed kernel on the group-shared tiles.
   vs      Vertical-Slash (`ws_vertical_slash`): first per --vs-variants a check (bf16 o / lse against
@@ -42,9 +43,9 @@ SHAPE = (32, 8, 128)  # Llama-3-8B: query heads, KV heads, head_dim
 
 
 def parse_variant(name: str) -> dict:
-    """'c2s3ok' -> {consumers: 2, stages: 3, overlap: True, share_kv: True}."""
-    c, s, o, k = re.fullmatch(r"c(\d)s(\d)(o?)(k?)", name).groups()
-    return {"consumers": int(c), "stages": int(s), "overlap": bool(o), "share_kv": bool(k)}
+    """'c2s3okg' -> {consumers: 2, stages: 3, overlap: True, share_kv: True, kv_major: True}."""
+    c, s, o, k, g = re.fullmatch(r"c(\d)s(\d)(o?)(k?)(g?)", name).groups()
+    return {"consumers": int(c), "stages": int(s), "overlap": bool(o), "share_kv": bool(k), "kv_major": bool(g)}
 
 
 def timed(fn) -> float:
@@ -143,7 +144,9 @@ def sparse(variants: list[str], lengths: list[int], topk: int) -> dict:
             per_head = expand_groups(tiles, hq // tiles.shape[1])
             density = tile_area(per_head, n).sum().item() / (hq * n * (n + 1) // 2)
             ref, _ = sparse_prefill(q, k, v, tiles, warp_specialize=False)
-            rows = {"sparse_prefill": timed(lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False))}
+            rows = {"sparse_prefill": timed(lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False)),
+                    "sparse_prefill/kv_major": timed(lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False,
+                                                                            persistent=True, kv_major=True))}
             agree = {}
             for name in names:
                 kw = parse_variant(name)
@@ -205,7 +208,9 @@ def vs(variants: list[str], lengths: list[int], vertical: int, slash: int) -> di
         prep = {"vs_tiles": timed(lambda: vs_tiles(cols, offs, n)),  # sparse_prefill's index conversion
                 "ws_prep": timed(lambda: pack_columns(k, v, vs_slash_tiles(cols, offs, n)[2], hq))}  # ws's
         ref, _ = sparse_prefill(q, k, v, tiles, warp_specialize=False)
-        rows = {"sparse_prefill": timed(lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False))}  # tiles prebuilt
+        rows = {"sparse_prefill": timed(lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False)),  # tiles prebuilt
+                "sparse_prefill/kv_major": timed(lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False,
+                                                                        kv_major=True))}
         agree = {}
         for name in variants:
             kw = parse_variant(name)
@@ -305,10 +310,10 @@ def run_step(argv: list[str], timeout: float) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="ws_probe.json")
-    p.add_argument("--variants", default="c2s2o,c2s3o,c1s2o,c2s2,c2s3ok,c2s4ok", help="cCsS[o][k], comma-separated")
+    p.add_argument("--variants", default="c2s2o,c2s3o,c1s2o,c2s2,c2s3ok,c2s4ok", help="cCsS[o][k][g], comma-separated")
     p.add_argument("--steps", default="check,dense,sparse",
                    help="any of check,dense,sparse,vs,ashape (vs, ashape: their own checks first)")
-    p.add_argument("--vs-variants", default="c2s2o,c1s2o,c2s3o", help="cCsS[o] for ws_vertical_slash / ws_ashape")
+    p.add_argument("--vs-variants", default="c2s2o,c1s2o,c2s3o", help="cCsS[o][g] for ws_vertical_slash / ws_ashape")
     p.add_argument("--sink", type=int, default=128, help="A-shape sink tokens")
     p.add_argument("--window", type=int, default=4096, help="A-shape window tokens")
     p.add_argument("--vertical", type=int, default=1000, help="VS columns per head")

@@ -344,7 +344,7 @@ def test_bf16_model_shapes_every_pattern_per_head_and_packed(Hq, Hkv, D):
 
 
 VARIANTS = {"split": {"split": True}, "tma": {"split": True, "tma": True}, "single": {"split": False},
-            "tma_persistent": {"split": True, "tma": True, "persistent": True},
+            "tma_persistent": {"split": True, "tma": True, "persistent": True, "kv_major": True},
             "split_persistent": {"split": True, "tma": False, "persistent": True}}  # Vertical-Slash's default on Hopper
 
 
@@ -376,7 +376,8 @@ def test_long_tiles_prefix_interior_suffix_match_reference(variant, block, width
 
 
 def test_work_order_takes_every_item_once_most_pieces_first():
-    """The persistent kernels' order is a permutation of the items, the most pieces first."""
+    """The persistent kernels' order is a permutation of the items, the most pieces first (over all heads, or
+    within each KV head's run of heads, runs in order)."""
     from workbench_kernels.schedule import work_order
 
     B, H, n = 2, 3, 300
@@ -388,3 +389,14 @@ def test_work_order_takes_every_item_once_most_pieces_first():
         order = work_order(tiles, sub).long()
         assert torch.equal(order.sort().values, torch.arange(B * H * M * sub))
         assert (cost[order // sub].diff() <= 0).all()
+    H, group = 4, 2  # by KV head first: heads (0, 1) of batch 0, then (2, 3), then batch 1's
+    index = torch.randint(-1, M, (B, H, M, 4), generator=torch.Generator().manual_seed(1))
+    tiles = block_sparse_to_tiles(index, n, 64, 0)
+    cost = tiles.block_count.reshape(-1)
+    for sub in (1, 2):
+        order = work_order(tiles, sub, group).long()
+        assert torch.equal(order.sort().values, torch.arange(B * H * M * sub))
+        run = order // (group * M * sub)
+        assert torch.equal(run, run.sort().values) and run.unique().numel() == B * H // group
+        for r in range(B * H // group):
+            assert (cost[order[run == r] // sub].diff() <= 0).all()
