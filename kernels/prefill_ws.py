@@ -448,9 +448,10 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
             packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
             band: tuple[torch.Tensor, torch.Tensor] | None = None, kv_major: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch on checked, contiguous inputs, items in `work_order` (by KV head first with `kv_major`). `packed` (VS): (kc, vc `[B * Hq * KVP, D]`, cols Int32
-    `[B, Hq, KVP]`, col_count Int32 `[B, Hq, M]`, covered Int8 `[B, Hq, L]`); `band` (A-shape, tiles from
-    `ashape_to_tiles`): (sink, window) Int32 `[Hq]` on q's device; see `_ws_prefill_kernel`."""
+    """Launch on checked, contiguous inputs, items in `work_order` (by KV head first with `kv_major`). `packed`
+    (VS): (kc, vc `[B * Hq * KVP, D]`, cols Int32 `[B, Hq, KVP]`, col_count Int32 `[B, Hq, M]`, covered Int8
+    `[B, Hq, L]`); `band` (A-shape, tiles from `ashape_to_tiles`): (sink, window) Int32 `[Hq]` on q's device; see
+    `_ws_prefill_kernel`."""
     B, Hq, N, D = q.shape
     Hkv = k.shape[1]
     M = -(-N // ROWS)
@@ -589,11 +590,12 @@ def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns
     """Vertical-Slash prefill on an sm_90 GPU: MInference's index columns Long `[B, Hq, Kv]` (key positions),
     offsets Long `[B, Hq, Ks]` (i - j), any order; -1, repeated, >= N entries ignored, offset 0 always in (as
     `vertical_slash_prefill`, same keys as `index_ref.vs_to_tiles`). q, k, v, stages, consumers, overlap, kv_major
-    as `ws_prefill` (kv_major by default here: 1.27x / 1.31x faster at 64K / 128K on the H200). The slash pieces come from `index_build.vs_slash_tiles`; each query head's unique columns are
-    packed once (`pack_columns`) and row block m walks the prefix of them < m*64, 64 at a time, as extra items
-    before its pieces (a column under one of its pieces masked), so the kernel reads each column once per row
-    block that keeps it. `packed`: `pack_vertical_slash(k, v, columns, offsets, Hq)` made earlier (this call then
-    only launches). Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log)."""
+    as `ws_prefill` (kv_major by default here: 1.27x / 1.31x faster at 64K / 128K on the H200). The slash pieces
+    come from `index_build.vs_slash_tiles`; each query head's unique columns are packed once (`pack_columns`) and
+    row block m walks the prefix of them < m*64, 64 at a time, as extra items before its pieces (a column under one
+    of its pieces masked), so the kernel reads each column once per row block that keeps it. `packed`:
+    `pack_vertical_slash(k, v, columns, offsets, Hq)` made earlier (this call then only launches). Returns (o
+    `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log)."""
     B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap)
     for name, x in (("columns", columns), ("offsets", offsets)):
         if x.dim() != 3 or tuple(x.shape[:2]) != (B, Hq) or x.shape[-1] < 1 or x.dtype.is_floating_point:

@@ -187,7 +187,16 @@ def check_vs(variant: str) -> dict:
     return out
 
 
-def vs(variants: list[str], lengths: list[int], vertical: int, slash: int) -> dict:
+def loop_kwargs(spec: str) -> dict:
+    """'num_warps=8;num_stages=4' -> {'num_warps': 8, 'num_stages': 4} (ints and True / False)."""
+    out = {}
+    for item in filter(None, spec.split(";")):
+        key, value = item.split("=")
+        out[key] = {"True": True, "False": False}.get(value) if value in ("True", "False") else int(value)
+    return out
+
+
+def vs(variants: list[str], lengths: list[int], vertical: int, slash: int, loops: list[str]) -> dict:
     from workbench_benchmarks.kernels_prefill import SHAPES
     from workbench_kernels.index_build import vs_index, vs_slash_tiles, vs_tiles
     from workbench_kernels.index_ref import tile_area
@@ -209,8 +218,11 @@ def vs(variants: list[str], lengths: list[int], vertical: int, slash: int) -> di
                 "ws_prep": timed(lambda: pack_columns(k, v, vs_slash_tiles(cols, offs, n)[2], hq))}  # ws's
         ref, _ = sparse_prefill(q, k, v, tiles, warp_specialize=False)
         rows = {"sparse_prefill": timed(lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False)),  # tiles prebuilt
-                "sparse_prefill/kv_major": timed(lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False,
-                                                                        kv_major=True))}
+                "sparse_prefill/longest_first": timed(lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False,
+                                                                             kv_major=False))}
+        for spec in loops:
+            kw = loop_kwargs(spec)
+            rows[f"sparse_prefill/{spec}"] = timed(lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False, **kw))
         agree = {}
         for name in variants:
             kw = parse_variant(name)
@@ -287,7 +299,8 @@ def child(args: argparse.Namespace) -> None:
     elif args.child == "ashape":
         result = ashape(args.vs_variants.split(","), [int(x) for x in args.lengths.split(",")], args.sink, args.window)
     elif args.child == "vs":
-        result = vs(args.vs_variants.split(","), [int(x) for x in args.lengths.split(",")], args.vertical, args.slash)
+        result = vs(args.vs_variants.split(","), [int(x) for x in args.lengths.split(",")], args.vertical, args.slash,
+                    [x for x in args.loop_variants.split(",") if x])
     elif args.child == "dense":
         result = dense(variants, args.dense_n)
     else:
@@ -319,6 +332,8 @@ def main() -> None:
     p.add_argument("--vertical", type=int, default=1000, help="VS columns per head")
     p.add_argument("--slash", type=int, default=6096, help="VS slash offsets per head")
     p.add_argument("--vs-timeout", type=float, default=240.0)
+    p.add_argument("--loop-variants", default="", help="vs step: the loop also with these sparse_prefill keywords, "
+                                                          "e.g. 'num_warps=8;num_stages=4,split=False' (, between rows)")
     p.add_argument("--dense-n", type=int, default=32768)
     p.add_argument("--lengths", default="65536,131072")
     p.add_argument("--topk", type=int, default=100)
@@ -336,7 +351,7 @@ def main() -> None:
     left = lambda cap: max(1.0, min(cap, args.budget - (time.perf_counter() - start)))  # noqa: E731
     common = ["--variants", args.variants, "--dense-n", str(args.dense_n), "--lengths", args.lengths,
               "--topk", str(args.topk), "--vertical", str(args.vertical), "--slash", str(args.slash), "--sink", str(args.sink),
-              "--window", str(args.window)]
+              "--window", str(args.window), "--loop-variants", args.loop_variants]
     result = {"environment": environment(), "steps": {}}
     save = lambda: json.dump(result, open(args.out, "w"), indent=1)  # noqa: E731
     variants = args.variants.split(",")
