@@ -2,7 +2,9 @@
 by the gather's programs, warps and rows per step?
 
 Also (`--configs raw/C:W:0`, `tma/C:W:0`, `batch/N:0:0`, N blocks a call, 0: all) the codes alone moved with SM
-loads, TMA bulk loads or one `cuMemcpyBatchAsync` of the scattered blocks on the copy engines.
+loads, TMA bulk loads or one `cuMemcpyBatchAsync` of the scattered blocks on the copy engines; `--dma N:T,...`
+first times that batch copy's own rate and host cost (N blocks from T host threads, no decode; `--splits ""` then
+skips the decode runs).
 
 Sparse-resident decode (random-weight Llama-3-8B shape, `--layers` layers, synthetic KV at `--context`, the bench's
 ImposedReuse hook, one CUDA graph per step) is timed alone, then while a high-priority side stream (as the engine's)
@@ -117,6 +119,43 @@ def batch_copier(store: BlockStore, dk, dv, src_idx, dst_idx, m: int):
     return launch, host
 
 
+def dma_rate(store: BlockStore, dk, dv, src_idx, dst_idx, m: int, threads: int) -> dict:
+    """The copy engines' own rate for m scattered blocks' codes: `batch_copier` calls for m / threads blocks each,
+    from `threads` host threads on their own streams, submitted while a sleep kernel holds the GPU (events time the
+    copies only), and the host wall time of the submissions."""
+    import threading
+    import time
+
+    src, dst = src_idx[:m].cpu(), dst_idx[:m].cpu()
+    parts = [batch_copier(store, dk, dv, src[i::threads], dst[i::threads], len(range(i, m, threads)))[0]
+             for i in range(threads)]
+    streams = [torch.cuda.Stream() for _ in range(threads)]
+    start = torch.cuda.Event(enable_timing=True)
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(threads)]
+    torch.cuda._sleep(int(4e8))  # ~0.2 s at 1.98 GHz: every submission lands before the copies may start
+    start.record()
+    for st in streams:
+        st.wait_event(start)
+
+    def submit(i: int) -> None:
+        with torch.cuda.stream(streams[i]):
+            parts[i]()
+            ends[i].record()
+
+    workers = [threading.Thread(target=submit, args=(i,)) for i in range(threads)]
+    t0 = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    ms = max(start.elapsed_time(e) for e in ends)
+    moved = m * BLOCK * sum(p.codes for p in store.spec.parts)
+    return {"blocks": m, "threads": threads, "copy_engine_gbps": moved / ms / 1e6, "copy_ms": ms,
+            "host_ms": host * 1e3, "host_us_per_copy": host * 1e6 / (2 * m)}
+
+
 def timed_steps(eng: DecodeEngine, tok: torch.Tensor, steps: int, side=None, main=None) -> float:
     """ms per graph-replayed decode step over `steps` replays (events on the main stream, or on `main`: a green
     context's stream); `side()` enqueues the concurrent work on its own stream first."""
@@ -201,7 +240,9 @@ def main() -> None:
     p.add_argument("--reuse", type=float, default=0.79)
     p.add_argument("--configs", default="16:4:64,32:4:64,48:4:64,64:4:64,32:1:64,32:2:64,32:8:64,32:4:16,48:2:32,"
                                         "48:1:16")
-    p.add_argument("--splits", default="0,2", help="decode splits multipliers of the default (0: default only)")
+    p.add_argument("--splits", default="0,2", help="decode splits multipliers of the default (0: default only; "
+                                                    "empty: no decode runs)")
+    p.add_argument("--dma", default="", help="blocks:threads,... : `dma_rate` of the batch copy first (no decode)")
     p.add_argument("--green", default="8,16", help="SMs of a green context for the gather (the decode gets the rest)")
     a = p.parse_args()
     result = {"what": f"sparse-resident decode (RANDOM-WEIGHT Llama-3-8B shape, {a.layers} layers, synthetic KV, "
@@ -228,7 +269,13 @@ def main() -> None:
     raw = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
     raw_dst = torch.empty_like(raw, device="cuda")
     lengths = [a.context - (i * 997) % 4096 for i in range(a.batch)]
-    for mult in [int(x) for x in a.splits.split(",")]:
+    result["dma"] = []
+    for c in filter(None, a.dma.split(",")):
+        m_dma, threads = (int(x) for x in c.split(":"))
+        result["dma"].append(dma_rate(store, dk, dv, src_idx, dst_idx, m_dma, threads))
+        print(json.dumps(result["dma"][-1]), flush=True)
+    write_json(a.out, result)
+    for mult in [int(x) for x in a.splits.split(",") if x]:
         from workbench_kernels.decode import default_splits
         splits = None if mult == 0 else default_splits(a.batch, shape.n_kv_heads, PAPER_BUDGET.total) * mult
         cfg = EngineConfig(mode="sparse-resident", budget=PAPER_BUDGET, selector="same-layer", splits=splits)
