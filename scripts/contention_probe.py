@@ -138,6 +138,7 @@ def dma_rate(store: BlockStore, dk, dv, src_idx, dst_idx, m: int, threads: int) 
         st.wait_event(start)
 
     def submit(i: int) -> None:
+        torch.cuda.set_device(0)  # binds the primary context to this thread (the driver call needs one)
         with torch.cuda.stream(streams[i]):
             parts[i]()
             ends[i].record()
