@@ -152,7 +152,7 @@ def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, 
         n1 = p1 + s1
         mbarrier.expect(q_bar.index(1), q_desc.block_type.nbytes, pred=n1 > 0)
         tma_load(q_desc, [q1, 0], q_bar.index(1), q_smem.index(1), pred=n1 > 0)
-        if SHARE:  # both consumers read ring 0 (their piece lists are equal, no strips: ws_prefill checks)
+        if SHARE:  # both consumers read ring 0 (their items are equal: the entries check)
             for t in range(n0):
                 _fill(t, n0, s0, kv0, bh0 * KVP, BlockOffset + base0, k_desc, v_desc, kc_desc, vc_desc, k_smem,
                       v_smem, k_ready, v_ready, empty, 0, STAGES, VS, ASHAPE)
@@ -473,8 +473,9 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
         strip_tiles = dataclasses.replace(tiles, column_count=col_count)  # work_order counts the strips
     o = torch.empty_like(q)
     lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
-    if share_kv:  # items (b, head pair, row block), ordered by the even heads' pieces
-        order = work_order(dataclasses.replace(tiles, block_count=bc[:, 0::2], column_count=tiles.column_count[:, 0::2]),
+    if share_kv:  # items (b, head pair, row block), ordered by the even heads' pieces and strips
+        order = work_order(dataclasses.replace(strip_tiles, block_count=bc[:, 0::2],
+                                               column_count=strip_tiles.column_count[:, 0::2]),
                            1, Hq // 2 // Hkv if kv_major else 0)
         n_work = B * Hq // 2 * M
         grid = n_work
@@ -586,7 +587,7 @@ def pack_vertical_slash(k: torch.Tensor, v: torch.Tensor, columns: torch.Tensor,
 def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns: torch.Tensor,
                       offsets: torch.Tensor, scale: float | None = None, stages: int = 2, consumers: int = 2,
                       overlap: bool = True, packed: tuple[VSTiles, tuple[torch.Tensor, ...]] | None = None,
-                      kv_major: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                      kv_major: bool = True, share_kv: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Vertical-Slash prefill on an sm_90 GPU: MInference's index columns Long `[B, Hq, Kv]` (key positions),
     offsets Long `[B, Hq, Ks]` (i - j), any order; -1, repeated, >= N entries ignored, offset 0 always in (as
     `vertical_slash_prefill`, same keys as `index_ref.vs_to_tiles`). q, k, v, stages, consumers, overlap, kv_major
@@ -594,17 +595,29 @@ def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns
     come from `index_build.vs_slash_tiles`; each query head's unique columns are packed once (`pack_columns`) and
     row block m walks the prefix of them < m*64, 64 at a time, as extra items before its pieces (a column under one
     of its pieces masked), so the kernel reads each column once per row block that keeps it. `packed`:
-    `pack_vertical_slash(k, v, columns, offsets, Hq)` made earlier (this call then only launches). Returns (o
-    `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log)."""
+    `pack_vertical_slash(k, v, columns, offsets, Hq)` made earlier (this call then only launches). Group-shared
+    columns / offsets (`[B, Hkv, K]`, `index_build.vs_index(group_shared=True)`) run with `share_kv` (None: for
+    those): query heads 2j and 2j + 1 of a KV head on one K/V ring (`ws_prefill`'s share_kv; consumers=2, an even
+    group; per-head lists must then be equal for heads 2j and 2j + 1). Returns (o `[B, Hq, N, D]` in q's dtype,
+    lse Float32 `[B, Hq, N]`, natural log)."""
     B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap)
+    grouped = columns.dim() == 3 and columns.shape[1] == Hkv != Hq
     for name, x in (("columns", columns), ("offsets", offsets)):
-        if x.dim() != 3 or tuple(x.shape[:2]) != (B, Hq) or x.shape[-1] < 1 or x.dtype.is_floating_point:
-            raise ValueError(f"{name} must be an integer tensor [B, Hq, K] = [{B}, {Hq}, K >= 1] (per query head), "
-                             f"got {x.dtype} {tuple(x.shape)}; repeat group-shared indexes over the G query heads")
+        if x.dim() != 3 or tuple(x.shape[:2]) not in ((B, Hq), (B, Hkv)) or x.shape[-1] < 1 or x.dtype.is_floating_point \
+                or x.shape[1] != columns.shape[1]:
+            raise ValueError(f"{name} must be an integer tensor [B, H, K] with H = Hq = {Hq} (per query head) or Hkv = "
+                             f"{Hkv} (group-shared) for both, B = {B}, K >= 1; got {x.dtype} {tuple(x.shape)}")
+    share_kv = grouped if share_kv is None else share_kv
+    if grouped:  # every head of a group walks the same lists: expand them
+        columns, offsets = (x.repeat_interleave(Hq // Hkv, dim=1) for x in (columns, offsets))
+    if share_kv and (consumers != 2 or Hq // Hkv % 2 or not grouped and not (
+            torch.equal(columns[:, 0::2], columns[:, 1::2]) and torch.equal(offsets[:, 0::2], offsets[:, 1::2]))):
+        raise ValueError("share_kv needs consumers=2, an even number of query heads per KV head and equal columns and "
+                         "offsets for heads 2j and 2j + 1 (group-shared indexes have them); use share_kv=False")
     _check_device(q)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     tiles, (kc, vc, cols, col_count, covered) = packed or pack_vertical_slash(k, v, columns, offsets, Hq)
-    return _launch(q, k, v, tiles, scale, stages, consumers, overlap, False, (kc, vc, cols, col_count, covered),
+    return _launch(q, k, v, tiles, scale, stages, consumers, overlap, share_kv, (kc, vc, cols, col_count, covered),
                    kv_major=kv_major)
 
 

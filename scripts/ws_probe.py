@@ -20,8 +20,9 @@ GQA-packed kernel on the group-shared tiles.
           N = 1000 and 3000, GQA 4:1, B = 2), then VS(--vertical, --slash) from `index_build.vs_index` on the
           bench's planted inputs at each of --lengths: ws vs sparse_prefill on `vs_tiles` of the same index,
           efficiency = physical density of those tiles x SDPA ms / ms (ws computes more: the columns under a
-          row block's pieces are masked in its strips, not dropped: `ws_physical_density`). `--steps vs` runs
-          only this (~2 min).
+          row block's pieces are masked in its strips, not dropped: `ws_physical_density`). Variants with k take
+          the group-shared index (one per KV head, two query heads on a ring) beside the loop's GQA-packed
+          kernel on it. `--steps vs` runs only this (~2 min).
   ashape  A-shape (`ws_ashape`): a check per --vs-variants (per-head sinks / windows, N = 1000, GQA 4:1), then
           sink --sink, window --window on every head at --lengths: ws vs `ashape_prefill` (group-shared tiles,
           GQA-packed), efficiency over the per-head tiles' physical density. `--steps ashape` runs only this.
@@ -171,19 +172,20 @@ def vs_random_index(B: int, H: int, n: int, g: torch.Generator) -> tuple[torch.T
 
 
 def check_vs(variant: str) -> dict:
-    from workbench_kernels.index_ref import tiles_to_mask, vs_to_tiles
+    from workbench_kernels.index_ref import expand_groups, tiles_to_mask, vs_to_tiles
     from workbench_kernels.prefill_ws import ws_vertical_slash
 
     out = {}
     g = torch.Generator().manual_seed(0)
     B, Hq, Hkv = 2, 8, 2
     kw = parse_variant(variant)
-    kw.pop("share_kv")
+    share = kw.pop("share_kv")  # k: a group-shared index (one per KV head)
     for n in (1000, 3000):
         q, k, v = (torch.randn(B, h, n, 128, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
-        cols, offs = vs_random_index(B, Hq, n, g)
+        cols, offs = vs_random_index(B, Hkv if share else Hq, n, g)
+        tiles = expand_groups(vs_to_tiles(cols.cuda(), offs.cuda(), n), Hq // Hkv if share else 1)
         out[f"n{n}"] = against_reference(lambda: ws_vertical_slash(q, k, v, cols.cuda(), offs.cuda(), **kw), q, k, v,
-                                         tiles_to_mask(vs_to_tiles(cols.cuda(), offs.cuda(), n), n))
+                                         tiles_to_mask(tiles, n))
     return out
 
 
@@ -199,7 +201,7 @@ def loop_kwargs(spec: str) -> dict:
 def vs(variants: list[str], lengths: list[int], vertical: int, slash: int, loops: list[str]) -> dict:
     from workbench_benchmarks.kernels_prefill import SHAPES
     from workbench_kernels.index_build import vs_index, vs_slash_tiles, vs_tiles
-    from workbench_kernels.index_ref import tile_area
+    from workbench_kernels.index_ref import expand_groups, tile_area
     from workbench_kernels.prefill import sparse_prefill
     from workbench_kernels.prefill_ws import pack_columns, ws_vertical_slash
 
@@ -207,37 +209,46 @@ def vs(variants: list[str], lengths: list[int], vertical: int, slash: int, loops
     out = {}
     for n in lengths:
         q, k, v, sdpa = planted(n)
-        cols, offs = vs_index(q, k, 1.0 / d ** 0.5, vertical, min(slash, n))
-        tiles = vs_tiles(cols, offs, n)
         pairs = hq * n * (n + 1) // 2
-        density = tile_area(tiles, n).sum().item() / pairs
-        pieces, _, packed = vs_slash_tiles(cols, offs, n)
-        strips = (pack_columns(k, v, packed, hq)[3].long() + 63) // 64
-        ws_area = ((pieces.block_count.long() + strips) * 64).sum().item() * 64  # (last row block counted full)
-        prep = {"vs_tiles": timed(lambda: vs_tiles(cols, offs, n)),  # sparse_prefill's index conversion
-                "ws_prep": timed(lambda: pack_columns(k, v, vs_slash_tiles(cols, offs, n)[2], hq))}  # ws's
-        ref, _ = sparse_prefill(q, k, v, tiles, warp_specialize=False)
-        rows = {"sparse_prefill": timed(lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False)),  # tiles prebuilt
-                "sparse_prefill/longest_first": timed(lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False,
-                                                                             kv_major=False))}
-        for spec in loops:
-            kw = loop_kwargs(spec)
-            rows[f"sparse_prefill/{spec}"] = timed(lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False, **kw))
-        agree = {}
-        for name in variants:
-            kw = parse_variant(name)
-            kw.pop("share_kv")
-            o, _ = ws_vertical_slash(q, k, v, cols, offs, **kw)
-            agree[name] = (o.float() - ref.float()).abs().max().item()
-            ms = timed(lambda: ws_vertical_slash(q, k, v, cols, offs, **kw))  # with its own conversion + packing
-            rows[f"ws/{name}"] = ms
-            rows[f"ws/{name}-prep"] = ms - prep["ws_prep"]  # the kernel alone (estimate)
-        out[f"vs{vertical}_{slash}/{n}"] = {
-            "physical_density": density, "ws_physical_density": ws_area / pairs, "sdpa_ms": sdpa, "prep_ms": prep,
-            "agreement_max_abs": agree,
-            "rows": {key: {"ms": ms, "efficiency": density * sdpa / ms, "vs_sparse_prefill": rows["sparse_prefill"] / ms}
-                     for key, ms in rows.items()}}
-        q = k = v = tiles = ref = None
+        for selection in ("per_head", "group_shared"):
+            names = [x for x in variants if parse_variant(x)["share_kv"] == (selection == "group_shared")]
+            if not names:
+                continue
+            cols, offs = vs_index(q, k, 1.0 / d ** 0.5, vertical, min(slash, n), group_shared=selection == "group_shared")
+            tiles = vs_tiles(cols, offs, n)  # group-shared: GQA-packed in the loop
+            g = hq // tiles.shape[1]
+            density = tile_area(expand_groups(tiles, g), n).sum().item() / pairs
+            head_cols, head_offs = (x.repeat_interleave(g, 1) for x in (cols, offs))  # what ws packs per query head
+            pieces, _, packed = vs_slash_tiles(head_cols, head_offs, n)
+            strips = (pack_columns(k, v, packed, hq)[3].long() + 63) // 64
+            ws_area = ((pieces.block_count.long() + strips) * 64).sum().item() * 64  # (last row block counted full)
+            prep = {"vs_tiles": timed(lambda: vs_tiles(cols, offs, n)),  # sparse_prefill's index conversion
+                    "ws_prep": timed(lambda: pack_columns(k, v, vs_slash_tiles(head_cols, head_offs, n)[2], hq))}
+            ref, _ = sparse_prefill(q, k, v, tiles, warp_specialize=False)
+            rows = {"sparse_prefill": timed(lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False))}
+            if selection == "per_head":
+                rows["sparse_prefill/longest_first"] = timed(lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False,
+                                                                                    kv_major=False))
+                for spec in loops:
+                    kw = loop_kwargs(spec)
+                    rows[f"sparse_prefill/{spec}"] = timed(lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False,
+                                                                                  **kw))
+            agree = {}
+            for name in names:
+                kw = parse_variant(name)
+                kw.pop("share_kv")  # group-shared columns share the ring by default
+                o, _ = ws_vertical_slash(q, k, v, cols, offs, **kw)
+                agree[name] = (o.float() - ref.float()).abs().max().item()
+                ms = timed(lambda: ws_vertical_slash(q, k, v, cols, offs, **kw))  # with its own conversion + packing
+                rows[f"ws/{name}"] = ms
+                rows[f"ws/{name}-prep"] = ms - prep["ws_prep"]  # the kernel alone (estimate)
+            out[f"vs{vertical}_{slash}{'' if selection == 'per_head' else '_group_shared'}/{n}"] = {
+                "physical_density": density, "ws_physical_density": ws_area / pairs, "sdpa_ms": sdpa, "prep_ms": prep,
+                "agreement_max_abs": agree,
+                "rows": {key: {"ms": ms, "efficiency": density * sdpa / ms,
+                               "vs_sparse_prefill": rows["sparse_prefill"] / ms} for key, ms in rows.items()}}
+            tiles = ref = None
+        q = k = v = None
         torch.cuda.empty_cache()
     return out
 

@@ -41,6 +41,7 @@ CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block
     "vs_one_consumer": (1, 2, True, 128, False, "vs"),
     "vs_no_overlap": (2, 2, False, 128, False, "vs"),
     "vs_head_dim_64": (2, 2, True, 64, False, "vs"),
+    "vs_shared_kv_4_stages": (2, 4, True, 128, True, "vs"),  # group-shared index: two query heads on one ring
     "ashape_two_consumers_2_stages": (2, 2, True, 128, False, "ashape"),  # ws_ashape's default
     "ashape_one_consumer": (1, 2, True, 128, False, "ashape"),
     "ashape_no_overlap": (2, 2, False, 128, False, "ashape"),
@@ -248,15 +249,17 @@ def test_vs_packed_columns_keep_the_reference_keys(n):
 def test_ws_vertical_slash_matches_masked_attention_bf16(case, n):
     """Random columns / offsets (repeats, -1, >= N, near and far offsets), N = 1000 (not a multiple of 64) and
     4096 (more columns than one strip per row block), GQA 4:1: o and lse against fp32 attention under
-    `vs_to_tiles`' mask."""
+    `vs_to_tiles`' mask; shared-K/V cases take a group-shared index (`[B, Hkv, K]`, two query heads on a ring)."""
+    from workbench_kernels.index_ref import expand_groups
     from workbench_kernels.prefill_ws import ws_vertical_slash
 
-    consumers, stages, overlap, d, _, _ = CASES[case]
+    consumers, stages, overlap, d, share, _ = CASES[case]
     B, Hq, Hkv = 2, 8, 2
     q, k, v = qkv(B, Hq, Hkv, n, d, seed=n)
-    cols, offs = vs_index(B, Hq, n, 300, 60, seed=n)
+    cols, offs = vs_index(B, Hkv if share else Hq, n, 300, 60, seed=n)
     o, lse = ws_vertical_slash(q, k, v, cols.cuda(), offs.cuda(), stages=stages, consumers=consumers, overlap=overlap)
-    ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(vs_to_tiles(cols.cuda(), offs.cuda(), n), n))
+    tiles = expand_groups(vs_to_tiles(cols.cuda(), offs.cuda(), n), Hq // Hkv if share else 1)
+    ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(tiles, n))
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
     torch.testing.assert_close(o.float(), ro.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, rlse, atol=8e-2, rtol=2e-2)
@@ -340,9 +343,10 @@ def test_ws_ashape_rejects_unsupported_inputs(case):
         ws_ashape(*args)
 
 
-@pytest.mark.parametrize("case", ["columns_shape", "offsets_dtype", "fp32", "not_hopper"])
+@pytest.mark.parametrize("case", ["columns_shape", "offsets_dtype", "fp32", "share_unequal", "not_hopper"])
 def test_ws_vertical_slash_rejects_unsupported_inputs(case):
-    """Per-query-head integer index of the right [B, Hq] shape, bf16 / fp16, an sm_90 GPU; else ValueError."""
+    """Integer index per query head ([B, Hq]) or per KV head ([B, Hkv]) for both, bf16 / fp16, share_kv only over
+    equal lists of heads 2j and 2j + 1, an sm_90 GPU; else ValueError."""
     if gluon_hopper_reason():
         pytest.skip(gluon_hopper_reason())
     from workbench_kernels.prefill_ws import ws_vertical_slash
@@ -351,12 +355,15 @@ def test_ws_vertical_slash_rejects_unsupported_inputs(case):
         pytest.skip("this machine is a Hopper GPU")
     q, k, v = (torch.randn(1, h, 200, 128, dtype=torch.bfloat16) for h in (8, 2, 2))
     cols, offs = torch.tensor([[[3, 90]] * 8]), torch.tensor([[[0, 70]] * 8])
-    args, field = {"columns_shape": ((q, k, v, cols[:, :2], offs), "columns"),
+    varied = cols.clone()
+    varied[0, 1, 0] = 5  # head 1's columns differ from head 0's
+    args, field = {"columns_shape": ((q, k, v, cols[:, :3], offs), "columns"),
                    "offsets_dtype": ((q, k, v, cols, offs.float()), "offsets"),
                    "fp32": ((q.float(), k.float(), v.float(), cols, offs), "dtype"),
+                   "share_unequal": ((q, k, v, varied, offs), "share_kv"),
                    "not_hopper": ((q, k, v, cols, offs), "Hopper")}[case]
     with pytest.raises(ValueError, match=field):
-        ws_vertical_slash(*args)
+        ws_vertical_slash(*args, share_kv=case == "share_unequal" or None)
 
 
 if __name__ == "__main__":
