@@ -293,7 +293,7 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     program per SM slot looping over the row blocks in `work_order` (None: `loop_variant`'s choice), with
     `kv_major` every row block of one KV head's heads before the next KV head's (None: for Vertical-Slash column
     lists, whose near-dense tiles stream a KV head's whole K/V: H200, VS(1000, 6096), 64K / 128K, 1.07x / 1.12x
-    the loop's speed, 1.27x / 1.31x the Gluon kernel's; block-sparse per head ran 3-5 % slower with it);
+    the loop's speed, 1.27x / 1.31x the Gluon kernel's; block-sparse per head ran 3-7 % slower with it);
     `warp_specialize`: True runs the tiles through the warp-specialised Gluon kernel (`prefill_ws.ws_prefill`:
     TMA producer warp, two wgmma consumer warpgroups; sm_90, bf16 / fp16, head_dim 64 or 128, 64 x 64 tiles
     without columns or A-shape masks; ValueError otherwise), False through the Triton-language loop below; None
