@@ -20,5 +20,5 @@ def work_order(tiles: VSTiles, sub: int, group: int = 0) -> torch.Tensor:
     cost = cost.reshape(-1, 1).expand(-1, sub).reshape(-1).long()
     if group:
         run = torch.arange(cost.numel(), device=cost.device) // (group * tiles.shape[2] * sub)
-        cost = cost - run * (int(cost.max()) + 1)  # run 0's items above run 1's, ...
+        cost = cost - run * (cost.max() + 1)  # run 0's items above run 1's, ... (on the device: no sync)
     return torch.argsort(cost, descending=True, stable=True).to(torch.int32)

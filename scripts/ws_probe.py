@@ -11,8 +11,9 @@ recorded, the rest go on; a variant that fails or hangs its check is left out of
   sparse  block-sparse top-k (`index_build.block_index` on the bench's planted inputs, 64-row tiles) at each of
           --lengths: ws vs sparse_prefill, efficiency = physical density x SDPA ms / ms (as the bench)
 Variants: cCsS[o][k][g] = C consumer warpgroups (1 or 2), S ring stages, o = intra-warpgroup overlap, k = the two
-consumers share one K/V ring (query heads 2j, 2j + 1), g = items by KV head first (`kv_major`; the sparse and vs
-steps also time the persistent loop with it, "sparse_prefill/kv_major"): checked on per-KV-head selections, timed on dense causal
+consumers share one K/V ring (query heads 2j, 2j + 1), g = items by KV head first (`kv_major`; the sparse step
+also times the persistent loop with it, "sparse_prefill/kv_major", the vs step the loop's default, KV head first,
+beside "sparse_prefill/longest_first"): checked on per-KV-head selections, timed on dense causal
 and on group-shared top-k (`block_index(group_shared=True)`, expanded per head) against sparse_prefill's
 GQA-packed kernel on the group-shared tiles.
   vs      Vertical-Slash (`ws_vertical_slash`): first per --vs-variants a check (bf16 o / lse against
