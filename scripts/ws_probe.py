@@ -10,8 +10,9 @@ recorded, the rest go on; a variant that fails or hangs its check is left out of
           vs SDPA(is_causal=True); TFLOP/s over the causal pairs, ratio to SDPA's
   sparse  block-sparse top-k (`index_build.block_index` on the bench's planted inputs, 64-row tiles) at each of
           --lengths: ws vs sparse_prefill, efficiency = physical density x SDPA ms / ms (as the bench)
-Variants: cCsS[o][k][g] = C consumer warpgroups (1 or 2), S ring stages, o = intra-warpgroup overlap, k = the two
-consumers share one K/V ring (query heads 2j, 2j + 1), g = items by KV head first (`kv_major`; the sparse step
+Variants: cCsS[o][k][g][p] = C consumer warpgroups (1 or 2), S ring stages, o = intra-warpgroup overlap, k = the two
+consumers share one K/V ring (query heads 2j, 2j + 1), p = they share one ring over row blocks 2j and 2j + 1 of a
+head (`pair_rows`: the union of their pieces), g = items by KV head first (`kv_major`; the sparse step
 also times the persistent loop with it, "sparse_prefill/kv_major", the vs step the loop's default, KV head first,
 beside "sparse_prefill/longest_first"): checked on per-KV-head selections, timed on dense causal
 and on group-shared top-k (`block_index(group_shared=True)`, expanded per head) against sparse_prefill's
@@ -24,7 +25,8 @@ GQA-packed kernel on the group-shared tiles.
           row block's pieces are masked in its strips, not dropped: `ws_physical_density`). Variants with k take
           the group-shared index (one per KV head, two query heads on a ring) beside the loop's GQA-packed
           kernel on it. `--steps vs` runs only this (~2 min).
-  ashape  A-shape (`ws_ashape`): a check per --vs-variants (per-head sinks / windows, N = 1000, GQA 4:1), then
+  ashape  A-shape (`ws_ashape`; k: share_kv, heads 2j / 2j + 1 alike): a check per --vs-variants (per-head sinks /
+          windows, N = 1000, GQA 4:1), then
           sink --sink, window --window on every head at --lengths: ws vs `ashape_prefill` (group-shared tiles,
           GQA-packed), efficiency over the per-head tiles' physical density. `--steps ashape` runs only this.
 Writes --out (JSON: environment, per step results) and prints a summary."""
@@ -45,9 +47,10 @@ SHAPE = (32, 8, 128)  # Llama-3-8B: query heads, KV heads, head_dim
 
 
 def parse_variant(name: str) -> dict:
-    """'c2s3okg' -> {consumers: 2, stages: 3, overlap: True, share_kv: True, kv_major: True}."""
-    c, s, o, k, g = re.fullmatch(r"c(\d)s(\d)(o?)(k?)(g?)", name).groups()
-    return {"consumers": int(c), "stages": int(s), "overlap": bool(o), "share_kv": bool(k), "kv_major": bool(g)}
+    """'c2s3okg' -> {consumers: 2, stages: 3, overlap: True, share_kv: True, kv_major: True, pair_rows: False}."""
+    c, s, o, k, g, p = re.fullmatch(r"c(\d)s(\d)(o?)(k?)(g?)(p?)", name).groups()
+    return {"consumers": int(c), "stages": int(s), "overlap": bool(o), "share_kv": bool(k), "kv_major": bool(g),
+            "pair_rows": bool(p)}
 
 
 def timed(fn) -> float:
@@ -77,6 +80,24 @@ def planted(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     q, k, v = planted_inputs(hq, hkv, d, n, theta)
     kx, vx = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
     return q, k, v, timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))
+
+
+def pair_union(tiles) -> dict:
+    """Pieces of row blocks 2j and 2j + 1 of each head (ascending lists) against their union: what a pair_rows ring
+    loads (union / own: < 1 is the saving over one ring per row block) and how many of its slots a consumer
+    passes over (1 - own / (2 union))."""
+    bc, bo = tiles.block_count.long(), tiles.block_offset
+    M = bc.shape[-1] // 2 * 2
+    a, b = bo[..., 0:M:2, :], bo[..., 1:M:2, :]
+    na, nb = bc[..., 0:M:2], bc[..., 1:M:2]
+    lanes = torch.arange(bo.shape[-1], device=bo.device)
+    big = torch.iinfo(torch.int32).max
+    a = torch.where(lanes < na[..., None], a, big).contiguous()
+    b = torch.where(lanes < nb[..., None], b, big - 1).contiguous()
+    pos = torch.searchsorted(a, b).clamp(max=a.shape[-1] - 1)
+    shared = (a.gather(-1, pos) == b).sum().item()
+    own = (na + nb).sum().item()
+    return {"union_over_own": (own - shared) / own, "passed_over": 1 - own / (2 * (own - shared))}
 
 
 def check(variant: str) -> dict:
@@ -156,7 +177,7 @@ def sparse(variants: list[str], lengths: list[int], topk: int) -> dict:
                 agree[name] = (o.float() - ref.float()).abs().max().item()
                 rows[f"ws/{name}"] = timed(lambda: ws_prefill(q, k, v, per_head, **kw))
             out[f"{selection}/{n}"] = {
-                "physical_density": density, "sdpa_ms": sdpa, "agreement_max_abs": agree,
+                "physical_density": density, "sdpa_ms": sdpa, "agreement_max_abs": agree, "pairs": pair_union(per_head),
                 "rows": {key: {"ms": ms, "efficiency": density * sdpa / ms, "vs_sparse_prefill": rows["sparse_prefill"] / ms}
                          for key, ms in rows.items()}}
         q = k = v = None
@@ -245,7 +266,7 @@ def vs(variants: list[str], lengths: list[int], vertical: int, slash: int, loops
                 rows[f"ws/{name}-prep"] = ms - prep["ws_prep"]  # the kernel alone (estimate)
             out[f"vs{vertical}_{slash}{'' if selection == 'per_head' else '_group_shared'}/{n}"] = {
                 "physical_density": density, "ws_physical_density": ws_area / pairs, "sdpa_ms": sdpa, "prep_ms": prep,
-                "agreement_max_abs": agree,
+                "agreement_max_abs": agree, "pairs": pair_union(pieces),
                 "rows": {key: {"ms": ms, "efficiency": density * sdpa / ms,
                                "vs_sparse_prefill": rows["sparse_prefill"] / ms} for key, ms in rows.items()}}
             tiles = ref = None
@@ -262,9 +283,10 @@ def check_ashape(variant: str) -> dict:
     g = torch.Generator().manual_seed(0)
     B, Hq, Hkv, n = 2, 8, 2, 1000
     kw = parse_variant(variant)
-    kw.pop("share_kv")
     sink = torch.tensor([0, 4, 64, 100, 4, 0, 130, 700])
     window = torch.tensor([64, 100, 1, 300, NO_WINDOW, 1200, 65, 17])
+    if kw["share_kv"]:  # heads 2j and 2j + 1 alike
+        sink, window = sink[0::2].repeat_interleave(2), window[1::2].repeat_interleave(2)
     q, k, v = (torch.randn(B, h, n, 128, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
     mask = tiles_to_mask(ashape_to_tiles(sink, window, n, B, device="cuda"), n, sink.cuda(), window.cuda())
     return {f"n{n}": against_reference(lambda: ws_ashape(q, k, v, sink, window, **kw), q, k, v, mask)}
@@ -287,7 +309,6 @@ def ashape(variants: list[str], lengths: list[int], sink: int, window: int) -> d
         agree = {}
         for name in variants:
             kw = parse_variant(name)
-            kw.pop("share_kv")
             o, _ = ws_ashape(q, k, v, sinks, windows, **kw)
             agree[name] = (o.float() - ref.float()).abs().max().item()
             rows[f"ws/{name}"] = timed(lambda: ws_ashape(q, k, v, sinks, windows, **kw))
