@@ -614,16 +614,16 @@ def compare_minference(args: argparse.Namespace) -> int:
                                         "num_warps": warps, "num_stages": stages})
                 return times, min(timed, key=timed.get), out
 
-            def gluon(times, fn, out):
-                """Time `fn` (a `prefill_ws` entry on prepared inputs) as variant "ws" where the Gluon kernel runs
+            def gluon(times, fn, out, name="ws"):
+                """Time `fn` (a `prefill_ws` entry on prepared inputs) as variant `name` where the Gluon kernel runs
                 (sm_90, head_dim 64 / 128, "ws" in --variants, its check passed) -> (best variant, extras)."""
                 if "ws" not in variants or not hopper or d not in (64, 128) or (ws_check and ws_check.result()):
                     return min((x for x in times if isinstance(times[x], float)), key=times.get), {}
                 try:
-                    times["ws"] = time_ms(fn)
-                    extra = {"ws_vs_loop_output": agreement(fn()[0], out)}
+                    times[name] = time_ms(fn)
+                    extra = {f"{name}_vs_loop_output": agreement(fn()[0], out)}
                 except Exception as e:  # noqa: BLE001 - keep the row, say why the Gluon kernel is missing
-                    times["ws"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    times[name] = f"{type(e).__name__}: {str(e)[:200]}"
                     extra = {}
                 return min((x for x in times if isinstance(times[x], float)), key=times.get), extra
 
@@ -712,9 +712,14 @@ def compare_minference(args: argparse.Namespace) -> int:
                 if best is None:
                     continue
                 ws = {}
-                if not shared:  # the Gluon kernel on the same per-head tiles
+                if not shared:  # the Gluon kernel on the same per-head tiles: one ring per row block, and two
+                    # heads on one ring (ashape_prefill's choice on the H200)
                     best, ws = gluon(times, lambda t=tiles: ws_ashape(q, k, v, sink, window, scale=scale, tiles=t),
                                      out)
+                    best, ws_shared = gluon(times, lambda t=tiles: ws_ashape(q, k, v, sink, window, scale=scale, tiles=t,
+                                                                             stages=4, share_kv=hq // hkv % 2 == 0),
+                                            out, "ws_shared")
+                    ws.update(ws_shared)
                 r = row("a_shape" + ("_packed" if shared else ""), tiles, times, best, index_ms=t_a, **ws)
                 if not shared:
                     with_flex(r, tiles, "a_shape", AShape(args.sink, args.window, hq).mask_mod(n, dev), sink=sink,

@@ -557,6 +557,16 @@ def ws_takes(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None) -> bool
             and (hq == h or hq // h % 2 == 0))
 
 
+def ws_ashape_takes(q: torch.Tensor, k: torch.Tensor, sink: torch.Tensor, window: torch.Tensor) -> bool:
+    """Whether `ws_ashape(share_kv=True)` takes this A-shape (CPU sink / window `[Hq]`, no host sync): an sm_90
+    GPU, bf16 / fp16, head_dim 64 / 128, an even number of query heads per KV head and equal sink and window for
+    heads 2j and 2j + 1."""
+    hq, hkv = q.shape[1], k.shape[1]
+    return (_sm90(q.device) and q.dtype in DTYPES and q.shape[-1] in HEAD_DIMS and hq % hkv == 0
+            and hq // hkv % 2 == 0 and sink.numel() == window.numel() == hq
+            and torch.equal(sink[0::2], sink[1::2]) and torch.equal(window[0::2], window[1::2]))
+
+
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None, stages: int,
             consumers: int, overlap: bool, share_kv: bool,
             packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,

@@ -27,8 +27,9 @@ GQA-packed kernel on the group-shared tiles.
           kernel on it. `--steps vs` runs only this (~2 min).
   ashape  A-shape (`ws_ashape`; k: share_kv, heads 2j / 2j + 1 alike): a check per --vs-variants (per-head sinks /
           windows, N = 1000, GQA 4:1), then
-          sink --sink, window --window on every head at --lengths: ws vs `ashape_prefill` (group-shared tiles,
-          GQA-packed), efficiency over the per-head tiles' physical density. `--steps ashape` runs only this.
+          sink --sink, window --window on every head at --lengths: ws vs the loop (group-shared tiles,
+          GQA-packed) and `ashape_prefill`'s default, efficiency over the per-head tiles' physical density.
+          `--steps ashape` runs only this.
 Writes --out (JSON: environment, per step results) and prints a summary."""
 from __future__ import annotations
 
@@ -295,7 +296,7 @@ def check_ashape(variant: str) -> dict:
 def ashape(variants: list[str], lengths: list[int], sink: int, window: int) -> dict:
     from workbench_benchmarks.kernels_prefill import SHAPES
     from workbench_kernels.index_ref import ashape_to_tiles, tile_area
-    from workbench_kernels.prefill import ashape_prefill
+    from workbench_kernels.prefill import ashape_prefill, sparse_prefill
     from workbench_kernels.prefill_ws import ws_ashape
 
     hq, hkv, d, theta = SHAPES["llama3-8b"]
@@ -304,8 +305,11 @@ def ashape(variants: list[str], lengths: list[int], sink: int, window: int) -> d
         q, k, v, sdpa = planted(n)
         sinks, windows = [sink] * hq, [window] * hq
         density = tile_area(ashape_to_tiles(sinks, windows, n), n).sum().item() / (hq * n * (n + 1) // 2)
-        ref, _ = ashape_prefill(q, k, v, sinks, windows)
-        rows = {"sparse_prefill": timed(lambda: ashape_prefill(q, k, v, sinks, windows))}  # GQA-packed
+        shared = ashape_to_tiles(sinks[::hq // hkv], windows[::hq // hkv], n, device="cuda")  # one per KV head
+        loop = lambda: sparse_prefill(q, k, v, shared, sink=torch.tensor(sinks), window=torch.tensor(windows))  # noqa: E731
+        ref, _ = loop()
+        rows = {"sparse_prefill": timed(loop),  # the loop, GQA-packed
+                "ashape_prefill": timed(lambda: ashape_prefill(q, k, v, sinks, windows))}  # its default
         agree = {}
         for name in variants:
             kw = parse_variant(name)
