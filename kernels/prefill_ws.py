@@ -54,37 +54,29 @@ HEAD_DIMS = (64, 128)  # head_dims it takes
 # name in 3.6 (the H200 image's)
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 PRODUCER_REGS = gl.constexpr(24)  # registers per thread of the 1-warp producer (scalar code only)
-BIG = gl.constexpr(1 << 30)  # the head of an exhausted piece list in a PAIR item's merge (above every key)
 
 
 @gluon.jit
 def _work_item(Order, BlockCount, ColCount, pid, sub: gl.constexpr, n_work, N, H, G, M, NS, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr, SHARE: gl.constexpr, VS: gl.constexpr,
-               ASHAPE: gl.constexpr, PAIR: gl.constexpr):
+               ASHAPE: gl.constexpr):
     """Consumer `sub` of program pid -> (valid, q row, kv row, piece-list offset, piece count, strip count, first
     query row, bh = b * H + h): rows in the flattened q / k tensors; a slot past n_work has no items. SHARE:
-    `Order` lists (b, head pair, row block) items, consumer `sub` takes query head 2 * pair + sub; PAIR: `Order`
-    lists (b, head, row-block pair) items, consumer `sub` takes row block 2 * pair + sub (none past M); else
-    consumer `sub` takes (b, head, row block) item pid * CONSUMERS + sub. VS / ASHAPE: the item first walks
+    `Order` lists (b, head pair, row block) items, consumer `sub` takes query head 2 * pair + sub; else consumer
+    `sub` takes (b, head, row block) item pid * CONSUMERS + sub. VS / ASHAPE: the item first walks
     ceil(ColCount / BLOCK_N) strips (VS: of its head's packed columns; ASHAPE: of keys from 0, the sinks), then its
     pieces (strips 0 otherwise)."""
-    if SHARE or PAIR:
+    if SHARE:
         slot = pid
     else:
         slot = pid * CONSUMERS + sub
     valid = slot < n_work
     item = gl.load(Order + gl.minimum(slot, n_work - 1))
-    if PAIR:
-        m = (item % ((M + 1) // 2)) * 2 + sub
-        valid = valid & (m < M)
-        m = gl.minimum(m, M - 1)
-        bh = item // ((M + 1) // 2)  # b * H + h
-    elif SHARE:
-        m = item % M
+    m = item % M
+    if SHARE:
         pair = item // M  # b * H / 2 + h / 2
         bh = (pair // (H // 2)) * H + 2 * (pair % (H // 2)) + sub
     else:
-        m = item % M
         bh = item // M  # b * H + h
     tile = bh * M + m
     kvh = (bh // H) * (H // G) + (bh % H) // G  # b * Hkv + h // G
@@ -136,59 +128,16 @@ def _load(k_desc, v_desc, row, k_smem, v_smem, k_ready, v_ready, i):
 
 
 @gluon.jit
-def _union_step(a, b, ia, ib, nA, nB, OffA, OffB):
-    """One step of the merge of two ascending piece lists (row blocks 2j and 2j + 1 of a PAIR item): a / b the
-    heads at cursors ia / ib (BIG past the end) -> (p = the union's next first key, in_a, in_b: whose it is,
-    and the advanced heads and cursors; the next heads are loaded here, used one step later)."""
-    p = gl.minimum(a, b)
-    in_a = a == p
-    in_b = b == p
-    ia = ia + in_a.to(gl.int32)
-    ib = ib + in_b.to(gl.int32)
-    a = gl.where(in_a, gl.load(OffA + ia, mask=ia < nA, other=BIG), a)
-    b = gl.where(in_b, gl.load(OffB + ib, mask=ib < nB, other=BIG), b)
-    return p, in_a, in_b, a, b, ia, ib
-
-
-@gluon.jit
-def _pair_fills(k_desc, v_desc, kc_desc, vc_desc, k_smem, v_smem, k_ready, v_ready, empty, kv_row, col_row, OffA,
-                OffB, nA, nB, S, STAGES: gl.constexpr, VS: gl.constexpr):
-    """Producer of a PAIR item on its one ring: S strips (VS: rows col_row + 64 t of kc / vc; A-shape: keys
-    64 t of k / v), then the union of the two row blocks' pieces in ascending order; union item t fills slot
-    t % STAGES (as `_fill`)."""
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    a = gl.load(OffA, mask=nA > 0, other=BIG)
-    b = gl.load(OffB, mask=nB > 0, other=BIG)
-    ia = 0
-    ib = 0
-    for t in range(S + nA + nB):
-        p = gl.minimum(a, b)
-        if (t < S) | (p < BIG):
-            i = t % STAGES
-            mbarrier.wait(empty.index(i), ((t // STAGES) & 1) ^ 1)
-            if t < S:
-                if VS:
-                    _load(kc_desc, vc_desc, col_row + t * BLOCK_N, k_smem, v_smem, k_ready, v_ready, i)
-                else:
-                    _load(k_desc, v_desc, kv_row + t * BLOCK_N, k_smem, v_smem, k_ready, v_ready, i)
-            else:
-                _load(k_desc, v_desc, kv_row + p, k_smem, v_smem, k_ready, v_ready, i)
-        if t >= S:
-            p, _, _, a, b, ia, ib = _union_step(a, b, ia, ib, nA, nB, OffA, OffB)
-
-
-@gluon.jit
 def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty,
               BlockCount, BlockOffset, ColCount, Order, n_work, N, H, G, M, NS, KVP, BLOCK_M: gl.constexpr,
               CONSUMERS: gl.constexpr, STAGES: gl.constexpr, SHARE: gl.constexpr, VS: gl.constexpr,
-              ASHAPE: gl.constexpr, PAIR: gl.constexpr):
+              ASHAPE: gl.constexpr):
     """1 warp: Q of each consumer once (q_bar phase 0), then the items (strips, pieces): of the one shared ring
-    (SHARE; PAIR: the union of the two row blocks' items), else of each consumer's ring, interleaved item by
-    item."""
+    (SHARE), else of each consumer's ring, interleaved item by item."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     pid = gl.program_id(0)
     _, q0, kv0, base0, p0, s0, _, bh0 = _work_item(Order, BlockCount, ColCount, pid, 0, n_work, N, H, G, M, NS,
-                                                   BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS, ASHAPE, PAIR)
+                                                   BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS, ASHAPE)
     n0 = p0 + s0
     # a consumer with no items never waits for its Q: load it only where there are items (no TMA left in flight)
     mbarrier.expect(q_bar.index(0), q_desc.block_type.nbytes, pred=n0 > 0)
@@ -199,14 +148,11 @@ def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, 
                   k_ready, v_ready, empty, 0, STAGES, VS, ASHAPE)
     else:
         _, q1, kv1, base1, p1, s1, _, bh1 = _work_item(Order, BlockCount, ColCount, pid, 1, n_work, N, H, G, M, NS,
-                                                       BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS, ASHAPE, PAIR)
+                                                       BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS, ASHAPE)
         n1 = p1 + s1
         mbarrier.expect(q_bar.index(1), q_desc.block_type.nbytes, pred=n1 > 0)
         tma_load(q_desc, [q1, 0], q_bar.index(1), q_smem.index(1), pred=n1 > 0)
-        if PAIR:  # one head: kv0 = kv1, bh0 = bh1
-            _pair_fills(k_desc, v_desc, kc_desc, vc_desc, k_smem, v_smem, k_ready, v_ready, empty, kv0, bh0 * KVP,
-                        BlockOffset + base0, BlockOffset + base1, p0, p1, gl.maximum(s0, s1), STAGES, VS)
-        elif SHARE:  # both consumers read ring 0 (their items are equal: the entries check)
+        if SHARE:  # both consumers read ring 0 (their items are equal: the entries check)
             for t in range(n0):
                 _fill(t, n0, s0, kv0, bh0 * KVP, BlockOffset + base0, k_desc, v_desc, kc_desc, vc_desc, k_smem,
                       v_smem, k_ready, v_ready, empty, 0, STAGES, VS, ASHAPE)
@@ -292,61 +238,17 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _pair_items(q, k_smem, v_smem, k_ready, v_ready, empty, acc, m_i, l_i, s0, rows, lanes, row_lo, own_strips,
-                n_cols, ColHead, CovHead, sink, window, OffA, OffB, nA, nB, S, N, qk_scale, sub: gl.constexpr,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr, p_layout,
-                row_o):
-    """Consumer `sub` of a PAIR item: walks the union (S strips, then the merge of row blocks 2j / 2j + 1's
-    pieces, as `_pair_fills`) on the one ring; computes the items that are its own (strips t < own_strips, the
-    pieces of its row block) and releases the others' slots once they have landed (an early arrive could count
-    toward the slot's next phase). No intra-warpgroup overlap: the other consumer's GEMMs fill the gaps.
-    Returns (acc, m_i, l_i)."""
-    a = gl.load(OffA, mask=nA > 0, other=BIG)
-    b = gl.load(OffB, mask=nB > 0, other=BIG)
-    ia = 0
-    ib = 0
-    for t in range(S + nA + nB):
-        p = gl.minimum(a, b)
-        if sub == 0:
-            own = gl.where(t < S, t < own_strips, (a == p) & (p < BIG))
-        else:
-            own = gl.where(t < S, t < own_strips, (b == p) & (p < BIG))
-        if (t < S) | (p < BIG):
-            i = t % STAGES
-            phase = (t // STAGES) & 1
-            mbarrier.wait(k_ready.index(i), phase)
-            if own:
-                s = warpgroup_mma(q, k_smem.index(i).permute((1, 0)), s0, use_acc=False, is_async=True)
-                # (t capped at S: a piece's lanes are all out and its offset load stays inside list A's row)
-                _, keep = _item_keys(gl.minimum(t, S), S, OffA, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS,
-                                     ASHAPE)
-                s = warpgroup_mma_wait(0, deps=(s,))
-                s = _masked(s, t, S, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_N, VS, ASHAPE)
-                prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-                mbarrier.wait(v_ready.index(i), phase)
-                acc = warpgroup_mma(gl.convert_layout(prob.to(k_smem.dtype), p_layout), v_smem.index(i), acc,
-                                    is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(empty.index(i), count=1)
-        if t >= S:
-            p, _, _, a, b, ia, ib = _union_step(a, b, ia, ib, nA, nB, OffA, OffB)
-    return acc, m_i, l_i
-
-
-@gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset, ColCount, Cols,
               Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, sub: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CONSUMERS: gl.constexpr,
               STAGES: gl.constexpr, OVERLAP: gl.constexpr, SHARE: gl.constexpr, VS: gl.constexpr,
-              ASHAPE: gl.constexpr, PAIR: gl.constexpr):
+              ASHAPE: gl.constexpr):
     """Consumer warpgroup `sub`: BLOCK_M query rows over their items (VS: column strips, then pieces) from its
-    ring (SHARE: the one ring both consumers read; PAIR: the ring of both row blocks' union, `_pair_items`);
-    writes O rows and LSE. ASHAPE: its head's sink / window (tokens) from Sink / Window Int32 `[H]`."""
+    ring (SHARE: the one ring both consumers read); writes O rows and LSE. ASHAPE: its head's sink / window
+    (tokens) from Sink / Window Int32 `[H]`."""
     pid = gl.program_id(0)
     valid, q_row, _, base, pieces, strips, row_lo, bh = _work_item(Order, BlockCount, ColCount, pid, sub, n_work, N,
-                                                                   H, G, M, NS, BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS,
-                                                                   ASHAPE, PAIR)
+                                                                   H, G, M, NS, BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS, ASHAPE)
     n = strips + pieces
     ring: gl.constexpr = 0 if SHARE else sub
     Offsets = BlockOffset + base
@@ -373,22 +275,13 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, Bl
     s0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     q = q_smem.index(sub)
     mbarrier.wait(q_bar.index(sub), 0, pred=n > 0)  # Q lands once: phase 0
-    if PAIR:
-        _, _, _, base0, n0, s0_, _, _ = _work_item(Order, BlockCount, ColCount, pid, 0, n_work, N, H, G, M, NS,
-                                                   BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS, ASHAPE, PAIR)
-        _, _, _, base1, n1, s1_, _, _ = _work_item(Order, BlockCount, ColCount, pid, 1, n_work, N, H, G, M, NS,
-                                                   BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS, ASHAPE, PAIR)
-        acc, m_i, l_i = _pair_items(q, k_smem, v_smem, k_ready, v_ready, empty, acc, m_i, l_i, s0, rows, lanes,
-                                    row_lo, strips, n_cols, ColHead, CovHead, sink, window, BlockOffset + base0,
-                                    BlockOffset + base1, n0, n1, gl.maximum(s0_, s1_), N, qk_scale, sub, BLOCK_N,
-                                    STAGES, VS, ASHAPE, p_layout, row_o)
     # Item t (strips, then pieces) sits in slot i = ring * STAGES + t % STAGES as that slot's fill j = t // STAGES
     # (the producer walks the same n = strips + pieces items in the same order), which completes
     # phase j of k_ready[i] / v_ready[i]: wait for parity j & 1 (SHARE: both consumers wait for the same phase;
     # a wait consumes nothing). The slot is released by an arrive on empty[i] once the P V wgmma that read V[i]
     # (and, earlier, the Q K^T that read K[i]) has completed; SHARE: empty[i] counts 2 arrives, one per consumer,
     # so its phase completes when both are done with the slot.
-    elif OVERLAP:
+    if OVERLAP:
         prob, alpha = s0, m_i  # (set for every path; only read where n > 0)
         if n > 0:  # prologue: the scores of piece 0
             mbarrier.wait(k_ready.index(ring * STAGES), 0)
@@ -454,19 +347,19 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, Bl
 def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCount, BlockOffset, ColCount, Cols,
                        Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, CONSUMERS: gl.constexpr,
                        STAGES: gl.constexpr, OVERLAP: gl.constexpr, SHARE: gl.constexpr, VS: gl.constexpr,
-                       ASHAPE: gl.constexpr, PAIR: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    """Program pid: work slots pid * CONSUMERS + c of `Order` (SHARE, PAIR: slot pid, both consumers). VS: kc / vc
+                       ASHAPE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Program pid: work slots pid * CONSUMERS + c of `Order` (SHARE: slot pid, both consumers). VS: kc / vc
     `[B * Hq * KVP, D]` hold each query head's packed columns' K / V rows (Cols Int32 `[B * Hq * KVP]` their
     keys, ascending), ColCount Int32 `[B, Hq, M]` how many are < the row block's first row, Covered Int8
     `[B * Hq, L]` the d-space flags of `index_build.vs_slash_tiles` (unused without VS). ASHAPE: ColCount the sink
     keys [0, ColCount) below each row block's lowest piece (`index_ref.ashape_to_tiles`' column_count), Sink /
     Window Int32 `[Hq]` the token mask. Shared memory:
-    CONSUMERS Q tiles and RINGS (CONSUMERS; SHARE, PAIR: 1) rings of STAGES K and V tiles (64 x D each; bf16,
+    CONSUMERS Q tiles and RINGS (CONSUMERS, SHARE: 1) rings of STAGES K and V tiles (64 x D each; bf16,
     D = 128: 16 KB a tile)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
-    RINGS: gl.constexpr = 1 if SHARE or PAIR else CONSUMERS
+    RINGS: gl.constexpr = 1 if SHARE else CONSUMERS
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, BLOCK_M, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [RINGS * STAGES, BLOCK_N, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [RINGS * STAGES, BLOCK_N, D], v_desc.layout)
@@ -480,28 +373,28 @@ def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCo
         mbarrier.init(k_ready.index(i), count=1)  # the producer's expect is the one arrive; TMA bytes the rest
         mbarrier.init(v_ready.index(i), count=1)
         # every consumer reading the ring arrives once per slot use: 2 on a shared ring, else 1
-        mbarrier.init(empty.index(i), count=CONSUMERS if SHARE or PAIR else 1)
+        mbarrier.init(empty.index(i), count=CONSUMERS if SHARE else 1)
     # (the partition lists are written out in the calls: a Gluon tuple cannot hold a function)
     if CONSUMERS == 1:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset,
                          ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 0,
-                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR)),
+                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP, SHARE, VS, ASHAPE)),
             (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                          empty, BlockCount, BlockOffset, ColCount, Order, n_work, N, H, G, M, NS, KVP, BLOCK_M,
-                         CONSUMERS, STAGES, SHARE, VS, ASHAPE, PAIR)),
+                         CONSUMERS, STAGES, SHARE, VS, ASHAPE)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset,
                          ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 0,
-                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR)),
+                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP, SHARE, VS, ASHAPE)),
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset,
                          ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 1,
-                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR)),
+                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP, SHARE, VS, ASHAPE)),
             (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                          empty, BlockCount, BlockOffset, ColCount, Order, n_work, N, H, G, M, NS, KVP, BLOCK_M,
-                         CONSUMERS, STAGES, SHARE, VS, ASHAPE, PAIR)),
+                         CONSUMERS, STAGES, SHARE, VS, ASHAPE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -527,13 +420,6 @@ def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stages: int, 
         raise ValueError(f"consumers must be 1 or 2 and stages >= 2 with overlap (the next piece's K waits in the ring "
                          f"while this piece's slot is held), >= 1 without; got {consumers}, {stages}, overlap={overlap}")
     return B, Hq, Hkv, N, D
-
-
-def _check_pair_rows(pair_rows: bool, consumers: int, overlap: bool, share_kv: bool) -> None:
-    """pair_rows takes two consumers without intra-warpgroup overlap and one head per program (ValueError)."""
-    if pair_rows and (consumers != 2 or overlap or share_kv):
-        raise ValueError(f"pair_rows needs consumers=2, overlap=False and share_kv=False (two row blocks of one head "
-                         f"on one ring); got consumers={consumers}, overlap={overlap}, share_kv={share_kv}")
 
 
 def _sm90(device: torch.device) -> bool:
@@ -570,10 +456,9 @@ def ws_ashape_takes(q: torch.Tensor, k: torch.Tensor, sink: torch.Tensor, window
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None, stages: int,
             consumers: int, overlap: bool, share_kv: bool,
             packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-            band: tuple[torch.Tensor, torch.Tensor] | None = None, kv_major: bool = False, pair_rows: bool = False
+            band: tuple[torch.Tensor, torch.Tensor] | None = None, kv_major: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch on checked, contiguous inputs, items in `work_order` (by KV head first with `kv_major`; pair_rows:
-    items are row-block pairs of one head, costed by the larger list of the two). `packed`
+    """Launch on checked, contiguous inputs, items in `work_order` (by KV head first with `kv_major`). `packed`
     (VS): (kc, vc `[B * Hq * KVP, D]`, cols Int32 `[B, Hq, KVP]`, col_count Int32 `[B, Hq, M]`, covered Int8
     `[B, Hq, L]`); `band` (A-shape, tiles from `ashape_to_tiles`): (sink, window) Int32 `[Hq]` on q's device; see
     `_ws_prefill_kernel`."""
@@ -604,13 +489,6 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
                            1, Hq // 2 // Hkv if kv_major else 0)
         n_work = B * Hq // 2 * M
         grid = n_work
-    elif pair_rows:  # items (b, head, row-block pair)
-        even = lambda x: torch.nn.functional.pad(x, (0, M % 2)).unflatten(-1, (-1, 2)).amax(-1)  # noqa: E731
-        order = work_order(dataclasses.replace(strip_tiles, block_count=even(bc),
-                                               column_count=even(strip_tiles.column_count)),
-                           1, Hq // Hkv if kv_major else 0)
-        n_work = B * Hq * (-(-M // 2))
-        grid = n_work
     else:
         order = work_order(strip_tiles, 1, Hq // Hkv if kv_major else 0)
         n_work = B * Hq * M
@@ -620,14 +498,14 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
         q_desc, k_desc, v_desc, kc_desc, vc_desc, o, lse, bc, bo, col_count, cols, covered, sink, window, order,
         n_work, scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1], cols.shape[-1], covered.shape[-1],
         CONSUMERS=consumers, STAGES=stages, OVERLAP=overlap, SHARE=share_kv, VS=packed is not None,
-        ASHAPE=band is not None, PAIR=pair_rows, CONSUMER_REGS=cfg["consumer_regs"], num_warps=4, maxnreg=cfg["maxnreg"])
+        ASHAPE=band is not None, CONSUMER_REGS=cfg["consumer_regs"], num_warps=4, maxnreg=cfg["maxnreg"])
     return o, lse
 
 
 def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None = None,
                sink: torch.Tensor | None = None, window: torch.Tensor | None = None, stages: int = 2,
                consumers: int = 2, overlap: bool = True, share_kv: bool = False,
-               kv_major: bool = False, pair_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               kv_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over the pieces of per-head block-sparse `tiles` on an sm_90 GPU (`sparse_prefill`'s
     contract for the tiles it takes).
 
@@ -644,13 +522,10 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
     host sync). `sink` / `window`
     (A-shape) are not taken here: `ws_ashape` builds its own tiles. `kv_major`: programs take every item of one KV
     head before the next KV head's (`schedule.work_order(group=)`), most pieces first within; else most pieces
-    first over all heads. `pair_rows` (consumers=2, overlap=False): a program takes row blocks 2j and 2j + 1 of one
-    head; one ring walks the union of their pieces (merged in ascending order, shared pieces loaded once) and each
-    consumer computes its own row block's pieces and passes over the other's.
+    first over all heads.
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
     """
     B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap)
-    _check_pair_rows(pair_rows, consumers, overlap, share_kv)
     if sink is not None or window is not None:
         raise ValueError("sink / window (A-shape token masks) are not taken by ws_prefill; use "
                          "ws_ashape(q, k, v, sink, window) or sparse_prefill")
@@ -682,7 +557,7 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
                          "for heads 2j and 2j + 1 (tiles.block_count / block_offset); use share_kv=False")
     _check_device(q)
     return _launch(q.contiguous(), k.contiguous(), v.contiguous(), tiles, scale, stages, consumers, overlap, share_kv,
-                   kv_major=kv_major, pair_rows=pair_rows)
+                   kv_major=kv_major)
 
 
 def pack_columns(k: torch.Tensor, v: torch.Tensor, cols: torch.Tensor,
@@ -722,8 +597,7 @@ def pack_vertical_slash(k: torch.Tensor, v: torch.Tensor, columns: torch.Tensor,
 def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns: torch.Tensor,
                       offsets: torch.Tensor, scale: float | None = None, stages: int = 2, consumers: int = 2,
                       overlap: bool = True, packed: tuple[VSTiles, tuple[torch.Tensor, ...]] | None = None,
-                      kv_major: bool = True, share_kv: bool | None = None,
-                      pair_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      kv_major: bool = True, share_kv: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Vertical-Slash prefill on an sm_90 GPU: MInference's index columns Long `[B, Hq, Kv]` (key positions),
     offsets Long `[B, Hq, Ks]` (i - j), any order; -1, repeated, >= N entries ignored, offset 0 always in (as
     `vertical_slash_prefill`, same keys as `index_ref.vs_to_tiles`). q, k, v, stages, consumers, overlap, kv_major
@@ -734,9 +608,8 @@ def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns
     `pack_vertical_slash(k, v, columns, offsets, Hq)` made earlier (this call then only launches). Group-shared
     columns / offsets (`[B, Hkv, K]`, `index_build.vs_index(group_shared=True)`) run with `share_kv` (None: for
     those): query heads 2j and 2j + 1 of a KV head on one K/V ring (`ws_prefill`'s share_kv; consumers=2, an even
-    group; per-head lists must then be equal for heads 2j and 2j + 1). `pair_rows` as `ws_prefill`'s (row blocks
-    2j and 2j + 1 of a head on one ring: the union of their slash pieces, and the later block's column strips).
-    Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log)."""
+    group; per-head lists must then be equal for heads 2j and 2j + 1). Returns (o `[B, Hq, N, D]` in q's dtype,
+    lse Float32 `[B, Hq, N]`, natural log)."""
     B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap)
     grouped = columns.dim() == 3 and columns.shape[1] == Hkv != Hq
     for name, x in (("columns", columns), ("offsets", offsets)):
@@ -744,8 +617,7 @@ def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns
                 or x.shape[1] != columns.shape[1]:
             raise ValueError(f"{name} must be an integer tensor [B, H, K] with H = Hq = {Hq} (per query head) or Hkv = "
                              f"{Hkv} (group-shared) for both, B = {B}, K >= 1; got {x.dtype} {tuple(x.shape)}")
-    share_kv = grouped and not pair_rows if share_kv is None else share_kv
-    _check_pair_rows(pair_rows, consumers, overlap, share_kv)
+    share_kv = grouped if share_kv is None else share_kv
     if grouped:  # every head of a group walks the same lists: expand them
         columns, offsets = (x.repeat_interleave(Hq // Hkv, dim=1) for x in (columns, offsets))
     if share_kv and (consumers != 2 or Hq // Hkv % 2 or not grouped and not (
@@ -756,13 +628,13 @@ def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     tiles, (kc, vc, cols, col_count, covered) = packed or pack_vertical_slash(k, v, columns, offsets, Hq)
     return _launch(q, k, v, tiles, scale, stages, consumers, overlap, share_kv, (kc, vc, cols, col_count, covered),
-                   kv_major=kv_major, pair_rows=pair_rows)
+                   kv_major=kv_major)
 
 
 def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | list[int],
               window: torch.Tensor | list[int], scale: float | None = None, stages: int = 2, consumers: int = 2,
-              overlap: bool = True, tiles: VSTiles | None = None, kv_major: bool = False, share_kv: bool = False,
-              pair_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              overlap: bool = True, tiles: VSTiles | None = None, kv_major: bool = False, share_kv: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """A-shape prefill on an sm_90 GPU: per query head `sink` and `window` (tokens, `[Hq]`; window >= 1, sink
     >= 0; `NO_WINDOW` for a head without a band) -> keys j <= i with j < sink or i - j < window (as
     `ashape_prefill`). Tiles: `index_ref.ashape_to_tiles` per query head (window pieces, the sinks below a row
@@ -771,10 +643,9 @@ def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Ten
     pieces that reach past the window. q, k, v, stages, consumers, overlap, kv_major as `ws_prefill`; `tiles`: those
     per-head tiles made earlier (`ashape_to_tiles(sink, window, N, B, 64)`; this call then only launches).
     `share_kv` (consumers=2, an even group, equal sink and window for heads 2j and 2j + 1): both heads on one
-    K/V ring, as `ws_prefill`'s; `pair_rows` as `ws_prefill`'s.
+    K/V ring, as `ws_prefill`'s (`ashape_prefill`'s choice on sm_90, 4 stages).
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log)."""
     B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap)
-    _check_pair_rows(pair_rows, consumers, overlap, share_kv)
     sink_t = torch.as_tensor(sink).reshape(-1)
     window_t = torch.as_tensor(window).reshape(-1)
     if sink_t.numel() != Hq or window_t.numel() != Hq or sink_t.is_floating_point() or window_t.is_floating_point():
@@ -792,4 +663,4 @@ def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Ten
                          f"{-(-N // ROWS)}], 64 x 64), got {tuple(tiles.shape)}, {tiles.block} x {tiles.piece}")
     band = (sink_t.to(q.device, torch.int32), window_t.clamp(max=1 << 30).to(q.device, torch.int32))
     return _launch(q.contiguous(), k.contiguous(), v.contiguous(), tiles, scale, stages, consumers, overlap, share_kv,
-                   band=band, kv_major=kv_major, pair_rows=pair_rows)
+                   band=band, kv_major=kv_major)

@@ -10,9 +10,8 @@ recorded, the rest go on; a variant that fails or hangs its check is left out of
           vs SDPA(is_causal=True); TFLOP/s over the causal pairs, ratio to SDPA's
   sparse  block-sparse top-k (`index_build.block_index` on the bench's planted inputs, 64-row tiles) at each of
           --lengths: ws vs sparse_prefill, efficiency = physical density x SDPA ms / ms (as the bench)
-Variants: cCsS[o][k][g][p] = C consumer warpgroups (1 or 2), S ring stages, o = intra-warpgroup overlap, k = the two
-consumers share one K/V ring (query heads 2j, 2j + 1), p = they share one ring over row blocks 2j and 2j + 1 of a
-head (`pair_rows`: the union of their pieces), g = items by KV head first (`kv_major`; the sparse step
+Variants: cCsS[o][k][g] = C consumer warpgroups (1 or 2), S ring stages, o = intra-warpgroup overlap, k = the two
+consumers share one K/V ring (query heads 2j, 2j + 1), g = items by KV head first (`kv_major`; the sparse step
 also times the persistent loop with it, "sparse_prefill/kv_major", the vs step the loop's default, KV head first,
 beside "sparse_prefill/longest_first"): checked on per-KV-head selections, timed on dense causal
 and on group-shared top-k (`block_index(group_shared=True)`, expanded per head) against sparse_prefill's
@@ -48,10 +47,9 @@ SHAPE = (32, 8, 128)  # Llama-3-8B: query heads, KV heads, head_dim
 
 
 def parse_variant(name: str) -> dict:
-    """'c2s3okg' -> {consumers: 2, stages: 3, overlap: True, share_kv: True, kv_major: True, pair_rows: False}."""
-    c, s, o, k, g, p = re.fullmatch(r"c(\d)s(\d)(o?)(k?)(g?)(p?)", name).groups()
-    return {"consumers": int(c), "stages": int(s), "overlap": bool(o), "share_kv": bool(k), "kv_major": bool(g),
-            "pair_rows": bool(p)}
+    """'c2s3okg' -> {consumers: 2, stages: 3, overlap: True, share_kv: True, kv_major: True}."""
+    c, s, o, k, g = re.fullmatch(r"c(\d)s(\d)(o?)(k?)(g?)", name).groups()
+    return {"consumers": int(c), "stages": int(s), "overlap": bool(o), "share_kv": bool(k), "kv_major": bool(g)}
 
 
 def timed(fn) -> float:
@@ -81,24 +79,6 @@ def planted(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     q, k, v = planted_inputs(hq, hkv, d, n, theta)
     kx, vx = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
     return q, k, v, timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))
-
-
-def pair_union(tiles) -> dict:
-    """Pieces of row blocks 2j and 2j + 1 of each head (ascending lists) against their union: what a pair_rows ring
-    loads (union / own: < 1 is the saving over one ring per row block) and how many of its slots a consumer
-    passes over (1 - own / (2 union))."""
-    bc, bo = tiles.block_count.long(), tiles.block_offset
-    M = bc.shape[-1] // 2 * 2
-    a, b = bo[..., 0:M:2, :], bo[..., 1:M:2, :]
-    na, nb = bc[..., 0:M:2], bc[..., 1:M:2]
-    lanes = torch.arange(bo.shape[-1], device=bo.device)
-    big = torch.iinfo(torch.int32).max
-    a = torch.where(lanes < na[..., None], a, big).contiguous()
-    b = torch.where(lanes < nb[..., None], b, big - 1).contiguous()
-    pos = torch.searchsorted(a, b).clamp(max=a.shape[-1] - 1)
-    shared = (a.gather(-1, pos) == b).sum().item()
-    own = (na + nb).sum().item()
-    return {"union_over_own": (own - shared) / own, "passed_over": 1 - own / (2 * (own - shared))}
 
 
 def check(variant: str) -> dict:
@@ -178,7 +158,7 @@ def sparse(variants: list[str], lengths: list[int], topk: int) -> dict:
                 agree[name] = (o.float() - ref.float()).abs().max().item()
                 rows[f"ws/{name}"] = timed(lambda: ws_prefill(q, k, v, per_head, **kw))
             out[f"{selection}/{n}"] = {
-                "physical_density": density, "sdpa_ms": sdpa, "agreement_max_abs": agree, "pairs": pair_union(per_head),
+                "physical_density": density, "sdpa_ms": sdpa, "agreement_max_abs": agree,
                 "rows": {key: {"ms": ms, "efficiency": density * sdpa / ms, "vs_sparse_prefill": rows["sparse_prefill"] / ms}
                          for key, ms in rows.items()}}
         q = k = v = None
@@ -267,7 +247,7 @@ def vs(variants: list[str], lengths: list[int], vertical: int, slash: int, loops
                 rows[f"ws/{name}-prep"] = ms - prep["ws_prep"]  # the kernel alone (estimate)
             out[f"vs{vertical}_{slash}{'' if selection == 'per_head' else '_group_shared'}/{n}"] = {
                 "physical_density": density, "ws_physical_density": ws_area / pairs, "sdpa_ms": sdpa, "prep_ms": prep,
-                "agreement_max_abs": agree, "pairs": pair_union(pieces),
+                "agreement_max_abs": agree,
                 "rows": {key: {"ms": ms, "efficiency": density * sdpa / ms,
                                "vs_sparse_prefill": rows["sparse_prefill"] / ms} for key, ms in rows.items()}}
             tiles = ref = None

@@ -46,19 +46,13 @@ CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block
     "ashape_one_consumer": (1, 2, True, 128, False, "ashape"),
     "ashape_no_overlap": (2, 2, False, 128, False, "ashape"),
     "ashape_head_dim_64": (2, 2, True, 64, False, "ashape"),
-    "ashape_shared_kv_4_stages": (2, 4, True, 128, True, "ashape"),  # equal sink / window: two heads on one ring
-    # (..., pair_rows): row blocks 2j and 2j + 1 of a head on one ring over the union of their pieces
-    "pair_rows_2_stages": (2, 2, False, 128, False, "block", True),
-    "pair_rows_4_stages": (2, 4, False, 128, False, "block", True),
-    "vs_pair_rows_3_stages": (2, 3, False, 128, False, "vs", True),
-    "ashape_pair_rows_3_stages": (2, 3, False, 128, False, "ashape", True),
+    "ashape_shared_kv_4_stages": (2, 4, True, 128, True, "ashape"),  # ashape_prefill's choice: heads alike in pairs
 }
-BLOCK_CASES, VS_CASES, ASHAPE_CASES = ([case for case, args in CASES.items() if args[5] == pattern]
+BLOCK_CASES, VS_CASES, ASHAPE_CASES = ([case for case, args in CASES.items() if args[-1] == pattern]
                                        for pattern in ("block", "vs", "ashape"))
 
 
-def compile_ws(consumers: int, stages: int, overlap: bool, d: int, share: bool, pattern: str, pair: bool = False,
-               dtype: str = "bf16"):
+def compile_ws(consumers: int, stages: int, overlap: bool, d: int, share: bool, pattern: str, dtype: str = "bf16"):
     """`_ws_prefill_kernel` compiled for sm_90 (descriptor arguments typed as `ws_prefill` builds them)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -73,7 +67,7 @@ def compile_ws(consumers: int, stages: int, overlap: bool, d: int, share: bool, 
     types = {**{x: desc for x in ("q_desc", "k_desc", "v_desc", "kc_desc", "vc_desc")}, "qk_scale": "fp32", **pointers}
     cfg = prefill_ws.launch_config(consumers)
     constants = dict(CONSUMERS=consumers, STAGES=stages, OVERLAP=overlap, SHARE=share, VS=pattern == "vs",
-                     ASHAPE=pattern == "ashape", PAIR=pair,
+                     ASHAPE=pattern == "ashape",
                      CONSUMER_REGS=cfg["consumer_regs"])
     signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in fn.arg_names}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}
@@ -148,7 +142,7 @@ def test_ws_prefill_compiles_for_sm90(compiled, case):
     TMA loads; no local memory, no spills; shared memory within the H200's."""
     result = compiled[case]
     assert "error" not in result, result.get("error")
-    consumers, stages, overlap, d, *_ = CASES[case]
+    consumers, stages, overlap, d, _, _ = CASES[case]
     assert result["partitions"] == consumers, result  # workers: producer (+ the second consumer)
     assert result["setmaxnreg"], result
     per_path = d // 16 + 4  # Q K^T over head_dim, P V over 64 keys, in k-steps of 16
@@ -185,13 +179,12 @@ def test_ws_prefill_matches_masked_attention_bf16(case, keep):
     lse against fp32 attention under the tiles' mask."""
     from workbench_kernels.prefill_ws import ws_prefill
 
-    consumers, stages, overlap, d, share, _, *pair = CASES[case]
+    consumers, stages, overlap, d, share, _ = CASES[case]
     B, Hq, Hkv, n = 2, 8, 2, 1000
     q, k, v = qkv(B, Hq, Hkv, n, d, seed=int(keep * 10))
     index = block_index(B, Hkv if share else Hq, n, keep, seed=1)  # share_kv: one selection per KV head
     tiles = block_sparse_to_tiles(index.repeat_interleave(Hq // index.shape[1], 1), n).to("cuda")
-    o, lse = ws_prefill(q, k, v, tiles, stages=stages, consumers=consumers, overlap=overlap, share_kv=share,
-                        pair_rows=bool(pair))
+    o, lse = ws_prefill(q, k, v, tiles, stages=stages, consumers=consumers, overlap=overlap, share_kv=share)
     ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(tiles, n))
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
     torch.testing.assert_close(o.float(), ro.float(), atol=2e-2, rtol=2e-2)
@@ -261,12 +254,11 @@ def test_ws_vertical_slash_matches_masked_attention_bf16(case, n):
     from workbench_kernels.index_ref import expand_groups
     from workbench_kernels.prefill_ws import ws_vertical_slash
 
-    consumers, stages, overlap, d, share, _, *pair = CASES[case]
+    consumers, stages, overlap, d, share, _ = CASES[case]
     B, Hq, Hkv = 2, 8, 2
     q, k, v = qkv(B, Hq, Hkv, n, d, seed=n)
     cols, offs = vs_index(B, Hkv if share else Hq, n, 300, 60, seed=n)
-    o, lse = ws_vertical_slash(q, k, v, cols.cuda(), offs.cuda(), stages=stages, consumers=consumers, overlap=overlap,
-                               pair_rows=bool(pair))
+    o, lse = ws_vertical_slash(q, k, v, cols.cuda(), offs.cuda(), stages=stages, consumers=consumers, overlap=overlap)
     tiles = expand_groups(vs_to_tiles(cols.cuda(), offs.cuda(), n), Hq // Hkv if share else 1)
     ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(tiles, n))
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
@@ -284,15 +276,14 @@ def test_ws_ashape_matches_masked_attention_bf16(case):
     from workbench_kernels.index_ref import ashape_to_tiles
     from workbench_kernels.prefill_ws import ws_ashape
 
-    consumers, stages, overlap, d, share, _, *pair = CASES[case]
+    consumers, stages, overlap, d, share, _ = CASES[case]
     B, Hq, Hkv, n = 2, 8, 2, 1000
     sink = torch.tensor([0, 4, 64, 100, 4, 0, 130, 700])
     window = torch.tensor([64, 100, 1, 300, NO_WINDOW, 1200, 65, 17])
     if share:  # heads 2j and 2j + 1 alike
         sink, window = sink[0::2].repeat_interleave(2), window[1::2].repeat_interleave(2)
     q, k, v = qkv(B, Hq, Hkv, n, d, seed=3)
-    o, lse = ws_ashape(q, k, v, sink, window, stages=stages, consumers=consumers, overlap=overlap, share_kv=share,
-                       pair_rows=bool(pair))
+    o, lse = ws_ashape(q, k, v, sink, window, stages=stages, consumers=consumers, overlap=overlap, share_kv=share)
     mask = tiles_to_mask(ashape_to_tiles(sink, window, n, B, device="cuda"), n, sink.cuda(), window.cuda())
     ro, rlse = masked_attention_ref(q, k, v, mask.cuda())
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
@@ -318,7 +309,6 @@ def error_cases() -> dict[str, tuple]:
         "window": (q, k, v, tiles, {"sink": torch.zeros(8), "window": torch.full((8,), 64)}, "window"),
         "overlapping_pieces": (q, k, v, dataclasses.replace(tiles, disjoint=False), {}, "tiles.disjoint"),
         "share_kv_unequal_heads": (q, k, v, tiles, {"share_kv": True}, "share_kv"),
-        "pair_rows_with_overlap": (q, k, v, tiles, {"pair_rows": True}, "pair_rows"),
         "not_hopper": (q, k, v, tiles, {}, "Hopper"),
     }
 
