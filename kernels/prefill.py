@@ -426,7 +426,8 @@ def ashape_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torc
     """A-shape prefill: per-head sink and window in tokens (`[Hq]`) -> (o, lse). No index tensor. On an sm_90
     GPU at head_dim 128 with 64 x 64 tiles and heads 2j, 2j + 1 alike (`prefill_ws.ws_ashape_takes`): the Gluon
     kernel with both heads on one K/V ring (`ws_ashape(share_kv=True)`, 4 stages; H200, sink 128, window 4096,
-    64K / 128K: 0.79 / 0.86 of dense SDPA's TFLOP/s against 0.63 / 0.72 for the loop below, kernels/NOTES.md);
+    64K / 128K: 0.785-0.79 / 0.84-0.86 of dense SDPA's TFLOP/s against 0.63-0.68 / 0.72-0.75 for the loop below,
+    kernels/NOTES.md);
     else, when the heads of every KV group share sink and window, group-shared tiles (GQA-packed kernel)."""
     hq, hkv = q.shape[1], k.shape[1]
     sink_t = torch.as_tensor(sink).reshape(-1).cpu()
