@@ -716,10 +716,11 @@ def compare_minference(args: argparse.Namespace) -> int:
                     # heads on one ring (ashape_prefill's choice on the H200)
                     best, ws = gluon(times, lambda t=tiles: ws_ashape(q, k, v, sink, window, scale=scale, tiles=t),
                                      out)
-                    best, ws_shared = gluon(times, lambda t=tiles: ws_ashape(q, k, v, sink, window, scale=scale, tiles=t,
-                                                                             stages=4, share_kv=hq // hkv % 2 == 0),
-                                            out, "ws_shared")
-                    ws.update(ws_shared)
+                    if hq // hkv % 2 == 0:
+                        best, shared_ring = gluon(times, lambda t=tiles: ws_ashape(q, k, v, sink, window, scale=scale,
+                                                                                   tiles=t, stages=4, share_kv=True),
+                                                  out, "ws_shared")
+                        ws.update(shared_ring)
                 r = row("a_shape" + ("_packed" if shared else ""), tiles, times, best, index_ms=t_a, **ws)
                 if not shared:
                     with_flex(r, tiles, "a_shape", AShape(args.sink, args.window, hq).mask_mod(n, dev), sink=sink,

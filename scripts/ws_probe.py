@@ -25,10 +25,9 @@ GQA-packed kernel on the group-shared tiles.
           the group-shared index (one per KV head, two query heads on a ring) beside the loop's GQA-packed
           kernel on it. `--steps vs` runs only this (~2 min).
   ashape  A-shape (`ws_ashape`; k: share_kv, heads 2j / 2j + 1 alike): a check per --vs-variants (per-head sinks /
-          windows, N = 1000, GQA 4:1), then
-          sink --sink, window --window on every head at --lengths: ws vs the loop (group-shared tiles,
-          GQA-packed) and `ashape_prefill`'s default, efficiency over the per-head tiles' physical density.
-          `--steps ashape` runs only this.
+          windows, N = 1000, GQA 4:1), then sink --sink, window --window on every head at --lengths: ws vs the
+          loop (group-shared tiles, GQA-packed) and `ashape_prefill`'s default, efficiency over the per-head
+          tiles' physical density. `--steps ashape` runs only this.
 Writes --out (JSON: environment, per step results) and prints a summary."""
 from __future__ import annotations
 
