@@ -135,6 +135,7 @@ def compiled() -> dict[str, dict]:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.xdist_group("ws_compile")  # one worker runs the module's compile fixture (~65 s on 2 cores), not both
 @pytest.mark.parametrize("case", list(CASES))
 def test_ws_prefill_compiles_for_sm90(compiled, case):
     """Worker partitions (producer, and the second consumer) beside the default one, registers moved between
