@@ -443,14 +443,18 @@ def ws_takes(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None) -> bool
             and (hq == h or hq // h % 2 == 0))
 
 
+def _heads_pair(hq: int, hkv: int, sink: torch.Tensor, window: torch.Tensor) -> bool:
+    """Whether query heads 2j and 2j + 1 can share a K/V ring under an A-shape: an even number of query heads per
+    KV head and equal sink and window for the two (sink / window `[Hq]`)."""
+    return (hq % hkv == 0 and hq // hkv % 2 == 0 and sink.numel() == window.numel() == hq
+            and torch.equal(sink[0::2], sink[1::2]) and torch.equal(window[0::2], window[1::2]))
+
+
 def ws_ashape_takes(q: torch.Tensor, k: torch.Tensor, sink: torch.Tensor, window: torch.Tensor) -> bool:
     """Whether `ws_ashape(share_kv=True)` takes this A-shape (CPU sink / window `[Hq]`, no host sync): an sm_90
-    GPU, bf16 / fp16, head_dim 64 / 128, an even number of query heads per KV head and equal sink and window for
-    heads 2j and 2j + 1."""
-    hq, hkv = q.shape[1], k.shape[1]
-    return (_sm90(q.device) and q.dtype in DTYPES and q.shape[-1] in HEAD_DIMS and hq % hkv == 0
-            and hq // hkv % 2 == 0 and sink.numel() == window.numel() == hq
-            and torch.equal(sink[0::2], sink[1::2]) and torch.equal(window[0::2], window[1::2]))
+    GPU, bf16 / fp16, head_dim 64 / 128, and heads that pair (`_heads_pair`)."""
+    return (_sm90(q.device) and q.dtype in DTYPES and q.shape[-1] in HEAD_DIMS
+            and _heads_pair(q.shape[1], k.shape[1], sink, window))
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None, stages: int,
@@ -651,8 +655,7 @@ def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Ten
     if sink_t.numel() != Hq or window_t.numel() != Hq or sink_t.is_floating_point() or window_t.is_floating_point():
         raise ValueError(f"sink and window must be integer token counts, one per query head ([{Hq}]); got "
                          f"{sink_t.dtype} {tuple(sink_t.shape)} and {window_t.dtype} {tuple(window_t.shape)}")
-    if share_kv and (consumers != 2 or Hq // Hkv % 2 or not (torch.equal(sink_t[0::2], sink_t[1::2])
-                                                           and torch.equal(window_t[0::2], window_t[1::2]))):
+    if share_kv and (consumers != 2 or not _heads_pair(Hq, Hkv, sink_t, window_t)):
         raise ValueError("share_kv needs consumers=2, an even number of query heads per KV head and equal sink and "
                          "window for heads 2j and 2j + 1; use share_kv=False")
     _check_device(q)
