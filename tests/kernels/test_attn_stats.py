@@ -12,6 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from test_kernels_compile import compile_env  # noqa: E402
 from workbench_kernels import attn_stats  # noqa: E402
 from workbench_kernels import attn_stats_ref as ref  # noqa: E402
 from workbench_kernels.attn_stats_ref import MAPS, TokenRule  # noqa: E402
@@ -300,8 +301,7 @@ def test_kernels_compile_for_the_gpu():
     atomics, reshapes that only the compiler checks), in a process without TRITON_INTERPRET."""
     pytest.importorskip("triton.backends.nvidia")
     code = "import test_attn_stats as t; t.compile_for_hopper()"
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=compile_env(),
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("compiled") == 7

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.xdist_group("sm90_compile")  # one worker compiles every case once (~10 min cold on 2 cores)
+pytestmark = pytest.mark.xdist_group("sm90_compile")  # one worker compiles every case once (~2.5 min cold, 2 cores)
 
 SMEM_SM90 = 232448  # bytes of shared memory one H100 / H200 program may use
 PREFILL_CASES = {  # id: (d, pack, rows, block, piece, split, tma, window, persistent[, q/k/v dtype])
@@ -33,6 +33,14 @@ PREFILL_PTRS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "
                 "BlockOffset": "*i32", "ColumnCount": "*i32", "ColumnIndex": "*i32", "Sink": "*i32", "Window": "*i32",
                 "Order": "*i32"}
 STRIDES = ("sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "sob", "soh", "son")
+
+
+def compile_env() -> dict[str, str]:
+    """The environment of a compile process: this one's with the interpreter off (test modules turn it on at
+    import where there is no GPU, with `setdefault`) and without TRITON_F32_DEFAULT, which test modules set to
+    "ieee" at import: under it an fp32 kernel's dots compile to IEEE emulation (~200 s a compile, not ~14 s)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_F32_DEFAULT"}
+    return {**env, "TRITON_INTERPRET": "0"}
 
 
 def compile_sm90(fn, types: dict[str, str], constants: dict[str, object], aligned: tuple[str, ...], num_warps: int,
@@ -119,9 +127,8 @@ def compile_all() -> dict[str, dict]:
 
 
 @pytest.fixture(scope="session")  # once per worker: xdist interleaves other modules' tests, and a module-scoped
-def compiled() -> dict[str, dict]:  # fixture was torn down and compiled everything again (2 x ~10 min, cold cache)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=900)
+def compiled() -> dict[str, dict]:  # fixture was torn down and compiled everything again
+    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=compile_env(), timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 

@@ -24,7 +24,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # index_build's kernels on the CPU (the compiles run apart)
 
-from test_kernels_compile import SMEM_SM90  # noqa: E402
+from test_kernels_compile import SMEM_SM90, compile_env  # noqa: E402
 from workbench_kernels.index_ref import block_sparse_to_tiles, tiles_to_mask, vs_to_tiles  # noqa: E402
 from workbench_kernels.prefill_ref import masked_attention_ref  # noqa: E402
 
@@ -129,8 +129,7 @@ def compiled() -> dict[str, dict]:
     reason = gluon_hopper_reason()
     if reason:
         pytest.skip(reason)
-    env = {**os.environ, "TRITON_INTERPRET": "0"}  # compiled, not interpreted (the import's default is off)
-    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
+    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=compile_env(), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
