@@ -27,13 +27,15 @@ GQA-packed kernel on the group-shared tiles.
   ashape  A-shape (`ws_ashape`; k: share_kv, heads 2j / 2j + 1 alike): a check per --vs-variants (per-head sinks /
           windows, N = 1000, GQA 4:1), then sink --sink, window --window on every head at --lengths: ws vs the
           loop (group-shared tiles, GQA-packed) and `ashape_prefill`'s default, efficiency over the per-head
-          tiles' physical density. `--steps ashape` runs only this.
+          tiles' physical density; `--rounds R` adds R back-to-back (SDPA, ashape_prefill) timings, the spread of
+          the default's efficiency in one process. `--steps ashape` runs only this.
 Writes --out (JSON: environment, per step results) and prints a summary."""
 from __future__ import annotations
 
 import argparse
 import json
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -70,14 +72,20 @@ def against_reference(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
             "ok": bool(err < 2e-2 + 2e-2 * ro.float().abs().max().item() and lse_err < 0.1 and torch.isfinite(o).all())}
 
 
+def dense_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Dense causal SDPA on q `[1, Hq, N, D]` and K/V repeated to Hq heads, as a call to time."""
+    G = q.shape[1] // k.shape[1]
+    kx, vx = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    return lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True)
+
+
 def planted(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """The benchmark's planted bf16 inputs at the Llama-3-8B shape and dense causal SDPA's ms on them."""
     from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
 
     hq, hkv, d, theta = SHAPES["llama3-8b"]
     q, k, v = planted_inputs(hq, hkv, d, n, theta)
-    kx, vx = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-    return q, k, v, timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))
+    return q, k, v, timed(dense_call(q, k, v))
 
 
 def check(variant: str) -> dict:
@@ -272,7 +280,10 @@ def check_ashape(variant: str) -> dict:
     return {f"n{n}": against_reference(lambda: ws_ashape(q, k, v, sink, window, **kw), q, k, v, mask)}
 
 
-def ashape(variants: list[str], lengths: list[int], sink: int, window: int) -> dict:
+def ashape(variants: list[str], lengths: list[int], sink: int, window: int, rounds: int = 1) -> dict:
+    """Per length: the loop, `ashape_prefill` and each ws_ashape variant, ms and efficiency (density x SDPA ms
+    / ms); with rounds > 1 also `rounds` back-to-back pairs (SDPA, ashape_prefill) timed afresh: the spread of
+    the default's efficiency within one process."""
     from workbench_benchmarks.kernels_prefill import SHAPES
     from workbench_kernels.index_ref import ashape_to_tiles, tile_area
     from workbench_kernels.prefill import ashape_prefill, sparse_prefill
@@ -299,6 +310,13 @@ def ashape(variants: list[str], lengths: list[int], sink: int, window: int) -> d
             "physical_density": density, "sdpa_ms": sdpa, "agreement_max_abs": agree,
             "rows": {key: {"ms": ms, "efficiency": density * sdpa / ms, "vs_sparse_prefill": rows["sparse_prefill"] / ms}
                      for key, ms in rows.items()}}
+        if rounds > 1:
+            sdpa_call = dense_call(q, k, v)
+            eff = [density * timed(sdpa_call) / timed(lambda: ashape_prefill(q, k, v, sinks, windows))
+                   for _ in range(rounds)]
+            out[f"ashape{sink}_{window}/{n}"]["ashape_prefill_rounds"] = {
+                "efficiency": eff, "median": statistics.median(eff), "min": min(eff), "max": max(eff)}
+            sdpa_call = None
         q = k = v = ref = None
         torch.cuda.empty_cache()
     return out
@@ -313,7 +331,8 @@ def child(args: argparse.Namespace) -> None:
     elif args.child == "check_ashape":
         result = check_ashape(args.variant)
     elif args.child == "ashape":
-        result = ashape(args.vs_variants.split(","), [int(x) for x in args.lengths.split(",")], args.sink, args.window)
+        result = ashape(args.vs_variants.split(","), [int(x) for x in args.lengths.split(",")], args.sink, args.window,
+                        args.rounds)
     elif args.child == "vs":
         result = vs(args.vs_variants.split(","), [int(x) for x in args.lengths.split(",")], args.vertical, args.slash,
                     [x for x in args.loop_variants.split(",") if x])
@@ -345,6 +364,8 @@ def main() -> None:
     p.add_argument("--vs-variants", default="c2s2o,c1s2o,c2s3o", help="cCsS[o][g] for ws_vertical_slash / ws_ashape")
     p.add_argument("--sink", type=int, default=128, help="A-shape sink tokens")
     p.add_argument("--window", type=int, default=4096, help="A-shape window tokens")
+    p.add_argument("--rounds", type=int, default=1, help="ashape step: also time (SDPA, ashape_prefill) this many "
+                                                         "times back to back (> 1: median / min / max efficiency)")
     p.add_argument("--vertical", type=int, default=1000, help="VS columns per head")
     p.add_argument("--slash", type=int, default=6096, help="VS slash offsets per head")
     p.add_argument("--vs-timeout", type=float, default=240.0)
@@ -367,7 +388,7 @@ def main() -> None:
     left = lambda cap: max(1.0, min(cap, args.budget - (time.perf_counter() - start)))  # noqa: E731
     common = ["--variants", args.variants, "--dense-n", str(args.dense_n), "--lengths", args.lengths,
               "--topk", str(args.topk), "--vertical", str(args.vertical), "--slash", str(args.slash), "--sink", str(args.sink),
-              "--window", str(args.window), "--loop-variants", args.loop_variants]
+              "--window", str(args.window), "--loop-variants", args.loop_variants, "--rounds", str(args.rounds)]
     result = {"environment": environment(), "steps": {}}
     save = lambda: json.dump(result, open(args.out, "w"), indent=1)  # noqa: E731
     variants = args.variants.split(",")
@@ -436,6 +457,10 @@ def main() -> None:
                 print(f"{n} {key:20s} {row['ms']:8.2f} ms eff {row['efficiency']:.3f} "
                       f"{row['vs_sparse_prefill']:.3f}x sparse_prefill (density {part['physical_density']:.3f}{extra})",
                       flush=True)
+            if "ashape_prefill_rounds" in part:
+                spread = part["ashape_prefill_rounds"]
+                print(f"{n} ashape_prefill over {len(spread['efficiency'])} rounds: eff median {spread['median']:.3f}, "
+                      f"min {spread['min']:.3f}, max {spread['max']:.3f}", flush=True)
     result["seconds"] = time.perf_counter() - start
     save()
 
