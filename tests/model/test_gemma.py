@@ -83,6 +83,7 @@ def test_capture_reproduces_tiny_gemma_attention(tiny_gemma):
 
 
 @pytest.mark.model
+@pytest.mark.xdist_group("gemma")  # one worker loads the real Gemma (~2 min on 2 cores, cold cache)
 def test_real_gemma_shape_and_capture(gemma):
     """The real Gemma-3-270M: 18 layers, 4 query heads on 1 KV head of d=256, 32K positions, full layers
     5, 11, 17 (RoPE 1e6), sliding window 512 elsewhere (RoPE 1e4); a 1024-token capture reproduces the

@@ -129,6 +129,7 @@ def test_fixed_layer_with_padding_runs_the_models_attention(tiny_gemma):
 
 
 @pytest.mark.model
+@pytest.mark.xdist_group("gemma")  # one worker loads the real Gemma (~2 min on 2 cores, cold cache)
 def test_real_gemma_fixed_layers_equal_the_models_forward(gemma):
     """The real Gemma-3-270M at 1536 tokens: its 15 sliding layers through the sparse path (window 512),
     the 3 full layers dense, give the model's own next-token logits."""
