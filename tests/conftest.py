@@ -1,10 +1,23 @@
-"""Shared fixtures. The embedded model is loaded once per test process (cached safetensors: ~1 s)."""
+"""Shared fixtures. The embedded model is loaded once per test process (cached safetensors: ~1 s).
+
+Two Triton settings hold for the whole test process, set here before any test module imports a kernel:
+- TRITON_INTERPRET=1 where there is no GPU: `triton.jit` reads it when a kernel is defined.
+- TRITON_F32_DEFAULT=ieee: fp32 parity is about tiles and indexes, not TF32 rounding (it also makes
+  `block_scores`' default precision "ieee"). Triton reads it when a kernel compiles, and its in-memory kernel
+  cache does not key on it, so a per-test setting would hand later tests whatever compiled first.
+Compiles for a GPU that run without one use `compile_env()` (tests/kernels/test_kernels_compile.py), which
+drops both."""
 from __future__ import annotations
 
 import inspect
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 
 @pytest.fixture(scope="session")

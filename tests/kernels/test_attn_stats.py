@@ -8,18 +8,14 @@ import sys
 
 import pytest
 import torch
+from test_kernels_compile import compile_env
+from workbench_kernels import attn_stats
+from workbench_kernels import attn_stats_ref as ref
+from workbench_kernels.attn_stats_ref import MAPS, TokenRule
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from test_kernels_compile import compile_env  # noqa: E402
-from workbench_kernels import attn_stats  # noqa: E402
-from workbench_kernels import attn_stats_ref as ref  # noqa: E402
-from workbench_kernels.attn_stats_ref import MAPS, TokenRule  # noqa: E402
-
-from workbench.analysis import metrics, stats  # noqa: E402
-from workbench.patterns import AShape, BlockSparse, Dense, Stack, VerticalSlash  # noqa: E402
-from workbench.patterns.trishape import TriShape  # noqa: E402
+from workbench.analysis import metrics, stats
+from workbench.patterns import AShape, BlockSparse, Dense, Stack, VerticalSlash
+from workbench.patterns.trishape import TriShape
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = 1e-4  # masses (units: rows), entropies (nats), log-normalisers

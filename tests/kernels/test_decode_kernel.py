@@ -1,21 +1,15 @@
 """Triton decode kernels against their PyTorch references (TRITON_INTERPRET=1 on the CPU; bf16 on a GPU)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from workbench_kernels.block_select import select_blocks  # noqa: E402
-from workbench_kernels.cache_plan import append_token, plan_blocks  # noqa: E402
-from workbench_kernels.cache_plan_ref import append_token_ref, plan_blocks_ref  # noqa: E402
-from workbench_kernels.decode import sparse_decode  # noqa: E402
-from workbench_kernels.decode_ref import sparse_decode_ref  # noqa: E402
-from workbench_kernels.gather import gather_blocks  # noqa: E402
-from workbench_kernels.gather_ref import INT4, gather_blocks_ref  # noqa: E402
+from workbench_kernels.block_select import select_blocks
+from workbench_kernels.cache_plan import append_token, plan_blocks
+from workbench_kernels.cache_plan_ref import append_token_ref, plan_blocks_ref
+from workbench_kernels.decode import sparse_decode
+from workbench_kernels.decode_ref import sparse_decode_ref
+from workbench_kernels.gather import gather_blocks
+from workbench_kernels.gather_ref import INT4, gather_blocks_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -36,9 +36,9 @@ STRIDES = ("sqb", "sqh", "sqn", "skb", "skh", "skn", "svb", "svh", "svn", "sob",
 
 
 def compile_env() -> dict[str, str]:
-    """The environment of a compile process: this one's with the interpreter off (test modules turn it on at
-    import where there is no GPU, with `setdefault`) and without TRITON_F32_DEFAULT, which test modules set to
-    "ieee" at import: under it an fp32 kernel's dots compile to IEEE emulation (~200 s a compile, not ~14 s)."""
+    """The environment of a compile process: this one's with the interpreter off (tests/conftest.py turns it
+    on where there is no GPU) and without TRITON_F32_DEFAULT, which conftest sets to "ieee": under it an fp32
+    kernel's dots compile to IEEE emulation (~200 s a compile, not ~14 s)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_F32_DEFAULT"}
     return {**env, "TRITON_INTERPRET": "0"}
 

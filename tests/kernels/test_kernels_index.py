@@ -1,16 +1,10 @@
 """Triton VS index builder against the patterns helper's torch proxy and an explicit computation."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from workbench_kernels.index_build import vs_index, vs_scores, vs_tiles  # noqa: E402
-from workbench_kernels.index_ref import (  # noqa: E402
+from workbench_kernels.index_build import vs_index, vs_scores, vs_tiles
+from workbench_kernels.index_ref import (
     block_sparse_to_tiles,
     selected_block_tiles,
     tiles_to_mask,
@@ -18,7 +12,7 @@ from workbench_kernels.index_ref import (  # noqa: E402
     vs_to_tiles,
 )
 
-from workbench.patterns.proxy import vs_proxy  # noqa: E402
+from workbench.patterns.proxy import vs_proxy
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

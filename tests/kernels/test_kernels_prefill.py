@@ -1,16 +1,10 @@
 """Sparse prefill kernels against exact masked attention (CPU: Triton interpreter, fp32/fp16; GPU: bf16)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from workbench_kernels import NO_WINDOW  # noqa: E402
-from workbench_kernels.index_ref import (  # noqa: E402
+from workbench_kernels import NO_WINDOW
+from workbench_kernels.index_ref import (
     ashape_to_tiles,
     block_sparse_to_tiles,
     expand_groups,
@@ -19,10 +13,10 @@ from workbench_kernels.index_ref import (  # noqa: E402
     vs_tile_bounds,
     vs_to_tiles,
 )
-from workbench_kernels.prefill import ashape_prefill, block_sparse_prefill, sparse_prefill, vertical_slash_prefill  # noqa: E402
-from workbench_kernels.prefill_ref import masked_attention_ref  # noqa: E402
+from workbench_kernels.prefill import ashape_prefill, block_sparse_prefill, sparse_prefill, vertical_slash_prefill
+from workbench_kernels.prefill_ref import masked_attention_ref
 
-from workbench.patterns import AShape, BlockSparse, VerticalSlash  # noqa: E402
+from workbench.patterns import AShape, BlockSparse, VerticalSlash
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16] if DEV == "cuda" else [torch.float32, torch.float16]

@@ -5,23 +5,17 @@ tiles are exactly its mask, equals the logical pattern."""
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
+from workbench_kernels.index_ref import tiles_to_mask
+from workbench_kernels.prefill import sparse_prefill
+from workbench_kernels.prefill_ref import masked_attention_ref
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")  # fp32 parity on a GPU is about the tiles, not TF32
-
-from workbench_kernels.index_ref import tiles_to_mask  # noqa: E402
-from workbench_kernels.prefill import sparse_prefill  # noqa: E402
-from workbench_kernels.prefill_ref import masked_attention_ref  # noqa: E402
-
-from workbench.patterns.dilated import Dilated, Strided  # noqa: E402
-from workbench.patterns.flexprefill import flexprefill  # noqa: E402
-from workbench.patterns.trishape import TriShape  # noqa: E402
-from workbench.patterns.xattention import xattention  # noqa: E402
+from workbench.patterns.dilated import Dilated, Strided
+from workbench.patterns.flexprefill import flexprefill
+from workbench.patterns.trishape import TriShape
+from workbench.patterns.xattention import xattention
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE, TOL = (torch.bfloat16, 2e-2) if DEV == "cuda" else (torch.float32, 2e-5)

@@ -20,13 +20,9 @@ import sys
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # index_build's kernels on the CPU (the compiles run apart)
-
-from test_kernels_compile import SMEM_SM90, compile_env  # noqa: E402
-from workbench_kernels.index_ref import block_sparse_to_tiles, tiles_to_mask, vs_to_tiles  # noqa: E402
-from workbench_kernels.prefill_ref import masked_attention_ref  # noqa: E402
+from test_kernels_compile import SMEM_SM90, compile_env
+from workbench_kernels.index_ref import block_sparse_to_tiles, tiles_to_mask, vs_to_tiles
+from workbench_kernels.prefill_ref import masked_attention_ref
 
 CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block / vs / ashape)
     "two_consumers_2_stages": (2, 2, True, 128, False, "block"),  # the default

@@ -7,9 +7,6 @@ import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 from workbench_kernels.gather_ref import gather_blocks_ref
 
 from workbench.decode.engine import BlockCache, BlockStore, DecodeEngine, EngineConfig, StoreCapacityError, StoreSpec

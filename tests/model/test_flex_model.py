@@ -6,7 +6,6 @@ the point; the compiled path is tests/kernels/test_flex_gpu.py). Triton's fp32 d
 (TRITON_F32_DEFAULT, read when a kernel compiles), as in the parity test."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -14,8 +13,6 @@ import torch
 
 from workbench.config import HeadConfig
 from workbench.prefill.quality import backend_agreement
-
-os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 SHIPPED = Path(__file__).resolve().parents[2] / "workbench" / "data" / "configs" / "SmolLM2-135M-Instruct.json"
 MAX_ABS = 1e-3  # fp32, as the parity test

@@ -9,11 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from workbench.config import HeadConfig  # noqa: E402
-from workbench.prefill.latency import time_model_layer  # noqa: E402
+from workbench.config import HeadConfig
+from workbench.prefill.latency import time_model_layer
 
 SHIPPED = "workbench/data/configs/SmolLM2-135M-Instruct.json"
 MIXED_LAYER = 12  # VS and A-shape heads in the shipped config

@@ -5,20 +5,14 @@ On a machine without CUDA the Triton path runs under TRITON_INTERPRET=1 (set bef
 only there: on a GPU machine the same worker runs the real kernels) in fp32."""
 from __future__ import annotations
 
-import os
+import dataclasses
 
+import pytest
 import torch
+from prefill_configs import covering, make_config, tight
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import dataclasses  # noqa: E402
-
-import pytest  # noqa: E402
-from prefill_configs import covering, make_config, tight  # noqa: E402
-
-from workbench.config import ConfigError  # noqa: E402
-from workbench.prefill.sparse import SparsePrefill, generate_greedy  # noqa: E402
+from workbench.config import ConfigError
+from workbench.prefill.sparse import SparsePrefill, generate_greedy
 
 N = 256
 

@@ -16,13 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
-
-from workbench.config import HeadConfig  # noqa: E402
-from workbench.core.corpus import make_sample  # noqa: E402
-from workbench.prefill.sparse import SparsePrefill  # noqa: E402
+from workbench.config import HeadConfig
+from workbench.core.corpus import make_sample
+from workbench.prefill.sparse import SparsePrefill
 
 SHIPPED = "workbench/data/configs/SmolLM2-135M-Instruct.json"
 MAX_ABS = 1e-3

@@ -3,15 +3,11 @@ on the reference path and on the Triton path (TRITON_INTERPRET=1 on the CPU)."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from workbench.analysis import stats  # noqa: E402
+from workbench.analysis import stats
 
 N, D, SCALE = 200, 64, 0.125
 
