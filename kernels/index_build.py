@@ -362,7 +362,7 @@ def pooled_scores(q: torch.Tensor, k: torch.Tensor, block: int = 64, group_share
     in `precision`: "tf32x3" (three TF32 tensor-core products, about fp32 accuracy: near-ties may select
     apart from `block_proxy`; 18x faster than IEEE on the H200 at 128K, 0.86 vs 15.7 ms) or "ieee" (fp32
     FMA, as `block_proxy`'s fp32 matmul up to summation order). None: Triton's own knob
-    `TRITON_F32_DEFAULT` when it names one of the two (the parity tests set "ieee"), else "tf32x3" on a
+    `TRITON_F32_DEFAULT` when it names one of the two (tests/conftest.py sets "ieee"), else "tf32x3" on a
     GPU and "ieee" under the interpreter; without either, one grouped fp32 matmul. group_shared: summed
     over each KV head's G query heads."""
     if q.dim() != 4 or k.dim() != 4 or q.shape[1] % k.shape[1]:

@@ -3,10 +3,10 @@
 Two Triton settings hold for the whole test process, set here before any test module imports a kernel:
 - TRITON_INTERPRET=1 where there is no GPU: `triton.jit` reads it when a kernel is defined.
 - TRITON_F32_DEFAULT=ieee: fp32 parity is about tiles and indexes, not TF32 rounding (it also makes
-  `block_scores`' default precision "ieee"). Triton reads it when a kernel compiles, and its in-memory kernel
+  `pooled_scores`' default precision "ieee"). Triton reads it when a kernel compiles, and its in-memory kernel
   cache does not key on it, so a per-test setting would hand later tests whatever compiled first.
-Compiles for a GPU that run without one use `compile_env()` (tests/kernels/test_kernels_compile.py), which
-drops both."""
+Compiles for a GPU that run without one use `compile_env()` (tests/kernels/test_kernels_compile.py): interpreter
+off, no knob."""
 from __future__ import annotations
 
 import inspect
