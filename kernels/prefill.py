@@ -239,15 +239,17 @@ def loop_variant(pack: int, columns: bool, hopper: bool, head_dim: int = 128) ->
     """(split, tma, persistent) that ran fastest on the H200 (bf16, 32/8/128, 64K and 128K; kernels/NOTES.md):
     GQA-packed programs over tiles without columns (block-sparse, A-shape): the single loop (split at
     head_dim 256, where the single loop's three stages overflow shared memory); per-head programs over
-    tiles with columns (Vertical-Slash): split with pointer loads; the rest (per-head block-sparse and
-    A-shape, packed Vertical-Slash): split with TMA loads where there is TMA. Vertical-Slash at head_dim
+    tiles with columns (Vertical-Slash) at head_dim <= 128: split with pointer loads (TMA 1.19x slower at
+    128); the rest (per-head block-sparse and A-shape, packed Vertical-Slash, per-head Vertical-Slash at
+    head_dim 256: TMA 1.16x / 1.15x faster at 64K / 128K on the Gemma-3 shape): split with TMA loads where
+    there is TMA. Vertical-Slash at head_dim
     128 on Hopper: the persistent longest-first schedule (its row blocks differ most in work: 12 % faster
     per head, 7 % group-shared; block-sparse and A-shape ran slower with it; at head_dim 64 the embedded
     shape's VS ran 5-19 % slower with it, 2026-12-01 vs 12-02 runs)."""
     persistent = columns and hopper and head_dim == 128
     if pack > 1 and not columns and head_dim <= 128:
         return False, False, persistent
-    return True, hopper and not (pack == 1 and columns), persistent
+    return True, hopper and not (pack == 1 and columns and head_dim <= 128), persistent
 
 
 def default_config(d: int, rows: int, pack: int) -> tuple[int, int]:

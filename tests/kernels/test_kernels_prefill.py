@@ -369,6 +369,20 @@ def test_long_tiles_prefix_interior_suffix_match_reference(variant, block, width
         check(out, masked_attention_ref(q, k, v, ashape_mask(sink, window, n).unsqueeze(0).to(DEV)), dtype)
 
 
+def test_vertical_slash_per_head_at_head_dim_256_matches_reference():
+    """Gemma-3's shape (4 query heads on 1 KV head, head_dim 256), per-head Vertical-Slash tiles at n = 700:
+    the kernel's default loop (on Hopper: split with TMA loads, `loop_variant`) and the TMA loop named
+    explicitly both equal masked attention over the tiles."""
+    n, B, Hq, Hkv, D, dtype = 700, 1, 4, 1, 256, DTYPES[0]
+    q, k, v = qkv(B, Hq, Hkv, n, D, dtype, seed=256)
+    g = torch.Generator().manual_seed(256)
+    cols, offs = torch.randint(0, n, (B, Hq, 9), generator=g), torch.randint(0, n, (B, Hq, 12), generator=g)
+    tiles = vs_to_tiles(cols, offs, n, 64)
+    ref = masked_attention_ref(q, k, v, tiles_to_mask(tiles, n).to(DEV))
+    for variant in ({}, VARIANTS["tma"]):
+        check(sparse_prefill(q, k, v, tiles, **variant), ref, dtype)
+
+
 def test_work_order_takes_every_item_once_most_pieces_first():
     """The persistent kernels' order is a permutation of the items, the most pieces first (over all heads, or
     within each KV head's run of heads, runs in order)."""
