@@ -241,11 +241,10 @@ def loop_variant(pack: int, columns: bool, hopper: bool, head_dim: int = 128) ->
     head_dim 256, where the single loop's three stages overflow shared memory); per-head programs over
     tiles with columns (Vertical-Slash) at head_dim <= 128: split with pointer loads (TMA 1.19x slower at
     128); the rest (per-head block-sparse and A-shape, packed Vertical-Slash, per-head Vertical-Slash at
-    head_dim 256: TMA 1.16x / 1.15x faster at 64K / 128K on the Gemma-3 shape): split with TMA loads where
-    there is TMA. Vertical-Slash at head_dim
-    128 on Hopper: the persistent longest-first schedule (its row blocks differ most in work: 12 % faster
-    per head, 7 % group-shared; block-sparse and A-shape ran slower with it; at head_dim 64 the embedded
-    shape's VS ran 5-19 % slower with it, 2026-12-01 vs 12-02 runs)."""
+    head_dim 256: TMA 1.20x / 1.22x faster at 64K / 128K on the Gemma-3 shape): split with TMA loads where
+    there is TMA. Vertical-Slash at head_dim 128 on Hopper: the persistent longest-first schedule (its row
+    blocks differ most in work: 12 % faster per head, 7 % group-shared; block-sparse and A-shape ran slower
+    with it; at head_dim 64 the embedded shape's VS ran 5-19 % slower with it, 2026-12-01 vs 12-02 runs)."""
     persistent = columns and hopper and head_dim == 128
     if pack > 1 and not columns and head_dim <= 128:
         return False, False, persistent
