@@ -17,6 +17,11 @@ from workbench.patterns.infllm import Budget, CompressedKeys, compress_keys, sel
 GiB = 1024 ** 3
 
 
+# tests/conftest.py turns the interpreter on where there is no GPU; a run that exported TRITON_INTERPRET=0 skips these
+NEEDS_TRITON = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                  reason="Triton on the CPU needs TRITON_INTERPRET=1 before triton is imported")
+
+
 def test_block_cache_keeps_selected_blocks_and_copies_only_misses():
     g = torch.Generator().manual_seed(0)
     B, H, NB, K, C, E = 2, 3, 40, 6, 8, 4
@@ -543,14 +548,13 @@ def test_with_store_keeps_dense_exact_and_suffixes_every_other_mode():
 
 # bytes of a K row + a V row at head_dim 32: INT4 16 code bytes + one float16 scale; INT8 32 codes + a float32 scale
 @pytest.mark.parametrize(("store", "row_bytes"), [("int4", (16 + 2) * 2), ("int8k-int4v", (32 + 4) + (16 + 2))])
+@NEEDS_TRITON
 def test_int4_stores_are_lossless_on_the_reference_and_triton_paths_and_move_fewer_bytes(store, row_bytes):
     """store_dtype "int4" and "int8k-int4v" end to end on the CPU: each offload mode gives its @store resident
     reference's tokens on the reference path and on the fused Triton path (interpreter: UVA gather, rope_split's
     append), the two paths agree, a block moves 64 x (D / 2 code bytes + D / 32 float16 scales) per INT4 part and
     64 x (D codes + a float32 scale) per INT8 part, and the rounding reaches the logits (dense-resident@store is not
     dense-resident)."""
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1 before triton is imported")
     model = _tiny_llama("cpu")  # fp32, head_dim 32: one group per row
     prompts = [torch.arange(400) % 251, torch.arange(300) % 241]
     runs = [("sparse-resident", "same-layer", store), ("sparse-offload-sync", "same-layer", store),
@@ -719,11 +723,10 @@ def test_gemma_offload_lossless_on_the_gpu_bf16_graphs():
         assert torch.equal(out[("sparse-offload-sync", "same-layer", store)], out[("sparse-resident", "same-layer", store)])
 
 
+@NEEDS_TRITON
 def test_gemma_engine_triton_kernels_at_head_dim_256_match_the_reference():
     """Selection, cache plan, UVA gather, token append and decode kernels at d = 256 (interpreter on the CPU),
     inside the engine, against the PyTorch reference path."""
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1 before triton is imported")
     model = _tiny_gemma()
     prompt = (torch.arange(300) * 7) % 251 + 3
     out = {}
@@ -779,11 +782,10 @@ def _launches(eng, tokens) -> int:
     return count["n"]
 
 
+@NEEDS_TRITON
 def test_fused_decode_step_launches_at_most_15_kernels_per_layer():
     """The Triton path's launches per layer (the difference between a 4- and a 2-layer model) and per step, in
     every offload mode: the bar is <= 20 per layer on the GPU with cuBLAS's extra reductions and the split merge."""
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1 before triton is imported")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     def model(layers):
