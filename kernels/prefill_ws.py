@@ -47,7 +47,8 @@ from .prefill_ref import check_prefill_args
 from .schedule import LOG2E, work_order
 
 ROWS = 64  # query rows per consumer warpgroup (= tiles.block)
-KEYS = 64  # keys per piece (= tiles.piece)
+KEYS = 64  # keys per Vertical-Slash column strip and per piece by default (= tiles.piece)
+PIECES = (64, 128)  # piece widths (keys per step) `ws_prefill` / `ws_ashape` take; Vertical-Slash: 64 only
 DTYPES = (torch.bfloat16, torch.float16)  # q / k / v dtypes the kernel takes
 HEAD_DIMS = (64, 128)  # head_dims it takes
 # TMA load global -> shared with an mbarrier: `async_load` from Triton 3.7 (3.9 removed the old name), the old
@@ -189,8 +190,8 @@ def _item_keys(t, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOC
 
 
 @gluon.jit
-def _masked(s, t, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_N: gl.constexpr, VS: gl.constexpr,
-            ASHAPE: gl.constexpr):
+def _masked(s, t, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            VS: gl.constexpr, ASHAPE: gl.constexpr):
     """Raw scores s `[BLOCK_M, BLOCK_N]` of item t with the keys it does not hold at -inf (p, keep: `_item_keys`):
     a strip (VS, t < strips) keeps its `keep` lanes, every kept column being < row_lo (strictly causal); a
     piece masks as `_piece_mask`. ASHAPE: a strip keeps its `keep` lanes (sinks, all < row_lo); a piece whose
@@ -206,7 +207,7 @@ def _masked(s, t, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_N
             s = gl.where(gl.expand_dims(keep, 0), s, float("-inf"))
         else:
             s = _piece_mask(s, p, rows, lanes, N, row_lo, BLOCK_N)
-            if row_lo + (BLOCK_N - 1) - p >= window:  # (rows per block = BLOCK_N = 64)
+            if row_lo + (BLOCK_M - 1) - p >= window:  # the block's last row sees key p outside its window
                 keys = gl.expand_dims(p + lanes, 0)
                 band = (keys < sink) | (gl.expand_dims(rows, 1) - keys < window)
                 s = gl.where(band, s, float("-inf"))
@@ -288,7 +289,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, Bl
             s = warpgroup_mma(q, k_smem.index(ring * STAGES).permute((1, 0)), s0, use_acc=False, is_async=True)
             p, keep = _item_keys(0, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS, ASHAPE)
             s = warpgroup_mma_wait(0, deps=(s,))
-            s = _masked(s, 0, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_N, VS, ASHAPE)
+            s = _masked(s, 0, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS, ASHAPE)
             prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         for t in range(n - 1):
             # issue Q K^T of piece t + 1 first, then P V of piece t; wait(1) retires the older group (Q K^T:
@@ -303,7 +304,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, Bl
             acc = warpgroup_mma(gl.convert_layout(prob.to(k_smem.dtype), p_layout), v_smem.index(i), acc,
                                 is_async=True)
             s = warpgroup_mma_wait(1, deps=(s,))
-            s = _masked(s, t + 1, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_N, VS, ASHAPE)
+            s = _masked(s, t + 1, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS, ASHAPE)
             prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index(i), count=1)
@@ -324,7 +325,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, Bl
             s = warpgroup_mma(q, k_smem.index(i).permute((1, 0)), s0, use_acc=False, is_async=True)
             p, keep = _item_keys(t, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS, ASHAPE)
             s = warpgroup_mma_wait(0, deps=(s,))
-            s = _masked(s, t, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_N, VS, ASHAPE)
+            s = _masked(s, t, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS, ASHAPE)
             prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             mbarrier.wait(v_ready.index(i), phase)
@@ -472,9 +473,10 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for([ROWS, D], gdt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([tiles.piece, D], gdt)
     q_desc = TensorDescriptor.from_tensor(q.view(B * Hq * N, D), [ROWS, D], layout)
-    k_desc = TensorDescriptor.from_tensor(k.view(B * Hkv * N, D), [KEYS, D], layout)
-    v_desc = TensorDescriptor.from_tensor(v.view(B * Hkv * N, D), [KEYS, D], layout)
+    k_desc = TensorDescriptor.from_tensor(k.view(B * Hkv * N, D), [tiles.piece, D], kv_layout)
+    v_desc = TensorDescriptor.from_tensor(v.view(B * Hkv * N, D), [tiles.piece, D], kv_layout)
     bc, bo = tiles.block_count.contiguous(), tiles.block_offset.contiguous()
     sink, window = band if band is not None else (bc, bc)  # (unused without A-shape)
     if packed is None:  # the VS arguments are unused (VS=False): any tensors of the right kind
@@ -533,9 +535,9 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
     if sink is not None or window is not None:
         raise ValueError("sink / window (A-shape token masks) are not taken by ws_prefill; use "
                          "ws_ashape(q, k, v, sink, window) or sparse_prefill")
-    if tiles.block != ROWS or tiles.piece != KEYS:
-        raise ValueError(f"tiles.block and tiles.width must give 64-row tiles of 64-key pieces for ws_prefill, got "
-                         f"block {tiles.block}, piece {tiles.piece}; build them with block=64, width=0")
+    if tiles.block != ROWS or tiles.piece not in PIECES:
+        raise ValueError(f"tiles.block and tiles.width must give 64-row tiles of 64- or 128-key pieces for ws_prefill, "
+                         f"got block {tiles.block}, piece {tiles.piece}; build them with block=64, width=0 or 128")
     M = -(-N // ROWS)
     grouped = tiles.shape[1] == Hkv != Hq
     if grouped and not (share_kv and Hq // Hkv % 2 == 0):
@@ -637,8 +639,8 @@ def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns
 
 def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | list[int],
               window: torch.Tensor | list[int], scale: float | None = None, stages: int = 2, consumers: int = 2,
-              overlap: bool = True, tiles: VSTiles | None = None, kv_major: bool = False, share_kv: bool = False
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              overlap: bool = True, tiles: VSTiles | None = None, kv_major: bool = False, share_kv: bool = False,
+              width: int = KEYS) -> tuple[torch.Tensor, torch.Tensor]:
     """A-shape prefill on an sm_90 GPU: per query head `sink` and `window` (tokens, `[Hq]`; window >= 1, sink
     >= 0; `NO_WINDOW` for a head without a band) -> keys j <= i with j < sink or i - j < window (as
     `ashape_prefill`). Tiles: `index_ref.ashape_to_tiles` per query head (window pieces, the sinks below a row
@@ -647,7 +649,9 @@ def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Ten
     pieces that reach past the window. q, k, v, stages, consumers, overlap, kv_major as `ws_prefill`; `tiles`: those
     per-head tiles made earlier (`ashape_to_tiles(sink, window, N, B, 64)`; this call then only launches).
     `share_kv` (consumers=2, an even group, equal sink and window for heads 2j and 2j + 1): both heads on one
-    K/V ring, as `ws_prefill`'s (`ashape_prefill`'s choice on sm_90, 4 stages).
+    K/V ring, as `ws_prefill`'s (`ashape_prefill`'s choice on sm_90, 4 stages). `width`: keys per step, 64 or
+    128 (pieces and sink strips; 128: twice the work per ring slot and barrier round trip, 64 KB a slot at head_dim
+    128, so at most 3 stages on one shared ring).
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log)."""
     B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap)
     sink_t = torch.as_tensor(sink).reshape(-1)
@@ -659,11 +663,14 @@ def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Ten
         raise ValueError("share_kv needs consumers=2, an even number of query heads per KV head and equal sink and "
                          "window for heads 2j and 2j + 1; use share_kv=False")
     _check_device(q)
-    if tiles is None:
-        tiles = ashape_to_tiles(sink_t, window_t, N, B, ROWS, device=q.device)  # checks window >= 1, sink >= 0
-    elif tuple(tiles.shape) != (B, Hq, -(-N // ROWS)) or tiles.block != ROWS or tiles.piece != KEYS:
-        raise ValueError(f"tiles must be ashape_to_tiles(sink, window, {N}, {B}, 64) per query head ([{B}, {Hq}, "
-                         f"{-(-N // ROWS)}], 64 x 64), got {tuple(tiles.shape)}, {tiles.block} x {tiles.piece}")
+    if width not in PIECES:
+        raise ValueError(f"width (keys per step) must be one of {PIECES}, got {width}")
+    if tiles is None:  # (checks window >= 1, sink >= 0)
+        tiles = ashape_to_tiles(sink_t, window_t, N, B, ROWS, device=q.device, width=width)
+    elif tuple(tiles.shape) != (B, Hq, -(-N // ROWS)) or tiles.block != ROWS or tiles.piece != width:
+        raise ValueError(f"tiles must be ashape_to_tiles(sink, window, {N}, {B}, 64, width={width}) per query head "
+                         f"([{B}, {Hq}, {-(-N // ROWS)}], 64 x {width}), got {tuple(tiles.shape)}, "
+                         f"{tiles.block} x {tiles.piece}")
     band = (sink_t.to(q.device, torch.int32), window_t.clamp(max=1 << 30).to(q.device, torch.int32))
     return _launch(q.contiguous(), k.contiguous(), v.contiguous(), tiles, scale, stages, consumers, overlap, share_kv,
                    band=band, kv_major=kv_major)

@@ -10,8 +10,9 @@ recorded, the rest go on; a variant that fails or hangs its check is left out of
           vs SDPA(is_causal=True); TFLOP/s over the causal pairs, ratio to SDPA's
   sparse  block-sparse top-k (`index_build.block_index` on the bench's planted inputs, 64-row tiles) at each of
           --lengths: ws vs sparse_prefill, efficiency = physical density x SDPA ms / ms (as the bench)
-Variants: cCsS[o][k][g] = C consumer warpgroups (1 or 2), S ring stages, o = intra-warpgroup overlap, k = the two
-consumers share one K/V ring (query heads 2j, 2j + 1), g = items by KV head first (`kv_major`; the sparse step
+Variants: cCsS[o][k][g][w128] = C consumer warpgroups (1 or 2), S ring stages, o = intra-warpgroup overlap, k = the
+two consumers share one K/V ring (query heads 2j, 2j + 1), w128 = 128 keys per step (tiles of 128-key pieces, or
+`ws_ashape(width=128)`; not for vs), g = items by KV head first (`kv_major`; the sparse step
 also times the persistent loop with it, "sparse_prefill/kv_major", the vs step the loop's default, KV head first,
 beside "sparse_prefill/longest_first"): checked on per-KV-head selections, timed on dense causal
 and on group-shared top-k (`block_index(group_shared=True)`, expanded per head) against sparse_prefill's
@@ -44,13 +45,21 @@ import torch
 
 from workbench.core.timing import environment, time_ms
 
-SHAPE = (32, 8, 128)  # Llama-3-8B: query heads, KV heads, head_dim
+SHAPE = "llama3-8b"  # the bench's shape the steps run at (--shape): Llama-3-8B 32/8/128
 
 
 def parse_variant(name: str) -> dict:
-    """'c2s3okg' -> {consumers: 2, stages: 3, overlap: True, share_kv: True, kv_major: True}."""
-    c, s, o, k, g = re.fullmatch(r"c(\d)s(\d)(o?)(k?)(g?)", name).groups()
-    return {"consumers": int(c), "stages": int(s), "overlap": bool(o), "share_kv": bool(k), "kv_major": bool(g)}
+    """'c2s3okgw128' -> {consumers: 2, stages: 3, overlap: True, share_kv: True, kv_major: True, width: 128}."""
+    c, s, o, k, g, w = re.fullmatch(r"c(\d)s(\d)(o?)(k?)(g?)(?:w(\d+))?", name).groups()
+    return {"consumers": int(c), "stages": int(s), "overlap": bool(o), "share_kv": bool(k), "kv_major": bool(g),
+            "width": int(w or 64)}
+
+
+def shape() -> tuple[int, int, int, float]:
+    """(query heads, KV heads, head_dim, rope theta) of --shape."""
+    from workbench_benchmarks.kernels_prefill import SHAPES
+
+    return SHAPES[SHAPE]
 
 
 def timed(fn) -> float:
@@ -80,10 +89,10 @@ def dense_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 
 def planted(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-    """The benchmark's planted bf16 inputs at the Llama-3-8B shape and dense causal SDPA's ms on them."""
-    from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
+    """The benchmark's planted bf16 inputs at --shape and dense causal SDPA's ms on them."""
+    from workbench_benchmarks.kernels_prefill import planted_inputs
 
-    hq, hkv, d, theta = SHAPES["llama3-8b"]
+    hq, hkv, d, theta = shape()
     q, k, v = planted_inputs(hq, hkv, d, n, theta)
     return q, k, v, timed(dense_call(q, k, v))
 
@@ -97,52 +106,56 @@ def check(variant: str) -> dict:
     B, Hq, Hkv, n = 2, 8, 2, 1000
     M = -(-n // 64)
     kw = parse_variant(variant.removeprefix("first:"))
+    width = kw.pop("width")
     H = Hkv if kw["share_kv"] else Hq  # shared K/V: one selection per KV head, expanded to its query heads
     for d in (128, 64) if variant.startswith("first:") else (128,):
         q, k, v = (torch.randn(B, h, n, d, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
         for keep in (1.0, 0.3):
             idx = torch.where(torch.rand(B, H, M, M, generator=g) < keep, torch.arange(M), -1).to(torch.int32)
-            tiles = block_sparse_to_tiles(idx.repeat_interleave(Hq // H, 1), n).to("cuda")
+            tiles = block_sparse_to_tiles(idx.repeat_interleave(Hq // H, 1), n, width=width).to("cuda")
             out[f"d{d}/keep{keep}"] = against_reference(lambda: ws_prefill(q, k, v, tiles, **kw), q, k, v,
                                                         tiles_to_mask(tiles, n))
     return out
 
 
 def dense(variants: list[str], n: int) -> dict:
-    from workbench_kernels.index_ref import selected_block_tiles
+    from workbench_kernels.index_ref import block_sparse_to_tiles, selected_block_tiles
     from workbench_kernels.prefill import sparse_prefill
     from workbench_kernels.prefill_ws import ws_prefill
 
-    hq, hkv, d = SHAPE
+    hq, hkv, d, _ = shape()
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, h, n, d, generator=g, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
     M = -(-n // 64)
     m = torch.arange(M, device="cuda")
     table = torch.where(m[None, :] <= m[:, None], m[None, :], -1).to(torch.int32)  # every causal block
     tiles = selected_block_tiles(table.expand(1, hq, M, M))
+    wide = None  # 128-key pieces, built for the first w128 variant
     flop = 4 * d * hq * n * (n + 1) // 2  # causal pairs
     kx, vx = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
     rows = {"sdpa": timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))}
     ref, _ = sparse_prefill(q, k, v, tiles, warp_specialize=False)
     rows["sparse_prefill"] = timed(lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False))
-    out = {"n": n, "shape": SHAPE, "agreement_max_abs": {}}
+    out = {"n": n, "shape": [hq, hkv, d], "agreement_max_abs": {}}
     for name in variants:
         kw = parse_variant(name)
-        o, _ = ws_prefill(q, k, v, tiles, **kw)
+        if kw.pop("width") == 128 and wide is None:
+            wide = block_sparse_to_tiles(table.expand(1, hq, M, M).contiguous(), n, width=128)
+        t = wide if name.endswith("w128") else tiles
+        o, _ = ws_prefill(q, k, v, t, **kw)
         out["agreement_max_abs"][name] = (o.float() - ref.float()).abs().max().item()
-        rows[f"ws/{name}"] = timed(lambda: ws_prefill(q, k, v, tiles, **kw))
+        rows[f"ws/{name}"] = timed(lambda: ws_prefill(q, k, v, t, **kw))
     out["rows"] = {key: {"ms": ms, "tflops": flop / ms / 1e9, "of_sdpa": rows["sdpa"] / ms} for key, ms in rows.items()}
     return out
 
 
 def sparse(variants: list[str], lengths: list[int], topk: int) -> dict:
-    from workbench_benchmarks.kernels_prefill import SHAPES
     from workbench_kernels.index_build import block_index
-    from workbench_kernels.index_ref import expand_groups, selected_block_tiles, tile_area
+    from workbench_kernels.index_ref import block_sparse_to_tiles, expand_groups, selected_block_tiles, tile_area
     from workbench_kernels.prefill import sparse_prefill
     from workbench_kernels.prefill_ws import ws_prefill
 
-    hq, hkv, d, theta = SHAPES["llama3-8b"]
+    hq, hkv, d, theta = shape()
     out = {}
     for n in lengths:
         q, k, v, sdpa = planted(n)
@@ -150,7 +163,8 @@ def sparse(variants: list[str], lengths: list[int], topk: int) -> dict:
             names = [x for x in variants if parse_variant(x)["share_kv"] == (selection == "group_shared")]
             if not names:
                 continue
-            tiles = selected_block_tiles(block_index(q, k, topk, group_shared=selection == "group_shared"))
+            table = block_index(q, k, topk, group_shared=selection == "group_shared")
+            tiles = selected_block_tiles(table)
             # sparse_prefill runs group-shared tiles GQA-packed; ws_prefill takes them expanded per query head
             per_head = expand_groups(tiles, hq // tiles.shape[1])
             density = tile_area(per_head, n).sum().item() / (hq * n * (n + 1) // 2)
@@ -161,9 +175,11 @@ def sparse(variants: list[str], lengths: list[int], topk: int) -> dict:
             agree = {}
             for name in names:
                 kw = parse_variant(name)
-                o, _ = ws_prefill(q, k, v, per_head, **kw)
+                t = per_head if kw.pop("width") == 64 else block_sparse_to_tiles(  # the pairs of blocks merged
+                    table.repeat_interleave(hq // table.shape[1], 1), n, width=128)
+                o, _ = ws_prefill(q, k, v, t, **kw)
                 agree[name] = (o.float() - ref.float()).abs().max().item()
-                rows[f"ws/{name}"] = timed(lambda: ws_prefill(q, k, v, per_head, **kw))
+                rows[f"ws/{name}"] = timed(lambda: ws_prefill(q, k, v, t, **kw))
             out[f"{selection}/{n}"] = {
                 "physical_density": density, "sdpa_ms": sdpa, "agreement_max_abs": agree,
                 "rows": {key: {"ms": ms, "efficiency": density * sdpa / ms, "vs_sparse_prefill": rows["sparse_prefill"] / ms}
@@ -189,6 +205,7 @@ def check_vs(variant: str) -> dict:
     g = torch.Generator().manual_seed(0)
     B, Hq, Hkv = 2, 8, 2
     kw = parse_variant(variant)
+    kw.pop("width")  # (64 keys: strips are 64 wide)
     share = kw.pop("share_kv")  # k: a group-shared index (one per KV head)
     for n in (1000, 3000):
         q, k, v = (torch.randn(B, h, n, 128, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
@@ -209,13 +226,12 @@ def loop_kwargs(spec: str) -> dict:
 
 
 def vs(variants: list[str], lengths: list[int], vertical: int, slash: int, loops: list[str]) -> dict:
-    from workbench_benchmarks.kernels_prefill import SHAPES
     from workbench_kernels.index_build import vs_index, vs_slash_tiles, vs_tiles
     from workbench_kernels.index_ref import expand_groups, tile_area
     from workbench_kernels.prefill import sparse_prefill
     from workbench_kernels.prefill_ws import pack_columns, ws_vertical_slash
 
-    hq, hkv, d, theta = SHAPES["llama3-8b"]
+    hq, hkv, d, theta = shape()
     out = {}
     for n in lengths:
         q, k, v, sdpa = planted(n)
@@ -246,7 +262,7 @@ def vs(variants: list[str], lengths: list[int], vertical: int, slash: int, loops
             agree = {}
             for name in names:
                 kw = parse_variant(name)
-                kw.pop("share_kv")  # group-shared columns share the ring by default
+                kw.pop("share_kv"), kw.pop("width")  # group-shared columns share the ring by default
                 o, _ = ws_vertical_slash(q, k, v, cols, offs, **kw)
                 agree[name] = (o.float() - ref.float()).abs().max().item()
                 ms = timed(lambda: ws_vertical_slash(q, k, v, cols, offs, **kw))  # with its own conversion + packing
@@ -275,7 +291,7 @@ def check_ashape(variant: str) -> dict:
     window = torch.tensor([64, 100, 1, 300, NO_WINDOW, 1200, 65, 17])
     if kw["share_kv"]:  # heads 2j and 2j + 1 alike
         sink, window = sink[0::2].repeat_interleave(2), window[1::2].repeat_interleave(2)
-    q, k, v = (torch.randn(B, h, n, 128, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
+    q, k, v = (torch.randn(B, h, n, shape()[2], generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
     mask = tiles_to_mask(ashape_to_tiles(sink, window, n, B, device="cuda"), n, sink.cuda(), window.cuda())
     return {f"n{n}": against_reference(lambda: ws_ashape(q, k, v, sink, window, **kw), q, k, v, mask)}
 
@@ -284,12 +300,11 @@ def ashape(variants: list[str], lengths: list[int], sink: int, window: int, roun
     """Per length: the loop, `ashape_prefill` and each ws_ashape variant, ms and efficiency (density x SDPA ms
     / ms); with rounds > 1 also `rounds` back-to-back pairs (SDPA, ashape_prefill) timed afresh: the spread of
     the default's efficiency within one process."""
-    from workbench_benchmarks.kernels_prefill import SHAPES
     from workbench_kernels.index_ref import ashape_to_tiles, tile_area
     from workbench_kernels.prefill import ashape_prefill, sparse_prefill
     from workbench_kernels.prefill_ws import ws_ashape
 
-    hq, hkv, d, theta = SHAPES["llama3-8b"]
+    hq, hkv, d, theta = shape()
     out = {}
     for n in lengths:
         q, k, v, sdpa = planted(n)
@@ -372,6 +387,7 @@ def main() -> None:
     p.add_argument("--loop-variants", default="", help="vs step: the loop also with these sparse_prefill keywords, "
                                                           "e.g. 'num_warps=8;num_stages=4,split=False' (, between rows)")
     p.add_argument("--dense-n", type=int, default=32768)
+    p.add_argument("--shape", default="llama3-8b", help="the bench's shape every step runs at (llama3-8b, embedded, ...)")
     p.add_argument("--lengths", default="65536,131072")
     p.add_argument("--topk", type=int, default=100)
     p.add_argument("--budget", type=float, default=440.0, help="seconds for all steps (each gets what is left)")
@@ -381,12 +397,14 @@ def main() -> None:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    global SHAPE
+    SHAPE = args.shape
     if args.child:
         child(args)
         return
     start = time.perf_counter()
     left = lambda cap: max(1.0, min(cap, args.budget - (time.perf_counter() - start)))  # noqa: E731
-    common = ["--variants", args.variants, "--dense-n", str(args.dense_n), "--lengths", args.lengths,
+    common = ["--shape", args.shape, "--variants", args.variants, "--dense-n", str(args.dense_n), "--lengths", args.lengths,
               "--topk", str(args.topk), "--vertical", str(args.vertical), "--slash", str(args.slash), "--sink", str(args.sink),
               "--window", str(args.window), "--loop-variants", args.loop_variants, "--rounds", str(args.rounds)]
     result = {"environment": environment(), "steps": {}}

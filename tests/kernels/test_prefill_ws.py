@@ -24,7 +24,7 @@ from test_kernels_compile import SMEM_SM90, compile_env
 from workbench_kernels.index_ref import block_sparse_to_tiles, tiles_to_mask, vs_to_tiles
 from workbench_kernels.prefill_ref import masked_attention_ref
 
-CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block / vs / ashape)
+CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block / vs / ashape[, keys per step])
     "two_consumers_2_stages": (2, 2, True, 128, False, "block"),  # the default
     "two_consumers_3_stages": (2, 3, True, 128, False, "block"),
     "one_consumer": (1, 2, True, 128, False, "block"),
@@ -43,13 +43,22 @@ CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block
     "ashape_no_overlap": (2, 2, False, 128, False, "ashape"),
     "ashape_head_dim_64": (2, 2, True, 64, False, "ashape"),
     "ashape_shared_kv_4_stages": (2, 4, True, 128, True, "ashape"),  # ashape_prefill's choice: heads alike in pairs
+    # 128 keys per step (`width=128`): 64 x 128 score tiles, 32 KB K / V tiles at head_dim 128
+    "keys128_shared_kv_3_stages": (2, 3, True, 128, True, "block", 128),
+    "keys128_head_dim_64": (2, 3, True, 64, False, "block", 128),
+    "ashape_keys128_shared_kv_2_stages": (2, 2, True, 128, True, "ashape", 128),
+    "ashape_keys128_shared_kv_3_stages": (2, 3, True, 128, True, "ashape", 128),
+    "ashape_keys128_head_dim_64": (2, 3, True, 64, False, "ashape", 128),
 }
-BLOCK_CASES, VS_CASES, ASHAPE_CASES = ([case for case, args in CASES.items() if args[-1] == pattern]
+CASES = {case: args if len(args) == 7 else (*args, 64) for case, args in CASES.items()}  # (+ keys per step: 64)
+BLOCK_CASES, VS_CASES, ASHAPE_CASES = ([case for case, args in CASES.items() if args[5] == pattern]
                                        for pattern in ("block", "vs", "ashape"))
 
 
-def compile_ws(consumers: int, stages: int, overlap: bool, d: int, share: bool, pattern: str, dtype: str = "bf16"):
-    """`_ws_prefill_kernel` compiled for sm_90 (descriptor arguments typed as `ws_prefill` builds them)."""
+def compile_ws(consumers: int, stages: int, overlap: bool, d: int, share: bool, pattern: str, keys: int = 64,
+               dtype: str = "bf16"):
+    """`_ws_prefill_kernel` compiled for sm_90 (descriptor arguments typed as `ws_prefill` builds them; K / V
+    tiles of `keys` rows)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -57,10 +66,13 @@ def compile_ws(consumers: int, stages: int, overlap: bool, d: int, share: bool, 
     from workbench_kernels import prefill_ws
 
     fn = prefill_ws._ws_prefill_kernel
-    desc = f"tensordesc<{dtype}[64, {d}],{gl.NVMMASharedLayout.get_default_for([64, d], gl.bfloat16)!r}>"
+    def desc(rows: int) -> str:
+        return f"tensordesc<{dtype}[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)!r}>"
+
     pointers = {"O": f"*{dtype}", "LSE": "*fp32", "BlockCount": "*i32", "BlockOffset": "*i32", "ColCount": "*i32",
                 "Cols": "*i32", "Covered": "*i8", "Sink": "*i32", "Window": "*i32", "Order": "*i32"}
-    types = {**{x: desc for x in ("q_desc", "k_desc", "v_desc", "kc_desc", "vc_desc")}, "qk_scale": "fp32", **pointers}
+    types = {"q_desc": desc(64), "k_desc": desc(keys), "v_desc": desc(keys), "kc_desc": desc(64), "vc_desc": desc(64),
+             "qk_scale": "fp32", **pointers}
     cfg = prefill_ws.launch_config(consumers)
     constants = dict(CONSUMERS=consumers, STAGES=stages, OVERLAP=overlap, SHARE=share, VS=pattern == "vs",
                      ASHAPE=pattern == "ashape",
@@ -138,10 +150,10 @@ def test_ws_prefill_compiles_for_sm90(compiled, case):
     TMA loads; no local memory, no spills; shared memory within the H200's."""
     result = compiled[case]
     assert "error" not in result, result.get("error")
-    consumers, stages, overlap, d, _, _ = CASES[case]
+    consumers, stages, overlap, d, _, _, keys = CASES[case]
     assert result["partitions"] == consumers, result  # workers: producer (+ the second consumer)
     assert result["setmaxnreg"], result
-    per_path = d // 16 + 4  # Q K^T over head_dim, P V over 64 keys, in k-steps of 16
+    per_path = d // 16 + keys // 16  # Q K^T over head_dim, P V over the step's keys, in k-steps of 16
     assert result["wgmma"] == consumers * per_path * (2 if overlap else 1), result  # overlap: + prologue/epilogue
     assert result["tma_loads"] > 0
     assert result["local"] == 0 and not any(result["spills"]), result
@@ -175,18 +187,18 @@ def test_ws_prefill_matches_masked_attention_bf16(case, keep):
     lse against fp32 attention under the tiles' mask."""
     from workbench_kernels.prefill_ws import ws_prefill
 
-    consumers, stages, overlap, d, share, _ = CASES[case]
+    consumers, stages, overlap, d, share, _, keys = CASES[case]
     B, Hq, Hkv, n = 2, 8, 2, 1000
     q, k, v = qkv(B, Hq, Hkv, n, d, seed=int(keep * 10))
     index = block_index(B, Hkv if share else Hq, n, keep, seed=1)  # share_kv: one selection per KV head
-    tiles = block_sparse_to_tiles(index.repeat_interleave(Hq // index.shape[1], 1), n).to("cuda")
+    tiles = block_sparse_to_tiles(index.repeat_interleave(Hq // index.shape[1], 1), n, width=keys).to("cuda")
     o, lse = ws_prefill(q, k, v, tiles, stages=stages, consumers=consumers, overlap=overlap, share_kv=share)
     ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(tiles, n))
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
     torch.testing.assert_close(o.float(), ro.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, rlse, atol=8e-2, rtol=2e-2)
     if share:  # the group-shared tiles themselves (one list per KV head): the same launch
-        grouped = block_sparse_to_tiles(index, n).to("cuda")
+        grouped = block_sparse_to_tiles(index, n, width=keys).to("cuda")
         o2, lse2 = ws_prefill(q, k, v, grouped, stages=stages, consumers=consumers, overlap=overlap, share_kv=True)
         assert torch.equal(o2, o) and torch.equal(lse2, lse)
 
@@ -250,7 +262,7 @@ def test_ws_vertical_slash_matches_masked_attention_bf16(case, n):
     from workbench_kernels.index_ref import expand_groups
     from workbench_kernels.prefill_ws import ws_vertical_slash
 
-    consumers, stages, overlap, d, share, _ = CASES[case]
+    consumers, stages, overlap, d, share, _, keys = CASES[case]
     B, Hq, Hkv = 2, 8, 2
     q, k, v = qkv(B, Hq, Hkv, n, d, seed=n)
     cols, offs = vs_index(B, Hkv if share else Hq, n, 300, 60, seed=n)
@@ -272,14 +284,15 @@ def test_ws_ashape_matches_masked_attention_bf16(case):
     from workbench_kernels.index_ref import ashape_to_tiles
     from workbench_kernels.prefill_ws import ws_ashape
 
-    consumers, stages, overlap, d, share, _ = CASES[case]
+    consumers, stages, overlap, d, share, _, keys = CASES[case]
     B, Hq, Hkv, n = 2, 8, 2, 1000
     sink = torch.tensor([0, 4, 64, 100, 4, 0, 130, 700])
     window = torch.tensor([64, 100, 1, 300, NO_WINDOW, 1200, 65, 17])
     if share:  # heads 2j and 2j + 1 alike
         sink, window = sink[0::2].repeat_interleave(2), window[1::2].repeat_interleave(2)
     q, k, v = qkv(B, Hq, Hkv, n, d, seed=3)
-    o, lse = ws_ashape(q, k, v, sink, window, stages=stages, consumers=consumers, overlap=overlap, share_kv=share)
+    o, lse = ws_ashape(q, k, v, sink, window, stages=stages, consumers=consumers, overlap=overlap, share_kv=share,
+                       width=keys)
     mask = tiles_to_mask(ashape_to_tiles(sink, window, n, B, device="cuda"), n, sink.cuda(), window.cuda())
     ro, rlse = masked_attention_ref(q, k, v, mask.cuda())
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
