@@ -512,7 +512,7 @@ def compare_minference(args: argparse.Namespace) -> int:
     from workbench_kernels.index_build import block_index, pooled_scores, select_blocks, vs_index, vs_tiles
     from workbench_kernels.index_ref import VSTiles, ashape_to_tiles, expand_groups, selected_block_tiles, tile_area
     from workbench_kernels.prefill import default_config, loop_variant, sparse_prefill
-    from workbench_kernels.prefill_ws import pack_vertical_slash, ws_ashape, ws_takes, ws_vertical_slash
+    from workbench_kernels.prefill_ws import ASHAPE_LAUNCH, pack_vertical_slash, ws_ashape, ws_takes, ws_vertical_slash
 
     from workbench.core.io import write_json
     from workbench.patterns import AShape, BlockSparse, VerticalSlash
@@ -717,8 +717,9 @@ def compare_minference(args: argparse.Namespace) -> int:
                     best, ws = gluon(times, lambda t=tiles: ws_ashape(q, k, v, sink, window, scale=scale, tiles=t),
                                      out)
                     if hq // hkv % 2 == 0:
-                        best, shared_ring = gluon(times, lambda t=tiles: ws_ashape(q, k, v, sink, window, scale=scale,
-                                                                                   tiles=t, stages=4, share_kv=True),
+                        wide = ashape_to_tiles(sink, window, n, 1, block, dev, 2 * block)  # 128 keys per step
+                        best, shared_ring = gluon(times, lambda t=wide: ws_ashape(q, k, v, sink, window, scale=scale,
+                                                                                  tiles=t, **ASHAPE_LAUNCH),
                                                   out, "ws_shared")
                         ws.update(shared_ring)
                 r = row("a_shape" + ("_packed" if shared else ""), tiles, times, best, index_ms=t_a, **ws)

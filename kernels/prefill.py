@@ -425,19 +425,19 @@ def ashape_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torc
                    window: torch.Tensor | list[int], scale: float | None = None, block: int = 64,
                    width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A-shape prefill: per-head sink and window in tokens (`[Hq]`) -> (o, lse). No index tensor. On an sm_90
-    GPU at head_dim 128 with 64 x 64 tiles and heads 2j, 2j + 1 alike (`prefill_ws.ws_ashape_takes`): the Gluon
-    kernel with both heads on one K/V ring (`ws_ashape(share_kv=True)`, 4 stages; H200, sink 128, window 4096,
-    64K / 128K: 0.785-0.79 / 0.84-0.86 of dense SDPA's TFLOP/s against 0.63-0.68 / 0.72-0.75 for the loop below,
-    kernels/NOTES.md);
+    GPU at head_dim 128 with 64-row tiles (block 64, width 0 or 64) and heads 2j, 2j + 1 alike
+    (`prefill_ws.ws_ashape_takes`): the Gluon kernel with both heads on one K/V ring, 128 keys per step
+    (`prefill_ws.ASHAPE_LAUNCH`; H200, sink 128, window 4096, 64K / 128K: 0.82 / 0.90 of dense SDPA's TFLOP/s in
+    one probe against 0.69 / 0.75 for the loop below, kernels/NOTES.md);
     else, when the heads of every KV group share sink and window, group-shared tiles (GQA-packed kernel)."""
     hq, hkv = q.shape[1], k.shape[1]
     sink_t = torch.as_tensor(sink).reshape(-1).cpu()
     window_t = torch.as_tensor(window).reshape(-1).cpu()
     if q.shape[-1] == 128 and block == 64 and width in (0, 64):
-        from .prefill_ws import ws_ashape, ws_ashape_takes  # lazy, as in sparse_prefill
+        from .prefill_ws import ASHAPE_LAUNCH, ws_ashape, ws_ashape_takes  # lazy, as in sparse_prefill
 
         if ws_ashape_takes(q, k, sink_t, window_t):
-            return ws_ashape(q, k, v, sink_t, window_t, scale, stages=4, share_kv=True)
+            return ws_ashape(q, k, v, sink_t, window_t, scale, **ASHAPE_LAUNCH)
     shared = sink_t.numel() == hq and hq % hkv == 0 and bool(
         (sink_t.view(hkv, -1) == sink_t.view(hkv, -1)[:, :1]).all()
         & (window_t.view(hkv, -1) == window_t.view(hkv, -1)[:, :1]).all())

@@ -47,14 +47,17 @@ from .prefill_ref import check_prefill_args
 from .schedule import LOG2E, work_order
 
 ROWS = 64  # query rows per consumer warpgroup (= tiles.block)
-KEYS = 64  # keys per Vertical-Slash column strip and per piece by default (= tiles.piece)
-PIECES = (64, 128)  # piece widths (keys per step) `ws_prefill` / `ws_ashape` take; Vertical-Slash: 64 only
+KEYS = 64  # keys per piece and per column strip (= tiles.piece); `ws_ashape(width=128)` also takes 128
 DTYPES = (torch.bfloat16, torch.float16)  # q / k / v dtypes the kernel takes
 HEAD_DIMS = (64, 128)  # head_dims it takes
 # TMA load global -> shared with an mbarrier: `async_load` from Triton 3.7 (3.9 removed the old name), the old
 # name in 3.6 (the H200 image's)
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 PRODUCER_REGS = gl.constexpr(24)  # registers per thread of the 1-warp producer (scalar code only)
+# `ashape_prefill`'s launch on sm_90 when heads pair: two query heads on one ring of 3 stages, 128 keys per step
+# (H200, Llama 32/8/128, sink 128, window 4096, 64K / 128K: 1.07x / 1.07x the 64-key shared ring's 4 stages,
+# kernels/NOTES.md)
+ASHAPE_LAUNCH = {"stages": 3, "share_kv": True, "width": 128}
 
 
 @gluon.jit
@@ -535,9 +538,9 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
     if sink is not None or window is not None:
         raise ValueError("sink / window (A-shape token masks) are not taken by ws_prefill; use "
                          "ws_ashape(q, k, v, sink, window) or sparse_prefill")
-    if tiles.block != ROWS or tiles.piece not in PIECES:
-        raise ValueError(f"tiles.block and tiles.width must give 64-row tiles of 64- or 128-key pieces for ws_prefill, "
-                         f"got block {tiles.block}, piece {tiles.piece}; build them with block=64, width=0 or 128")
+    if tiles.block != ROWS or tiles.piece != KEYS:
+        raise ValueError(f"tiles.block and tiles.width must give 64-row tiles of 64-key pieces for ws_prefill, got "
+                         f"block {tiles.block}, piece {tiles.piece}; build them with block=64, width=0")
     M = -(-N // ROWS)
     grouped = tiles.shape[1] == Hkv != Hq
     if grouped and not (share_kv and Hq // Hkv % 2 == 0):
@@ -662,9 +665,9 @@ def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Ten
     if share_kv and (consumers != 2 or not _heads_pair(Hq, Hkv, sink_t, window_t)):
         raise ValueError("share_kv needs consumers=2, an even number of query heads per KV head and equal sink and "
                          "window for heads 2j and 2j + 1; use share_kv=False")
+    if width not in (KEYS, 2 * KEYS):
+        raise ValueError(f"width (keys per step) must be {KEYS} or {2 * KEYS}, got {width}")
     _check_device(q)
-    if width not in PIECES:
-        raise ValueError(f"width (keys per step) must be one of {PIECES}, got {width}")
     if tiles is None:  # (checks window >= 1, sink >= 0)
         tiles = ashape_to_tiles(sink_t, window_t, N, B, ROWS, device=q.device, width=width)
     elif tuple(tiles.shape) != (B, Hq, -(-N // ROWS)) or tiles.block != ROWS or tiles.piece != width:

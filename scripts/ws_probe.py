@@ -11,8 +11,8 @@ recorded, the rest go on; a variant that fails or hangs its check is left out of
   sparse  block-sparse top-k (`index_build.block_index` on the bench's planted inputs, 64-row tiles) at each of
           --lengths: ws vs sparse_prefill, efficiency = physical density x SDPA ms / ms (as the bench)
 Variants: cCsS[o][k][g][w128] = C consumer warpgroups (1 or 2), S ring stages, o = intra-warpgroup overlap, k = the
-two consumers share one K/V ring (query heads 2j, 2j + 1), w128 = 128 keys per step (tiles of 128-key pieces, or
-`ws_ashape(width=128)`; not for vs), g = items by KV head first (`kv_major`; the sparse step
+two consumers share one K/V ring (query heads 2j, 2j + 1), w128 = 128 keys per step (`ws_ashape(width=128)`: the
+dense and ashape steps only), g = items by KV head first (`kv_major`; the sparse step
 also times the persistent loop with it, "sparse_prefill/kv_major", the vs step the loop's default, KV head first,
 beside "sparse_prefill/longest_first"): checked on per-KV-head selections, timed on dense causal
 and on group-shared top-k (`block_index(group_shared=True)`, expanded per head) against sparse_prefill's
@@ -98,30 +98,39 @@ def planted(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
 
 
 def check(variant: str) -> dict:
+    """Block tiles through ws_prefill; a w128 variant: dense causal through ws_ashape (its check_ashape covers the
+    band)."""
+    from workbench_kernels import NO_WINDOW
     from workbench_kernels.index_ref import block_sparse_to_tiles, tiles_to_mask
-    from workbench_kernels.prefill_ws import ws_prefill
+    from workbench_kernels.prefill_ws import ws_ashape, ws_prefill
 
     out = {}
     g = torch.Generator().manual_seed(0)
     B, Hq, Hkv, n = 2, 8, 2, 1000
     M = -(-n // 64)
     kw = parse_variant(variant.removeprefix("first:"))
-    width = kw.pop("width")
     H = Hkv if kw["share_kv"] else Hq  # shared K/V: one selection per KV head, expanded to its query heads
     for d in (128, 64) if variant.startswith("first:") else (128,):
         q, k, v = (torch.randn(B, h, n, d, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
+        if kw["width"] == 128:
+            causal = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()
+            out[f"d{d}/dense"] = against_reference(lambda: ws_ashape(q, k, v, [0] * Hq, [NO_WINDOW] * Hq, **kw), q, k,
+                                                   v, causal)
+            continue
+        kw.pop("width")
         for keep in (1.0, 0.3):
             idx = torch.where(torch.rand(B, H, M, M, generator=g) < keep, torch.arange(M), -1).to(torch.int32)
-            tiles = block_sparse_to_tiles(idx.repeat_interleave(Hq // H, 1), n, width=width).to("cuda")
+            tiles = block_sparse_to_tiles(idx.repeat_interleave(Hq // H, 1), n).to("cuda")
             out[f"d{d}/keep{keep}"] = against_reference(lambda: ws_prefill(q, k, v, tiles, **kw), q, k, v,
                                                         tiles_to_mask(tiles, n))
     return out
 
 
 def dense(variants: list[str], n: int) -> dict:
-    from workbench_kernels.index_ref import block_sparse_to_tiles, selected_block_tiles
+    from workbench_kernels import NO_WINDOW
+    from workbench_kernels.index_ref import selected_block_tiles
     from workbench_kernels.prefill import sparse_prefill
-    from workbench_kernels.prefill_ws import ws_prefill
+    from workbench_kernels.prefill_ws import ws_ashape, ws_prefill
 
     hq, hkv, d, _ = shape()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -130,7 +139,6 @@ def dense(variants: list[str], n: int) -> dict:
     m = torch.arange(M, device="cuda")
     table = torch.where(m[None, :] <= m[:, None], m[None, :], -1).to(torch.int32)  # every causal block
     tiles = selected_block_tiles(table.expand(1, hq, M, M))
-    wide = None  # 128-key pieces, built for the first w128 variant
     flop = 4 * d * hq * n * (n + 1) // 2  # causal pairs
     kx, vx = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
     rows = {"sdpa": timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))}
@@ -139,19 +147,20 @@ def dense(variants: list[str], n: int) -> dict:
     out = {"n": n, "shape": [hq, hkv, d], "agreement_max_abs": {}}
     for name in variants:
         kw = parse_variant(name)
-        if kw.pop("width") == 128 and wide is None:
-            wide = block_sparse_to_tiles(table.expand(1, hq, M, M).contiguous(), n, width=128)
-        t = wide if name.endswith("w128") else tiles
-        o, _ = ws_prefill(q, k, v, t, **kw)
-        out["agreement_max_abs"][name] = (o.float() - ref.float()).abs().max().item()
-        rows[f"ws/{name}"] = timed(lambda: ws_prefill(q, k, v, t, **kw))
+        if kw["width"] == 64:
+            kw.pop("width")
+            call = lambda: ws_prefill(q, k, v, tiles, **kw)  # noqa: E731
+        else:  # 128 keys per step: dense causal as an A-shape without sinks or band
+            call = lambda: ws_ashape(q, k, v, [0] * hq, [NO_WINDOW] * hq, **kw)  # noqa: E731
+        out["agreement_max_abs"][name] = (call()[0].float() - ref.float()).abs().max().item()
+        rows[f"ws/{name}"] = timed(call)
     out["rows"] = {key: {"ms": ms, "tflops": flop / ms / 1e9, "of_sdpa": rows["sdpa"] / ms} for key, ms in rows.items()}
     return out
 
 
 def sparse(variants: list[str], lengths: list[int], topk: int) -> dict:
     from workbench_kernels.index_build import block_index
-    from workbench_kernels.index_ref import block_sparse_to_tiles, expand_groups, selected_block_tiles, tile_area
+    from workbench_kernels.index_ref import expand_groups, selected_block_tiles, tile_area
     from workbench_kernels.prefill import sparse_prefill
     from workbench_kernels.prefill_ws import ws_prefill
 
@@ -163,8 +172,7 @@ def sparse(variants: list[str], lengths: list[int], topk: int) -> dict:
             names = [x for x in variants if parse_variant(x)["share_kv"] == (selection == "group_shared")]
             if not names:
                 continue
-            table = block_index(q, k, topk, group_shared=selection == "group_shared")
-            tiles = selected_block_tiles(table)
+            tiles = selected_block_tiles(block_index(q, k, topk, group_shared=selection == "group_shared"))
             # sparse_prefill runs group-shared tiles GQA-packed; ws_prefill takes them expanded per query head
             per_head = expand_groups(tiles, hq // tiles.shape[1])
             density = tile_area(per_head, n).sum().item() / (hq * n * (n + 1) // 2)
@@ -175,11 +183,10 @@ def sparse(variants: list[str], lengths: list[int], topk: int) -> dict:
             agree = {}
             for name in names:
                 kw = parse_variant(name)
-                t = per_head if kw.pop("width") == 64 else block_sparse_to_tiles(  # the pairs of blocks merged
-                    table.repeat_interleave(hq // table.shape[1], 1), n, width=128)
-                o, _ = ws_prefill(q, k, v, t, **kw)
+                kw.pop("width")  # (64: ws_prefill's pieces)
+                o, _ = ws_prefill(q, k, v, per_head, **kw)
                 agree[name] = (o.float() - ref.float()).abs().max().item()
-                rows[f"ws/{name}"] = timed(lambda: ws_prefill(q, k, v, t, **kw))
+                rows[f"ws/{name}"] = timed(lambda: ws_prefill(q, k, v, per_head, **kw))
             out[f"{selection}/{n}"] = {
                 "physical_density": density, "sdpa_ms": sdpa, "agreement_max_abs": agree,
                 "rows": {key: {"ms": ms, "efficiency": density * sdpa / ms, "vs_sparse_prefill": rows["sparse_prefill"] / ms}
@@ -423,7 +430,7 @@ def main() -> None:
             if ok:
                 good.append(name)
         variants = good
-        common[1] = ",".join(good)
+        common[common.index("--variants") + 1] = ",".join(good)
     if not variants:
         print("no variant passed its check: no timings")
     for step, cap in (("dense", args.dense_timeout), ("sparse", args.sparse_timeout)):

@@ -43,9 +43,7 @@ CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block
     "ashape_no_overlap": (2, 2, False, 128, False, "ashape"),
     "ashape_head_dim_64": (2, 2, True, 64, False, "ashape"),
     "ashape_shared_kv_4_stages": (2, 4, True, 128, True, "ashape"),  # ashape_prefill's choice: heads alike in pairs
-    # 128 keys per step (`width=128`): 64 x 128 score tiles, 32 KB K / V tiles at head_dim 128
-    "keys128_shared_kv_3_stages": (2, 3, True, 128, True, "block", 128),
-    "keys128_head_dim_64": (2, 3, True, 64, False, "block", 128),
+    # 128 keys per step (`ws_ashape(width=128)`): 64 x 128 score tiles, 32 KB K / V tiles at head_dim 128
     "ashape_keys128_shared_kv_2_stages": (2, 2, True, 128, True, "ashape", 128),
     "ashape_keys128_shared_kv_3_stages": (2, 3, True, 128, True, "ashape", 128),
     "ashape_keys128_head_dim_64": (2, 3, True, 64, False, "ashape", 128),
@@ -153,7 +151,7 @@ def test_ws_prefill_compiles_for_sm90(compiled, case):
     consumers, stages, overlap, d, _, _, keys = CASES[case]
     assert result["partitions"] == consumers, result  # workers: producer (+ the second consumer)
     assert result["setmaxnreg"], result
-    per_path = d // 16 + keys // 16  # Q K^T over head_dim, P V over the step's keys, in k-steps of 16
+    per_path = d // 16 + keys // 16  # Q K^T over head_dim, P V over a step's keys, in k-steps of 16
     assert result["wgmma"] == consumers * per_path * (2 if overlap else 1), result  # overlap: + prologue/epilogue
     assert result["tma_loads"] > 0
     assert result["local"] == 0 and not any(result["spills"]), result
@@ -187,18 +185,18 @@ def test_ws_prefill_matches_masked_attention_bf16(case, keep):
     lse against fp32 attention under the tiles' mask."""
     from workbench_kernels.prefill_ws import ws_prefill
 
-    consumers, stages, overlap, d, share, _, keys = CASES[case]
+    consumers, stages, overlap, d, share, _, _ = CASES[case]
     B, Hq, Hkv, n = 2, 8, 2, 1000
     q, k, v = qkv(B, Hq, Hkv, n, d, seed=int(keep * 10))
     index = block_index(B, Hkv if share else Hq, n, keep, seed=1)  # share_kv: one selection per KV head
-    tiles = block_sparse_to_tiles(index.repeat_interleave(Hq // index.shape[1], 1), n, width=keys).to("cuda")
+    tiles = block_sparse_to_tiles(index.repeat_interleave(Hq // index.shape[1], 1), n).to("cuda")
     o, lse = ws_prefill(q, k, v, tiles, stages=stages, consumers=consumers, overlap=overlap, share_kv=share)
     ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(tiles, n))
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
     torch.testing.assert_close(o.float(), ro.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, rlse, atol=8e-2, rtol=2e-2)
     if share:  # the group-shared tiles themselves (one list per KV head): the same launch
-        grouped = block_sparse_to_tiles(index, n, width=keys).to("cuda")
+        grouped = block_sparse_to_tiles(index, n).to("cuda")
         o2, lse2 = ws_prefill(q, k, v, grouped, stages=stages, consumers=consumers, overlap=overlap, share_kv=True)
         assert torch.equal(o2, o) and torch.equal(lse2, lse)
 
@@ -337,10 +335,10 @@ def test_ws_prefill_rejects_unsupported_inputs(case):
         ws_prefill(q, k, v, tiles, **kwargs)
 
 
-@pytest.mark.parametrize("case", ["sink_shape", "window_dtype", "share_unequal", "not_hopper"])
+@pytest.mark.parametrize("case", ["sink_shape", "window_dtype", "share_unequal", "width", "not_hopper"])
 def test_ws_ashape_rejects_unsupported_inputs(case):
     """One integer sink and window per query head, share_kv only over equal sink and window of heads 2j and
-    2j + 1, an sm_90 GPU; else ValueError naming the field."""
+    2j + 1, 64 or 128 keys per step, an sm_90 GPU; else ValueError naming the field."""
     if gluon_hopper_reason():
         pytest.skip(gluon_hopper_reason())
     from workbench_kernels.prefill_ws import ws_ashape
@@ -352,9 +350,10 @@ def test_ws_ashape_rejects_unsupported_inputs(case):
     args, field = {"sink_shape": ((q, k, v, sink[:2], window), "sink"),
                    "window_dtype": ((q, k, v, sink, window.float()), "window"),
                    "share_unequal": ((q, k, v, sink, torch.arange(8) + 64), "share_kv"),
+                   "width": ((q, k, v, sink, window), "width"),
                    "not_hopper": ((q, k, v, sink, window), "Hopper")}[case]
     with pytest.raises(ValueError, match=field):
-        ws_ashape(*args, share_kv=case == "share_unequal")
+        ws_ashape(*args, share_kv=case == "share_unequal", width=96 if case == "width" else 64)
 
 
 @pytest.mark.parametrize("case", ["columns_shape", "offsets_dtype", "fp32", "share_unequal", "not_hopper"])
