@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from workbench.core.stream import lse_kernel, merge_partials, split_causal_attention
+from workbench.core.stream import agrees_with_softmax, lse_kernel, merge_partials, split_causal_attention
 
 
 def softmax_attention(q, k, v, causal, scale):
@@ -50,3 +50,41 @@ def test_merging_two_key_sets_weights_each_by_its_mass():
 def test_no_fused_kernel_on_the_cpu():
     q = torch.randn(1, 4, 8, 16)
     assert lse_kernel(q, q[:, :2], q[:, :2], 0.25) is None
+
+
+def test_the_probe_refuses_a_kernel_that_is_wrong_or_nan():
+    """A fused kernel is used only where it gives causal attention on the probe: plain attention passes, one
+    that drops the causal mask, returns NaN or a wrong lse does not."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 16, 32, generator=g)
+    k, v = (torch.randn(1, 1, 16, 32, generator=g) for _ in range(2))
+    assert agrees_with_softmax(softmax_attention, q, k, v, 0.2)
+    no_mask = lambda q, k, v, causal, scale: softmax_attention(q, k, v, False, scale)  # noqa: E731
+    nan = lambda q, k, v, causal, scale: (torch.full_like(q, float("nan")), torch.zeros(q.shape[:3]))  # noqa: E731
+
+    def lse_off(q, k, v, causal, scale):
+        out, lse = softmax_attention(q, k, v, causal, scale)
+        return out, lse + 0.5
+
+    for wrong in (no_mask, nan, lse_off):
+        assert not agrees_with_softmax(wrong, q, k, v, 0.2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("heads,head_dim", [((4, 1), 256), ((9, 3), 64)], ids=["gemma3", "smollm2"])
+def test_fused_kernel_only_in_half_precision_and_exact(heads, head_dim):
+    """fp32 never takes a fused kernel (the streamed forward falls back to SDPA); bf16 takes one that equals
+    plain attention on a chunk with a prefix, GQA included."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, heads[0], 256, head_dim, generator=g).cuda()
+    k, v = (torch.randn(1, heads[1], 384, head_dim, generator=g).cuda() for _ in range(2))
+    scale = head_dim ** -0.5
+    assert lse_kernel(q, k, v, scale) is None
+    qb, kb, vb = (x.bfloat16() for x in (q, k, v))
+    attend = lse_kernel(qb, kb, vb, scale)
+    assert attend is not None
+    out, lse = split_causal_attention(qb, kb, vb, 128, scale, attend)
+    want_out, want_lse = softmax_attention(qb.cpu(), kb.cpu(), vb.cpu(), True, scale)
+    torch.testing.assert_close(out.float().cpu(), want_out.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.cpu(), want_lse, atol=2e-2, rtol=1e-2)

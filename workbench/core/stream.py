@@ -134,28 +134,49 @@ def _flash_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
 
 
 _LSE_OPS: dict[tuple[Any, ...], LseAttention | None] = {}  # input kind -> the fused kernel that takes it
+FUSED_DTYPES = (torch.float16, torch.bfloat16)  # what the fused kernels compute in (SDPA sends them nothing else)
+PROBE_TOKENS = 16  # rows and keys of the probe that a fused kernel must get right before it is used
+
+
+def agrees_with_softmax(attend: LseAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        scale: float) -> bool:
+    """Whether `attend` gives causal attention and its row lse on these inputs (`[1, H, T, D]`, T tokens),
+    within the dtype's rounding: called directly, the fused ops skip SDPA's input checks, so one may run on
+    inputs it does not support and return NaN or wrong values instead of raising."""
+    out, lse = attend(query, key, value, True, scale)
+    g = query.shape[1] // key.shape[1]
+    s = query.double() @ key.double().repeat_interleave(g, 1).transpose(-1, -2) * scale
+    t = s.shape[-1]
+    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    want = s.softmax(-1) @ value.double().repeat_interleave(g, 1)
+    return bool(torch.allclose(out.double(), want, atol=2e-2, rtol=2e-2)
+                and torch.allclose(lse.double(), s.logsumexp(-1), atol=2e-2, rtol=1e-2))
 
 
 def lse_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> LseAttention | None:
     """A fused attention kernel that also returns each row's log-sum-exp, for inputs like these: called as
     `attend(q, k, v, causal, scale)` -> (out `[1, Hq, C, D]`, lse `[1, Hq, C]` fp32, natural log of the
     scaled scores), GQA-native, `causal` for a square block. cuDNN's where it takes these inputs (on the
-    H200 1.8x flash attention's speed at 1M keys), else flash attention's; None on the CPU or where
-    neither does. Probed once per kind of input (device, dtype, heads, head_dim) on one token."""
-    if not query.is_cuda:
+    H200 1.8x flash attention's speed at 1M keys), else flash attention's; None on the CPU, in fp32 (neither
+    computes in it: called directly, cuDNN's took fp32 Gemma-3 inputs on the H200 and the forward came out
+    NaN) or where neither agrees with plain attention on the first PROBE_TOKENS tokens. Probed once per kind
+    of input (device, dtype, heads, head_dim)."""
+    if not query.is_cuda or query.dtype not in FUSED_DTYPES:
         return None
     kind = (query.device, query.dtype, query.shape[1], key.shape[1], query.shape[-1])
     if kind not in _LSE_OPS:
         _LSE_OPS[kind] = None
+        t = min(PROBE_TOKENS, query.shape[2], key.shape[2])
         for op in (_cudnn_lse, _flash_lse):
             try:
-                op(query[:, :, :1], key[:, :, :1], value[:, :, :1], True, scale)
+                ok = agrees_with_softmax(op, query[:, :, :t], key[:, :, :t], value[:, :, :t], scale)
             except torch.OutOfMemoryError:
                 raise
             except RuntimeError:  # this kernel does not take these inputs (dtype, head_dim, GQA, GPU)
                 continue
-            _LSE_OPS[kind] = op
-            break
+            if ok:
+                _LSE_OPS[kind] = op
+                break
     return _LSE_OPS[kind]
 
 
