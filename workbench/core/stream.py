@@ -157,10 +157,10 @@ def lse_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scal
     """A fused attention kernel that also returns each row's log-sum-exp, for inputs like these: called as
     `attend(q, k, v, causal, scale)` -> (out `[1, Hq, C, D]`, lse `[1, Hq, C]` fp32, natural log of the
     scaled scores), GQA-native, `causal` for a square block. cuDNN's where it takes these inputs (on the
-    H200 1.8x flash attention's speed at 1M keys), else flash attention's; None on the CPU, in fp32 (neither
-    computes in it: called directly, cuDNN's took fp32 Gemma-3 inputs on the H200 and the forward came out
-    NaN) or where neither agrees with plain attention on the first PROBE_TOKENS tokens. Probed once per kind
-    of input (device, dtype, heads, head_dim)."""
+    H200 1.8x flash attention's speed at 1M keys), else flash attention's; None on the CPU, in fp32 (flash
+    raises; cuDNN's op, called directly, runs on fp32 inputs and returns non-finite values: H200, torch 2.11,
+    which made Gemma-3's fp32 search at 32K stop on NaN q / k) or where neither agrees with plain attention on
+    the first PROBE_TOKENS tokens. Probed once per kind of input (device, dtype, heads, head_dim)."""
     if not query.is_cuda or query.dtype not in FUSED_DTYPES:
         return None
     kind = (query.device, query.dtype, query.shape[1], key.shape[1], query.shape[-1])
