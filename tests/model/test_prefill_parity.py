@@ -43,8 +43,8 @@ def attention_outputs(model, shape, config, input_ids, backend, layers=None):
     return outs, torch.log_softmax(logits.float(), -1)
 
 
-def check_parity(model, tok, shape, n, seed=0, layers=None):
-    config = HeadConfig.load(SHIPPED, shape)
+def check_parity(model, tok, shape, n, seed=0, layers=None, config=None):
+    config = config or HeadConfig.load(SHIPPED, shape)
     ids = make_sample("passkey", tok, n, seed=seed, depth=0.4).input_ids
     ref, ref_lp = attention_outputs(model, shape, config, ids, "torch", layers)
     tri, tri_lp = attention_outputs(model, shape, config, ids, "triton", layers)
@@ -66,7 +66,7 @@ def test_triton_path_equals_reference_path_on_cpu(embedded):
     config = HeadConfig.load(SHIPPED, shape)
     kinds = {layer: {h.pattern for h in config.heads if h.layer == layer} for layer in CPU_LAYERS}
     assert kinds == CPU_KINDS, f"the shipped config changed: pick layers that cover its mixes again ({kinds})"
-    check_parity(model, tok, shape, 512, layers=CPU_LAYERS)
+    check_parity(model, tok, shape, 512, layers=CPU_LAYERS, config=config)
 
 
 @pytest.mark.gpu
