@@ -24,7 +24,10 @@ them: the slot / phase arithmetic is the pieces-only one.
 
 A-shape (`ws_ashape`, ASHAPE=True): `index_ref.ashape_to_tiles`' window pieces, and its sink columns (keys
 [0, count) below a row block's lowest piece: contiguous) walked as strips read straight from k / v at key 0;
-pieces reaching past the window get the per-token mask (key < sink or row - key < window).
+pieces reaching past the window get the per-token mask (key < sink or row - key < window). A-shape also takes
+128 keys per step (`width=128`: 128-key pieces and sink strips, m64n128 score tiles; the step's fixed work - barrier
+waits, row max / sum, the O rescale - is paid once per 128 keys): on one shared ring that is `ashape_prefill`'s
+launch (`ASHAPE_LAUNCH`). Per-head rings of it do not fit shared memory at head_dim 128 (2 x 2 stages x 64 KB).
 
 Tensors are addressed as flattened rows: q/o `[B * Hq * N, D]`, k/v `[B * Hkv * N, D]`. A K/V tile that
 crosses N reads the next head's rows (or TMA's zero fill past the tensor): those keys are masked, and their
@@ -55,8 +58,8 @@ HEAD_DIMS = (64, 128)  # head_dims it takes
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 PRODUCER_REGS = gl.constexpr(24)  # registers per thread of the 1-warp producer (scalar code only)
 # `ashape_prefill`'s launch on sm_90 when heads pair: two query heads on one ring of 3 stages, 128 keys per step
-# (H200, Llama 32/8/128, sink 128, window 4096, 64K / 128K: 1.07x / 1.07x the 64-key shared ring's 4 stages,
-# kernels/NOTES.md)
+# (H200, Llama 32/8/128, sink 128, window 4096, 64K and 128K: 1.03-1.08x the 64-key shared ring with 4 stages in
+# two probes, kernels/NOTES.md)
 ASHAPE_LAUNCH = {"stages": 3, "share_kv": True, "width": 128}
 
 
@@ -358,8 +361,8 @@ def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCo
     `[B * Hq, L]` the d-space flags of `index_build.vs_slash_tiles` (unused without VS). ASHAPE: ColCount the sink
     keys [0, ColCount) below each row block's lowest piece (`index_ref.ashape_to_tiles`' column_count), Sink /
     Window Int32 `[Hq]` the token mask. Shared memory:
-    CONSUMERS Q tiles and RINGS (CONSUMERS, SHARE: 1) rings of STAGES K and V tiles (64 x D each; bf16,
-    D = 128: 16 KB a tile)."""
+    CONSUMERS Q tiles and RINGS (CONSUMERS, SHARE: 1) rings of STAGES K and V tiles (BLOCK_N = 64 or 128 keys x D
+    each, k_desc's block; bf16, D = 128: 16 or 32 KB a tile)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
@@ -652,7 +655,7 @@ def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Ten
     pieces that reach past the window. q, k, v, stages, consumers, overlap, kv_major as `ws_prefill`; `tiles`: those
     per-head tiles made earlier (`ashape_to_tiles(sink, window, N, B, 64)`; this call then only launches).
     `share_kv` (consumers=2, an even group, equal sink and window for heads 2j and 2j + 1): both heads on one
-    K/V ring, as `ws_prefill`'s (`ashape_prefill`'s choice on sm_90, 4 stages). `width`: keys per step, 64 or
+    K/V ring, as `ws_prefill`'s (`ashape_prefill`'s choice on sm_90: `ASHAPE_LAUNCH`). `width`: keys per step, 64 or
     128 (pieces and sink strips; 128: twice the work per ring slot and barrier round trip, 64 KB a slot at head_dim
     128, so at most 3 stages on one shared ring).
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log)."""
