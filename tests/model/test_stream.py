@@ -47,6 +47,7 @@ def test_layer_major_forward_equals_the_model(embedded, prompt):
         out = model(prompt[None], output_hidden_states=True)
     whole = LayerRunner(model, chunk=512, progress=False).forward(prompt)
     assert torch.equal(whole, out.hidden_states[-1])  # one chunk: the model's own computation, bit for bit
+    assert not whole.requires_grad  # no autograd graph kept (the final norm's fp32 copy of [N, hidden])
     chunked = LayerRunner(model, chunk=200, progress=False).forward(prompt)  # ragged chunks: 200, 200, 112
     assert (chunked - out.hidden_states[-1]).abs().max() <= 1e-3 * out.hidden_states[-1].abs().max()
     logits = model.lm_head(chunked)

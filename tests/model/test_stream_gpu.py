@@ -1,5 +1,6 @@
 """GPU lane: the streaming forward of a random-weight Llama-3-8B shape in bf16 (each chunk two fused attention
-calls merged by their row log-sum-exps) agrees with the model's own forward, stays within its memory estimate,
+calls merged by their row log-sum-exps) and in fp32 (SDPA: no fused kernel computes in fp32) agrees with the
+model's own forward, stays within its memory estimate,
 and hands over row log-sum-exps equal to the statistics kernels' own first pass."""
 import pytest
 import torch
@@ -30,6 +31,23 @@ def test_chunked_forward_matches_the_model_in_bf16(llama):
     for layer in (0, 1):
         for a, b in zip(stream.layer_qkv(layer), cap.layer_qkv(layer)):
             assert torch.nn.functional.cosine_similarity(a.float().flatten(1), b.float().flatten(1), -1).min() > 0.999
+
+
+def test_chunked_forward_matches_the_model_in_fp32():
+    """fp32 takes no fused kernel (called directly, cuDNN's op ran on fp32 inputs and returned NaN: Gemma-3's fp32
+    search at 32K stopped on NaN q / k): the streamed forward is finite and equals the model's own, chunked or not."""
+    from workbench.core.shapes import random_model
+    from workbench.core.stream import LayerRunner
+
+    model, _ = random_model("Llama-3-8B-1048k", 2, "cuda", torch.float32, overrides={"vocab_size": 1024})
+    ids = torch.randint(0, 1024, (8192,), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    with torch.no_grad():
+        want = model.model(ids[None]).last_hidden_state
+    for chunk in (8192, 3000):  # one chunk (the square alone), ragged chunks (prefix + square)
+        got = LayerRunner(model, chunk=chunk, progress=False).forward(ids)
+        assert torch.isfinite(got).all()
+        cos = torch.nn.functional.cosine_similarity(got[0].double(), want[0].double(), dim=-1)
+        assert cos.min() > 0.9999, (chunk, float(cos.min()))
 
 
 def test_peak_memory_stays_within_the_estimate(llama):

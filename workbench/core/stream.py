@@ -407,6 +407,7 @@ class LayerRunner:
                 st = self._state
                 yield layer, st.q[0], st.k[0], st.v[0]
 
+    @torch.no_grad()  # (as `steps`: the final norm would otherwise keep its fp32 intermediates for a backward)
     def forward(self, input_ids: torch.Tensor, last: int | None = None) -> torch.Tensor:
         """The model's final normed hidden state `[1, N, hidden]` (of the `last` positions only, if given),
         layer by layer with no analysis: the dense prefill of this runner."""
