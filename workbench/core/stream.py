@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
+from workbench_kernels.prefill_ref import masked_attention_ref
 
 from workbench.core.attention import attention_override, dense_attention
 from workbench.core.capture import Capture
@@ -144,13 +145,11 @@ def agrees_with_softmax(attend: LseAttention, query: torch.Tensor, key: torch.Te
     within the dtype's rounding: called directly, the fused ops skip SDPA's input checks, so one may run on
     inputs it does not support and return NaN or wrong values instead of raising."""
     out, lse = attend(query, key, value, True, scale)
-    g = query.shape[1] // key.shape[1]
-    s = query.double() @ key.double().repeat_interleave(g, 1).transpose(-1, -2) * scale
-    t = s.shape[-1]
-    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    want = s.softmax(-1) @ value.double().repeat_interleave(g, 1)
-    return bool(torch.allclose(out.double(), want, atol=2e-2, rtol=2e-2)
-                and torch.allclose(lse.double(), s.logsumexp(-1), atol=2e-2, rtol=1e-2))
+    t = query.shape[2]
+    causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril().expand(1, query.shape[1], t, t)
+    want, want_lse = masked_attention_ref(query, key, value, causal, scale)
+    return bool(torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+                and torch.allclose(lse.float(), want_lse, atol=2e-2, rtol=1e-2))
 
 
 def lse_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> LseAttention | None:
