@@ -194,7 +194,7 @@ def flex_block_mask(touched, full, mask_mod, n: int):
 def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm.auto import tqdm
-    from workbench_kernels import NO_WINDOW, masks
+    from workbench_kernels import masks
     from workbench_kernels.index_build import block_index, vs_index, vs_tiles
     from workbench_kernels.index_ref import (
         ashape_to_tiles,
@@ -205,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
         tile_area,
     )
     from workbench_kernels.prefill import sparse_prefill
+    from workbench_kernels.tiling import NO_WINDOW
 
     from workbench.core.io import write_json
     from workbench.patterns import AShape, BlockSparse, VerticalSlash

@@ -38,7 +38,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import BLOCK
 from .attn_stats_ref import (
     MAPS,
     LayerStats,
@@ -52,6 +51,7 @@ from .attn_stats_ref import (
     stats_layout,
 )
 from .index_ref import expand_groups
+from .tiling import BLOCK
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)

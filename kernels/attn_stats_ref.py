@@ -17,8 +17,8 @@ from typing import Protocol
 
 import torch
 
-from . import BLOCK
 from .index_ref import VSTiles, tiles_to_mask
+from .tiling import BLOCK
 
 MASKED = -1e30  # finite "minus infinity": exp() underflows to exactly 0 and 0 * MASKED stays finite
 MAPS = ("max_map", "mean_map", "block_mass", "column_mass", "diag_mass", "row_entropy")

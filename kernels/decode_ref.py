@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from . import BLOCK
+from .tiling import BLOCK
 
 
 def check_decode_args(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor | None,

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import BLOCK, masks
+from . import masks
+from .tiling import BLOCK
 
 
 @dataclass

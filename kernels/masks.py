@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from . import BLOCK
+from .tiling import BLOCK
 
 Index = torch.Tensor | int
 

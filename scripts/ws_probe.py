@@ -100,9 +100,9 @@ def planted(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
 def check(variant: str) -> dict:
     """Block tiles through ws_prefill; a w128 variant: dense causal through ws_ashape (its check_ashape covers the
     band)."""
-    from workbench_kernels import NO_WINDOW
     from workbench_kernels.index_ref import block_sparse_to_tiles, tiles_to_mask
     from workbench_kernels.prefill_ws import ws_ashape, ws_prefill
+    from workbench_kernels.tiling import NO_WINDOW
 
     out = {}
     g = torch.Generator().manual_seed(0)
@@ -127,10 +127,10 @@ def check(variant: str) -> dict:
 
 
 def dense(variants: list[str], n: int) -> dict:
-    from workbench_kernels import NO_WINDOW
     from workbench_kernels.index_ref import selected_block_tiles
     from workbench_kernels.prefill import sparse_prefill
     from workbench_kernels.prefill_ws import ws_ashape, ws_prefill
+    from workbench_kernels.tiling import NO_WINDOW
 
     hq, hkv, d, _ = shape()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -287,9 +287,9 @@ def vs(variants: list[str], lengths: list[int], vertical: int, slash: int, loops
 
 
 def check_ashape(variant: str) -> dict:
-    from workbench_kernels import NO_WINDOW
     from workbench_kernels.index_ref import ashape_to_tiles, tiles_to_mask
     from workbench_kernels.prefill_ws import ws_ashape
+    from workbench_kernels.tiling import NO_WINDOW
 
     g = torch.Generator().manual_seed(0)
     B, Hq, Hkv, n = 2, 8, 2, 1000

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from workbench_kernels import NO_WINDOW
 from workbench_kernels.index_ref import (
     ashape_to_tiles,
     block_sparse_to_tiles,
@@ -15,6 +14,7 @@ from workbench_kernels.index_ref import (
 )
 from workbench_kernels.prefill import ashape_prefill, block_sparse_prefill, sparse_prefill, vertical_slash_prefill
 from workbench_kernels.prefill_ref import masked_attention_ref
+from workbench_kernels.tiling import NO_WINDOW
 
 from workbench.patterns import AShape, BlockSparse, VerticalSlash
 

@@ -278,9 +278,9 @@ def test_ws_vertical_slash_matches_masked_attention_bf16(case, n):
 def test_ws_ashape_matches_masked_attention_bf16(case):
     """Per-head sinks (0, inside the first piece, over a strip, over a window piece) and windows (1, a piece's
     width, wider than N, none), N = 1000, GQA 4:1: o and lse against fp32 attention under the A-shape mask."""
-    from workbench_kernels import NO_WINDOW
     from workbench_kernels.index_ref import ashape_to_tiles
     from workbench_kernels.prefill_ws import ws_ashape
+    from workbench_kernels.tiling import NO_WINDOW
 
     consumers, stages, overlap, d, share, _, keys = CASES[case]
     B, Hq, Hkv, n = 2, 8, 2, 1000

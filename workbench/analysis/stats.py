@@ -23,9 +23,9 @@ from collections.abc import Collection, Iterator
 
 import torch
 from tqdm.auto import tqdm
-from workbench_kernels import BLOCK
 from workbench_kernels import attn_stats_ref as ref
 from workbench_kernels.attn_stats_ref import MAPS, LayerStats, RowMasked, TokenRule, attention_rows
+from workbench_kernels.tiling import BLOCK
 
 __all__ = ["MAPS", "LayerStats", "RowMasked", "attention_rows", "backend", "captured_mass", "kernel_rule",
            "layer_stats", "use_triton", "window_map"]

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from workbench_kernels import BLOCK, masks
+from workbench_kernels import masks
 from workbench_kernels.index_ref import VSTiles, ashape_to_tiles
+from workbench_kernels.tiling import BLOCK
 
 from workbench.patterns.base import (
     MaskMod,

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import torch
-from workbench_kernels import BLOCK, NO_WINDOW
 from workbench_kernels.index_ref import VSTiles, ashape_to_tiles, merge_tiles
+from workbench_kernels.tiling import BLOCK, NO_WINDOW
 
 from workbench.patterns.tile_select import stack_batch
 

@@ -34,8 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from workbench_kernels import NO_WINDOW, masks
+from workbench_kernels import masks
 from workbench_kernels.index_ref import VSTiles, merge_tiles, write_heads
+from workbench_kernels.tiling import NO_WINDOW
 
 from workbench.config import HeadConfig
 from workbench.core.attention import attention_override, dense_attention

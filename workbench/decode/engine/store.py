@@ -17,8 +17,8 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from workbench_kernels import BLOCK
 from workbench_kernels.gather_ref import INT4, SCALE_DTYPE, kv_quant, row_layout
+from workbench_kernels.tiling import BLOCK
 
 GiB = 1024 ** 3
 
