@@ -718,7 +718,7 @@ def compare_minference(args: argparse.Namespace) -> int:
                     best, ws = gluon(times, lambda t=tiles: ws_ashape(q, k, v, sink, window, scale=scale, tiles=t),
                                      out)
                     if hq // hkv % 2 == 0:
-                        wide = ashape_to_tiles(sink, window, n, 1, block, dev, 2 * block)  # 128 keys per step
+                        wide = ashape_to_tiles(sink, window, n, 1, block, dev, ASHAPE_LAUNCH["width"])  # the launch's step
                         best, shared_ring = gluon(times, lambda t=wide: ws_ashape(q, k, v, sink, window, scale=scale,
                                                                                   tiles=t, **ASHAPE_LAUNCH),
                                                   out, "ws_shared")
