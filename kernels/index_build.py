@@ -135,10 +135,11 @@ def _vs_cover_kernel(Offsets, Columns, Ends, Covered, Cols, H, KS, KV, P, L, N, 
 
     The offsets plus offset 0, invalid ones = N, sorted (KPAD >= KS + 1, pads N), are covered greedily in
     d-space. Offset o_i covers d in [o_i - B_ROW + 1, o_i]. Walking the offsets in order with `reach` =
-    the last d covered so far: if reach <= o_i - B_ROW (a reset) the pieces restart at o_i - B_ROW + 1
-    and reach becomes o_i; else they continue at reach + 1 and reach becomes the first value >= o_i in
-    reach's residue mod W. So reach_i = o_r + W * ceil((o_i - o_r) / W), r = the last reset <= i,
-    and a reset needs a gap o_i - o_{i-1} >= B_ROW. The resets are found by fixed-point iteration
+    the last d covered so far: if reach <= o_i - B_ROW (a reset) the pieces restart at o_i - B_ROW + 1;
+    else they continue at reach + 1; either way reach becomes the first value >= o_i in the residue of
+    the reset's o_r - B_ROW mod W. So reach_i = o_r - B_ROW + W * ceil((o_i - o_r + B_ROW) / W), r = the
+    last reset <= i (o_r when W divides B_ROW; W > B_ROW overhangs o_r), and a reset needs a gap
+    o_i - o_{i-1} >= B_ROW. The resets are found by fixed-point iteration
     (start: every such gap; each pass settles at least the first unsettled one, usually 2-4 passes),
     then offset i writes its ceil((o_i - lo_i) / W) <= B_ROW / W pieces (lo_i: the d below its
     first piece) and marks their d's in `Covered` (zeroed first by this program)."""
@@ -163,7 +164,7 @@ def _vs_cover_kernel(Offsets, Columns, Ends, Covered, Cols, H, KS, KV, P, L, N, 
     while changed > 0:
         last = tl.associative_scan(tl.where(reset, o, -(1 << 30)), 0, _max)  # value of the last reset <= i
         o_r = tl.gather(last, tl.maximum(i - 1, 0), 0)
-        reach_prev = o_r + tl.cdiv(o_prev - o_r, W) * W  # reach after offset i - 1
+        reach_prev = o_r - B_ROW + tl.cdiv(o_prev - o_r + B_ROW, W) * W  # reach after offset i - 1
         new = gap & ((i == 0) | (reach_prev <= o - B_ROW))
         changed = tl.sum((new != reset).to(tl.int32), 0)
         reset = new
@@ -171,7 +172,7 @@ def _vs_cover_kernel(Offsets, Columns, Ends, Covered, Cols, H, KS, KV, P, L, N, 
     count = tl.where(o < N, tl.maximum(tl.cdiv(o - lo, W), 0), 0)
     pos = tl.cumsum(count, 0) - count
     tl.debug_barrier()  # the zeros above are stored before any thread marks
-    for k in tl.static_range(B_ROW // W):
+    for k in tl.static_range((B_ROW + W - 1) // W):  # an offset adds at most ceil(B_ROW / W) pieces
         end = lo + (k + 1) * W  # the piece's d of its lowest key
         tl.store(Ends + bh * P + pos + k, end, mask=k < count)
         for t in range(W):
@@ -444,13 +445,14 @@ def block_index(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100
 
 
 @torch.no_grad()
-def vs_slash_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int,
-                   block: int = 64) -> tuple[VSTiles, torch.Tensor, torch.Tensor]:
+def vs_slash_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int = 64,
+                   width: int = 0) -> tuple[VSTiles, torch.Tensor, torch.Tensor]:
     """`vs_tiles`' pieces without its per-row-block column lists, for a kernel that walks each head's columns
     packed once (`prefill_ws.ws_vertical_slash`); no host sync. Returns (tiles: the pieces of `vs_tiles`,
     column_count 0, column_index `[B, H, M, 1]` = -1; covered Int8 `[B, H, n + block - 1]`: index d + block - 1
     is 1 iff d lies under a piece (d = m*block - key, the same for every row block m); cols Int32 `[B, H, KV]`:
     the head's unique valid columns ascending, then n for the -1, out-of-range and repeated ones). Row block m
-    keeps column c iff c < m*block and covered[m*block - c + block - 1] == 0 (what `vs_to_tiles` keeps)."""
-    tiles, cov, cols = _expand_tiles(columns, offsets, n, block, 0, with_columns=False)
+    keeps column c iff c < m*block and covered[m*block - c + block - 1] == 0 (what `vs_to_tiles` keeps).
+    `width`: piece width (0 = block; 128 with block 64: 128-key pieces, `vs_to_tiles(..., width=128)`'s)."""
+    tiles, cov, cols = _expand_tiles(columns, offsets, n, block, width, with_columns=False)
     return tiles, cov, cols.sort(-1).values

@@ -4,7 +4,9 @@ FA3's structure over `VSTiles` pieces: one program takes CONSUMERS work items (6
 paired in `work_order`'s longest-first order), each served by its own consumer warpgroup with its own piece
 list and its own STAGES-deep shared-memory ring of K/V tiles. A 1-warp producer partition (few registers)
 issues the TMA loads of Q and of every ring's K/V tiles; `k_ready` / `v_ready` mbarriers (TMA transaction
-counts) tell a consumer a tile has landed, its `empty` arrive tells the producer the slot may be refilled.
+counts) tell a consumer a tile has landed, its `k_empty` / `v_empty` arrive tells the producer the slot may be
+refilled (a K slot once Q K^T has read it, a V slot once P V has). The V ring may be shallower than the K ring
+(`v_stages`): V's load for the next step then waits for this step's P V and hides behind the next Q K^T and softmax.
 A consumer computes S = Q K^T with an async wgmma (Q and K from shared memory), the online softmax in fp32 with
 exp2, and O += P V (P from registers). With two consumers one warpgroup's softmax runs beside the other's
 GEMMs (the warp schedulers interleave them); OVERLAP adds FA3's intra-warpgroup overlap: the next piece's
@@ -14,11 +16,12 @@ equal, and read one ring: each K/V tile is loaded once for 128 query rows.
 
 Vertical-Slash (`ws_vertical_slash`, VS=True): sm_90's TMA cannot gather scattered key rows, so each query head's
 unique columns are sorted and their K / V rows packed once per call into contiguous kc / vc `[B * Hq * KVP, D]`
-(KVP = columns rounded up to 64). Row block m walks first the prefix of its head's packed columns that are
-< m * 64 (their number from a searchsorted), 64 at a time, as "strips" through the same ring (kc / vc
-descriptors), then its slash pieces (`index_build.vs_slash_tiles`). A strip lane is masked unless its column
-lies under none of the row block's pieces (a d-space flag, d = m * 64 - column, the same for every row block),
-so the kept keys are exactly `index_ref.vs_to_tiles`'; covered columns cost their lanes but nothing else.
+(KVP = columns rounded up to BLOCK_N, 64 or 128 keys). Row block m walks first the prefix of its head's packed
+columns that are < m * 64 (their number from a searchsorted), BLOCK_N at a time, as "strips" through the same ring
+(kc / vc descriptors), then its slash pieces (`index_build.vs_slash_tiles`, BLOCK_N keys each). A strip lane is
+masked unless its column lies under none of the row block's pieces (a d-space flag, d = m * 64 - column, the same
+for every row block), so the kept keys are exactly `index_ref.vs_to_tiles`' (at the same piece width); covered
+columns cost their lanes but nothing else.
 Producer and consumer count the same items per work item (strips + pieces) and keep one running index t over
 them: the slot / phase arithmetic is the pieces-only one.
 
@@ -27,7 +30,8 @@ A-shape (`ws_ashape`, ASHAPE=True): `index_ref.ashape_to_tiles`' window pieces, 
 pieces reaching past the window get the per-token mask (key < sink or row - key < window). A-shape also takes
 128 keys per step (`width=128`: 128-key pieces and sink strips, m64n128 score tiles; the step's fixed work - barrier
 waits, row max / sum, the O rescale - is paid once per 128 keys): on one shared ring that is `ashape_prefill`'s
-launch (`ASHAPE_LAUNCH`). Per-head rings of it do not fit shared memory at head_dim 128 (2 x 2 stages x 64 KB).
+launch (`ASHAPE_LAUNCH`). Per-head rings of 128-key steps fit the H200's shared memory at head_dim 128 only with a
+V ring one deep (`v_stages=1`: 2 x (2 K + 1 V) x 32 KB + Q); Vertical-Slash takes them too (`width=128`).
 
 Tensors are addressed as flattened rows: q/o `[B * Hq * N, D]`, k/v `[B * Hkv * N, D]`. A K/V tile that
 crosses N reads the next head's rows (or TMA's zero fill past the tensor): those keys are masked, and their
@@ -50,7 +54,7 @@ from .prefill_ref import check_prefill_args
 from .schedule import LOG2E, work_order
 
 ROWS = 64  # query rows per consumer warpgroup (= tiles.block)
-KEYS = 64  # keys per piece and per column strip (= tiles.piece); `ws_ashape(width=128)` also takes 128
+KEYS = 64  # keys per piece and per column strip (= tiles.piece); ws_ashape / ws_vertical_slash also take 128
 DTYPES = (torch.bfloat16, torch.float16)  # q / k / v dtypes the kernel takes
 HEAD_DIMS = (64, 128)  # head_dims it takes
 # TMA load global -> shared with an mbarrier: `async_load` from Triton 3.7 (3.9 removed the old name), the old
@@ -96,49 +100,53 @@ def _work_item(Order, BlockCount, ColCount, pid, sub: gl.constexpr, n_work, N, H
 
 @gluon.jit
 def _fill(t, n, strips, kv_row, col_row, Offsets, k_desc, v_desc, kc_desc, vc_desc, k_smem, v_smem, k_ready, v_ready,
-          empty, ring: gl.constexpr, STAGES: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr):
-    """Producer: load item t (of n) of ring `ring` into its slot t % STAGES: VS and t < strips: strip t of the
-    packed columns (rows col_row + 64 t of kc / vc); ASHAPE and t < strips: keys [64 t, 64 t + 64) of k / v;
-    else piece t - strips (rows kv_row + its start of k / v).
+          k_empty, v_empty, ring: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, VS: gl.constexpr,
+          ASHAPE: gl.constexpr):
+    """Producer: load item t (of n) of ring `ring`, K into its K slot t % STAGES, V into its V slot t % V_STAGES:
+    VS and t < strips: strip t of the packed columns (rows col_row + BLOCK_N t of kc / vc); ASHAPE and t < strips:
+    keys [BLOCK_N t, BLOCK_N (t + 1)) of k / v; else piece t - strips (rows kv_row + its start of k / v).
     One running index t over strips then pieces, so the slot / phase arithmetic is the pieces-only one."""
     if t < n:
-        i = ring * STAGES + t % STAGES
-        # Fill j = t // STAGES of a slot overwrites what the consumer released with its arrive number j - 1 on
-        # `empty`, which completes that barrier's phase j - 1: wait for parity (j - 1) & 1 = (j & 1) ^ 1. For
-        # j = 0 that is parity 1, the phase "before" a fresh barrier's first, which counts as complete: the
-        # first STAGES fills do not wait.
-        mbarrier.wait(empty.index(i), ((t // STAGES) & 1) ^ 1)
-        # one arrive (the expect) plus the TMA bytes complete phase j of k_ready / v_ready (kc / vc tiles have
-        # the k / v tiles' shape and bytes, so the expect is the same on either path)
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        row = kv_row + gl.load(Offsets + gl.maximum(t - strips, 0))
+        packed = t < strips  # VS: a strip of the packed columns (kc / vc)
         if VS:
-            if t < strips:
-                _load(kc_desc, vc_desc, col_row + t * kc_desc.block_type.shape[0], k_smem, v_smem, k_ready, v_ready, i)
-            else:
-                _load(k_desc, v_desc, kv_row + gl.load(Offsets + t - strips), k_smem, v_smem, k_ready, v_ready, i)
+            if packed:
+                row = col_row + t * BLOCK_N
         elif ASHAPE:
             if t < strips:
-                _load(k_desc, v_desc, kv_row + t * k_desc.block_type.shape[0], k_smem, v_smem, k_ready, v_ready, i)
-            else:
-                _load(k_desc, v_desc, kv_row + gl.load(Offsets + t - strips), k_smem, v_smem, k_ready, v_ready, i)
+                row = kv_row + t * BLOCK_N
+        # Fill j = t // STAGES of a K slot overwrites what the consumer released with its arrive number j - 1 on
+        # `k_empty`, which completes that barrier's phase j - 1: wait for parity (j - 1) & 1 = (j & 1) ^ 1. For
+        # j = 0 that is parity 1, the phase "before" a fresh barrier's first, which counts as complete: the
+        # first STAGES fills do not wait. V slots likewise with V_STAGES and `v_empty`.
+        ik = ring * STAGES + t % STAGES
+        mbarrier.wait(k_empty.index(ik), ((t // STAGES) & 1) ^ 1)
+        _load(k_desc, kc_desc, packed, row, k_smem, k_ready, ik, VS)
+        iv = ring * V_STAGES + t % V_STAGES
+        mbarrier.wait(v_empty.index(iv), ((t // V_STAGES) & 1) ^ 1)
+        _load(v_desc, vc_desc, packed, row, v_smem, v_ready, iv, VS)
+
+
+@gluon.jit
+def _load(desc, packed_desc, packed, row, smem, ready, i, VS: gl.constexpr):
+    """TMA load of rows [row, row + BLOCK_N) of desc (VS and packed: of packed_desc, the same tile shape and bytes)
+    into slot i; the expect (one arrive) plus the bytes complete the slot's `ready` phase."""
+    mbarrier.expect(ready.index(i), desc.block_type.nbytes)
+    if VS:
+        if packed:
+            tma_load(packed_desc, [row, 0], ready.index(i), smem.index(i))
         else:
-            _load(k_desc, v_desc, kv_row + gl.load(Offsets + t), k_smem, v_smem, k_ready, v_ready, i)
+            tma_load(desc, [row, 0], ready.index(i), smem.index(i))
+    else:
+        tma_load(desc, [row, 0], ready.index(i), smem.index(i))
 
 
 @gluon.jit
-def _load(k_desc, v_desc, row, k_smem, v_smem, k_ready, v_ready, i):
-    """TMA loads of K / V rows [row, row + 64) into slot i; the expect (one arrive) plus the bytes complete the
-    slot's k_ready / v_ready phase."""
-    mbarrier.expect(k_ready.index(i), k_desc.block_type.nbytes)
-    tma_load(k_desc, [row, 0], k_ready.index(i), k_smem.index(i))
-    mbarrier.expect(v_ready.index(i), v_desc.block_type.nbytes)
-    tma_load(v_desc, [row, 0], v_ready.index(i), v_smem.index(i))
-
-
-@gluon.jit
-def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty,
-              BlockCount, BlockOffset, ColCount, Order, n_work, N, H, G, M, NS, KVP, BLOCK_M: gl.constexpr,
-              CONSUMERS: gl.constexpr, STAGES: gl.constexpr, SHARE: gl.constexpr, VS: gl.constexpr,
-              ASHAPE: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+              v_empty, BlockCount, BlockOffset, ColCount, Order, n_work, N, H, G, M, NS, KVP, BLOCK_M: gl.constexpr,
+              CONSUMERS: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, SHARE: gl.constexpr,
+              VS: gl.constexpr, ASHAPE: gl.constexpr):
     """1 warp: Q of each consumer once (q_bar phase 0), then the items (strips, pieces): of the one shared ring
     (SHARE), else of each consumer's ring, interleaved item by item."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -152,7 +160,7 @@ def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, 
     if CONSUMERS == 1:
         for t in range(n0):
             _fill(t, n0, s0, kv0, bh0 * KVP, BlockOffset + base0, k_desc, v_desc, kc_desc, vc_desc, k_smem, v_smem,
-                  k_ready, v_ready, empty, 0, STAGES, VS, ASHAPE)
+                  k_ready, v_ready, k_empty, v_empty, 0, STAGES, V_STAGES, VS, ASHAPE)
     else:
         _, q1, kv1, base1, p1, s1, _, bh1 = _work_item(Order, BlockCount, ColCount, pid, 1, n_work, N, H, G, M, NS,
                                                        BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS, ASHAPE)
@@ -162,13 +170,13 @@ def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, 
         if SHARE:  # both consumers read ring 0 (their items are equal: the entries check)
             for t in range(n0):
                 _fill(t, n0, s0, kv0, bh0 * KVP, BlockOffset + base0, k_desc, v_desc, kc_desc, vc_desc, k_smem,
-                      v_smem, k_ready, v_ready, empty, 0, STAGES, VS, ASHAPE)
+                      v_smem, k_ready, v_ready, k_empty, v_empty, 0, STAGES, V_STAGES, VS, ASHAPE)
         else:
             for t in range(gl.maximum(n0, n1)):
                 _fill(t, n0, s0, kv0, bh0 * KVP, BlockOffset + base0, k_desc, v_desc, kc_desc, vc_desc, k_smem,
-                      v_smem, k_ready, v_ready, empty, 0, STAGES, VS, ASHAPE)
+                      v_smem, k_ready, v_ready, k_empty, v_empty, 0, STAGES, V_STAGES, VS, ASHAPE)
                 _fill(t, n1, s1, kv1, bh1 * KVP, BlockOffset + base1, k_desc, v_desc, kc_desc, vc_desc, k_smem,
-                      v_smem, k_ready, v_ready, empty, 1, STAGES, VS, ASHAPE)
+                      v_smem, k_ready, v_ready, k_empty, v_empty, 1, STAGES, V_STAGES, VS, ASHAPE)
 
 
 @gluon.jit
@@ -245,11 +253,11 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset, ColCount, Cols,
-              Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, sub: gl.constexpr,
+def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount, BlockOffset,
+              ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, sub: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CONSUMERS: gl.constexpr,
-              STAGES: gl.constexpr, OVERLAP: gl.constexpr, SHARE: gl.constexpr, VS: gl.constexpr,
-              ASHAPE: gl.constexpr):
+              STAGES: gl.constexpr, V_STAGES: gl.constexpr, OVERLAP: gl.constexpr, SHARE: gl.constexpr,
+              VS: gl.constexpr, ASHAPE: gl.constexpr):
     """Consumer warpgroup `sub`: BLOCK_M query rows over their items (VS: column strips, then pieces) from its
     ring (SHARE: the one ring both consumers read); writes O rows and LSE. ASHAPE: its head's sink / window
     (tokens) from Sink / Window Int32 `[H]`."""
@@ -282,63 +290,68 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, Bl
     s0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     q = q_smem.index(sub)
     mbarrier.wait(q_bar.index(sub), 0, pred=n > 0)  # Q lands once: phase 0
-    # Item t (strips, then pieces) sits in slot i = ring * STAGES + t % STAGES as that slot's fill j = t // STAGES
-    # (the producer walks the same n = strips + pieces items in the same order), which completes
-    # phase j of k_ready[i] / v_ready[i]: wait for parity j & 1 (SHARE: both consumers wait for the same phase;
-    # a wait consumes nothing). The slot is released by an arrive on empty[i] once the P V wgmma that read V[i]
-    # (and, earlier, the Q K^T that read K[i]) has completed; SHARE: empty[i] counts 2 arrives, one per consumer,
-    # so its phase completes when both are done with the slot.
+    # Item t (strips, then pieces) has its K in K slot ik = ring * STAGES + t % STAGES as that slot's fill
+    # j = t // STAGES (the producer walks the same n = strips + pieces items in the same order), which completes
+    # phase j of k_ready[ik]: wait for parity j & 1; its V likewise in V slot ring * V_STAGES + t % V_STAGES
+    # (SHARE: both consumers wait for the same phase; a wait consumes nothing). A K slot is released by an arrive
+    # on k_empty once the Q K^T wgmma that read it has completed, a V slot on v_empty once its P V has: the
+    # producer refills K while P V still reads V. SHARE: the empty barriers count 2 arrives, one per consumer, so
+    # a phase completes when both are done with the slot.
     if OVERLAP:
         prob, alpha = s0, m_i  # (set for every path; only read where n > 0)
         if n > 0:  # prologue: the scores of piece 0
-            mbarrier.wait(k_ready.index(ring * STAGES), 0)
-            s = warpgroup_mma(q, k_smem.index(ring * STAGES).permute((1, 0)), s0, use_acc=False, is_async=True)
+            ik = ring * STAGES
+            mbarrier.wait(k_ready.index(ik), 0)
+            s = warpgroup_mma(q, k_smem.index(ik).permute((1, 0)), s0, use_acc=False, is_async=True)
             p, keep = _item_keys(0, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS, ASHAPE)
             s = warpgroup_mma_wait(0, deps=(s,))
+            mbarrier.arrive(k_empty.index(ik), count=1)
             s = _masked(s, 0, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS, ASHAPE)
             prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         for t in range(n - 1):
             # issue Q K^T of piece t + 1 first, then P V of piece t; wait(1) retires the older group (Q K^T:
             # wgmma groups complete in issue order) and leaves P V running beside the softmax of piece t + 1
-            i = ring * STAGES + t % STAGES
-            i1 = ring * STAGES + (t + 1) % STAGES
-            mbarrier.wait(k_ready.index(i1), ((t + 1) // STAGES) & 1)
-            s = warpgroup_mma(q, k_smem.index(i1).permute((1, 0)), s0, use_acc=False, is_async=True)
+            iv = ring * V_STAGES + t % V_STAGES
+            ik1 = ring * STAGES + (t + 1) % STAGES
+            mbarrier.wait(k_ready.index(ik1), ((t + 1) // STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(ik1).permute((1, 0)), s0, use_acc=False, is_async=True)
             p, keep = _item_keys(t + 1, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS, ASHAPE)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            mbarrier.wait(v_ready.index(i), (t // STAGES) & 1)
-            acc = warpgroup_mma(gl.convert_layout(prob.to(k_smem.dtype), p_layout), v_smem.index(i), acc,
+            mbarrier.wait(v_ready.index(iv), (t // V_STAGES) & 1)
+            acc = warpgroup_mma(gl.convert_layout(prob.to(k_smem.dtype), p_layout), v_smem.index(iv), acc,
                                 is_async=True)
             s = warpgroup_mma_wait(1, deps=(s,))
+            mbarrier.arrive(k_empty.index(ik1), count=1)
             s = _masked(s, t + 1, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS, ASHAPE)
             prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(empty.index(i), count=1)
+            mbarrier.arrive(v_empty.index(iv), count=1)
         if n > 0:  # epilogue: P V of the last piece
             t = n - 1
-            i = ring * STAGES + t % STAGES
+            iv = ring * V_STAGES + t % V_STAGES
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            mbarrier.wait(v_ready.index(i), (t // STAGES) & 1)
-            acc = warpgroup_mma(gl.convert_layout(prob.to(k_smem.dtype), p_layout), v_smem.index(i), acc,
+            mbarrier.wait(v_ready.index(iv), (t // V_STAGES) & 1)
+            acc = warpgroup_mma(gl.convert_layout(prob.to(k_smem.dtype), p_layout), v_smem.index(iv), acc,
                                 is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(empty.index(i), count=1)
+            mbarrier.arrive(v_empty.index(iv), count=1)
     else:
         for t in range(n):
-            i = ring * STAGES + t % STAGES
-            phase = (t // STAGES) & 1
-            mbarrier.wait(k_ready.index(i), phase)
-            s = warpgroup_mma(q, k_smem.index(i).permute((1, 0)), s0, use_acc=False, is_async=True)
+            ik = ring * STAGES + t % STAGES
+            iv = ring * V_STAGES + t % V_STAGES
+            mbarrier.wait(k_ready.index(ik), (t // STAGES) & 1)
+            s = warpgroup_mma(q, k_smem.index(ik).permute((1, 0)), s0, use_acc=False, is_async=True)
             p, keep = _item_keys(t, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS, ASHAPE)
             s = warpgroup_mma_wait(0, deps=(s,))
+            mbarrier.arrive(k_empty.index(ik), count=1)
             s = _masked(s, t, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS, ASHAPE)
             prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            mbarrier.wait(v_ready.index(i), phase)
-            acc = warpgroup_mma(gl.convert_layout(prob.to(k_smem.dtype), p_layout), v_smem.index(i), acc,
+            mbarrier.wait(v_ready.index(iv), (t // V_STAGES) & 1)
+            acc = warpgroup_mma(gl.convert_layout(prob.to(k_smem.dtype), p_layout), v_smem.index(iv), acc,
                                 is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(empty.index(i), count=1)
+            mbarrier.arrive(v_empty.index(iv), count=1)
     if valid:
         r = gl.arange(0, BLOCK_M, layout=row_o)
         dims = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
@@ -353,55 +366,59 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, Bl
 @gluon.jit(do_not_specialize=["n_work", "N", "M", "NS", "KVP", "L"])
 def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCount, BlockOffset, ColCount, Cols,
                        Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, CONSUMERS: gl.constexpr,
-                       STAGES: gl.constexpr, OVERLAP: gl.constexpr, SHARE: gl.constexpr, VS: gl.constexpr,
-                       ASHAPE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                       STAGES: gl.constexpr, V_STAGES: gl.constexpr, OVERLAP: gl.constexpr, SHARE: gl.constexpr,
+                       VS: gl.constexpr, ASHAPE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Program pid: work slots pid * CONSUMERS + c of `Order` (SHARE: slot pid, both consumers). VS: kc / vc
     `[B * Hq * KVP, D]` hold each query head's packed columns' K / V rows (Cols Int32 `[B * Hq * KVP]` their
     keys, ascending), ColCount Int32 `[B, Hq, M]` how many are < the row block's first row, Covered Int8
     `[B * Hq, L]` the d-space flags of `index_build.vs_slash_tiles` (unused without VS). ASHAPE: ColCount the sink
     keys [0, ColCount) below each row block's lowest piece (`index_ref.ashape_to_tiles`' column_count), Sink /
     Window Int32 `[Hq]` the token mask. Shared memory:
-    CONSUMERS Q tiles and RINGS (CONSUMERS, SHARE: 1) rings of STAGES K and V tiles (BLOCK_N = 64 or 128 keys x D
-    each, k_desc's block; bf16, D = 128: 16 or 32 KB a tile)."""
+    CONSUMERS Q tiles and RINGS (CONSUMERS, SHARE: 1) rings of STAGES K tiles and V_STAGES (<= STAGES) V tiles
+    (BLOCK_N = 64 or 128 keys x D each, k_desc's block; bf16, D = 128: 16 or 32 KB a tile)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     D: gl.constexpr = q_desc.block_type.shape[1]
     RINGS: gl.constexpr = 1 if SHARE else CONSUMERS
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, BLOCK_M, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [RINGS * STAGES, BLOCK_N, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [RINGS * STAGES, BLOCK_N, D], v_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [RINGS * V_STAGES, BLOCK_N, D], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [RINGS * V_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [RINGS * V_STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_bar.index(c), count=1)
+    # ready: the producer's expect is the one arrive, TMA bytes the rest; empty: every consumer reading the ring
+    # arrives once per slot use, 2 on a shared ring, else 1
     for i in gl.static_range(RINGS * STAGES):
-        mbarrier.init(k_ready.index(i), count=1)  # the producer's expect is the one arrive; TMA bytes the rest
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS if SHARE else 1)
+    for i in gl.static_range(RINGS * V_STAGES):
         mbarrier.init(v_ready.index(i), count=1)
-        # every consumer reading the ring arrives once per slot use: 2 on a shared ring, else 1
-        mbarrier.init(empty.index(i), count=CONSUMERS if SHARE else 1)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS if SHARE else 1)
     # (the partition lists are written out in the calls: a Gluon tuple cannot hold a function)
     if CONSUMERS == 1:
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset,
-                         ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 0,
-                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP, SHARE, VS, ASHAPE)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
+                         BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 0,
+                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE)),
             (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                         empty, BlockCount, BlockOffset, ColCount, Order, n_work, N, H, G, M, NS, KVP, BLOCK_M,
-                         CONSUMERS, STAGES, SHARE, VS, ASHAPE)),
+                         k_empty, v_empty, BlockCount, BlockOffset, ColCount, Order, n_work, N, H, G, M, NS, KVP,
+                         BLOCK_M, CONSUMERS, STAGES, V_STAGES, SHARE, VS, ASHAPE)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset,
-                         ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 0,
-                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP, SHARE, VS, ASHAPE)),
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, empty, O, LSE, BlockCount, BlockOffset,
-                         ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 1,
-                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, OVERLAP, SHARE, VS, ASHAPE)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
+                         BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 0,
+                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
+                         BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 1,
+                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE)),
             (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                         empty, BlockCount, BlockOffset, ColCount, Order, n_work, N, H, G, M, NS, KVP, BLOCK_M,
-                         CONSUMERS, STAGES, SHARE, VS, ASHAPE)),
+                         k_empty, v_empty, BlockCount, BlockOffset, ColCount, Order, n_work, N, H, G, M, NS, KVP,
+                         BLOCK_M, CONSUMERS, STAGES, V_STAGES, SHARE, VS, ASHAPE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -415,7 +432,7 @@ def launch_config(consumers: int) -> dict[str, int]:
 
 
 def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stages: int, consumers: int,
-                overlap: bool) -> tuple[int, int, int, int, int]:
+                overlap: bool, v_stages: int | None) -> tuple[int, int, int, int, int]:
     """The checks both entries share (ValueError naming the field); returns (B, Hq, Hkv, N, D)."""
     B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -426,6 +443,8 @@ def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stages: int, 
     if consumers not in (1, 2) or stages < 1 + overlap:
         raise ValueError(f"consumers must be 1 or 2 and stages >= 2 with overlap (the next piece's K waits in the ring "
                          f"while this piece's slot is held), >= 1 without; got {consumers}, {stages}, overlap={overlap}")
+    if v_stages is not None and not 1 <= v_stages <= stages:
+        raise ValueError(f"v_stages (the V ring's depth) must be between 1 and stages = {stages}, got {v_stages}")
     return B, Hq, Hkv, N, D
 
 
@@ -464,12 +483,14 @@ def ws_ashape_takes(q: torch.Tensor, k: torch.Tensor, sink: torch.Tensor, window
             and _heads_pair(q.shape[1], k.shape[1], sink, window))
 
 
-def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None, stages: int,
+def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None,
+            stages: tuple[int, int],
             consumers: int, overlap: bool, share_kv: bool,
             packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
             band: tuple[torch.Tensor, torch.Tensor] | None = None, kv_major: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch on checked, contiguous inputs, items in `work_order` (by KV head first with `kv_major`). `packed`
+    """Launch on checked, contiguous inputs, items in `work_order` (by KV head first with `kv_major`); stages: the K
+    and V rings' depths. `packed`
     (VS): (kc, vc `[B * Hq * KVP, D]`, cols Int32 `[B, Hq, KVP]`, col_count Int32 `[B, Hq, M]`, covered Int8
     `[B, Hq, L]`); `band` (A-shape, tiles from `ashape_to_tiles`): (sink, window) Int32 `[Hq]` on q's device; see
     `_ws_prefill_kernel`."""
@@ -490,8 +511,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
         strip_tiles = tiles  # A-shape: column_count = its sink strips' keys
     else:
         kc, vc, cols, col_count, covered = packed
-        kc_desc = TensorDescriptor.from_tensor(kc, [KEYS, D], layout)
-        vc_desc = TensorDescriptor.from_tensor(vc, [KEYS, D], layout)
+        kc_desc = TensorDescriptor.from_tensor(kc, [tiles.piece, D], kv_layout)
+        vc_desc = TensorDescriptor.from_tensor(vc, [tiles.piece, D], kv_layout)
         strip_tiles = dataclasses.replace(tiles, column_count=col_count)  # work_order counts the strips
     o = torch.empty_like(q)
     lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
@@ -509,7 +530,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
     _ws_prefill_kernel[(grid,)](
         q_desc, k_desc, v_desc, kc_desc, vc_desc, o, lse, bc, bo, col_count, cols, covered, sink, window, order,
         n_work, scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1], cols.shape[-1], covered.shape[-1],
-        CONSUMERS=consumers, STAGES=stages, OVERLAP=overlap, SHARE=share_kv, VS=packed is not None,
+        CONSUMERS=consumers, STAGES=stages[0], V_STAGES=stages[1], OVERLAP=overlap, SHARE=share_kv, VS=packed is not None,
         ASHAPE=band is not None, CONSUMER_REGS=cfg["consumer_regs"], num_warps=4, maxnreg=cfg["maxnreg"])
     return o, lse
 
@@ -517,7 +538,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
 def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None = None,
                sink: torch.Tensor | None = None, window: torch.Tensor | None = None, stages: int = 2,
                consumers: int = 2, overlap: bool = True, share_kv: bool = False,
-               kv_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               kv_major: bool = False, v_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over the pieces of per-head block-sparse `tiles` on an sm_90 GPU (`sparse_prefill`'s
     contract for the tiles it takes).
 
@@ -526,18 +547,17 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
     per KV head (`[B, Hkv, M]`, group-shared), block 64, 64-key pieces that never overlap (`tiles.disjoint`:
     `block_sparse_to_tiles`), no vertical columns
     (Vertical-Slash: `ws_vertical_slash` takes the index itself).
-    `stages`: K/V ring depth per ring; `consumers`: 64-row work items per program (one consumer warpgroup
-    each); `overlap`: the next piece's Q K^T in flight beside this piece's P V; `share_kv` (2 consumers): a
-    program takes query heads 2j and 2j + 1 (one KV head: Hq / Hkv even) of one row block and both read one
-    K/V ring, so each tile crosses L2 once for 128 query rows (FA3's two consumer warpgroups); their piece
-    lists must be equal: group-shared tiles (`[B, Hkv, M]`) are by construction, per-head ones are checked (one
-    host sync). `sink` / `window`
-    (A-shape) are not taken here: `ws_ashape` builds its own tiles. `kv_major`: programs take every item of one KV
-    head before the next KV head's (`schedule.work_order(group=)`), most pieces first within; else most pieces
-    first over all heads.
+    `stages`: K/V ring depth per ring (`v_stages`: the V ring's, <= stages; None = stages); `consumers`: 64-row
+    work items per program (one consumer warpgroup each); `overlap`: the next piece's Q K^T in flight beside this
+    piece's P V; `share_kv` (2 consumers): a program takes query heads 2j and 2j + 1 (one KV head: Hq / Hkv even)
+    of one row block and both read one K/V ring, so each tile crosses L2 once for 128 query rows (FA3's two
+    consumer warpgroups); their piece lists must be equal: group-shared tiles (`[B, Hkv, M]`) are by construction,
+    per-head ones are checked (one host sync). `sink` / `window` (A-shape) are not taken here: `ws_ashape` builds
+    its own tiles. `kv_major`: programs take every item of one KV head before the next KV head's
+    (`schedule.work_order(group=)`), most pieces first within; else most pieces first over all heads.
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
     """
-    B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap)
+    B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap, v_stages)
     if sink is not None or window is not None:
         raise ValueError("sink / window (A-shape token masks) are not taken by ws_prefill; use "
                          "ws_ashape(q, k, v, sink, window) or sparse_prefill")
@@ -568,23 +588,24 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
         raise ValueError("share_kv needs consumers=2, an even number of query heads per KV head and equal piece lists "
                          "for heads 2j and 2j + 1 (tiles.block_count / block_offset); use share_kv=False")
     _check_device(q)
-    return _launch(q.contiguous(), k.contiguous(), v.contiguous(), tiles, scale, stages, consumers, overlap, share_kv,
-                   kv_major=kv_major)
+    return _launch(q.contiguous(), k.contiguous(), v.contiguous(), tiles, scale, (stages, v_stages or stages),
+                   consumers, overlap, share_kv, kv_major=kv_major)
 
 
-def pack_columns(k: torch.Tensor, v: torch.Tensor, cols: torch.Tensor,
-                 n_q_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_columns(k: torch.Tensor, v: torch.Tensor, cols: torch.Tensor, n_q_heads: int,
+                 width: int = KEYS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each query head's columns' K / V rows, packed once per layer for TMA (sm_90 has no row gather).
 
     k/v `[B, Hkv, N, D]` contiguous; cols Int32 `[B, Hq, KV]` ascending with invalid entries = N at the end
     (`index_build.vs_slash_tiles`). Returns (kc, vc `[B * Hq * KVP, D]`: row (b * Hq + h) * KVP + i = key
     cols[b, h, i] of KV head h // (Hq / Hkv), a padded / invalid entry reads key N - 1 (finite; the kernel
     masks it); cols padded to Int32 `[B, Hq, KVP]` with N; col_count Int32 `[B, Hq, M]`: how many of a head's
-    columns are < m * 64, the prefix of its packed columns row block m walks). KVP = KV rounded up to 64 (>= 64).
+    columns are < m * 64, the prefix of its packed columns row block m walks). KVP = KV rounded up to `width`
+    (>= width), the keys of a strip.
     """
     B, Hkv, N, D = k.shape
     M = -(-N // ROWS)
-    kvp = max(1, -(-cols.shape[-1] // KEYS)) * KEYS
+    kvp = max(1, -(-cols.shape[-1] // width)) * width
     cols = torch.nn.functional.pad(cols, (0, kvp - cols.shape[-1]), value=N)
     head = torch.arange(B * n_q_heads, device=k.device).view(B, n_q_heads, 1)
     kv_head = head // n_q_heads * Hkv + head % n_q_heads // (n_q_heads // Hkv)  # b * Hkv + h // G
@@ -596,33 +617,38 @@ def pack_columns(k: torch.Tensor, v: torch.Tensor, cols: torch.Tensor,
 
 
 def pack_vertical_slash(k: torch.Tensor, v: torch.Tensor, columns: torch.Tensor, offsets: torch.Tensor,
-                        n_q_heads: int) -> tuple[VSTiles, tuple[torch.Tensor, ...]]:
+                        n_q_heads: int, width: int = KEYS) -> tuple[VSTiles, tuple[torch.Tensor, ...]]:
     """What `ws_vertical_slash` prepares once per layer from MInference's index (columns / offsets `[B, Hq, K]`):
-    the slash pieces (`index_build.vs_slash_tiles`) and the packed columns (kc, vc, cols, col_count, covered;
-    `pack_columns`). k / v contiguous `[B, Hkv, N, D]` on the GPU."""
+    the slash pieces (`index_build.vs_slash_tiles`, `width` keys each) and the packed columns (kc, vc, cols,
+    col_count, covered; `pack_columns`, strips of `width` keys). k / v contiguous `[B, Hkv, N, D]` on the GPU."""
     from .index_build import vs_slash_tiles
 
-    tiles, covered, cols = vs_slash_tiles(columns.to(k.device), offsets.to(k.device), k.shape[2], ROWS)
-    return tiles, (*pack_columns(k, v, cols, n_q_heads), covered)
+    tiles, covered, cols = vs_slash_tiles(columns.to(k.device), offsets.to(k.device), k.shape[2], ROWS,
+                                          0 if width == ROWS else width)
+    return tiles, (*pack_columns(k, v, cols, n_q_heads, width), covered)
 
 
 def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns: torch.Tensor,
                       offsets: torch.Tensor, scale: float | None = None, stages: int = 2, consumers: int = 2,
                       overlap: bool = True, packed: tuple[VSTiles, tuple[torch.Tensor, ...]] | None = None,
-                      kv_major: bool = True, share_kv: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      kv_major: bool = True, share_kv: bool | None = None, v_stages: int | None = None,
+                      width: int = KEYS) -> tuple[torch.Tensor, torch.Tensor]:
     """Vertical-Slash prefill on an sm_90 GPU: MInference's index columns Long `[B, Hq, Kv]` (key positions),
     offsets Long `[B, Hq, Ks]` (i - j), any order; -1, repeated, >= N entries ignored, offset 0 always in (as
-    `vertical_slash_prefill`, same keys as `index_ref.vs_to_tiles`). q, k, v, stages, consumers, overlap, kv_major
-    as `ws_prefill` (kv_major by default here: 1.27x / 1.31x faster at 64K / 128K on the H200). The slash pieces
-    come from `index_build.vs_slash_tiles`; each query head's unique columns are packed once (`pack_columns`) and
-    row block m walks the prefix of them < m*64, 64 at a time, as extra items before its pieces (a column under one
-    of its pieces masked), so the kernel reads each column once per row block that keeps it. `packed`:
-    `pack_vertical_slash(k, v, columns, offsets, Hq)` made earlier (this call then only launches). Group-shared
+    `vertical_slash_prefill`, same keys as `index_ref.vs_to_tiles`). q, k, v, stages, v_stages, consumers, overlap,
+    kv_major as `ws_prefill` (kv_major by default here: 1.27x / 1.31x faster at 64K / 128K on the H200). The slash
+    pieces come from `index_build.vs_slash_tiles`; each query head's unique columns are packed once
+    (`pack_columns`) and row block m walks the prefix of them < m*64, `width` at a time, as extra items before its
+    pieces (a column under one of its pieces masked), so the kernel reads each column once per row block that
+    keeps it. `width`: keys per step, 64 or 128 (128: slash pieces 128 wide, the keys of
+    `vs_to_tiles(..., width=128)`, a superset of 64's; 32 KB K / V tiles at head_dim 128, so per-head rings fit
+    with v_stages=1). `packed`: `pack_vertical_slash(k, v, columns, offsets, Hq, width)` made earlier (this call
+    then only launches). Group-shared
     columns / offsets (`[B, Hkv, K]`, `index_build.vs_index(group_shared=True)`) run with `share_kv` (None: for
     those): query heads 2j and 2j + 1 of a KV head on one K/V ring (`ws_prefill`'s share_kv; consumers=2, an even
     group; per-head lists must then be equal for heads 2j and 2j + 1). Returns (o `[B, Hq, N, D]` in q's dtype,
     lse Float32 `[B, Hq, N]`, natural log)."""
-    B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap)
+    B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap, v_stages)
     grouped = columns.dim() == 3 and columns.shape[1] == Hkv != Hq
     for name, x in (("columns", columns), ("offsets", offsets)):
         if x.dim() != 3 or tuple(x.shape[:2]) not in ((B, Hq), (B, Hkv)) or x.shape[-1] < 1 or x.dtype.is_floating_point \
@@ -636,30 +662,33 @@ def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns
             torch.equal(columns[:, 0::2], columns[:, 1::2]) and torch.equal(offsets[:, 0::2], offsets[:, 1::2]))):
         raise ValueError("share_kv needs consumers=2, an even number of query heads per KV head and equal columns and "
                          "offsets for heads 2j and 2j + 1 (group-shared indexes have them); use share_kv=False")
+    if width not in (KEYS, 2 * KEYS) or packed is not None and packed[0].piece != width:
+        raise ValueError(f"width (keys per step) must be {KEYS} or {2 * KEYS} and equal the packed tiles' piece; got "
+                         f"{width}{f', packed for {packed[0].piece}' if packed is not None else ''}")
     _check_device(q)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    tiles, (kc, vc, cols, col_count, covered) = packed or pack_vertical_slash(k, v, columns, offsets, Hq)
-    return _launch(q, k, v, tiles, scale, stages, consumers, overlap, share_kv, (kc, vc, cols, col_count, covered),
-                   kv_major=kv_major)
+    tiles, (kc, vc, cols, col_count, covered) = packed or pack_vertical_slash(k, v, columns, offsets, Hq, width)
+    return _launch(q, k, v, tiles, scale, (stages, v_stages or stages), consumers, overlap, share_kv,
+                   (kc, vc, cols, col_count, covered), kv_major=kv_major)
 
 
 def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | list[int],
               window: torch.Tensor | list[int], scale: float | None = None, stages: int = 2, consumers: int = 2,
               overlap: bool = True, tiles: VSTiles | None = None, kv_major: bool = False, share_kv: bool = False,
-              width: int = KEYS) -> tuple[torch.Tensor, torch.Tensor]:
+              width: int = KEYS, v_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A-shape prefill on an sm_90 GPU: per query head `sink` and `window` (tokens, `[Hq]`; window >= 1, sink
     >= 0; `NO_WINDOW` for a head without a band) -> keys j <= i with j < sink or i - j < window (as
     `ashape_prefill`). Tiles: `index_ref.ashape_to_tiles` per query head (window pieces, the sinks below a row
     block's lowest piece as its columns [0, count)); the sinks are contiguous keys, so the kernel walks them as
     strips of k / v from key 0 (lanes >= count masked) before the pieces, and applies the token mask on the
-    pieces that reach past the window. q, k, v, stages, consumers, overlap, kv_major as `ws_prefill`; `tiles`: those
+    pieces that reach past the window. q, k, v, stages, v_stages, consumers, overlap, kv_major as `ws_prefill`; `tiles`: those
     per-head tiles made earlier (`ashape_to_tiles(sink, window, N, B, 64)`; this call then only launches).
     `share_kv` (consumers=2, an even group, equal sink and window for heads 2j and 2j + 1): both heads on one
     K/V ring, as `ws_prefill`'s (`ashape_prefill`'s choice on sm_90: `ASHAPE_LAUNCH`). `width`: keys per step, 64 or
     128 (pieces and sink strips; 128: twice the work per ring slot and barrier round trip, 64 KB a slot at head_dim
     128, so at most 3 stages on one shared ring).
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log)."""
-    B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap)
+    B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap, v_stages)
     sink_t = torch.as_tensor(sink).reshape(-1)
     window_t = torch.as_tensor(window).reshape(-1)
     if sink_t.numel() != Hq or window_t.numel() != Hq or sink_t.is_floating_point() or window_t.is_floating_point():
@@ -678,5 +707,5 @@ def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Ten
                          f"([{B}, {Hq}, {-(-N // ROWS)}], 64 x {width}), got {tuple(tiles.shape)}, "
                          f"{tiles.block} x {tiles.piece}")
     band = (sink_t.to(q.device, torch.int32), window_t.clamp(max=1 << 30).to(q.device, torch.int32))
-    return _launch(q.contiguous(), k.contiguous(), v.contiguous(), tiles, scale, stages, consumers, overlap, share_kv,
-                   band=band, kv_major=kv_major)
+    return _launch(q.contiguous(), k.contiguous(), v.contiguous(), tiles, scale, (stages, v_stages or stages),
+                   consumers, overlap, share_kv, band=band, kv_major=kv_major)

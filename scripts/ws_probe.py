@@ -10,14 +10,17 @@ recorded, the rest go on; a variant that fails or hangs its check is left out of
           vs SDPA(is_causal=True); TFLOP/s over the causal pairs, ratio to SDPA's
   sparse  block-sparse top-k (`index_build.block_index` on the bench's planted inputs, 64-row tiles) at each of
           --lengths: ws vs sparse_prefill, efficiency = physical density x SDPA ms / ms (as the bench)
-Variants: cCsS[o][k][g][w128] = C consumer warpgroups (1 or 2), S ring stages, o = intra-warpgroup overlap, k = the
+Variants: cCsS[vV][o][k][g][w128] = C consumer warpgroups (1 or 2), S ring stages (vV: V stages, <= S; else S),
+o = intra-warpgroup overlap, k = the
 two consumers share one K/V ring (query heads 2j, 2j + 1), w128 = 128 keys per step (`ws_ashape(width=128)`: the
 dense and ashape steps only), g = items by KV head first (`kv_major`; the sparse step
 also times the persistent loop with it, "sparse_prefill/kv_major", the vs step the loop's default, KV head first,
 beside "sparse_prefill/longest_first"): checked on per-KV-head selections, timed on dense causal
 and on group-shared top-k (`block_index(group_shared=True)`, expanded per head) against sparse_prefill's
 GQA-packed kernel on the group-shared tiles.
-  vs      Vertical-Slash (`ws_vertical_slash`): first per --vs-variants a check (bf16 o / lse against
+  vs      Vertical-Slash (`ws_vertical_slash`; w128: 128-key pieces and strips, a superset of the 64-key tiles'
+          keys, its efficiency over the density of `vs_tiles(..., width=128)`): first per --vs-variants a check
+          (bf16 o / lse against
           `masked_attention_ref` under `vs_to_tiles`' mask; random columns / offsets with repeats, -1, >= N,
           N = 1000 and 3000, GQA 4:1, B = 2), then VS(--vertical, --slash) from `index_build.vs_index` on the
           bench's planted inputs at each of --lengths: ws vs sparse_prefill on `vs_tiles` of the same index,
@@ -49,10 +52,11 @@ SHAPE = "llama3-8b"  # the bench's shape the steps run at (--shape): Llama-3-8B 
 
 
 def parse_variant(name: str) -> dict:
-    """'c2s3okgw128' -> {consumers: 2, stages: 3, overlap: True, share_kv: True, kv_major: True, width: 128}."""
-    c, s, o, k, g, w = re.fullmatch(r"c(\d)s(\d)(o?)(k?)(g?)(?:w(\d+))?", name).groups()
-    return {"consumers": int(c), "stages": int(s), "overlap": bool(o), "share_kv": bool(k), "kv_major": bool(g),
-            "width": int(w or 64)}
+    """'c2s3v2okgw128' -> {consumers: 2, stages: 3, v_stages: 2, overlap: True, share_kv: True, kv_major: True,
+    width: 128} (no v: as many V stages as K stages)."""
+    c, s, vs, o, k, g, w = re.fullmatch(r"c(\d)s(\d)(?:v(\d))?(o?)(k?)(g?)(?:w(\d+))?", name).groups()
+    return {"consumers": int(c), "stages": int(s), "v_stages": int(vs) if vs else None, "overlap": bool(o),
+            "share_kv": bool(k), "kv_major": bool(g), "width": int(w or 64)}
 
 
 def shape() -> tuple[int, int, int, float]:
@@ -169,7 +173,8 @@ def sparse(variants: list[str], lengths: list[int], topk: int) -> dict:
     for n in lengths:
         q, k, v, sdpa = planted(n)
         for selection in ("per_head", "group_shared"):
-            names = [x for x in variants if parse_variant(x)["share_kv"] == (selection == "group_shared")]
+            names = [x for x in variants if parse_variant(x)["share_kv"] == (selection == "group_shared")
+                     and parse_variant(x)["width"] == 64]  # (128-key steps: the dense and ashape steps only)
             if not names:
                 continue
             tiles = selected_block_tiles(block_index(q, k, topk, group_shared=selection == "group_shared"))
@@ -212,12 +217,11 @@ def check_vs(variant: str) -> dict:
     g = torch.Generator().manual_seed(0)
     B, Hq, Hkv = 2, 8, 2
     kw = parse_variant(variant)
-    kw.pop("width")  # (64 keys: strips are 64 wide)
     share = kw.pop("share_kv")  # k: a group-shared index (one per KV head)
     for n in (1000, 3000):
         q, k, v = (torch.randn(B, h, n, 128, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
         cols, offs = vs_random_index(B, Hkv if share else Hq, n, g)
-        tiles = expand_groups(vs_to_tiles(cols.cuda(), offs.cuda(), n), Hq // Hkv if share else 1)
+        tiles = expand_groups(vs_to_tiles(cols.cuda(), offs.cuda(), n, width=kw["width"]), Hq // Hkv if share else 1)
         out[f"n{n}"] = against_reference(lambda: ws_vertical_slash(q, k, v, cols.cuda(), offs.cuda(), **kw), q, k, v,
                                          tiles_to_mask(tiles, n))
     return out
@@ -267,18 +271,27 @@ def vs(variants: list[str], lengths: list[int], vertical: int, slash: int, loops
                     rows[f"sparse_prefill/{spec}"] = timed(lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False,
                                                                                   **kw))
             agree = {}
+            by_width = {64: density}  # physical density of the tiles whose keys a row keeps (w128: a superset)
+            row_width = {}
             for name in names:
                 kw = parse_variant(name)
-                kw.pop("share_kv"), kw.pop("width")  # group-shared columns share the ring by default
+                kw.pop("share_kv")  # group-shared columns share the ring by default
+                w = kw["width"]
+                if w not in by_width:
+                    wide = expand_groups(vs_tiles(cols, offs, n, width=w), g)
+                    by_width[w] = tile_area(wide, n).sum().item() / pairs
+                    wide = None
                 o, _ = ws_vertical_slash(q, k, v, cols, offs, **kw)
-                agree[name] = (o.float() - ref.float()).abs().max().item()
+                if w == 64:  # (w128 keeps more keys than the loop's tiles: checked in check_vs instead)
+                    agree[name] = (o.float() - ref.float()).abs().max().item()
                 ms = timed(lambda: ws_vertical_slash(q, k, v, cols, offs, **kw))  # with its own conversion + packing
                 rows[f"ws/{name}"] = ms
                 rows[f"ws/{name}-prep"] = ms - prep["ws_prep"]  # the kernel alone (estimate)
+                row_width[f"ws/{name}"] = row_width[f"ws/{name}-prep"] = w
             out[f"vs{vertical}_{slash}{'' if selection == 'per_head' else '_group_shared'}/{n}"] = {
-                "physical_density": density, "ws_physical_density": ws_area / pairs, "sdpa_ms": sdpa, "prep_ms": prep,
-                "agreement_max_abs": agree,
-                "rows": {key: {"ms": ms, "efficiency": density * sdpa / ms,
+                "physical_density": density, "physical_density_by_width": by_width,
+                "ws_physical_density": ws_area / pairs, "sdpa_ms": sdpa, "prep_ms": prep, "agreement_max_abs": agree,
+                "rows": {key: {"ms": ms, "efficiency": by_width[row_width.get(key, 64)] * sdpa / ms,
                                "vs_sparse_prefill": rows["sparse_prefill"] / ms} for key, ms in rows.items()}}
             tiles = ref = None
         q = k = v = None

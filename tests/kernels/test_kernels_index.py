@@ -64,7 +64,7 @@ def test_vs_index_selects_what_the_torch_proxy_selects(n, Hq, Hkv):
             assert same >= 0.9 * b.numel()
 
 
-@pytest.mark.parametrize("n,block,width", [(65, 64, 0), (333, 64, 0), (333, 128, 64)])
+@pytest.mark.parametrize("n,block,width", [(65, 64, 0), (333, 64, 0), (333, 128, 64), (333, 64, 128)])
 def test_vs_tiles_kernel_equals_reference_conversion(n, block, width):
     g = torch.Generator().manual_seed(n)
     cols = torch.randint(-1, n, (2, 3, 17), generator=g)
@@ -149,7 +149,7 @@ def test_vs_tile_count_equals_the_built_tiles(n):
             assert torch.equal(vs_tile_count(cols, offs, n, budget=budget), want)
 
 
-@pytest.mark.parametrize("block,width", [(64, 0), (128, 64), (128, 0)])
+@pytest.mark.parametrize("block,width", [(64, 0), (128, 64), (128, 0), (64, 128)])
 def test_vs_cover_kernel_places_the_reference_pieces(block, width):
     """The Triton cover (one program per head, resets found by fixed-point iteration) writes the same
     piece ends and covered d's as `vs_pieces`' greedy cover by pointer doubling, on offsets whose gaps

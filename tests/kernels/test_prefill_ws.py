@@ -24,7 +24,8 @@ from test_kernels_compile import SMEM_SM90, compile_env
 from workbench_kernels.index_ref import block_sparse_to_tiles, tiles_to_mask, vs_to_tiles
 from workbench_kernels.prefill_ref import masked_attention_ref
 
-CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block / vs / ashape[, keys per step])
+CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block / vs / ashape[, keys per step[,
+    # V stages]])
     "two_consumers_2_stages": (2, 2, True, 128, False, "block"),  # the default
     "two_consumers_3_stages": (2, 3, True, 128, False, "block"),
     "one_consumer": (1, 2, True, 128, False, "block"),
@@ -47,14 +48,21 @@ CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block
     "ashape_keys128_shared_kv_2_stages": (2, 2, True, 128, True, "ashape", 128),
     "ashape_keys128_shared_kv_3_stages": (2, 3, True, 128, True, "ashape", 128),
     "ashape_keys128_head_dim_64": (2, 3, True, 64, False, "ashape", 128),
+    # per-head rings of 128-key steps at head_dim 128: 2 K stages, 1 V stage (224 KB); a V ring shallower than K's
+    # (VS with overlap there spills ~1 KB: its strip masks on top of two 64 x 128 score tiles)
+    "ashape_keys128_k2_v1": (2, 2, True, 128, False, "ashape", 128, 1),
+    "ashape_keys128_k2_v1_no_overlap": (2, 2, False, 128, False, "ashape", 128, 1),
+    "vs_keys128_k2_v1_no_overlap": (2, 2, False, 128, False, "vs", 128, 1),
+    "block_3_stages_v2": (2, 3, True, 128, False, "block", 64, 2),
 }
-CASES = {case: args if len(args) == 7 else (*args, 64) for case, args in CASES.items()}  # (+ keys per step: 64)
+# defaults: 64 keys per step, as many V stages as K stages
+CASES = {case: (*args, *(64, None)[len(args) - 6:]) for case, args in CASES.items()}
 BLOCK_CASES, VS_CASES, ASHAPE_CASES = ([case for case, args in CASES.items() if args[5] == pattern]
                                        for pattern in ("block", "vs", "ashape"))
 
 
 def compile_ws(consumers: int, stages: int, overlap: bool, d: int, share: bool, pattern: str, keys: int = 64,
-               dtype: str = "bf16"):
+               v_stages: int | None = None, dtype: str = "bf16"):
     """`_ws_prefill_kernel` compiled for sm_90 (descriptor arguments typed as `ws_prefill` builds them; K / V
     tiles of `keys` rows)."""
     import triton
@@ -69,12 +77,11 @@ def compile_ws(consumers: int, stages: int, overlap: bool, d: int, share: bool, 
 
     pointers = {"O": f"*{dtype}", "LSE": "*fp32", "BlockCount": "*i32", "BlockOffset": "*i32", "ColCount": "*i32",
                 "Cols": "*i32", "Covered": "*i8", "Sink": "*i32", "Window": "*i32", "Order": "*i32"}
-    types = {"q_desc": desc(64), "k_desc": desc(keys), "v_desc": desc(keys), "kc_desc": desc(64), "vc_desc": desc(64),
+    types = {"q_desc": desc(64), "k_desc": desc(keys), "v_desc": desc(keys), "kc_desc": desc(keys), "vc_desc": desc(keys),
              "qk_scale": "fp32", **pointers}
     cfg = prefill_ws.launch_config(consumers)
-    constants = dict(CONSUMERS=consumers, STAGES=stages, OVERLAP=overlap, SHARE=share, VS=pattern == "vs",
-                     ASHAPE=pattern == "ashape",
-                     CONSUMER_REGS=cfg["consumer_regs"])
+    constants = dict(CONSUMERS=consumers, STAGES=stages, V_STAGES=v_stages or stages, OVERLAP=overlap, SHARE=share,
+                     VS=pattern == "vs", ASHAPE=pattern == "ashape", CONSUMER_REGS=cfg["consumer_regs"])
     signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in fn.arg_names}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}
     source = GluonASTSource(fn, signature, constexprs=constants, attrs=attrs)
@@ -148,7 +155,7 @@ def test_ws_prefill_compiles_for_sm90(compiled, case):
     TMA loads; no local memory, no spills; shared memory within the H200's."""
     result = compiled[case]
     assert "error" not in result, result.get("error")
-    consumers, stages, overlap, d, _, _, keys = CASES[case]
+    consumers, stages, overlap, d, _, _, keys, _ = CASES[case]
     assert result["partitions"] == consumers, result  # workers: producer (+ the second consumer)
     assert result["setmaxnreg"], result
     per_path = d // 16 + keys // 16  # Q K^T over head_dim, P V over a step's keys, in k-steps of 16
@@ -185,12 +192,13 @@ def test_ws_prefill_matches_masked_attention_bf16(case, keep):
     lse against fp32 attention under the tiles' mask."""
     from workbench_kernels.prefill_ws import ws_prefill
 
-    consumers, stages, overlap, d, share, _, _ = CASES[case]
+    consumers, stages, overlap, d, share, _, _, v_stages = CASES[case]
     B, Hq, Hkv, n = 2, 8, 2, 1000
     q, k, v = qkv(B, Hq, Hkv, n, d, seed=int(keep * 10))
     index = block_index(B, Hkv if share else Hq, n, keep, seed=1)  # share_kv: one selection per KV head
     tiles = block_sparse_to_tiles(index.repeat_interleave(Hq // index.shape[1], 1), n).to("cuda")
-    o, lse = ws_prefill(q, k, v, tiles, stages=stages, consumers=consumers, overlap=overlap, share_kv=share)
+    o, lse = ws_prefill(q, k, v, tiles, stages=stages, consumers=consumers, overlap=overlap, share_kv=share,
+                        v_stages=v_stages)
     ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(tiles, n))
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
     torch.testing.assert_close(o.float(), ro.float(), atol=2e-2, rtol=2e-2)
@@ -212,11 +220,11 @@ def vs_index(B: int, H: int, n: int, n_cols: int, n_offs: int, seed: int) -> tup
     return cols, torch.cat([near, far, near[..., :3]], -1)
 
 
-@pytest.mark.parametrize("n", [333, 1000])
-def test_vs_packed_columns_keep_the_reference_keys(n):
-    """`vs_slash_tiles` gives `vs_to_tiles`' pieces; the packed columns' prefix < m*64 of row block m, less the
-    covered ones (the kernel's strip mask), is `vs_to_tiles`' column list of that row block; kc / vc rows are
-    the columns' K / V rows of the query head's KV head (GQA 4:1)."""
+@pytest.mark.parametrize("n,width", [(333, 64), (1000, 64), (1000, 128)])
+def test_vs_packed_columns_keep_the_reference_keys(n, width):
+    """`vs_slash_tiles` gives `vs_to_tiles`' pieces (64 or 128 keys wide); the packed columns' prefix < m*64 of
+    row block m, less the covered ones (the kernel's strip mask), is `vs_to_tiles`' column list of that row block;
+    kc / vc rows are the columns' K / V rows of the query head's KV head (GQA 4:1), padded to whole strips."""
     import triton
     from workbench_kernels.index_build import vs_slash_tiles
     from workbench_kernels.prefill_ws import pack_columns
@@ -225,17 +233,18 @@ def test_vs_packed_columns_keep_the_reference_keys(n):
         pytest.skip("Triton 3.6's interpreter cannot run index_build._vs_cover_kernel (test_kernels_index fails alike)")
     B, Hq, Hkv, D = 2, 8, 2, 16
     cols, offs = vs_index(B, Hq, n, 150, 40, seed=n)
-    ref = vs_to_tiles(cols, offs, n)
+    w = 0 if width == 64 else width
+    ref = vs_to_tiles(cols, offs, n, width=w)
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # the cover kernel: compiled on a GPU, else interpreted
-    tiles, covered, packed = vs_slash_tiles(cols.to(dev), offs.to(dev), n)
+    tiles, covered, packed = vs_slash_tiles(cols.to(dev), offs.to(dev), n, 64, w)
     tiles, covered, packed = tiles.to("cpu"), covered.cpu(), packed.cpu()
     assert torch.equal(tiles.block_count, ref.block_count) and not tiles.column_count.any()
     live = torch.arange(ref.block_offset.shape[-1]) < ref.block_count.unsqueeze(-1)
     assert torch.equal(tiles.block_offset[..., : live.shape[-1]][live], ref.block_offset[live])
     k, v = (torch.randn(B, Hkv, n, D) for _ in range(2))
-    kc, vc, pc, count = pack_columns(k, v, packed, Hq)
+    kc, vc, pc, count = pack_columns(k, v, packed, Hq, width)
     kvp = pc.shape[-1]
-    assert kvp % 64 == 0 and kc.shape == vc.shape == (B * Hq * kvp, D)
+    assert kvp % width == 0 and kc.shape == vc.shape == (B * Hq * kvp, D)
     for b in range(B):
         for h in range(Hq):
             valid = pc[b, h][pc[b, h] < n].long()
@@ -260,12 +269,13 @@ def test_ws_vertical_slash_matches_masked_attention_bf16(case, n):
     from workbench_kernels.index_ref import expand_groups
     from workbench_kernels.prefill_ws import ws_vertical_slash
 
-    consumers, stages, overlap, d, share, _, keys = CASES[case]
+    consumers, stages, overlap, d, share, _, keys, v_stages = CASES[case]
     B, Hq, Hkv = 2, 8, 2
     q, k, v = qkv(B, Hq, Hkv, n, d, seed=n)
     cols, offs = vs_index(B, Hkv if share else Hq, n, 300, 60, seed=n)
-    o, lse = ws_vertical_slash(q, k, v, cols.cuda(), offs.cuda(), stages=stages, consumers=consumers, overlap=overlap)
-    tiles = expand_groups(vs_to_tiles(cols.cuda(), offs.cuda(), n), Hq // Hkv if share else 1)
+    o, lse = ws_vertical_slash(q, k, v, cols.cuda(), offs.cuda(), stages=stages, consumers=consumers, overlap=overlap,
+                               v_stages=v_stages, width=keys)
+    tiles = expand_groups(vs_to_tiles(cols.cuda(), offs.cuda(), n, width=0 if keys == 64 else keys), Hq // Hkv if share else 1)
     ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(tiles, n))
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
     torch.testing.assert_close(o.float(), ro.float(), atol=2e-2, rtol=2e-2)
@@ -282,7 +292,7 @@ def test_ws_ashape_matches_masked_attention_bf16(case):
     from workbench_kernels.prefill_ws import ws_ashape
     from workbench_kernels.tiling import NO_WINDOW
 
-    consumers, stages, overlap, d, share, _, keys = CASES[case]
+    consumers, stages, overlap, d, share, _, keys, v_stages = CASES[case]
     B, Hq, Hkv, n = 2, 8, 2, 1000
     sink = torch.tensor([0, 4, 64, 100, 4, 0, 130, 700])
     window = torch.tensor([64, 100, 1, 300, NO_WINDOW, 1200, 65, 17])
@@ -290,7 +300,7 @@ def test_ws_ashape_matches_masked_attention_bf16(case):
         sink, window = sink[0::2].repeat_interleave(2), window[1::2].repeat_interleave(2)
     q, k, v = qkv(B, Hq, Hkv, n, d, seed=3)
     o, lse = ws_ashape(q, k, v, sink, window, stages=stages, consumers=consumers, overlap=overlap, share_kv=share,
-                       width=keys)
+                       width=keys, v_stages=v_stages)
     mask = tiles_to_mask(ashape_to_tiles(sink, window, n, B, device="cuda"), n, sink.cuda(), window.cuda())
     ro, rlse = masked_attention_ref(q, k, v, mask.cuda())
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
@@ -316,6 +326,7 @@ def error_cases() -> dict[str, tuple]:
         "window": (q, k, v, tiles, {"sink": torch.zeros(8), "window": torch.full((8,), 64)}, "window"),
         "overlapping_pieces": (q, k, v, dataclasses.replace(tiles, disjoint=False), {}, "tiles.disjoint"),
         "share_kv_unequal_heads": (q, k, v, tiles, {"share_kv": True}, "share_kv"),
+        "v_stages_deeper_than_k": (q, k, v, tiles, {"v_stages": 3}, "v_stages"),
         "not_hopper": (q, k, v, tiles, {}, "Hopper"),
     }
 
