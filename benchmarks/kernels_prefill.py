@@ -799,6 +799,24 @@ def compare_minference(args: argparse.Namespace) -> int:
                 if best is not None:
                     row(name + "_128x64", tiles, times, best, mi_ms)
                 del out, tiles
+                # 64-row tiles over 128-key pieces and strips, per-head rings of 2 K + 1 V stages (the Gluon kernel
+                # at FA3's step; no intra-warpgroup overlap, which spills there): a superset of the 64-key tiles'
+                # keys, so its row's density and TFLOP/s are over its own tiles; its time beside MInference's
+                if hopper and d == 128 and "ws" in variants:
+                    wide = vs_tiles(cols, offs, n, 64, 128)
+                    packed = pack_vertical_slash(k, v, cols, offs, hq, 128)
+                    call = lambda: ws_vertical_slash(q, k, v, cols, offs, scale=scale, packed=packed,  # noqa: E731
+                                                     stages=2, v_stages=1, overlap=False, width=128)
+                    try:
+                        times = {"ws_keys128": time_ms(call)}
+                    except Exception as e:  # noqa: BLE001 - keep the bench going, say why the row is missing
+                        result.setdefault("failed", []).append({"shape": shape, "n": n, "pattern": name + "_64x128",
+                                                                "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                    else:
+                        row(name + "_64x128", wide, times, "ws_keys128", mi_ms,
+                            ws_keys128_tiles_and_pack_ms=time_ms(lambda: pack_vertical_slash(k, v, cols, offs, hq,
+                                                                                             128)))
+                    wide = packed = None
             result["bars"].setdefault(shape, {})[n] = bars(found)
             save()
             q = k = v = kx = vx = None  # free this length's tensors before the next
@@ -818,6 +836,9 @@ def bars(found: dict[str, dict]) -> dict[str, float | None]:
     return {"vs_ratio_to_dense": get("vertical_slash", "ratio_to_dense_tflops"),
             "vs_speedup_vs_minference": get("vertical_slash", "speedup_vs_minference"),
             "vs_128x64_ratio_to_dense": get("vertical_slash_128x64", "ratio_to_dense_tflops"),
+            "vs_64x128_ratio_to_dense": get("vertical_slash_64x128", "ratio_to_dense_tflops"),
+            "vs_64x128_speedup_vs_minference": get("vertical_slash_64x128", "speedup_vs_minference"),
+            "vs_64x128_physical_density": get("vertical_slash_64x128", "physical_density"),
             "vs_group_shared_ratio_to_dense": get("vertical_slash_group_shared", "ratio_to_dense_tflops"),
             "vs_speedup_vs_dense": get("vertical_slash", "speedup_vs_dense"),
             "vs_physical_density": get("vertical_slash", "physical_density"),
