@@ -113,15 +113,15 @@ def check(variant: str) -> dict:
     B, Hq, Hkv, n = 2, 8, 2, 1000
     M = -(-n // 64)
     kw = parse_variant(variant.removeprefix("first:"))
+    width = kw.pop("width")
     H = Hkv if kw["share_kv"] else Hq  # shared K/V: one selection per KV head, expanded to its query heads
     for d in (128, 64) if variant.startswith("first:") else (128,):
         q, k, v = (torch.randn(B, h, n, d, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
-        if kw["width"] == 128:
+        if width == 128:
             causal = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()
-            out[f"d{d}/dense"] = against_reference(lambda: ws_ashape(q, k, v, [0] * Hq, [NO_WINDOW] * Hq, **kw), q, k,
-                                                   v, causal)
+            out[f"d{d}/dense"] = against_reference(lambda: ws_ashape(q, k, v, [0] * Hq, [NO_WINDOW] * Hq, width=128,
+                                                                     **kw), q, k, v, causal)
             continue
-        kw.pop("width")
         for keep in (1.0, 0.3):
             idx = torch.where(torch.rand(B, H, M, M, generator=g) < keep, torch.arange(M), -1).to(torch.int32)
             tiles = block_sparse_to_tiles(idx.repeat_interleave(Hq // H, 1), n).to("cuda")
