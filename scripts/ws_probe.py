@@ -118,7 +118,7 @@ def check(variant: str) -> dict:
     for d in (128, 64) if variant.startswith("first:") else (128,):
         q, k, v = (torch.randn(B, h, n, d, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
         if width == 128:
-            causal = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()
+            causal = torch.ones(n, n, dtype=torch.bool, device="cuda").tril().expand(1, Hq, n, n)
             out[f"d{d}/dense"] = against_reference(lambda: ws_ashape(q, k, v, [0] * Hq, [NO_WINDOW] * Hq, width=128,
                                                                      **kw), q, k, v, causal)
             continue
