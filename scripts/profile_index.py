@@ -1,5 +1,7 @@
-"""Exploratory: per-kernel device time of the VS index -> tiles conversion and the block
-index at the bench's planted inputs, H200."""
+"""Exploratory: per-kernel device time of the VS index (its scores, then the top-k of columns and offsets), the
+VS index -> tiles conversion and the block index at the bench's planted inputs, H200.
+
+    python3 scripts/profile_index.py SHAPES OUT.json [LENGTHS]     (LENGTHS default 65536,131072)"""
 import json
 import math
 import sys
@@ -7,8 +9,9 @@ from collections import defaultdict
 
 import torch
 from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
-from workbench_kernels.index_build import block_index, pooled_scores, vs_index, vs_tiles
+from workbench_kernels.index_build import block_index, pooled_scores, vs_index, vs_scores, vs_tiles
 from workbench_kernels.index_ref import selected_block_tiles
+from workbench_kernels.topk import top_positions
 
 from workbench.core.timing import time_ms
 
@@ -34,10 +37,15 @@ def prof(fn, reps=10):
 
 for shape in sys.argv[1].split(","):
     hq, hkv, d, theta = SHAPES[shape]
-    for n in (65536, 131072):
+    for n in [int(x) for x in (sys.argv[3] if len(sys.argv) > 3 else "65536,131072").split(",")]:
         q, k, v = planted_inputs(hq, hkv, d, n, theta, dev="cuda", dtype=torch.bfloat16)
         cols, offs = vs_index(q, k, 1 / math.sqrt(d), 1000, 6096)
-        r = {"vs_tiles": prof(lambda: vs_tiles(cols, offs, n)),
+        col, diag = vs_scores(q, k, 1 / math.sqrt(d))
+        r = {"vs_index": prof(lambda: vs_index(q, k, 1 / math.sqrt(d), 1000, 6096)),
+             "vs_scores": prof(lambda: vs_scores(q, k, 1 / math.sqrt(d))),
+             "top_columns": prof(lambda: top_positions(col, 30, 1000)),
+             "top_offsets": prof(lambda: top_positions(diag, 100, 6096)),
+             "vs_tiles": prof(lambda: vs_tiles(cols, offs, n)),
              "block_index": prof(lambda: selected_block_tiles(block_index(q, k, 100))),
              "pooled_scores": prof(lambda: pooled_scores(q, k))}
         out[f"{shape}/{n}"] = r
