@@ -13,9 +13,9 @@ from workbench_kernels.index_build import block_index, pooled_scores, vs_index, 
 from workbench_kernels.index_ref import selected_block_tiles
 from workbench_kernels.topk import top_positions
 
-from workbench.core.timing import time_ms
+from workbench.core.timing import environment, time_ms
 
-out = {}
+out = {"environment": environment(), "results": {}}
 
 
 def prof(fn, reps=10):
@@ -48,7 +48,7 @@ for shape in sys.argv[1].split(","):
              "vs_tiles": prof(lambda: vs_tiles(cols, offs, n)),
              "block_index": prof(lambda: selected_block_tiles(block_index(q, k, 100))),
              "pooled_scores": prof(lambda: pooled_scores(q, k))}
-        out[f"{shape}/{n}"] = r
+        out["results"][f"{shape}/{n}"] = r
         print(shape, n, json.dumps({a: {"wall_ms": b["wall_ms"], "kern": b["kernel_us_total"],
                                         "top": list(b["kernels_us"].items())[:8]} for a, b in r.items()}), flush=True)
 json.dump(out, open(sys.argv[2], "w"), indent=1)
