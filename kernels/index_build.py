@@ -9,8 +9,10 @@ Two Triton passes over 64-key blocks counted from the end of the sequence (block
 rows' log-sum-exp in torch); pass 2 recomputes the scores of blocks u+1 and u side by side as a
 64 x 128 tile X, sums the probabilities of block u over rows (column sums) and reads X along its
 diagonals with one `tl.gather` (row r, offset 64u + t sits at column 64 + r - t), so each program
-owns the diagonal sums of offsets [64u, 64u + 64) without atomics. Top-k selection is the shared
-`topk.top_positions` (the one `workbench.patterns.vs_proxy` uses).
+owns the diagonal sums of offsets [64u, 64u + 64) without atomics. Top-k selection (`select_positions`) picks
+what `topk.top_positions` (the one `workbench.patterns.vs_proxy` uses) picks, ties aside, in one launch per
+score tensor: a threshold search over each row, then the kept positions written in order (torch.topk, the sort
+and their glue were ~10 launches, most of the index's wall time at a few heads on the H200).
 
 The tile conversion (`vs_tiles`, the same tiles as `index_ref.vs_to_tiles`) is two Triton launches and
 no torch op between them: one program per head sorts its offsets and columns (`tl.sort`), dedupes the
@@ -27,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .index_ref import VSTiles, max_pieces_total, vs_tile_bounds
-from .topk import budget, top_blocks, top_positions
+from .topk import budget, top_blocks
 
 LOG2E = 1.4426950408889634
 ROWS = 64
@@ -106,6 +108,90 @@ def vs_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Ten
     return col, diag
 
 
+@triton.jit
+def _top_positions_kernel(Score, Budget, Out, N, H, SIZE, FORCED, FREE, BLOCK: tl.constexpr, WAYS: tl.constexpr,
+                          PER_HEAD: tl.constexpr):
+    """Row r of Score Float32 `[R, N]` (program r; head r % H) -> Out Int64 `[R, SIZE]`: positions [0, forced),
+    then the `free` best-scoring positions of [forced, N) ascending (ties at the threshold to the lowest
+    positions), then -1; forced = FORCED, free = FREE, or with PER_HEAD the head's budget b = Budget[r % H] cuts
+    them to its first b choices (forced = min(FORCED, b), free = min(b - forced, FREE)).
+    The threshold T (the free-th largest order-preserving int32 image of the scores) is found by a WAYS-way
+    search: each pass over the row counts the keys >= WAYS thresholds spread over [lo, hi] and narrows it WAYS-fold
+    (8 passes for WAYS = 16); one more pass counts the keys > T, and the last one writes the kept positions in
+    order (a running prefix sum: no sort)."""
+    r = tl.program_id(0).to(tl.int64)
+    row = Score + r * N
+    out = Out + r * SIZE
+    lanes = tl.arange(0, BLOCK)
+    way = tl.arange(0, WAYS).to(tl.int64)
+    forced = FORCED
+    free = FREE
+    if PER_HEAD:
+        b = tl.load(Budget + r % H).to(tl.int32)
+        forced = tl.minimum(forced, b)
+        free = tl.minimum(tl.maximum(b - forced, 0), free)
+    for s0 in range(0, forced, BLOCK):
+        tl.store(out + s0 + lanes, (s0 + lanes).to(tl.int64), mask=s0 + lanes < forced)
+    # invariant: count(key >= lo) >= free > count(key > hi); T = lo once lo == hi
+    lo = tl.full([], -2147483648, tl.int64)
+    hi = tl.full([], 2147483647, tl.int64)
+    if free == 0:
+        lo = hi
+    while lo < hi:
+        step = (hi - lo + WAYS) // WAYS  # ceil((hi - lo + 1) / WAYS) >= 1
+        th = lo + way * step
+        cnt = tl.zeros([WAYS], tl.int32)
+        for s0 in range(forced, N, BLOCK):
+            ok = s0 + lanes < N
+            bits = tl.load(row + s0 + lanes, mask=ok, other=0.0).to(tl.int32, bitcast=True)
+            key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+            cnt += tl.sum(((key[:, None] >= th[None, :]) & ok[:, None]).to(tl.int32), 0)
+        j = tl.sum((cnt >= free).to(tl.int32), 0) - 1  # the last threshold still reached by `free` keys
+        lo = lo + j * step
+        hi = tl.minimum(hi, lo + step - 1)
+    t = lo.to(tl.int32)
+    above = tl.zeros([BLOCK], tl.int32)
+    for s0 in range(forced, N, BLOCK):
+        ok = s0 + lanes < N
+        bits = tl.load(row + s0 + lanes, mask=ok, other=0.0).to(tl.int32, bitcast=True)
+        above += (ok & ((bits ^ ((bits >> 31) & 0x7FFFFFFF)) > t)).to(tl.int32)
+    ties = free - tl.sum(above, 0)  # keys == T to keep, the first ones by position
+    kept = 0
+    tied = 0
+    for s0 in range(forced, N, BLOCK):
+        ok = s0 + lanes < N
+        bits = tl.load(row + s0 + lanes, mask=ok, other=0.0).to(tl.int32, bitcast=True)
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        tie = ok & (key == t)
+        keep = (ok & (key > t)) | (tie & (tied + tl.cumsum(tie.to(tl.int32), 0) <= ties))
+        pos = kept + tl.cumsum(keep.to(tl.int32), 0) - 1
+        tl.store(out + forced + pos, (s0 + lanes).to(tl.int64), mask=keep)
+        kept += tl.sum(keep.to(tl.int32), 0)
+        tied += tl.sum(tie.to(tl.int32), 0)
+    for s0 in range(forced + free, SIZE, BLOCK):  # each slot written once: forced, kept, then this padding
+        tl.store(out + s0 + lanes, -1, mask=s0 + lanes < SIZE)
+
+
+@torch.no_grad()
+def select_positions(score: torch.Tensor, forced: int, size: int,
+                     per_head: torch.Tensor | None = None) -> torch.Tensor:
+    """`topk.top_positions(score, forced, size, per_head)` (its positions, ascending, -1 padded: Long `[..., H,
+    size]` from score `[..., H, n]`; per_head Long `[H]` keeps each head's first choices) in one Triton launch, one
+    program per row and no sort, no host sync; ties at the threshold go to the lowest positions (torch.topk's
+    choice among ties is unspecified)."""
+    n = score.shape[-1]
+    forced = min(forced, size, n)
+    free = min(size - forced, n - forced)
+    rows = score.reshape(-1, n).float().contiguous()
+    out = torch.empty(rows.shape[0], size, dtype=torch.long, device=score.device)
+    heads = score.shape[-2] if score.dim() > 1 else 1
+    budget = per_head.to(score.device) if per_head is not None else out  # (unused without per_head)
+    if size and rows.shape[0]:
+        _top_positions_kernel[(rows.shape[0],)](rows, budget, out, n, heads, size, forced, free, BLOCK=512, WAYS=16,
+                                                PER_HEAD=per_head is not None, num_warps=4)
+    return out.view(*score.shape[:-1], size)
+
+
 @torch.no_grad()
 def vs_index(q: torch.Tensor, k: torch.Tensor, scale: float, vertical: int = 1000, slash: int = 6096,
              sink: int = 30, local: int = 100, group_shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +205,7 @@ def vs_index(q: torch.Tensor, k: torch.Tensor, scale: float, vertical: int = 100
     col, diag = vs_scores(q, k, scale)
     if group_shared:
         col, diag = (x.unflatten(1, (k.shape[1], -1)).sum(2) for x in (col, diag))
-    return top_positions(col, sink, vertical, None), top_positions(diag, max(local, 1), slash, None)
+    return select_positions(col, sink, vertical), select_positions(diag, max(local, 1), slash)
 
 
 @triton.jit

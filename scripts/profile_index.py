@@ -1,4 +1,5 @@
-"""Exploratory: per-kernel device time of the VS index (its scores, then the top-k of columns and offsets), the
+"""Exploratory: per-kernel device time of the VS index (its scores, then the top-k of columns and offsets: the Triton
+`select_positions` beside torch's `top_positions`), the
 VS index -> tiles conversion and the block index at the bench's planted inputs, H200.
 
     python3 scripts/profile_index.py SHAPES OUT.json [LENGTHS]     (LENGTHS default 65536,131072)"""
@@ -9,7 +10,7 @@ from collections import defaultdict
 
 import torch
 from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
-from workbench_kernels.index_build import block_index, pooled_scores, vs_index, vs_scores, vs_tiles
+from workbench_kernels.index_build import block_index, pooled_scores, select_positions, vs_index, vs_scores, vs_tiles
 from workbench_kernels.index_ref import selected_block_tiles
 from workbench_kernels.topk import top_positions
 
@@ -43,8 +44,10 @@ for shape in sys.argv[1].split(","):
         col, diag = vs_scores(q, k, 1 / math.sqrt(d))
         r = {"vs_index": prof(lambda: vs_index(q, k, 1 / math.sqrt(d), 1000, 6096)),
              "vs_scores": prof(lambda: vs_scores(q, k, 1 / math.sqrt(d))),
-             "top_columns": prof(lambda: top_positions(col, 30, 1000)),
-             "top_offsets": prof(lambda: top_positions(diag, 100, 6096)),
+             "top_columns": prof(lambda: select_positions(col, 30, 1000)),  # what vs_index runs
+             "top_offsets": prof(lambda: select_positions(diag, 100, 6096)),
+             "top_columns_torch": prof(lambda: top_positions(col, 30, 1000)),  # torch.topk + sort, before
+             "top_offsets_torch": prof(lambda: top_positions(diag, 100, 6096)),
              "vs_tiles": prof(lambda: vs_tiles(cols, offs, n)),
              "block_index": prof(lambda: selected_block_tiles(block_index(q, k, 100))),
              "pooled_scores": prof(lambda: pooled_scores(q, k))}

@@ -105,6 +105,9 @@ def compile_all() -> dict[str, dict]:
                      dict(D=256, R=64), ("Q", "K", "Lse", "Col", "Diag", *qk_strides), 4)
         compile_sm90(index_build._block_topk_kernel, {"Score": "*fp32", "Budget": "*i32", "Out": "*i32"},
                      dict(R=1, NPAD=2048, KPAD=128), ("Score", "Budget", "Out"), 4)
+        for per_head in (False, True):
+            compile_sm90(index_build._top_positions_kernel, {"Score": "*fp32", "Budget": "*i64", "Out": "*i64"},
+                         dict(BLOCK=512, WAYS=16, PER_HEAD=per_head), ("Score", "Budget", "Out"), 4)
         dots = {}
         for precision in ("ieee", "tf32x3"):
             for d in (128, 256):  # head_dim 256 in two 128-wide chunks: tensor cores there too
@@ -145,8 +148,8 @@ def test_prefill_kernel_compiles_for_sm90_within_shared_memory(compiled, case):
 
 
 def test_index_kernels_compile_for_sm90(compiled):
-    """The VS score passes at head_dim 256, the VS cover, tile expansion, block scores and top-k kernels at
-    the sizes a 128K-token layer gives them; the 3xTF32 scores on the tensor cores, the IEEE ones on FMA."""
+    """The VS score passes at head_dim 256, the VS cover, tile expansion, VS top-k (with and without per-head
+    budgets), block scores and top-k kernels at the sizes a 128K-token layer gives them; the 3xTF32 scores on the tensor cores, the IEEE ones on FMA."""
     result = compiled["index"]
     assert "error" not in result, result.get("error")
     assert result["tensor_core_dots"] == {"ieee/128": 0, "ieee/256": 0, "tf32x3/128": 3, "tf32x3/256": 6}
