@@ -149,7 +149,8 @@ def test_prefill_kernel_compiles_for_sm90_within_shared_memory(compiled, case):
 
 def test_index_kernels_compile_for_sm90(compiled):
     """The VS score passes at head_dim 256, the VS cover, tile expansion, VS top-k (with and without per-head
-    budgets), block scores and top-k kernels at the sizes a 128K-token layer gives them; the 3xTF32 scores on the tensor cores, the IEEE ones on FMA."""
+    budgets), block scores and top-k kernels at the sizes a 128K-token layer gives them; the 3xTF32 scores on
+    the tensor cores, the IEEE ones on FMA."""
     result = compiled["index"]
     assert "error" not in result, result.get("error")
     assert result["tensor_core_dots"] == {"ieee/128": 0, "ieee/256": 0, "tf32x3/128": 3, "tf32x3/256": 6}
