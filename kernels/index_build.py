@@ -109,6 +109,21 @@ def vs_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Ten
 
 
 @triton.jit
+def _order_key(x):
+    """Int32 keys whose signed order is the order of the fp32 values x (their bits, negatives' magnitude bits
+    flipped)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _chunk_keys(row, s0, lanes, N):
+    """(in range, `_order_key`) of the scores row[s0 + lanes], lanes past N masked."""
+    ok = s0 + lanes < N
+    return ok, _order_key(tl.load(row + s0 + lanes, mask=ok, other=0.0))
+
+
+@triton.jit
 def _top_positions_kernel(Score, Budget, Out, N, H, SIZE, FORCED, FREE, BLOCK: tl.constexpr, WAYS: tl.constexpr,
                           PER_HEAD: tl.constexpr):
     """Row r of Score Float32 `[R, N]` (program r; head r % H) -> Out Int64 `[R, SIZE]`: positions [0, forced),
@@ -142,26 +157,21 @@ def _top_positions_kernel(Score, Budget, Out, N, H, SIZE, FORCED, FREE, BLOCK: t
         th = lo + way * step
         cnt = tl.zeros([WAYS], tl.int32)
         for s0 in range(forced, N, BLOCK):
-            ok = s0 + lanes < N
-            bits = tl.load(row + s0 + lanes, mask=ok, other=0.0).to(tl.int32, bitcast=True)
-            key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
-            cnt += tl.sum(((key[:, None] >= th[None, :]) & ok[:, None]).to(tl.int32), 0)
+            ok, key = _chunk_keys(row, s0, lanes, N)
+            cnt += tl.sum(((key.to(tl.int64)[:, None] >= th[None, :]) & ok[:, None]).to(tl.int32), 0)
         j = tl.sum((cnt >= free).to(tl.int32), 0) - 1  # the last threshold still reached by `free` keys
         lo = lo + j * step
         hi = tl.minimum(hi, lo + step - 1)
     t = lo.to(tl.int32)
     above = tl.zeros([BLOCK], tl.int32)
     for s0 in range(forced, N, BLOCK):
-        ok = s0 + lanes < N
-        bits = tl.load(row + s0 + lanes, mask=ok, other=0.0).to(tl.int32, bitcast=True)
-        above += (ok & ((bits ^ ((bits >> 31) & 0x7FFFFFFF)) > t)).to(tl.int32)
+        ok, key = _chunk_keys(row, s0, lanes, N)
+        above += (ok & (key > t)).to(tl.int32)
     ties = free - tl.sum(above, 0)  # keys == T to keep, the first ones by position
     kept = 0
     tied = 0
     for s0 in range(forced, N, BLOCK):
-        ok = s0 + lanes < N
-        bits = tl.load(row + s0 + lanes, mask=ok, other=0.0).to(tl.int32, bitcast=True)
-        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        ok, key = _chunk_keys(row, s0, lanes, N)
         tie = ok & (key == t)
         keep = (ok & (key > t)) | (tie & (tied + tl.cumsum(tie.to(tl.int32), 0) <= ties))
         pos = kept + tl.cumsum(keep.to(tl.int32), 0) - 1
@@ -384,8 +394,7 @@ def _block_topk_kernel(Score, Budget, Out, M, H, K, M_LO, M_HI, R: tl.constexpr,
     cand = (j[None, :] < m[:, None]) & row_ok[:, None]
     rows = (bh * M + m).to(tl.int64)
     x = tl.load(Score + rows[:, None] * M + j[None, :], mask=cand, other=0.0)
-    bits = x.to(tl.int32, bitcast=True)
-    key = tl.where(cand, bits ^ ((bits >> 31) & 0x7FFFFFFF), -2147483647 - 1)  # signed int order == float order
+    key = tl.where(cand, _order_key(x), -2147483647 - 1)
     k = tl.minimum(tl.maximum(tl.load(Budget + bh % H), 1), m + 1) - 1  # candidates to keep, <= m
     # invariant: count(key >= lo) = cnt >= k and count(key > hi) < k; done when cnt == k or lo == hi
     lo = tl.min(tl.where(cand, key, 2147483647), 1).to(tl.int64)
