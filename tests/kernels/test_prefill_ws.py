@@ -367,10 +367,10 @@ def test_ws_ashape_rejects_unsupported_inputs(case):
         ws_ashape(*args, share_kv=case == "share_unequal", width=96 if case == "width" else 64)
 
 
-@pytest.mark.parametrize("case", ["columns_shape", "offsets_dtype", "fp32", "share_unequal", "not_hopper"])
+@pytest.mark.parametrize("case", ["columns_shape", "offsets_dtype", "fp32", "share_unequal", "width", "not_hopper"])
 def test_ws_vertical_slash_rejects_unsupported_inputs(case):
     """Integer index per query head ([B, Hq]) or per KV head ([B, Hkv]) for both, bf16 / fp16, share_kv only over
-    equal lists of heads 2j and 2j + 1, an sm_90 GPU; else ValueError."""
+    equal lists of heads 2j and 2j + 1, 64 or 128 keys per step, an sm_90 GPU; else ValueError."""
     if gluon_hopper_reason():
         pytest.skip(gluon_hopper_reason())
     from workbench_kernels.prefill_ws import ws_vertical_slash
@@ -385,9 +385,10 @@ def test_ws_vertical_slash_rejects_unsupported_inputs(case):
                    "offsets_dtype": ((q, k, v, cols, offs.float()), "offsets"),
                    "fp32": ((q.float(), k.float(), v.float(), cols, offs), "dtype"),
                    "share_unequal": ((q, k, v, varied, offs), "share_kv"),
+                   "width": ((q, k, v, cols, offs), "width"),
                    "not_hopper": ((q, k, v, cols, offs), "Hopper")}[case]
     with pytest.raises(ValueError, match=field):
-        ws_vertical_slash(*args, share_kv=case == "share_unequal" or None)
+        ws_vertical_slash(*args, share_kv=case == "share_unequal" or None, width=96 if case == "width" else 64)
 
 
 if __name__ == "__main__":
