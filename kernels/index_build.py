@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .index_ref import VSTiles, max_pieces_total, vs_tile_bounds
+from .index_ref import VSTiles, max_pieces_total, selected_block_tiles, vs_tile_bounds
 from .topk import budget, top_blocks
 
 LOG2E = 1.4426950408889634
@@ -56,6 +56,26 @@ def _row_stats_kernel(Q, K, Mpart, Lpart, qk_scale, N, H, G, U,
     out = (bh * U + u) * R + tl.arange(0, R)
     tl.store(Mpart + out, m)
     tl.store(Lpart + out, l)
+
+
+@triton.jit
+def _combine_lse_kernel(Mpart, Lpart, Lse, U, R: tl.constexpr, CHUNK: tl.constexpr):
+    """Log2-sum-exp2 of each of the R rows of one head over its U key blocks' (row max, row sum) partials
+    `[U, R]`: a running max and rescaled sum over CHUNK blocks at a time (rows without a key: -inf)."""
+    bh = tl.program_id(0)
+    r = tl.arange(0, R)
+    m = tl.full([R], float("-inf"), tl.float32)
+    l = tl.zeros([R], tl.float32)
+    for u0 in range(0, U, CHUNK):
+        u = u0 + tl.arange(0, CHUNK)
+        at = (bh * U + u).to(tl.int64)[:, None] * R + r[None, :]
+        mp = tl.load(Mpart + at, mask=u[:, None] < U, other=float("-inf"))
+        lp = tl.load(Lpart + at, mask=u[:, None] < U, other=0.0)
+        m_new = tl.maximum(m, tl.max(mp, 0))
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l = l * tl.math.exp2(m - base) + tl.sum(lp * tl.math.exp2(mp - base[None, :]), 0)
+        m = m_new
+    tl.store(Lse + bh * R + r, tl.where(l > 0, m + tl.math.log2(tl.maximum(l, 1e-30)), float("-inf")))
 
 
 @triton.jit
@@ -99,10 +119,9 @@ def vs_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Ten
     args = (scale * LOG2E, N, Hq, Hq // Hkv)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
     _row_stats_kernel[(B * Hq, U)](q, k, mpart, lpart, *args, U, *strides, D=D, R=ROWS, BN=ROWS, num_warps=4)
-    m = mpart.amax(1, keepdim=True)
-    m = torch.where(m == float("-inf"), 0.0, m)
-    lse = (m[:, 0] + torch.log2((lpart * torch.exp2(mpart - m)).sum(1))).contiguous()  # [B*Hq, R], log2 units
-    col = torch.zeros(B, Hq, N, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B * Hq, ROWS, dtype=torch.float32, device=q.device)  # log2 units
+    _combine_lse_kernel[(B * Hq,)](mpart, lpart, lse, U, R=ROWS, CHUNK=64, num_warps=4)
+    col = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)  # (every key lies in one block u: all written)
     diag = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
     _col_diag_kernel[(B * Hq, U)](q, k, lse, col, diag, *args, *strides, D=D, R=ROWS, num_warps=4)
     return col, diag
@@ -204,18 +223,25 @@ def select_positions(score: torch.Tensor, forced: int, size: int,
 
 @torch.no_grad()
 def vs_index(q: torch.Tensor, k: torch.Tensor, scale: float, vertical: int = 1000, slash: int = 6096,
-             sink: int = 30, local: int = 100, group_shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+             sink: int = 30, local: int = 100, group_shared: bool = False,
+             per_head: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Vertical-Slash index of every head of a layer -> (columns Long `[B, Hq, vertical]`, offsets Long
     `[B, Hq, slash]`), ascending, -1 padded; same selection as `vs_proxy` at its defaults.
+    `per_head`: (columns, offsets) budgets Long `[Hq]` on q's device, or None where every head takes
+    `vertical` / `slash` (then the largest): each head keeps its first choices, as `vs_proxy` with per-head budgets.
     `group_shared`: one index per KV head (`[B, Hkv, ...]`) from the column and diagonal sums added
     over its G query heads, for the GQA-packed kernel."""
     if q.dim() != 4 or k.dim() != 4 or q.shape[1] % k.shape[1]:
         raise ValueError(f"q must be [B, Hq, N, D] and k [B, Hkv, N, D] with Hq a multiple of Hkv; "
                          f"got {tuple(q.shape)} and {tuple(k.shape)}")
+    if group_shared and per_head != (None, None):
+        raise ValueError("per_head budgets are per query head: give none with group_shared=True")
     col, diag = vs_scores(q, k, scale)
     if group_shared:
         col, diag = (x.unflatten(1, (k.shape[1], -1)).sum(2) for x in (col, diag))
-    return select_positions(col, sink, vertical), select_positions(diag, max(local, 1), slash)
+    return (select_positions(col, sink, vertical, per_head[0]),
+            select_positions(diag, max(local, 1), slash, per_head[1]))
 
 
 @triton.jit
@@ -377,14 +403,16 @@ def _expand_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: i
 
 
 @triton.jit
-def _block_topk_kernel(Score, Budget, Out, M, H, K, M_LO, M_HI, R: tl.constexpr, NPAD: tl.constexpr,
-                       KPAD: tl.constexpr):
+def _block_topk_kernel(Score, Budget, Out, Count, ColCount, ColIndex, M, H, K, M_LO, M_HI, R: tl.constexpr,
+                       NPAD: tl.constexpr, KPAD: tl.constexpr, PER_HEAD: tl.constexpr, TILES: tl.constexpr):
     """R consecutive query blocks m in [M_LO, M_HI) (rows of Score, NPAD >= M_HI) of one head: each keeps
-    its diagonal plus the best k - 1 causal key blocks before it, k = min(budget, m + 1), written
-    ascending. The threshold is found exactly by bisection on the order-preserving int32 image of the
-    fp32 scores, between the row's smallest and largest candidate, stopping as soon as exactly k - 1
-    candidates reach it (a gap between the (k-1)-th and k-th score: ~15-25 passes instead of 32); ties
-    at the threshold go to the lowest block ids."""
+    its diagonal plus the best k - 1 causal key blocks before it, k = min(budget, m + 1) (budget: Budget[h]
+    with PER_HEAD, else K), written ascending. The threshold is found exactly by bisection on the
+    order-preserving int32 image of the fp32 scores, between the row's smallest and largest candidate,
+    stopping as soon as exactly k - 1 candidates reach it (a gap between the (k-1)-th and k-th score: ~15-25
+    passes instead of 32); ties at the threshold go to the lowest block ids. TILES: the row's 64-row tile
+    instead (`VSTiles` fields: key offsets block * 64 in Out, k in Count, no columns), as `selected_block_tiles`
+    makes of the table."""
     pid = tl.program_id(0)
     per_head = tl.cdiv(M_HI - M_LO, R)
     bh = pid // per_head
@@ -395,7 +423,8 @@ def _block_topk_kernel(Score, Budget, Out, M, H, K, M_LO, M_HI, R: tl.constexpr,
     rows = (bh * M + m).to(tl.int64)
     x = tl.load(Score + rows[:, None] * M + j[None, :], mask=cand, other=0.0)
     key = tl.where(cand, _order_key(x), -2147483647 - 1)
-    k = tl.minimum(tl.maximum(tl.load(Budget + bh % H), 1), m + 1) - 1  # candidates to keep, <= m
+    top = tl.load(Budget + bh % H) if PER_HEAD else K
+    k = tl.minimum(tl.maximum(top, 1), m + 1) - 1  # candidates to keep, <= m
     # invariant: count(key >= lo) = cnt >= k and count(key > hi) < k; done when cnt == k or lo == hi
     lo = tl.min(tl.where(cand, key, 2147483647), 1).to(tl.int64)
     hi = tl.max(key, 1).to(tl.int64)
@@ -416,11 +445,34 @@ def _block_topk_kernel(Score, Budget, Out, M, H, K, M_LO, M_HI, R: tl.constexpr,
     n_above = tl.sum(above.to(tl.int32), 1)
     keep = above | (tie & (tl.cumsum(tie.to(tl.int32), 1) <= (k - n_above)[:, None]))
     pos = tl.cumsum(keep.to(tl.int32), 1) - 1
+    unit = ROWS if TILES else 1
     out = Out + rows * K
-    tl.store(out[:, None] + pos, j[None, :], mask=keep)
-    tl.store(out + k, m, mask=row_ok)  # the diagonal, after the k kept candidates
+    tl.store(out[:, None] + pos, j[None, :] * unit, mask=keep)
+    tl.store(out + k, m * unit, mask=row_ok)  # the diagonal, after the k kept candidates
     slot = tl.arange(0, KPAD)
     tl.store(out[:, None] + slot[None, :], -1, mask=(slot[None, :] > k[:, None]) & (slot[None, :] < K) & row_ok[:, None])
+    if TILES:
+        tl.store(Count + rows, k + 1, mask=row_ok)
+        tl.store(ColCount + rows, 0, mask=row_ok)
+        tl.store(ColIndex + rows, -1, mask=row_ok)
+
+
+@triton.jit
+def _pool_kernel(X, Out, N, M, H, sxb, sxh, sxn, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
+                 CHUNK: tl.constexpr):
+    """Mean over the rows of block m (a last partial block: over its own rows) of one head of X `[B, H, N, D]`
+    (last dim contiguous) -> Out[b, h, m, :] in fp32."""
+    bh = tl.program_id(0)
+    m = tl.program_id(1)
+    dims = tl.arange(0, DP)
+    base = X + (bh // H) * sxb + (bh % H) * sxh
+    acc = tl.zeros([DP], tl.float32)
+    for r0 in tl.static_range(0, BLOCK, CHUNK):
+        rows = m * BLOCK + r0 + tl.arange(0, CHUNK)
+        x = tl.load(base + rows.to(tl.int64)[:, None] * sxn + dims[None, :],
+                    mask=(rows[:, None] < N) & (dims[None, :] < D), other=0.0)
+        acc += tl.sum(x.to(tl.float32), 0)
+    tl.store(Out + (bh * M + m).to(tl.int64) * D + dims, acc / tl.minimum(N - m * BLOCK, BLOCK), mask=dims < D)
 
 
 @triton.jit
@@ -446,6 +498,22 @@ def _block_scores_kernel(QP, KP, Score, M, H, G, D: tl.constexpr, DK: tl.constex
             s = tl.dot(qp, tl.trans(kp), acc=s, input_precision=PRECISION)
         tl.store(Score + (bh * M + rows).to(tl.int64)[:, None] * M + cols[None, :], s,
                  mask=(rows < M)[:, None] & (cols < M)[None, :])
+
+
+@torch.no_grad()
+def pool_blocks(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """`block`-token means of x `[B, H, N, D]` (a last partial block averages its own tokens) -> Float32
+    `[B, H, ceil(N / block), D]`, contiguous: one Triton launch, fp32 accumulation, no fp32 copy of x."""
+    B, H, n, D = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    M = -(-n // block)
+    out = torch.empty(B, H, M, D, dtype=torch.float32, device=x.device)
+    dp = triton.next_power_of_2(D)
+    if out.numel():
+        _pool_kernel[(B * H, M)](x, out, n, M, H, x.stride(0), x.stride(1), x.stride(2), D=D, DP=dp, BLOCK=block,
+                                 CHUNK=min(block, max(1, 4096 // dp)), num_warps=4)
+    return out
 
 
 @torch.no_grad()
@@ -479,16 +547,18 @@ def pooled_scores(q: torch.Tensor, k: torch.Tensor, block: int = 64, group_share
             parts.append(x[:, :, full * block:].sum(2, keepdim=True, dtype=torch.float32) / (n % block))
         return torch.cat(parts, 2)
 
-    qp, kp = pool(q), pool(k)  # [B, H, M, D]
-    M = qp.shape[2]
     if q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        qp, kp = pool_blocks(q, block), pool_blocks(k, block)  # [B, H, M, D]
+        M = qp.shape[2]
         score = torch.empty(B, Hq, M, M, dtype=torch.float32, device=q.device)
         bt = 64  # 64 x 64 tiles over 128-wide chunks of head_dim (head_dim 256 as 32 x 32 tiles over all 256 took
         # 5.4 ms at 128K on the H200 (Gemma-3 shape, 4 heads) against 0.93 ms for the Llama shape's 32: no wgmma)
         grid = (B * Hq, triton.cdiv(M, bt), triton.cdiv(M, bt))
-        _block_scores_kernel[grid](qp.contiguous(), kp.contiguous(), score, M, Hq, Hq // Hkv, D=D, DK=min(D, 128),
+        _block_scores_kernel[grid](qp, kp, score, M, Hq, Hq // Hkv, D=D, DK=min(D, 128),
                                    BT=bt, PRECISION=precision, num_warps=4)
     else:
+        qp, kp = pool(q), pool(k)
+        M = qp.shape[2]
         score = (qp.view(B, Hkv, (Hq // Hkv) * M, D) @ kp.transpose(-1, -2)).view(B, Hq, M, M)
     return score.unflatten(1, (Hkv, -1)).sum(2) if group_shared else score
 
@@ -502,6 +572,17 @@ def select_blocks(score: torch.Tensor, topk: int | torch.Tensor = 100) -> torch.
     row scans at most twice its candidates, with ~32 scores per thread (fewer registers, more programs
     per SM: 2.7-2.9x faster than 4-8 rows per program on the H200, kernels/NOTES.md); on the CPU without
     the Triton interpreter `topk.top_blocks` (the same blocks)."""
+    return _select(score, topk, tiles=False)
+
+
+@torch.no_grad()
+def select_block_tiles(score: torch.Tensor, topk: int | torch.Tensor = 100) -> VSTiles:
+    """`selected_block_tiles(select_blocks(score, topk))`, the 64-row tiles of the selection, written by the
+    selection's own launches (no elementwise pass over the table)."""
+    return _select(score, topk, tiles=True)
+
+
+def _select(score: torch.Tensor, topk: int | torch.Tensor, tiles: bool) -> torch.Tensor | VSTiles:
     B, H, M, _ = score.shape
     n_budgets = torch.as_tensor(topk).numel()
     if n_budgets > 1 and n_budgets % H:
@@ -511,20 +592,24 @@ def select_blocks(score: torch.Tensor, topk: int | torch.Tensor = 100) -> torch.
         per_head = per_head.view(H, -1).amax(1)  # tables per KV head: the group's largest
     kernel = score.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
     if not kernel or k_max == 0 or M > MAX_TOPK_BLOCKS:
-        return top_blocks(score, k_max, per_head)
-    budgets = (per_head.to(score.device, torch.int32) if per_head is not None
-               else torch.full((H,), k_max, dtype=torch.int32, device=score.device))  # no host copy
-    out = torch.empty(B, H, M, k_max, dtype=torch.int32, device=score.device)
+        table = top_blocks(score, k_max, per_head)
+        return selected_block_tiles(table) if tiles else table
+    dev = score.device
+    budgets = per_head.to(dev, torch.int32) if per_head is not None else None
+    out = torch.empty(B, H, M, k_max, dtype=torch.int32, device=dev)
+    count, col_count, col_index = ([torch.empty(B, H, M, *s, dtype=torch.int32, device=dev) for s in ((), (), (1,))]
+                                   if tiles else (out, out, out))  # (unused without tiles)
     score = score.contiguous()
     lo = 0
     while lo < M:  # rows m in [npad / 2, npad) hold < npad candidates: no row scans past its own width
         npad = max(128, triton.next_power_of_2(lo + 1))
         hi = min(M, npad)
-        _block_topk_kernel[(B * H * (hi - lo),)](score, budgets, out, M, H, k_max, lo, hi, R=1, NPAD=npad,
-                                                 KPAD=triton.next_power_of_2(k_max),
-                                                 num_warps=min(16, max(1, npad // 1024)))
+        _block_topk_kernel[(B * H * (hi - lo),)](score, out if budgets is None else budgets, out, count, col_count,
+                                                 col_index, M, H, k_max, lo, hi, R=1, NPAD=npad,
+                                                 KPAD=triton.next_power_of_2(k_max), PER_HEAD=budgets is not None,
+                                                 TILES=tiles, num_warps=min(16, max(1, npad // 1024)))
         lo = hi
-    return out
+    return VSTiles(count, out, col_count, col_index, ROWS, 0, True, False) if tiles else out
 
 
 @torch.no_grad()
@@ -537,6 +622,16 @@ def block_index(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100
     added over its G query heads (budget: the group's largest), for the GQA-packed kernel."""
     budget(topk, q.shape[1], "topk")  # a per-head budget must match the query heads
     return select_blocks(pooled_scores(q, k, block, group_shared), topk)
+
+
+@torch.no_grad()
+def block_tiles(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100,
+                group_shared: bool = False) -> VSTiles:
+    """`block_index`'s selection as 64-row tiles (`selected_block_tiles(block_index(q, k, topk))`): one pooling
+    launch per q and k, one score launch, one selection launch per power-of-two band of row blocks, no torch
+    op between them (the index of a layer with few heads is launch-bound: kernels/NOTES.md)."""
+    budget(topk, q.shape[1], "topk")
+    return select_block_tiles(pooled_scores(q, k, ROWS, group_shared), topk)
 
 
 @torch.no_grad()

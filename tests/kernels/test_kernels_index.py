@@ -64,6 +64,35 @@ def test_vs_index_selects_what_the_torch_proxy_selects(n, Hq, Hkv):
             assert same >= 0.9 * b.numel()
 
 
+def test_vs_index_per_head_budgets_cut_as_the_proxy_cuts():
+    """Per-head budgets (a mixed layer's VS heads): each head keeps its own first choices of columns and offsets,
+    the rest -1, as `vs_proxy` with Long `[Hq]` budgets; a budget per query head with group_shared is refused."""
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(1, 4, 300, 64, generator=g), torch.randn(1, 2, 300, 64, generator=g)
+    vertical, slash = torch.tensor([24, 5, 3, 24]), torch.tensor([20, 20, 7, 1])
+    cols, offs = vs_index(q.to(DEV), k.to(DEV), 0.125, 24, 20, sink=3, local=5,
+                          per_head=(vertical.to(DEV), slash.to(DEV)))
+    ref_cols, ref_offs = vs_proxy(q, k, 0.125, vertical, slash, sink=3, local=5)
+    assert cols.shape == ref_cols.shape == (1, 4, 24) and offs.shape == ref_offs.shape == (1, 4, 20)
+    assert torch.equal((cols >= 0).sum(-1).cpu(), vertical[None]) and torch.equal((offs >= 0).sum(-1).cpu(), slash[None])
+    if DEV == "cpu":
+        assert torch.equal(cols, ref_cols) and torch.equal(offs, ref_offs)
+    with pytest.raises(ValueError, match="per_head"):
+        vs_index(q.to(DEV), k.to(DEV), 0.125, 24, 20, group_shared=True, per_head=(vertical.to(DEV), None))
+
+
+def test_pool_blocks_means_each_block_of_any_layout():
+    """The Triton 64-token means against torch's: a last partial block averages its own tokens, a head_dim that
+    is not a power of two, a non-contiguous (transposed) input, bf16 accumulated in fp32."""
+    from workbench_kernels.index_build import pool_blocks
+
+    g = torch.Generator().manual_seed(9)
+    for n, d, dtype in ((130, 80, torch.float32), (64, 64, torch.bfloat16), (5, 256, torch.float32)):
+        x = torch.randn(2, n, 3, d, generator=g).to(dtype).transpose(1, 2)  # [B, H, N, D], strided
+        want = torch.stack([x[:, :, i:i + 64].float().mean(2) for i in range(0, n, 64)], 2)
+        torch.testing.assert_close(pool_blocks(x.to(DEV)).cpu(), want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("n,forced,size,budgets", [(300, 30, 100, None), (1000, 100, 633, None), (77, 30, 100, None),
                                                    (50, 60, 80, None), (2000, 0, 1, None), (900, 30, 300, [5, 100, 300, 40]),
                                                    (900, 30, 300, [0, 1, 30, 31])])
@@ -211,7 +240,7 @@ def test_index_builders_at_head_dim_256():
 
 @pytest.mark.parametrize("n", [1, 130, 256])
 def test_block_index_selects_what_the_torch_proxy_selects(n):
-    from workbench_kernels.index_build import block_index
+    from workbench_kernels.index_build import block_index, block_tiles
 
     from workbench.patterns.proxy import block_proxy
 
@@ -229,6 +258,10 @@ def test_block_index_selects_what_the_torch_proxy_selects(n):
         quick = selected_block_tiles(fast)
         assert torch.equal(quick.block_count, slow.block_count)
         assert torch.equal(tiles_to_mask(quick, n), tiles_to_mask(slow, n))
+        direct = block_tiles(q.to(DEV), k.to(DEV), topk)  # written by the selection's own launches
+        for name in ("block_count", "block_offset", "column_count", "column_index"):
+            assert torch.equal(getattr(direct, name).cpu(), getattr(quick, name).cpu()), name
+        assert (direct.block, direct.piece, direct.disjoint, direct.columns) == (quick.block, 64, True, False)
 
 
 def test_block_index_kernel_on_long_rows_and_budgets():

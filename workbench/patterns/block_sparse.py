@@ -160,10 +160,13 @@ class BlockSparse(PatternBase):
     @classmethod
     def layer_tiles(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
                     block: int, triton: bool = False) -> tuple[VSTiles, None]:
-        """Pooled top-k on all heads of the batch at once (`triton`: the Triton block index)."""
+        """Pooled top-k on all heads of the batch at once (`triton`: the Triton block index; on 64-row tiles
+        written by its selection, `block_tiles`)."""
         if triton:
-            from workbench_kernels.index_build import block_index
+            from workbench_kernels.index_build import block_index, block_tiles
 
+            if block == BLOCK:
+                return block_tiles(q, k, per_head(params, "topk")), None
             table = block_index(q, k, per_head(params, "topk"), block)
         else:
             table = block_proxy(q, k, per_head(params, "topk"), block)

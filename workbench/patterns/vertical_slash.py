@@ -167,15 +167,14 @@ class VerticalSlash(PatternBase):
     def layer_tiles(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
                     block: int, triton: bool = False) -> tuple[VSTiles, None]:
         """The proxy on all heads of the batch at once; with `triton` (and proxy settings the Triton
-        builder computes) the Triton column / diagonal sums, top-k (`select_positions`: `top_positions`' choice,
-        ties to the lowest positions) and tile expansion."""
+        builder computes) the Triton index (`vs_index`: `top_positions`' choice, ties to the lowest positions) and
+        tile expansion."""
         n = q.shape[2]
         if triton and all(proxy.get(key, value) == value for key, value in TRITON_PROXY.items()):
-            from workbench_kernels.index_build import select_positions, vs_scores
+            from workbench_kernels.index_build import vs_index
 
-            col, diag = vs_scores(q, k, scale)
-            cols = select_positions(col, proxy["sink"], *_budget_on(params, "vertical", q.device))
-            offs = select_positions(diag, max(proxy["local"], 1), *_budget_on(params, "slash", q.device))
+            (vertical, per_v), (slash, per_s) = (_budget_on(params, key, q.device) for key in ("vertical", "slash"))
+            cols, offs = vs_index(q, k, scale, vertical, slash, proxy["sink"], proxy["local"], per_head=(per_v, per_s))
         else:
             vertical, slash = per_head(params, "vertical"), per_head(params, "slash")  # host ints: no sync
             cols, offs = vs_proxy(q, k, scale, vertical, slash, **proxy)
