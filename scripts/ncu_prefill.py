@@ -6,7 +6,12 @@ window, for Nsight Compute to read their counters side by side:
 
 Planted inputs at the Llama-3-8B shape (the bench's); in order: Vertical-Slash(1000, 6096) through the Gluon kernel
 (`ws_vertical_slash`, packed beforehand) and through the Triton loop (`sparse_prefill(warp_specialize=False)` on
-`vs_tiles`), block-sparse top-100 per head through both. Prints the physical densities first."""
+`vs_tiles`), block-sparse top-100 per head through both. Prints the physical densities first.
+
+`python scripts/ncu_prefill.py 65536 keys128` instead: the per-head 128-key Gluon layout (2 K + 1 V stages, no
+intra-warpgroup overlap) on Vertical-Slash (`ws_vertical_slash(width=128)`) and on dense causal tiles of the same
+kernel (`ws_ashape` without sinks or band), then the 64-key Gluon Vertical-Slash: why 128 keys gain 9 % on dense tiles
+and nothing on Vertical-Slash (kernels/NOTES.md, session 13)."""
 import sys
 
 import torch
@@ -14,9 +19,11 @@ from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
 from workbench_kernels.index_build import block_index, vs_index, vs_tiles
 from workbench_kernels.index_ref import selected_block_tiles, tile_area
 from workbench_kernels.prefill import sparse_prefill
-from workbench_kernels.prefill_ws import pack_vertical_slash, ws_prefill, ws_vertical_slash
+from workbench_kernels.prefill_ws import pack_vertical_slash, ws_ashape, ws_prefill, ws_vertical_slash
+from workbench_kernels.tiling import NO_WINDOW
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 65536
+keys128 = sys.argv[2:] == ["keys128"]
 hq, hkv, d, theta = SHAPES["llama3-8b"]
 q, k, v = planted_inputs(hq, hkv, d, n, theta)
 cols, offs = vs_index(q, k, 1.0 / d ** 0.5, 1000, min(6096, n))
@@ -32,6 +39,12 @@ runs = [lambda: ws_vertical_slash(q, k, v, cols, offs, packed=packed),
         lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False),
         lambda: ws_prefill(q, k, v, block),
         lambda: sparse_prefill(q, k, v, block, warp_specialize=False)]
+if keys128:
+    per_head128 = {"stages": 2, "v_stages": 1, "overlap": False, "width": 128}
+    packed128 = pack_vertical_slash(k, v, cols, offs, hq, width=128)
+    runs = [lambda: ws_vertical_slash(q, k, v, cols, offs, packed=packed128, **per_head128),
+            lambda: ws_ashape(q, k, v, [0] * hq, [NO_WINDOW] * hq, **per_head128),
+            lambda: ws_vertical_slash(q, k, v, cols, offs, packed=packed)]
 for run in runs:  # compile and warm outside the window
     run()
 torch.cuda.synchronize()
