@@ -404,15 +404,16 @@ def _expand_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: i
 
 @triton.jit
 def _block_topk_kernel(Score, Budget, Out, Count, ColCount, ColIndex, M, H, K, M_LO, M_HI, R: tl.constexpr,
-                       NPAD: tl.constexpr, KPAD: tl.constexpr, PER_HEAD: tl.constexpr, TILES: tl.constexpr):
+                       NPAD: tl.constexpr, KPAD: tl.constexpr, PER_HEAD: tl.constexpr, TILES: tl.constexpr,
+                       UNIT: tl.constexpr):
     """R consecutive query blocks m in [M_LO, M_HI) (rows of Score, NPAD >= M_HI) of one head: each keeps
     its diagonal plus the best k - 1 causal key blocks before it, k = min(budget, m + 1) (budget: Budget[h]
     with PER_HEAD, else K), written ascending. The threshold is found exactly by bisection on the
     order-preserving int32 image of the fp32 scores, between the row's smallest and largest candidate,
     stopping as soon as exactly k - 1 candidates reach it (a gap between the (k-1)-th and k-th score: ~15-25
     passes instead of 32); ties at the threshold go to the lowest block ids. TILES: the row's 64-row tile
-    instead (`VSTiles` fields: key offsets block * 64 in Out, k in Count, no columns), as `selected_block_tiles`
-    makes of the table."""
+    instead (`VSTiles` fields: key offsets block * UNIT in Out, k in Count, no columns), as `selected_block_tiles`
+    makes of the table (UNIT: 64 with TILES, else 1)."""
     pid = tl.program_id(0)
     per_head = tl.cdiv(M_HI - M_LO, R)
     bh = pid // per_head
@@ -445,10 +446,9 @@ def _block_topk_kernel(Score, Budget, Out, Count, ColCount, ColIndex, M, H, K, M
     n_above = tl.sum(above.to(tl.int32), 1)
     keep = above | (tie & (tl.cumsum(tie.to(tl.int32), 1) <= (k - n_above)[:, None]))
     pos = tl.cumsum(keep.to(tl.int32), 1) - 1
-    unit = ROWS if TILES else 1
     out = Out + rows * K
-    tl.store(out[:, None] + pos, j[None, :] * unit, mask=keep)
-    tl.store(out + k, m * unit, mask=row_ok)  # the diagonal, after the k kept candidates
+    tl.store(out[:, None] + pos, j[None, :] * UNIT, mask=keep)
+    tl.store(out + k, m * UNIT, mask=row_ok)  # the diagonal, after the k kept candidates
     slot = tl.arange(0, KPAD)
     tl.store(out[:, None] + slot[None, :], -1, mask=(slot[None, :] > k[:, None]) & (slot[None, :] < K) & row_ok[:, None])
     if TILES:
@@ -607,7 +607,8 @@ def _select(score: torch.Tensor, topk: int | torch.Tensor, tiles: bool) -> torch
         _block_topk_kernel[(B * H * (hi - lo),)](score, out if budgets is None else budgets, out, count, col_count,
                                                  col_index, M, H, k_max, lo, hi, R=1, NPAD=npad,
                                                  KPAD=triton.next_power_of_2(k_max), PER_HEAD=budgets is not None,
-                                                 TILES=tiles, num_warps=min(16, max(1, npad // 1024)))
+                                                 TILES=tiles, UNIT=ROWS if tiles else 1,
+                                                 num_warps=min(16, max(1, npad // 1024)))
         lo = hi
     return VSTiles(count, out, col_count, col_index, ROWS, 0, True, False) if tiles else out
 
