@@ -6,13 +6,12 @@ keys; column sums and diagonal sums of the softmax probabilities pick the column
 
 Two Triton passes over 64-key blocks counted from the end of the sequence (block u = keys
 [n - 64(u+1), n - 64u)): pass 1 writes each block's row max and row sum of exp (combined into the
-rows' log-sum-exp in torch); pass 2 recomputes the scores of blocks u+1 and u side by side as a
+rows' log-sum-exp by one small launch); pass 2 recomputes the scores of blocks u+1 and u side by side as a
 64 x 128 tile X, sums the probabilities of block u over rows (column sums) and reads X along its
 diagonals with one `tl.gather` (row r, offset 64u + t sits at column 64 + r - t), so each program
-owns the diagonal sums of offsets [64u, 64u + 64) without atomics. Top-k selection (`select_positions`) picks
-what `topk.top_positions` (the one `workbench.patterns.vs_proxy` uses) picks, ties aside, in one launch per
-score tensor: a threshold search over each row, then the kept positions written in order (torch.topk, the sort
-and their glue were ~10 launches, most of the index's wall time at a few heads on the H200).
+owns the diagonal sums of offsets [64u, 64u + 64) without atomics. Top-k selection is `topk.top_positions`,
+the one `workbench.patterns.vs_proxy` uses (a Triton top-k with one program per row took 3.6-11x its device time on
+the H200 at 32K-128K: kernels/NOTES.md).
 
 The tile conversion (`vs_tiles`, the same tiles as `index_ref.vs_to_tiles`) is two Triton launches and
 no torch op between them: one program per head sorts its offsets and columns (`tl.sort`), dedupes the
@@ -29,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .index_ref import VSTiles, max_pieces_total, selected_block_tiles, vs_tile_bounds
-from .topk import budget, top_blocks
+from .topk import budget, top_blocks, top_positions
 
 LOG2E = 1.4426950408889634
 ROWS = 64
@@ -127,100 +126,6 @@ def vs_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Ten
     return col, diag
 
 
-@triton.jit
-def _order_key(x):
-    """Int32 keys whose signed order is the order of the fp32 values x (their bits, negatives' magnitude bits
-    flipped)."""
-    bits = x.to(tl.int32, bitcast=True)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
-
-
-@triton.jit
-def _chunk_keys(row, s0, lanes, N):
-    """(in range, `_order_key`) of the scores row[s0 + lanes], lanes past N masked."""
-    ok = s0 + lanes < N
-    return ok, _order_key(tl.load(row + s0 + lanes, mask=ok, other=0.0))
-
-
-@triton.jit
-def _top_positions_kernel(Score, Budget, Out, N, H, SIZE, FORCED, FREE, BLOCK: tl.constexpr, WAYS: tl.constexpr,
-                          PER_HEAD: tl.constexpr):
-    """Row r of Score Float32 `[R, N]` (program r; head r % H) -> Out Int64 `[R, SIZE]`: positions [0, forced),
-    then the `free` best-scoring positions of [forced, N) ascending (ties at the threshold to the lowest
-    positions), then -1; forced = FORCED, free = FREE, or with PER_HEAD the head's budget b = Budget[r % H] cuts
-    them to its first b choices (forced = min(FORCED, b), free = min(b - forced, FREE)).
-    The threshold T (the free-th largest order-preserving int32 image of the scores) is found by a WAYS-way
-    search: each pass over the row counts the keys >= WAYS thresholds spread over [lo, hi] and narrows it WAYS-fold
-    (8 passes for WAYS = 16); one more pass counts the keys > T, and the last one writes the kept positions in
-    order (a running prefix sum: no sort)."""
-    r = tl.program_id(0).to(tl.int64)
-    row = Score + r * N
-    out = Out + r * SIZE
-    lanes = tl.arange(0, BLOCK)
-    way = tl.arange(0, WAYS).to(tl.int64)
-    forced = FORCED
-    free = FREE
-    if PER_HEAD:
-        b = tl.load(Budget + r % H).to(tl.int32)
-        forced = tl.minimum(forced, b)
-        free = tl.minimum(tl.maximum(b - forced, 0), free)
-    for s0 in range(0, forced, BLOCK):
-        tl.store(out + s0 + lanes, (s0 + lanes).to(tl.int64), mask=s0 + lanes < forced)
-    # invariant: count(key >= lo) >= free > count(key > hi); T = lo once lo == hi
-    lo = tl.full([], -2147483648, tl.int64)
-    hi = tl.full([], 2147483647, tl.int64)
-    if free == 0:
-        lo = hi
-    while lo < hi:
-        step = (hi - lo + WAYS) // WAYS  # ceil((hi - lo + 1) / WAYS) >= 1
-        th = lo + way * step
-        cnt = tl.zeros([WAYS], tl.int32)
-        for s0 in range(forced, N, BLOCK):
-            ok, key = _chunk_keys(row, s0, lanes, N)
-            cnt += tl.sum(((key.to(tl.int64)[:, None] >= th[None, :]) & ok[:, None]).to(tl.int32), 0)
-        j = tl.sum((cnt >= free).to(tl.int32), 0) - 1  # the last threshold still reached by `free` keys
-        lo = lo + j * step
-        hi = tl.minimum(hi, lo + step - 1)
-    t = lo.to(tl.int32)
-    above = tl.zeros([BLOCK], tl.int32)
-    for s0 in range(forced, N, BLOCK):
-        ok, key = _chunk_keys(row, s0, lanes, N)
-        above += (ok & (key > t)).to(tl.int32)
-    ties = free - tl.sum(above, 0)  # keys == T to keep, the first ones by position
-    kept = 0
-    tied = 0
-    for s0 in range(forced, N, BLOCK):
-        ok, key = _chunk_keys(row, s0, lanes, N)
-        tie = ok & (key == t)
-        keep = (ok & (key > t)) | (tie & (tied + tl.cumsum(tie.to(tl.int32), 0) <= ties))
-        pos = kept + tl.cumsum(keep.to(tl.int32), 0) - 1
-        tl.store(out + forced + pos, (s0 + lanes).to(tl.int64), mask=keep)
-        kept += tl.sum(keep.to(tl.int32), 0)
-        tied += tl.sum(tie.to(tl.int32), 0)
-    for s0 in range(forced + free, SIZE, BLOCK):  # each slot written once: forced, kept, then this padding
-        tl.store(out + s0 + lanes, -1, mask=s0 + lanes < SIZE)
-
-
-@torch.no_grad()
-def select_positions(score: torch.Tensor, forced: int, size: int,
-                     per_head: torch.Tensor | None = None) -> torch.Tensor:
-    """`topk.top_positions(score, forced, size, per_head)` (its positions, ascending, -1 padded: Long `[..., H,
-    size]` from score `[..., H, n]`; per_head Long `[H]` keeps each head's first choices) in one Triton launch, one
-    program per row and no sort, no host sync; ties at the threshold go to the lowest positions (torch.topk's
-    choice among ties is unspecified)."""
-    n = score.shape[-1]
-    forced = min(forced, size, n)
-    free = min(size - forced, n - forced)
-    rows = score.reshape(-1, n).float().contiguous()
-    out = torch.empty(rows.shape[0], size, dtype=torch.long, device=score.device)
-    heads = score.shape[-2] if score.dim() > 1 else 1
-    budget = per_head.to(score.device) if per_head is not None else out  # (unused without per_head)
-    if size and rows.shape[0]:
-        _top_positions_kernel[(rows.shape[0],)](rows, budget, out, n, heads, size, forced, free, BLOCK=512, WAYS=16,
-                                                PER_HEAD=per_head is not None, num_warps=4)
-    return out.view(*score.shape[:-1], size)
-
-
 @torch.no_grad()
 def vs_index(q: torch.Tensor, k: torch.Tensor, scale: float, vertical: int = 1000, slash: int = 6096,
              sink: int = 30, local: int = 100, group_shared: bool = False,
@@ -240,8 +145,7 @@ def vs_index(q: torch.Tensor, k: torch.Tensor, scale: float, vertical: int = 100
     col, diag = vs_scores(q, k, scale)
     if group_shared:
         col, diag = (x.unflatten(1, (k.shape[1], -1)).sum(2) for x in (col, diag))
-    return (select_positions(col, sink, vertical, per_head[0]),
-            select_positions(diag, max(local, 1), slash, per_head[1]))
+    return top_positions(col, sink, vertical, per_head[0]), top_positions(diag, max(local, 1), slash, per_head[1])
 
 
 @triton.jit
@@ -403,6 +307,14 @@ def _expand_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: i
 
 
 @triton.jit
+def _order_key(x):
+    """Int32 keys whose signed order is the order of the fp32 values x (their bits, negatives' magnitude bits
+    flipped)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
 def _block_topk_kernel(Score, Budget, Out, Count, ColCount, ColIndex, M, H, K, M_LO, M_HI, R: tl.constexpr,
                        NPAD: tl.constexpr, KPAD: tl.constexpr, PER_HEAD: tl.constexpr, TILES: tl.constexpr,
                        UNIT: tl.constexpr):
@@ -458,24 +370,6 @@ def _block_topk_kernel(Score, Budget, Out, Count, ColCount, ColIndex, M, H, K, M
 
 
 @triton.jit
-def _pool_kernel(X, Out, N, M, H, sxb, sxh, sxn, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
-                 CHUNK: tl.constexpr):
-    """Mean over the rows of block m (a last partial block: over its own rows) of one head of X `[B, H, N, D]`
-    (last dim contiguous) -> Out[b, h, m, :] in fp32."""
-    bh = tl.program_id(0)
-    m = tl.program_id(1)
-    dims = tl.arange(0, DP)
-    base = X + (bh // H) * sxb + (bh % H) * sxh
-    acc = tl.zeros([DP], tl.float32)
-    for r0 in tl.static_range(0, BLOCK, CHUNK):
-        rows = m * BLOCK + r0 + tl.arange(0, CHUNK)
-        x = tl.load(base + rows.to(tl.int64)[:, None] * sxn + dims[None, :],
-                    mask=(rows[:, None] < N) & (dims[None, :] < D), other=0.0)
-        acc += tl.sum(x.to(tl.float32), 0)
-    tl.store(Out + (bh * M + m).to(tl.int64) * D + dims, acc / tl.minimum(N - m * BLOCK, BLOCK), mask=dims < D)
-
-
-@triton.jit
 def _block_scores_kernel(QP, KP, Score, M, H, G, D: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr,
                          PRECISION: tl.constexpr):
     """Scores of one BT x BT tile (query blocks x key blocks) of one head, head_dim in DK-wide chunks (one
@@ -503,17 +397,14 @@ def _block_scores_kernel(QP, KP, Score, M, H, G, D: tl.constexpr, DK: tl.constex
 @torch.no_grad()
 def pool_blocks(x: torch.Tensor, block: int = 64) -> torch.Tensor:
     """`block`-token means of x `[B, H, N, D]` (a last partial block averages its own tokens) -> Float32
-    `[B, H, ceil(N / block), D]`, contiguous: one Triton launch, fp32 accumulation, no fp32 copy of x."""
-    B, H, n, D = x.shape
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    M = -(-n // block)
-    out = torch.empty(B, H, M, D, dtype=torch.float32, device=x.device)
-    dp = triton.next_power_of_2(D)
-    if out.numel():
-        _pool_kernel[(B * H, M)](x, out, n, M, H, x.stride(0), x.stride(1), x.stride(2), D=D, DP=dp, BLOCK=block,
-                                 CHUNK=min(block, max(1, 4096 // dp)), num_warps=4)
-    return out
+    `[B, H, ceil(N / block), D]`, contiguous, accumulated in fp32 without an fp32 copy of x: one reduction launch
+    when N is a multiple of `block` (a Triton pooling kernel ran at half its bandwidth on the H200: NOTES)."""
+    n = x.shape[2]
+    full = n // block
+    parts = [x[:, :, : full * block].unflatten(2, (full, block)).mean(3, dtype=torch.float32)] if full else []
+    if n % block:
+        parts.append(x[:, :, full * block:].mean(2, keepdim=True, dtype=torch.float32))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 2)
 
 
 @torch.no_grad()
@@ -539,17 +430,9 @@ def pooled_scores(q: torch.Tensor, k: torch.Tensor, block: int = 64, group_share
         raise ValueError(f"precision={precision!r}: use 'tf32x3' or 'ieee'")
     B, Hq, n, D = q.shape
     Hkv = k.shape[1]
-    full = n // block
-
-    def pool(x: torch.Tensor) -> torch.Tensor:
-        parts = [x[:, :, : full * block].unflatten(2, (full, block)).sum(3, dtype=torch.float32) / block]
-        if n % block:
-            parts.append(x[:, :, full * block:].sum(2, keepdim=True, dtype=torch.float32) / (n % block))
-        return torch.cat(parts, 2)
-
+    qp, kp = pool_blocks(q, block), pool_blocks(k, block)  # [B, H, M, D]
+    M = qp.shape[2]
     if q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-        qp, kp = pool_blocks(q, block), pool_blocks(k, block)  # [B, H, M, D]
-        M = qp.shape[2]
         score = torch.empty(B, Hq, M, M, dtype=torch.float32, device=q.device)
         bt = 64  # 64 x 64 tiles over 128-wide chunks of head_dim (head_dim 256 as 32 x 32 tiles over all 256 took
         # 5.4 ms at 128K on the H200 (Gemma-3 shape, 4 heads) against 0.93 ms for the Llama shape's 32: no wgmma)
@@ -557,8 +440,6 @@ def pooled_scores(q: torch.Tensor, k: torch.Tensor, block: int = 64, group_share
         _block_scores_kernel[grid](qp, kp, score, M, Hq, Hq // Hkv, D=D, DK=min(D, 128),
                                    BT=bt, PRECISION=precision, num_warps=4)
     else:
-        qp, kp = pool(q), pool(k)
-        M = qp.shape[2]
         score = (qp.view(B, Hkv, (Hq // Hkv) * M, D) @ kp.transpose(-1, -2)).view(B, Hq, M, M)
     return score.unflatten(1, (Hkv, -1)).sum(2) if group_shared else score
 

@@ -1,6 +1,6 @@
-"""Exploratory: per-kernel device time of the VS index (its scores, then the top-k of columns and offsets: the Triton
-`select_positions` beside torch's `top_positions`), the VS index -> tiles conversion and the block index (`block_tiles`
-beside the table then `selected_block_tiles`; the Triton pooling beside torch's) at the bench's planted inputs, H200.
+"""Exploratory: per-kernel device time of the VS index (its scores, then the top-k of columns and offsets), the VS
+index -> tiles conversion and the block index (`block_tiles` beside the table then `selected_block_tiles`; the pooling
+alone) at the bench's planted inputs, H200.
 
     python3 scripts/profile_index.py SHAPES OUT.json [LENGTHS]     (LENGTHS default 65536,131072)"""
 import json
@@ -15,7 +15,6 @@ from workbench_kernels.index_build import (
     block_tiles,
     pool_blocks,
     pooled_scores,
-    select_positions,
     vs_index,
     vs_scores,
     vs_tiles,
@@ -53,16 +52,13 @@ for shape in sys.argv[1].split(","):
         col, diag = vs_scores(q, k, 1 / math.sqrt(d))
         r = {"vs_index": prof(lambda: vs_index(q, k, 1 / math.sqrt(d), 1000, 6096)),
              "vs_scores": prof(lambda: vs_scores(q, k, 1 / math.sqrt(d))),
-             "top_columns": prof(lambda: select_positions(col, 30, 1000)),  # what vs_index runs
-             "top_offsets": prof(lambda: select_positions(diag, 100, 6096)),
-             "top_columns_torch": prof(lambda: top_positions(col, 30, 1000)),  # torch.topk + sort, before
-             "top_offsets_torch": prof(lambda: top_positions(diag, 100, 6096)),
+             "top_columns": prof(lambda: top_positions(col, 30, 1000)),
+             "top_offsets": prof(lambda: top_positions(diag, 100, 6096)),
              "vs_tiles": prof(lambda: vs_tiles(cols, offs, n)),
              "block_tiles": prof(lambda: block_tiles(q, k, 100)),  # what BlockSparse.layer_tiles runs
              "block_index": prof(lambda: selected_block_tiles(block_index(q, k, 100))),
              "pooled_scores": prof(lambda: pooled_scores(q, k)),
-             "pool_q": prof(lambda: pool_blocks(q)),
-             "pool_q_torch": prof(lambda: q.unflatten(2, (-1, 64)).sum(3, dtype=torch.float32) / 64)}
+             "pool_q": prof(lambda: pool_blocks(q))}
         out["results"][f"{shape}/{n}"] = r
         print(shape, n, json.dumps({a: {"wall_ms": b["wall_ms"], "kern": b["kernel_us_total"],
                                         "top": list(b["kernels_us"].items())[:8]} for a, b in r.items()}), flush=True)

@@ -103,11 +103,13 @@ def compile_all() -> dict[str, dict]:
         compile_sm90(index_build._col_diag_kernel, {"Q": "*bf16", "K": "*bf16", "Lse": "*fp32", "Col": "*fp32",
                                                     "Diag": "*fp32", "qk_scale": "fp32"},
                      dict(D=256, R=64), ("Q", "K", "Lse", "Col", "Diag", *qk_strides), 4)
-        compile_sm90(index_build._block_topk_kernel, {"Score": "*fp32", "Budget": "*i32", "Out": "*i32"},
-                     dict(R=1, NPAD=2048, KPAD=128), ("Score", "Budget", "Out"), 4)
-        for per_head in (False, True):
-            compile_sm90(index_build._top_positions_kernel, {"Score": "*fp32", "Budget": "*i64", "Out": "*i64"},
-                         dict(BLOCK=512, WAYS=16, PER_HEAD=per_head), ("Score", "Budget", "Out"), 4)
+        for per_head, tiles in ((False, False), (True, True)):  # (block_tiles: the selection writes the tiles)
+            compile_sm90(index_build._block_topk_kernel, {"Score": "*fp32", "Budget": "*i32", "Out": "*i32",
+                                                          "Count": "*i32", "ColCount": "*i32", "ColIndex": "*i32"},
+                         dict(R=1, NPAD=2048, KPAD=128, PER_HEAD=per_head, TILES=tiles, UNIT=64 if tiles else 1),
+                         ("Score", "Budget", "Out", "Count", "ColCount", "ColIndex"), 4)
+        compile_sm90(index_build._combine_lse_kernel, {"Mpart": "*fp32", "Lpart": "*fp32", "Lse": "*fp32"},
+                     dict(R=64, CHUNK=64), ("Mpart", "Lpart", "Lse"), 4)
         dots = {}
         for precision in ("ieee", "tf32x3"):
             for d in (128, 256):  # head_dim 256 in two 128-wide chunks: tensor cores there too

@@ -93,26 +93,6 @@ def test_pool_blocks_means_each_block_of_any_layout():
         torch.testing.assert_close(pool_blocks(x.to(DEV)).cpu(), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("n,forced,size,budgets", [(300, 30, 100, None), (1000, 100, 633, None), (77, 30, 100, None),
-                                                   (50, 60, 80, None), (2000, 0, 1, None), (900, 30, 300, [5, 100, 300, 40]),
-                                                   (900, 30, 300, [0, 1, 30, 31])])
-def test_select_positions_picks_what_top_positions_picks(n, forced, size, budgets):
-    """The Triton top-k (threshold search, then the kept positions in order) against `topk.top_positions` on
-    tie-free scores: the forced prefix, the rest ascending, -1 padding where the row is short, per-head budgets
-    cutting both the forced and the free part; ties at the threshold go to the lowest positions."""
-    from workbench_kernels.index_build import select_positions
-    from workbench_kernels.topk import top_positions
-
-    g = torch.Generator().manual_seed(n + size)
-    score = torch.rand(2, 4, n, generator=g) ** 3
-    per_head = torch.tensor(budgets) if budgets is not None else None
-    got = select_positions(score.to(DEV), forced, size, per_head)
-    assert got.dtype == torch.long and torch.equal(got.cpu(), top_positions(score, forced, size, per_head))
-    tied = torch.zeros(1, 1, 400)
-    tied[..., 100:110] = 1.0
-    assert select_positions(tied.to(DEV), 10, 50).cpu()[0, 0].tolist() == [*range(40), *range(100, 110)]
-
-
 @pytest.mark.parametrize("n,block,width", [(65, 64, 0), (333, 64, 0), (333, 128, 64), (333, 64, 128)])
 def test_vs_tiles_kernel_equals_reference_conversion(n, block, width):
     g = torch.Generator().manual_seed(n)

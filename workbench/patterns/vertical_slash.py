@@ -167,8 +167,7 @@ class VerticalSlash(PatternBase):
     def layer_tiles(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
                     block: int, triton: bool = False) -> tuple[VSTiles, None]:
         """The proxy on all heads of the batch at once; with `triton` (and proxy settings the Triton
-        builder computes) the Triton index (`vs_index`: `top_positions`' choice, ties to the lowest positions) and
-        tile expansion."""
+        builder computes) the Triton index (`vs_index`) and tile expansion."""
         n = q.shape[2]
         if triton and all(proxy.get(key, value) == value for key, value in TRITON_PROXY.items()):
             from workbench_kernels.index_build import vs_index
