@@ -456,21 +456,20 @@ def select_blocks(score: torch.Tensor, topk: int | torch.Tensor = 100) -> torch.
     return _select(score, topk, tiles=False)
 
 
-@torch.no_grad()
-def select_block_tiles(score: torch.Tensor, topk: int | torch.Tensor = 100) -> VSTiles:
-    """`selected_block_tiles(select_blocks(score, topk))`, the 64-row tiles of the selection, written by the
-    selection's own launches (no elementwise pass over the table)."""
-    return _select(score, topk, tiles=True)
-
-
-def _select(score: torch.Tensor, topk: int | torch.Tensor, tiles: bool) -> torch.Tensor | VSTiles:
+def _select(score: torch.Tensor, topk: int | torch.Tensor, tiles: bool,
+            per_head: torch.Tensor | None = None) -> torch.Tensor | VSTiles:
+    """`select_blocks` / `select_block_tiles`; `per_head`: Long `[H]` budgets already on score's device (then
+    `topk` is the largest, an int: no host copy, no sync)."""
     B, H, M, _ = score.shape
-    n_budgets = torch.as_tensor(topk).numel()
-    if n_budgets > 1 and n_budgets % H:
-        raise ValueError(f"topk has {n_budgets} budgets: give one, or one per query head (a multiple of {H})")
-    k_max, per_head = budget(topk, max(n_budgets, H) if n_budgets > 1 else H, "topk")
-    if per_head is not None:
-        per_head = per_head.view(H, -1).amax(1)  # tables per KV head: the group's largest
+    if per_head is None:
+        n_budgets = torch.as_tensor(topk).numel()
+        if n_budgets > 1 and n_budgets % H:
+            raise ValueError(f"topk has {n_budgets} budgets: give one, or one per query head (a multiple of {H})")
+        k_max, per_head = budget(topk, max(n_budgets, H) if n_budgets > 1 else H, "topk")
+        if per_head is not None:
+            per_head = per_head.view(H, -1).amax(1)  # tables per KV head: the group's largest
+    else:
+        k_max = int(topk)
     kernel = score.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
     if not kernel or k_max == 0 or M > MAX_TOPK_BLOCKS:
         table = top_blocks(score, k_max, per_head)
@@ -508,12 +507,17 @@ def block_index(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100
 
 @torch.no_grad()
 def block_tiles(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100,
-                group_shared: bool = False) -> VSTiles:
+                per_head: torch.Tensor | None = None) -> VSTiles:
     """`block_index`'s selection as 64-row tiles (`selected_block_tiles(block_index(q, k, topk))`): one pooling
-    launch per q and k, one score launch, one selection launch per power-of-two band of row blocks, no torch
-    op between them (the index of a layer with few heads is launch-bound: kernels/NOTES.md)."""
-    budget(topk, q.shape[1], "topk")
-    return select_block_tiles(pooled_scores(q, k, ROWS, group_shared), topk)
+    reduction per q and k, one score launch, one selection launch per power-of-two band of row blocks, no torch
+    op between them (the index of a layer with few heads is launch-bound: kernels/NOTES.md). `per_head`: Long
+    `[Hq]` budgets on q's device with `topk` their largest (no host copy or sync: capturable in a CUDA graph)."""
+    if per_head is None:
+        budget(topk, q.shape[1], "topk")
+    elif per_head.shape != (q.shape[1],) or per_head.device != q.device:
+        raise ValueError(f"per_head must be [Hq] = [{q.shape[1]}] budgets on {q.device}; got "
+                         f"{tuple(per_head.shape)} on {per_head.device}")
+    return _select(pooled_scores(q, k, ROWS), topk, True, per_head)
 
 
 @torch.no_grad()

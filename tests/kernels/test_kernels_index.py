@@ -239,9 +239,15 @@ def test_block_index_selects_what_the_torch_proxy_selects(n):
         assert torch.equal(quick.block_count, slow.block_count)
         assert torch.equal(tiles_to_mask(quick, n), tiles_to_mask(slow, n))
         direct = block_tiles(q.to(DEV), k.to(DEV), topk)  # written by the selection's own launches
-        for name in ("block_count", "block_offset", "column_count", "column_index"):
-            assert torch.equal(getattr(direct, name).cpu(), getattr(quick, name).cpu()), name
-        assert (direct.block, direct.piece, direct.disjoint, direct.columns) == (quick.block, 64, True, False)
+        # budgets already on the device (what a CUDA graph captures: no host copy)
+        on_device = block_tiles(q.to(DEV), k.to(DEV), int(torch.as_tensor(topk).max()),
+                                per_head=torch.as_tensor(topk).expand(6).to(DEV))
+        for tiles in (direct, on_device):
+            for name in ("block_count", "block_offset", "column_count", "column_index"):
+                assert torch.equal(getattr(tiles, name).cpu(), getattr(quick, name).cpu()), name
+            assert (tiles.block, tiles.piece, tiles.disjoint, tiles.columns) == (quick.block, 64, True, False)
+    with pytest.raises(ValueError, match="per_head"):
+        block_tiles(q.to(DEV), k.to(DEV), 4, per_head=per_head[:3].to(DEV))
 
 
 def test_block_index_kernel_on_long_rows_and_budgets():

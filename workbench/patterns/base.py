@@ -234,6 +234,16 @@ def per_head(params: Sequence[dict[str, int]], key: str) -> torch.Tensor:
     return torch.tensor([p[key] for p in params], dtype=torch.long)
 
 
+def budgets_on(params: Sequence[dict[str, int]], key: str, device: torch.device | str
+               ) -> tuple[int, torch.Tensor | None]:
+    """(largest budget, per-head budgets Long `[H]` on `device`, or None when every head has the largest:
+    the cut would keep everything) from the config's host ints: no reduction, sync or copy per call (the
+    per-head tensor is `per_head_on`'s cached one), so a CUDA graph can capture the index that reads it."""
+    sizes = [int(p[key]) for p in params]
+    top = max(sizes)
+    return top, None if all(s == top for s in sizes) else per_head_on(params, key, device)
+
+
 @functools.lru_cache(maxsize=256)
 def _host_values_on(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)

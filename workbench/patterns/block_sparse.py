@@ -22,6 +22,7 @@ from workbench.patterns.base import (
     Scores,
     Shapes,
     Sweep,
+    budgets_on,
     causal_rows,
     check_head,
     check_rows,
@@ -166,7 +167,7 @@ class BlockSparse(PatternBase):
             from workbench_kernels.index_build import block_index, block_tiles
 
             if block == BLOCK:
-                return block_tiles(q, k, per_head(params, "topk")), None
+                return block_tiles(q, k, *budgets_on(params, "topk", q.device)), None
             table = block_index(q, k, per_head(params, "topk"), block)
         else:
             table = block_proxy(q, k, per_head(params, "topk"), block)

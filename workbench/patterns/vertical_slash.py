@@ -24,13 +24,13 @@ from workbench.patterns.base import (
     Shapes,
     Sweep,
     band_poly,
+    budgets_on,
     causal_rows,
     check_head,
     check_rows,
     column_poly,
     default_budget,
     per_head,
-    per_head_on,
     register_pattern,
     runs,
     search_budgets,
@@ -172,7 +172,7 @@ class VerticalSlash(PatternBase):
         if triton and all(proxy.get(key, value) == value for key, value in TRITON_PROXY.items()):
             from workbench_kernels.index_build import vs_index
 
-            (vertical, per_v), (slash, per_s) = (_budget_on(params, key, q.device) for key in ("vertical", "slash"))
+            (vertical, per_v), (slash, per_s) = (budgets_on(params, key, q.device) for key in ("vertical", "slash"))
             cols, offs = vs_index(q, k, scale, vertical, slash, proxy["sink"], proxy["local"], per_head=(per_v, per_s))
         else:
             vertical, slash = per_head(params, "vertical"), per_head(params, "slash")  # host ints: no sync
@@ -185,14 +185,6 @@ class VerticalSlash(PatternBase):
 
     def __repr__(self) -> str:
         return f"VerticalSlash(columns {tuple(self.columns.shape)}, offsets {tuple(self.offsets.shape)})"
-
-
-def _budget_on(params, key: str, device: torch.device) -> tuple[int, torch.Tensor | None]:
-    """(largest budget, per-head budgets Long `[H]` on `device`, or None when every head has the largest:
-    the cut would keep everything) from the config's host ints: no reduction, sync or copy per call."""
-    sizes = [int(p[key]) for p in params]
-    top = max(sizes)
-    return top, None if all(s == top for s in sizes) else per_head_on(params, key, device)
 
 
 def _sizes(budget: int) -> dict[str, int]:
