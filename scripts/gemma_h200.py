@@ -143,7 +143,7 @@ class Run:
 
     def timing32k(self) -> dict:
         """The d=256 layers timed beside dense causal SDPA on the same q/k/v (bf16): the last full layer (17) under
-        each config, and a sliding layer (16) under its fixed window."""
+        each config, and a sliding layer (16) under its fixed window; the index eager and from a CUDA graph."""
         from workbench.core.capture import capture_attention
         from workbench.core.corpus import make_sample
         from workbench.prefill.latency import time_model_layer
@@ -155,8 +155,9 @@ class Run:
         for target in (0.95, 0.90):
             cfg = self.config(self.n32, target)
             for layer in cap.layers:
-                timed = time_model_layer(cap, cfg, layer, reps=10, backend=self.args.backend)
-                rows.append({"config": config_name(self.n32, target), **timed})
+                for graph in (False, True):  # the index eager, then replayed from a CUDA graph
+                    timed = time_model_layer(cap, cfg, layer, reps=10, backend=self.args.backend, graph_index=graph)
+                    rows.append({"config": config_name(self.n32, target), "graph_index": graph, **timed})
         return {"rows": rows}
 
     def fixed32k(self) -> dict:

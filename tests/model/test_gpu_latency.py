@@ -74,3 +74,33 @@ def test_dashboard_latency_tab_times_the_model_layer_on_the_gpu():
     write_figure("dashboard_latency", out)
     assert out["layer"] == MIXED_LAYER and out["n"] == 4096 and out["path"].startswith("Triton")
     assert out["patterns"]["vs"] + out["patterns"]["ashape"] > 0 and out["sparse_ms"] > 0 and out["dense_ms"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.model
+def test_index_replayed_from_a_cuda_graph_equals_the_eager_index(embedded):
+    """`SparsePrefill(graph_index=True)`: each mixed layer's online index (block + dense, VS + dense, VS + A-shape
+    + dense) captured in a CUDA graph on the first q / k, then replayed on new ones, equals the eager index of
+    the same q / k in every tile field and the band; no capture falls back to eager."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from workbench.prefill.sparse import SparsePrefill
+
+    shape = embedded[2]
+    config = HeadConfig.load(SHIPPED, shape)
+    eager = SparsePrefill(None, shape, config, min_length=0, backend="triton")
+    graphed = SparsePrefill(None, shape, config, min_length=0, backend="triton", graph_index=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, layers = 2048, (2, 9, 12)
+    for _ in range(2):  # capture on the first inputs, replay on the second
+        q = torch.randn(1, shape.n_heads, n, shape.head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(1, shape.n_kv_heads, n, shape.head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        for layer in layers:
+            (want, *want_band), (got, *got_band) = (sp.layer_index(layer, q, k, shape.scale, "triton")
+                                                    for sp in (eager, graphed))
+            for name in ("block_count", "block_offset", "column_count", "column_index"):
+                assert torch.equal(getattr(got, name), getattr(want, name)), (layer, name)
+            for a, b in zip(got_band, want_band):
+                assert (a is None and b is None) or torch.equal(a, b), layer
+    assert not graphed.index_graphs.failures, graphed.index_graphs.failures
+    assert len(graphed.index_graphs) == len(layers)

@@ -138,13 +138,15 @@ def layer_tiles(parts: list[Any], n: int, device: torch.device | str = "cpu"):
 
 @torch.no_grad()
 def time_model_layer(cap: Any, config: Any, layer: int, *, device: str | torch.device | None = None,
-                     dtype: torch.dtype | None = None, reps: int = 5, backend: str = "auto") -> dict[str, Any]:
+                     dtype: torch.dtype | None = None, reps: int = 5, backend: str = "auto",
+                     graph_index: bool = False) -> dict[str, Any]:
     """Time one of the model's own layers the way the deployed prefill runs it: the captured q/k/v of
     `layer` (a `Capture`), that layer's heads from `config` (a HeadConfig), the online index (T_index:
     `SparsePrefill.layer_index`) and the sparse attention (T_sparse: `layer_kernel`), beside dense causal
     SDPA on the same q/k/v. device: where to time (default cuda when available: a CPU capture is copied
     there); dtype: default bf16 on a GPU, the capture's on the CPU. On a GPU the backend is the Triton
     path; on the CPU the PyTorch reference (dense math under a mask: not a speed-up), labelled as such.
+    graph_index: the index replayed from a CUDA graph (`SparsePrefill(graph_index=True)`).
     Returns {"path", "device", "dtype", "layer", "n", "heads", "patterns", "index_ms", "sparse_ms",
     "dense_ms", "speedup"}; a layer whose heads are all dense runs dense SDPA as the prefill does."""
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -155,7 +157,7 @@ def time_model_layer(cap: Any, config: Any, layer: int, *, device: str | torch.d
     dev = resolve_device(device)
     dt = dtype or (torch.bfloat16 if dev.type == "cuda" else cap.q.dtype)
     q, k, v = (t[None].to(dev, dt).contiguous() for t in cap.layer_qkv(layer))
-    sp = SparsePrefill(None, cap.shape, config, min_length=0, backend=backend)
+    sp = SparsePrefill(None, cap.shape, config, min_length=0, backend=backend, graph_index=graph_index)
     be = sp.resolve_backend(q)
     plan = sp.plans[layer]
     patterns = {**dict.fromkeys(PATTERNS, 0), **{k: len(h) for k, h in plan.heads.items()}}

@@ -45,6 +45,7 @@ from workbench.core.model import ModelShape
 from workbench.core.timing import stamp
 from workbench.patterns import Dense, pattern_class
 from workbench.patterns.base import Band
+from workbench.prefill.index_graph import IndexGraphs
 from workbench.prefill.tiles import tile_rows
 
 # Prefill length below which prompts run dense: the first measured length at which the sparse model
@@ -90,6 +91,9 @@ class SparsePrefill:
     record_density: keep each sparse layer's physical density (tile area / causal pairs, `density[layer]`;
     Triton backend). num_stages: the kernel's pipeline stages (None: the kernel's choice per head_dim,
     `workbench_kernels.prefill.default_config`).
+    graph_index: on a GPU, replay each sparse layer's online index from a CUDA graph captured on its first call
+    (`index_graph.IndexGraphs`; for launch-bound indexes at a few heads; q and k are copied into the graph's
+    buffers per call, its outputs live until the next layer's index).
     After use, `calls` counts attention calls per (mode, reason). `model=None` gives only the per-layer
     methods (`layer_index`, `layer_kernel`) on captured q/k/v, without entering the context.
     """
@@ -97,7 +101,8 @@ class SparsePrefill:
     def __init__(self, model: torch.nn.Module | None, shape: ModelShape, config: HeadConfig, *,
                  min_length: int = DEFAULT_MIN_LENGTH, layers: Iterable[int] | None = None,
                  backend: str = "auto", compare: bool = False, timing: bool = False,
-                 record_density: bool = False, num_stages: int | None = None, strict_weights: bool = False):
+                 record_density: bool = False, num_stages: int | None = None, strict_weights: bool = False,
+                 graph_index: bool = False):
         config.validate(shape, strict_weights=strict_weights)
         if backend not in ("auto", "triton", "torch", "flex"):
             raise ValueError(f"backend={backend!r} is unknown: use 'auto', 'triton', 'torch' or 'flex'")
@@ -115,6 +120,7 @@ class SparsePrefill:
         self._stack: contextlib.ExitStack | None = None
         self._head_index: dict[tuple, tuple[slice | torch.Tensor, slice | torch.Tensor]] = {}
         self._static: dict[tuple, Any] = {}  # per layer: what its static kinds add to the merged launch
+        self.index_graphs = IndexGraphs() if graph_index else None
 
     # ---- context manager -----------------------------------------------------------------------
     def __enter__(self) -> SparsePrefill:
@@ -204,8 +210,17 @@ class SparsePrefill:
     def layer_index(self, layer: int, q: torch.Tensor, k: torch.Tensor, scale: float, backend: str) -> Any:
         """The online index of one layer as `backend` consumes it: triton / flex -> (VSTiles over all
         heads, sink, window) for one launch; torch -> the kinds' tiles (`group_tiles`)."""
-        groups = self.group_tiles(layer, q, k, scale, triton=backend == "triton" or (backend == "flex" and q.is_cuda))
-        return groups if backend == "torch" else self.merge(groups, q, layer)
+        triton = backend == "triton" or (backend == "flex" and q.is_cuda)
+        if backend == "torch":
+            return self.group_tiles(layer, q, k, scale, triton=triton)
+
+        def build(q: torch.Tensor, k: torch.Tensor) -> Any:
+            return self.merge(self.group_tiles(layer, q, k, scale, triton=triton), q, layer)
+
+        online = any(not getattr(pattern_class(kind), "static", False) for kind in self.plans[layer].heads)
+        if self.index_graphs is not None and q.is_cuda and online:
+            return self.index_graphs((layer, scale, triton), build, q, k)
+        return build(q, k)
 
     def layer_kernel(self, layer: int, index: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scale: float, backend: str) -> torch.Tensor:
