@@ -32,7 +32,7 @@ def top_positions(score: torch.Tensor, forced: int, size: int, per_head: torch.T
     n = score.shape[-1]
     forced = min(forced, size, n)
     free = min(size - forced, n - forced)
-    best = score[..., forced:].topk(free, dim=-1, sorted=ranked).indices + forced  # (sorted below when ascending)
+    best = score[..., forced:].topk(free, dim=-1).indices + forced
     head = torch.arange(forced, device=score.device).expand(*score.shape[:-1], forced)
     pad = torch.full((*score.shape[:-1], size - forced - free), -1, dtype=torch.long, device=score.device)
     idx = torch.cat([head, best, pad], -1)  # in order of preference
