@@ -458,8 +458,9 @@ def select_blocks(score: torch.Tensor, topk: int | torch.Tensor = 100) -> torch.
 
 def _select(score: torch.Tensor, topk: int | torch.Tensor, tiles: bool,
             per_head: torch.Tensor | None = None) -> torch.Tensor | VSTiles:
-    """`select_blocks` / `select_block_tiles`; `per_head`: Long `[H]` budgets already on score's device (then
-    `topk` is the largest, an int: no host copy, no sync)."""
+    """`select_blocks` (tiles False) / `block_tiles`' selection (tiles True: `VSTiles` written by the kernel);
+    `per_head`: Long `[H]` budgets already on score's device (then `topk` is the largest, an int: no host copy,
+    no sync)."""
     B, H, M, _ = score.shape
     if per_head is None:
         n_budgets = torch.as_tensor(topk).numel()

@@ -82,8 +82,8 @@ def test_vs_index_per_head_budgets_cut_as_the_proxy_cuts():
 
 
 def test_pool_blocks_means_each_block_of_any_layout():
-    """The Triton 64-token means against torch's: a last partial block averages its own tokens, a head_dim that
-    is not a power of two, a non-contiguous (transposed) input, bf16 accumulated in fp32."""
+    """`pool_blocks`' 64-token means against a plain per-block mean: a last partial block averages its own tokens,
+    a head_dim that is not a power of two, a non-contiguous (transposed) input, bf16 accumulated in fp32."""
     from workbench_kernels.index_build import pool_blocks
 
     g = torch.Generator().manual_seed(9)
