@@ -507,7 +507,9 @@ def compare_minference(args: argparse.Namespace) -> int:
     strips bounds what gathering the columns into a packed buffer could gain); FlexAttention on the same
     64-aligned blocks (per-head rows of the first shape). Each of our rows times every --variants entry
     on the same tiles, on every shape (the Gluon kernel's Vertical-Slash and A-shape entries on their own
-    prepared inputs). MInference's kernels have no GQA:
+    prepared inputs). Vertical-Slash's default is the deployed route: `vs_tiles(head_columns=True)`, which
+    `sparse_prefill` hands the Gluon kernel on sm_90 at head_dim 128 (packing the columns in the timed call);
+    "ws_prepacked" is `ws_vertical_slash` on columns packed beforehand. MInference's kernels have no GQA:
     they read K/V repeated to Hq heads, and take head_dim <= 128 only. `bars` sums up the issue's ratios."""
     import torch
     from workbench_kernels.index_build import block_index, block_tiles, pooled_scores, select_blocks, vs_index, vs_tiles
@@ -735,8 +737,8 @@ def compare_minference(args: argparse.Namespace) -> int:
                 slash = min(args.slash, n)
                 cols, offs = vs_index(q, k, scale, args.vertical, slash, group_shared=shared)
                 t_idx = time_ms(lambda: vs_index(q, k, scale, args.vertical, slash, group_shared=shared))
-                tiles = vs_tiles(cols, offs, n)
-                t_tiles = time_ms(lambda: vs_tiles(cols, offs, n))
+                tiles = vs_tiles(cols, offs, n, head_columns=True)  # what `VerticalSlash.layer_tiles` builds
+                t_tiles = time_ms(lambda: vs_tiles(cols, offs, n, head_columns=True))
                 times, best, out = ours(tiles)
                 if best is None:
                     continue
@@ -744,7 +746,7 @@ def compare_minference(args: argparse.Namespace) -> int:
                 if not shared and hopper and d in (64, 128):  # the Gluon kernel: its own tiles + packed columns
                     packed = pack_vertical_slash(k, v, cols, offs, hq)
                     best, ws = gluon(times, lambda: ws_vertical_slash(q, k, v, cols, offs, scale=scale, packed=packed),
-                                     out)
+                                     out, "ws_prepacked")
                     extra.update(ws, ws_tiles_and_pack_ms=time_ms(lambda: pack_vertical_slash(k, v, cols, offs, hq)))
                     packed = None
                 if with_mi:
@@ -789,8 +791,9 @@ def compare_minference(args: argparse.Namespace) -> int:
                 contiguous_ms = time_ms(lambda: sparse_prefill(q, k, v, packed, scale=scale))
                 strip_share = (tiles.column_count.long().sum() / (tiles.column_count.long().sum()
                                + tiles.block_count.long().sum() * tiles.piece)).item()
-                r.update({"contiguous_columns_ms": contiguous_ms,
-                          "contiguous_columns_gain": r["default_ms"] / contiguous_ms if r["default_ms"] else None,
+                loop_ms = next((x for x in (times.get("loop"), r["default_ms"]) if isinstance(x, float)), None)
+                r.update({"contiguous_columns_ms": contiguous_ms,  # (against the loop on the column lists)
+                          "contiguous_columns_gain": loop_ms / contiguous_ms if loop_ms else None,
                           "column_share_of_keys": strip_share})
                 save()
                 packed = None

@@ -21,6 +21,7 @@ the head's piece ends, expands them and packs the surviving columns.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -275,12 +276,15 @@ def _expand_tiles_kernel(Ends, Covered, Cols, BlockCount, BlockOffset, ColumnCou
 
 
 @torch.no_grad()
-def vs_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int = 64, width: int = 0) -> VSTiles:
+def vs_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int = 64, width: int = 0,
+             head_columns: bool = False) -> VSTiles:
     """Same tiles as `index_ref.vs_to_tiles` (static widths `vs_tile_bounds`) from columns `[B, H, KV]` and
     offsets `[B, H, KS]` in any order: two Triton launches (per head, then per row block), no host sync, no
     torch ops (only `torch.empty`), no `[B, H, M, width]` intermediates. Entries past the counts are left
-    unwritten."""
-    return _expand_tiles(columns, offsets, n, block, width, with_columns=True)[0]
+    unwritten. `head_columns`: also the columns per head (`VSTiles.head_columns` / `covered`, one sort more),
+    so that the Gluon kernel can take the tiles on sm_90 (`prefill.sparse_prefill`'s route)."""
+    tiles, cov, cols = _expand_tiles(columns, offsets, n, block, width, with_columns=True)
+    return dataclasses.replace(tiles, head_columns=cols.sort(-1).values, covered=cov) if head_columns else tiles
 
 
 def _expand_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int, width: int,

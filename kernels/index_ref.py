@@ -29,6 +29,7 @@ duplicates count once, offsets >= n and columns >= n are ignored.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,6 +46,11 @@ class VSTiles:
 
     block_count Int32 `[B, H, M]`, block_offset Int32 `[B, H, M, NS]` (piece starts, ascending),
     column_count Int32 `[B, H, M]`, column_index Int32 `[B, H, M, NC]` (ascending, all < m*block).
+    The same columns per head, for a kernel that gathers each head's columns once (`prefill_ws`), optionally:
+    head_columns Int32 `[B, H, KV]` (the head's unique columns ascending, then n), covered Int8
+    `[B, H, n + block - 1]` (index d + block - 1 is 1 iff d = m*block - key lies under a piece, the same for
+    every row block m): row block m reads column c iff c < m*block and covered[m*block - c + block - 1] == 0,
+    which is its `column_index` list (`index_build.vs_tiles(head_columns=True)`).
     """
 
     block_count: torch.Tensor
@@ -55,6 +61,8 @@ class VSTiles:
     width: int = 0  # piece width (and column strip width) in keys; 0 = `block`
     disjoint: bool = False  # pieces never overlap (p_t + piece <= p_{t+1}): the kernel skips the cut check
     columns: bool = True  # False: no column lists at all (block-sparse tiles; column_count all 0), known statically
+    head_columns: torch.Tensor | None = None
+    covered: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -65,9 +73,13 @@ class VSTiles:
         return self.width or self.block
 
     def to(self, device: torch.device | str) -> VSTiles:
-        return VSTiles(*(t.to(device) for t in (self.block_count, self.block_offset, self.column_count,
-                                                self.column_index)), block=self.block, width=self.width,
-                       disjoint=self.disjoint, columns=self.columns)
+        return self.map(lambda t: t.to(device))
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> VSTiles:
+        """These tiles with `fn` applied to every tensor (head dimension 1 throughout)."""
+        opt = [None if t is None else fn(t) for t in (self.head_columns, self.covered)]
+        return VSTiles(*(fn(t) for t in (self.block_count, self.block_offset, self.column_count, self.column_index)),
+                       self.block, self.width, self.disjoint, self.columns, *opt)
 
 
 def _check_bh(name: str, t: torch.Tensor, ndim: int = 3) -> None:
@@ -252,6 +264,7 @@ def ashape_to_tiles(sink: torch.Tensor | list[int], window: torch.Tensor | list[
     win, sk = window.clamp(max=n), sink.clamp(max=n)
     pieces = (win + block - 2) // w + 1  # pieces per row block before the cuts at 0 and n, [H]
     ns, nc = int(pieces.max()), max(int(sk.max()), 1)
+    sinks = bool(sk.max() > 0)  # (no sink anywhere: no column lists, e.g. dense heads)
     win, sk, pieces = (t.to(device).view(-1, 1) for t in (win, sk, pieces))
     base = (torch.arange(M, device=device) * block + block - w).view(1, M)  # highest piece start, [1, M]
     k_hi = torch.minimum(pieces - 1, torch.div(base + w - 1, w, rounding_mode="floor"))  # start > -w
@@ -265,7 +278,8 @@ def ashape_to_tiles(sink: torch.Tensor | list[int], window: torch.Tensor | list[
     c = torch.arange(nc, device=device)
     column_index = torch.where(c < ccount.unsqueeze(-1), c, -1)
     expand = lambda x: x.to(torch.int32).expand(batch, *x.shape).contiguous()  # noqa: E731
-    return VSTiles(expand(count), expand(block_offset), expand(ccount), expand(column_index), block, width, True)
+    return VSTiles(expand(count), expand(block_offset), expand(ccount), expand(column_index), block, width, True,
+                   sinks)
 
 
 def block_sparse_to_tiles(block_index: torch.Tensor, n: int, block: int = BLOCK, width: int = 0) -> VSTiles:
@@ -300,9 +314,7 @@ def block_sparse_to_tiles(block_index: torch.Tensor, n: int, block: int = BLOCK,
 
 def expand_groups(tiles: VSTiles, group: int) -> VSTiles:
     """Group-shared tiles (one list per KV head) -> the per-query-head tiles they stand for (H x group)."""
-    return VSTiles(*(t.repeat_interleave(group, 1) for t in (tiles.block_count, tiles.block_offset,
-                                                             tiles.column_count, tiles.column_index)),
-                   tiles.block, tiles.width, tiles.disjoint, tiles.columns)
+    return tiles.map(lambda t: t.repeat_interleave(group, 1))
 
 
 def selected_block_tiles(block_index: torch.Tensor) -> VSTiles:
@@ -324,6 +336,25 @@ def write_heads(out: VSTiles, heads: slice | torch.Tensor, tiles: VSTiles) -> No
     out.block_offset[:, heads, :, : tiles.block_offset.shape[-1]] = tiles.block_offset
     out.column_count[:, heads] = tiles.column_count
     out.column_index[:, heads, :, : tiles.column_index.shape[-1]] = tiles.column_index
+    if out.head_columns is not None and tiles.head_columns is not None:
+        out.head_columns[:, heads, : tiles.head_columns.shape[-1]] = tiles.head_columns
+        out.covered[:, heads] = tiles.covered
+
+
+def with_head_columns(tiles: VSTiles, parts: list[VSTiles]) -> VSTiles:
+    """Full-width `tiles` (every head) given head_columns / covered wide enough for those of `parts` (no column
+    per head: n padding, covered 0), to be filled by `write_heads`; unchanged unless some part has head columns
+    and every part with column lists has them (else a kernel needs the per-row-block lists)."""
+    with_cols = [t for t in parts if t.head_columns is not None]
+    if not with_cols or any(t.columns and t.head_columns is None for t in parts):
+        return tiles
+    B, H, _ = tiles.shape
+    L = with_cols[0].covered.shape[-1]
+    n = L - tiles.block + 1
+    kv = max(t.head_columns.shape[-1] for t in with_cols)
+    dev = tiles.block_count.device
+    return dataclasses.replace(tiles, head_columns=torch.full((B, H, kv), n, dtype=torch.int32, device=dev),
+                               covered=torch.zeros(B, H, L, dtype=torch.int8, device=dev))
 
 
 def merge_tiles(parts: list[tuple[list[int] | torch.Tensor, VSTiles]], num_heads: int, cover: bool = True,
@@ -348,7 +379,8 @@ def merge_tiles(parts: list[tuple[list[int] | torch.Tensor, VSTiles]], num_heads
                   torch.full((B, num_heads, M, ns), -1, dtype=torch.int32, device=dev),
                   torch.zeros(B, num_heads, M, dtype=torch.int32, device=dev),
                   torch.full((B, num_heads, M, nc), -1, dtype=torch.int32, device=dev), t0.block, t0.width,
-                  all(t.disjoint for _, t in parts))
+                  all(t.disjoint for _, t in parts), any(t.columns for _, t in parts))
+    out = with_head_columns(out, [t for _, t in parts])
     for h, t in parts:
         ids_h = torch.as_tensor(h, dtype=torch.long).reshape(-1).tolist()
         if t.shape != (B, len(ids_h), M):

@@ -297,10 +297,12 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     the loop's speed, 1.27x / 1.31x the Gluon kernel's; block-sparse per head ran 3-7 % slower with it);
     `warp_specialize`: True runs the tiles through the warp-specialised Gluon kernel (`prefill_ws.ws_prefill`:
     TMA producer warp, two wgmma consumer warpgroups; sm_90, bf16 / fp16, head_dim 64 or 128, 64 x 64 tiles
-    without columns or A-shape masks; ValueError otherwise), False through the Triton-language loop below; None
-    (default): the Gluon kernel where it takes the tiles at head_dim 128 (H200, 64K / 128K, block-sparse top-100:
-    0.78 / 0.80 of dense SDPA's TFLOP/s per head against 0.70 / 0.73 here, group-shared 0.84 / 0.87 against
-    0.72 / 0.76: kernels/NOTES.md), else the loop below. The other knobs tune the loop below only.
+    without A-shape masks, columns only as `tiles.head_columns`; ValueError otherwise), False through the
+    Triton-language loop below; None (default): the Gluon kernel where it takes the tiles at head_dim 128 (H200,
+    64K / 128K, block-sparse top-100: 0.78 / 0.80 of dense SDPA's TFLOP/s per head against 0.70 / 0.73 here,
+    group-shared 0.84 / 0.87 against 0.72 / 0.76; Vertical-Slash with head columns 62.3 / 189.5 ms against
+    66.5 / 221.3 here: kernels/NOTES.md), else the loop below (which reads `tiles.column_index`, never
+    `head_columns`); `kv_major` None there: for tiles with head columns. The other knobs tune the loop below only.
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
     """
     B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
@@ -311,7 +313,8 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
 
         warp_specialize = ws_takes(q, tiles, sink)
     if warp_specialize:
-        return _warp_specialized(q, k, v, tiles, scale, sink, window, bool(kv_major))
+        return _warp_specialized(q, k, v, tiles, scale, sink, window,
+                                 tiles.head_columns is not None if kv_major is None else kv_major)
     if D & (D - 1) or not 16 <= D <= 256:
         raise ValueError(f"head_dim must be a power of two in 16..256 for the Triton kernel, got {D}")
     if pack_rows is None:

@@ -463,13 +463,13 @@ def _check_device(q: torch.Tensor) -> None:
 
 def ws_takes(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None) -> bool:
     """Whether `ws_prefill` takes these tiles for q `[B, Hq, N, D]` (static facts only, no host sync): an sm_90
-    GPU, bf16 / fp16, head_dim 64 / 128, 64-row tiles of disjoint 64-key pieces, no column lists (`tiles.columns`
-    False: block-sparse tiles), no A-shape mask, group-shared tiles only with an even group (two query heads of a
-    KV head share one K/V ring)."""
+    GPU, bf16 / fp16, head_dim 64 / 128, 64-row tiles of disjoint 64-key pieces, columns only as columns per head
+    (`tiles.columns` False, or `tiles.head_columns` given), no A-shape mask, group-shared tiles only with an even
+    group (two query heads of a KV head share one K/V ring)."""
     hq, h = q.shape[1], tiles.shape[1]
     return (_sm90(q.device) and q.dtype in DTYPES and q.shape[-1] in HEAD_DIMS and tiles.block == ROWS
-            and tiles.piece == KEYS and tiles.disjoint and sink is None and not tiles.columns
-            and (hq == h or hq // h % 2 == 0))
+            and tiles.piece == KEYS and tiles.disjoint and sink is None
+            and (not tiles.columns or tiles.head_columns is not None) and (hq == h or hq // h % 2 == 0))
 
 
 def _heads_pair(hq: int, hkv: int, sink: torch.Tensor, window: torch.Tensor) -> bool:
@@ -548,8 +548,9 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
     q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` (bf16 / fp16, D = 64 or 128; copied if not contiguous); query head
     h reads KV head h // (Hq // Hkv). `tiles`: per query head (`[B, Hq, M]`, M = ceil(N / 64)) or, with share_kv,
     per KV head (`[B, Hkv, M]`, group-shared), block 64, 64-key pieces that never overlap (`tiles.disjoint`:
-    `block_sparse_to_tiles`), no vertical columns
-    (Vertical-Slash: `ws_vertical_slash` takes the index itself).
+    `block_sparse_to_tiles`, `vs_tiles`), vertical columns only as columns per head (`tiles.head_columns`:
+    `vs_tiles(head_columns=True)`, merged layers too; each head's are packed here, `pack_columns`, and walked as
+    strips before its pieces; `ws_vertical_slash` takes MInference's index itself).
     `stages`: K/V ring depth per ring (`v_stages`: the V ring's, <= stages; None = stages); `consumers`: 64-row
     work items per program (one consumer warpgroup each); `overlap`: the next piece's Q K^T in flight beside this
     piece's P V; `share_kv` (2 consumers): a program takes query heads 2j and 2j + 1 (one KV head: Hq / Hkv even)
@@ -581,18 +582,26 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
         raise ValueError("tiles.disjoint is False (pieces may overlap): ws_prefill needs non-overlapping pieces, as "
                          "block_sparse_to_tiles builds them")
     tiles = tiles.to(q.device)
-    if tiles.columns and (tiles.column_index.shape[-1] > 1 or bool(tiles.column_count.any())):  # (one sync)
-        raise ValueError("tiles.column_index / column_count hold vertical columns, which ws_prefill does not take "
-                         "(no TMA gather on sm_90); use ws_vertical_slash(q, k, v, columns, offsets) for "
-                         "Vertical-Slash, or sparse_prefill")
+    if tiles.head_columns is None and tiles.columns and (tiles.column_index.shape[-1] > 1
+                                                         or bool(tiles.column_count.any())):  # (one sync)
+        raise ValueError("tiles.column_index / column_count hold vertical columns, which ws_prefill takes only as "
+                         "columns per head (no TMA gather on sm_90); build the tiles with "
+                         "vs_tiles(..., head_columns=True), or use ws_vertical_slash or sparse_prefill")
     bc, bo = tiles.block_count, tiles.block_offset
     if share_kv and (consumers != 2 or Hq // Hkv % 2 or not grouped and not (torch.equal(bc[:, 0::2], bc[:, 1::2])
                                                                           and torch.equal(bo[:, 0::2], bo[:, 1::2]))):
         raise ValueError("share_kv needs consumers=2, an even number of query heads per KV head and equal piece lists "
                          "for heads 2j and 2j + 1 (tiles.block_count / block_offset); use share_kv=False")
     _check_device(q)
-    return _launch(q.contiguous(), k.contiguous(), v.contiguous(), tiles, scale, (stages, v_stages or stages),
-                   consumers, overlap, share_kv, kv_major=kv_major)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    packed = None
+    if tiles.head_columns is not None:
+        if tiles.covered is None or tuple(tiles.covered.shape) != (B, Hq, N + ROWS - 1):
+            raise ValueError(f"tiles.covered must be Int8 [B, H, N + 63] = [{B}, {Hq}, {N + ROWS - 1}] beside "
+                             f"tiles.head_columns; build both with vs_tiles(..., head_columns=True)")
+        packed = (*pack_columns(k, v, tiles.head_columns, Hq), tiles.covered)
+    return _launch(q, k, v, tiles, scale, (stages, v_stages or stages), consumers, overlap, share_kv, packed,
+                   kv_major=kv_major)
 
 
 def pack_columns(k: torch.Tensor, v: torch.Tensor, cols: torch.Tensor, n_q_heads: int,

@@ -23,9 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-STEPS = ("search32k", "quality32k", "timing32k", "fixed32k", "search8k", "generalize8k", "search4k", "generalize4k",
+STEPS = ("search32k", "quality32k", "timing32k", "prefill32k", "fixed32k", "search8k", "generalize8k", "search4k", "generalize4k",
          "analyze32k")
-ESTIMATE_S = {"load": 60, "search32k": 40, "quality32k": 150, "timing32k": 15, "fixed32k": 15, "search8k": 15,
+ESTIMATE_S = {"load": 60, "search32k": 40, "quality32k": 150, "timing32k": 15, "prefill32k": 20, "fixed32k": 15, "search8k": 15,
               "generalize8k": 70, "search4k": 10, "generalize4k": 40, "analyze32k": 60}  # H200 guesses
 
 
@@ -159,6 +159,37 @@ class Run:
                     timed = time_model_layer(cap, cfg, layer, reps=10, backend=self.args.backend, graph_index=graph)
                     rows.append({"config": config_name(self.n32, target), "graph_index": graph, **timed})
         return {"rows": rows}
+
+    def prefill32k(self) -> dict:
+        """The whole 32K prefill (bf16, one forward, last logits) dense against the searched configs with the index
+        eager and replayed from CUDA graphs (`SparsePrefill(graph_index=)`): median ms of each, side by side in one
+        process, and the logits of the two sparse runs (equal: the graph replays the same launches)."""
+        import torch
+
+        from workbench.core.corpus import make_sample
+        from workbench.core.timing import time_ms
+        from workbench.prefill.sparse import SparsePrefill
+
+        model, tok, shape = self.model("bfloat16")
+        ids = make_sample("passkey", tok, self.n32, seed=0).input_ids[None].to(self.device)
+        forward = lambda: model(ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()  # noqa: E731
+        rows = []
+        with torch.no_grad():
+            dense_ms = time_ms(forward, min_reps=5)
+            for target in self.args.targets:
+                cfg, logits, row = self.config(self.n32, target), {}, {"config": config_name(self.n32, target)}
+                for graph in (False, True):
+                    with SparsePrefill(model, shape, cfg, min_length=0, backend=self.args.backend,
+                                       graph_index=graph) as sp:
+                        logits[graph] = forward()
+                        ms = time_ms(forward, min_reps=5)
+                    row[f"{'graph' if graph else 'eager'}_ms"] = ms
+                    row[f"{'graph' if graph else 'eager'}_speedup_vs_dense"] = dense_ms / ms
+                    if graph:
+                        row.update(graphs=len(sp.index_graphs), capture_failures=list(sp.index_graphs.failures.values()))
+                row["logits_graph_equal_eager"] = bool(torch.equal(logits[False], logits[True]))
+                rows.append(row)
+        return {"dense_ms": dense_ms, "rows": rows}
 
     def fixed32k(self) -> dict:
         """The model's own forward against the sparse prefill that runs its 15 sliding layers through the sparse

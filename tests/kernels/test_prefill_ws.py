@@ -258,6 +258,70 @@ def test_vs_packed_columns_keep_the_reference_keys(n, width):
                 assert torch.equal(kept, ref.column_index[b, h, m, : ref.column_count[b, h, m]].long()), (b, h, m)
 
 
+def test_head_columns_are_the_column_lists_and_survive_a_merge():
+    """`vs_tiles(head_columns=True)`: row block m's head columns < m*64 that no piece covers are its `column_index`
+    list; a merge with block-sparse and dense heads keeps them for the VS heads (n padding, covered 0 for the
+    others), and a merge with a kind whose column lists have no head columns (A-shape sinks) drops them, so that
+    only the loop, which reads the lists, takes those tiles."""
+    import triton
+    from workbench_kernels.index_build import vs_tiles
+    from workbench_kernels.index_ref import ashape_to_tiles, merge_tiles
+
+    if os.environ.get("TRITON_INTERPRET") == "1" and triton.__version__.startswith("3.6"):
+        pytest.skip("Triton 3.6's interpreter cannot run index_build._vs_cover_kernel (test_kernels_index fails alike)")
+    B, H, n = 2, 3, 700
+    cols, offs = vs_index(B, H, n, 90, 30, seed=5)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    vs = vs_tiles(cols.to(dev), offs.to(dev), n, head_columns=True).to("cpu")
+    ref = vs_to_tiles(cols, offs, n)
+    assert torch.equal(vs.column_count, ref.column_count) and vs.covered.shape == (B, H, n + 63)
+    for b in range(B):
+        for h in range(H):
+            hc = vs.head_columns[b, h].long()
+            assert torch.equal(hc[hc < n], torch.unique(cols[b, h][(cols[b, h] >= 0) & (cols[b, h] < n)]))
+            for m in range(ref.shape[-1]):
+                below = hc[hc < m * 64]
+                kept = below[vs.covered[b, h, m * 64 - below + 63] == 0]
+                assert torch.equal(kept, ref.column_index[b, h, m, : ref.column_count[b, h, m]].long()), (b, h, m)
+    block = block_sparse_to_tiles(block_index(B, 2, n, 0.4, seed=2), n)
+    dense = ashape_to_tiles([0], [n], n, B)
+    assert not dense.columns and not block.columns
+    merged = merge_tiles([([0, 3, 5], vs), ([1, 4], block), ([2], dense)], 6)
+    assert not merged.columns or merged.head_columns is not None
+    assert torch.equal(merged.head_columns[:, [0, 3, 5], : vs.head_columns.shape[-1]], vs.head_columns)
+    assert (merged.head_columns[:, [1, 2, 4]] == n).all() and not merged.covered[:, [1, 2, 4]].any()
+    assert torch.equal(merged.covered[:, [0, 3, 5]], vs.covered)
+    sinks = ashape_to_tiles([4], [64], n, B)
+    assert merge_tiles([([0, 1, 2], vs), ([3], sinks)], 4).head_columns is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not hopper(), reason="the Gluon kernel runs on sm_90 (H100 / H200) only")
+@pytest.mark.parametrize("d", [128, 64])
+def test_a_mixed_layer_with_vertical_slash_runs_the_gluon_kernel(d):
+    """SparsePrefill's deployed path on one layer of VS, block-sparse and dense heads (GQA 2:1, bf16, N = 1000):
+    the merged tiles carry the VS heads' columns per head, so `sparse_prefill` takes the Gluon kernel (at head_dim
+    128 by default; forced at 64); its output equals the PyTorch reference path's on the same index."""
+    from test_methods_kernel import mixed_prefill
+    from workbench_kernels.prefill import sparse_prefill
+    from workbench_kernels.prefill_ws import ws_takes
+
+    entries = [("vs", {"vertical": 40, "slash": 30}), ("block", {"topk": 3}), ("dense", {}),
+               ("vs", {"vertical": 8, "slash": 90})]
+    sp, _, q, k, v = mixed_prefill(entries, n=1000, hkv=2, d=d, seed=4)
+    q, k, v = (x.to("cuda", torch.bfloat16) for x in (q, k, v))
+    groups = sp.group_tiles(0, q, k, 0.1, triton=True)  # what layer_index merges for the "triton" backend
+    tiles, sink, window = sp.merge(groups, q, 0)
+    assert tiles.head_columns is not None and sink is None and ws_takes(q, tiles, sink)
+    got = sparse_prefill(q, k, v, tiles, scale=0.1, warp_specialize=True)[0]
+    if d == 128:
+        assert torch.equal(got, sp.layer_kernel(0, (tiles, sink, window), q, k, v, 0.1, "triton"))
+    loop = sparse_prefill(q, k, v, tiles, scale=0.1, warp_specialize=False)[0]
+    ref = sp.reference(groups, q.float(), k.float(), v.float(), 0.1)
+    for o in (got, loop):
+        torch.testing.assert_close(o.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper(), reason="ws_vertical_slash runs on sm_90 (H100 / H200) only")
 @pytest.mark.parametrize("case", VS_CASES)

@@ -167,7 +167,8 @@ class VerticalSlash(PatternBase):
     def layer_tiles(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
                     block: int, triton: bool = False) -> tuple[VSTiles, None]:
         """The proxy on all heads of the batch at once; with `triton` (and proxy settings the Triton
-        builder computes) the Triton index (`vs_index`) and tile expansion."""
+        builder computes) the Triton index (`vs_index`) and tile expansion, with the columns per head too
+        (`VSTiles.head_columns`: the Gluon kernel's form on sm_90)."""
         n = q.shape[2]
         if triton and all(proxy.get(key, value) == value for key, value in TRITON_PROXY.items()):
             from workbench_kernels.index_build import vs_index
@@ -180,7 +181,7 @@ class VerticalSlash(PatternBase):
         if triton:
             from workbench_kernels.index_build import vs_tiles
 
-            return vs_tiles(cols, offs, n, block), None
+            return vs_tiles(cols, offs, n, block, head_columns=True), None
         return vs_to_tiles(cols, offs, n, block), None
 
     def __repr__(self) -> str:

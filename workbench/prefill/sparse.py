@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 from workbench_kernels import masks
-from workbench_kernels.index_ref import VSTiles, merge_tiles, write_heads
+from workbench_kernels.index_ref import VSTiles, merge_tiles, with_head_columns, write_heads
 from workbench_kernels.tiling import NO_WINDOW
 
 from workbench.config import HeadConfig
@@ -330,7 +330,9 @@ class SparsePrefill:
 
         tiles = VSTiles(widen(base.block_count, None), widen(base.block_offset, ns), widen(base.column_count, None),
                         widen(base.column_index, nc), base.block, base.width,
-                        base.disjoint and all(t.disjoint for _, _, t in online))
+                        base.disjoint and all(t.disjoint for _, _, t in online),
+                        base.columns or any(t.columns for _, _, t in online))
+        tiles = with_head_columns(tiles, [base] + [t for _, _, t in online])
         for kind, heads, t in online:
             if t.shape != (B, len(heads), base.shape[2]):
                 raise ValueError(f"tiles for heads {heads} have shape {t.shape}, expected {(B, len(heads), base.shape[2])}")
