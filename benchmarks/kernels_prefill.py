@@ -509,13 +509,21 @@ def compare_minference(args: argparse.Namespace) -> int:
     on the same tiles, on every shape (the Gluon kernel's Vertical-Slash and A-shape entries on their own
     prepared inputs). Vertical-Slash's default is the deployed route: `vs_tiles(head_columns=True)`, which
     `sparse_prefill` hands the Gluon kernel on sm_90 at head_dim 128 (packing the columns in the timed call);
-    "ws_prepacked" is `ws_vertical_slash` on columns packed beforehand. MInference's kernels have no GQA:
-    they read K/V repeated to Hq heads, and take head_dim <= 128 only. `bars` sums up the issue's ratios."""
+    "ws_prepacked" is `ws_vertical_slash` at the same launch (`VS_LAUNCH`) on columns packed beforehand.
+    MInference's kernels have no GQA: they read K/V repeated to Hq heads, and take head_dim <= 128 only. `bars`
+    sums up the issue's ratios."""
     import torch
     from workbench_kernels.index_build import block_index, block_tiles, pooled_scores, select_blocks, vs_index, vs_tiles
     from workbench_kernels.index_ref import VSTiles, ashape_to_tiles, expand_groups, selected_block_tiles, tile_area
     from workbench_kernels.prefill import default_config, loop_variant, sparse_prefill
-    from workbench_kernels.prefill_ws import ASHAPE_LAUNCH, pack_vertical_slash, ws_ashape, ws_takes, ws_vertical_slash
+    from workbench_kernels.prefill_ws import (
+        ASHAPE_LAUNCH,
+        VS_LAUNCH,
+        pack_vertical_slash,
+        ws_ashape,
+        ws_takes,
+        ws_vertical_slash,
+    )
 
     from workbench.core.io import write_json
     from workbench.patterns import AShape, BlockSparse, VerticalSlash
@@ -611,7 +619,7 @@ def compare_minference(args: argparse.Namespace) -> int:
                     result.setdefault("failed", []).append({"shape": shape, "n": n, "variant_ms": times})
                     return times, None, None
                 out = sparse_prefill(q, k, v, tiles, scale=scale, **kw)[0]
-                warps, stages = default_config(d, rows_per_program, pack)
+                warps, stages = default_config(d, rows_per_program, pack, kw.get("sink") is not None)
                 times["default_is"] = ({"kernel": "ws"} if ws_default else
                                        {"kernel": "loop", "split": split, "tma": tma and split, "persistent": persistent,
                                         "num_warps": warps, "num_stages": stages})
@@ -745,8 +753,8 @@ def compare_minference(args: argparse.Namespace) -> int:
                 mi_ms, extra = None, {"index_ms": t_idx + t_tiles, "tiles_ms": t_tiles}
                 if not shared and hopper and d in (64, 128):  # the Gluon kernel: its own tiles + packed columns
                     packed = pack_vertical_slash(k, v, cols, offs, hq)
-                    best, ws = gluon(times, lambda: ws_vertical_slash(q, k, v, cols, offs, scale=scale, packed=packed),
-                                     out, "ws_prepacked")
+                    best, ws = gluon(times, lambda: ws_vertical_slash(q, k, v, cols, offs, scale=scale, packed=packed,
+                                                                      **VS_LAUNCH), out, "ws_prepacked")
                     extra.update(ws, ws_tiles_and_pack_ms=time_ms(lambda: pack_vertical_slash(k, v, cols, offs, hq)))
                     packed = None
                 if with_mi:

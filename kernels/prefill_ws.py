@@ -65,6 +65,12 @@ PRODUCER_REGS = gl.constexpr(24)  # registers per thread of the 1-warp producer 
 # (H200, Llama 32/8/128, sink 128, window 4096, 64K and 128K: 1.03-1.08x the 64-key shared ring with 4 stages in
 # two probes, kernels/NOTES.md)
 ASHAPE_LAUNCH = {"stages": 3, "share_kv": True, "width": 128}
+# `sparse_prefill`'s launches of per-head tiles on sm_90: one consumer warpgroup per program, two programs per SM
+# (H200, Llama 32/8/128, 64K / 128K, scripts/ws_probe.py in one process each, kernels/NOTES.md session 15):
+# block-sparse top-100 12.24 / 27.41 ms against two consumers' 13.30 / 27.78 (0.858 / 0.845 of dense SDPA);
+# Vertical-Slash (1000, 6096) with three stages 60.82 / 188.06 ms against 62.56 / 191.50 (0.795 / 0.836)
+BLOCK_LAUNCH = {"consumers": 1, "stages": 2}
+VS_LAUNCH = {"consumers": 1, "stages": 3}
 
 
 @gluon.jit

@@ -28,7 +28,7 @@ CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block
     # V stages]])
     "two_consumers_2_stages": (2, 2, True, 128, False, "block"),  # the default
     "two_consumers_3_stages": (2, 3, True, 128, False, "block"),
-    "one_consumer": (1, 2, True, 128, False, "block"),
+    "one_consumer": (1, 2, True, 128, False, "block"),  # BLOCK_LAUNCH: sparse_prefill's per-head launch
     "no_overlap": (2, 2, False, 128, False, "block"),
     "head_dim_64": (2, 2, True, 64, False, "block"),
     "shared_kv_3_stages": (2, 3, True, 128, True, "block"),
@@ -36,6 +36,7 @@ CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block
     "vs_two_consumers_2_stages": (2, 2, True, 128, False, "vs"),  # ws_vertical_slash's default
     "vs_two_consumers_3_stages": (2, 3, True, 128, False, "vs"),
     "vs_one_consumer": (1, 2, True, 128, False, "vs"),
+    "vs_one_consumer_3_stages": (1, 3, True, 128, False, "vs"),  # VS_LAUNCH: the deployed route's per-head launch
     "vs_no_overlap": (2, 2, False, 128, False, "vs"),
     "vs_head_dim_64": (2, 2, True, 64, False, "vs"),
     "vs_shared_kv_4_stages": (2, 4, True, 128, True, "vs"),  # group-shared index: two query heads on one ring
