@@ -619,7 +619,7 @@ def compare_minference(args: argparse.Namespace) -> int:
                     result.setdefault("failed", []).append({"shape": shape, "n": n, "variant_ms": times})
                     return times, None, None
                 out = sparse_prefill(q, k, v, tiles, scale=scale, **kw)[0]
-                warps, stages = default_config(d, rows_per_program, pack, kw.get("sink") is not None)
+                warps, stages = default_config(d, rows_per_program, pack)
                 times["default_is"] = ({"kernel": "ws"} if ws_default else
                                        {"kernel": "loop", "split": split, "tma": tma and split, "persistent": persistent,
                                         "num_warps": warps, "num_stages": stages})

@@ -251,18 +251,15 @@ def loop_variant(pack: int, columns: bool, hopper: bool, head_dim: int = 128) ->
     return True, hopper and not (pack == 1 and columns and head_dim <= 128), persistent
 
 
-def default_config(d: int, rows: int, pack: int, band: bool = False) -> tuple[int, int]:
+def default_config(d: int, rows: int, pack: int) -> tuple[int, int]:
     """(num_warps, num_stages) per program shape: 4 warps (one warpgroup) for 64-row programs, 8 for 128
     rows; 3 stages: K/V tiles load two pieces ahead (2 stages load the next piece only after this one's
-    math, no overlap), but 2 for per-head A-shape (`band`) at head_dim 64 (H200, SmolLM2's 9/3/64, sink 128,
-    window 4096, split + TMA, 64K / 128K: 1.71 / 3.36 ms against 3 stages' 1.95 / 3.48, 0.79 / 0.82 of dense
-    SDPA; scripts/loop_sweep.py, kernels/NOTES.md session 15; in a layer that mixes A-shape with other kinds the
-    whole launch gets them). Shared memory at 3 stages (Triton 3.9, sm_90): 64 rows x 128 dims 112 KB (two
+    math, no overlap). Shared memory at 3 stages (Triton 3.9, sm_90): 64 rows x 128 dims 112 KB (two
     programs per SM), 128 rows 128 KB, 64 rows x 256 dims 224 KB (of 227); 128 rows x 256 dims need 256 KB
     and run at 2 (`sparse_prefill` steps down). On the H200 at head_dim 256 (Gemma-3, 64K) 4 warps ran
     64-row VS, block-sparse and A-shape at 0.60 / 0.73 / 0.61 of dense SDPA's TFLOP/s, 8 warps at 0.38 /
     0.41 / 0.39 (kernels/NOTES.md)."""
-    return (4 if pack * rows == 64 else 8), 2 if band and d == 64 and pack == 1 else 3
+    return (4 if pack * rows == 64 else 8), 3
 
 
 _FITTING_STAGES: dict[tuple, int] = {}  # program kind -> the most stages that fit the GPU's shared memory
@@ -363,7 +360,7 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     bc, bo = tiles.block_count.contiguous(), tiles.block_offset.contiguous()
     cc, ci = tiles.column_count.contiguous(), tiles.column_index.contiguous()
     block = tiles.block
-    auto_warps, auto_stages = default_config(D, rows, pack, has_window)
+    auto_warps, auto_stages = default_config(D, rows, pack)
     sub = block // rows
     n_work = B * tiles.shape[1] * M * sub
     if persistent:

@@ -66,9 +66,11 @@ PRODUCER_REGS = gl.constexpr(24)  # registers per thread of the 1-warp producer 
 # two probes, kernels/NOTES.md)
 ASHAPE_LAUNCH = {"stages": 3, "share_kv": True, "width": 128}
 # `sparse_prefill`'s launches of per-head tiles on sm_90: one consumer warpgroup per program, two programs per SM
-# (H200, Llama 32/8/128, 64K / 128K, scripts/ws_probe.py in one process each, kernels/NOTES.md session 15):
-# block-sparse top-100 12.24 / 27.41 ms against two consumers' 13.30 / 27.78 (0.858 / 0.845 of dense SDPA);
-# Vertical-Slash (1000, 6096) with three stages 60.82 / 188.06 ms against 62.56 / 191.50 (0.795 / 0.836)
+# (H200, Llama 32/8/128, 64K / 128K, kernels/NOTES.md session 15). scripts/ws_probe.py: block-sparse top-100
+# 12.24 / 27.41 ms against two consumers' 13.30 / 27.78; Vertical-Slash (1000, 6096) with three stages
+# 60.82 / 188.06 against 62.56 / 191.50. The bench (kernels_prefill, beside MInference) gained less: block
+# 0.791 / 0.838 of dense SDPA against 0.781 / 0.840 with two consumers, the VS route 0.780 / 0.858 against
+# 0.772 / 0.825.
 BLOCK_LAUNCH = {"consumers": 1, "stages": 2}
 VS_LAUNCH = {"consumers": 1, "stages": 3}
 
