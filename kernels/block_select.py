@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .cache_plan import check_plan_args, plan_row
+from .order import order_key
 
 
 @triton.jit
@@ -85,8 +86,7 @@ def _pool_topk_kernel(Logits, Mpart, Lpart, Positions, Out, H, G, NC, NB, K, KEE
     future = blocks > qb
     forced = ((blocks < init) | ((blocks > qb - local) & (blocks <= qb))) & ~future
     score = tl.where(future, float("-inf"), tl.where(forced, float("inf"), best))
-    bits = score.to(tl.int32, bitcast=True)  # order-preserving integer key of each score
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+    key = order_key(score).to(tl.int64)
     key = tl.where(real, key, -(2 ** 40))  # padding below everything
     lo = tl.min(tl.where(real, key, 2 ** 40), 0)
     hi = tl.max(key, 0)

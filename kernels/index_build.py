@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .index_ref import VSTiles, max_pieces_total, selected_block_tiles, vs_tile_bounds
+from .order import order_key
 from .topk import budget, top_blocks, top_positions
 
 LOG2E = 1.4426950408889634
@@ -311,14 +312,6 @@ def _expand_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: i
 
 
 @triton.jit
-def _order_key(x):
-    """Int32 keys whose signed order is the order of the fp32 values x (their bits, negatives' magnitude bits
-    flipped)."""
-    bits = x.to(tl.int32, bitcast=True)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
-
-
-@triton.jit
 def _block_topk_kernel(Score, Budget, Out, Count, ColCount, ColIndex, M, H, K, M_LO, M_HI, R: tl.constexpr,
                        NPAD: tl.constexpr, KPAD: tl.constexpr, PER_HEAD: tl.constexpr, TILES: tl.constexpr,
                        UNIT: tl.constexpr):
@@ -339,8 +332,8 @@ def _block_topk_kernel(Score, Budget, Out, Count, ColCount, ColIndex, M, H, K, M
     cand = (j[None, :] < m[:, None]) & row_ok[:, None]
     rows = (bh * M + m).to(tl.int64)
     x = tl.load(Score + rows[:, None] * M + j[None, :], mask=cand, other=0.0)
-    key = tl.where(cand, _order_key(x), -2147483647 - 1)
-    top = tl.load(Budget + bh % H) if PER_HEAD else K
+    key = tl.where(cand, order_key(x), -2147483647 - 1)
+    top = tl.load(Budget + bh % H).to(tl.int32) if PER_HEAD else K
     k = tl.minimum(tl.maximum(top, 1), m + 1) - 1  # candidates to keep, <= m
     # invariant: count(key >= lo) = cnt >= k and count(key > hi) < k; done when cnt == k or lo == hi
     lo = tl.min(tl.where(cand, key, 2147483647), 1).to(tl.int64)
@@ -480,7 +473,7 @@ def _select(score: torch.Tensor, topk: int | torch.Tensor, tiles: bool,
         table = top_blocks(score, k_max, per_head)
         return selected_block_tiles(table) if tiles else table
     dev = score.device
-    budgets = per_head.to(dev, torch.int32) if per_head is not None else None
+    budgets = per_head.to(dev).contiguous() if per_head is not None else None  # (cached budgets: no launch)
     out = torch.empty(B, H, M, k_max, dtype=torch.int32, device=dev)
     count, col_count, col_index = ([torch.empty(B, H, M, *s, dtype=torch.int32, device=dev) for s in ((), (), (1,))]
                                    if tiles else (out, out, out))  # (unused without tiles)

@@ -104,7 +104,8 @@ def compile_all() -> dict[str, dict]:
                                                     "Diag": "*fp32", "qk_scale": "fp32"},
                      dict(D=256, R=64), ("Q", "K", "Lse", "Col", "Diag", *qk_strides), 4)
         for per_head, tiles in ((False, False), (True, True)):  # (block_tiles: the selection writes the tiles)
-            compile_sm90(index_build._block_topk_kernel, {"Score": "*fp32", "Budget": "*i32", "Out": "*i32",
+            compile_sm90(index_build._block_topk_kernel, {"Score": "*fp32", "Budget": "*i64" if per_head else "*i32",
+                                                          "Out": "*i32",
                                                           "Count": "*i32", "ColCount": "*i32", "ColIndex": "*i32"},
                          dict(R=1, NPAD=2048, KPAD=128, PER_HEAD=per_head, TILES=tiles, UNIT=64 if tiles else 1),
                          ("Score", "Budget", "Out", "Count", "ColCount", "ColIndex"), 4)

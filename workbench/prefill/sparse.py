@@ -28,6 +28,7 @@ cache update, MLP, residuals), with CUDA events on a GPU and wall time on the CP
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -66,6 +67,11 @@ class LayerPlan:
     @property
     def all_dense(self) -> bool:
         return all(pattern_class(kind) is Dense for kind in self.heads)
+
+    @functools.cached_property
+    def online(self) -> bool:
+        """Whether some kind builds an online index from q / k (not `PatternBase.static`)."""
+        return any(not getattr(pattern_class(kind), "static", False) for kind in self.heads)
 
     @classmethod
     def from_config(cls, config: HeadConfig, layer: int) -> LayerPlan:
@@ -217,8 +223,7 @@ class SparsePrefill:
         def build(q: torch.Tensor, k: torch.Tensor) -> Any:
             return self.merge(self.group_tiles(layer, q, k, scale, triton=triton), q, layer)
 
-        online = any(not getattr(pattern_class(kind), "static", False) for kind in self.plans[layer].heads)
-        if self.index_graphs is not None and q.is_cuda and online:
+        if self.index_graphs is not None and q.is_cuda and self.plans[layer].online:
             return self.index_graphs((layer, scale, triton), build, q, k)
         return build(q, k)
 
