@@ -298,25 +298,24 @@ def test_head_columns_are_the_column_lists_and_survive_a_merge():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper(), reason="the Gluon kernel runs on sm_90 (H100 / H200) only")
-@pytest.mark.parametrize("d", [128, 64])
-def test_a_mixed_layer_with_vertical_slash_runs_the_gluon_kernel(d):
-    """SparsePrefill's deployed path on one layer of VS, block-sparse and dense heads (GQA 2:1, bf16, N = 1000):
-    the merged tiles carry the VS heads' columns per head, so `sparse_prefill` takes the Gluon kernel (at head_dim
-    128 by default; forced at 64); its output equals the PyTorch reference path's on the same index."""
+def test_a_mixed_layer_with_vertical_slash_runs_the_gluon_kernel():
+    """SparsePrefill's deployed path on one layer of VS, block-sparse and dense heads (GQA 2:1, bf16, N = 1000,
+    head_dim 128): the merged tiles carry the VS heads' columns per head, so `sparse_prefill` takes the Gluon kernel
+    by default; its output and the loop's equal the PyTorch reference path's on the same index. (Head_dim 64 ran
+    too on the H200 at 45fc3b0; left out of the lane, whose cold compiles took 537 of its 540 s there.)"""
     from test_methods_kernel import mixed_prefill
     from workbench_kernels.prefill import sparse_prefill
     from workbench_kernels.prefill_ws import ws_takes
 
     entries = [("vs", {"vertical": 40, "slash": 30}), ("block", {"topk": 3}), ("dense", {}),
                ("vs", {"vertical": 8, "slash": 90})]
-    sp, _, q, k, v = mixed_prefill(entries, n=1000, hkv=2, d=d, seed=4)
+    sp, _, q, k, v = mixed_prefill(entries, n=1000, hkv=2, d=128, seed=4)
     q, k, v = (x.to("cuda", torch.bfloat16) for x in (q, k, v))
     groups = sp.group_tiles(0, q, k, 0.1, triton=True)  # what layer_index merges for the "triton" backend
     tiles, sink, window = sp.merge(groups, q, 0)
     assert tiles.head_columns is not None and sink is None and ws_takes(q, tiles, sink)
     got = sparse_prefill(q, k, v, tiles, scale=0.1, warp_specialize=True)[0]
-    if d == 128:
-        assert torch.equal(got, sp.layer_kernel(0, (tiles, sink, window), q, k, v, 0.1, "triton"))
+    assert torch.equal(got, sp.layer_kernel(0, (tiles, sink, window), q, k, v, 0.1, "triton"))
     loop = sparse_prefill(q, k, v, tiles, scale=0.1, warp_specialize=False)[0]
     ref = sp.reference(groups, q.float(), k.float(), v.float(), 0.1)
     for o in (got, loop):
