@@ -300,8 +300,8 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     without A-shape masks, columns only as `tiles.head_columns`; ValueError otherwise), False through the
     Triton-language loop below; None (default): the Gluon kernel where it takes the tiles at head_dim 128 (H200,
     64K / 128K, block-sparse top-100: 0.78 / 0.80 of dense SDPA's TFLOP/s per head against 0.70 / 0.73 here,
-    group-shared 0.84 / 0.87 against 0.72 / 0.76; Vertical-Slash with head columns 62.3 / 189.5 ms against
-    66.5 / 221.3 here: kernels/NOTES.md), else the loop below (which reads `tiles.column_index`, never
+    group-shared 0.84 / 0.87 against 0.72 / 0.76; Vertical-Slash (1000, 6096) with head columns 63.1 / 185.9 ms
+    against 68.0 / 221.2 here, session 15: kernels/NOTES.md), else the loop below (which reads `tiles.column_index`, never
     `head_columns`); `kv_major` None there: for tiles with head columns. The other knobs tune the loop below only.
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
     """
