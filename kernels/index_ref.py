@@ -357,6 +357,21 @@ def with_head_columns(tiles: VSTiles, parts: list[VSTiles]) -> VSTiles:
                                covered=torch.zeros(B, H, L, dtype=torch.int8, device=dev))
 
 
+def widened(base: VSTiles, parts: list[VSTiles]) -> VSTiles:
+    """A copy of full-width `base` with room for `parts` (written into it by `write_heads`): piece and column lists
+    padded with -1 to the widest, `disjoint` / `columns` over all of them, head columns where `with_head_columns`
+    keeps them."""
+    def pad(x: torch.Tensor, width: int) -> torch.Tensor:
+        return x.clone() if width == x.shape[-1] else torch.nn.functional.pad(x, (0, width - x.shape[-1]), value=-1)
+
+    ns = max(t.block_offset.shape[-1] for t in (base, *parts))
+    nc = max(t.column_index.shape[-1] for t in (base, *parts))
+    out = VSTiles(base.block_count.clone(), pad(base.block_offset, ns), base.column_count.clone(),
+                  pad(base.column_index, nc), base.block, base.width, all(t.disjoint for t in (base, *parts)),
+                  any(t.columns for t in (base, *parts)))
+    return with_head_columns(out, [base, *parts])
+
+
 def merge_tiles(parts: list[tuple[list[int] | torch.Tensor, VSTiles]], num_heads: int, cover: bool = True,
                 head_index: Callable[[list[int]], slice | torch.Tensor] | None = None) -> VSTiles:
     """Tiles of head groups -> one `VSTiles` over all `num_heads` heads, for one launch over a layer

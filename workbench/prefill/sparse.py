@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 from workbench_kernels import masks
-from workbench_kernels.index_ref import VSTiles, merge_tiles, with_head_columns, write_heads
+from workbench_kernels.index_ref import merge_tiles, widened, write_heads
 from workbench_kernels.tiling import NO_WINDOW
 
 from workbench.config import HeadConfig
@@ -325,19 +325,7 @@ class SparsePrefill:
         online = [(kind, *groups[kind][:2]) for kind in groups if kind not in static]
         if not online:
             return (base, *band_of())
-        ns = max(base.block_offset.shape[-1], *(t.block_offset.shape[-1] for _, _, t in online))
-        nc = max(base.column_index.shape[-1], *(t.column_index.shape[-1] for _, _, t in online))
-
-        def widen(x: torch.Tensor, width: int | None) -> torch.Tensor:
-            if width is None or width == x.shape[-1]:
-                return x.clone()
-            return torch.nn.functional.pad(x, (0, width - x.shape[-1]), value=-1)
-
-        tiles = VSTiles(widen(base.block_count, None), widen(base.block_offset, ns), widen(base.column_count, None),
-                        widen(base.column_index, nc), base.block, base.width,
-                        base.disjoint and all(t.disjoint for _, _, t in online),
-                        base.columns or any(t.columns for _, _, t in online))
-        tiles = with_head_columns(tiles, [base] + [t for _, _, t in online])
+        tiles = widened(base, [t for _, _, t in online])
         for kind, heads, t in online:
             if t.shape != (B, len(heads), base.shape[2]):
                 raise ValueError(f"tiles for heads {heads} have shape {t.shape}, expected {(B, len(heads), base.shape[2])}")
