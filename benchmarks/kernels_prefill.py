@@ -27,7 +27,7 @@ import math
 import sys
 import time
 
-from workbench.core.timing import elapsed_ms, stamp, time_ms
+from workbench.core.timing import elapsed_ms, queued_ms, stamp, time_ms
 from workbench.core.timing import environment as timing_environment
 
 SHAPES = {  # name: (query heads, KV heads, head_dim, rope theta)
@@ -481,6 +481,28 @@ def agreement(a, b) -> dict:
     return {"max_abs_diff": d.abs().max().item(), "rel_err": (d.norm() / b.float().norm()).item()}
 
 
+def graph_ms(fn) -> float | str:
+    """ms of one replay of fn() captured in a CUDA graph (its launches without the host: what
+    `SparsePrefill(graph_index=True)` replays per layer), or why the capture failed."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles and fills caches outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as e:
+        torch.cuda.synchronize()
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    ms = time_ms(graph.replay)
+    del graph
+    return ms
+
+
 def compiles_apart(kwargs: dict, d: int) -> str | None:
     """None if `sparse_prefill(**kwargs)` compiles and runs on a tiny bf16 input in a fresh process, else
     its last error line: a compiler crash or a hang of the Gluon kernel must not take the benchmark down."""
@@ -584,8 +606,10 @@ def compare_minference(args: argparse.Namespace) -> int:
             seqlens = torch.tensor([n], dtype=torch.int32, device=dev)
             dense_ms = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))
             dense_tflops = 4 * d * hq * causal / dense_ms / 1e9
+            dense_queued = queued_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx,
+                                                                                              is_causal=True))
             base = {"shape": shape, "n": n, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "dense_ms": dense_ms,
-                    "dense_tflops": dense_tflops}
+                    "dense_tflops": dense_tflops, "dense_queued_ms": dense_queued}
             found = {}  # pattern -> row, for the bars
 
             def ours(tiles, only=None, **kw):
@@ -623,6 +647,7 @@ def compare_minference(args: argparse.Namespace) -> int:
                 times["default_is"] = ({"kernel": "ws"} if ws_default else
                                        {"kernel": "loop", "split": split, "tma": tma and split, "persistent": persistent,
                                         "num_warps": warps, "num_stages": stages})
+                times["default_is"]["queued_ms"] = queued_ms(lambda: sparse_prefill(q, k, v, tiles, scale=scale, **kw))
                 return times, min(timed, key=timed.get), out
 
             def gluon(times, fn, out, name="ws"):
@@ -638,7 +663,9 @@ def compare_minference(args: argparse.Namespace) -> int:
                     extra = {}
                 return min((x for x in times if isinstance(times[x], float)), key=times.get), extra
 
-            def row(pattern, tiles, times, best, mi_ms=None, area=None, **extra):
+            def row(pattern, tiles, times, best, mi_ms=None, area=None, mi_queued=None, **extra):
+                """One row: `times` per variant (best: `best`); queued: the default's (`ours`) and MInference's
+                time per call queued back to back (`queued_ms`: the host's launch overhead hidden)."""
                 area = area if area is not None else tile_area(tiles, n).sum().item() * (hq // tiles.shape[1])
                 ms = times[best]
                 tf = 4 * d * area / ms / 1e9
@@ -647,8 +674,16 @@ def compare_minference(args: argparse.Namespace) -> int:
                      "default_ms": times.get("default") if isinstance(times.get("default"), float) else None,
                      "variant_ms": times, "effective_tflops": tf, "ratio_to_dense_tflops": tf / dense_tflops,
                      "speedup_vs_dense": dense_ms / ms, **extra}
+                queued = times.get("default_is", {}).get("queued_ms")
+                if queued is not None:
+                    r.update({"queued_ms": queued,
+                              "queued_ratio_to_dense_tflops": area / queued / (hq * causal / dense_queued)})
                 if mi_ms is not None:
                     r.update({"minference_ms": mi_ms, "speedup_vs_minference": mi_ms / ms})
+                if mi_queued is not None:
+                    r["minference_queued_ms"] = mi_queued
+                    if queued is not None:
+                        r["queued_speedup_vs_minference"] = mi_queued / queued
                 rows.append(r)
                 found[pattern] = r
                 print({k_: (round(v_, 3) if isinstance(v_, float) else v_) for k_, v_ in r.items()
@@ -689,11 +724,23 @@ def compare_minference(args: argparse.Namespace) -> int:
             score = None
             idx_ms = time_ms(lambda: block_tiles(q, k, args.topk))  # what `BlockSparse.layer_tiles` runs
             table_idx_ms = time_ms(lambda: selected_block_tiles(block_index(q, k, args.topk)))
-            mi_idx_ms = time_ms(lambda: mi["block"]._build_block_index(q, kx, args.topk, 64, 64)) if with_mi else None
+            mi_index = lambda: mi["block"]._build_block_index(q, kx, args.topk, 64, 64)  # noqa: E731
+            mi_idx_ms = time_ms(mi_index) if with_mi else None
             index = {"index_ms": idx_ms, "table_then_tiles_ms": table_idx_ms, "pool_and_score_ms": score_ms,
                      "pool_and_score_ieee_ms": score_ieee_ms, "select_ms": select_ms,
                      "minference_index_ms": mi_idx_ms,
-                     "index_ratio_to_minference": idx_ms / mi_idx_ms if mi_idx_ms else None}
+                     "index_ratio_to_minference": idx_ms / mi_idx_ms if mi_idx_ms else None,
+                     "index_queued_ms": queued_ms(lambda: block_tiles(q, k, args.topk))}
+            if dev == "cuda":
+                index["index_graph_ms"] = graph_ms(lambda: block_tiles(q, k, args.topk))
+            if with_mi:
+                index["minference_index_queued_ms"] = queued_ms(mi_index)
+                index["index_queued_ratio_to_minference"] = index["index_queued_ms"] / index["minference_index_queued_ms"]
+                if dev == "cuda":
+                    index["minference_index_graph_ms"] = graph_ms(mi_index)
+                    if all(isinstance(index[x], float) for x in ("index_graph_ms", "minference_index_graph_ms")):
+                        index["index_graph_ratio_to_minference"] = (index["index_graph_ms"]
+                                                                    / index["minference_index_graph_ms"])
             for shared in (False, True):
                 table = block_index(q, k, args.topk, group_shared=shared)
                 tiles = selected_block_tiles(table)
@@ -705,7 +752,8 @@ def compare_minference(args: argparse.Namespace) -> int:
                     full_table = table.repeat_interleave(G, 1).contiguous() if shared else table
                     mi_fn = lambda: mi["block"]._triton_block_sparse_attention(q, kx, vx, seqlens, full_table, scale)  # noqa: E731
                     mi_ms = time_ms(mi_fn)
-                    extra["vs_minference_output"] = {**agreement(out, mi_fn()), "key_sets": "identical (same table)"}
+                    extra.update(mi_queued=queued_ms(mi_fn),
+                                 vs_minference_output={**agreement(out, mi_fn()), "key_sets": "identical (same table)"})
                 r = row("block_sparse" + ("_group_shared" if shared else ""), tiles, times, best, mi_ms,
                         **({} if shared else index), **extra)
                 if not shared:
@@ -775,7 +823,7 @@ def compare_minference(args: argparse.Namespace) -> int:
                         mi_tiles_ms, mi_area = None, tile_area(t, n).sum().item()
                     mi_fn = lambda: mi["vs"]._triton_mixed_sparse_attention(q, kx, vx, seqlens, bc, bo, cc, ci, scale)  # noqa: E731
                     mi_ms = time_ms(mi_fn)
-                    extra.update({"minference_tiles_ms": mi_tiles_ms,
+                    extra.update({"mi_queued": queued_ms(mi_fn), "minference_tiles_ms": mi_tiles_ms,
                                   "tiles_ratio_to_minference": t_tiles / mi_tiles_ms if mi_tiles_ms else None,
                                   "minference_physical_density": mi_area / (hq * causal),
                                   "vs_minference_output": {**agreement(out, mi_fn()),
@@ -840,12 +888,23 @@ def compare_minference(args: argparse.Namespace) -> int:
 
 
 def bars(found: dict[str, dict]) -> dict[str, float | None]:
-    """The issue's ratios at one (shape, length) from its rows (best variant each)."""
+    """The issue's ratios at one (shape, length) from its rows (best variant each; `*_queued_*`: the defaults'
+    calls queued back to back)."""
     def get(pattern, key):
         return found.get(pattern, {}).get(key)
 
     ashape = [r["ratio_to_dense_tflops"] for p, r in found.items() if p.startswith("a_shape")]
-    return {"vs_ratio_to_dense": get("vertical_slash", "ratio_to_dense_tflops"),
+    ashape_queued = [r["queued_ratio_to_dense_tflops"] for p, r in found.items()
+                     if p.startswith("a_shape") and "queued_ratio_to_dense_tflops" in r]
+    queued = {  # the defaults' calls queued back to back (`queued_ms`), dense SDPA likewise
+        "vs_queued_ratio_to_dense": get("vertical_slash", "queued_ratio_to_dense_tflops"),
+        "vs_queued_speedup_vs_minference": get("vertical_slash", "queued_speedup_vs_minference"),
+        "block_queued_ratio_to_dense": get("block_sparse", "queued_ratio_to_dense_tflops"),
+        "block_queued_speedup_vs_minference": get("block_sparse", "queued_speedup_vs_minference"),
+        "ashape_best_queued_ratio_to_dense": max(ashape_queued) if ashape_queued else None,
+        "block_index_queued_ratio_to_minference": get("block_sparse", "index_queued_ratio_to_minference"),
+        "block_index_graph_ratio_to_minference": get("block_sparse", "index_graph_ratio_to_minference")}
+    return {**queued, "vs_ratio_to_dense": get("vertical_slash", "ratio_to_dense_tflops"),
             "vs_speedup_vs_minference": get("vertical_slash", "speedup_vs_minference"),
             "vs_128x64_ratio_to_dense": get("vertical_slash_128x64", "ratio_to_dense_tflops"),
             "vs_64x128_ratio_to_dense": get("vertical_slash_64x128", "ratio_to_dense_tflops"),

@@ -37,6 +37,9 @@ RUN_LAST = ("test_compiled_flex_backend_equals_triton",)
 # the lane's deadline at c32b77d, 2026-12-03)
 COMPILE_ONLY = "tests/kernels/test_kernels_compile.py"
 COMPILE_ONLY_TESTS = "not test_ws_prefill_compiles_for_sm90"
+# The lane record whose per-test seconds deal a lane's tests to its shards (`lane_plugin.deal`): the last green run
+# on a fresh H200 (update it when a newer one is committed).
+SHARD_TIMES = ROOT / "assets/benchmarks/gpu_check_45fc3b0_h200.json"
 
 
 def gpu_test_files(notebook: bool) -> list[str]:
@@ -97,7 +100,7 @@ def run_lane(name: str, lane: dict[str, object], share: float, tmp: Path, env: d
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "lane_plugin",
                "--continue-on-collection-errors", f"--test-timeout={timeout:.0f}", f"--lane-deadline={deadline:.0f}",
                f"--results-jsonl={tmp / f'{name}.{i}.jsonl'}", *(f"--run-last={x}" for x in RUN_LAST),
-               *([f"--shard={i}/{shards}"] if shards > 1 else []), *lane["args"]]
+               *([f"--shard={i}/{shards}", f"--shard-times={SHARD_TIMES}"] if shards > 1 else []), *lane["args"]]
         cmds.append(cmd)
     t0 = time.perf_counter()
     procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True) for cmd in cmds]

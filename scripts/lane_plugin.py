@@ -11,9 +11,12 @@ no test may run past it.
 when it begins; later lines replace earlier ones).
 --run-last NAME (repeatable): tests whose id contains NAME run after all others (cold compiles: a slow one
 then cannot starve the rest of the lane).
---shard I/K: run only shard I of K (0-based): the test functions are dealt to K shards, the function with
-the most cases first, each to the shard with the fewest cases so far (cases of one function share their
-kernel compiles), so K pytest processes of one lane compile and run side by side.
+--shard I/K: run only shard I of K (0-based): the test functions are dealt to K shards (`deal`: the heaviest
+function first, each to the lightest shard so far; cases of one function share their kernel compiles), so K
+pytest processes of one lane compile and run side by side.
+--shard-times F: a lane record (`gpu_check.py`'s JSON) whose per-test seconds weigh the functions (a case it
+lacks weighs its median); without it every case weighs 1. At 45fc3b0 the kernels lane's 8 shards dealt by case
+count would take 32-216 s by that run's test times, dealt by them ~118 s each.
 """
 from __future__ import annotations
 
@@ -34,6 +37,27 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--results-jsonl", default=None, help="append one JSON line per test start and end")
     group.addoption("--run-last", action="append", default=[], help="run tests whose id contains this last")
     group.addoption("--shard", default=None, help="I/K: run only shard I (0-based) of K")
+    group.addoption("--shard-times", default=None, help="a gpu_check JSON whose test seconds weigh the shards")
+
+
+def deal(weights: dict[str, float], count: int) -> list[set[str]]:
+    """Groups (name -> weight) dealt to `count` shards: the heaviest first (collection order on ties), each to
+    the shard with the least weight so far (the lowest index on ties) -> the names per shard."""
+    load = [0.0] * count
+    shards: list[set[str]] = [set() for _ in range(count)]
+    for name in sorted(weights, key=lambda name: -weights[name]):  # stable
+        target = load.index(min(load))
+        load[target] += weights[name]
+        shards[target].add(name)
+    return shards
+
+
+def recorded_seconds(path: str | None) -> dict[str, float]:
+    """Per-test seconds of a gpu_check record (every lane), {} without one."""
+    if not path:
+        return {}
+    lanes = json.loads(Path(path).read_text())["lanes"].values()
+    return {t["test"]: float(t["seconds"]) for lane in lanes for t in lane.get("tests", []) if t.get("seconds")}
 
 
 class Lane:
@@ -46,6 +70,7 @@ class Lane:
         self.config = config
         shard = config.getoption("--shard")
         self.shard = tuple(int(x) for x in shard.split("/")) if shard else None
+        self.seconds = recorded_seconds(config.getoption("--shard-times"))
         self.outcome: dict[str, tuple[str, str]] = {}
         self.started: dict[str, float] = {}
 
@@ -68,13 +93,10 @@ class Lane:
             groups: dict[str, list[pytest.Item]] = {}
             for item in items:
                 groups.setdefault(group(item), []).append(item)
-            load = [0] * count
-            mine: set[str] = set()
-            for key in sorted(groups, key=lambda key: -len(groups[key])):  # stable: collection order on ties
-                target = load.index(min(load))
-                load[target] += len(groups[key])
-                if target == index:
-                    mine.add(key)
+            known = sorted(self.seconds.values())
+            fallback = known[len(known) // 2] if known else 1.0
+            mine = deal({key: sum(self.seconds.get(item.nodeid, fallback) for item in group_items)
+                         for key, group_items in groups.items()}, count)[index]
             self.config.hook.pytest_deselected(items=[item for item in items if group(item) not in mine])
             items[:] = [item for item in items if group(item) in mine]
         items.sort(key=lambda item: any(name in item.nodeid for name in self.last))  # stable: order kept otherwise

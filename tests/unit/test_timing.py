@@ -34,6 +34,20 @@ def test_measure_refuses_bad_repetitions():
         timing.measure(lambda: None, cuda=False, min_reps=5, max_reps=2)
 
 
+def test_queued_ms_sizes_the_run_from_one_call_and_divides_by_it():
+    import time
+
+    calls = []
+    ms = timing.queued_ms(lambda: (calls.append(1), time.sleep(0.002)), cuda=False, min_reps=2, max_reps=6,
+                          budget_ms=1e9)
+    assert len(calls) == 2 + 6 and 2.0 <= ms < 50  # warm-up + max_reps, per call
+    calls.clear()
+    timing.queued_ms(lambda: (calls.append(1), time.sleep(0.002)), cuda=False, min_reps=4, max_reps=6, budget_ms=0)
+    assert len(calls) == 2 + 4
+    with pytest.raises(ValueError, match="min_reps"):
+        timing.queued_ms(lambda: None, cuda=False, min_reps=0)
+
+
 def test_cpu_stamps_give_milliseconds():
     a = timing.stamp(False)
     b = timing.stamp(False)

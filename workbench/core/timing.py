@@ -3,6 +3,9 @@
 - `measure(fn)` / `time_ms(fn)`: fn() repeated after a warm-up, median (and min) in milliseconds; CUDA
   events around each call on a GPU, `time.perf_counter` on the CPU; at least `min_reps` calls, more
   while the total stays under `budget_ms`, at most `max_reps`.
+- `queued_ms(fn)`: the time per call of fn() called back to back with one sync at the end: the GPU's time where
+  the host keeps ahead of it (as between a model's layers); `time_ms` also counts the host's launch overhead,
+  since the GPU idles at the start of each call.
 - `stamp(cuda)` / `elapsed_ms(a, b)`: marks for per-phase breakdowns (a CUDA event recorded on the
   current stream, no host sync until read; a perf_counter reading on the CPU).
 - `environment()`: GPU, driver, versions, CPU, load and the exact command line, for benchmark JSON.
@@ -84,6 +87,23 @@ def measure(fn: Callable[[], Any], *, cuda: bool | None = None, warmup: int = 1,
 def time_ms(fn: Callable[[], Any], **kwargs: Any) -> float:
     """Median ms of fn() (see `measure` for the keyword arguments)."""
     return measure(fn, **kwargs).median_ms
+
+
+def queued_ms(fn: Callable[[], Any], *, cuda: bool | None = None, min_reps: int = 3, max_reps: int = 50,
+              budget_ms: float = 300.0) -> float:
+    """Mean ms per call of fn() queued back to back: a warm-up call, then one timed call (synced) sizes the run
+    to about `budget_ms` (`min_reps`..`max_reps` calls), then a stamp before the first call and after the last,
+    one sync.
+    On the CPU (`cuda` False) the same loop under perf_counter."""
+    if not 1 <= min_reps <= max_reps:
+        raise ValueError(f"need 1 <= min_reps <= max_reps, got min_reps={min_reps}, max_reps={max_reps}")
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    one = measure(fn, cuda=cuda, warmup=1, min_reps=1, max_reps=1).median_ms
+    reps = int(min(max(budget_ms // max(one, 1e-3), min_reps), max_reps))
+    a = stamp(cuda)
+    for _ in range(reps):
+        fn()
+    return elapsed_ms(a, stamp(cuda)) / reps
 
 
 def command_line(argv: list[str] | None = None) -> str:
