@@ -107,57 +107,86 @@ def _work_item(Order, BlockCount, ColCount, pid, sub: gl.constexpr, n_work, N, H
 
 
 @gluon.jit
+def _item_row(t, strips, kv_row, col_row, Offsets, BLOCK_N: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr):
+    """Where item t's BLOCK_N keys start -> (row, packed): VS and t < strips: strip t of the packed columns (row
+    col_row + BLOCK_N t of kc / vc, packed); ASHAPE and t < strips: keys [BLOCK_N t, BLOCK_N (t + 1)) of k / v;
+    else piece t - strips (row kv_row + its start of k / v)."""
+    row = kv_row + gl.load(Offsets + gl.maximum(t - strips, 0))
+    packed = t < strips
+    if VS:
+        if packed:
+            row = col_row + t * BLOCK_N
+    elif ASHAPE:
+        if packed:
+            row = kv_row + t * BLOCK_N
+    return row, packed
+
+
+@gluon.jit
 def _fill(t, n, strips, kv_row, col_row, Offsets, k_desc, v_desc, kc_desc, vc_desc, k_smem, v_smem, k_ready, v_ready,
           k_empty, v_empty, ring: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, VS: gl.constexpr,
-          ASHAPE: gl.constexpr):
-    """Producer: load item t (of n) of ring `ring`, K into its K slot t % STAGES, V into its V slot t % V_STAGES:
-    VS and t < strips: strip t of the packed columns (rows col_row + BLOCK_N t of kc / vc); ASHAPE and t < strips:
-    keys [BLOCK_N t, BLOCK_N (t + 1)) of k / v; else piece t - strips (rows kv_row + its start of k / v).
-    One running index t over strips then pieces, so the slot / phase arithmetic is the pieces-only one."""
-    if t < n:
-        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-        row = kv_row + gl.load(Offsets + gl.maximum(t - strips, 0))
-        packed = t < strips  # VS: a strip of the packed columns (kc / vc)
-        if VS:
-            if packed:
-                row = col_row + t * BLOCK_N
-        elif ASHAPE:
-            if t < strips:
-                row = kv_row + t * BLOCK_N
+          ASHAPE: gl.constexpr, PAIR: gl.constexpr):
+    """Producer: step t of ring `ring` (of n items: step t is item t, or with PAIR items 2t and 2t + 1 into the two
+    halves of one slot, item 2t again where 2t + 1 = n: its lanes are masked), K into K slot t % STAGES, V into V
+    slot t % V_STAGES (`_item_row` says where an item's keys are). One running index t over the steps, so the slot /
+    phase arithmetic is the pieces-only one."""
+    ITEMS: gl.constexpr = 2 if PAIR else 1
+    if t * ITEMS < n:
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]  # keys per item
+        row, packed = _item_row(t * ITEMS, strips, kv_row, col_row, Offsets, BLOCK_N, VS, ASHAPE)
+        row_b, packed_b = row, packed
+        if PAIR:
+            row_b, packed_b = _item_row(gl.minimum(2 * t + 1, n - 1), strips, kv_row, col_row, Offsets, BLOCK_N, VS,
+                                        ASHAPE)
         # Fill j = t // STAGES of a K slot overwrites what the consumer released with its arrive number j - 1 on
         # `k_empty`, which completes that barrier's phase j - 1: wait for parity (j - 1) & 1 = (j & 1) ^ 1. For
         # j = 0 that is parity 1, the phase "before" a fresh barrier's first, which counts as complete: the
         # first STAGES fills do not wait. V slots likewise with V_STAGES and `v_empty`.
         ik = ring * STAGES + t % STAGES
         mbarrier.wait(k_empty.index(ik), ((t // STAGES) & 1) ^ 1)
-        _load(k_desc, kc_desc, packed, row, k_smem, k_ready, ik, VS)
+        _load_step(k_desc, kc_desc, packed, row, packed_b, row_b, k_smem.index(ik), k_ready.index(ik), VS, PAIR)
         iv = ring * V_STAGES + t % V_STAGES
         mbarrier.wait(v_empty.index(iv), ((t // V_STAGES) & 1) ^ 1)
-        _load(v_desc, vc_desc, packed, row, v_smem, v_ready, iv, VS)
+        _load_step(v_desc, vc_desc, packed, row, packed_b, row_b, v_smem.index(iv), v_ready.index(iv), VS, PAIR)
 
 
 @gluon.jit
-def _load(desc, packed_desc, packed, row, smem, ready, i, VS: gl.constexpr):
-    """TMA load of rows [row, row + BLOCK_N) of desc (VS and packed: of packed_desc, the same tile shape and bytes)
-    into slot i; the expect (one arrive) plus the bytes complete the slot's `ready` phase."""
-    mbarrier.expect(ready.index(i), desc.block_type.nbytes)
+def _load_step(desc, packed_desc, packed, row, packed_b, row_b, slot, ready, VS: gl.constexpr, PAIR: gl.constexpr):
+    """TMA loads of one step into `slot`: rows [row, row + BLOCK_N) of desc (VS and packed: of packed_desc, the same
+    tile shape and bytes), with PAIR also item b's rows into the slot's second half; the expect (one arrive) plus
+    the bytes complete the slot's `ready` phase."""
+    BLOCK_N: gl.constexpr = desc.block_type.shape[0]
+    if PAIR:
+        mbarrier.expect(ready, 2 * desc.block_type.nbytes)
+        _load(desc, packed_desc, packed, row, slot.slice(0, BLOCK_N), ready, VS)
+        _load(desc, packed_desc, packed_b, row_b, slot.slice(BLOCK_N, BLOCK_N), ready, VS)
+    else:
+        mbarrier.expect(ready, desc.block_type.nbytes)
+        _load(desc, packed_desc, packed, row, slot, ready, VS)
+
+
+@gluon.jit
+def _load(desc, packed_desc, packed, row, dst, ready, VS: gl.constexpr):
+    """TMA load of rows [row, row + BLOCK_N) of desc (VS and packed: of packed_desc) into `dst`, its bytes counted
+    on `ready`."""
     if VS:
         if packed:
-            tma_load(packed_desc, [row, 0], ready.index(i), smem.index(i))
+            tma_load(packed_desc, [row, 0], ready, dst)
         else:
-            tma_load(desc, [row, 0], ready.index(i), smem.index(i))
+            tma_load(desc, [row, 0], ready, dst)
     else:
-        tma_load(desc, [row, 0], ready.index(i), smem.index(i))
+        tma_load(desc, [row, 0], ready, dst)
 
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
               v_empty, BlockCount, BlockOffset, ColCount, Order, n_work, N, H, G, M, NS, KVP, BLOCK_M: gl.constexpr,
               CONSUMERS: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, SHARE: gl.constexpr,
-              VS: gl.constexpr, ASHAPE: gl.constexpr):
-    """1 warp: Q of each consumer once (q_bar phase 0), then the items (strips, pieces): of the one shared ring
-    (SHARE), else of each consumer's ring, interleaved item by item."""
+              VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr):
+    """1 warp: Q of each consumer once (q_bar phase 0), then the steps over the items (strips, pieces; PAIR: two
+    items a step): of the one shared ring (SHARE), else of each consumer's ring, interleaved step by step."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    ITEMS: gl.constexpr = 2 if PAIR else 1
     pid = gl.program_id(0)
     _, q0, kv0, base0, p0, s0, _, bh0 = _work_item(Order, BlockCount, ColCount, pid, 0, n_work, N, H, G, M, NS,
                                                    BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS, ASHAPE)
@@ -166,9 +195,9 @@ def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, 
     mbarrier.expect(q_bar.index(0), q_desc.block_type.nbytes, pred=n0 > 0)
     tma_load(q_desc, [q0, 0], q_bar.index(0), q_smem.index(0), pred=n0 > 0)
     if CONSUMERS == 1:
-        for t in range(n0):
+        for t in range((n0 + ITEMS - 1) // ITEMS):
             _fill(t, n0, s0, kv0, bh0 * KVP, BlockOffset + base0, k_desc, v_desc, kc_desc, vc_desc, k_smem, v_smem,
-                  k_ready, v_ready, k_empty, v_empty, 0, STAGES, V_STAGES, VS, ASHAPE)
+                  k_ready, v_ready, k_empty, v_empty, 0, STAGES, V_STAGES, VS, ASHAPE, PAIR)
     else:
         _, q1, kv1, base1, p1, s1, _, bh1 = _work_item(Order, BlockCount, ColCount, pid, 1, n_work, N, H, G, M, NS,
                                                        BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS, ASHAPE)
@@ -176,15 +205,15 @@ def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, 
         mbarrier.expect(q_bar.index(1), q_desc.block_type.nbytes, pred=n1 > 0)
         tma_load(q_desc, [q1, 0], q_bar.index(1), q_smem.index(1), pred=n1 > 0)
         if SHARE:  # both consumers read ring 0 (their items are equal: the entries check)
-            for t in range(n0):
+            for t in range((n0 + ITEMS - 1) // ITEMS):
                 _fill(t, n0, s0, kv0, bh0 * KVP, BlockOffset + base0, k_desc, v_desc, kc_desc, vc_desc, k_smem,
-                      v_smem, k_ready, v_ready, k_empty, v_empty, 0, STAGES, V_STAGES, VS, ASHAPE)
+                      v_smem, k_ready, v_ready, k_empty, v_empty, 0, STAGES, V_STAGES, VS, ASHAPE, PAIR)
         else:
-            for t in range(gl.maximum(n0, n1)):
+            for t in range((gl.maximum(n0, n1) + ITEMS - 1) // ITEMS):
                 _fill(t, n0, s0, kv0, bh0 * KVP, BlockOffset + base0, k_desc, v_desc, kc_desc, vc_desc, k_smem,
-                      v_smem, k_ready, v_ready, k_empty, v_empty, 0, STAGES, V_STAGES, VS, ASHAPE)
+                      v_smem, k_ready, v_ready, k_empty, v_empty, 0, STAGES, V_STAGES, VS, ASHAPE, PAIR)
                 _fill(t, n1, s1, kv1, bh1 * KVP, BlockOffset + base1, k_desc, v_desc, kc_desc, vc_desc, k_smem,
-                      v_smem, k_ready, v_ready, k_empty, v_empty, 1, STAGES, V_STAGES, VS, ASHAPE)
+                      v_smem, k_ready, v_ready, k_empty, v_empty, 1, STAGES, V_STAGES, VS, ASHAPE, PAIR)
 
 
 @gluon.jit
@@ -253,6 +282,80 @@ def _piece_mask(s, p, rows, lanes, N, row_lo, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _pair_keys(t, n, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, window, BLOCK_M: gl.constexpr,
+               PIECE: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr):
+    """Step t of a PAIR launch holds items 2t (lanes < PIECE) and 2t + 1 (the other lanes; no item where 2t + 1 = n),
+    each a strip or a piece as in `_item_keys` -> (key Int32 `[2 PIECE]`: the key a lane holds on a piece; keep Bool:
+    the lanes of strips that hold a kept key; on_piece Bool: the lanes of pieces; edge: whether the step needs a
+    mask: a strip or an empty half in it, a piece reaching past the diagonal, N or key 0, ASHAPE a piece reaching
+    outside the window of the block's last row)."""
+    half = lanes // PIECE
+    j = lanes % PIECE
+    item = 2 * t + half
+    b = gl.minimum(2 * t + 1, n - 1)
+    pa = gl.load(Offsets + gl.maximum(2 * t - strips, 0))
+    pb = gl.load(Offsets + gl.maximum(b - strips, 0))
+    key = gl.where(half == 0, pa, pb) + j
+    on_piece = (item >= strips) & (item < n)
+    if VS:
+        if 2 * t < strips:  # (on two pieces the gathers would be all masked, yet issued)
+            ci = item * PIECE + j
+            ok = (item < strips) & (ci < n_cols)
+            c = gl.load(ColHead + ci, mask=ok, other=0)
+            keep = ok & (gl.load(CovHead + (row_lo - c), mask=ok, other=1) == 0)
+        else:
+            keep = lanes < 0
+    elif ASHAPE:
+        keep = (item < strips) & (item * PIECE + j < n_cols)
+    else:
+        keep = lanes < 0
+    hi = gl.maximum(pa, pb)
+    edge = (2 * t < strips) | (2 * t + 1 >= n) | (gl.minimum(pa, pb) < 0) | (hi + PIECE - 1 > row_lo) | (hi + PIECE > N)
+    if ASHAPE:
+        edge = edge | (row_lo + (BLOCK_M - 1) - gl.minimum(pa, pb) >= window)
+    return key, keep, on_piece, edge
+
+
+@gluon.jit
+def _pair_masked(s, key, keep, on_piece, edge, rows, N, sink, window, ASHAPE: gl.constexpr):
+    """Scores s `[BLOCK_M, 2 PIECE]` of a PAIR step with the keys it does not hold at -inf (`_pair_keys`): strip
+    lanes keep their `keep` keys, piece lanes the causal keys in [0, N) (ASHAPE: also only j < sink or i - j <
+    window); no mask when not `edge`."""
+    if edge:
+        k2 = gl.expand_dims(key, 0)
+        r2 = gl.expand_dims(rows, 1)
+        ok = gl.expand_dims(on_piece, 0) & (k2 <= r2) & (k2 < N) & (k2 >= 0)
+        if ASHAPE:
+            ok = ok & ((k2 < sink) | (r2 - k2 < window))
+        s = gl.where(ok | gl.expand_dims(keep, 0), s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def _step_keys(t, n, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, window, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr):
+    """What step t holds, loaded before its scores are waited for: `_pair_keys` with PAIR, else `_item_keys` of
+    item t (a tuple for `_step_masked`)."""
+    if PAIR:
+        return _pair_keys(t, n, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, window, BLOCK_M,
+                          BLOCK_N // 2, VS, ASHAPE)
+    else:
+        return _item_keys(t, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS, ASHAPE)
+
+
+@gluon.jit
+def _step_masked(s, keys, t, strips, rows, lanes, N, row_lo, sink, window, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr):
+    """Raw scores s of step t with the keys it does not hold at -inf (`keys`: `_step_keys`)."""
+    if PAIR:
+        key, keep, on_piece, edge = keys
+        return _pair_masked(s, key, keep, on_piece, edge, rows, N, sink, window, ASHAPE)
+    else:
+        p, keep = keys
+        return _masked(s, t, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS, ASHAPE)
+
+
+@gluon.jit
 def _softmax_step(s, m_i, l_i, qk_scale):
     """Online-softmax step on masked scores s `[BLOCK_M, BLOCK_N]`: returns (probabilities in log2 units,
     alpha = rescale of the old sums, new max, new sum)."""
@@ -268,14 +371,16 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
               ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, sub: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CONSUMERS: gl.constexpr,
               STAGES: gl.constexpr, V_STAGES: gl.constexpr, OVERLAP: gl.constexpr, SHARE: gl.constexpr,
-              VS: gl.constexpr, ASHAPE: gl.constexpr):
-    """Consumer warpgroup `sub`: BLOCK_M query rows over their items (VS: column strips, then pieces) from its
-    ring (SHARE: the one ring both consumers read); writes O rows and LSE. ASHAPE: its head's sink / window
-    (tokens) from Sink / Window Int32 `[H]`."""
+              VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr):
+    """Consumer warpgroup `sub`: BLOCK_M query rows over their items (VS: column strips, then pieces; BLOCK_N keys
+    a step: one item, or two with PAIR) from its ring (SHARE: the one ring both consumers read); writes O rows and
+    LSE. ASHAPE: its head's sink / window (tokens) from Sink / Window Int32 `[H]`."""
     pid = gl.program_id(0)
+    PIECE: gl.constexpr = BLOCK_N // 2 if PAIR else BLOCK_N  # keys per item
     valid, q_row, _, base, pieces, strips, row_lo, bh = _work_item(Order, BlockCount, ColCount, pid, sub, n_work, N,
-                                                                   H, G, M, NS, BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS, ASHAPE)
-    n = strips + pieces
+                                                                   H, G, M, NS, BLOCK_M, PIECE, CONSUMERS, SHARE, VS, ASHAPE)
+    items = strips + pieces
+    n = (items + 1) // 2 if PAIR else items  # steps
     ring: gl.constexpr = 0 if SHARE else sub
     Offsets = BlockOffset + base
     ColHead, CovHead, n_cols, sink, window = Cols, Covered, 0, 0, 0
@@ -301,9 +406,10 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
     s0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     q = q_smem.index(sub)
     mbarrier.wait(q_bar.index(sub), 0, pred=n > 0)  # Q lands once: phase 0
-    # Item t (strips, then pieces) has its K in K slot ik = ring * STAGES + t % STAGES as that slot's fill
-    # j = t // STAGES (the producer walks the same n = strips + pieces items in the same order), which completes
-    # phase j of k_ready[ik]: wait for parity j & 1; its V likewise in V slot ring * V_STAGES + t % V_STAGES
+    # Step t (item t, or items 2t and 2t + 1 with PAIR: strips, then pieces) has its K in K slot
+    # ik = ring * STAGES + t % STAGES as that slot's fill j = t // STAGES (the producer walks the same n steps in the
+    # same order), which completes phase j of k_ready[ik]: wait for parity j & 1; its V likewise in V slot
+    # ring * V_STAGES + t % V_STAGES
     # (SHARE: both consumers wait for the same phase; a wait consumes nothing). A K slot is released by an arrive
     # on k_empty once the Q K^T wgmma that read it has completed, a V slot on v_empty once its P V has: the
     # producer refills K while P V still reads V. SHARE: the empty barriers count 2 arrives, one per consumer, so
@@ -314,10 +420,12 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
             ik = ring * STAGES
             mbarrier.wait(k_ready.index(ik), 0)
             s = warpgroup_mma(q, k_smem.index(ik).permute((1, 0)), s0, use_acc=False, is_async=True)
-            p, keep = _item_keys(0, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS, ASHAPE)
+            keys = _step_keys(0, items, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, window, BLOCK_M,
+                              BLOCK_N, VS, ASHAPE, PAIR)
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(ik), count=1)
-            s = _masked(s, 0, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS, ASHAPE)
+            s = _step_masked(s, keys, 0, strips, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS, ASHAPE,
+                             PAIR)
             prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         for t in range(n - 1):
             # issue Q K^T of piece t + 1 first, then P V of piece t; wait(1) retires the older group (Q K^T:
@@ -326,14 +434,16 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
             ik1 = ring * STAGES + (t + 1) % STAGES
             mbarrier.wait(k_ready.index(ik1), ((t + 1) // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(ik1).permute((1, 0)), s0, use_acc=False, is_async=True)
-            p, keep = _item_keys(t + 1, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS, ASHAPE)
+            keys = _step_keys(t + 1, items, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, window,
+                              BLOCK_M, BLOCK_N, VS, ASHAPE, PAIR)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             mbarrier.wait(v_ready.index(iv), (t // V_STAGES) & 1)
             acc = warpgroup_mma(gl.convert_layout(prob.to(k_smem.dtype), p_layout), v_smem.index(iv), acc,
                                 is_async=True)
             s = warpgroup_mma_wait(1, deps=(s,))
             mbarrier.arrive(k_empty.index(ik1), count=1)
-            s = _masked(s, t + 1, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS, ASHAPE)
+            s = _step_masked(s, keys, t + 1, strips, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS,
+                             ASHAPE, PAIR)
             prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(iv), count=1)
@@ -352,10 +462,12 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
             iv = ring * V_STAGES + t % V_STAGES
             mbarrier.wait(k_ready.index(ik), (t // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(ik).permute((1, 0)), s0, use_acc=False, is_async=True)
-            p, keep = _item_keys(t, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS, ASHAPE)
+            keys = _step_keys(t, items, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, window, BLOCK_M,
+                              BLOCK_N, VS, ASHAPE, PAIR)
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(ik), count=1)
-            s = _masked(s, t, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS, ASHAPE)
+            s = _step_masked(s, keys, t, strips, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS, ASHAPE,
+                             PAIR)
             prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             mbarrier.wait(v_ready.index(iv), (t // V_STAGES) & 1)
@@ -378,7 +490,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
 def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCount, BlockOffset, ColCount, Cols,
                        Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, CONSUMERS: gl.constexpr,
                        STAGES: gl.constexpr, V_STAGES: gl.constexpr, OVERLAP: gl.constexpr, SHARE: gl.constexpr,
-                       VS: gl.constexpr, ASHAPE: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                       VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Program pid: work slots pid * CONSUMERS + c of `Order` (SHARE: slot pid, both consumers). VS: kc / vc
     `[B * Hq * KVP, D]` hold each query head's packed columns' K / V rows (Cols Int32 `[B * Hq * KVP]` their
     keys, ascending), ColCount Int32 `[B, Hq, M]` how many are < the row block's first row, Covered Int8
@@ -386,9 +498,10 @@ def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCo
     keys [0, ColCount) below each row block's lowest piece (`index_ref.ashape_to_tiles`' column_count), Sink /
     Window Int32 `[Hq]` the token mask. Shared memory:
     CONSUMERS Q tiles and RINGS (CONSUMERS, SHARE: 1) rings of STAGES K tiles and V_STAGES (<= STAGES) V tiles
-    (BLOCK_N = 64 or 128 keys x D each, k_desc's block; bf16, D = 128: 16 or 32 KB a tile)."""
+    (BLOCK_N = 64 or 128 keys x D each: k_desc's block, twice it with PAIR (two items a slot); bf16, D = 128: 16 or
+    32 KB a tile)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0] * (2 if PAIR else 1)
     D: gl.constexpr = q_desc.block_type.shape[1]
     RINGS: gl.constexpr = 1 if SHARE else CONSUMERS
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS, BLOCK_M, D], q_desc.layout)
@@ -414,22 +527,22 @@ def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCo
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
                          BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 0,
-                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE)),
+                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR)),
             (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                          k_empty, v_empty, BlockCount, BlockOffset, ColCount, Order, n_work, N, H, G, M, NS, KVP,
-                         BLOCK_M, CONSUMERS, STAGES, V_STAGES, SHARE, VS, ASHAPE)),
+                         BLOCK_M, CONSUMERS, STAGES, V_STAGES, SHARE, VS, ASHAPE, PAIR)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
                          BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 0,
-                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE)),
+                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR)),
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
                          BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 1,
-                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE)),
+                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR)),
             (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                          k_empty, v_empty, BlockCount, BlockOffset, ColCount, Order, n_work, N, H, G, M, NS, KVP,
-                         BLOCK_M, CONSUMERS, STAGES, V_STAGES, SHARE, VS, ASHAPE)),
+                         BLOCK_M, CONSUMERS, STAGES, V_STAGES, SHARE, VS, ASHAPE, PAIR)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -498,10 +611,10 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
             stages: tuple[int, int],
             consumers: int, overlap: bool, share_kv: bool,
             packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-            band: tuple[torch.Tensor, torch.Tensor] | None = None, kv_major: bool = False
+            band: tuple[torch.Tensor, torch.Tensor] | None = None, kv_major: bool = False, pair: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on checked, contiguous inputs, items in `work_order` (by KV head first with `kv_major`); stages: the K
-    and V rings' depths. `packed`
+    and V rings' depths; `pair`: two items per step (`ws_prefill`). `packed`
     (VS): (kc, vc `[B * Hq * KVP, D]`, cols Int32 `[B, Hq, KVP]`, col_count Int32 `[B, Hq, M]`, covered Int8
     `[B, Hq, L]`); `band` (A-shape, tiles from `ashape_to_tiles`): (sink, window) Int32 `[Hq]` on q's device; see
     `_ws_prefill_kernel`."""
@@ -542,14 +655,15 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
         q_desc, k_desc, v_desc, kc_desc, vc_desc, o, lse, bc, bo, col_count, cols, covered, sink, window, order,
         n_work, scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1], cols.shape[-1], covered.shape[-1],
         CONSUMERS=consumers, STAGES=stages[0], V_STAGES=stages[1], OVERLAP=overlap, SHARE=share_kv, VS=packed is not None,
-        ASHAPE=band is not None, CONSUMER_REGS=cfg["consumer_regs"], num_warps=4, maxnreg=cfg["maxnreg"])
+        ASHAPE=band is not None, PAIR=pair, CONSUMER_REGS=cfg["consumer_regs"], num_warps=4, maxnreg=cfg["maxnreg"])
     return o, lse
 
 
 def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None = None,
                sink: torch.Tensor | None = None, window: torch.Tensor | None = None, stages: int = 2,
                consumers: int = 2, overlap: bool = True, share_kv: bool = False,
-               kv_major: bool = False, v_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               kv_major: bool = False, v_stages: int | None = None, pair: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over the pieces of per-head block-sparse `tiles` on an sm_90 GPU (`sparse_prefill`'s
     contract for the tiles it takes).
 
@@ -566,7 +680,11 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
     consumer warpgroups); their piece lists must be equal: group-shared tiles (`[B, Hkv, M]`) are by construction,
     per-head ones are checked (one host sync). `sink` / `window` (A-shape) are not taken here: `ws_ashape` builds
     its own tiles. `kv_major`: programs take every item of one KV head before the next KV head's
-    (`schedule.work_order(group=)`), most pieces first within; else most pieces first over all heads.
+    (`schedule.work_order(group=)`), most pieces first within; else most pieces first over all heads. `pair`: two
+    64-key items (strips or pieces, in order) per step, loaded by two TMA copies into the halves of one 128-key ring
+    slot, so a step's fixed work (barrier waits, row max / sum, the O rescale) is paid once per 128 keys while the
+    computed keys stay the 64-key tiles' (a row block's odd last item costs a half-step of masked lanes); 32 KB K / V
+    slots at head_dim 128, so per-head rings fit with v_stages=1.
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
     """
     B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap, v_stages)
@@ -609,7 +727,7 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
                              f"tiles.head_columns; build both with vs_tiles(..., head_columns=True)")
         packed = (*pack_columns(k, v, tiles.head_columns, Hq), tiles.covered)
     return _launch(q, k, v, tiles, scale, (stages, v_stages or stages), consumers, overlap, share_kv, packed,
-                   kv_major=kv_major)
+                   kv_major=kv_major, pair=pair)
 
 
 def pack_columns(k: torch.Tensor, v: torch.Tensor, cols: torch.Tensor, n_q_heads: int,
@@ -652,7 +770,7 @@ def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns
                       offsets: torch.Tensor, scale: float | None = None, stages: int = 2, consumers: int = 2,
                       overlap: bool = True, packed: tuple[VSTiles, tuple[torch.Tensor, ...]] | None = None,
                       kv_major: bool = True, share_kv: bool | None = None, v_stages: int | None = None,
-                      width: int = KEYS) -> tuple[torch.Tensor, torch.Tensor]:
+                      width: int = KEYS, pair: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Vertical-Slash prefill on an sm_90 GPU: MInference's index columns Long `[B, Hq, Kv]` (key positions),
     offsets Long `[B, Hq, Ks]` (i - j), any order; -1, repeated, >= N entries ignored, offset 0 always in (as
     `vertical_slash_prefill`, same keys as `index_ref.vs_to_tiles`). q, k, v, stages, v_stages, consumers, overlap,
@@ -662,7 +780,8 @@ def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns
     pieces (a column under one of its pieces masked), so the kernel reads each column once per row block that
     keeps it. `width`: keys per step, 64 or 128 (128: slash pieces 128 wide, the keys of
     `vs_to_tiles(..., width=128)`, a superset of 64's; 32 KB K / V tiles at head_dim 128, so per-head rings fit
-    with v_stages=1). `packed`: `pack_vertical_slash(k, v, columns, offsets, Hq, width)` made earlier (this call
+    with v_stages=1); `pair` (width 64): two 64-key strips / pieces per step (`ws_prefill`'s). `packed`:
+    `pack_vertical_slash(k, v, columns, offsets, Hq, width)` made earlier (this call
     then only launches). Group-shared
     columns / offsets (`[B, Hkv, K]`, `index_build.vs_index(group_shared=True)`) run with `share_kv` (None: for
     those): query heads 2j and 2j + 1 of a KV head on one K/V ring (`ws_prefill`'s share_kv; consumers=2, an even
@@ -682,14 +801,15 @@ def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns
             torch.equal(columns[:, 0::2], columns[:, 1::2]) and torch.equal(offsets[:, 0::2], offsets[:, 1::2]))):
         raise ValueError("share_kv needs consumers=2, an even number of query heads per KV head and equal columns and "
                          "offsets for heads 2j and 2j + 1 (group-shared indexes have them); use share_kv=False")
-    if width not in (KEYS, 2 * KEYS) or packed is not None and packed[0].piece != width:
-        raise ValueError(f"width (keys per step) must be {KEYS} or {2 * KEYS} and equal the packed tiles' piece; got "
-                         f"{width}{f', packed for {packed[0].piece}' if packed is not None else ''}")
+    if width not in (KEYS, 2 * KEYS) or packed is not None and packed[0].piece != width or pair and width != KEYS:
+        raise ValueError(f"width (keys per step) must be {KEYS} or {2 * KEYS} ({KEYS} with pair) and equal the packed "
+                         f"tiles' piece; got {width}{f', packed for {packed[0].piece}' if packed is not None else ''}"
+                         f"{', pair' if pair else ''}")
     _check_device(q)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     tiles, (kc, vc, cols, col_count, covered) = packed or pack_vertical_slash(k, v, columns, offsets, Hq, width)
     return _launch(q, k, v, tiles, scale, (stages, v_stages or stages), consumers, overlap, share_kv,
-                   (kc, vc, cols, col_count, covered), kv_major=kv_major)
+                   (kc, vc, cols, col_count, covered), kv_major=kv_major, pair=pair)
 
 
 def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | list[int],

@@ -10,8 +10,8 @@ recorded, the rest go on; a variant that fails or hangs its check is left out of
           vs SDPA(is_causal=True); TFLOP/s over the causal pairs, ratio to SDPA's
   sparse  block-sparse top-k (`index_build.block_index` on the bench's planted inputs, 64-row tiles) at each of
           --lengths: ws vs sparse_prefill, efficiency = physical density x SDPA ms / ms (as the bench)
-Variants: cCsS[vV][o][k][g][w128] = C consumer warpgroups (1 or 2), S ring stages (vV: V stages, <= S; else S),
-o = intra-warpgroup overlap, k = the
+Variants: cCsS[vV][o][k][g][p][w128] = C consumer warpgroups (1 or 2), S ring stages (vV: V stages, <= S; else S),
+o = intra-warpgroup overlap, p = two 64-key items per step (`pair`), k = the
 two consumers share one K/V ring (query heads 2j, 2j + 1), w128 = 128 keys per step (`ws_ashape(width=128)`: the
 dense and ashape steps only), g = items by KV head first (`kv_major`; the sparse step
 also times the persistent loop with it, "sparse_prefill/kv_major", the vs step the loop's default, KV head first,
@@ -53,10 +53,10 @@ SHAPE = "llama3-8b"  # the bench's shape the steps run at (--shape): Llama-3-8B 
 
 def parse_variant(name: str) -> dict:
     """'c2s3v2okgw128' -> {consumers: 2, stages: 3, v_stages: 2, overlap: True, share_kv: True, kv_major: True,
-    width: 128} (no v: as many V stages as K stages)."""
-    c, s, vs, o, k, g, w = re.fullmatch(r"c(\d)s(\d)(?:v(\d))?(o?)(k?)(g?)(?:w(\d+))?", name).groups()
+    width: 128} (no v: as many V stages as K stages); p adds pair: True (two 64-key items per step)."""
+    c, s, vs, o, k, g, p, w = re.fullmatch(r"c(\d)s(\d)(?:v(\d))?(o?)(k?)(g?)(p?)(?:w(\d+))?", name).groups()
     return {"consumers": int(c), "stages": int(s), "v_stages": int(vs) if vs else None, "overlap": bool(o),
-            "share_kv": bool(k), "kv_major": bool(g), "width": int(w or 64)}
+            "share_kv": bool(k), "kv_major": bool(g), "width": int(w or 64), **({"pair": True} if p else {})}
 
 
 def shape() -> tuple[int, int, int, float]:

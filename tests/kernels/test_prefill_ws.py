@@ -24,8 +24,8 @@ from test_kernels_compile import SMEM_SM90, compile_env
 from workbench_kernels.index_ref import block_sparse_to_tiles, tiles_to_mask, vs_to_tiles
 from workbench_kernels.prefill_ref import masked_attention_ref
 
-CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block / vs / ashape[, keys per step[,
-    # V stages]])
+CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block / vs / ashape[, keys per item[,
+    # V stages[, pair: two items per step]]])
     "two_consumers_2_stages": (2, 2, True, 128, False, "block"),  # the default
     "two_consumers_3_stages": (2, 3, True, 128, False, "block"),
     "one_consumer": (1, 2, True, 128, False, "block"),  # BLOCK_LAUNCH: sparse_prefill's per-head launch
@@ -55,17 +55,26 @@ CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block
     "ashape_keys128_k2_v1_no_overlap": (2, 2, False, 128, False, "ashape", 128, 1),
     "vs_keys128_k2_v1_no_overlap": (2, 2, False, 128, False, "vs", 128, 1),
     "block_3_stages_v2": (2, 3, True, 128, False, "block", 64, 2),
+    # two 64-key items per step (`ws_prefill(pair=True)`): 128-key slots filled by two TMA copies, 64 x 128 scores
+    # (with overlap one consumer spills ~64 bytes, as 128-key VS steps do)
+    "pair_one_consumer_k2_v1": (1, 2, False, 128, False, "block", 64, 1, True),
+    "pair_two_consumers_k2_v1": (2, 2, False, 128, False, "block", 64, 1, True),
+    "pair_shared_kv_3_stages": (2, 3, False, 128, True, "block", 64, None, True),
+    "pair_head_dim_64": (1, 3, False, 64, False, "block", 64, None, True),
+    "vs_pair_one_consumer_k2_v1": (1, 2, False, 128, False, "vs", 64, 1, True),
+    "vs_pair_two_consumers_k2_v1": (2, 2, False, 128, False, "vs", 64, 1, True),
+    "vs_pair_shared_kv_3_stages": (2, 3, False, 128, True, "vs", 64, None, True),
 }
-# defaults: 64 keys per step, as many V stages as K stages
-CASES = {case: (*args, *(64, None)[len(args) - 6:]) for case, args in CASES.items()}
+# defaults: 64 keys per item, as many V stages as K stages, one item per step
+CASES = {case: (*args, *(64, None, False)[len(args) - 6:]) for case, args in CASES.items()}
 BLOCK_CASES, VS_CASES, ASHAPE_CASES = ([case for case, args in CASES.items() if args[5] == pattern]
                                        for pattern in ("block", "vs", "ashape"))
 
 
 def compile_ws(consumers: int, stages: int, overlap: bool, d: int, share: bool, pattern: str, keys: int = 64,
-               v_stages: int | None = None, dtype: str = "bf16"):
+               v_stages: int | None = None, pair: bool = False, dtype: str = "bf16"):
     """`_ws_prefill_kernel` compiled for sm_90 (descriptor arguments typed as `ws_prefill` builds them; K / V
-    tiles of `keys` rows)."""
+    tiles of `keys` rows, two per ring slot with `pair`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -82,7 +91,7 @@ def compile_ws(consumers: int, stages: int, overlap: bool, d: int, share: bool, 
              "qk_scale": "fp32", **pointers}
     cfg = prefill_ws.launch_config(consumers)
     constants = dict(CONSUMERS=consumers, STAGES=stages, V_STAGES=v_stages or stages, OVERLAP=overlap, SHARE=share,
-                     VS=pattern == "vs", ASHAPE=pattern == "ashape", CONSUMER_REGS=cfg["consumer_regs"])
+                     VS=pattern == "vs", ASHAPE=pattern == "ashape", PAIR=pair, CONSUMER_REGS=cfg["consumer_regs"])
     signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in fn.arg_names}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}
     source = GluonASTSource(fn, signature, constexprs=constants, attrs=attrs)
@@ -156,10 +165,10 @@ def test_ws_prefill_compiles_for_sm90(compiled, case):
     TMA loads; no local memory, no spills; shared memory within the H200's."""
     result = compiled[case]
     assert "error" not in result, result.get("error")
-    consumers, stages, overlap, d, _, _, keys, _ = CASES[case]
+    consumers, stages, overlap, d, _, _, keys, _, pair = CASES[case]
     assert result["partitions"] == consumers, result  # workers: producer (+ the second consumer)
     assert result["setmaxnreg"], result
-    per_path = d // 16 + keys // 16  # Q K^T over head_dim, P V over a step's keys, in k-steps of 16
+    per_path = d // 16 + keys * (1 + pair) // 16  # Q K^T over head_dim, P V over a step's keys, in k-steps of 16
     assert result["wgmma"] == consumers * per_path * (2 if overlap else 1), result  # overlap: + prologue/epilogue
     assert result["tma_loads"] > 0
     assert result["local"] == 0 and not any(result["spills"]), result
@@ -193,20 +202,21 @@ def test_ws_prefill_matches_masked_attention_bf16(case, keep):
     lse against fp32 attention under the tiles' mask."""
     from workbench_kernels.prefill_ws import ws_prefill
 
-    consumers, stages, overlap, d, share, _, _, v_stages = CASES[case]
+    consumers, stages, overlap, d, share, _, _, v_stages, pair = CASES[case]
     B, Hq, Hkv, n = 2, 8, 2, 1000
     q, k, v = qkv(B, Hq, Hkv, n, d, seed=int(keep * 10))
     index = block_index(B, Hkv if share else Hq, n, keep, seed=1)  # share_kv: one selection per KV head
     tiles = block_sparse_to_tiles(index.repeat_interleave(Hq // index.shape[1], 1), n).to("cuda")
     o, lse = ws_prefill(q, k, v, tiles, stages=stages, consumers=consumers, overlap=overlap, share_kv=share,
-                        v_stages=v_stages)
+                        v_stages=v_stages, pair=pair)
     ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(tiles, n))
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
     torch.testing.assert_close(o.float(), ro.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, rlse, atol=8e-2, rtol=2e-2)
     if share:  # the group-shared tiles themselves (one list per KV head): the same launch
         grouped = block_sparse_to_tiles(index, n).to("cuda")
-        o2, lse2 = ws_prefill(q, k, v, grouped, stages=stages, consumers=consumers, overlap=overlap, share_kv=True)
+        o2, lse2 = ws_prefill(q, k, v, grouped, stages=stages, consumers=consumers, overlap=overlap, share_kv=True,
+                              v_stages=v_stages, pair=pair)
         assert torch.equal(o2, o) and torch.equal(lse2, lse)
 
 
@@ -333,12 +343,12 @@ def test_ws_vertical_slash_matches_masked_attention_bf16(case, n):
     from workbench_kernels.index_ref import expand_groups
     from workbench_kernels.prefill_ws import ws_vertical_slash
 
-    consumers, stages, overlap, d, share, _, keys, v_stages = CASES[case]
+    consumers, stages, overlap, d, share, _, keys, v_stages, pair = CASES[case]
     B, Hq, Hkv = 2, 8, 2
     q, k, v = qkv(B, Hq, Hkv, n, d, seed=n)
     cols, offs = vs_index(B, Hkv if share else Hq, n, 300, 60, seed=n)
     o, lse = ws_vertical_slash(q, k, v, cols.cuda(), offs.cuda(), stages=stages, consumers=consumers, overlap=overlap,
-                               v_stages=v_stages, width=keys)
+                               v_stages=v_stages, width=keys, pair=pair)
     tiles = expand_groups(vs_to_tiles(cols.cuda(), offs.cuda(), n, width=0 if keys == 64 else keys), Hq // Hkv if share else 1)
     ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(tiles, n))
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
@@ -356,7 +366,7 @@ def test_ws_ashape_matches_masked_attention_bf16(case):
     from workbench_kernels.prefill_ws import ws_ashape
     from workbench_kernels.tiling import NO_WINDOW
 
-    consumers, stages, overlap, d, share, _, keys, v_stages = CASES[case]
+    consumers, stages, overlap, d, share, _, keys, v_stages, _ = CASES[case]
     B, Hq, Hkv, n = 2, 8, 2, 1000
     sink = torch.tensor([0, 4, 64, 100, 4, 0, 130, 700])
     window = torch.tensor([64, 100, 1, 300, NO_WINDOW, 1200, 65, 17])
