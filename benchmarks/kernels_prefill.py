@@ -531,7 +531,7 @@ def compare_minference(args: argparse.Namespace) -> int:
     on the same tiles, on every shape (the Gluon kernel's Vertical-Slash and A-shape entries on their own
     prepared inputs). Vertical-Slash's default is the deployed route: `vs_tiles(head_columns=True)`, which
     `sparse_prefill` hands the Gluon kernel on sm_90 at head_dim 128 (packing the columns in the timed call);
-    "ws_prepacked" is `ws_vertical_slash` at the same launch (`VS_LAUNCH`) on columns packed beforehand.
+    "ws_prepacked" is `ws_vertical_slash` at the same launch (`HEAD_LAUNCH`) on columns packed beforehand.
     MInference's kernels have no GQA: they read K/V repeated to Hq heads, and take head_dim <= 128 only. `bars`
     sums up the issue's ratios."""
     import torch
@@ -540,7 +540,7 @@ def compare_minference(args: argparse.Namespace) -> int:
     from workbench_kernels.prefill import default_config, loop_variant, sparse_prefill
     from workbench_kernels.prefill_ws import (
         ASHAPE_LAUNCH,
-        VS_LAUNCH,
+        HEAD_LAUNCH,
         pack_vertical_slash,
         ws_ashape,
         ws_takes,
@@ -802,7 +802,7 @@ def compare_minference(args: argparse.Namespace) -> int:
                 if not shared and hopper and d in (64, 128):  # the Gluon kernel: its own tiles + packed columns
                     packed = pack_vertical_slash(k, v, cols, offs, hq)
                     best, ws = gluon(times, lambda: ws_vertical_slash(q, k, v, cols, offs, scale=scale, packed=packed,
-                                                                      **VS_LAUNCH), out, "ws_prepacked")
+                                                                      **HEAD_LAUNCH), out, "ws_prepacked")
                     extra.update(ws, ws_tiles_and_pack_ms=time_ms(lambda: pack_vertical_slash(k, v, cols, offs, hq)))
                     packed = None
                 if with_mi:

@@ -298,17 +298,18 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     `warp_specialize`: True runs the tiles through the warp-specialised Gluon kernel (`prefill_ws.ws_prefill`:
     TMA producer warp, two wgmma consumer warpgroups; sm_90, bf16 / fp16, head_dim 64 or 128, 64 x 64 tiles
     without A-shape masks, columns only as `tiles.head_columns`; ValueError otherwise), False through the
-    Triton-language loop below; None (default): the Gluon kernel where it takes the tiles at head_dim 128 (H200,
-    64K / 128K, block-sparse top-100: 0.78 / 0.80 of dense SDPA's TFLOP/s per head against 0.70 / 0.73 here,
-    group-shared 0.84 / 0.87 against 0.72 / 0.76; Vertical-Slash (1000, 6096) with head columns 63.1 / 185.9 ms
-    against 68.0 / 221.2 here, session 15: kernels/NOTES.md), else the loop below (which reads `tiles.column_index`, never
+    Triton-language loop below; None (default): the Gluon kernel where it takes the tiles at head_dim 128, and at
+    head_dim 64 per-head tiles without columns (two 64-key items per step, `prefill_ws.HEAD_LAUNCH`; H200, 64K /
+    128K, ws_probe: block-sparse top-100 12.15 / 25.92 ms against the loop's 14.01 / 31.60, Vertical-Slash (1000,
+    6096) with head columns 57.12 / 174.95 against 65.27 / 220.57; head_dim 64 block-sparse 2.32 / 4.61 against
+    2.37 / 5.06; session 16: kernels/NOTES.md), else the loop below (which reads `tiles.column_index`, never
     `head_columns`); `kv_major` None there: for tiles with head columns. The other knobs tune the loop below only.
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
     """
     B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
     if (sink is None) != (window is None):
         raise ValueError("give both sink and window (per-head A-shape mask) or neither")
-    if warp_specialize is None and D == 128:
+    if warp_specialize is None and (D == 128 or D == 64 and not tiles.columns and tiles.shape[1] == Hq):
         from .prefill_ws import ws_takes  # lazy, as in _warp_specialized
 
         warp_specialize = ws_takes(q, tiles, sink)
@@ -400,14 +401,14 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
 def _warp_specialized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None,
                       sink: torch.Tensor | None, window: torch.Tensor | None, kv_major: bool
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sparse_prefill` through the Gluon kernel: per-head tiles on separate rings (`BLOCK_LAUNCH`, with head
-    columns `VS_LAUNCH`), group-shared ones with two query heads of a group on one ring (four stages), the fastest
-    of each on the H200."""
-    from .prefill_ws import BLOCK_LAUNCH, VS_LAUNCH, ws_prefill  # lazy: Gluon needs Triton's experimental module
+    """`sparse_prefill` through the Gluon kernel at its launches (`prefill_ws.HEAD_LAUNCH`, `HEAD_LAUNCH_D64`;
+    group-shared tiles: `SHARED_LAUNCH`, two query heads of a group on one ring), the fastest on the H200."""
+    from .prefill_ws import HEAD_LAUNCH, HEAD_LAUNCH_D64, SHARED_LAUNCH, ws_prefill  # lazy: Gluon needs Triton's
+    # experimental module
 
     if tiles.shape[1] != q.shape[1]:
-        return ws_prefill(q, k, v, tiles, scale, sink, window, stages=4, share_kv=True, kv_major=kv_major)
-    launch = VS_LAUNCH if tiles.head_columns is not None else BLOCK_LAUNCH
+        return ws_prefill(q, k, v, tiles, scale, sink, window, kv_major=kv_major, **SHARED_LAUNCH)
+    launch = HEAD_LAUNCH if q.shape[-1] == 128 else HEAD_LAUNCH_D64
     return ws_prefill(q, k, v, tiles, scale, sink, window, kv_major=kv_major, **launch)
 
 

@@ -65,14 +65,15 @@ PRODUCER_REGS = gl.constexpr(24)  # registers per thread of the 1-warp producer 
 # (H200, Llama 32/8/128, sink 128, window 4096, 64K and 128K: 1.03-1.08x the 64-key shared ring with 4 stages in
 # two probes, kernels/NOTES.md)
 ASHAPE_LAUNCH = {"stages": 3, "share_kv": True, "width": 128}
-# `sparse_prefill`'s launches of per-head tiles on sm_90: one consumer warpgroup per program, two programs per SM
-# (H200, Llama 32/8/128, 64K / 128K, kernels/NOTES.md session 15). scripts/ws_probe.py: block-sparse top-100
-# 12.24 / 27.41 ms against two consumers' 13.30 / 27.78; Vertical-Slash (1000, 6096) with three stages
-# 60.82 / 188.06 against 62.56 / 191.50. The bench (kernels_prefill, beside MInference) gained less: block
-# 0.791 / 0.838 of dense SDPA against 0.781 / 0.840 with two consumers, the VS route 0.780 / 0.858 against
-# 0.772 / 0.825.
-BLOCK_LAUNCH = {"consumers": 1, "stages": 2}
-VS_LAUNCH = {"consumers": 1, "stages": 3}
+# `sparse_prefill`'s launches on sm_90, two 64-key items per 128-key step (`pair`; H200, session 16,
+# scripts/ws_probe.py, kernels/NOTES.md). Per-head tiles at head_dim 128 (Llama 32/8/128, 64K / 128K): block-sparse
+# top-100 12.15 / 25.92 ms against the one-item launch's (1 consumer, 2 stages) 13.09 / 27.30, Vertical-Slash
+# (1000, 6096) with head columns 57.12 / 174.95 against (1 consumer, 3 stages) 60.07 / 183.67; group-shared
+# block-sparse on one ring 11.91 / 24.60. Head_dim 64 (9/3/64): block-sparse 2.32 / 4.61 against the loop's
+# 2.37 / 5.06 (VS there: the loop's 9.84 ms beat 11.15 at 64K, so it keeps the loop).
+HEAD_LAUNCH = {"consumers": 2, "stages": 2, "v_stages": 1, "overlap": False, "pair": True}
+HEAD_LAUNCH_D64 = {"consumers": 1, "stages": 3, "overlap": False, "pair": True}
+SHARED_LAUNCH = {"consumers": 2, "stages": 3, "overlap": False, "share_kv": True, "pair": True}
 
 
 @gluon.jit

@@ -314,9 +314,10 @@ def test_head_dim_256_matches_reference(shared):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEV != "cuda", reason="bf16 at the models' shapes needs CUDA")
-@pytest.mark.parametrize("Hq,Hkv,D", [(8, 2, 128), (4, 1, 256)], ids=["llama", "gemma"])
+@pytest.mark.parametrize("Hq,Hkv,D", [(8, 2, 128), (4, 1, 256), (9, 3, 64)], ids=["llama", "gemma", "smollm2"])
 def test_bf16_model_shapes_every_pattern_per_head_and_packed(Hq, Hkv, D):
-    """bf16 at a Llama-like shape (G = 4, head_dim 128) and Gemma-3-270M's (4 / 1 heads, head_dim 256):
+    """bf16 at a Llama-like shape (G = 4, head_dim 128), Gemma-3-270M's (4 / 1 heads, head_dim 256) and SmolLM2's
+    (9 / 3, head_dim 64: per-head block-sparse tiles take the Gluon kernel on sm_90, the rest the loop):
     Vertical-Slash and block-sparse tiles from the Triton index builders, per head and GQA-packed, and
     A-shape, against fp32 attention under the tiles' mask (relative error of o)."""
     from workbench_kernels.index_build import block_index, vs_index, vs_tiles

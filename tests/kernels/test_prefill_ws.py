@@ -28,7 +28,7 @@ CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block
     # V stages[, pair: two items per step]]])
     "two_consumers_2_stages": (2, 2, True, 128, False, "block"),  # the default
     "two_consumers_3_stages": (2, 3, True, 128, False, "block"),
-    "one_consumer": (1, 2, True, 128, False, "block"),  # BLOCK_LAUNCH: sparse_prefill's per-head launch
+    "one_consumer": (1, 2, True, 128, False, "block"),
     "no_overlap": (2, 2, False, 128, False, "block"),
     "head_dim_64": (2, 2, True, 64, False, "block"),
     "shared_kv_3_stages": (2, 3, True, 128, True, "block"),
@@ -36,7 +36,7 @@ CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block
     "vs_two_consumers_2_stages": (2, 2, True, 128, False, "vs"),  # ws_vertical_slash's default
     "vs_two_consumers_3_stages": (2, 3, True, 128, False, "vs"),
     "vs_one_consumer": (1, 2, True, 128, False, "vs"),
-    "vs_one_consumer_3_stages": (1, 3, True, 128, False, "vs"),  # VS_LAUNCH: the deployed route's per-head launch
+    "vs_one_consumer_3_stages": (1, 3, True, 128, False, "vs"),
     "vs_no_overlap": (2, 2, False, 128, False, "vs"),
     "vs_head_dim_64": (2, 2, True, 64, False, "vs"),
     "vs_shared_kv_4_stages": (2, 4, True, 128, True, "vs"),  # group-shared index: two query heads on one ring
@@ -58,11 +58,11 @@ CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block
     # two 64-key items per step (`ws_prefill(pair=True)`): 128-key slots filled by two TMA copies, 64 x 128 scores
     # (with overlap one consumer spills ~64 bytes, as 128-key VS steps do)
     "pair_one_consumer_k2_v1": (1, 2, False, 128, False, "block", 64, 1, True),
-    "pair_two_consumers_k2_v1": (2, 2, False, 128, False, "block", 64, 1, True),
-    "pair_shared_kv_3_stages": (2, 3, False, 128, True, "block", 64, None, True),
-    "pair_head_dim_64": (1, 3, False, 64, False, "block", 64, None, True),
+    "pair_two_consumers_k2_v1": (2, 2, False, 128, False, "block", 64, 1, True),  # HEAD_LAUNCH (sparse_prefill)
+    "pair_shared_kv_3_stages": (2, 3, False, 128, True, "block", 64, None, True),  # SHARED_LAUNCH
+    "pair_head_dim_64": (1, 3, False, 64, False, "block", 64, None, True),  # HEAD_LAUNCH_D64
     "vs_pair_one_consumer_k2_v1": (1, 2, False, 128, False, "vs", 64, 1, True),
-    "vs_pair_two_consumers_k2_v1": (2, 2, False, 128, False, "vs", 64, 1, True),
+    "vs_pair_two_consumers_k2_v1": (2, 2, False, 128, False, "vs", 64, 1, True),  # HEAD_LAUNCH, the deployed VS route
     "vs_pair_shared_kv_3_stages": (2, 3, False, 128, True, "vs", 64, None, True),
 }
 # defaults: 64 keys per item, as many V stages as K stages, one item per step
