@@ -25,6 +25,7 @@ from triton.runtime.errors import OutOfResources
 from .index_ref import VSTiles, ashape_to_tiles, block_sparse_to_tiles, expand_groups, vs_to_tiles
 from .prefill_ref import check_prefill_args
 from .schedule import LOG2E, work_order
+from .tiling import band_on
 
 
 @triton.jit
@@ -352,8 +353,7 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     tiles = tiles.to(dev)
     has_window = window is not None
     if has_window:
-        sink = torch.as_tensor(sink, device=dev).to(torch.int32).reshape(Hq)
-        window = torch.as_tensor(window, device=dev).to(torch.int32).reshape(Hq)
+        sink, window = (x.reshape(Hq) for x in band_on(sink, window, dev))
     else:
         sink = window = torch.zeros(1, dtype=torch.int32, device=dev)
     o = torch.empty_like(q, memory_format=torch.contiguous_format)

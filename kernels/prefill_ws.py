@@ -52,6 +52,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .index_ref import VSTiles, ashape_to_tiles, expand_groups
 from .prefill_ref import check_prefill_args
 from .schedule import LOG2E, work_order
+from .tiling import band_on
 
 ROWS = 64  # query rows per consumer warpgroup (= tiles.block)
 KEYS = 64  # keys per piece and per column strip (= tiles.piece); ws_ashape / ws_vertical_slash also take 128
@@ -847,6 +848,6 @@ def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Ten
         raise ValueError(f"tiles must be ashape_to_tiles(sink, window, {N}, {B}, 64, width={width}) per query head "
                          f"([{B}, {Hq}, {-(-N // ROWS)}], 64 x {width}), got {tuple(tiles.shape)}, "
                          f"{tiles.block} x {tiles.piece}")
-    band = (sink_t.to(q.device, torch.int32), window_t.clamp(max=1 << 30).to(q.device, torch.int32))
+    band = band_on(sink_t, window_t, q.device)
     return _launch(q.contiguous(), k.contiguous(), v.contiguous(), tiles, scale, (stages, v_stages or stages),
                    consumers, overlap, share_kv, band=band, kv_major=kv_major)

@@ -409,3 +409,18 @@ def test_work_order_takes_every_item_once_most_pieces_first():
         assert torch.equal(run, run.sort().values) and run.unique().numel() == B * H // group
         for r in range(B * H // group):
             assert (cost[order[run == r] // sub].diff() <= 0).all()
+
+
+def test_band_on_copies_host_values_once_and_casts_tensors_in_place():
+    """`tiling.band_on`: host sink / window become Int32 copies on the device, cached (a second call gets the same
+    tensors: no host-to-device copy, which waits for the GPU's queue); windows past `NO_WINDOW` clamp to it; tensors
+    already on the device are cast, not cached."""
+    from workbench_kernels.tiling import NO_WINDOW, band_on
+
+    sink, window = band_on([4, 0], [64, 1 << 40], DEV)
+    assert sink.dtype == window.dtype == torch.int32 and sink.device.type == window.device.type == DEV
+    assert sink.tolist() == [4, 0] and window.tolist() == [64, NO_WINDOW]
+    again = band_on((4, 0), [64, 1 << 41], DEV)  # the same values once clamped: the same copies
+    assert again[0] is sink and again[1] is window
+    on = torch.tensor([7, 8], device=DEV)
+    assert band_on(on, on, DEV)[0].tolist() == [7, 8] and band_on(on, on, DEV)[0] is not band_on(on, on, DEV)[0]
