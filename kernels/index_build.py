@@ -284,14 +284,15 @@ def vs_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int = 
     torch ops (only `torch.empty`), no `[B, H, M, width]` intermediates. Entries past the counts are left
     unwritten. `head_columns`: also the columns per head (`VSTiles.head_columns` / `covered`, one sort more),
     so that the Gluon kernel can take the tiles on sm_90 (`prefill.sparse_prefill`'s route)."""
-    tiles, cov, cols = _expand_tiles(columns, offsets, n, block, width, with_columns=True)
-    return dataclasses.replace(tiles, head_columns=cols.sort(-1).values, covered=cov) if head_columns else tiles
+    tiles, cov, cols = _expand_tiles(columns, offsets, n, block, width, with_columns=True, sort=head_columns)
+    return dataclasses.replace(tiles, head_columns=cols, covered=cov) if head_columns else tiles
 
 
 def _expand_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: int, width: int,
-                  with_columns: bool) -> tuple[VSTiles, torch.Tensor, torch.Tensor]:
-    """`_vs_heads`, then one `_expand_tiles_kernel` launch per (head, row block) -> (tiles, covered, cols);
-    without columns the column loop is skipped (column_count 0, column_index `[B, H, M, 1]` = -1)."""
+                  with_columns: bool, sort: bool) -> tuple[VSTiles, torch.Tensor, torch.Tensor]:
+    """`_vs_heads`, then one `_expand_tiles_kernel` launch per (head, row block) -> (tiles, covered, cols; `sort`:
+    cols ascending, the head columns the Gluon kernel packs); without columns the column loop is skipped
+    (column_count 0, column_index `[B, H, M, 1]` = -1)."""
     B, H, KV = columns.shape
     M = -(-n // block)
     w = width or block
@@ -308,7 +309,7 @@ def _expand_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: i
     _expand_tiles_kernel[(B * H, M)](ends, cov, cols, tiles.block_count, tiles.block_offset, tiles.column_count,
                                      tiles.column_index, ends.shape[-1], cov.shape[-1], kv, NS, nc, M, n,
                                      BLOCK=block, W=w, CHUNK=256, num_warps=4)
-    return tiles, cov, cols
+    return tiles, cov, cols.sort(-1).values if sort else cols
 
 
 @triton.jit
@@ -510,8 +511,9 @@ def block_tiles(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100
     reduction per q and k, one score launch, one selection launch per power-of-two band of row blocks, no torch
     op between them (the index of a layer with few heads is launch-bound: kernels/NOTES.md). `per_head`: Long
     `[Hq]` budgets on q's device with `topk` their largest (no host copy or sync: capturable in a CUDA graph)."""
-    if per_head is None:
-        budget(topk, q.shape[1], "topk")
+    if per_head is None:  # one budget, or one per query head (checked once, before the scores)
+        topk, per_head = budget(topk, q.shape[1], "topk")
+        per_head = None if per_head is None else per_head.to(q.device)
     elif per_head.shape != (q.shape[1],) or per_head.device != q.device:
         raise ValueError(f"per_head must be [Hq] = [{q.shape[1]}] budgets on {q.device}; got "
                          f"{tuple(per_head.shape)} on {per_head.device}")
@@ -528,5 +530,4 @@ def vs_slash_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: 
     the head's unique valid columns ascending, then n for the -1, out-of-range and repeated ones). Row block m
     keeps column c iff c < m*block and covered[m*block - c + block - 1] == 0 (what `vs_to_tiles` keeps).
     `width`: piece width (0 = block; 128 with block 64: 128-key pieces, `vs_to_tiles(..., width=128)`'s)."""
-    tiles, cov, cols = _expand_tiles(columns, offsets, n, block, width, with_columns=False)
-    return tiles, cov, cols.sort(-1).values
+    return _expand_tiles(columns, offsets, n, block, width, with_columns=False, sort=True)

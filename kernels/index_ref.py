@@ -437,7 +437,9 @@ def tiles_to_mask(tiles: VSTiles, n: int, sink: torch.Tensor | None = None,
 
 def tile_area(tiles: VSTiles, n: int) -> torch.Tensor:
     """Physical (query, key) pairs computed per head, Long `[B, H]` (piece rows x piece width + column
-    strips, before causal masking; what the kernel's tensor cores do)."""
+    strips, before causal masking; what the loop's tensor cores do). The Gluon kernel walks head columns as whole
+    64-key strips (a row block's columns rounded up, the covered ones masked, `prefill_ws`) and pairs items in
+    128-key steps (an odd last item adds a masked half): a little more than this."""
     M = tiles.shape[-1]
     rows = torch.full((M,), tiles.block, device=tiles.block_count.device)
     rows[-1] = n - (M - 1) * tiles.block
