@@ -887,38 +887,39 @@ def compare_minference(args: argparse.Namespace) -> int:
     return 0
 
 
-def bars(found: dict[str, dict]) -> dict[str, float | None]:
-    """The issue's ratios at one (shape, length) from its rows (best variant each; `*_queued_*`: the defaults'
-    calls queued back to back)."""
-    def get(pattern, key):
-        return found.get(pattern, {}).get(key)
+BARS = {  # the issue's ratios: name -> (row pattern, row key); "queued": the defaults' calls queued back to back
+    "vs_ratio_to_dense": ("vertical_slash", "ratio_to_dense_tflops"),
+    "vs_speedup_vs_minference": ("vertical_slash", "speedup_vs_minference"),
+    "vs_queued_ratio_to_dense": ("vertical_slash", "queued_ratio_to_dense_tflops"),
+    "vs_queued_speedup_vs_minference": ("vertical_slash", "queued_speedup_vs_minference"),
+    "vs_128x64_ratio_to_dense": ("vertical_slash_128x64", "ratio_to_dense_tflops"),
+    "vs_64x128_ratio_to_dense": ("vertical_slash_64x128", "ratio_to_dense_tflops"),
+    "vs_64x128_speedup_vs_minference": ("vertical_slash_64x128", "speedup_vs_minference"),
+    "vs_64x128_physical_density": ("vertical_slash_64x128", "physical_density"),
+    "vs_group_shared_ratio_to_dense": ("vertical_slash_group_shared", "ratio_to_dense_tflops"),
+    "vs_speedup_vs_dense": ("vertical_slash", "speedup_vs_dense"),
+    "vs_physical_density": ("vertical_slash", "physical_density"),
+    "block_ratio_to_dense": ("block_sparse", "ratio_to_dense_tflops"),
+    "block_speedup_vs_minference": ("block_sparse", "speedup_vs_minference"),
+    "block_queued_ratio_to_dense": ("block_sparse", "queued_ratio_to_dense_tflops"),
+    "block_queued_speedup_vs_minference": ("block_sparse", "queued_speedup_vs_minference"),
+    "block_group_shared_ratio_to_dense": ("block_sparse_group_shared", "ratio_to_dense_tflops"),
+    "vs_tiles_ratio_to_minference": ("vertical_slash", "tiles_ratio_to_minference"),
+    "block_index_ratio_to_minference": ("block_sparse", "index_ratio_to_minference"),
+    "block_index_queued_ratio_to_minference": ("block_sparse", "index_queued_ratio_to_minference"),
+    "block_index_graph_ratio_to_minference": ("block_sparse", "index_graph_ratio_to_minference"),
+}
 
-    ashape = [r["ratio_to_dense_tflops"] for p, r in found.items() if p.startswith("a_shape")]
-    ashape_queued = [r["queued_ratio_to_dense_tflops"] for p, r in found.items()
-                     if p.startswith("a_shape") and "queued_ratio_to_dense_tflops" in r]
-    queued = {  # the defaults' calls queued back to back (`queued_ms`), dense SDPA likewise
-        "vs_queued_ratio_to_dense": get("vertical_slash", "queued_ratio_to_dense_tflops"),
-        "vs_queued_speedup_vs_minference": get("vertical_slash", "queued_speedup_vs_minference"),
-        "block_queued_ratio_to_dense": get("block_sparse", "queued_ratio_to_dense_tflops"),
-        "block_queued_speedup_vs_minference": get("block_sparse", "queued_speedup_vs_minference"),
-        "ashape_best_queued_ratio_to_dense": max(ashape_queued) if ashape_queued else None,
-        "block_index_queued_ratio_to_minference": get("block_sparse", "index_queued_ratio_to_minference"),
-        "block_index_graph_ratio_to_minference": get("block_sparse", "index_graph_ratio_to_minference")}
-    return {**queued, "vs_ratio_to_dense": get("vertical_slash", "ratio_to_dense_tflops"),
-            "vs_speedup_vs_minference": get("vertical_slash", "speedup_vs_minference"),
-            "vs_128x64_ratio_to_dense": get("vertical_slash_128x64", "ratio_to_dense_tflops"),
-            "vs_64x128_ratio_to_dense": get("vertical_slash_64x128", "ratio_to_dense_tflops"),
-            "vs_64x128_speedup_vs_minference": get("vertical_slash_64x128", "speedup_vs_minference"),
-            "vs_64x128_physical_density": get("vertical_slash_64x128", "physical_density"),
-            "vs_group_shared_ratio_to_dense": get("vertical_slash_group_shared", "ratio_to_dense_tflops"),
-            "vs_speedup_vs_dense": get("vertical_slash", "speedup_vs_dense"),
-            "vs_physical_density": get("vertical_slash", "physical_density"),
-            "block_ratio_to_dense": get("block_sparse", "ratio_to_dense_tflops"),
-            "block_speedup_vs_minference": get("block_sparse", "speedup_vs_minference"),
-            "block_group_shared_ratio_to_dense": get("block_sparse_group_shared", "ratio_to_dense_tflops"),
-            "ashape_best_ratio_to_dense": max(ashape) if ashape else None,
-            "vs_tiles_ratio_to_minference": get("vertical_slash", "tiles_ratio_to_minference"),
-            "block_index_ratio_to_minference": get("block_sparse", "index_ratio_to_minference")}
+
+def bars(found: dict[str, dict]) -> dict[str, float | None]:
+    """The issue's ratios at one (shape, length) from its rows (best variant each; `BARS`), and the best A-shape
+    row's ratio to dense, synced and queued."""
+    out = {name: found.get(pattern, {}).get(key) for name, (pattern, key) in BARS.items()}
+    for name, key in (("ashape_best_ratio_to_dense", "ratio_to_dense_tflops"),
+                      ("ashape_best_queued_ratio_to_dense", "queued_ratio_to_dense_tflops")):
+        ratios = [r[key] for pattern, r in found.items() if pattern.startswith("a_shape") and key in r]
+        out[name] = max(ratios) if ratios else None
+    return out
 
 
 if __name__ == "__main__":
