@@ -284,13 +284,12 @@ def _piece_mask(s, p, rows, lanes, N, row_lo, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _pair_keys(t, n, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, window, BLOCK_M: gl.constexpr,
-               PIECE: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr):
-    """Step t of a PAIR launch holds items 2t (lanes < PIECE) and 2t + 1 (the other lanes; no item where 2t + 1 = n),
-    each a strip or a piece as in `_item_keys` -> (key Int32 `[2 PIECE]`: the key a lane holds on a piece; keep Bool:
-    the lanes of strips that hold a kept key; on_piece Bool: the lanes of pieces; edge: whether the step needs a
-    mask: a strip or an empty half in it, a piece reaching past the diagonal, N or key 0, ASHAPE a piece reaching
-    outside the window of the block's last row)."""
+def _pair_keys(t, n, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, PIECE: gl.constexpr,
+               VS: gl.constexpr):
+    """Step t of a PAIR launch (block-sparse or VS items) holds items 2t (lanes < PIECE) and 2t + 1 (the other lanes;
+    no item where 2t + 1 = n), each a strip or a piece as in `_item_keys` -> (key Int32 `[2 PIECE]`: the key a lane
+    holds on a piece; keep Bool: the lanes of strips that hold a kept key; on_piece Bool: the lanes of pieces; edge:
+    whether the step needs a mask: a strip or an empty half in it, a piece reaching past the diagonal, N or key 0)."""
     half = lanes // PIECE
     j = lanes % PIECE
     item = 2 * t + half
@@ -307,40 +306,31 @@ def _pair_keys(t, n, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo
             keep = ok & (gl.load(CovHead + (row_lo - c), mask=ok, other=1) == 0)
         else:
             keep = lanes < 0
-    elif ASHAPE:
-        keep = (item < strips) & (item * PIECE + j < n_cols)
     else:
         keep = lanes < 0
     hi = gl.maximum(pa, pb)
     edge = (2 * t < strips) | (2 * t + 1 >= n) | (gl.minimum(pa, pb) < 0) | (hi + PIECE - 1 > row_lo) | (hi + PIECE > N)
-    if ASHAPE:
-        edge = edge | (row_lo + (BLOCK_M - 1) - gl.minimum(pa, pb) >= window)
     return key, keep, on_piece, edge
 
 
 @gluon.jit
-def _pair_masked(s, key, keep, on_piece, edge, rows, N, sink, window, ASHAPE: gl.constexpr):
+def _pair_masked(s, key, keep, on_piece, edge, rows, N):
     """Scores s `[BLOCK_M, 2 PIECE]` of a PAIR step with the keys it does not hold at -inf (`_pair_keys`): strip
-    lanes keep their `keep` keys, piece lanes the causal keys in [0, N) (ASHAPE: also only j < sink or i - j <
-    window); no mask when not `edge`."""
+    lanes keep their `keep` keys, piece lanes the causal keys in [0, N); no mask when not `edge`."""
     if edge:
         k2 = gl.expand_dims(key, 0)
-        r2 = gl.expand_dims(rows, 1)
-        ok = gl.expand_dims(on_piece, 0) & (k2 <= r2) & (k2 < N) & (k2 >= 0)
-        if ASHAPE:
-            ok = ok & ((k2 < sink) | (r2 - k2 < window))
+        ok = gl.expand_dims(on_piece, 0) & (k2 <= gl.expand_dims(rows, 1)) & (k2 < N) & (k2 >= 0)
         s = gl.where(ok | gl.expand_dims(keep, 0), s, float("-inf"))
     return s
 
 
 @gluon.jit
-def _step_keys(t, n, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, window, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr):
+def _step_keys(t, n, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, BLOCK_N: gl.constexpr,
+               VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr):
     """What step t holds, loaded before its scores are waited for: `_pair_keys` with PAIR, else `_item_keys` of
     item t (a tuple for `_step_masked`)."""
     if PAIR:
-        return _pair_keys(t, n, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, window, BLOCK_M,
-                          BLOCK_N // 2, VS, ASHAPE)
+        return _pair_keys(t, n, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, BLOCK_N // 2, VS)
     else:
         return _item_keys(t, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS, ASHAPE)
 
@@ -351,7 +341,7 @@ def _step_masked(s, keys, t, strips, rows, lanes, N, row_lo, sink, window, BLOCK
     """Raw scores s of step t with the keys it does not hold at -inf (`keys`: `_step_keys`)."""
     if PAIR:
         key, keep, on_piece, edge = keys
-        return _pair_masked(s, key, keep, on_piece, edge, rows, N, sink, window, ASHAPE)
+        return _pair_masked(s, key, keep, on_piece, edge, rows, N)
     else:
         p, keep = keys
         return _masked(s, t, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS, ASHAPE)
@@ -422,8 +412,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
             ik = ring * STAGES
             mbarrier.wait(k_ready.index(ik), 0)
             s = warpgroup_mma(q, k_smem.index(ik).permute((1, 0)), s0, use_acc=False, is_async=True)
-            keys = _step_keys(0, items, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, window, BLOCK_M,
-                              BLOCK_N, VS, ASHAPE, PAIR)
+            keys = _step_keys(0, items, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, BLOCK_N, VS,
+                              ASHAPE, PAIR)
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(ik), count=1)
             s = _step_masked(s, keys, 0, strips, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS, ASHAPE,
@@ -436,8 +426,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
             ik1 = ring * STAGES + (t + 1) % STAGES
             mbarrier.wait(k_ready.index(ik1), ((t + 1) // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(ik1).permute((1, 0)), s0, use_acc=False, is_async=True)
-            keys = _step_keys(t + 1, items, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, window,
-                              BLOCK_M, BLOCK_N, VS, ASHAPE, PAIR)
+            keys = _step_keys(t + 1, items, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, BLOCK_N,
+                              VS, ASHAPE, PAIR)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             mbarrier.wait(v_ready.index(iv), (t // V_STAGES) & 1)
             acc = warpgroup_mma(gl.convert_layout(prob.to(k_smem.dtype), p_layout), v_smem.index(iv), acc,
@@ -464,8 +454,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
             iv = ring * V_STAGES + t % V_STAGES
             mbarrier.wait(k_ready.index(ik), (t // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(ik).permute((1, 0)), s0, use_acc=False, is_async=True)
-            keys = _step_keys(t, items, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, window, BLOCK_M,
-                              BLOCK_N, VS, ASHAPE, PAIR)
+            keys = _step_keys(t, items, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, BLOCK_N, VS,
+                              ASHAPE, PAIR)
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(ik), count=1)
             s = _step_masked(s, keys, t, strips, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS, ASHAPE,
@@ -620,6 +610,9 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
     (VS): (kc, vc `[B * Hq * KVP, D]`, cols Int32 `[B, Hq, KVP]`, col_count Int32 `[B, Hq, M]`, covered Int8
     `[B, Hq, L]`); `band` (A-shape, tiles from `ashape_to_tiles`): (sink, window) Int32 `[Hq]` on q's device; see
     `_ws_prefill_kernel`."""
+    if pair and band is not None:
+        raise ValueError("pair takes block-sparse and Vertical-Slash items; A-shape's contiguous pieces step 128 keys "
+                         "with width=128")
     B, Hq, N, D = q.shape
     Hkv = k.shape[1]
     M = -(-N // ROWS)
