@@ -30,11 +30,13 @@ import triton.language as tl
 
 from .index_ref import VSTiles, max_pieces_total, selected_block_tiles, vs_tile_bounds
 from .order import order_key
+from .tiling import ints_on
 from .topk import budget, top_blocks, top_positions
 
 LOG2E = 1.4426950408889634
 ROWS = 64
 MAX_TOPK_BLOCKS = 16384  # longest score row the block top-k kernel holds in registers (1M tokens)
+_LOG_MIN = 7  # the block top-k kernel's narrowest row: 128 scores
 
 
 @triton.jit
@@ -313,58 +315,68 @@ def _expand_tiles(columns: torch.Tensor, offsets: torch.Tensor, n: int, block: i
 
 
 @triton.jit
-def _block_topk_kernel(Score, Budget, Out, Count, ColCount, ColIndex, M, H, K, M_LO, M_HI, R: tl.constexpr,
-                       NPAD: tl.constexpr, KPAD: tl.constexpr, PER_HEAD: tl.constexpr, TILES: tl.constexpr,
-                       UNIT: tl.constexpr):
-    """R consecutive query blocks m in [M_LO, M_HI) (rows of Score, NPAD >= M_HI) of one head: each keeps
-    its diagonal plus the best k - 1 causal key blocks before it, k = min(budget, m + 1) (budget: Budget[h]
-    with PER_HEAD, else K), written ascending. The threshold is found exactly by bisection on the
-    order-preserving int32 image of the fp32 scores, between the row's smallest and largest candidate,
-    stopping as soon as exactly k - 1 candidates reach it (a gap between the (k-1)-th and k-th score: ~15-25
-    passes instead of 32); ties at the threshold go to the lowest block ids. TILES: the row's 64-row tile
-    instead (`VSTiles` fields: key offsets block * UNIT in Out, k in Count, no columns), as `selected_block_tiles`
-    makes of the table (UNIT: 64 with TILES, else 1)."""
-    pid = tl.program_id(0)
-    per_head = tl.cdiv(M_HI - M_LO, R)
-    bh = pid // per_head
-    m = M_LO + (pid % per_head) * R + tl.arange(0, R)  # [R]
+def _select_row(Score, Budget, Out, Count, ColCount, ColIndex, bh, m, M, H, K, NPAD: tl.constexpr,
+                KPAD: tl.constexpr, PER_HEAD: tl.constexpr, TILES: tl.constexpr, UNIT: tl.constexpr):
+    """Query block m (< NPAD) of head bh keeps its diagonal plus the best k - 1 causal key blocks before it,
+    k = min(budget, m + 1) (budget: Budget[h] with PER_HEAD, else K), written ascending. The threshold is found
+    exactly by bisection on the order-preserving int32 image of the fp32 scores, between the row's smallest and
+    largest candidate, stopping as soon as exactly k - 1 candidates reach it (a gap between the (k-1)-th and k-th
+    score: ~15-25 passes instead of 32); ties at the threshold go to the lowest block ids. TILES: the row's 64-row
+    tile instead (`VSTiles` fields: key offsets block * UNIT in Out, k in Count, no columns), as
+    `selected_block_tiles` makes of the table (UNIT: 64 with TILES, else 1)."""
     j = tl.arange(0, NPAD)
-    row_ok = m < M_HI
-    cand = (j[None, :] < m[:, None]) & row_ok[:, None]
-    rows = (bh * M + m).to(tl.int64)
-    x = tl.load(Score + rows[:, None] * M + j[None, :], mask=cand, other=0.0)
+    cand = j < m
+    row = (bh * M + m).to(tl.int64)
+    x = tl.load(Score + row * M + j, mask=cand, other=0.0)
     key = tl.where(cand, order_key(x), -2147483647 - 1)
     top = tl.load(Budget + bh % H).to(tl.int32) if PER_HEAD else K
     k = tl.minimum(tl.maximum(top, 1), m + 1) - 1  # candidates to keep, <= m
     # invariant: count(key >= lo) = cnt >= k and count(key > hi) < k; done when cnt == k or lo == hi
-    lo = tl.min(tl.where(cand, key, 2147483647), 1).to(tl.int64)
-    hi = tl.max(key, 1).to(tl.int64)
+    lo = tl.min(tl.where(cand, key, 2147483647), 0).to(tl.int64)
+    hi = tl.max(key, 0).to(tl.int64)
     lo = tl.where(k == 0, 2147483647, lo)
     cnt = m
-    active = (cnt > k) & (lo < hi)
-    while tl.sum(active.to(tl.int32), 0) > 0:
+    while (cnt > k) & (lo < hi):
         mid = (lo + hi + 1) >> 1
-        c = tl.sum((key >= mid.to(tl.int32)[:, None]).to(tl.int32), 1)
+        c = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), 0)
         enough = c >= k
-        lo = tl.where(active & enough, mid, lo)
-        hi = tl.where(active & ~enough, mid - 1, hi)
-        cnt = tl.where(active & enough, c, cnt)
-        active = (cnt > k) & (lo < hi)
-    t = lo.to(tl.int32)[:, None]
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+        cnt = tl.where(enough, c, cnt)
+    t = lo.to(tl.int32)
     above = cand & (key > t)
     tie = cand & (key == t)
-    n_above = tl.sum(above.to(tl.int32), 1)
-    keep = above | (tie & (tl.cumsum(tie.to(tl.int32), 1) <= (k - n_above)[:, None]))
-    pos = tl.cumsum(keep.to(tl.int32), 1) - 1
-    out = Out + rows * K
-    tl.store(out[:, None] + pos, j[None, :] * UNIT, mask=keep)
-    tl.store(out + k, m * UNIT, mask=row_ok)  # the diagonal, after the k kept candidates
+    keep = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= k - tl.sum(above.to(tl.int32), 0)))
+    pos = tl.cumsum(keep.to(tl.int32), 0) - 1
+    out = Out + row * K
+    tl.store(out + pos, j * UNIT, mask=keep)
+    tl.store(out + k, m * UNIT)  # the diagonal, after the k kept candidates
     slot = tl.arange(0, KPAD)
-    tl.store(out[:, None] + slot[None, :], -1, mask=(slot[None, :] > k[:, None]) & (slot[None, :] < K) & row_ok[:, None])
+    tl.store(out + slot, -1, mask=(slot > k) & (slot < K))
     if TILES:
-        tl.store(Count + rows, k + 1, mask=row_ok)
-        tl.store(ColCount + rows, 0, mask=row_ok)
-        tl.store(ColIndex + rows, -1, mask=row_ok)
+        tl.store(Count + row, k + 1)
+        tl.store(ColCount + row, 0)
+        tl.store(ColIndex + row, -1)
+
+
+@triton.jit
+def _block_topk_kernel(Score, Budget, Out, Count, ColCount, ColIndex, M, H, K, M_LO, M_HI, LOG_LO: tl.constexpr,
+                       LOG_HI: tl.constexpr, KPAD: tl.constexpr, PER_HEAD: tl.constexpr, TILES: tl.constexpr,
+                       UNIT: tl.constexpr):
+    """One query block m in [M_LO, M_HI) of one head per program (`_select_row`), its scores held in registers of
+    the narrowest width 2^p (LOG_LO <= p <= LOG_HI) above m: rows of every band of this launch in one grid."""
+    pid = tl.program_id(0)
+    rows = M_HI - M_LO
+    bh = pid // rows
+    m = M_LO + pid % rows
+    for p in tl.static_range(LOG_LO, LOG_HI + 1):
+        if p == LOG_LO:
+            here = m < (1 << p)
+        else:
+            here = (m < (1 << p)) & (m >= (1 << (p - 1)))
+        if here:
+            _select_row(Score, Budget, Out, Count, ColCount, ColIndex, bh, m, M, H, K, 1 << p, KPAD, PER_HEAD,
+                        TILES, UNIT)
 
 
 @triton.jit
@@ -457,7 +469,7 @@ def select_blocks(score: torch.Tensor, topk: int | torch.Tensor = 100) -> torch.
 def _select(score: torch.Tensor, topk: int | torch.Tensor, tiles: bool,
             per_head: torch.Tensor | None = None) -> torch.Tensor | VSTiles:
     """`select_blocks` (tiles False) / `block_tiles`' selection (tiles True: `VSTiles` written by the kernel);
-    `per_head`: Long `[H]` budgets already on score's device (then `topk` is the largest, an int: no host copy,
+    `per_head`: integer `[H]` budgets already on score's device (then `topk` is the largest, an int: no host copy,
     no sync)."""
     B, H, M, _ = score.shape
     if per_head is None:
@@ -474,22 +486,27 @@ def _select(score: torch.Tensor, topk: int | torch.Tensor, tiles: bool,
         table = top_blocks(score, k_max, per_head)
         return selected_block_tiles(table) if tiles else table
     dev = score.device
-    budgets = per_head.to(dev).contiguous() if per_head is not None else None  # (cached budgets: no launch)
+    budgets = ints_on(per_head, dev) if per_head is not None else None
     out = torch.empty(B, H, M, k_max, dtype=torch.int32, device=dev)
     count, col_count, col_index = ([torch.empty(B, H, M, *s, dtype=torch.int32, device=dev) for s in ((), (), (1,))]
                                    if tiles else (out, out, out))  # (unused without tiles)
     score = score.contiguous()
-    lo = 0
-    while lo < M:  # rows m in [npad / 2, npad) hold < npad candidates: no row scans past its own width
-        npad = max(128, triton.next_power_of_2(lo + 1))
-        hi = min(M, npad)
+    for log_lo, log_hi in _launch_bands(M):  # rows m in [2^(p-1), 2^p) hold < 2^p candidates: no row scans past
+        lo, hi = (0 if log_lo == _LOG_MIN else 1 << (log_lo - 1)), min(M, 1 << log_hi)  # twice its own width
         _block_topk_kernel[(B * H * (hi - lo),)](score, out if budgets is None else budgets, out, count, col_count,
-                                                 col_index, M, H, k_max, lo, hi, R=1, NPAD=npad,
+                                                 col_index, M, H, k_max, lo, hi, LOG_LO=log_lo, LOG_HI=log_hi,
                                                  KPAD=triton.next_power_of_2(k_max), PER_HEAD=budgets is not None,
                                                  TILES=tiles, UNIT=ROWS if tiles else 1,
-                                                 num_warps=min(16, max(1, npad // 1024)))
-        lo = hi
+                                                 num_warps=max(1, (1 << log_hi) // 1024))
     return VSTiles(count, out, col_count, col_index, ROWS, 0, True, False) if tiles else out
+
+
+def _launch_bands(m: int) -> list[tuple[int, int]]:
+    """(LOG_LO, LOG_HI) of each `_block_topk_kernel` launch for m query blocks: rows up to 1024 candidates wide share
+    one launch (one warp a row), each wider power of two its own (width / 1024 warps; fewer launches: the index of a
+    layer with few heads is launch-bound)."""
+    top = max(_LOG_MIN, (m - 1).bit_length())
+    return [(_LOG_MIN, min(top, 10))] + [(p, p) for p in range(11, top + 1)]
 
 
 @torch.no_grad()
@@ -513,7 +530,7 @@ def block_tiles(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100
     `[Hq]` budgets on q's device with `topk` their largest (no host copy or sync: capturable in a CUDA graph)."""
     if per_head is None:  # one budget, or one per query head (checked once, before the scores)
         topk, per_head = budget(topk, q.shape[1], "topk")
-        per_head = None if per_head is None else per_head.to(q.device)
+        per_head = None if per_head is None else ints_on(per_head, q.device)
     elif per_head.shape != (q.shape[1],) or per_head.device != q.device:
         raise ValueError(f"per_head must be [Hq] = [{q.shape[1]}] budgets on {q.device}; got "
                          f"{tuple(per_head.shape)} on {per_head.device}")

@@ -2,7 +2,7 @@
 
 `BLOCK` is the tile edge in tokens (64 query rows x 64 keys); `NO_WINDOW` the sliding-window size the
 prefill kernel reads as "no window" (heads without a band mask); `band_on` the per-head sink / window as the
-kernels read them.
+kernels read them, `ints_on` any such small per-head integers on the device.
 """
 from __future__ import annotations
 
@@ -17,21 +17,27 @@ NO_WINDOW = 1 << 30
 
 def band_on(sink: torch.Tensor | Sequence[int], window: torch.Tensor | Sequence[int],
             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head A-shape sink and window (tokens, `[H]`, tensors or int sequences) -> Int32 `[H]` each on `device`,
-    both at most `NO_WINDOW`. Tensors already there are cast; host values come from a cache of their device
-    copies, since a copy from pageable host memory waits for the GPU's queue to drain (H200, A-shape at 64K through
-    `sparse_prefill`: 9.97 ms of host time per call with lists against 0.12 with device tensors,
-    scripts/host_overhead.py). The cached tensors are shared: read them, never write them."""
+    """Per-head A-shape sink and window (tokens, `[H]`, tensors or int sequences) -> `ints_on` each, both at most
+    `NO_WINDOW` (H200, A-shape at 64K through `sparse_prefill`: 9.97 ms of host time per call when each call copied
+    host lists against 0.12 with device tensors, scripts/host_overhead.py)."""
+    return ints_on(sink, device, NO_WINDOW), ints_on(window, device, NO_WINDOW)
+
+
+def ints_on(x: torch.Tensor | Sequence[int], device: torch.device, most: int | None = None) -> torch.Tensor:
+    """Small integers (per-head sinks, windows, budgets; a tensor or int sequence, clamped to `most`) -> Int32 `[n]`
+    on `device`. An Int32 tensor already there passes as it is (no launch; the kernels read values past `most` as
+    `most`), another one there is clamped and cast; host values come from a cache of their device copies, since a
+    copy from pageable host memory waits for the GPU's queue to drain. The cached tensors are shared: read them,
+    never write them."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return _on(sink, device), _on(window, device)
-
-
-def _on(x: torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
     if isinstance(x, torch.Tensor) and x.device == device:
-        return x.clamp(max=NO_WINDOW).to(torch.int32).reshape(-1)
-    return _copy(tuple(min(int(v), NO_WINDOW) for v in torch.as_tensor(x).reshape(-1).tolist()), device)
+        if x.dtype != torch.int32 and most is not None:
+            x = x.clamp(max=most)
+        return x.to(torch.int32).reshape(-1)
+    values = torch.as_tensor(x).reshape(-1).tolist()
+    return _copy(tuple(int(v) if most is None else min(int(v), most) for v in values), device)
 
 
 @functools.lru_cache(maxsize=256)

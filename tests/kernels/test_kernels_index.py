@@ -256,7 +256,7 @@ def test_block_index_kernel_on_long_rows_and_budgets():
 
     from workbench.patterns.proxy import block_proxy
 
-    n = 3000 if DEV == "cpu" else 65536
+    n = 3000 if DEV == "cpu" else 65536 + 8 * 64  # (GPU: 1032 row blocks, so two selection launches)
     g = torch.Generator().manual_seed(5)
     q, k = torch.randn(1, 4, n, 64, generator=g), torch.randn(1, 1, n, 64, generator=g)
     for topk in (1, 40, torch.tensor([0, 7, 40, 100])):
@@ -268,8 +268,8 @@ def test_block_index_kernel_on_long_rows_and_budgets():
 
 
 def test_block_selection_over_every_band_of_rows():
-    """`select_blocks` launches one program per query block, one launch per power-of-two band of m
-    (m < 128, 128..255, 256..511 here): each band selects what torch.topk selects; ties at the
+    """`select_blocks` runs one program per query block, its row held at the power-of-two width above m
+    (m < 128, 128..255, 256..511 here, all in one launch): each band selects what torch.topk selects; ties at the
     threshold go to the lowest block ids."""
     from workbench_kernels.index_build import select_blocks
     from workbench_kernels.topk import top_blocks
@@ -284,6 +284,42 @@ def test_block_selection_over_every_band_of_rows():
     above = (score[0, 1, 200, :200] > 0).nonzero().flatten()
     want = torch.cat([above, torch.arange(139 - len(above)), torch.tensor([200])]).sort().values
     assert torch.equal(row[:140].long(), want)
+
+
+def test_block_tiles_launches(monkeypatch):
+    """`block_tiles` at 64K tokens (1024 row blocks) is two pooling reductions, one score launch and one selection
+    launch (rows up to 1024 wide share it; each wider power of two adds one), with per-head budgets on the device
+    as they are (no copy): on the GPU each launch costs the host ~30 us and the index of a few heads is
+    launch-bound. The kernels are stubbed here."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from workbench_kernels import index_build
+
+    calls = []
+
+    class Launch:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append(self.name)
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append(str(func).split(".")[1])
+            return func(*args, **(kwargs or {}))
+
+    for name in ("_block_scores_kernel", "_block_topk_kernel"):
+        monkeypatch.setattr(index_build, name, Launch(name))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    budgets = torch.tensor([3, 5], dtype=torch.int32)
+    for blocks, selections in ((1024, 1), (1025, 2), (4096, 3)):
+        q = torch.zeros(1, 2, blocks * 64, 16, dtype=torch.bfloat16)
+        k = q[:, :1]
+        calls.clear()
+        with Log():
+            index_build.block_tiles(q, k, 5, per_head=budgets)
+        launches = [c for c in calls if c not in ("empty", "view", "alias", "slice", "_unsafe_view")]  # (no launch)
+        assert launches == ["mean"] * 2 + ["_block_scores_kernel"] + ["_block_topk_kernel"] * selections, launches
 
 
 def test_group_shared_indexes_select_from_the_summed_group_scores():

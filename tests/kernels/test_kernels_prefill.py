@@ -413,8 +413,8 @@ def test_work_order_takes_every_item_once_most_pieces_first():
 
 def test_band_on_copies_host_values_once_and_casts_tensors_in_place():
     """`tiling.band_on`: host sink / window become Int32 copies on the device, cached (a second call gets the same
-    tensors: no host-to-device copy, which waits for the GPU's queue); windows past `NO_WINDOW` clamp to it; tensors
-    already on the device are cast, not cached."""
+    tensors: no host-to-device copy, which waits for the GPU's queue); windows past `NO_WINDOW` clamp to it; Long
+    tensors already on the device are clamped and cast, not cached; Int32 ones pass as they are."""
     from workbench_kernels.tiling import NO_WINDOW, band_on
 
     sink, window = band_on([4, 0], [64, 1 << 40], DEV)
@@ -422,5 +422,7 @@ def test_band_on_copies_host_values_once_and_casts_tensors_in_place():
     assert sink.tolist() == [4, 0] and window.tolist() == [64, NO_WINDOW]
     again = band_on((4, 0), [64, 1 << 41], DEV)  # the same values once clamped: the same copies
     assert again[0] is sink and again[1] is window
-    on = torch.tensor([7, 8], device=DEV)
-    assert band_on(on, on, DEV)[0].tolist() == [7, 8] and band_on(on, on, DEV)[0] is not band_on(on, on, DEV)[0]
+    on = torch.tensor([7, 1 << 40], device=DEV)
+    assert band_on(on, on, DEV)[1].tolist() == [7, NO_WINDOW] and band_on(on, on, DEV)[0] is not band_on(on, on, DEV)[0]
+    on32 = on.clamp(max=99).to(torch.int32)
+    assert band_on(on32, on32, DEV)[0].data_ptr() == on32.data_ptr()  # no copy

@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 from workbench_kernels.index_ref import VSTiles, ashape_to_tiles, merge_tiles
-from workbench_kernels.tiling import BLOCK, NO_WINDOW
+from workbench_kernels.tiling import BLOCK, NO_WINDOW, ints_on
 
 from workbench.patterns.tile_select import stack_batch
 
@@ -35,7 +35,7 @@ Polygon = list[tuple[float, float]]  # (x = key j, y = query i) vertices in toke
 Shapes = dict[str, list[Polygon]]  # overlay part name ("window", "columns", ...) -> polygons
 MaskMod = Callable[[Any, Any, Any, Any], Any]  # FlexAttention (b, h, q_idx, kv_idx) -> bool
 Rates = dict[str, dict[str, float]]  # {kind: {"per_tile_ms", "index_ms"}} (`prefill.latency.tile_rates`)
-Band = tuple[torch.Tensor, torch.Tensor]  # (sink, window) Long `[H]` tokens: the kernel's per-token A-shape mask
+Band = tuple[torch.Tensor, torch.Tensor]  # (sink, window) integer `[H]` tokens: the kernel's per-token A-shape mask
 Scores = dict[str, torch.Tensor]  # EVIDENCE name -> float64 `[H, C]` on the CPU (heads x candidates)
 EVIDENCE = ("mass", "tail", "oracle", "tiles", "edges")  # what `evidence` returns for each candidate
 
@@ -236,35 +236,25 @@ def per_head(params: Sequence[dict[str, int]], key: str) -> torch.Tensor:
 
 def budgets_on(params: Sequence[dict[str, int]], key: str, device: torch.device | str
                ) -> tuple[int, torch.Tensor | None]:
-    """(largest budget, per-head budgets Long `[H]` on `device`, or None when every head has the largest:
+    """(largest budget, per-head budgets Int32 `[H]` on `device`, or None when every head has the largest:
     the cut would keep everything) from the config's host ints: no reduction, sync or copy per call (the
-    per-head tensor is `per_head_on`'s cached one), so a CUDA graph can capture the index that reads it."""
+    per-head tensor is `tiling.ints_on`'s cached copy: read it, never write into it), so a CUDA graph can capture
+    the index that reads it."""
     sizes = [int(p[key]) for p in params]
     top = max(sizes)
-    return top, None if all(s == top for s in sizes) else per_head_on(params, key, device)
-
-
-@functools.lru_cache(maxsize=256)
-def _host_values_on(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
-
-
-def per_head_on(params: Sequence[dict[str, int]], key: str, device: torch.device | str) -> torch.Tensor:
-    """`per_head` already on `device`, copied there once per distinct value list (cached: the config is
-    static, so repeated prefills make no host-to-device copy). Read it, never write into it."""
-    return _host_values_on(tuple(int(p[key]) for p in params), torch.device(device))
+    return top, None if all(s == top for s in sizes) else ints_on(sizes, device)
 
 
 @functools.lru_cache(maxsize=256)
 def _band_tiles(sink: tuple[int, ...], window: tuple[int, ...], n: int, batch: int, block: int,
                 device: torch.device) -> tuple[VSTiles, Band]:
     tiles = ashape_to_tiles(list(sink), list(window), n, batch, block, device=device)
-    return tiles, (_host_values_on(sink, device), _host_values_on(window, device))
+    return tiles, (ints_on(sink, device), ints_on(window, device))
 
 
 def band_tiles(sink: Sequence[int], window: Sequence[int], n: int, batch: int, block: int,
                device: torch.device | str) -> tuple[VSTiles, Band]:
-    """(`ashape_to_tiles` of the band, (sink, window) Long `[H]`) on `device`, built once per (band, n,
+    """(`ashape_to_tiles` of the band, (sink, window) Int32 `[H]`) on `device`, built once per (band, n,
     batch, block, device) and cached: A-shape and dense tiles depend on the config and the prompt length
     only, so a prefill rebuilds none of them. Read them, never write into them."""
     return _band_tiles(tuple(int(x) for x in sink), tuple(int(x) for x in window), n, batch, block,
