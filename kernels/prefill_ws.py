@@ -298,16 +298,13 @@ def _pair_keys(t, n, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo
     pb = gl.load(Offsets + gl.maximum(b - strips, 0))
     key = gl.where(half == 0, pa, pb) + j
     on_piece = (item >= strips) & (item < n)
+    keep = lanes < 0
     if VS:
         if 2 * t < strips:  # (on two pieces the gathers would be all masked, yet issued)
             ci = item * PIECE + j
             ok = (item < strips) & (ci < n_cols)
             c = gl.load(ColHead + ci, mask=ok, other=0)
             keep = ok & (gl.load(CovHead + (row_lo - c), mask=ok, other=1) == 0)
-        else:
-            keep = lanes < 0
-    else:
-        keep = lanes < 0
     hi = gl.maximum(pa, pb)
     edge = (2 * t < strips) | (2 * t + 1 >= n) | (gl.minimum(pa, pb) < 0) | (hi + PIECE - 1 > row_lo) | (hi + PIECE > N)
     return key, keep, on_piece, edge
