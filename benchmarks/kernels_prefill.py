@@ -481,28 +481,6 @@ def agreement(a, b) -> dict:
     return {"max_abs_diff": d.abs().max().item(), "rel_err": (d.norm() / b.float().norm()).item()}
 
 
-def graph_ms(fn) -> float | str:
-    """ms of one replay of fn() captured in a CUDA graph (its launches without the host: what
-    `SparsePrefill(graph_index=True)` replays per layer), or why the capture failed."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compiles and fills caches outside the capture
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    except RuntimeError as e:
-        torch.cuda.synchronize()
-        return f"{type(e).__name__}: {str(e)[:200]}"
-    ms = time_ms(graph.replay)
-    del graph
-    return ms
-
-
 def compiles_apart(kwargs: dict, d: int) -> str | None:
     """None if `sparse_prefill(**kwargs)` compiles and runs on a tiny bf16 input in a fresh process, else
     its last error line: a compiler crash or a hang of the Gluon kernel must not take the benchmark down."""
@@ -549,6 +527,7 @@ def compare_minference(args: argparse.Namespace) -> int:
 
     from workbench.core.io import write_json
     from workbench.patterns import AShape, BlockSparse, VerticalSlash
+    from workbench.prefill.index_graph import IndexGraphs
 
     dev = args.device
     t_start = time.time()
@@ -732,16 +711,19 @@ def compare_minference(args: argparse.Namespace) -> int:
                      "minference_index_ms": mi_idx_ms,
                      "index_ratio_to_minference": idx_ms / mi_idx_ms if mi_idx_ms else None,
                      "index_queued_ms": queued_ms(our_index)}
-            if dev == "cuda":
-                index["index_graph_ms"] = graph_ms(our_index)
+            if dev == "cuda":  # as `SparsePrefill` replays it by default: the q / k copy into the graph included
+                graphs = IndexGraphs(after=0)
+                index["index_graph_ms"] = time_ms(lambda: graphs("ours", lambda a, b: block_tiles(a, b, args.topk), q, k))
             if with_mi:
                 index["minference_index_queued_ms"] = queued_ms(mi_index)
                 index["index_queued_ratio_to_minference"] = index["index_queued_ms"] / index["minference_index_queued_ms"]
                 if dev == "cuda":
-                    index["minference_index_graph_ms"] = graph_ms(mi_index)
-                    if all(isinstance(index[x], float) for x in ("index_graph_ms", "minference_index_graph_ms")):
-                        index["index_graph_ratio_to_minference"] = (index["index_graph_ms"]
-                                                                    / index["minference_index_graph_ms"])
+                    index["index_graph_ratio_to_minference_eager"] = index["index_graph_ms"] / mi_idx_ms
+                    index["minference_index_graph_ms"] = time_ms(lambda: graphs(
+                        "minference", lambda a, b: mi["block"]._build_block_index(a, b, args.topk, 64, 64), q, kx))
+                    index["index_graph_ratio_to_minference"] = (index["index_graph_ms"]
+                                                                / index["minference_index_graph_ms"])
+                    index["graph_failures"] = dict(graphs.failures) or None
             for shared in (False, True):
                 table = block_index(q, k, args.topk, group_shared=shared)
                 tiles = selected_block_tiles(table)
@@ -909,6 +891,7 @@ BARS = {  # the issue's ratios: name -> (row pattern, row key); "queued": the de
     "block_index_ratio_to_minference": ("block_sparse", "index_ratio_to_minference"),
     "block_index_queued_ratio_to_minference": ("block_sparse", "index_queued_ratio_to_minference"),
     "block_index_graph_ratio_to_minference": ("block_sparse", "index_graph_ratio_to_minference"),
+    "block_index_graph_ratio_to_minference_eager": ("block_sparse", "index_graph_ratio_to_minference_eager"),
 }
 
 

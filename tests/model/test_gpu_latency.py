@@ -89,7 +89,7 @@ def test_index_replayed_from_a_cuda_graph_equals_the_eager_index(embedded):
 
     shape = embedded[2]
     config = HeadConfig.load(SHIPPED, shape)
-    eager = SparsePrefill(None, shape, config, min_length=0, backend="triton")
+    eager = SparsePrefill(None, shape, config, min_length=0, backend="triton", graph_index=False)
     graphed = SparsePrefill(None, shape, config, min_length=0, backend="triton", graph_index=True)
     g = torch.Generator(device="cuda").manual_seed(0)
     n, layers = 2048, (2, 9, 12)
@@ -108,3 +108,47 @@ def test_index_replayed_from_a_cuda_graph_equals_the_eager_index(embedded):
                 assert (a is None and b is None) or torch.equal(a, b), layer
     assert not graphed.index_graphs.failures, graphed.index_graphs.failures
     assert len(graphed.index_graphs) == len(layers)
+
+
+@pytest.mark.gpu
+def test_index_graphs_capture_on_the_second_call_and_keep_the_last_layouts():
+    """`IndexGraphs(after=1, layouts=2)`, the prefill's default: a layout's first call runs the build eagerly, its
+    second captures (a warm-up build, then the capture) and replays, later calls only replay (no build) and equal
+    the eager result on their own inputs; a third layout drops the least recently used one's graphs, which then
+    starts over eagerly."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from workbench.prefill.index_graph import IndexGraphs
+
+    builds = []
+
+    def build(q, k):
+        builds.append(q.shape[2])
+        return (q.float() * k.float()).sum(-1).topk(3, dim=-1).indices
+
+    graphs = IndexGraphs(after=1, layouts=2)
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def call(n):
+        q = torch.randn(1, 4, n, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(1, 2, n, 64, device="cuda", dtype=torch.bfloat16, generator=g).repeat_interleave(2, 1)
+        got = graphs("layer", build, q, k).clone()
+        want = build(q, k)
+        builds.pop()  # (the reference build)
+        assert torch.equal(got, want), n
+
+    call(128)
+    assert builds == [128] and len(graphs) == 0  # first call: eager
+    call(128)
+    assert builds == [128] * 3 and len(graphs) == 1  # second: warm-up + capture, then the replay
+    call(128)
+    assert builds == [128] * 3  # third: replay only
+    call(256), call(256)
+    assert len(graphs) == 2
+    call(128)  # touch 128: 256 is now the least recently used
+    call(512), call(512)
+    assert len(graphs) == 2 and builds[-3:] == [512] * 3
+    before = len(builds)
+    call(256)  # dropped: eager again
+    assert len(builds) == before + 1 and len(graphs) == 2
+    assert not graphs.failures

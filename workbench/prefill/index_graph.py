@@ -12,6 +12,7 @@ the prefill uses them (index, then that layer's kernel, then the next layer).
 """
 from __future__ import annotations
 
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -21,17 +22,27 @@ import torch
 class IndexGraphs:
     """`graphs(key, build, q, k)`: `build(q, k)` (the layer's index from q `[B, Hq, N, D]`, k `[B, Hkv, N, D]` on
     a GPU; static shapes, no host sync, every host-side cache filled by its first call) replayed from a CUDA graph
-    captured on the first call per (key, shapes, strides, dtype, device). `failures` keeps why a capture failed;
+    per (key, shapes, strides, dtype, device).
+
+    after: eager calls per (key, layout) before the capture, which costs about two more builds (a warm-up run on a
+    side stream, then the capture) and a replay. 1 (the prefill's default) captures on the second call, so a length
+    seen once costs nothing extra. layouts: input layouts (lengths) kept; the least recently used one is dropped
+    with its graphs and its q / k buffers (B (Hq + Hkv) N D elements each). `failures` keeps why a capture failed;
     that key then runs `build` eagerly."""
 
-    def __init__(self) -> None:
+    def __init__(self, after: int = 0, layouts: int = 2) -> None:
+        if after < 0 or layouts < 1:
+            raise ValueError(f"after (eager calls before a capture) must be >= 0 and layouts (kept) >= 1; got "
+                             f"after={after}, layouts={layouts}")
+        self.after, self.layouts = after, layouts
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor], Any]] = {}
-        self._inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # per input layout, shared by the graphs
+        self._inputs: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()  # shared per layout
+        self._eager: Counter[tuple] = Counter()
         self._pool: Any = None
         self.failures: dict[tuple, str] = {}
 
     def __len__(self) -> int:
-        """Graphs captured so far."""
+        """Graphs kept."""
         return len(self._graphs)
 
     def __call__(self, key: Hashable, build: Callable[[torch.Tensor, torch.Tensor], Any], q: torch.Tensor,
@@ -41,12 +52,16 @@ class IndexGraphs:
         if full in self.failures:
             return build(q, k)
         if full not in self._graphs:
+            if self._eager[full] < self.after:
+                self._eager[full] += 1
+                return build(q, k)
             try:
                 self._graphs[full] = self._capture(build, q, k, layout)
             except RuntimeError as e:  # e.g. an op that syncs with the host: record it, run eagerly
                 self.failures[full] = f"{type(e).__name__}: {e}"[:500]
                 torch.cuda.synchronize(q.device)
                 return build(q, k)
+        self._inputs.move_to_end(layout)
         graph, (sq, sk), out = self._graphs[full]
         sq.copy_(q)
         sk.copy_(k)
@@ -55,6 +70,8 @@ class IndexGraphs:
 
     def _capture(self, build: Callable, q: torch.Tensor, k: torch.Tensor, layout: tuple) -> tuple:
         if layout not in self._inputs:
+            if len(self._inputs) == self.layouts:
+                self._drop(next(iter(self._inputs)))
             self._inputs[layout] = (torch.empty_strided(q.shape, q.stride(), dtype=q.dtype, device=q.device),
                                     torch.empty_strided(k.shape, k.stride(), dtype=k.dtype, device=k.device))
         sq, sk = self._inputs[layout]
@@ -71,3 +88,11 @@ class IndexGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             out = build(sq, sk)
         return graph, (sq, sk), out
+
+    def _drop(self, layout: tuple) -> None:
+        """Forget one input layout: its graphs, buffers and eager counts."""
+        for full in [f for f in self._graphs if f[1] == layout]:
+            del self._graphs[full]
+        for full in [f for f in self._eager if f[1] == layout]:
+            del self._eager[full]
+        del self._inputs[layout]

@@ -139,14 +139,15 @@ def layer_tiles(parts: list[Any], n: int, device: torch.device | str = "cpu"):
 @torch.no_grad()
 def time_model_layer(cap: Any, config: Any, layer: int, *, device: str | torch.device | None = None,
                      dtype: torch.dtype | None = None, reps: int = 5, backend: str = "auto",
-                     graph_index: bool = False) -> dict[str, Any]:
+                     graph_index: bool | None = None) -> dict[str, Any]:
     """Time one of the model's own layers the way the deployed prefill runs it: the captured q/k/v of
     `layer` (a `Capture`), that layer's heads from `config` (a HeadConfig), the online index (T_index:
     `SparsePrefill.layer_index`) and the sparse attention (T_sparse: `layer_kernel`), beside dense causal
     SDPA on the same q/k/v. device: where to time (default cuda when available: a CPU capture is copied
     there); dtype: default bf16 on a GPU, the capture's on the CPU. On a GPU the backend is the Triton
     path; on the CPU the PyTorch reference (dense math under a mask: not a speed-up), labelled as such.
-    graph_index: the index replayed from a CUDA graph (`SparsePrefill(graph_index=True)`).
+    graph_index: `SparsePrefill`'s (None: the deployed default, the index replayed from a CUDA graph from its second
+    call at this length, so the median of `reps` >= 3 times replays; False: eager).
     Returns {"path", "device", "dtype", "layer", "n", "heads", "patterns", "index_ms", "sparse_ms",
     "dense_ms", "speedup"}; a layer whose heads are all dense runs dense SDPA as the prefill does."""
     from torch.nn.functional import scaled_dot_product_attention as sdpa

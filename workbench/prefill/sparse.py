@@ -97,9 +97,10 @@ class SparsePrefill:
     record_density: keep each sparse layer's physical density (tile area / causal pairs, `density[layer]`;
     Triton backend). num_stages: the kernel's pipeline stages (None: the kernel's choice per head_dim,
     `workbench_kernels.prefill.default_config`).
-    graph_index: on a GPU, replay each sparse layer's online index from a CUDA graph captured on its first call
-    (`index_graph.IndexGraphs`; for launch-bound indexes at a few heads; q and k are copied into the graph's
-    buffers per call, its outputs live until the next layer's index).
+    graph_index: on a GPU, replay each sparse layer's online index from a CUDA graph (`index_graph.IndexGraphs`:
+    an index of a few heads is launch-bound; q and k are copied into the graph's buffers per call, its outputs live
+    until the next layer's index). None (default): captured on a layer's second call at the same input shapes
+    (a length seen once runs eagerly; the last two lengths' graphs are kept); True: on its first call; False: never.
     After use, `calls` counts attention calls per (mode, reason). `model=None` gives only the per-layer
     methods (`layer_index`, `layer_kernel`) on captured q/k/v, without entering the context.
     """
@@ -108,7 +109,7 @@ class SparsePrefill:
                  min_length: int = DEFAULT_MIN_LENGTH, layers: Iterable[int] | None = None,
                  backend: str = "auto", compare: bool = False, timing: bool = False,
                  record_density: bool = False, num_stages: int | None = None, strict_weights: bool = False,
-                 graph_index: bool = False):
+                 graph_index: bool | None = None):
         config.validate(shape, strict_weights=strict_weights)
         if backend not in ("auto", "triton", "torch", "flex"):
             raise ValueError(f"backend={backend!r} is unknown: use 'auto', 'triton', 'torch' or 'flex'")
@@ -126,7 +127,7 @@ class SparsePrefill:
         self._stack: contextlib.ExitStack | None = None
         self._head_index: dict[tuple, tuple[slice | torch.Tensor, slice | torch.Tensor]] = {}
         self._static: dict[tuple, Any] = {}  # per layer: what its static kinds add to the merged launch
-        self.index_graphs = IndexGraphs() if graph_index else None
+        self.index_graphs = None if graph_index is False else IndexGraphs(after=0 if graph_index else 1)
 
     # ---- context manager -----------------------------------------------------------------------
     def __enter__(self) -> SparsePrefill:
