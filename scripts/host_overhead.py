@@ -1,5 +1,6 @@
 """Exploratory (H200): the host's time per call of `sparse_prefill`'s routes beside the GPU's, at the bench's shapes,
-and where the host time goes (cProfile of one call, top entries by own time).
+and where the host time goes (cProfile of ten calls, top entries by cumulative time); `block_index` is the block
+index alone (`block_tiles`).
 
     python3 scripts/host_overhead.py --shapes embedded,llama3-8b --lengths 8192,65536 --out host.json
 
@@ -36,14 +37,14 @@ def enqueue_ms(fn, reps: int = 20) -> float:
     return host
 
 
-def profile(fn, top: int = 14) -> list[str]:
+def profile(fn, top: int = 24) -> list[str]:
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(10):
         fn()
     prof.disable()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(top)
     return [line for line in out.getvalue().splitlines() if line.strip()][-top - 1:]
 
 
@@ -67,8 +68,10 @@ def main() -> None:
                       "ashape_device": (ashape_to_tiles(sink, window, n, 1, 64, "cuda"),
                                         {"sink": torch.tensor(sink, device="cuda"),
                                          "window": torch.tensor(window, device="cuda")})}
-            for route, (tiles, kw) in routes.items():
-                fn = lambda: sparse_prefill(q, k, v, tiles, scale=scale, **kw)  # noqa: E731
+            calls = {route: (lambda tiles=tiles, kw=kw: sparse_prefill(q, k, v, tiles, scale=scale, **kw))
+                     for route, (tiles, kw) in routes.items()}
+            calls["block_index"] = lambda: block_tiles(q, k, 100)
+            for route, fn in calls.items():
                 fn()
                 row = {"shape": shape, "n": n, "route": route, "enqueue_ms": enqueue_ms(fn), "synced_ms": time_ms(fn),
                        "queued_ms": queued_ms(fn), "profile": profile(fn)}
