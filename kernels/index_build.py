@@ -459,28 +459,25 @@ def select_blocks(score: torch.Tensor, topk: int | torch.Tensor = 100) -> torch.
     """Per query block its diagonal plus the best causal key blocks of `pooled_scores` `[B, H, M, M]`,
     `topk` in all (an int, or Long per query head: tables per KV head take their group's largest)
     -> Int32 `[B, H, M, max topk]`, ascending, -1 padded. Each Triton program selects one query block
-    (exact k-th value by bisection, no sort, no host sync), one launch per power-of-two band of m so a
-    row scans at most twice its candidates, with ~32 scores per thread (fewer registers, more programs
-    per SM: 2.7-2.9x faster than 4-8 rows per program on the H200, kernels/NOTES.md); on the CPU without
-    the Triton interpreter `topk.top_blocks` (the same blocks)."""
-    return _select(score, topk, tiles=False)
+    (exact k-th value by bisection, no sort, no host sync) over the power-of-two width above m, so a row
+    scans at most twice its candidates, with ~32 scores per thread (fewer registers, more programs per SM:
+    2.7-2.9x faster than 4-8 rows per program on the H200, kernels/NOTES.md); one launch for the rows up to
+    1024 blocks, one per wider power of two (`_launch_bands`); on the CPU without the Triton interpreter
+    `topk.top_blocks` (the same blocks)."""
+    n_budgets = torch.as_tensor(topk).numel()
+    H = score.shape[1]
+    if n_budgets > 1 and n_budgets % H:
+        raise ValueError(f"topk has {n_budgets} budgets: give one, or one per query head (a multiple of {H})")
+    k_max, per_head = budget(topk, max(n_budgets, H) if n_budgets > 1 else H, "topk")
+    if per_head is not None:
+        per_head = per_head.view(H, -1).amax(1)  # tables per KV head: the group's largest
+    return _select(score, k_max, per_head, tiles=False)
 
 
-def _select(score: torch.Tensor, topk: int | torch.Tensor, tiles: bool,
-            per_head: torch.Tensor | None = None) -> torch.Tensor | VSTiles:
-    """`select_blocks` (tiles False) / `block_tiles`' selection (tiles True: `VSTiles` written by the kernel);
-    `per_head`: integer `[H]` budgets already on score's device (then `topk` is the largest, an int: no host copy,
-    no sync)."""
+def _select(score: torch.Tensor, k_max: int, per_head: torch.Tensor | None, tiles: bool) -> torch.Tensor | VSTiles:
+    """`select_blocks` (tiles False) / `block_tiles`' selection (tiles True: `VSTiles` written by the kernel) with
+    the largest budget `k_max` and integer `[H]` budgets `per_head` (None: every head takes k_max)."""
     B, H, M, _ = score.shape
-    if per_head is None:
-        n_budgets = torch.as_tensor(topk).numel()
-        if n_budgets > 1 and n_budgets % H:
-            raise ValueError(f"topk has {n_budgets} budgets: give one, or one per query head (a multiple of {H})")
-        k_max, per_head = budget(topk, max(n_budgets, H) if n_budgets > 1 else H, "topk")
-        if per_head is not None:
-            per_head = per_head.view(H, -1).amax(1)  # tables per KV head: the group's largest
-    else:
-        k_max = int(topk)
     kernel = score.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
     if not kernel or k_max == 0 or M > MAX_TOPK_BLOCKS:
         table = top_blocks(score, k_max, per_head)
@@ -534,7 +531,7 @@ def block_tiles(q: torch.Tensor, k: torch.Tensor, topk: int | torch.Tensor = 100
     elif per_head.shape != (q.shape[1],) or per_head.device != q.device:
         raise ValueError(f"per_head must be [Hq] = [{q.shape[1]}] budgets on {q.device}; got "
                          f"{tuple(per_head.shape)} on {per_head.device}")
-    return _select(pooled_scores(q, k, ROWS), topk, True, per_head)
+    return _select(pooled_scores(q, k, ROWS), int(topk), per_head, True)
 
 
 @torch.no_grad()

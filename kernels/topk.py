@@ -10,6 +10,8 @@ import torch
 
 def budget(size: int | torch.Tensor, hq: int, name: str) -> tuple[int, torch.Tensor | None]:
     """(the largest budget, per-head budgets Long `[Hq]` or None when all heads share one)."""
+    if isinstance(size, int) and size >= 0:  # (no tensor op: the index of a few heads is launch- and host-bound)
+        return size, None
     t = torch.as_tensor(size, dtype=torch.long).reshape(-1)
     if t.numel() not in (1, hq) or (t < 0).any():
         raise ValueError(f"{name} must be an int >= 0 or one per query head ({hq}), got {t.tolist()}")

@@ -112,10 +112,11 @@ def test_index_replayed_from_a_cuda_graph_equals_the_eager_index(embedded):
 
 @pytest.mark.gpu
 def test_index_graphs_capture_on_the_second_call_and_keep_the_last_layouts():
-    """`IndexGraphs(after=1, layouts=2)`, the prefill's default: a layout's first call runs the build eagerly, its
-    second captures (a warm-up build, then the capture) and replays, later calls only replay (no build) and equal
-    the eager result on their own inputs; a third layout drops the least recently used one's graphs, which then
-    starts over eagerly."""
+    """`IndexGraphs(after=1, layouts=2)`: a layout's first call runs the build eagerly, its second captures (a timed
+    warm-up build, then the capture) and replays, later calls only replay (no build) and equal the eager result on
+    their own inputs; a third layout drops the least recently used one's graphs, which then starts over eagerly.
+    keep_slower=False (the prefill's default) drops a graph whose replay (q / k copy included) measured slower than
+    the eager build: here a build that reads one row of a 256 MB q."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from workbench.prefill.index_graph import IndexGraphs
@@ -129,9 +130,9 @@ def test_index_graphs_capture_on_the_second_call_and_keep_the_last_layouts():
     graphs = IndexGraphs(after=1, layouts=2)
     g = torch.Generator(device="cuda").manual_seed(0)
 
-    def call(n):
-        q = torch.randn(1, 4, n, 64, device="cuda", dtype=torch.bfloat16, generator=g)
-        k = torch.randn(1, 2, n, 64, device="cuda", dtype=torch.bfloat16, generator=g).repeat_interleave(2, 1)
+    def call(n, graphs=graphs, build=build, heads=4):
+        q = torch.randn(1, heads, n, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(1, heads, n, 64, device="cuda", dtype=torch.bfloat16, generator=g)
         got = graphs("layer", build, q, k).clone()
         want = build(q, k)
         builds.pop()  # (the reference build)
@@ -140,7 +141,8 @@ def test_index_graphs_capture_on_the_second_call_and_keep_the_last_layouts():
     call(128)
     assert builds == [128] and len(graphs) == 0  # first call: eager
     call(128)
-    assert builds == [128] * 3 and len(graphs) == 1  # second: warm-up + capture, then the replay
+    assert builds == [128] * 3 and len(graphs) == 1  # second: warm-up + capture, then the replays
+    assert len(graphs.timings) == 1 and all(t > 0 for t in next(iter(graphs.timings.values())))
     call(128)
     assert builds == [128] * 3  # third: replay only
     call(256), call(256)
@@ -152,3 +154,14 @@ def test_index_graphs_capture_on_the_second_call_and_keep_the_last_layouts():
     call(256)  # dropped: eager again
     assert len(builds) == before + 1 and len(graphs) == 2
     assert not graphs.failures
+
+    def one_row(q, k):
+        builds.append("row")
+        return q[:, :, :1].float().sum(-1).topk(1, dim=-1).indices
+
+    lean = IndexGraphs(after=1, keep_slower=False)
+    for _ in range(3):
+        call(1 << 19, lean, one_row, heads=2)  # q and k 128 MB each: the copy outweighs one launch
+    (eager_ms, replay_ms), = lean.timings.values()
+    assert replay_ms > eager_ms and len(lean) == 0 and not lean._inputs  # graph and buffers dropped
+    assert builds[-4:] == ["row"] * 4  # eager, warm-up + capture, eager again

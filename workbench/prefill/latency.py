@@ -147,7 +147,8 @@ def time_model_layer(cap: Any, config: Any, layer: int, *, device: str | torch.d
     there); dtype: default bf16 on a GPU, the capture's on the CPU. On a GPU the backend is the Triton
     path; on the CPU the PyTorch reference (dense math under a mask: not a speed-up), labelled as such.
     graph_index: `SparsePrefill`'s (None: the deployed default, the index replayed from a CUDA graph from its second
-    call at this length, so the median of `reps` >= 3 times replays; False: eager).
+    call at this length where that measured faster, so the median of `reps` >= 3 times is the path kept; False:
+    eager).
     Returns {"path", "device", "dtype", "layer", "n", "heads", "patterns", "index_ms", "sparse_ms",
     "dense_ms", "speedup"}; a layer whose heads are all dense runs dense SDPA as the prefill does."""
     from torch.nn.functional import scaled_dot_product_attention as sdpa

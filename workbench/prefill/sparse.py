@@ -100,7 +100,8 @@ class SparsePrefill:
     graph_index: on a GPU, replay each sparse layer's online index from a CUDA graph (`index_graph.IndexGraphs`:
     an index of a few heads is launch-bound; q and k are copied into the graph's buffers per call, its outputs live
     until the next layer's index). None (default): captured on a layer's second call at the same input shapes
-    (a length seen once runs eagerly; the last two lengths' graphs are kept); True: on its first call; False: never.
+    and kept only where its replay measured faster than the eager build (a length seen once runs eagerly; the last
+    two lengths' graphs are kept); True: captured on the first call and kept; False: never.
     After use, `calls` counts attention calls per (mode, reason). `model=None` gives only the per-layer
     methods (`layer_index`, `layer_kernel`) on captured q/k/v, without entering the context.
     """
@@ -127,7 +128,8 @@ class SparsePrefill:
         self._stack: contextlib.ExitStack | None = None
         self._head_index: dict[tuple, tuple[slice | torch.Tensor, slice | torch.Tensor]] = {}
         self._static: dict[tuple, Any] = {}  # per layer: what its static kinds add to the merged launch
-        self.index_graphs = None if graph_index is False else IndexGraphs(after=0 if graph_index else 1)
+        self.index_graphs = (None if graph_index is False else IndexGraphs(after=0) if graph_index
+                             else IndexGraphs(after=1, keep_slower=False))
 
     # ---- context manager -----------------------------------------------------------------------
     def __enter__(self) -> SparsePrefill:
