@@ -40,6 +40,7 @@ V rows are finite, so P = 0 cancels them. Output rows past N are not stored.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -561,9 +562,17 @@ def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stages: int, 
     return B, Hq, Hkv, N, D
 
 
+@functools.lru_cache(maxsize=16)
 def _sm90(device: torch.device) -> bool:
-    """Whether `device` is a Hopper GPU (compute capability 9.0), the one target the kernel compiles for."""
+    """Whether `device` is a Hopper GPU (compute capability 9.0), the one target the kernel compiles for (cached:
+    the host's time per call counts where a layer's kernel takes ~1 ms)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+@functools.lru_cache(maxsize=16)
+def _smem_layout(rows: int, d: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a `[rows, d]` TMA tile (cached, as `_sm90`)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
 def _check_device(q: torch.Tensor) -> None:
@@ -614,9 +623,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
     Hkv = k.shape[1]
     M = -(-N // ROWS)
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
-    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([ROWS, D], gdt)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([tiles.piece, D], gdt)
+    layout, kv_layout = _smem_layout(ROWS, D, q.dtype), _smem_layout(tiles.piece, D, q.dtype)
     q_desc = TensorDescriptor.from_tensor(q.view(B * Hq * N, D), [ROWS, D], layout)
     k_desc = TensorDescriptor.from_tensor(k.view(B * Hkv * N, D), [tiles.piece, D], kv_layout)
     v_desc = TensorDescriptor.from_tensor(v.view(B * Hkv * N, D), [tiles.piece, D], kv_layout)

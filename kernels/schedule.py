@@ -16,9 +16,11 @@ def work_order(tiles: VSTiles, sub: int, group: int = 0) -> torch.Tensor:
     of one KV head; 1 for GQA-packed tiles) before the next run's, most pieces first within, so the programs
     running together read one KV head's keys (L2 reuse; H % group == 0). Measured against it on the H200 and
     slower (kernels/NOTES.md): the last row block first with every head of it before the next."""
-    cost = tiles.block_count + (tiles.column_count + tiles.piece - 1) // tiles.piece  # [B, H, M]
-    cost = cost.reshape(-1, 1).expand(-1, sub).reshape(-1).long()
+    cost = tiles.block_count  # [B, H, M]; as few torch ops as the tiles need (each costs the host ~10 us a call)
+    if tiles.columns:
+        cost = cost + (tiles.column_count + tiles.piece - 1) // tiles.piece
+    cost = cost.reshape(-1) if sub == 1 else cost.reshape(-1).repeat_interleave(sub)
     if group:
         run = torch.arange(cost.numel(), device=cost.device) // (group * tiles.shape[2] * sub)
-        cost = cost - run * (cost.max() + 1)  # run 0's items above run 1's, ... (on the device: no sync)
+        cost = cost.long() - run * (cost.max() + 1)  # run 0's items above run 1's, ... (on the device: no sync)
     return torch.argsort(cost, descending=True, stable=True).to(torch.int32)

@@ -409,6 +409,13 @@ def test_work_order_takes_every_item_once_most_pieces_first():
         assert torch.equal(run, run.sort().values) and run.unique().numel() == B * H // group
         for r in range(B * H // group):
             assert (cost[order[run == r] // sub].diff() <= 0).all()
+    g = torch.Generator().manual_seed(2)  # column strips count: a strip of up to 64 columns is one more item
+    n = 2000
+    tiles = vs_to_tiles(torch.randint(0, n, (B, H, 400), generator=g), torch.randint(0, n, (B, H, 3), generator=g), n)
+    assert tiles.columns and (tiles.column_count > 64).any()
+    cost = (tiles.block_count + (tiles.column_count + 63) // 64).reshape(-1)
+    order = work_order(tiles, 1).long()
+    assert torch.equal(order.sort().values, torch.arange(cost.numel())) and (cost[order].diff() <= 0).all()
 
 
 def test_band_on_copies_host_values_once_and_casts_tensors_in_place():
