@@ -114,7 +114,8 @@ def test_index_replayed_from_a_cuda_graph_equals_the_eager_index(embedded):
 def test_index_graphs_capture_on_the_second_call_and_keep_the_last_layouts():
     """`IndexGraphs(after=1, layouts=2)`: a layout's first call runs the build eagerly, its second captures (a timed
     warm-up build, then the capture) and replays, later calls only replay (no build) and equal the eager result on
-    their own inputs; a third layout drops the least recently used one's graphs, which then starts over eagerly.
+    their own inputs; a call at a third layout drops the least recently used one's graphs, which then starts over
+    eagerly.
     keep_slower=False (the prefill's default) drops a graph whose replay (q / k copy included) measured slower than
     the eager build: here a build that reads one row of a 256 MB q."""
     if not torch.cuda.is_available():
@@ -148,11 +149,13 @@ def test_index_graphs_capture_on_the_second_call_and_keep_the_last_layouts():
     call(256), call(256)
     assert len(graphs) == 2
     call(128)  # touch 128: 256 is now the least recently used
-    call(512), call(512)
+    call(512)  # a third length: 256's graph is dropped
+    assert len(graphs) == 1
+    call(512)
     assert len(graphs) == 2 and builds[-3:] == [512] * 3
     before = len(builds)
-    call(256)  # dropped: eager again
-    assert len(builds) == before + 1 and len(graphs) == 2
+    call(256)  # eager again (its count was dropped too); 128 is now the least recently used: dropped
+    assert len(builds) == before + 1 and len(graphs) == 1
     assert not graphs.failures
 
     def one_row(q, k):
