@@ -118,9 +118,9 @@ def test_vs_tiles_kernel_sorts_and_dedupes_its_inputs(block, width):
     assert_same_tiles(vs_tiles(cols.to(DEV), offs.to(DEV), n, block, width), vs_to_tiles(cols, offs, n, block, width=width), n)
 
 
-def test_vs_tiles_is_two_launches_and_allocations(monkeypatch):
-    """`vs_tiles` runs no torch op but `torch.empty` around its two Triton launches (on the GPU each op is a
-    launch of ~30 us host time; the kernels are stubbed here, so the interpreter's own torch calls do not count)."""
+def logged_launches(monkeypatch, kernels: tuple[str, ...]):
+    """(calls, mode): `index_build`'s `kernels` stubbed to append their name to calls when launched, and a torch
+    dispatch mode that appends each torch op's name ("empty", "mean", ...) while it is active."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from workbench_kernels import index_build
 
@@ -135,15 +135,22 @@ def test_vs_tiles_is_two_launches_and_allocations(monkeypatch):
 
     class Log(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            calls.append(str(func))
+            calls.append(str(func).split(".")[1])
             return func(*args, **(kwargs or {}))
 
-    for name in ("_vs_cover_kernel", "_expand_tiles_kernel"):
+    for name in kernels:
         monkeypatch.setattr(index_build, name, Launch(name))
+    return calls, Log()
+
+
+def test_vs_tiles_is_two_launches_and_allocations(monkeypatch):
+    """`vs_tiles` runs no torch op but `torch.empty` around its two Triton launches (on the GPU each op is a
+    launch of ~30 us host time; the kernels are stubbed here, so the interpreter's own torch calls do not count)."""
+    calls, log = logged_launches(monkeypatch, ("_vs_cover_kernel", "_expand_tiles_kernel"))
     cols, offs = torch.randint(0, 300, (1, 2, 9)), torch.randint(0, 300, (1, 2, 5))
-    with Log():
+    with log:
         vs_tiles(cols, offs, 300)
-    assert [c for c in calls if c != "aten.empty.memory_format"] == ["_vs_cover_kernel", "_expand_tiles_kernel"]
+    assert [c for c in calls if c != "empty"] == ["_vs_cover_kernel", "_expand_tiles_kernel"]
 
 
 def assert_same_tiles(fast, ref, n):
@@ -291,32 +298,16 @@ def test_block_tiles_launches(monkeypatch):
     launch (rows up to 1024 wide share it; each wider power of two adds one), with per-head budgets on the device
     as they are (no copy): on the GPU each launch costs the host ~30 us and the index of a few heads is
     launch-bound. The kernels are stubbed here."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     from workbench_kernels import index_build
 
-    calls = []
-
-    class Launch:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: calls.append(self.name)
-
-    class Log(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            calls.append(str(func).split(".")[1])
-            return func(*args, **(kwargs or {}))
-
-    for name in ("_block_scores_kernel", "_block_topk_kernel"):
-        monkeypatch.setattr(index_build, name, Launch(name))
+    calls, log = logged_launches(monkeypatch, ("_block_scores_kernel", "_block_topk_kernel"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     budgets = torch.tensor([3, 5], dtype=torch.int32)
     for blocks, selections in ((1024, 1), (1025, 2), (4096, 3)):
         q = torch.zeros(1, 2, blocks * 64, 16, dtype=torch.bfloat16)
         k = q[:, :1]
         calls.clear()
-        with Log():
+        with log:
             index_build.block_tiles(q, k, 5, per_head=budgets)
         launches = [c for c in calls if c not in ("empty", "view", "alias", "slice", "_unsafe_view")]  # (no launch)
         assert launches == ["mean"] * 2 + ["_block_scores_kernel"] + ["_block_topk_kernel"] * selections, launches
