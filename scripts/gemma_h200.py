@@ -23,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+GRAPH_MODES = {False: "eager", True: "graph", None: "default"}  # SparsePrefill(graph_index=): never, always, where faster
 STEPS = ("search32k", "quality32k", "timing32k", "prefill32k", "fixed32k", "search8k", "generalize8k", "search4k", "generalize4k",
          "analyze32k")
 ESTIMATE_S = {"load": 60, "search32k": 40, "quality32k": 150, "timing32k": 15, "prefill32k": 20, "fixed32k": 15, "search8k": 15,
@@ -143,7 +144,8 @@ class Run:
 
     def timing32k(self) -> dict:
         """The d=256 layers timed beside dense causal SDPA on the same q/k/v (bf16): the last full layer (17) under
-        each config, and a sliding layer (16) under its fixed window; the index eager and from a CUDA graph."""
+        each config, and a sliding layer (16) under its fixed window; the index eager, from a CUDA graph and as the
+        default keeps it (`GRAPH_MODES`)."""
         from workbench.core.capture import capture_attention
         from workbench.core.corpus import make_sample
         from workbench.prefill.latency import time_model_layer
@@ -155,15 +157,16 @@ class Run:
         for target in self.args.targets:
             cfg = self.config(self.n32, target)
             for layer in cap.layers:
-                for graph in (False, True):  # the index eager, then replayed from a CUDA graph
+                for graph, name in GRAPH_MODES.items():  # the index eager, replayed from a CUDA graph, the default
                     timed = time_model_layer(cap, cfg, layer, reps=10, backend=self.args.backend, graph_index=graph)
-                    rows.append({"config": config_name(self.n32, target), "graph_index": graph, **timed})
+                    rows.append({"config": config_name(self.n32, target), "index": name, **timed})
         return {"rows": rows}
 
     def prefill32k(self) -> dict:
         """The whole 32K prefill (bf16, one forward, last logits) dense against the searched configs with the index
-        eager and replayed from CUDA graphs (`SparsePrefill(graph_index=)`): median ms of each, side by side in one
-        process, and the logits of the two sparse runs (equal: the graph replays the same launches)."""
+        eager, replayed from CUDA graphs and as the default keeps it (`SparsePrefill(graph_index=)`, `GRAPH_MODES`):
+        median ms of each, side by side in one process, and whether the sparse runs' logits are equal (the graph
+        replays the same launches)."""
         import torch
 
         from workbench.core.corpus import make_sample
@@ -178,16 +181,18 @@ class Run:
             dense_ms = time_ms(forward, min_reps=5)
             for target in self.args.targets:
                 cfg, logits, row = self.config(self.n32, target), {}, {"config": config_name(self.n32, target)}
-                for graph in (False, True):
+                for graph, name in GRAPH_MODES.items():
                     with SparsePrefill(model, shape, cfg, min_length=0, backend=self.args.backend,
                                        graph_index=graph) as sp:
-                        logits[graph] = forward()
+                        logits[name] = forward()
                         ms = time_ms(forward, min_reps=5)
-                    row[f"{'graph' if graph else 'eager'}_ms"] = ms
-                    row[f"{'graph' if graph else 'eager'}_speedup_vs_dense"] = dense_ms / ms
-                    if graph:
-                        row.update(graphs=len(sp.index_graphs), capture_failures=list(sp.index_graphs.failures.values()))
-                row["logits_graph_equal_eager"] = bool(torch.equal(logits[False], logits[True]))
+                    row[f"{name}_ms"] = ms
+                    row[f"{name}_speedup_vs_dense"] = dense_ms / ms
+                    if sp.index_graphs is not None:
+                        row[f"{name}_graphs"] = len(sp.index_graphs)
+                        row[f"{name}_capture_failures"] = list(sp.index_graphs.failures.values())
+                        row[f"{name}_eager_and_replay_ms"] = {str(key): t for (key, _), t in sp.index_graphs.timings.items()}
+                row["logits_equal"] = all(torch.equal(logits["eager"], x) for x in logits.values())
                 rows.append(row)
         return {"dense_ms": dense_ms, "rows": rows}
 
