@@ -103,12 +103,13 @@ def compile_all() -> dict[str, dict]:
         compile_sm90(index_build._col_diag_kernel, {"Q": "*bf16", "K": "*bf16", "Lse": "*fp32", "Col": "*fp32",
                                                     "Diag": "*fp32", "qk_scale": "fp32"},
                      dict(D=256, R=64), ("Q", "K", "Lse", "Col", "Diag", *qk_strides), 4)
-        for per_head, tiles in ((False, False), (True, True)):  # (block_tiles: the selection writes the tiles)
-            compile_sm90(index_build._block_topk_kernel, {"Score": "*fp32", "Budget": "*i64" if per_head else "*i32",
-                                                          "Out": "*i32",
+        # the two launch kinds of a 128K layer (`_launch_bands(2048)`): widths 128..1024 in one, 2048 alone
+        for (log_lo, log_hi), per_head, tiles in (((7, 10), False, False), ((11, 11), True, True)):
+            compile_sm90(index_build._block_topk_kernel, {"Score": "*fp32", "Budget": "*i32", "Out": "*i32",
                                                           "Count": "*i32", "ColCount": "*i32", "ColIndex": "*i32"},
-                         dict(R=1, NPAD=2048, KPAD=128, PER_HEAD=per_head, TILES=tiles, UNIT=64 if tiles else 1),
-                         ("Score", "Budget", "Out", "Count", "ColCount", "ColIndex"), 4)
+                         dict(LOG_LO=log_lo, LOG_HI=log_hi, KPAD=128, PER_HEAD=per_head, TILES=tiles,
+                              UNIT=64 if tiles else 1),
+                         ("Score", "Budget", "Out", "Count", "ColCount", "ColIndex"), max(1, (1 << log_hi) // 1024))
         compile_sm90(index_build._combine_lse_kernel, {"Mpart": "*fp32", "Lpart": "*fp32", "Lse": "*fp32"},
                      dict(R=64, CHUNK=64), ("Mpart", "Lpart", "Lse"), 4)
         dots = {}
