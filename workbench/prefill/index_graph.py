@@ -61,8 +61,10 @@ class IndexGraphs:
             graph, out = self._graphs[full]
             self._replay(graph, layout, q, k)
             return out
-        if full in self.failures or full in self.timings or self._calls[full] < self.after:
-            self._calls[full] += 1  # (a key with timings and no graph replayed slower than it built)
+        if full in self.failures or full in self.timings:  # (timings and no graph: its replay was not faster)
+            return build(q, k)
+        if self._calls[full] < self.after:
+            self._calls[full] += 1
             return build(q, k)
         try:
             return self._capture(full, build, q, k)
