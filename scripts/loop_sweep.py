@@ -5,13 +5,16 @@ process (ratio of effective TFLOP/s over the tiles' area to SDPA's; the bench's 
 
 Patterns: ashape (sink --sink, window --window on every head, per-head tiles: `sparse_prefill`'s A-shape at
 head_dim 64, where an odd group rules out the Gluon kernel's paired heads) and block (top --topk per head).
-Grid: num_warps x num_stages x (split, tma), not persistent; a combination that does not compile is recorded."""
+Grid: --warps x --stages x (split, tma) x --widths (keys per piece; A-shape only), not persistent; a combination
+that does not compile is recorded. Each combination is timed synced (`time_ms`: host launch time included) and queued
+(`queued_ms`: the GPU's time while the host runs ahead), in --rounds interleaved rounds (medians recorded)."""
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
 import math
+import statistics
 
 import torch
 from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
@@ -20,7 +23,11 @@ from workbench_kernels.index_ref import ashape_to_tiles, tile_area
 from workbench_kernels.prefill import sparse_prefill
 
 from workbench.core.io import write_json
-from workbench.core.timing import environment, time_ms
+from workbench.core.timing import environment, queued_ms, time_ms
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
 
 
 def main() -> None:
@@ -31,38 +38,62 @@ def main() -> None:
     p.add_argument("--sink", type=int, default=128)
     p.add_argument("--window", type=int, default=4096)
     p.add_argument("--topk", type=int, default=100)
+    p.add_argument("--warps", default="4,8")
+    p.add_argument("--stages", default="2,3,4")
+    p.add_argument("--widths", default="64", help="keys per A-shape piece (64 = the row block)")
+    p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--out", default="loop_sweep.json")
     args = p.parse_args()
     hq, hkv, d, theta = SHAPES[args.shape]
     result = {"environment": environment(), "settings": vars(args), "rows": []}
     for n in [int(x) for x in args.lengths.split(",")]:
-        q, k, v = planted_inputs(hq, hkv, d, n, theta)
+        q, k, v = planted_inputs(hq, hkv, d, n, theta, dev="cuda" if torch.cuda.is_available() else "cpu")
         kx, vx = (x.repeat_interleave(hq // hkv, 1) for x in (k, v))
         dense_ms = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))
+        dense_queued_ms = queued_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))
         dense_tf = 4 * d * hq * n * (n + 1) / 2 / dense_ms / 1e9
+        dense_queued_tf = 4 * d * hq * n * (n + 1) / 2 / dense_queued_ms / 1e9
         kw = {}
         if args.pattern == "ashape":
-            tiles = ashape_to_tiles([args.sink] * hq, [args.window] * hq, n, 1, 64, "cuda")
             kw = {"sink": torch.full((hq,), args.sink), "window": torch.full((hq,), args.window)}
+            tiles_of = {w: ashape_to_tiles([args.sink] * hq, [args.window] * hq, n, 1, 64, q.device, width=w)
+                        for w in ints(args.widths)}
         else:
-            tiles = block_tiles(q, k, args.topk)
-        area = tile_area(tiles, n).sum().item()
-        base = {"n": n, "dense_ms": dense_ms}
-        for warps, stages, (split, tma) in itertools.product((4, 8), (2, 3, 4),
-                                                             ((False, False), (True, False), (True, True))):
-            knobs = {"num_warps": warps, "num_stages": stages, "split": split, "tma": tma, "persistent": False,
-                     "warp_specialize": False}
-            try:
-                ms = time_ms(lambda: sparse_prefill(q, k, v, tiles, scale=1 / math.sqrt(d), **knobs, **kw))
-                row = {**base, **knobs, "ms": ms, "ratio_to_dense": 4 * d * area / ms / 1e9 / dense_tf}
-            except Exception as e:  # noqa: BLE001 - record what does not compile or fit
-                row = {**base, **knobs, "error": f"{type(e).__name__}: {str(e)[:160]}"}
+            tiles_of = {64: block_tiles(q, k, args.topk)}
+        base = {"n": n, "dense_ms": dense_ms, "dense_queued_ms": dense_queued_ms}
+        combos = [{"num_warps": warps, "num_stages": stages, "split": split, "tma": tma, "persistent": False,
+                   "warp_specialize": False, "width": width}
+                  for width, warps, stages, (split, tma) in itertools.product(
+                      tiles_of, ints(args.warps), ints(args.stages), ((False, False), (True, False), (True, True)))]
+        combos.append({"default": True, "width": 64})
+        times: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(combos))}
+        errors: dict[int, str] = {}
+        for _ in range(args.rounds):
+            for i, knobs in enumerate(combos):
+                if i in errors:
+                    continue
+                tiles = tiles_of[knobs["width"]]
+                run = {key: val for key, val in knobs.items() if key not in ("default", "width")}
+
+                def call():
+                    return sparse_prefill(q, k, v, tiles, scale=1 / math.sqrt(d), **run, **kw)
+
+                try:
+                    times[i].append((time_ms(call), queued_ms(call)))
+                except Exception as e:  # noqa: BLE001 - record what does not compile or fit
+                    errors[i] = f"{type(e).__name__}: {str(e)[:160]}"
+        for i, knobs in enumerate(combos):
+            if i in errors:
+                row = {**base, **knobs, "error": errors[i]}
+            else:
+                area = tile_area(tiles_of[knobs["width"]], n).sum().item()
+                ms = statistics.median(t for t, _ in times[i])
+                qms = statistics.median(t for _, t in times[i])
+                row = {**base, **knobs, "ms": ms, "queued_ms": qms, "rounds_ms": times[i],
+                       "ratio_to_dense": 4 * d * area / ms / 1e9 / dense_tf,
+                       "queued_ratio_to_dense": 4 * d * area / qms / 1e9 / dense_queued_tf}
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
-        default_ms = time_ms(lambda: sparse_prefill(q, k, v, tiles, scale=1 / math.sqrt(d), **kw))
-        result["rows"].append({**base, "default": True, "ms": default_ms,
-                               "ratio_to_dense": 4 * d * area / default_ms / 1e9 / dense_tf})
-        print(json.dumps(result["rows"][-1]), flush=True)
         write_json(args.out, result)
 
 
