@@ -48,6 +48,20 @@ def test_queued_ms_sizes_the_run_from_one_call_and_divides_by_it():
         timing.queued_ms(lambda: None, cuda=False, min_reps=0)
 
 
+def test_paired_ms_times_each_fn_in_turn_every_round():
+    import time
+
+    order = []
+    short = lambda: (order.append("a"), time.sleep(0.002))  # noqa: E731
+    long = lambda: (order.append("b"), time.sleep(0.008))  # noqa: E731
+    a_ms, b_ms = timing.paired_ms([short, long], cuda=False, rounds=3, batch_ms=100.0, max_reps=4)
+    assert 2.0 <= a_ms < b_ms and b_ms >= 8.0  # per call, each its own
+    # a warm-up and a sizing call each, then per round a batch of each fn in turn (100 ms / call, at most 4)
+    assert "".join(order) == "aabb" + "aaaabbbb" * 3
+    with pytest.raises(ValueError, match="rounds"):
+        timing.paired_ms([short], cuda=False, rounds=0)
+
+
 def test_cpu_stamps_give_milliseconds():
     a = timing.stamp(False)
     b = timing.stamp(False)

@@ -6,6 +6,8 @@
 - `queued_ms(fn)`: the time per call of fn() called back to back with one sync at the end: the GPU's time where
   the host keeps ahead of it (as between a model's layers); `time_ms` also counts the host's launch overhead,
   since the GPU idles at the start of each call.
+- `paired_ms(fns)`: each fn's time per call over rounds that time every fn in turn, so that the fns compared see
+  the same clock and power state (a ratio of two times taken minutes apart drifts by several per cent on a GPU).
 - `stamp(cuda)` / `elapsed_ms(a, b)`: marks for per-phase breakdowns (a CUDA event recorded on the
   current stream, no host sync until read; a perf_counter reading on the CPU).
 - `environment()`: GPU, driver, versions, CPU, load and the exact command line, for benchmark JSON.
@@ -104,6 +106,25 @@ def queued_ms(fn: Callable[[], Any], *, cuda: bool | None = None, min_reps: int 
     for _ in range(reps):
         fn()
     return elapsed_ms(a, stamp(cuda)) / reps
+
+
+def paired_ms(fns: list[Callable[[], Any]], *, cuda: bool | None = None, rounds: int = 5,
+              batch_ms: float = 50.0, max_reps: int = 20) -> list[float]:
+    """Median over `rounds` of each fn's ms per call, the fns timed in turn in every round: a batch of calls queued
+    back to back (as `queued_ms`; reps sized from one synced call to about `batch_ms`, 1..`max_reps`)."""
+    if rounds < 1 or max_reps < 1:
+        raise ValueError(f"need rounds >= 1 and max_reps >= 1, got rounds={rounds}, max_reps={max_reps}")
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    one = [measure(fn, cuda=cuda, warmup=1, min_reps=1, max_reps=1).median_ms for fn in fns]
+    reps = [int(min(max(batch_ms // max(ms, 1e-3), 1), max_reps)) for ms in one]
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, n, out in zip(fns, reps, times):
+            a = stamp(cuda)
+            for _ in range(n):
+                fn()
+            out.append(elapsed_ms(a, stamp(cuda)) / n)
+    return [statistics.median(t) for t in times]
 
 
 def command_line(argv: list[str] | None = None) -> str:
