@@ -439,11 +439,10 @@ def ashape_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torc
     hq, hkv = q.shape[1], k.shape[1]
     sink_t = torch.as_tensor(sink).reshape(-1).cpu()
     window_t = torch.as_tensor(window).reshape(-1).cpu()
-    if q.shape[-1] == 128 and block == 64 and width in (0, 64):
-        from .prefill_ws import ASHAPE_LAUNCH, ws_ashape, ws_ashape_takes  # lazy, as in sparse_prefill
-
-        if ws_ashape_takes(q, k, sink_t, window_t):
-            return ws_ashape(q, k, v, sink_t, window_t, scale, **ASHAPE_LAUNCH)
+    if block == 64 and width in (0, 64):
+        out = ashape_gluon(q, k, v, sink_t, window_t, scale)
+        if out is not None:
+            return out
     shared = sink_t.numel() == hq and hq % hkv == 0 and bool(
         (sink_t.view(hkv, -1) == sink_t.view(hkv, -1)[:, :1]).all()
         & (window_t.view(hkv, -1) == window_t.view(hkv, -1)[:, :1]).all())
@@ -451,3 +450,16 @@ def ashape_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torc
     tiles = ashape_to_tiles(sink_t[heads], window_t[heads], q.shape[2], q.shape[0], block, device=q.device,
                             width=width)
     return sparse_prefill(q, k, v, tiles, sink=sink_t, window=window_t, scale=scale)
+
+
+def ashape_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor, window: torch.Tensor,
+                 scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`ashape_prefill`'s Gluon route: (o, lse) where the Gluon kernel takes this A-shape (sm_90, head_dim 128, heads
+    2j and 2j + 1 alike: `prefill_ws.ws_ashape_takes`; sink / window CPU Int `[Hq]`, so no host sync), else None."""
+    if q.shape[-1] != 128:
+        return None
+    from .prefill_ws import ASHAPE_LAUNCH, ws_ashape, ws_ashape_takes  # lazy, as in sparse_prefill
+
+    if not ws_ashape_takes(q, k, sink, window):
+        return None
+    return ws_ashape(q, k, v, sink, window, scale, **ASHAPE_LAUNCH)

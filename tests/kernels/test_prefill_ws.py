@@ -333,6 +333,39 @@ def test_a_mixed_layer_with_vertical_slash_runs_the_gluon_kernel():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not hopper(), reason="the Gluon kernel runs on sm_90 (H100 / H200) only")
+def test_an_ashape_layer_runs_the_shared_ring_where_heads_pair(monkeypatch):
+    """SparsePrefill on a layer of A-shape heads only (GQA 2:1, batch 2, bf16, N = 1000, head_dim 128): with heads 2j
+    and 2j + 1 alike the layer takes A-shape's own kernel (`AShape.layer_attention`: `ws_ashape`, both heads on one
+    K/V ring), equal to `ashape_prefill`'s output and close to the PyTorch reference path; with a pair that differs
+    it keeps the one launch over the merged tiles."""
+    import workbench_kernels.prefill_ws as ws
+    from test_methods_kernel import mixed_prefill
+    from workbench_kernels.prefill import ashape_prefill, sparse_prefill
+
+    calls = []
+    real = ws.ws_ashape
+    monkeypatch.setattr(ws, "ws_ashape", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    bands = [(64, 300), (64, 300), (0, 129), (0, 129)]
+    for alike in (True, False):
+        heads = bands if alike else [(64, 300), (64, 200)] + bands[2:]
+        sp, _, q, k, v = mixed_prefill([("ashape", {"sink": g, "window": w}) for g, w in heads], n=1000, hkv=2,
+                                       d=128, seed=5)
+        q, k, v = (x.to("cuda", torch.bfloat16) for x in (q, k, v))
+        calls.clear()
+        index = sp.layer_index(0, q, k, 0.1, "triton")
+        got = sp.layer_kernel(0, index, q, k, v, 0.1, "triton")
+        assert len(calls) == alike
+        if alike:
+            sink, window = (torch.tensor(x) for x in zip(*heads))
+            assert torch.equal(got, ashape_prefill(q, k, v, sink, window, scale=0.1)[0])
+        else:
+            assert torch.equal(got, sparse_prefill(q, k, v, index[0], sink=index[1], window=index[2], scale=0.1)[0])
+        ref = sp.reference(sp.group_tiles(0, q, k, 0.1, triton=True), q.float(), k.float(), v.float(), 0.1)
+        torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not hopper(), reason="ws_vertical_slash runs on sm_90 (H100 / H200) only")
 @pytest.mark.parametrize("case", VS_CASES)
 @pytest.mark.parametrize("n", [1000, 4096])

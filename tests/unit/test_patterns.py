@@ -291,6 +291,10 @@ def test_registry_maps_config_kinds_to_classes_and_back():
         register_pattern(type("Bare", (PatternBase,), {"kind": "bare", "params": ()}))
     with pytest.raises(ValueError, match="inherit `bench_kernel` from BlockSparse"):
         register_pattern(type("Child", (BlockSparse,), {"kind": "child", **own}))
+    rest = {name: PatternBase.__dict__[name] for name in ("bench_kernel", "minference_name", "minference_attn_type",
+                                                         "default_search", "grid", "evidence", "sweep")}
+    with pytest.raises(ValueError, match="inherit `layer_attention` from AShape"):  # A-shape's own kernel
+        register_pattern(type("Banded", (AShape,), {"kind": "banded", **own, **rest}))
     with pytest.raises(ValueError, match="order = 10 is already AShape's"):
         register_pattern(type("Twin", (PatternBase,), {"kind": "twin", **own, "order": 10}))
     assert PATTERNS["vs"] is VerticalSlash and "child" not in PATTERNS and "twin" not in PATTERNS

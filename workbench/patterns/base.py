@@ -156,12 +156,19 @@ class Pattern(Protocol):
         token band or None), both on q's device. q, k `[B, H, N, D]` (k: each query head's own KV head).
         `triton`: use the kind's Triton index builder where it has one."""
 
+    @classmethod
+    def layer_attention(cls, params: Sequence[dict[str, int]], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        scale: float) -> torch.Tensor | None:
+        """A kernel of this kind's own for a layer whose query heads are all of it (Triton backend): o
+        `[B, Hq, N, D]` from q `[B, Hq, N, D]`, k / v `[B, Hkv, N, D]`; None: the layer's one launch over
+        `layer_tiles`."""
+
 
 PATTERNS: dict[str, type] = {}  # config kind -> pattern class, in the classes' `order`
 _OWN = ("kind", "title", "params", "order", "defaults")  # what each registered class sets in its own body
 # what a class may take from PatternBase (safe defaults) but never from another registered kind
 _NOT_FROM_ANOTHER_KIND = ("bench_kernel", "minference_name", "minference_attn_type", "default_search", "grid",
-                          "evidence", "sweep")
+                          "evidence", "sweep", "layer_attention")
 
 
 def register_pattern(cls: type) -> type:
@@ -390,6 +397,11 @@ class PatternBase:
         (`sums.tail_rows`), oracle = the best known index of the same budget chosen from full attention
         (= mass where none is known), tiles = physical 64x64 tiles, edges = logical edges (causal pairs)."""
         return generic_evidence(cls, params, sums)
+
+    @classmethod
+    def layer_attention(cls, params: Sequence[dict[str, int]], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        scale: float) -> torch.Tensor | None:
+        return None
 
     def to_mask(self, n: int) -> torch.Tensor:
         return to_mask(self, n)

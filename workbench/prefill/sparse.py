@@ -232,7 +232,9 @@ class SparsePrefill:
 
     def layer_kernel(self, layer: int, index: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scale: float, backend: str) -> torch.Tensor:
-        """Sparse attention of one layer under `layer_index`'s result -> o `[B, Hq, N, D]`."""
+        """Sparse attention of one layer under `layer_index`'s result -> o `[B, Hq, N, D]`: one launch over the
+        merged tiles; a layer of one kind runs that kind's own kernel where it has one and takes the layer
+        (`PatternBase.layer_attention`: A-shape's Gluon kernel, two heads on one K/V ring) unless `num_stages` is set."""
         if backend == "torch":
             return self.reference(index, q, k, v, scale)
         tiles, sink, window = index
@@ -242,7 +244,13 @@ class SparsePrefill:
             return tiles_attention(q, k, v, tiles, sink, window, scale)
         from workbench_kernels.prefill import sparse_prefill
 
-        o, _ = sparse_prefill(q, k, v, tiles, sink=sink, window=window, scale=scale, num_stages=self.num_stages)
+        plan = self.plans[layer]
+        o = None
+        if len(plan.heads) == 1 and self.num_stages is None:  # one kind: it may have a kernel of its own
+            kind = next(iter(plan.heads))
+            o = pattern_class(kind).layer_attention(plan.params[kind], q, k, v, scale)
+        if o is None:
+            o, _ = sparse_prefill(q, k, v, tiles, sink=sink, window=window, scale=scale, num_stages=self.num_stages)
         if self.record_density:
             from workbench_kernels.index_ref import tile_area
 

@@ -1,0 +1,58 @@
+"""Exploratory (GPU): a layer of A-shape heads only, as `SparsePrefill` runs it, beside dense SDPA (random weights,
+the bench's planted q / k / v; no model). Each length times, in turn over five rounds (`paired_ms`), dense causal
+SDPA, the layer's default path (`layer_kernel`: A-shape's own kernel where it takes the layer) and the one launch
+over the merged tiles (`num_stages` set, which keeps the loop).
+
+    python3 scripts/ashape_layer.py --shape llama3-8b --lengths 65536,131072 --out ashape_layer.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
+from workbench_kernels.index_ref import tile_area
+
+from workbench.config import HeadConfig, HeadEntry
+from workbench.core.io import write_json
+from workbench.core.model import ModelShape
+from workbench.core.timing import environment, paired_ms
+from workbench.prefill.sparse import SparsePrefill
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    p.add_argument("--lengths", default="65536,131072")
+    p.add_argument("--sink", type=int, default=128)
+    p.add_argument("--window", type=int, default=4096)
+    p.add_argument("--out", default="ashape_layer.json")
+    args = p.parse_args()
+    hq, hkv, d, theta = SHAPES[args.shape]
+    shape = ModelShape(args.shape, "llama", 1, hq, hkv, d, hq * d, "default", theta, 1 << 20, "random")
+    config = HeadConfig(model=shape.to_dict(),
+                        heads=[HeadEntry(0, h, "ashape", {"sink": args.sink, "window": args.window}) for h in range(hq)])
+    result = {"environment": environment(), "settings": vars(args), "rows": []}
+    for n in [int(x) for x in args.lengths.split(",")]:
+        q, k, v = planted_inputs(hq, hkv, d, n, theta)
+        scale = d ** -0.5
+        runs = {name: SparsePrefill(None, shape, config, min_length=0, num_stages=stages)
+                for name, stages in (("default", None), ("one_launch", 3))}
+        index = runs["default"].layer_index(0, q, k, scale, "triton")
+        calls = {name: (lambda sp=sp: sp.layer_kernel(0, index, q, k, v, scale, "triton")) for name, sp in runs.items()}
+        dense = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,  # noqa: E731
+                                                                         enable_gqa=True)
+        dense_ms, *ms = paired_ms([dense, *calls.values()])
+        area = tile_area(index[0], n).sum().item()  # the 64-key tiles' area, for both paths
+        row = {"n": n, "dense_ms": dense_ms, "physical_density": area / (hq * n * (n + 1) / 2),
+               **{f"{name}_ms": t for name, t in zip(calls, ms)},
+               **{f"{name}_ratio_to_dense": dense_ms * area / (hq * n * (n + 1) / 2) / t for name, t in zip(calls, ms)},
+               "max_abs_diff": (calls["default"]() - calls["one_launch"]()).abs().max().item()}
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
