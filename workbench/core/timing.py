@@ -101,7 +101,11 @@ def queued_ms(fn: Callable[[], Any], *, cuda: bool | None = None, min_reps: int 
         raise ValueError(f"need 1 <= min_reps <= max_reps, got min_reps={min_reps}, max_reps={max_reps}")
     cuda = torch.cuda.is_available() if cuda is None else cuda
     one = measure(fn, cuda=cuda, warmup=1, min_reps=1, max_reps=1).median_ms
-    reps = int(min(max(budget_ms // max(one, 1e-3), min_reps), max_reps))
+    return _batch_ms(fn, int(min(max(budget_ms // max(one, 1e-3), min_reps), max_reps)), cuda)
+
+
+def _batch_ms(fn: Callable[[], Any], reps: int, cuda: bool) -> float:
+    """ms per call of `reps` calls of fn() queued back to back between two stamps."""
     a = stamp(cuda)
     for _ in range(reps):
         fn()
@@ -120,10 +124,7 @@ def paired_ms(fns: list[Callable[[], Any]], *, cuda: bool | None = None, rounds:
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
         for fn, n, out in zip(fns, reps, times):
-            a = stamp(cuda)
-            for _ in range(n):
-                fn()
-            out.append(elapsed_ms(a, stamp(cuda)) / n)
+            out.append(_batch_ms(fn, n, cuda))
     return [statistics.median(t) for t in times]
 
 

@@ -166,7 +166,7 @@ class AShape(PatternBase):
                           block, q.device)
 
     @classmethod
-    def layer_attention(cls, params, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def layer_attention(cls, params: Sequence[dict[str, int]], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         scale: float) -> torch.Tensor | None:
         """The Gluon kernel with heads 2j and 2j + 1 on one K/V ring where it takes the layer (`ashape_gluon`: sm_90,
         head_dim 128, the two heads' sink and window equal), else None. H200, Llama 32/8/128, sink 128, window 4096,
