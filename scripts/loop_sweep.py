@@ -17,7 +17,7 @@ import math
 import statistics
 
 import torch
-from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
+from workbench_benchmarks.kernels_prefill import SHAPES, dense_baseline, planted_inputs
 from workbench_kernels.index_build import block_tiles
 from workbench_kernels.index_ref import ashape_to_tiles, tile_area
 from workbench_kernels.prefill import sparse_prefill
@@ -49,8 +49,8 @@ def main() -> None:
     for n in [int(x) for x in args.lengths.split(",")]:
         q, k, v = planted_inputs(hq, hkv, d, n, theta, dev="cuda" if torch.cuda.is_available() else "cpu")
         kx, vx = (x.repeat_interleave(hq // hkv, 1) for x in (k, v))
-        dense_ms = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))
-        dense_queued_ms = queued_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True))
+        dense, dense_form, dense_forms = dense_baseline(q, k, v, kx, vx)
+        dense_ms, dense_queued_ms = dense_forms[dense_form], queued_ms(dense)
         dense_tf = 4 * d * hq * n * (n + 1) / 2 / dense_ms / 1e9
         dense_queued_tf = 4 * d * hq * n * (n + 1) / 2 / dense_queued_ms / 1e9
         kw = {}
@@ -60,7 +60,7 @@ def main() -> None:
                         for w in ints(args.widths)}
         else:
             tiles_of = {64: block_tiles(q, k, args.topk)}
-        base = {"n": n, "dense_ms": dense_ms, "dense_queued_ms": dense_queued_ms}
+        base = {"n": n, "dense_ms": dense_ms, "dense_queued_ms": dense_queued_ms, "dense_form": dense_form}
         combos = [{"num_warps": warps, "num_stages": stages, "split": split, "tma": tma, "persistent": False,
                    "warp_specialize": False, "width": width}
                   for width, warps, stages, (split, tma) in itertools.product(
