@@ -1,7 +1,8 @@
 """Exploratory (GPU): a layer of A-shape heads only, as `SparsePrefill` runs it, beside dense SDPA (random weights,
 the bench's planted q / k / v; no model). Each length times, in turn over five rounds (`paired_ms`), dense causal
 SDPA, the layer's default path (`layer_kernel`: A-shape's own kernel where it takes the layer) and the one launch
-over the merged tiles (`num_stages` set, which keeps the loop).
+over the merged tiles (`num_stages` set, which keeps the loop); then the two paths alone, in turn over --rounds
+rounds.
 
     python3 scripts/ashape_layer.py --shape llama3-8b --lengths 65536,131072 --out ashape_layer.json
 """
@@ -26,6 +27,7 @@ def main() -> None:
     p.add_argument("--lengths", default="65536,131072")
     p.add_argument("--sink", type=int, default=128)
     p.add_argument("--window", type=int, default=4096)
+    p.add_argument("--rounds", type=int, default=9, help="rounds of the two paths timed in turn without dense")
     p.add_argument("--out", default="ashape_layer.json")
     args = p.parse_args()
     hq, hkv, d, theta = SHAPES[args.shape]
@@ -42,10 +44,12 @@ def main() -> None:
         calls = {name: (lambda sp=sp: sp.layer_kernel(0, index, q, k, v, scale, "triton")) for name, sp in runs.items()}
         dense, dense_form, _ = dense_baseline(q, k, v, *(x.repeat_interleave(hq // hkv, 1) for x in (k, v)))
         dense_ms, *ms = paired_ms([dense, *calls.values()])
+        alone = paired_ms(list(calls.values()), rounds=args.rounds)  # the two paths in turn, without dense between
         area = tile_area(index[0], n).sum().item()  # the 64-key tiles' area, for both paths
         row = {"n": n, "dense_form": dense_form, "dense_ms": dense_ms, "physical_density": area / (hq * n * (n + 1) / 2),
                **{f"{name}_ms": t for name, t in zip(calls, ms)},
                **{f"{name}_ratio_to_dense": dense_ms * area / (hq * n * (n + 1) / 2) / t for name, t in zip(calls, ms)},
+               **{f"{name}_alone_ms": t for name, t in zip(calls, alone)},
                "max_abs_diff": (calls["default"]() - calls["one_launch"]()).abs().max().item()}
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
