@@ -10,8 +10,9 @@ recorded, the rest go on; a variant that fails or hangs its check is left out of
           vs SDPA(is_causal=True); TFLOP/s over the causal pairs, ratio to SDPA's
   sparse  block-sparse top-k (`index_build.block_index` on the bench's planted inputs, 64-row tiles) at each of
           --lengths: ws vs sparse_prefill, efficiency = physical density x SDPA ms / ms (as the bench)
-Variants: cCsS[vV][o][k][g][p][w128] = C consumer warpgroups (1 or 2), S ring stages (vV: V stages, <= S; else S),
-o = intra-warpgroup overlap, p = two 64-key items per step (`pair`), k = the
+Variants: cCsS[vV][o][k][g][p][x][w128] = C consumer warpgroups (1 or 2), S ring stages (vV: V stages, <= S; else
+S), o = intra-warpgroup overlap, p = two 64-key items per step (`pair`), x = the two consumers' GEMMs in turn
+(`pingpong`), k = the
 two consumers share one K/V ring (query heads 2j, 2j + 1), w128 = 128 keys per step (`ws_ashape(width=128)`: the
 dense and ashape steps only), g = items by KV head first (`kv_major`; the sparse step
 also times the persistent loop with it, "sparse_prefill/kv_major", the vs step the loop's default, KV head first,
@@ -33,6 +34,8 @@ GQA-packed kernel on the group-shared tiles.
           loop (group-shared tiles, GQA-packed) and `ashape_prefill`'s default, efficiency over the per-head
           tiles' physical density; `--rounds R` adds R back-to-back (SDPA, ashape_prefill) timings, the spread of
           the default's efficiency in one process. `--steps ashape` runs only this.
+`--paired R` (sparse, vs, ashape): also dense SDPA and every ws variant timed in turn over R rounds
+(`timing.paired_ms`), recorded as `paired` (ms, efficiency) beside the synced rows.
 Writes --out (JSON: environment, per step results) and prints a summary."""
 from __future__ import annotations
 
@@ -46,17 +49,20 @@ import time
 
 import torch
 
-from workbench.core.timing import environment, time_ms
+from workbench.core.timing import environment, paired_ms, time_ms
 
 SHAPE = "llama3-8b"  # the bench's shape the steps run at (--shape): Llama-3-8B 32/8/128
+PAIRED = 0  # --paired: rounds of the in-turn timings (0: none)
 
 
 def parse_variant(name: str) -> dict:
     """'c2s3v2okgw128' -> {consumers: 2, stages: 3, v_stages: 2, overlap: True, share_kv: True, kv_major: True,
-    width: 128} (no v: as many V stages as K stages); p adds pair: True (two 64-key items per step)."""
-    c, s, vs, o, k, g, p, w = re.fullmatch(r"c(\d)s(\d)(?:v(\d))?(o?)(k?)(g?)(p?)(?:w(\d+))?", name).groups()
+    width: 128} (no v: as many V stages as K stages); p adds pair: True (two 64-key items per step), x pingpong:
+    True."""
+    c, s, vs, o, k, g, p, x, w = re.fullmatch(r"c(\d)s(\d)(?:v(\d))?(o?)(k?)(g?)(p?)(x?)(?:w(\d+))?", name).groups()
     return {"consumers": int(c), "stages": int(s), "v_stages": int(vs) if vs else None, "overlap": bool(o),
-            "share_kv": bool(k), "kv_major": bool(g), "width": int(w or 64), **({"pair": True} if p else {})}
+            "share_kv": bool(k), "kv_major": bool(g), "width": int(w or 64), **({"pair": True} if p else {}),
+            **({"pingpong": True} if x else {})}
 
 
 def shape() -> tuple[int, int, int, float]:
@@ -69,6 +75,16 @@ def shape() -> tuple[int, int, int, float]:
 def timed(fn) -> float:
     """Median ms of 5 calls after 2 warm-up calls (compiles included there), CUDA events."""
     return time_ms(fn, cuda=True, warmup=2, min_reps=5, max_reps=5)
+
+
+def paired(sdpa_call, calls: dict, density: dict) -> dict:
+    """With --paired R: dense SDPA and `calls` (name -> fn) timed in turn over R rounds -> {name: {ms, efficiency
+    (density[name] x SDPA ms / ms)}} with SDPA's own row; {} without."""
+    if not PAIRED:
+        return {}
+    ms = paired_ms([sdpa_call, *calls.values()], rounds=PAIRED)
+    return {"sdpa": {"ms": ms[0]}, **{name: {"ms": t, "efficiency": density[name] * ms[0] / t}
+                                      for name, t in zip(calls, ms[1:])}}
 
 
 def against_reference(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> dict:
@@ -185,15 +201,17 @@ def sparse(variants: list[str], lengths: list[int], topk: int) -> dict:
             rows = {"sparse_prefill": timed(lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False)),
                     "sparse_prefill/kv_major": timed(lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False,
                                                                             persistent=True, kv_major=True))}
-            agree = {}
+            agree, calls = {}, {}
             for name in names:
                 kw = parse_variant(name)
                 kw.pop("width")  # (64: ws_prefill's pieces)
                 o, _ = ws_prefill(q, k, v, per_head, **kw)
                 agree[name] = (o.float() - ref.float()).abs().max().item()
-                rows[f"ws/{name}"] = timed(lambda: ws_prefill(q, k, v, per_head, **kw))
+                calls[f"ws/{name}"] = lambda kw=kw: ws_prefill(q, k, v, per_head, **kw)
+                rows[f"ws/{name}"] = timed(calls[f"ws/{name}"])
             out[f"{selection}/{n}"] = {
                 "physical_density": density, "sdpa_ms": sdpa, "agreement_max_abs": agree,
+                "paired": paired(dense_call(q, k, v), calls, dict.fromkeys(calls, density)),
                 "rows": {key: {"ms": ms, "efficiency": density * sdpa / ms, "vs_sparse_prefill": rows["sparse_prefill"] / ms}
                          for key, ms in rows.items()}}
         q = k = v = None
@@ -270,7 +288,7 @@ def vs(variants: list[str], lengths: list[int], vertical: int, slash: int, loops
                     kw = loop_kwargs(spec)
                     rows[f"sparse_prefill/{spec}"] = timed(lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False,
                                                                                   **kw))
-            agree = {}
+            agree, calls = {}, {}
             by_width = {64: density}  # physical density of the tiles whose keys a row keeps (w128: a superset)
             row_width = {}
             for name in names:
@@ -284,13 +302,15 @@ def vs(variants: list[str], lengths: list[int], vertical: int, slash: int, loops
                 o, _ = ws_vertical_slash(q, k, v, cols, offs, **kw)
                 if w == 64:  # (w128 keeps more keys than the loop's tiles: checked in check_vs instead)
                     agree[name] = (o.float() - ref.float()).abs().max().item()
-                ms = timed(lambda: ws_vertical_slash(q, k, v, cols, offs, **kw))  # with its own conversion + packing
+                calls[f"ws/{name}"] = lambda kw=kw: ws_vertical_slash(q, k, v, cols, offs, **kw)
+                ms = timed(calls[f"ws/{name}"])  # with its own conversion + packing
                 rows[f"ws/{name}"] = ms
                 rows[f"ws/{name}-prep"] = ms - prep["ws_prep"]  # the kernel alone (estimate)
                 row_width[f"ws/{name}"] = row_width[f"ws/{name}-prep"] = w
             out[f"vs{vertical}_{slash}{'' if selection == 'per_head' else '_group_shared'}/{n}"] = {
                 "physical_density": density, "physical_density_by_width": by_width,
                 "ws_physical_density": ws_area / pairs, "sdpa_ms": sdpa, "prep_ms": prep, "agreement_max_abs": agree,
+                "paired": paired(dense_call(q, k, v), calls, {c: by_width[row_width[c]] for c in calls}),
                 "rows": {key: {"ms": ms, "efficiency": by_width[row_width.get(key, 64)] * sdpa / ms,
                                "vs_sparse_prefill": rows["sparse_prefill"] / ms} for key, ms in rows.items()}}
             tiles = ref = None
@@ -335,14 +355,16 @@ def ashape(variants: list[str], lengths: list[int], sink: int, window: int, roun
         ref, _ = loop()
         rows = {"sparse_prefill": timed(loop),  # the loop, GQA-packed
                 "ashape_prefill": timed(lambda: ashape_prefill(q, k, v, sinks, windows))}  # its default
-        agree = {}
+        agree, calls = {}, {}
         for name in variants:
             kw = parse_variant(name)
             o, _ = ws_ashape(q, k, v, sinks, windows, **kw)
             agree[name] = (o.float() - ref.float()).abs().max().item()
-            rows[f"ws/{name}"] = timed(lambda: ws_ashape(q, k, v, sinks, windows, **kw))
+            calls[f"ws/{name}"] = lambda kw=kw: ws_ashape(q, k, v, sinks, windows, **kw)
+            rows[f"ws/{name}"] = timed(calls[f"ws/{name}"])
         out[f"ashape{sink}_{window}/{n}"] = {
             "physical_density": density, "sdpa_ms": sdpa, "agreement_max_abs": agree,
+            "paired": paired(dense_call(q, k, v), calls, dict.fromkeys(calls, density)),
             "rows": {key: {"ms": ms, "efficiency": density * sdpa / ms, "vs_sparse_prefill": rows["sparse_prefill"] / ms}
                      for key, ms in rows.items()}}
         if rounds > 1:
@@ -378,6 +400,13 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(result))
 
 
+def print_paired(n: str, part: dict) -> None:
+    for key, row in part.get("paired", {}).items():
+        if key != "sdpa":
+            print(f"{n} paired {key:20s} {row['ms']:8.2f} ms eff {row['efficiency']:.3f} (SDPA "
+                  f"{part['paired']['sdpa']['ms']:.2f} ms)", flush=True)
+
+
 def run_step(argv: list[str], timeout: float) -> dict:
     """This script as a child (`--child ...`); its JSON, or why there is none."""
     t0 = time.perf_counter()
@@ -406,6 +435,8 @@ def main() -> None:
     p.add_argument("--vs-timeout", type=float, default=240.0)
     p.add_argument("--loop-variants", default="", help="vs step: the loop also with these sparse_prefill keywords, "
                                                           "e.g. 'num_warps=8;num_stages=4,split=False' (, between rows)")
+    p.add_argument("--paired", type=int, default=0, help="sparse / vs / ashape steps: also SDPA and the variants "
+                                                         "timed in turn over this many rounds (0: not)")
     p.add_argument("--dense-n", type=int, default=32768)
     p.add_argument("--shape", default="llama3-8b", help="the bench's shape every step runs at (llama3-8b, embedded, ...)")
     p.add_argument("--lengths", default="65536,131072")
@@ -417,8 +448,8 @@ def main() -> None:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    global SHAPE
-    SHAPE = args.shape
+    global SHAPE, PAIRED
+    SHAPE, PAIRED = args.shape, args.paired
     if args.child:
         child(args)
         return
@@ -426,7 +457,8 @@ def main() -> None:
     left = lambda cap: max(1.0, min(cap, args.budget - (time.perf_counter() - start)))  # noqa: E731
     common = ["--shape", args.shape, "--variants", args.variants, "--dense-n", str(args.dense_n), "--lengths", args.lengths,
               "--topk", str(args.topk), "--vertical", str(args.vertical), "--slash", str(args.slash), "--sink", str(args.sink),
-              "--window", str(args.window), "--loop-variants", args.loop_variants, "--rounds", str(args.rounds)]
+              "--window", str(args.window), "--loop-variants", args.loop_variants, "--rounds", str(args.rounds),
+              "--paired", str(args.paired)]
     result = {"environment": environment(), "steps": {}}
     save = lambda: json.dump(result, open(args.out, "w"), indent=1)  # noqa: E731
     variants = args.variants.split(",")
@@ -466,6 +498,7 @@ def main() -> None:
                     print(f"top-{args.topk} {n} {key:16s} {row['ms']:8.2f} ms eff {row['efficiency']:.3f} "
                           f"{row['vs_sparse_prefill']:.3f}x sparse_prefill (density {part['physical_density']:.3f})",
                           flush=True)
+                print_paired(n, part)
     for step in ("vs", "ashape"):
         if step not in steps:
             continue
@@ -495,6 +528,7 @@ def main() -> None:
                 print(f"{n} {key:20s} {row['ms']:8.2f} ms eff {row['efficiency']:.3f} "
                       f"{row['vs_sparse_prefill']:.3f}x sparse_prefill (density {part['physical_density']:.3f}{extra})",
                       flush=True)
+            print_paired(n, part)
             if "ashape_prefill_rounds" in part:
                 spread = part["ashape_prefill_rounds"]
                 print(f"{n} ashape_prefill over {len(spread['efficiency'])} rounds: eff median {spread['median']:.3f}, "
