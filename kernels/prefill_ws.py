@@ -357,43 +357,20 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _turn(turn, r, sub: gl.constexpr, PINGPONG: gl.constexpr, start: gl.constexpr):
-    """FA3's ping-pong of two consumer warpgroups (PINGPONG; else nothing): consumer `sub`'s region r (a step's
-    GEMM issues) starts (`start`) once the other consumer's region r - 1 + sub has ended, and its end arrives on
-    the other's barrier, so the two issue their GEMMs in turn and one's softmax runs beside the other's GEMMs.
-    turn[c] (count 1) completes its phase r when the other consumer ends its region r; consumer c's region r
-    waits for phase r - 1 + c (consumer 0's region 0 for none). Neither gets two phases ahead of the other's
-    waits, so parity waits suffice."""
-    if PINGPONG:
-        if start:
-            mbarrier.wait(turn.index(sub), (r + sub + 1) & 1, pred=(r > 0) | (sub == 1))
-        else:
-            mbarrier.arrive(turn.index(1 - sub), count=1)
-
-
-@gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, O, LSE, BlockCount,
-              BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L,
-              sub: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              CONSUMERS: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-              SHARE: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr,
-              PINGPONG: gl.constexpr):
+def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount, BlockOffset,
+              ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, sub: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CONSUMERS: gl.constexpr,
+              STAGES: gl.constexpr, V_STAGES: gl.constexpr, OVERLAP: gl.constexpr, SHARE: gl.constexpr,
+              VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr):
     """Consumer warpgroup `sub`: BLOCK_M query rows over their items (VS: column strips, then pieces; BLOCK_N keys
     a step: one item, or two with PAIR) from its ring (SHARE: the one ring both consumers read); writes O rows and
-    LSE. ASHAPE: its head's sink / window (tokens) from Sink / Window Int32 `[H]`. PINGPONG: a step's GEMM issues
-    are region r of `_turn`'s alternation with the other consumer, and it keeps alternating (regions with no GEMM)
-    until the other consumer's last step."""
+    LSE. ASHAPE: its head's sink / window (tokens) from Sink / Window Int32 `[H]`."""
     pid = gl.program_id(0)
     PIECE: gl.constexpr = BLOCK_N // 2 if PAIR else BLOCK_N  # keys per item
     valid, q_row, _, base, pieces, strips, row_lo, bh = _work_item(Order, BlockCount, ColCount, pid, sub, n_work, N,
                                                                    H, G, M, NS, BLOCK_M, PIECE, CONSUMERS, SHARE, VS, ASHAPE)
     items = strips + pieces
     n = (items + 1) // 2 if PAIR else items  # steps
-    n_turns = n
-    if PINGPONG:  # the other consumer's steps: both take max(n, its n) turns
-        _, _, _, _, pieces_o, strips_o, _, _ = _work_item(Order, BlockCount, ColCount, pid, 1 - sub, n_work, N, H, G,
-                                                           M, NS, BLOCK_M, PIECE, CONSUMERS, SHARE, VS, ASHAPE)
-        n_turns = gl.maximum(n, (strips_o + pieces_o + 1) // 2 if PAIR else strips_o + pieces_o)
     ring: gl.constexpr = 0 if SHARE else sub
     Offsets = BlockOffset + base
     ColHead, CovHead, n_cols, sink, window = Cols, Covered, 0, 0, 0
@@ -432,9 +409,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
         if n > 0:  # prologue: the scores of piece 0
             ik = ring * STAGES
             mbarrier.wait(k_ready.index(ik), 0)
-            _turn(turn, 0, sub, PINGPONG, True)
             s = warpgroup_mma(q, k_smem.index(ik).permute((1, 0)), s0, use_acc=False, is_async=True)
-            _turn(turn, 0, sub, PINGPONG, False)
             keys = _step_keys(0, items, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, BLOCK_N, VS,
                               ASHAPE, PAIR)
             s = warpgroup_mma_wait(0, deps=(s,))
@@ -448,7 +423,6 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
             iv = ring * V_STAGES + t % V_STAGES
             ik1 = ring * STAGES + (t + 1) % STAGES
             mbarrier.wait(k_ready.index(ik1), ((t + 1) // STAGES) & 1)
-            _turn(turn, t + 1, sub, PINGPONG, True)
             s = warpgroup_mma(q, k_smem.index(ik1).permute((1, 0)), s0, use_acc=False, is_async=True)
             keys = _step_keys(t + 1, items, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, BLOCK_N,
                               VS, ASHAPE, PAIR)
@@ -456,7 +430,6 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
             mbarrier.wait(v_ready.index(iv), (t // V_STAGES) & 1)
             acc = warpgroup_mma(gl.convert_layout(prob.to(k_smem.dtype), p_layout), v_smem.index(iv), acc,
                                 is_async=True)
-            _turn(turn, t + 1, sub, PINGPONG, False)
             s = warpgroup_mma_wait(1, deps=(s,))
             mbarrier.arrive(k_empty.index(ik1), count=1)
             s = _step_masked(s, keys, t + 1, strips, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS,
@@ -478,9 +451,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
             ik = ring * STAGES + t % STAGES
             iv = ring * V_STAGES + t % V_STAGES
             mbarrier.wait(k_ready.index(ik), (t // STAGES) & 1)
-            _turn(turn, t, sub, PINGPONG, True)
             s = warpgroup_mma(q, k_smem.index(ik).permute((1, 0)), s0, use_acc=False, is_async=True)
-            _turn(turn, t, sub, PINGPONG, False)
             keys = _step_keys(t, items, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, BLOCK_N, VS,
                               ASHAPE, PAIR)
             s = warpgroup_mma_wait(0, deps=(s,))
@@ -494,10 +465,6 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
                                 is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(iv), count=1)
-    if PINGPONG:  # turns past its own steps, so the other consumer's waits complete
-        for u in range(n, n_turns):
-            _turn(turn, u, sub, PINGPONG, True)
-            _turn(turn, u, sub, PINGPONG, False)
     if valid:
         r = gl.arange(0, BLOCK_M, layout=row_o)
         dims = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
@@ -513,8 +480,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
 def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCount, BlockOffset, ColCount, Cols,
                        Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, CONSUMERS: gl.constexpr,
                        STAGES: gl.constexpr, V_STAGES: gl.constexpr, OVERLAP: gl.constexpr, SHARE: gl.constexpr,
-                       VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr, PINGPONG: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr):
+                       VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Program pid: work slots pid * CONSUMERS + c of `Order` (SHARE: slot pid, both consumers). VS: kc / vc
     `[B * Hq * KVP, D]` hold each query head's packed columns' K / V rows (Cols Int32 `[B * Hq * KVP]` their
     keys, ascending), ColCount Int32 `[B, Hq, M]` how many are < the row block's first row, Covered Int8
@@ -523,7 +489,7 @@ def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCo
     Window Int32 `[Hq]` the token mask. Shared memory:
     CONSUMERS Q tiles and RINGS (CONSUMERS, SHARE: 1) rings of STAGES K tiles and V_STAGES (<= STAGES) V tiles
     (BLOCK_N = 64 or 128 keys x D each: k_desc's block, twice it with PAIR (two items a slot); bf16, D = 128: 16 or
-    32 KB a tile). PINGPONG (two consumers): `_turn`'s barriers order their GEMM issues."""
+    32 KB a tile)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0] * (2 if PAIR else 1)
     D: gl.constexpr = q_desc.block_type.shape[1]
@@ -536,10 +502,8 @@ def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCo
     v_ready = gl.allocate_shared_memory(gl.int64, [RINGS * V_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [RINGS * V_STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_bar.index(c), count=1)
-        mbarrier.init(turn.index(c), count=1)
     # ready: the producer's expect is the one arrive, TMA bytes the rest; empty: every consumer reading the ring
     # arrives once per slot use, 2 on a shared ring, else 1
     for i in gl.static_range(RINGS * STAGES):
@@ -551,24 +515,21 @@ def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCo
     # (the partition lists are written out in the calls: a Gluon tuple cannot hold a function)
     if CONSUMERS == 1:
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, O, LSE, BlockCount,
-                         BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS,
-                         KVP, L, 0, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE,
-                         PAIR, PINGPONG)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
+                         BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 0,
+                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR)),
             (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                          k_empty, v_empty, BlockCount, BlockOffset, ColCount, Order, n_work, N, H, G, M, NS, KVP,
                          BLOCK_M, CONSUMERS, STAGES, V_STAGES, SHARE, VS, ASHAPE, PAIR)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, O, LSE, BlockCount,
-                         BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS,
-                         KVP, L, 0, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE,
-                         PAIR, PINGPONG)),
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, O, LSE, BlockCount,
-                         BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS,
-                         KVP, L, 1, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE,
-                         PAIR, PINGPONG)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
+                         BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 0,
+                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
+                         BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 1,
+                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR)),
             (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                          k_empty, v_empty, BlockCount, BlockOffset, ColCount, Order, n_work, N, H, G, M, NS, KVP,
                          BLOCK_M, CONSUMERS, STAGES, V_STAGES, SHARE, VS, ASHAPE, PAIR)),
@@ -648,15 +609,13 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
             stages: tuple[int, int],
             consumers: int, overlap: bool, share_kv: bool,
             packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-            band: tuple[torch.Tensor, torch.Tensor] | None = None, kv_major: bool = False, pair: bool = False,
-            pingpong: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            band: tuple[torch.Tensor, torch.Tensor] | None = None, kv_major: bool = False, pair: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on checked, contiguous inputs, items in `work_order` (by KV head first with `kv_major`); stages: the K
-    and V rings' depths; `pair`: two items per step, `pingpong`: the consumers' GEMMs in turn (`ws_prefill`). `packed`
+    and V rings' depths; `pair`: two items per step (`ws_prefill`). `packed`
     (VS): (kc, vc `[B * Hq * KVP, D]`, cols Int32 `[B, Hq, KVP]`, col_count Int32 `[B, Hq, M]`, covered Int8
     `[B, Hq, L]`); `band` (A-shape, tiles from `ashape_to_tiles`): (sink, window) Int32 `[Hq]` on q's device; see
     `_ws_prefill_kernel`."""
-    if pingpong and consumers != 2:
-        raise ValueError(f"pingpong alternates two consumer warpgroups: it needs consumers=2, got {consumers}")
     if pair and band is not None:
         raise ValueError("pair takes block-sparse and Vertical-Slash items; A-shape's contiguous pieces step 128 keys "
                          "with width=128")
@@ -695,15 +654,14 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
         q_desc, k_desc, v_desc, kc_desc, vc_desc, o, lse, bc, bo, col_count, cols, covered, sink, window, order,
         n_work, scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1], cols.shape[-1], covered.shape[-1],
         CONSUMERS=consumers, STAGES=stages[0], V_STAGES=stages[1], OVERLAP=overlap, SHARE=share_kv, VS=packed is not None,
-        ASHAPE=band is not None, PAIR=pair, PINGPONG=pingpong, CONSUMER_REGS=cfg["consumer_regs"], num_warps=4,
-        maxnreg=cfg["maxnreg"])
+        ASHAPE=band is not None, PAIR=pair, CONSUMER_REGS=cfg["consumer_regs"], num_warps=4, maxnreg=cfg["maxnreg"])
     return o, lse
 
 
 def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None = None,
                sink: torch.Tensor | None = None, window: torch.Tensor | None = None, stages: int = 2,
                consumers: int = 2, overlap: bool = True, share_kv: bool = False,
-               kv_major: bool = False, v_stages: int | None = None, pair: bool = False, pingpong: bool = False
+               kv_major: bool = False, v_stages: int | None = None, pair: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over the pieces of per-head block-sparse `tiles` on an sm_90 GPU (`sparse_prefill`'s
     contract for the tiles it takes).
@@ -725,9 +683,7 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
     64-key items (strips or pieces, in order) per step, loaded by two TMA copies into the halves of one 128-key ring
     slot, so a step's fixed work (barrier waits, row max / sum, the O rescale) is paid once per 128 keys while the
     computed keys stay the 64-key tiles' (a row block's odd last item costs a half-step of masked lanes); 32 KB K / V
-    slots at head_dim 128, so per-head rings fit with v_stages=1. `pingpong` (2 consumers): FA3's ping-pong, the two
-    consumers issue their GEMMs in turn (an mbarrier handshake per step), so one's softmax runs beside the other's
-    GEMMs.
+    slots at head_dim 128, so per-head rings fit with v_stages=1.
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
     """
     B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap, v_stages)
@@ -770,7 +726,7 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
                              f"tiles.head_columns; build both with vs_tiles(..., head_columns=True)")
         packed = (*pack_columns(k, v, tiles.head_columns, Hq), tiles.covered)
     return _launch(q, k, v, tiles, scale, (stages, v_stages or stages), consumers, overlap, share_kv, packed,
-                   kv_major=kv_major, pair=pair, pingpong=pingpong)
+                   kv_major=kv_major, pair=pair)
 
 
 def pack_columns(k: torch.Tensor, v: torch.Tensor, cols: torch.Tensor, n_q_heads: int,
@@ -813,8 +769,7 @@ def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns
                       offsets: torch.Tensor, scale: float | None = None, stages: int = 2, consumers: int = 2,
                       overlap: bool = True, packed: tuple[VSTiles, tuple[torch.Tensor, ...]] | None = None,
                       kv_major: bool = True, share_kv: bool | None = None, v_stages: int | None = None,
-                      width: int = KEYS, pair: bool = False, pingpong: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      width: int = KEYS, pair: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Vertical-Slash prefill on an sm_90 GPU: MInference's index columns Long `[B, Hq, Kv]` (key positions),
     offsets Long `[B, Hq, Ks]` (i - j), any order; -1, repeated, >= N entries ignored, offset 0 always in (as
     `vertical_slash_prefill`, same keys as `index_ref.vs_to_tiles`). q, k, v, stages, v_stages, consumers, overlap,
@@ -824,7 +779,7 @@ def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns
     pieces (a column under one of its pieces masked), so the kernel reads each column once per row block that
     keeps it. `width`: keys per step, 64 or 128 (128: slash pieces 128 wide, the keys of
     `vs_to_tiles(..., width=128)`, a superset of 64's; 32 KB K / V tiles at head_dim 128, so per-head rings fit
-    with v_stages=1); `pair` (width 64): two 64-key strips / pieces per step, `pingpong` as `ws_prefill`'s. `packed`:
+    with v_stages=1); `pair` (width 64): two 64-key strips / pieces per step (`ws_prefill`'s). `packed`:
     `pack_vertical_slash(k, v, columns, offsets, Hq, width)` made earlier (this call
     then only launches). Group-shared
     columns / offsets (`[B, Hkv, K]`, `index_build.vs_index(group_shared=True)`) run with `share_kv` (None: for
@@ -853,21 +808,19 @@ def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     tiles, (kc, vc, cols, col_count, covered) = packed or pack_vertical_slash(k, v, columns, offsets, Hq, width)
     return _launch(q, k, v, tiles, scale, (stages, v_stages or stages), consumers, overlap, share_kv,
-                   (kc, vc, cols, col_count, covered), kv_major=kv_major, pair=pair, pingpong=pingpong)
+                   (kc, vc, cols, col_count, covered), kv_major=kv_major, pair=pair)
 
 
 def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | list[int],
               window: torch.Tensor | list[int], scale: float | None = None, stages: int = 2, consumers: int = 2,
               overlap: bool = True, tiles: VSTiles | None = None, kv_major: bool = False, share_kv: bool = False,
-              width: int = KEYS, v_stages: int | None = None, pingpong: bool = False
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              width: int = KEYS, v_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A-shape prefill on an sm_90 GPU: per query head `sink` and `window` (tokens, `[Hq]`; window >= 1, sink
     >= 0; `NO_WINDOW` for a head without a band) -> keys j <= i with j < sink or i - j < window (as
     `ashape_prefill`). Tiles: `index_ref.ashape_to_tiles` per query head (window pieces, the sinks below a row
     block's lowest piece as its columns [0, count)); the sinks are contiguous keys, so the kernel walks them as
     strips of k / v from key 0 (lanes >= count masked) before the pieces, and applies the token mask on the
-    pieces that reach past the window. q, k, v, stages, v_stages, consumers, overlap, kv_major, pingpong as
-    `ws_prefill`; `tiles`: those
+    pieces that reach past the window. q, k, v, stages, v_stages, consumers, overlap, kv_major as `ws_prefill`; `tiles`: those
     per-head tiles made earlier (`ashape_to_tiles(sink, window, N, B, 64)`; this call then only launches).
     `share_kv` (consumers=2, an even group, equal sink and window for heads 2j and 2j + 1): both heads on one
     K/V ring, as `ws_prefill`'s (`ashape_prefill`'s choice on sm_90: `ASHAPE_LAUNCH`). `width`: keys per step, 64 or
@@ -894,4 +847,4 @@ def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Ten
                          f"{tiles.block} x {tiles.piece}")
     band = band_on(sink_t, window_t, q.device)
     return _launch(q.contiguous(), k.contiguous(), v.contiguous(), tiles, scale, (stages, v_stages or stages),
-                   consumers, overlap, share_kv, band=band, kv_major=kv_major, pingpong=pingpong)
+                   consumers, overlap, share_kv, band=band, kv_major=kv_major)

@@ -10,9 +10,8 @@ recorded, the rest go on; a variant that fails or hangs its check is left out of
           vs SDPA(is_causal=True); TFLOP/s over the causal pairs, ratio to SDPA's
   sparse  block-sparse top-k (`index_build.block_index` on the bench's planted inputs, 64-row tiles) at each of
           --lengths: ws vs sparse_prefill, efficiency = physical density x SDPA ms / ms (as the bench)
-Variants: cCsS[vV][o][k][g][p][x][w128] = C consumer warpgroups (1 or 2), S ring stages (vV: V stages, <= S; else
-S), o = intra-warpgroup overlap, p = two 64-key items per step (`pair`), x = the two consumers' GEMMs in turn
-(`pingpong`), k = the
+Variants: cCsS[vV][o][k][g][p][w128] = C consumer warpgroups (1 or 2), S ring stages (vV: V stages, <= S; else S),
+o = intra-warpgroup overlap, p = two 64-key items per step (`pair`), k = the
 two consumers share one K/V ring (query heads 2j, 2j + 1), w128 = 128 keys per step (`ws_ashape(width=128)`: the
 dense and ashape steps only), g = items by KV head first (`kv_major`; the sparse step
 also times the persistent loop with it, "sparse_prefill/kv_major", the vs step the loop's default, KV head first,
@@ -35,7 +34,8 @@ GQA-packed kernel on the group-shared tiles.
           tiles' physical density; `--rounds R` adds R back-to-back (SDPA, ashape_prefill) timings, the spread of
           the default's efficiency in one process. `--steps ashape` runs only this.
 `--paired R` (sparse, vs, ashape): also dense SDPA and every ws variant timed in turn over R rounds
-(`timing.paired_ms`), recorded as `paired` (ms, efficiency) beside the synced rows.
+(`timing.paired_ms`, each round from the next fn: a kernel timed right after SDPA read up to 12 % slower on the
+H200, kernels/NOTES.md session 19), recorded as `paired` (ms, efficiency) beside the synced rows.
 Writes --out (JSON: environment, per step results) and prints a summary."""
 from __future__ import annotations
 
@@ -57,12 +57,10 @@ PAIRED = 0  # --paired: rounds of the in-turn timings (0: none)
 
 def parse_variant(name: str) -> dict:
     """'c2s3v2okgw128' -> {consumers: 2, stages: 3, v_stages: 2, overlap: True, share_kv: True, kv_major: True,
-    width: 128} (no v: as many V stages as K stages); p adds pair: True (two 64-key items per step), x pingpong:
-    True."""
-    c, s, vs, o, k, g, p, x, w = re.fullmatch(r"c(\d)s(\d)(?:v(\d))?(o?)(k?)(g?)(p?)(x?)(?:w(\d+))?", name).groups()
+    width: 128} (no v: as many V stages as K stages); p adds pair: True (two 64-key items per step)."""
+    c, s, vs, o, k, g, p, w = re.fullmatch(r"c(\d)s(\d)(?:v(\d))?(o?)(k?)(g?)(p?)(?:w(\d+))?", name).groups()
     return {"consumers": int(c), "stages": int(s), "v_stages": int(vs) if vs else None, "overlap": bool(o),
-            "share_kv": bool(k), "kv_major": bool(g), "width": int(w or 64), **({"pair": True} if p else {}),
-            **({"pingpong": True} if x else {})}
+            "share_kv": bool(k), "kv_major": bool(g), "width": int(w or 64), **({"pair": True} if p else {})}
 
 
 def shape() -> tuple[int, int, int, float]:

@@ -48,7 +48,7 @@ def test_queued_ms_sizes_the_run_from_one_call_and_divides_by_it():
         timing.queued_ms(lambda: None, cuda=False, min_reps=0)
 
 
-def test_paired_ms_times_each_fn_in_turn_every_round():
+def test_paired_ms_times_each_fn_in_turn_every_round_from_a_rotating_start():
     import time
 
     order = []
@@ -56,8 +56,9 @@ def test_paired_ms_times_each_fn_in_turn_every_round():
     long = lambda: (order.append("b"), time.sleep(0.008))  # noqa: E731
     a_ms, b_ms = timing.paired_ms([short, long], cuda=False, rounds=3, batch_ms=100.0, max_reps=4)
     assert 2.0 <= a_ms < b_ms and b_ms >= 8.0  # per call, each its own
-    # a warm-up and a sizing call each, then per round a batch of each fn in turn (100 ms / call, at most 4)
-    assert "".join(order) == "aabb" + "aaaabbbb" * 3
+    # a warm-up and a sizing call each, then per round a batch of each fn in turn (100 ms / call, at most 4), round
+    # r starting at fn r mod 2
+    assert "".join(order) == "aabb" + "aaaabbbb" + "bbbbaaaa" + "aaaabbbb"
     with pytest.raises(ValueError, match="rounds"):
         timing.paired_ms([short], cuda=False, rounds=0)
 

@@ -115,16 +115,19 @@ def _batch_ms(fn: Callable[[], Any], reps: int, cuda: bool) -> float:
 def paired_ms(fns: list[Callable[[], Any]], *, cuda: bool | None = None, rounds: int = 5,
               batch_ms: float = 50.0, max_reps: int = 20) -> list[float]:
     """Median over `rounds` of each fn's ms per call, the fns timed in turn in every round: a batch of calls queued
-    back to back (as `queued_ms`; reps sized from one synced call to about `batch_ms`, 1..`max_reps`)."""
+    back to back (as `queued_ms`; reps sized from one synced call to about `batch_ms`, 1..`max_reps`). Round r
+    starts at fn r mod len(fns), so no fn always follows the same one: on the H200 a kernel timed right after
+    dense SDPA at 64K-128K read up to 12 % slower than the same kernel a batch later (kernels/NOTES.md, session 19)."""
     if rounds < 1 or max_reps < 1:
         raise ValueError(f"need rounds >= 1 and max_reps >= 1, got rounds={rounds}, max_reps={max_reps}")
     cuda = torch.cuda.is_available() if cuda is None else cuda
     one = [measure(fn, cuda=cuda, warmup=1, min_reps=1, max_reps=1).median_ms for fn in fns]
     reps = [int(min(max(batch_ms // max(ms, 1e-3), 1), max_reps)) for ms in one]
     times: list[list[float]] = [[] for _ in fns]
-    for _ in range(rounds):
-        for fn, n, out in zip(fns, reps, times):
-            out.append(_batch_ms(fn, n, cuda))
+    for r in range(rounds):
+        for i in range(len(fns)):
+            j = (r + i) % len(fns)
+            times[j].append(_batch_ms(fns[j], reps[j], cuda))
     return [statistics.median(t) for t in times]
 
 
