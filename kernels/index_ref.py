@@ -30,13 +30,14 @@ duplicates count once, offsets >= n and columns >= n are ignored.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from . import masks
-from .tiling import BLOCK
+from .tiling import BLOCK, band_on
 
 
 @dataclass
@@ -280,6 +281,24 @@ def ashape_to_tiles(sink: torch.Tensor | list[int], window: torch.Tensor | list[
     expand = lambda x: x.to(torch.int32).expand(batch, *x.shape).contiguous()  # noqa: E731
     return VSTiles(expand(count), expand(block_offset), expand(ccount), expand(column_index), block, width, True,
                    sinks)
+
+
+def band_tiles(sink: torch.Tensor | Sequence[int], window: torch.Tensor | Sequence[int], n: int, batch: int,
+               block: int, device: torch.device | str, width: int = 0
+               ) -> tuple[VSTiles, tuple[torch.Tensor, torch.Tensor]]:
+    """(`ashape_to_tiles` of the band, `tiling.band_on` (sink, window) Int32 `[H]`) on `device`, built once per
+    (band, n, batch, block, device, width) and cached: A-shape and dense tiles depend on the config and the prompt
+    length only, so a prefill rebuilds none of them. Read them, never write into them. (A sink / window on the GPU
+    costs one host sync to key the cache.)"""
+    key = [tuple(int(x) for x in torch.as_tensor(t).reshape(-1).tolist()) for t in (sink, window)]
+    return _band_tiles(*key, n, batch, block, torch.device(device), width)
+
+
+@functools.lru_cache(maxsize=256)
+def _band_tiles(sink: tuple[int, ...], window: tuple[int, ...], n: int, batch: int, block: int,
+                device: torch.device, width: int) -> tuple[VSTiles, tuple[torch.Tensor, torch.Tensor]]:
+    tiles = ashape_to_tiles(list(sink), list(window), n, batch, block, device=device, width=width)
+    return tiles, band_on(sink, window, device)
 
 
 def block_sparse_to_tiles(block_index: torch.Tensor, n: int, block: int = BLOCK, width: int = 0) -> VSTiles:

@@ -50,7 +50,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .index_ref import VSTiles, ashape_to_tiles, expand_groups
+from .index_ref import VSTiles, band_tiles, expand_groups
 from .prefill_ref import check_prefill_args
 from .schedule import LOG2E, work_order
 from .tiling import band_on
@@ -821,7 +821,8 @@ def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Ten
     block's lowest piece as its columns [0, count)); the sinks are contiguous keys, so the kernel walks them as
     strips of k / v from key 0 (lanes >= count masked) before the pieces, and applies the token mask on the
     pieces that reach past the window. q, k, v, stages, v_stages, consumers, overlap, kv_major as `ws_prefill`; `tiles`: those
-    per-head tiles made earlier (`ashape_to_tiles(sink, window, N, B, 64)`; this call then only launches).
+    per-head tiles made elsewhere (`ashape_to_tiles(sink, window, N, B, 64, width=width)`; None: `index_ref.band_tiles`'
+    cached ones, built at the first call for a band, length and width).
     `share_kv` (consumers=2, an even group, equal sink and window for heads 2j and 2j + 1): both heads on one
     K/V ring, as `ws_prefill`'s (`ashape_prefill`'s choice on sm_90: `ASHAPE_LAUNCH`). `width`: keys per step, 64 or
     128 (pieces and sink strips; 128: twice the work per ring slot and barrier round trip, 64 KB a slot at head_dim
@@ -839,12 +840,13 @@ def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Ten
     if width not in (KEYS, 2 * KEYS):
         raise ValueError(f"width (keys per step) must be {KEYS} or {2 * KEYS}, got {width}")
     _check_device(q)
-    if tiles is None:  # (checks window >= 1, sink >= 0)
-        tiles = ashape_to_tiles(sink_t, window_t, N, B, ROWS, device=q.device, width=width)
+    if tiles is None:  # built once per band, length and width, then cached (checks window >= 1, sink >= 0)
+        tiles, band = band_tiles(sink_t, window_t, N, B, ROWS, q.device, width)
     elif tuple(tiles.shape) != (B, Hq, -(-N // ROWS)) or tiles.block != ROWS or tiles.piece != width:
         raise ValueError(f"tiles must be ashape_to_tiles(sink, window, {N}, {B}, 64, width={width}) per query head "
                          f"([{B}, {Hq}, {-(-N // ROWS)}], 64 x {width}), got {tuple(tiles.shape)}, "
                          f"{tiles.block} x {tiles.piece}")
-    band = band_on(sink_t, window_t, q.device)
+    else:
+        band = band_on(sink_t, window_t, q.device)
     return _launch(q.contiguous(), k.contiguous(), v.contiguous(), tiles, scale, (stages, v_stages or stages),
                    consumers, overlap, share_kv, band=band, kv_major=kv_major)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 from workbench_kernels import masks
-from workbench_kernels.index_ref import VSTiles, ashape_to_tiles
+from workbench_kernels.index_ref import VSTiles, ashape_to_tiles, band_tiles
 from workbench_kernels.tiling import BLOCK
 
 from workbench.patterns.base import (
@@ -20,7 +20,6 @@ from workbench.patterns.base import (
     Shapes,
     Sweep,
     band_poly,
-    band_tiles,
     causal_rows,
     check_head,
     check_rows,

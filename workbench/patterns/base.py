@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import torch
-from workbench_kernels.index_ref import VSTiles, ashape_to_tiles, merge_tiles
+from workbench_kernels.index_ref import VSTiles, merge_tiles
 from workbench_kernels.tiling import BLOCK, NO_WINDOW, ints_on
 
 from workbench.patterns.tile_select import stack_batch
@@ -250,22 +250,6 @@ def budgets_on(params: Sequence[dict[str, int]], key: str, device: torch.device 
     sizes = [int(p[key]) for p in params]
     top = max(sizes)
     return top, None if all(s == top for s in sizes) else ints_on(sizes, device)
-
-
-@functools.lru_cache(maxsize=256)
-def _band_tiles(sink: tuple[int, ...], window: tuple[int, ...], n: int, batch: int, block: int,
-                device: torch.device) -> tuple[VSTiles, Band]:
-    tiles = ashape_to_tiles(list(sink), list(window), n, batch, block, device=device)
-    return tiles, (ints_on(sink, device), ints_on(window, device))
-
-
-def band_tiles(sink: Sequence[int], window: Sequence[int], n: int, batch: int, block: int,
-               device: torch.device | str) -> tuple[VSTiles, Band]:
-    """(`ashape_to_tiles` of the band, (sink, window) Int32 `[H]`) on `device`, built once per (band, n,
-    batch, block, device) and cached: A-shape and dense tiles depend on the config and the prompt length
-    only, so a prefill rebuilds none of them. Read them, never write into them."""
-    return _band_tiles(tuple(int(x) for x in sink), tuple(int(x) for x in window), n, batch, block,
-                       torch.device(device))
 
 
 def check_rows(r0: int, r1: int, n: int) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 from workbench_kernels import masks
-from workbench_kernels.index_ref import VSTiles, ashape_to_tiles
+from workbench_kernels.index_ref import VSTiles, ashape_to_tiles, band_tiles
 
 from workbench.patterns.base import (
     MaskMod,
@@ -16,7 +16,6 @@ from workbench.patterns.base import (
     Reductions,
     Scores,
     Shapes,
-    band_tiles,
     causal_edges,
     causal_rows,
     causal_tiles,
