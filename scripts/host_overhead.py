@@ -6,7 +6,12 @@ index alone (`block_tiles`).
 
 Per (shape, length, route): `enqueue_ms` (calls issued back to back without a sync: the host's time per call while
 the GPU runs behind), `synced_ms` (`time_ms`: the GPU idles at each call's start, so the host's time before the first
-launch counts), `queued_ms` (`queued_ms`: the GPU's time per call)."""
+launch counts), `queued_ms` (`queued_ms`: the GPU's time per call).
+
+`--layers`: also, per registered pattern kind, a layer whose heads all take it at `default_params(kind, n)`, as
+`SparsePrefill` runs it (its index, then its kernel): where `enqueue_ms` comes near `queued_ms` the layer makes the
+host wait for the GPU (a sync, or a copy from pageable memory), so the GPU idles while the host prepares the next
+call (`drains`)."""
 from __future__ import annotations
 
 import argparse
@@ -23,8 +28,12 @@ from workbench_kernels.index_build import block_tiles, vs_index, vs_tiles
 from workbench_kernels.index_ref import ashape_to_tiles
 from workbench_kernels.prefill import sparse_prefill
 
+from workbench.config import HeadConfig, HeadEntry
 from workbench.core.io import write_json
+from workbench.core.model import ModelShape
 from workbench.core.timing import environment, queued_ms, time_ms
+from workbench.patterns.base import PATTERNS, default_params
+from workbench.prefill.sparse import SparsePrefill
 
 
 def enqueue_ms(fn, reps: int = 20) -> float:
@@ -48,11 +57,27 @@ def profile(fn, top: int = 24) -> list[str]:
     return [line for line in out.getvalue().splitlines() if line.strip()][-top - 1:]
 
 
+def layer_calls(shape: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
+    """'layer/KIND' -> a call of a one-kind layer (every head KIND at its defaults) through `SparsePrefill`."""
+    hq, hkv, d, theta = SHAPES[shape]
+    n, scale = q.shape[2], d ** -0.5
+    model = ModelShape(shape, "llama", 1, hq, hkv, d, hq * d, "default", theta, 1 << 20, "random")
+    calls = {}
+    for kind in PATTERNS:
+        config = HeadConfig(model=model.to_dict(), heads=[HeadEntry(0, h, kind, default_params(kind, n))
+                                                           for h in range(hq)])
+        sp = SparsePrefill(None, model, config, min_length=0)
+        calls[f"layer/{kind}"] = lambda sp=sp: sp.layer_kernel(0, sp.layer_index(0, q, k, scale, "triton"), q, k, v,
+                                                                scale, "triton")
+    return calls
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="embedded,llama3-8b")
     p.add_argument("--lengths", default="8192,65536")
     p.add_argument("--out", default="host_overhead.json")
+    p.add_argument("--layers", action="store_true", help="also a one-kind layer per pattern kind (SparsePrefill)")
     args = p.parse_args()
     result = {"environment": environment(), "settings": vars(args), "rows": []}
     for shape in args.shapes.split(","):
@@ -71,10 +96,14 @@ def main() -> None:
             calls = {route: (lambda tiles=tiles, kw=kw: sparse_prefill(q, k, v, tiles, scale=scale, **kw))
                      for route, (tiles, kw) in routes.items()}
             calls["block_index"] = lambda: block_tiles(q, k, 100)
+            if args.layers:
+                calls.update(layer_calls(shape, q, k, v))
             for route, fn in calls.items():
-                fn()
+                for _ in range(3):  # compiles; a layer's index graph is captured at its second call
+                    fn()
                 row = {"shape": shape, "n": n, "route": route, "enqueue_ms": enqueue_ms(fn), "synced_ms": time_ms(fn),
                        "queued_ms": queued_ms(fn), "profile": profile(fn)}
+                row["drains"] = row["enqueue_ms"] > 0.8 * row["queued_ms"]
                 result["rows"].append(row)
                 print(json.dumps({k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()
                                   if k_ != "profile"}), flush=True)
