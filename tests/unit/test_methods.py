@@ -57,6 +57,26 @@ def test_dilated_and_strided_masks(n):
                   [brute(n, lambda i, j, w=w, s=s: i - j < w or (i - j) % s == 0) for w, s in ((8, 5), (1, 64))], n)
 
 
+@pytest.mark.parametrize("cls,params", [
+    (TriShape, [{"sink": 4, "window": 16, "last": 20}, {"sink": 0, "window": 1, "last": 0}]),
+    (Dilated, [{"window": 5, "dilation": 3}, {"window": 40, "dilation": 2}]),
+    (Strided, [{"window": 8, "stride": 5}, {"window": 1, "stride": 64}]),
+])
+def test_prompt_free_kinds_build_their_layer_tiles_once(cls, params):
+    """The prefill's tiles of a kind that reads no prompt: equal to the per-prompt build (`PatternBase`'s), the same
+    cached object at the next call whatever q holds, a new one at another length."""
+    from workbench.patterns.base import PatternBase
+
+    n = 200
+    q, k = torch.randn(2, 2, n, 8), torch.randn(2, 1, n, 8)
+    tiles, band = cls.layer_tiles(params, q, k, 0.35, {}, B)
+    want, want_band = PatternBase.layer_tiles.__func__(cls, params, q, k, 0.35, {}, B)
+    assert band is None and want_band is None
+    assert torch.equal(tiles_to_mask(tiles, n), tiles_to_mask(want, n))
+    assert cls.layer_tiles(params, torch.zeros_like(q), k, 0.35, {}, B)[0] is tiles
+    assert cls.layer_tiles(params, q[:, :, :150], k[:, :, :150], 0.35, {}, B)[0] is not tiles
+
+
 def test_bad_sizes_name_the_field():
     with pytest.raises(ValueError, match="dilation"):
         Dilated(4, 0)

@@ -252,6 +252,26 @@ def budgets_on(params: Sequence[dict[str, int]], key: str, device: torch.device 
     return top, None if all(s == top for s in sizes) else ints_on(sizes, device)
 
 
+def prompt_free_tiles(cls: type, params: Sequence[dict[str, int]], n: int, batch: int, block: int,
+                      device: torch.device | str) -> tuple[VSTiles, Band | None]:
+    """`layer_tiles` of a kind whose index reads only its config and the prompt length (Tri-shape, dilated,
+    strided): built once per (kind, params, n, batch, block, device) and cached, so a prefill makes no op and no
+    copy for them after its first layer (H200, Llama 32/8/128 at 64K: a Tri-shape layer took 708 ms a call when
+    each call built its tiles on the CPU against a dense layer's 69 ms; scripts/host_overhead.py --layers).
+    Read them, never write into them."""
+    key = tuple(tuple(sorted((name, int(v)) for name, v in p.items())) for p in params)
+    return _prompt_free_tiles(cls, key, n, batch, block, torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _prompt_free_tiles(cls: type, params: tuple, n: int, batch: int, block: int,
+                       device: torch.device) -> tuple[VSTiles, Band | None]:
+    pattern = cls.for_heads([dict(p) for p in params], None, None, 0.0, {}, block)
+    band = pattern.token_band()
+    tiles = pattern.to_tiles(n, batch).to(device)
+    return tiles, None if band is None else (ints_on(band[0], device), ints_on(band[1], device))
+
+
 def check_rows(r0: int, r1: int, n: int) -> None:
     if not 0 <= r0 <= r1 <= n:
         raise ValueError(f"rows [{r0}, {r1}) are not inside a prompt of {n} tokens: need 0 <= r0 <= r1 <= n")

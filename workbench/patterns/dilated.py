@@ -15,6 +15,7 @@ from workbench_kernels.index_ref import VSTiles, vs_to_tiles
 from workbench.patterns.ashape import _per_head
 from workbench.patterns.base import (
     BLOCK,
+    Band,
     MaskMod,
     PatternBase,
     Shapes,
@@ -22,6 +23,7 @@ from workbench.patterns.base import (
     check_head,
     default_budget,
     per_head,
+    prompt_free_tiles,
     register_pattern,
 )
 from workbench.patterns.tile_select import repeat_batch
@@ -63,6 +65,12 @@ class _Offsets(PatternBase):
     @classmethod
     def for_heads(cls, params, q: Any, k: Any, scale: float, proxy: dict[str, Any], block: int) -> _Offsets:
         return cls(*(per_head(params, name) for name in cls.params), n_heads=len(params))
+
+    @classmethod
+    def layer_tiles(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
+                    block: int, triton: bool = False) -> tuple[VSTiles, Band | None]:
+        """Its tiles read no prompt: built once per (params, length, batch, device) and cached."""
+        return prompt_free_tiles(cls, params, q.shape[2], q.shape[0], block, q.device)
 
 
 @register_pattern

@@ -16,6 +16,7 @@ from workbench_kernels.index_ref import VSTiles, block_sparse_to_tiles, vs_to_ti
 from workbench.patterns.ashape import AShape, _per_head
 from workbench.patterns.base import (
     BLOCK,
+    Band,
     MaskMod,
     PatternBase,
     Shapes,
@@ -24,6 +25,7 @@ from workbench.patterns.base import (
     check_rows,
     default_budget,
     per_head,
+    prompt_free_tiles,
     register_pattern,
 )
 from workbench.patterns.tile_select import repeat_batch, select_tiles, tile_count
@@ -109,6 +111,12 @@ class TriShape(PatternBase):
     @classmethod
     def for_heads(cls, params, q: Any, k: Any, scale: float, proxy: dict[str, Any], block: int) -> TriShape:
         return cls(*(per_head(params, key) for key in cls.params), n_heads=len(params))
+
+    @classmethod
+    def layer_tiles(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
+                    block: int, triton: bool = False) -> tuple[VSTiles, Band | None]:
+        """Its tiles read no prompt: built once per (params, length, batch, device) and cached."""
+        return prompt_free_tiles(cls, params, q.shape[2], q.shape[0], block, q.device)
 
     def __repr__(self) -> str:
         return (f"TriShape(sink={self.ashape.sink.tolist()}, window={self.ashape.window.tolist()}, "
