@@ -125,10 +125,15 @@ def xattn_loop(q, k, scale, stride, n):
 
 @pytest.mark.parametrize("n,stride", [(64, 8), (150, 8), (200, 16), (130, 4)])
 def test_xattention_scores_match_loop(n, stride):
+    """One pass, and passes of one and of two query blocks' groups (each against the key groups up to its own)."""
     torch.manual_seed(n)
     q, k = torch.randn(4, n, 8), torch.randn(2, n, 8)
-    got = antidiagonal_block_scores(q, k, 0.35, stride)
-    assert torch.allclose(got.double(), xattn_loop(q, k, 0.35, stride, n), atol=1e-5)
+    want = xattn_loop(q, k, 0.35, stride, n)
+    for chunk in (None, B // stride, 2 * B // stride):
+        got = antidiagonal_block_scores(q, k, 0.35, stride, chunk=chunk)
+        assert torch.allclose(got.double(), want, atol=1e-5), chunk
+    with pytest.raises(ValueError, match="chunk"):
+        antidiagonal_block_scores(q, k, 0.35, stride, chunk=B // stride + 1)
 
 
 def test_xattention_threshold_rule_and_dense_at_one():

@@ -12,10 +12,12 @@ The head config records tau and S, not a block budget. q `[..., Hq, N, D]`, k `[
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from workbench_kernels.tiling import ints_on
 
 from workbench.patterns.base import (
     BLOCK,
@@ -24,7 +26,6 @@ from workbench.patterns.base import (
     Scores,
     Sweep,
     generic_evidence,
-    per_head,
     register_pattern,
 )
 from workbench.patterns.block_sparse import BlockSparse
@@ -41,26 +42,56 @@ def _grouped(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return (qg @ k.transpose(-1, -2)).reshape(*q.shape[:-3], hq, r, k.shape[-2])
 
 
+SCORE_BYTES = 1 << 30  # fp32 antidiagonal scores one pass of `antidiagonal_block_scores` holds (about 1 GiB)
+
+
+@contextlib.contextmanager
+def _tf32_where_exact(dtype: torch.dtype):
+    """TF32 matmuls while q / k came in bf16 / fp16: their values are exact in TF32's 10-bit mantissa and the
+    products accumulate in fp32, so the scores keep fp32's accuracy at the tensor cores' rate (else unchanged)."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = old or dtype in (torch.bfloat16, torch.float16)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
 @torch.no_grad()
 def antidiagonal_block_scores(q: torch.Tensor, k: torch.Tensor, scale: float, stride: int = 8,
-                              block: int = BLOCK) -> torch.Tensor:
+                              block: int = BLOCK, chunk: int | None = None) -> torch.Tensor:
     """Float `[..., Hq, M, M]`: each query block's estimated attention share per key block (rows sum
-    to 1 over the causal blocks, 0 above the diagonal). M = ceil(N / block)."""
+    to 1 over the causal blocks, 0 above the diagonal). M = ceil(N / block). The query groups go in passes of
+    `chunk` (a multiple of block / stride; None: as many as keep a pass's scores near `SCORE_BYTES`), each against
+    the key groups up to its last one only, so no pass holds more than chunk x N / stride scores per head.
+    H200, Llama 32/8/128 at 64K: the one-pass fp32 form took 197 ms a layer (dense SDPA 69 ms)."""
     if stride not in STRIDES or block % stride:
         raise ValueError(f"stride={stride} must be one of {STRIDES} and divide the block ({block})")
     n, d = q.shape[-2], q.shape[-1]
     m = -(-n // block)
     pad = m * block - n
     g = m * block // stride  # query / key groups
+    per = block // stride  # groups per block
+    if chunk is None:
+        heads = max(1, q.numel() // max(n * d, 1))
+        chunk = max(per, SCORE_BYTES // (4 * heads * g) // per * per)
+    if chunk < 1 or chunk % per:
+        raise ValueError(f"chunk={chunk} must be a positive multiple of block / stride = {per} query groups")
     qs = torch.nn.functional.pad(q.float(), (0, 0, 0, pad)).reshape(*q.shape[:-2], g, stride * d)
     kr = torch.nn.functional.pad(k.float(), (0, 0, 0, pad)).reshape(*k.shape[:-2], g, stride, d)
-    s = _grouped(qs, kr.flip(-2).reshape(*k.shape[:-2], g, stride * d)) * (scale / stride)  # [..., Hq, g, g]
+    ks = kr.flip(-2).reshape(*k.shape[:-2], g, stride * d)
     a = torch.arange(g, device=q.device)
-    live = (a[None, :] <= a[:, None]) & (a[None, :] * stride < n)  # causal groups holding real keys
-    p = torch.softmax(s.masked_fill(~live, float("-inf")), -1)
-    p = p * (a * stride < n).to(p.dtype)[:, None]  # padded query groups count for nothing
-    per = block // stride
-    blocks = p.reshape(*p.shape[:-2], m, per, m, per).sum((-3, -1))
+    blocks = torch.zeros(*q.shape[:-2], m, m, device=q.device)
+    with _tf32_where_exact(q.dtype):
+        for r0 in range(0, g, chunk):
+            r1 = min(g, r0 + chunk)  # query groups [r0, r1) against key groups [0, r1): blocks [r0, r1) / per
+            s = _grouped(qs[..., r0:r1, :], ks[..., :r1, :]) * (scale / stride)
+            rows, cols = a[r0:r1, None], a[None, :r1]
+            live = (cols <= rows) & (cols * stride < n)  # causal groups holding real keys
+            p = torch.softmax(s.masked_fill(~live, float("-inf")), -1)
+            p = p * (rows * stride < n).to(p.dtype)  # padded query groups count for nothing
+            blocks[..., r0 // per:r1 // per, :r1 // per] = p.reshape(*p.shape[:-2], (r1 - r0) // per, per,
+                                                                     r1 // per, per).sum((-3, -1))
     return blocks / blocks.sum(-1, keepdim=True).clamp(min=1e-30)
 
 
@@ -124,13 +155,16 @@ class XAttention(BlockSparse):
     def for_heads(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
                   block: int) -> XAttention:
         """One scoring pass per distinct stride over all the heads; each head keeps its own stride's table."""
-        tau = (per_head(params, "tau_milli").double() / 1000).to(q.device)
+        tau = ints_on([p["tau_milli"] for p in params], q.device).double() / 1000  # (a cached copy: no sync)
         strides = [p["stride"] for p in params]
         table = None
         for stride in sorted(set(strides)):
             t = xattention_index(q, k, scale, tau, stride, block)
-            mine = torch.tensor([s == stride for s in strides], device=q.device)[:, None, None]
-            table = t if table is None else torch.where(mine, t, table)
+            if table is None:
+                table = t
+                continue
+            mine = ints_on([s == stride for s in strides], q.device).bool()[:, None, None]
+            table = torch.where(mine, t, table)
         return cls(table, block)
 
 
