@@ -77,6 +77,26 @@ def test_prompt_free_kinds_build_their_layer_tiles_once(cls, params):
     assert cls.layer_tiles(params, q[:, :, :150], k[:, :, :150], 0.35, {}, B)[0] is not tiles
 
 
+@pytest.mark.parametrize("n", [130, 300])
+def test_xattention_and_flexprefill_fast_tiles_equal_the_reference_conversion(n):
+    """XAttention's tiles (`selected_block_tiles`) and FlexPrefill's (cut lists; with triton the Triton builder)
+    hold exactly the keys of the reference conversions (`block_sparse_to_tiles`, `vs_to_tiles`)."""
+    from workbench_kernels.index_ref import block_sparse_to_tiles, vs_to_tiles
+
+    torch.manual_seed(n)
+    q, k = torch.randn(4, n, 16) * 2, torch.randn(2, n, 16) * 2
+    x = xattention(q, k, 0.25, torch.tensor([0.5, 0.8, 0.95, 1.0]), 8)
+    assert torch.equal(tiles_to_mask(x.to_tiles(n, batch=2), n),
+                       tiles_to_mask(block_sparse_to_tiles(x.block_index.expand(2, -1, -1, -1), n), n))
+    f = flexprefill(q, k, 0.25, torch.tensor([0.5, 0.9, 0.9, 0.95]), torch.tensor([0.0, 1.0, 0.0, 1.0]), 16)
+    assert f.use_vs.any() and not f.use_vs.all()
+    vs = tiles_to_mask(vs_to_tiles(f.vs.columns[None], f.vs.offsets[None], n), n)
+    blocks = tiles_to_mask(block_sparse_to_tiles(f.blocks.block_index[None].int(), n), n)
+    want = torch.where(f.use_vs[None, :, None, None], vs, blocks)
+    for triton in (False, True):
+        assert torch.equal(tiles_to_mask(f.to_tiles(n, triton=triton), n), want), triton
+
+
 def test_bad_sizes_name_the_field():
     with pytest.raises(ValueError, match="dilation"):
         Dilated(4, 0)

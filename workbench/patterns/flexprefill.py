@@ -18,7 +18,8 @@ import math
 from typing import Any
 
 import torch
-from workbench_kernels.index_ref import VSTiles, block_sparse_to_tiles, vs_to_tiles
+from workbench_kernels.index_ref import VSTiles, selected_block_tiles, vs_to_tiles
+from workbench_kernels.tiling import ints_on
 
 from workbench.patterns.base import (
     BLOCK,
@@ -29,11 +30,17 @@ from workbench.patterns.base import (
     check_head,
     check_rows,
     default_budget,
-    per_head,
     register_pattern,
 )
 from workbench.patterns.block_sparse import BlockSparse
-from workbench.patterns.tile_select import cumulative_keep, positions, repeat_batch, select_tiles, tile_count
+from workbench.patterns.tile_select import (
+    cumulative_keep,
+    positions,
+    repeat_batch,
+    select_tiles,
+    stack_batch,
+    tile_count,
+)
 from workbench.patterns.vertical_slash import VerticalSlash
 from workbench.patterns.xattention import _grouped
 
@@ -76,9 +83,22 @@ class FlexPrefill(PatternBase):
     def edges(self, n: int) -> torch.Tensor:
         return torch.where(self.use_vs, self.vs.edges(n), self.blocks.edges(n))
 
-    def to_tiles(self, n: int, batch: int = 1) -> VSTiles:
-        vs = vs_to_tiles(self.vs.columns[None], self.vs.offsets[None], n, BLOCK)
-        blocks = block_sparse_to_tiles(self.blocks.block_index[None].int(), n, BLOCK)
+    def to_tiles(self, n: int, batch: int = 1, triton: bool = False) -> VSTiles:
+        """The VS heads' tiles where `use_vs`, else the block heads'. Its block table is ascending, causal,
+        duplicate-free and holds the diagonal, so those are `selected_block_tiles`' (no sort, no sync); the VS
+        lists (N wide, -1 padded) are cut to the widest head's count (one host sync) and, with `triton`, expanded
+        by the Triton builder (`index_build.vs_tiles`) instead of the PyTorch reference (H200, Llama 32/8/128 at
+        64K: 214 ms a layer with the reference against dense SDPA's 67; scripts/host_overhead.py --layers)."""
+        cols, offs = (x[None].sort(-1, descending=True).values for x in (self.vs.columns, self.vs.offsets))  # -1 last
+        kv, ks = (max(int(x), 1) for x in torch.stack([(cols >= 0).sum(-1).max(), (offs >= 0).sum(-1).max()]).tolist())
+        cols, offs = cols[..., :kv], offs[..., :ks]
+        if triton:
+            from workbench_kernels.index_build import vs_tiles
+
+            vs = vs_tiles(cols, offs, n, BLOCK)
+        else:
+            vs = vs_to_tiles(cols, offs, n, BLOCK)
+        blocks = selected_block_tiles(self.blocks.block_index[None])
         return repeat_batch(select_tiles(blocks, vs, self.use_vs.to(vs.block_count.device)[None, :, None]), batch)
 
     def mask_mod(self, n: int, device: torch.device | str | None = None) -> MaskMod:
@@ -99,7 +119,8 @@ class FlexPrefill(PatternBase):
                   block: int) -> FlexPrefill:
         """One pass per distinct `min_budget` over all the heads (static widths: N columns and offsets,
         M blocks); each head keeps its own budget's choice."""
-        gamma, tau = (per_head(params, key).float() / 1000 for key in ("gamma_milli", "tau_milli"))
+        gamma, tau = (ints_on([p[key] for p in params], q.device).float() / 1000  # cached copies: no sync
+                      for key in ("gamma_milli", "tau_milli"))
         budgets = [p["min_budget"] for p in params]
         out = None
         for budget in sorted(set(budgets)):
@@ -107,12 +128,20 @@ class FlexPrefill(PatternBase):
             if out is None:
                 out = f
                 continue
-            mine = torch.tensor([b == budget for b in budgets], device=q.device)
+            mine = ints_on([b == budget for b in budgets], q.device).bool()
             pick = lambda a, b: torch.where(mine.view(-1, *[1] * (a.dim() - 1)), a, b)  # noqa: E731
             out = FlexPrefill(pick(f.use_vs, out.use_vs),
                               VerticalSlash(pick(f.vs.columns, out.vs.columns), pick(f.vs.offsets, out.vs.offsets)),
                               BlockSparse(pick(f.blocks.block_index, out.blocks.block_index), block))
         return out
+
+    @classmethod
+    def layer_tiles(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
+                    block: int, triton: bool = False) -> tuple[VSTiles, None]:
+        """Its index per prompt of the batch (`for_heads`), with `triton` expanded by the Triton builder."""
+        parts = [cls.for_heads(params, q[b], k[b], scale, proxy, block).to_tiles(q.shape[2], triton=triton)
+                 for b in range(q.shape[0])]
+        return stack_batch(parts), None
 
     def tiles(self, n: int) -> torch.Tensor:
         return tile_count(self.to_tiles(n))[0]

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from workbench_kernels.index_ref import VSTiles, selected_block_tiles
 from workbench_kernels.tiling import ints_on
 
 from workbench.patterns.base import (
@@ -145,6 +146,14 @@ class XAttention(BlockSparse):
     def evidence(cls, params: Sequence[dict[str, int]], sums: Reductions) -> Scores:
         """Adaptive (its table depends on the prompt and a threshold): one exact pass per candidate."""
         return generic_evidence(cls, params, sums)
+
+    def to_tiles(self, n: int, batch: int = 1) -> VSTiles:
+        """Its table is ascending, causal, duplicate-free and holds the diagonal (`threshold_blocks`), so its tiles
+        are `selected_block_tiles`' two elementwise ops (no sort, no host sync)."""
+        if self.block != BLOCK:
+            raise ValueError(f"the kernels tile {BLOCK}-token blocks: this index has block={self.block}, "
+                             f"build it with block={BLOCK} to run it")
+        return selected_block_tiles(self.block_index.expand(batch, -1, -1, -1))
 
     @classmethod
     def layer_tiles(cls, *args: Any, **kwargs: Any) -> Any:
