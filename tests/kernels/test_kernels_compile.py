@@ -70,7 +70,7 @@ def loop_waits(ttgir: str) -> list[list[int]]:
 
 def compile_all() -> dict[str, dict]:
     """Every case's shared memory, stages and per-loop waits (or its error)."""
-    from workbench_kernels import index_build, layer, prefill
+    from workbench_kernels import antidiagonal, index_build, layer, prefill
 
     out: dict[str, dict] = {}
     for case, (d, pack, rows, block, piece, split, tma, window, persistent, *dtype) in PREFILL_CASES.items():
@@ -121,6 +121,17 @@ def compile_all() -> dict[str, dict]:
         out["index"] = {"tensor_core_dots": dots}
     except Exception as e:  # noqa: BLE001 - reported by the index test
         out["index"] = {"error": f"{type(e).__name__}: {e}"[-2000:]}
+    out["antidiagonal"] = {}
+    for d in (64, 128, 256):  # XAttention's scores at stride 8: S * D = 512, 1024, 2048 per group
+        try:
+            kernel = compile_sm90(antidiagonal._antidiagonal_kernel, {"QS": "*bf16", "KS": "*bf16", "Out": "*fp32",
+                                                                      "qk_scale": "fp32"},
+                                  dict(GROUP=4, SD=8 * d, STRIDE=8, BK=64, IEEE=False, BG=antidiagonal.GROUPS),
+                                  ("QS", "KS", "Out"), 4)
+            out["antidiagonal"][d] = {"shared": kernel.metadata.shared, "local": kernel.asm["ptx"].count(".local"),
+                                      "wgmma": kernel.asm["ptx"].count("wgmma.mma_async")}
+        except Exception as e:  # noqa: BLE001 - reported by the antidiagonal test
+            out["antidiagonal"][d] = {"error": f"{type(e).__name__}: {e}"[-2000:]}
     out["rope"] = {}
     for dt in ("fp16", "bf16"):
         types = {n: f"*{dt}" for n in ("X", "Cos", "Sin", "Q", "K", "V", "HostK", "HostV", "Kout", "Vout", "Tail",
@@ -158,6 +169,14 @@ def test_index_kernels_compile_for_sm90(compiled):
     result = compiled["index"]
     assert "error" not in result, result.get("error")
     assert result["tensor_core_dots"] == {"ieee/128": 0, "ieee/256": 0, "tf32x3/128": 3, "tf32x3/256": 6}
+
+
+def test_antidiagonal_scores_compile_for_sm90_on_the_tensor_cores(compiled):
+    """XAttention's score kernel at head_dim 64 / 128 / 256 (stride 8): bf16 wgmma, within shared memory, no local
+    memory (its K loop reuses one tile buffer: unrolled, the 16 steps of S * D = 1024 held 512 KB)."""
+    for d, result in compiled["antidiagonal"].items():
+        assert "error" not in result, (d, result.get("error"))
+        assert result["wgmma"] > 0 and result["local"] == 0 and result["shared"] <= SMEM_SM90, (d, result)
 
 
 def test_rope_rounds_like_transformers_for_sm90(compiled):

@@ -22,7 +22,6 @@ from workbench_kernels.tiling import ints_on
 
 from workbench.patterns.base import (
     BLOCK,
-    PatternBase,
     Reductions,
     Scores,
     Sweep,
@@ -30,7 +29,7 @@ from workbench.patterns.base import (
     register_pattern,
 )
 from workbench.patterns.block_sparse import BlockSparse
-from workbench.patterns.tile_select import cumulative_keep, positions
+from workbench.patterns.tile_select import cumulative_keep, positions, stack_batch
 
 STRIDES = (4, 8, 16, 32, 64)
 
@@ -112,9 +111,17 @@ def threshold_blocks(score: torch.Tensor, tau: float | torch.Tensor) -> torch.Te
 
 @torch.no_grad()
 def xattention_index(q: torch.Tensor, k: torch.Tensor, scale: float, tau: float | torch.Tensor = 0.9,
-                     stride: int = 8, block: int = BLOCK) -> torch.Tensor:
-    """Block table Int `[..., Hq, M, M]` (key-block ids ascending, -1 padded) of XAttention at `tau`."""
-    return positions(threshold_blocks(antidiagonal_block_scores(q, k, scale, stride, block), tau)).int()
+                     stride: int = 8, block: int = BLOCK, triton: bool = False) -> torch.Tensor:
+    """Block table Int `[..., Hq, M, M]` (key-block ids ascending, -1 padded) of XAttention at `tau`; `triton`
+    (q `[Hq, N, D]`): the scores from the Triton kernel (`antidiagonal.antidiagonal_scores`, no `[N / S, N / S]`
+    matrix in memory) instead of `antidiagonal_block_scores`."""
+    if triton and q.dim() == 3 and (q.shape[-1] * stride) % 16 == 0 and block == BLOCK:
+        from workbench_kernels.antidiagonal import antidiagonal_scores
+
+        score = antidiagonal_scores(q, k, scale, stride, block)
+    else:
+        score = antidiagonal_block_scores(q, k, scale, stride, block)
+    return positions(threshold_blocks(score, tau)).int()
 
 
 @register_pattern
@@ -156,19 +163,22 @@ class XAttention(BlockSparse):
         return selected_block_tiles(self.block_index.expand(batch, -1, -1, -1))
 
     @classmethod
-    def layer_tiles(cls, *args: Any, **kwargs: Any) -> Any:
-        """Tiles from its own index (`for_heads`), not BlockSparse's pooled top-k."""
-        return PatternBase.layer_tiles.__func__(cls, *args, **kwargs)
+    def layer_tiles(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
+                    block: int, triton: bool = False) -> tuple[VSTiles, None]:
+        """Tiles from its own index (`for_heads`; with `triton` its scores from the Triton kernel), not
+        BlockSparse's pooled top-k."""
+        return stack_batch([cls.for_heads(params, q[b], k[b], scale, proxy, block, triton).to_tiles(q.shape[2])
+                            for b in range(q.shape[0])]), None
 
     @classmethod
     def for_heads(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
-                  block: int) -> XAttention:
+                  block: int, triton: bool = False) -> XAttention:
         """One scoring pass per distinct stride over all the heads; each head keeps its own stride's table."""
         tau = ints_on([p["tau_milli"] for p in params], q.device).double() / 1000  # (a cached copy: no sync)
         strides = [p["stride"] for p in params]
         table = None
         for stride in sorted(set(strides)):
-            t = xattention_index(q, k, scale, tau, stride, block)
+            t = xattention_index(q, k, scale, tau, stride, block, triton)
             if table is None:
                 table = t
                 continue
