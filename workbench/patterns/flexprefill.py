@@ -116,7 +116,7 @@ class FlexPrefill(PatternBase):
 
     @classmethod
     def for_heads(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
-                  block: int) -> FlexPrefill:
+                  block: int, triton: bool = False) -> FlexPrefill:
         """One pass per distinct `min_budget` over all the heads (static widths: N columns and offsets,
         M blocks); each head keeps its own budget's choice."""
         gamma, tau = (ints_on([p[key] for p in params], q.device).float() / 1000  # cached copies: no sync
@@ -124,7 +124,7 @@ class FlexPrefill(PatternBase):
         budgets = [p["min_budget"] for p in params]
         out = None
         for budget in sorted(set(budgets)):
-            f = flexprefill(q, k, scale, gamma, tau, budget, block)
+            f = flexprefill(q, k, scale, gamma, tau, budget, block, triton)
             if out is None:
                 out = f
                 continue
@@ -138,8 +138,9 @@ class FlexPrefill(PatternBase):
     @classmethod
     def layer_tiles(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
                     block: int, triton: bool = False) -> tuple[VSTiles, None]:
-        """Its index per prompt of the batch (`for_heads`), with `triton` expanded by the Triton builder."""
-        parts = [cls.for_heads(params, q[b], k[b], scale, proxy, block).to_tiles(q.shape[2], triton=triton)
+        """Its index per prompt of the batch (`for_heads`); with `triton` its column / diagonal sums and its VS
+        tiles from the Triton kernels."""
+        parts = [cls.for_heads(params, q[b], k[b], scale, proxy, block, triton).to_tiles(q.shape[2], triton=triton)
                  for b in range(q.shape[0])]
         return stack_batch(parts), None
 
@@ -167,36 +168,45 @@ def js_distance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def flexprefill_scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: int = BLOCK) -> dict[str, torch.Tensor]:
+def flexprefill_scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: int = BLOCK,
+                       triton: bool = False) -> dict[str, torch.Tensor]:
     """What FlexPrefill decides from, q `[Hq, N, D]`, k `[Hkv, N, D]`: {"distance" `[Hq]`,
     "block_score" `[Hq, M, M]` (pooled softmax, rows sum to 1), "column" `[Hq, N]`, "diagonal" `[Hq, N]`}
-    (the last rows' attention summed per key and per offset i - j)."""
+    (the last rows' attention summed per key and per offset i - j; `triton` and block 64: those two from the
+    VS index's Triton passes, `index_build.vs_scores`, with no `[Hq, 64, N]` probabilities in memory)."""
     hq, n, _ = q.shape
     r = min(block, n)
-    i = torch.arange(n - r, n, device=q.device)[:, None]
-    j = torch.arange(n, device=q.device)[None, :]
-    p = torch.softmax((_grouped(q[:, n - r:].float(), k.float()) * scale).masked_fill(j > i, float("-inf")), -1)
-    column = p.sum(1)  # [Hq, N]
+    if triton and block == 64:
+        from workbench_kernels.index_build import vs_scores
+
+        column, diagonal = (x[0] for x in vs_scores(q[None], k[None], scale))
+    else:
+        i = torch.arange(n - r, n, device=q.device)[:, None]
+        j = torch.arange(n, device=q.device)[None, :]
+        p = torch.softmax((_grouped(q[:, n - r:].float(), k.float()) * scale).masked_fill(j > i, float("-inf")), -1)
+        column = p.sum(1)  # [Hq, N]
+        d = torch.where(j <= i, i - j, n).expand(hq, -1, -1).reshape(hq, -1)
+        diagonal = torch.zeros(hq, n + 1, device=q.device).scatter_add_(1, d, p.reshape(hq, -1))[:, :n]
     m = -(-n // block)
     true = torch.nn.functional.pad(column, (0, m * block - n)).reshape(hq, m, block).sum(-1) / r
     qp, kp = _pool(q, block), _pool(k, block)  # [Hq, M, D], [Hkv, M, D]
     est = torch.softmax(_grouped(q[:, n - r:].float().mean(1, keepdim=True), kp)[:, 0] * scale, -1)
     causal = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
     block_score = torch.softmax((_grouped(qp, kp) * scale).masked_fill(~causal, float("-inf")), -1)
-    d = torch.where(j <= i, i - j, n).expand(hq, -1, -1).reshape(hq, -1)
-    diagonal = torch.zeros(hq, n + 1, device=q.device).scatter_add_(1, d, p.reshape(hq, -1))[:, :n]
     return {"distance": js_distance(true, est), "block_score": block_score, "column": column, "diagonal": diagonal}
 
 
 @torch.no_grad()
 def flexprefill(q: torch.Tensor, k: torch.Tensor, scale: float, gamma: float | torch.Tensor = 0.9,
-                tau: float | torch.Tensor = 0.1, min_budget: int = 256, block: int = BLOCK) -> FlexPrefill:
+                tau: float | torch.Tensor = 0.1, min_budget: int = 256, block: int = BLOCK,
+                triton: bool = False) -> FlexPrefill:
     """FlexPrefill's index of one layer (q `[Hq, N, D]`, k `[Hkv, N, D]`). gamma, tau: float or `[Hq]`;
-    min_budget: tokens (columns and offsets for VS heads, min_budget // block blocks for block heads)."""
+    min_budget: tokens (columns and offsets for VS heads, min_budget // block blocks for block heads); `triton`:
+    the column / diagonal sums from the Triton passes (`flexprefill_scores`)."""
     hq, n, _ = q.shape
     if min_budget < 0:
         raise ValueError(f"min_budget={min_budget} must be >= 0 tokens")
-    sc = flexprefill_scores(q, k, scale, block)
+    sc = flexprefill_scores(q, k, scale, block, triton)
     gamma = torch.as_tensor(gamma, dtype=torch.float32, device=q.device).reshape(-1)
     g1 = gamma[:, None]
     tau = torch.as_tensor(tau, dtype=torch.float32, device=q.device).reshape(-1)
