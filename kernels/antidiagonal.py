@@ -19,7 +19,6 @@ from .tiling import BLOCK
 
 LOG2E = 1.4426950408889634
 GROUPS = 64  # query groups per program and key groups per step
-STRIDES = (4, 8, 16, 32, 64)
 
 
 @triton.jit
@@ -74,8 +73,8 @@ def antidiagonal_scores(q: torch.Tensor, k: torch.Tensor, scale: float, stride: 
     """Float `[Hq, M, M]` (M = ceil(N / 64)): each query block's estimated attention share per key block, rows
     summing to 1 over the causal blocks, 0 above the diagonal. q `[Hq, N, D]`, k `[Hkv, N, D]` (query head h reads
     KV head h // (Hq / Hkv)); D * stride a multiple of 16."""
-    if stride not in STRIDES or block != BLOCK:
-        raise ValueError(f"stride={stride} must be one of {STRIDES} (block {BLOCK}, got {block})")
+    if block != BLOCK or stride < 1 or stride > BLOCK or BLOCK % stride:
+        raise ValueError(f"stride={stride} must divide the {BLOCK}-token block (and block must be {BLOCK}, got {block})")
     hq, n, d = q.shape
     hkv = k.shape[0]
     if hq % hkv or k.shape[1:] != q.shape[1:] or (d * stride) % 16:

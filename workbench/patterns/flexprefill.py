@@ -33,6 +33,7 @@ from workbench.patterns.base import (
     register_pattern,
 )
 from workbench.patterns.block_sparse import BlockSparse
+from workbench.patterns.proxy import _grouped_scores
 from workbench.patterns.tile_select import (
     cumulative_keep,
     positions,
@@ -42,7 +43,6 @@ from workbench.patterns.tile_select import (
     tile_count,
 )
 from workbench.patterns.vertical_slash import VerticalSlash
-from workbench.patterns.xattention import _grouped
 
 
 @register_pattern
@@ -183,16 +183,16 @@ def flexprefill_scores(q: torch.Tensor, k: torch.Tensor, scale: float, block: in
     else:
         i = torch.arange(n - r, n, device=q.device)[:, None]
         j = torch.arange(n, device=q.device)[None, :]
-        p = torch.softmax((_grouped(q[:, n - r:].float(), k.float()) * scale).masked_fill(j > i, float("-inf")), -1)
+        p = torch.softmax((_grouped_scores(q[:, n - r:].float(), k.float()) * scale).masked_fill(j > i, float("-inf")), -1)
         column = p.sum(1)  # [Hq, N]
         d = torch.where(j <= i, i - j, n).expand(hq, -1, -1).reshape(hq, -1)
         diagonal = torch.zeros(hq, n + 1, device=q.device).scatter_add_(1, d, p.reshape(hq, -1))[:, :n]
     m = -(-n // block)
     true = torch.nn.functional.pad(column, (0, m * block - n)).reshape(hq, m, block).sum(-1) / r
     qp, kp = _pool(q, block), _pool(k, block)  # [Hq, M, D], [Hkv, M, D]
-    est = torch.softmax(_grouped(q[:, n - r:].float().mean(1, keepdim=True), kp)[:, 0] * scale, -1)
+    est = torch.softmax(_grouped_scores(q[:, n - r:].float().mean(1, keepdim=True), kp)[:, 0] * scale, -1)
     causal = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
-    block_score = torch.softmax((_grouped(qp, kp) * scale).masked_fill(~causal, float("-inf")), -1)
+    block_score = torch.softmax((_grouped_scores(qp, kp) * scale).masked_fill(~causal, float("-inf")), -1)
     return {"distance": js_distance(true, est), "block_score": block_score, "column": column, "diagonal": diagonal}
 
 

@@ -29,17 +29,10 @@ from workbench.patterns.base import (
     register_pattern,
 )
 from workbench.patterns.block_sparse import BlockSparse
+from workbench.patterns.proxy import _grouped_scores
 from workbench.patterns.tile_select import cumulative_keep, positions, stack_batch
 
 STRIDES = (4, 8, 16, 32, 64)
-
-
-def _grouped(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q `[..., Hq, R, E]` . k `[..., Hkv, C, E]` -> `[..., Hq, R, C]` (GQA without repeating k)."""
-    hq, r, e = q.shape[-3:]
-    hkv = k.shape[-3]
-    qg = q.reshape(*q.shape[:-3], hkv, (hq // hkv) * r, e)
-    return (qg @ k.transpose(-1, -2)).reshape(*q.shape[:-3], hq, r, k.shape[-2])
 
 
 SCORE_BYTES = 1 << 30  # fp32 antidiagonal scores one pass of `antidiagonal_block_scores` holds (about 1 GiB)
@@ -85,7 +78,7 @@ def antidiagonal_block_scores(q: torch.Tensor, k: torch.Tensor, scale: float, st
     with _tf32_where_exact(q.dtype):
         for r0 in range(0, g, chunk):
             r1 = min(g, r0 + chunk)  # query groups [r0, r1) against key groups [0, r1): blocks [r0, r1) / per
-            s = _grouped(qs[..., r0:r1, :], ks[..., :r1, :]) * (scale / stride)
+            s = _grouped_scores(qs[..., r0:r1, :], ks[..., :r1, :]) * (scale / stride)
             rows, cols = a[r0:r1, None], a[None, :r1]
             live = (cols <= rows) & (cols * stride < n)  # causal groups holding real keys
             p = torch.softmax(s.masked_fill(~live, float("-inf")), -1)
