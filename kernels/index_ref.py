@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from . import masks
-from .tiling import BLOCK, band_on
+from .tiling import BLOCK, band_on, ints_on
 
 
 @dataclass
@@ -266,7 +266,8 @@ def ashape_to_tiles(sink: torch.Tensor | list[int], window: torch.Tensor | list[
     pieces = (win + block - 2) // w + 1  # pieces per row block before the cuts at 0 and n, [H]
     ns, nc = int(pieces.max()), max(int(sk.max()), 1)
     sinks = bool(sk.max() > 0)  # (no sink anywhere: no column lists, e.g. dense heads)
-    win, sk, pieces = (t.to(device).view(-1, 1) for t in (win, sk, pieces))
+    # cached device copies (`tiling.ints_on`): a copy from pageable host memory would wait for the GPU's queue to drain
+    win, sk, pieces = (ints_on(t, device or "cpu").long().view(-1, 1) for t in (win, sk, pieces))
     base = (torch.arange(M, device=device) * block + block - w).view(1, M)  # highest piece start, [1, M]
     k_hi = torch.minimum(pieces - 1, torch.div(base + w - 1, w, rounding_mode="floor"))  # start > -w
     k_lo = torch.div(base - n, w, rounding_mode="floor").add(1).clamp(min=0)  # start < n

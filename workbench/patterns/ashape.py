@@ -169,8 +169,8 @@ class AShape(PatternBase):
                         scale: float) -> torch.Tensor | None:
         """The Gluon kernel with heads 2j and 2j + 1 on one K/V ring where it takes the layer (`ashape_gluon`: sm_90,
         head_dim 128, the two heads' sink and window equal), else None. H200, Llama 32/8/128, sink 128, window 4096,
-        64K / 128K, the two paths timed in turn (`scripts/ashape_layer.py`): 9.29 / 18.26 ms against 9.92 / 20.24 for
-        the one launch over `layer_tiles` (1.07x / 1.11x; 1.02-1.04x with dense SDPA run between them)."""
+        64K / 128K, the two paths timed in turn (`scripts/ashape_layer.py`, eff4416): 8.41 / 17.01 ms against 10.07 /
+        20.51 for the one launch over `layer_tiles` (1.20x / 1.21x; 1.15x / 1.16x with dense SDPA run between them)."""
         from workbench_kernels.prefill import ashape_gluon
 
         out = ashape_gluon(q, k, v, per_head(params, "sink"), per_head(params, "window"), scale)
