@@ -18,7 +18,7 @@ import triton.language as tl
 from .tiling import BLOCK
 
 LOG2E = 1.4426950408889634
-GROUPS = 64  # query groups per program and key groups per step
+TILE = (128, 128, 8, 3)  # query groups per program, key groups per step, warps, pipeline stages (H200: NOTES.md)
 
 
 @triton.jit
@@ -38,41 +38,43 @@ def _scores(QS, KS, a, c, G, SD: tl.constexpr, BK: tl.constexpr, IEEE: tl.conste
 
 @triton.jit
 def _antidiagonal_kernel(QS, KS, Out, n, G, M, qk_scale, GROUP: tl.constexpr, SD: tl.constexpr,
-                         STRIDE: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, BG: tl.constexpr):
-    pid = tl.program_id(0)
+                         STRIDE: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, BQ: tl.constexpr,
+                         BC: tl.constexpr):
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest causal rows first
     h = tl.program_id(1)
     PER: tl.constexpr = 64 // STRIDE  # groups per 64-token block
     QS = QS + h.to(tl.int64) * G * SD
     KS = KS + (h // GROUP).to(tl.int64) * G * SD
-    a = pid * BG + tl.arange(0, BG)  # query groups
-    hi = tl.minimum((pid + 1) * BG, G)  # causal: key groups [0, hi)
-    m_i = tl.full((BG,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BG,), tl.float32)
-    for c0 in range(0, hi, BG):
-        c = c0 + tl.arange(0, BG)
+    a = pid * BQ + tl.arange(0, BQ)  # query groups
+    hi = tl.minimum((pid + 1) * BQ, G)  # causal: key groups [0, hi)
+    m_i = tl.full((BQ,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BQ,), tl.float32)
+    for c0 in range(0, hi, BC):
+        c = c0 + tl.arange(0, BC)
         s = _scores(QS, KS, a, c, G, SD, BK, IEEE) * qk_scale
         s = tl.where((c[None, :] <= a[:, None]) & (c[None, :] * STRIDE < n), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(s - m_new[:, None]), 1)
         m_i = m_new
     inv = tl.where((a < G) & (a * STRIDE < n), 1.0 / l_i, 0.0)  # padded query groups count for nothing
-    rows = pid * (BG // PER) + tl.arange(0, BG // PER)  # query blocks
-    for c0 in range(0, hi, BG):
-        c = c0 + tl.arange(0, BG)
+    rows = pid * (BQ // PER) + tl.arange(0, BQ // PER)  # query blocks
+    for c0 in range(0, hi, BC):
+        c = c0 + tl.arange(0, BC)
         s = _scores(QS, KS, a, c, G, SD, BK, IEEE) * qk_scale
         live = (c[None, :] <= a[:, None]) & (c[None, :] * STRIDE < n)
         p = tl.where(live, tl.math.exp2(s - m_i[:, None]), 0.0) * inv[:, None]
-        b = tl.sum(tl.sum(tl.reshape(p, (BG // PER, PER, BG // PER, PER)), 3), 1)  # [query blocks, key blocks]
-        cols = c0 // PER + tl.arange(0, BG // PER)
+        b = tl.sum(tl.sum(tl.reshape(p, (BQ // PER, PER, BC // PER, PER)), 3), 1)  # [query blocks, key blocks]
+        cols = c0 // PER + tl.arange(0, BC // PER)
         tl.store(Out + h.to(tl.int64) * M * M + rows[:, None] * M + cols[None, :], b,
                  mask=(rows[:, None] < M) & (cols[None, :] < M))
 
 
-def antidiagonal_scores(q: torch.Tensor, k: torch.Tensor, scale: float, stride: int = 8,
-                        block: int = BLOCK) -> torch.Tensor:
+def antidiagonal_scores(q: torch.Tensor, k: torch.Tensor, scale: float, stride: int = 8, block: int = BLOCK,
+                        tile: tuple[int, int, int, int] = TILE) -> torch.Tensor:
     """Float `[Hq, M, M]` (M = ceil(N / 64)): each query block's estimated attention share per key block, rows
     summing to 1 over the causal blocks, 0 above the diagonal. q `[Hq, N, D]`, k `[Hkv, N, D]` (query head h reads
-    KV head h // (Hq / Hkv)); D * stride a multiple of 16."""
+    KV head h // (Hq / Hkv)); D * stride a multiple of 16. `tile`: (query groups per program, key groups per step,
+    warps, stages), powers of two >= 64 / stride for the groups (`TILE`: measured on the H200)."""
     if block != BLOCK or stride < 1 or stride > BLOCK or BLOCK % stride:
         raise ValueError(f"stride={stride} must divide the {BLOCK}-token block (and block must be {BLOCK}, got {block})")
     hq, n, d = q.shape
@@ -87,7 +89,11 @@ def antidiagonal_scores(q: torch.Tensor, k: torch.Tensor, scale: float, stride: 
     ks = torch.nn.functional.pad(k, (0, 0, 0, pad)).reshape(hkv, g, stride, d).flip(-2).reshape(hkv, g, stride * d)
     out = torch.zeros(hq, m, m, dtype=torch.float32, device=q.device)
     sd = stride * d
-    _antidiagonal_kernel[(triton.cdiv(g, GROUPS), hq)](
+    bq, bc, warps, stages = tile
+    if bq % bc or min(bq, bc) < BLOCK // stride:
+        raise ValueError(f"tile={tile}: query groups a multiple of key groups, both >= {BLOCK // stride} (a block)")
+    _antidiagonal_kernel[(triton.cdiv(g, bq), hq)](
         qs, ks.contiguous(), out, n, g, m, scale / stride * LOG2E, GROUP=hq // hkv, SD=sd, STRIDE=stride,
-        BK=64 if sd % 64 == 0 else 32 if sd % 32 == 0 else 16, IEEE=q.dtype == torch.float32, BG=GROUPS, num_warps=4)
+        BK=64 if sd % 64 == 0 else 32 if sd % 32 == 0 else 16, IEEE=q.dtype == torch.float32, BQ=bq, BC=bc,
+        num_warps=warps, num_stages=stages)
     return out / out.sum(-1, keepdim=True).clamp(min=1e-30)

@@ -9,9 +9,10 @@ the GPU runs behind), `synced_ms` (`time_ms`: the GPU idles at each call's start
 launch counts), `queued_ms` (`queued_ms`: the GPU's time per call).
 
 `--layers`: also, per registered pattern kind, a layer whose heads all take it at `default_params(kind, n)`, as
-`SparsePrefill` runs it (its index, then its kernel): where `enqueue_ms` comes near `queued_ms` the layer makes the
-host wait for the GPU (a sync, or a copy from pageable memory), so the GPU idles while the host prepares the next
-call (`drains`)."""
+`SparsePrefill` runs it (its index, then its kernel; 'index/KIND' the index alone, with `tile_density`, the share
+of causal 64 x 64 tiles its kernel computes, and `gpu_kernels`, its top GPU kernels by time): where `enqueue_ms`
+comes near `queued_ms` the layer makes the host wait for the GPU (a sync, or a copy from pageable memory), so the
+GPU idles while the host prepares the next call (`drains`)."""
 from __future__ import annotations
 
 import argparse
@@ -33,6 +34,7 @@ from workbench.core.io import write_json
 from workbench.core.model import ModelShape
 from workbench.core.timing import environment, queued_ms, time_ms
 from workbench.patterns.base import PATTERNS, default_params
+from workbench.patterns.tile_select import tile_count
 from workbench.prefill.sparse import SparsePrefill
 
 
@@ -58,7 +60,8 @@ def profile(fn, top: int = 24) -> list[str]:
 
 
 def layer_calls(shape: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
-    """'layer/KIND' -> a call of a one-kind layer (every head KIND at its defaults) through `SparsePrefill`."""
+    """'layer/KIND' -> a call of a one-kind layer (every head KIND at its defaults) through `SparsePrefill`;
+    'index/KIND' -> its index alone (`layer_index`)."""
     hq, hkv, d, theta = SHAPES[shape]
     n, scale = q.shape[2], d ** -0.5
     model = ModelShape(shape, "llama", 1, hq, hkv, d, hq * d, "default", theta, 1 << 20, "random")
@@ -69,7 +72,29 @@ def layer_calls(shape: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
         sp = SparsePrefill(None, model, config, min_length=0)
         calls[f"layer/{kind}"] = lambda sp=sp: sp.layer_kernel(0, sp.layer_index(0, q, k, scale, "triton"), q, k, v,
                                                                 scale, "triton")
+        calls[f"index/{kind}"] = lambda sp=sp: sp.layer_index(0, q, k, scale, "triton")
     return calls
+
+
+def gpu_kernels(fn, top: int = 10) -> list[dict]:
+    """The `top` GPU kernels of one call by their GPU time (torch.profiler over 5 calls): name, ms per call, launches."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda e: -e.device_time_total)
+    return [{"kernel": e.key[:120], "ms": e.device_time_total / 5e3, "calls": e.count / 5} for e in rows[:top]]
+
+
+def tile_density(index: tuple, n: int) -> float:
+    """Share of the causal 64 x 64 tiles a layer's kernel computes (`layer_index`'s tiles, every head)."""
+    tiles = index[0]
+    m = -(-n // tiles.block)
+    return float(tile_count(tiles).double().mean()) / (m * (m + 1) / 2)
 
 
 def main() -> None:
@@ -78,6 +103,7 @@ def main() -> None:
     p.add_argument("--lengths", default="8192,65536")
     p.add_argument("--out", default="host_overhead.json")
     p.add_argument("--layers", action="store_true", help="also a one-kind layer per pattern kind (SparsePrefill)")
+    p.add_argument("--routes", default="", help="comma-separated: time only the routes that contain one of these")
     args = p.parse_args()
     result = {"environment": environment(), "settings": vars(args), "rows": []}
     for shape in args.shapes.split(","):
@@ -98,12 +124,18 @@ def main() -> None:
             calls["block_index"] = lambda: block_tiles(q, k, 100)
             if args.layers:
                 calls.update(layer_calls(shape, q, k, v))
+            keep = [r for r in args.routes.split(",") if r]
             for route, fn in calls.items():
+                if keep and not any(r in route for r in keep):
+                    continue
                 for _ in range(3):  # compiles; a layer's index graph is captured at its second call
                     fn()
                 row = {"shape": shape, "n": n, "route": route, "enqueue_ms": enqueue_ms(fn), "synced_ms": time_ms(fn),
                        "queued_ms": queued_ms(fn), "profile": profile(fn)}
                 row["drains"] = row["enqueue_ms"] > 0.8 * row["queued_ms"]
+                if route.startswith("index/"):
+                    row["tile_density"] = tile_density(fn(), n)
+                    row["gpu_kernels"] = gpu_kernels(fn)
                 result["rows"].append(row)
                 print(json.dumps({k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()
                                   if k_ != "profile"}), flush=True)

@@ -28,12 +28,24 @@ def test_antidiagonal_scores_equal_the_reference(n, stride, d, hq, hkv):
     assert not got.triu(1).any()  # nothing above the diagonal
 
 
+@pytest.mark.parametrize("tile", [(64, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2), (256, 64, 8, 3)])
+def test_every_tile_gives_the_same_scores(tile):
+    """The launch shapes the H200 probe compares (`scripts/antidiagonal_probe.py`): the same scores, N not a
+    multiple of any tile."""
+    torch.manual_seed(2)
+    q, k = torch.randn(4, 1100, 16, device=DEV), torch.randn(2, 1100, 16, device=DEV)
+    torch.testing.assert_close(antidiagonal_scores(q, k, 0.3, 8, tile=tile),
+                               antidiagonal_block_scores(q, k, 0.3, 8), atol=1e-6, rtol=1e-5)
+
+
 def test_bad_stride_and_shapes_name_the_field():
     q, k = torch.randn(2, 100, 8), torch.randn(1, 100, 8)
     with pytest.raises(ValueError, match="stride"):
         antidiagonal_scores(q, k, 0.3, 6)
     with pytest.raises(ValueError, match="Hkv"):
         antidiagonal_scores(q, torch.randn(3, 100, 8), 0.3, 8)
+    with pytest.raises(ValueError, match="tile"):
+        antidiagonal_scores(q, k, 0.3, 8, tile=(64, 128, 4, 3))
 
 
 def test_xattention_layer_tiles_from_the_kernel_equal_the_reference_ones():

@@ -126,8 +126,8 @@ def compile_all() -> dict[str, dict]:
         try:
             kernel = compile_sm90(antidiagonal._antidiagonal_kernel, {"QS": "*bf16", "KS": "*bf16", "Out": "*fp32",
                                                                       "qk_scale": "fp32"},
-                                  dict(GROUP=4, SD=8 * d, STRIDE=8, BK=64, IEEE=False, BG=antidiagonal.GROUPS),
-                                  ("QS", "KS", "Out"), 4)
+                                  dict(GROUP=4, SD=8 * d, STRIDE=8, BK=64, IEEE=False, BQ=antidiagonal.TILE[0],
+                                       BC=antidiagonal.TILE[1]), ("QS", "KS", "Out"), *antidiagonal.TILE[2:])
             out["antidiagonal"][d] = {"shared": kernel.metadata.shared, "local": kernel.asm["ptx"].count(".local"),
                                       "wgmma": kernel.asm["ptx"].count("wgmma.mma_async")}
         except Exception as e:  # noqa: BLE001 - reported by the antidiagonal test

@@ -80,11 +80,13 @@ def test_prompt_free_kinds_build_their_layer_tiles_once(cls, params):
 @pytest.mark.parametrize("n", [130, 300])
 def test_xattention_and_flexprefill_fast_tiles_equal_the_reference_conversion(n):
     """XAttention's tiles (`selected_block_tiles`) and FlexPrefill's (cut lists; with triton the Triton builder)
-    hold exactly the keys of the reference conversions (`block_sparse_to_tiles`, `vs_to_tiles`)."""
+    hold exactly the keys of the reference conversions (`block_sparse_to_tiles`, `vs_to_tiles`). On the GPU
+    where there is one (the Triton builder runs compiled), else on the CPU (interpreted)."""
     from workbench_kernels.index_ref import block_sparse_to_tiles, vs_to_tiles
 
     torch.manual_seed(n)
-    q, k = torch.randn(4, n, 16) * 2, torch.randn(2, n, 16) * 2
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k = torch.randn(4, n, 16, device=dev) * 2, torch.randn(2, n, 16, device=dev) * 2
     x = xattention(q, k, 0.25, torch.tensor([0.5, 0.8, 0.95, 1.0]), 8)
     assert torch.equal(tiles_to_mask(x.to_tiles(n, batch=2), n),
                        tiles_to_mask(block_sparse_to_tiles(x.block_index.expand(2, -1, -1, -1), n), n))
