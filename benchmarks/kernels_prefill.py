@@ -151,6 +151,17 @@ def planted_inputs(hq: int, hkv: int, d: int, n: int, theta: float, seed: int = 
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
+def one_kind_layer(shape: str, kind: str, params: dict[str, int]):
+    """(ModelShape, HeadConfig) of a one-layer random-weight model of SHAPES[shape] whose query heads all take
+    `kind` at `params`: what `SparsePrefill` needs to run a bench shape's layer as the model path does."""
+    from workbench.config import HeadConfig, HeadEntry
+    from workbench.core.model import ModelShape
+
+    hq, hkv, d, theta = SHAPES[shape]
+    model = ModelShape(shape, "llama", 1, hq, hkv, d, hq * d, "default", theta, 1 << 20, "random")
+    return model, HeadConfig(model=model.to_dict(), heads=[HeadEntry(0, h, kind, dict(params)) for h in range(hq)])
+
+
 def dense_baseline(q, k, v, kx, vx):
     """The faster of dense causal SDPA's two GQA forms on these inputs (the baseline every ratio divides by): over
     K/V repeated per query head (`kx`, `vx` `[B, Hq, N, D]`) or on k / v `[B, Hkv, N, D]` with `enable_gqa` ->

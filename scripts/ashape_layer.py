@@ -11,12 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from workbench_benchmarks.kernels_prefill import SHAPES, dense_baseline, planted_inputs
+from workbench_benchmarks.kernels_prefill import SHAPES, dense_baseline, one_kind_layer, planted_inputs
 from workbench_kernels.index_ref import tile_area
 
-from workbench.config import HeadConfig, HeadEntry
 from workbench.core.io import write_json
-from workbench.core.model import ModelShape
 from workbench.core.timing import environment, paired_ms
 from workbench.prefill.sparse import SparsePrefill
 
@@ -31,9 +29,7 @@ def main() -> None:
     p.add_argument("--out", default="ashape_layer.json")
     args = p.parse_args()
     hq, hkv, d, theta = SHAPES[args.shape]
-    shape = ModelShape(args.shape, "llama", 1, hq, hkv, d, hq * d, "default", theta, 1 << 20, "random")
-    config = HeadConfig(model=shape.to_dict(),
-                        heads=[HeadEntry(0, h, "ashape", {"sink": args.sink, "window": args.window}) for h in range(hq)])
+    shape, config = one_kind_layer(args.shape, "ashape", {"sink": args.sink, "window": args.window})
     result = {"environment": environment(), "settings": vars(args), "rows": []}
     for n in [int(x) for x in args.lengths.split(",")]:
         q, k, v = planted_inputs(hq, hkv, d, n, theta)

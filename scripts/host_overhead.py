@@ -24,14 +24,12 @@ import pstats
 import time
 
 import torch
-from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
+from workbench_benchmarks.kernels_prefill import SHAPES, one_kind_layer, planted_inputs
 from workbench_kernels.index_build import block_tiles, vs_index, vs_tiles
 from workbench_kernels.index_ref import ashape_to_tiles
 from workbench_kernels.prefill import sparse_prefill
 
-from workbench.config import HeadConfig, HeadEntry
 from workbench.core.io import write_json
-from workbench.core.model import ModelShape
 from workbench.core.timing import environment, queued_ms, time_ms
 from workbench.patterns.base import PATTERNS, default_params
 from workbench.patterns.tile_select import tile_count
@@ -62,13 +60,10 @@ def profile(fn, top: int = 24) -> list[str]:
 def layer_calls(shape: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
     """'layer/KIND' -> a call of a one-kind layer (every head KIND at its defaults) through `SparsePrefill`;
     'index/KIND' -> its index alone (`layer_index`)."""
-    hq, hkv, d, theta = SHAPES[shape]
-    n, scale = q.shape[2], d ** -0.5
-    model = ModelShape(shape, "llama", 1, hq, hkv, d, hq * d, "default", theta, 1 << 20, "random")
+    n, scale = q.shape[2], SHAPES[shape][2] ** -0.5
     calls = {}
     for kind in PATTERNS:
-        config = HeadConfig(model=model.to_dict(), heads=[HeadEntry(0, h, kind, default_params(kind, n))
-                                                           for h in range(hq)])
+        model, config = one_kind_layer(shape, kind, default_params(kind, n))
         sp = SparsePrefill(None, model, config, min_length=0)
         calls[f"layer/{kind}"] = lambda sp=sp: sp.layer_kernel(0, sp.layer_index(0, q, k, scale, "triton"), q, k, v,
                                                                 scale, "triton")
