@@ -48,6 +48,21 @@ def test_trishape_mask_edges_tiles(n):
     check_pattern(p, masks, n)
 
 
+@pytest.mark.parametrize("n", [1, 65, 300, 777])
+def test_trishape_tiles_are_the_ashape_tiles_and_whole_question_row_blocks(n):
+    """Exactly what the kernel computes: a row block holding a question row reads every causal key (the whole
+    causal row block), every other row block the A-shape's tiles, per head and prompt of the batch."""
+    from workbench_kernels.index_ref import ashape_to_tiles, tiles_to_mask
+
+    sink, window, last = torch.tensor([4, 0, 70, 64]), torch.tensor([16, 1, 100, 3000]), torch.tensor([20, 0, 130, 1])
+    got = tiles_to_mask(TriShape(sink, window, last).to_tiles(n, batch=2), n)
+    ashape = tiles_to_mask(ashape_to_tiles(sink, window, n, 2), n)
+    rows = torch.arange(n)
+    question_block = (torch.clamp((rows // 64 + 1) * 64, max=n)[None, :] > n - last[:, None])[None, :, :, None]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    assert torch.equal(got, torch.where(question_block, causal, ashape))
+
+
 @pytest.mark.parametrize("n", [1, 64, 200])
 def test_dilated_and_strided_masks(n):
     check_pattern(Dilated(torch.tensor([5, 1, 40]), torch.tensor([3, 7, 2])),
