@@ -124,6 +124,10 @@ class AShape(PatternBase):
         return (sink + band - both).sum(1)
 
     def tiles(self, n: int, block: int = BLOCK) -> torch.Tensor:
+        return self.row_tiles(n, block).sum(1)
+
+    def row_tiles(self, n: int, block: int = BLOCK) -> torch.Tensor:
+        """Long `[H, M]`: the tiles each row block computes (its sink columns' strips and its band's pieces)."""
         m = torch.arange(-(-n // block))[None, :]
         start, end = m * block, torch.clamp((m + 1) * block, max=n)
         g, w = self.sink[:, None], self.window[:, None]
@@ -131,7 +135,7 @@ class AShape(PatternBase):
         band_lo = (start - w + 1).clamp(min=0) // block  # band tiles [band_lo, band_hi)
         band_hi = (end - 1) // block + 1
         both = (torch.minimum(sink_hi, band_hi) - band_lo).clamp(min=0)
-        return (sink_hi + band_hi - band_lo - both).sum(1)
+        return sink_hi + band_hi - band_lo - both
 
     def to_tiles(self, n: int, batch: int = 1) -> VSTiles:
         return ashape_to_tiles(self.sink, self.window, n, batch)

@@ -28,7 +28,7 @@ from workbench.patterns.base import (
     prompt_free_tiles,
     register_pattern,
 )
-from workbench.patterns.tile_select import repeat_batch, tile_count
+from workbench.patterns.tile_select import repeat_batch
 
 
 @register_pattern
@@ -92,7 +92,11 @@ class TriShape(PatternBase):
         return repeat_batch(VSTiles(count, offsets, column_count, columns, BLOCK), batch)
 
     def tiles(self, n: int) -> torch.Tensor:
-        return tile_count(self.to_tiles(n))[0]
+        """Long `[H]`, in closed form (no `[H, M, M]` table): the A-shape's tiles per row block, every causal key
+        block on the question row blocks."""
+        rows = torch.arange(-(-n // BLOCK))
+        question = torch.clamp((rows + 1) * BLOCK, max=n)[None, :] > n - self.last[:, None]
+        return torch.where(question, rows + 1, self.ashape.row_tiles(n)).sum(1)
 
     def mask_mod(self, n: int, device: torch.device | str | None = None) -> MaskMod:
         g, w, first = (x.to(device) for x in (self.ashape.sink, self.ashape.window, n - self.last))
