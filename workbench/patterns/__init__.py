@@ -27,7 +27,9 @@ kind's member from another registered kind):
 - the `Pattern` methods (`row_mask`, `edges`, `tiles`, `to_tiles`, `mask_mod`, `shapes`, `head`, and the
   classmethod `for_heads` that indexes one layer's heads, online from q and k where it needs them;
   `token_band` only if the kernel needs a per-token mask on top of the tiles; `static = True` if its index
-  needs no prompt and its whole mask is `token_band` plus causality);
+  needs no prompt and its whole mask is `token_band` plus causality; subclass `PromptFree` instead of
+  `PatternBase` if its index reads only its params and n: it then builds from the params alone and a layer's
+  tiles are cached);
 - where it applies: `grid(n)` (search candidates; `default_search = True` puts them in
   `default_candidates`, else they are `method_candidates`), `evidence(params, sums)` (closed-form scores
   from the exact reductions; the default is one exact pass per candidate), `sweep` (`Sweep`: its
@@ -48,6 +50,7 @@ from workbench.patterns.base import (
     PATTERNS,
     Pattern,
     PatternBase,
+    PromptFree,
     Reductions,
     Stack,
     Sweep,
@@ -62,6 +65,6 @@ from workbench.patterns.dense import Dense
 from workbench.patterns.proxy import block_proxy, vs_proxy
 from workbench.patterns.vertical_slash import VerticalSlash, membership, vs_tile_count
 
-__all__ = ["AShape", "BLOCK", "BlockSparse", "Dense", "EVIDENCE", "PATTERNS", "Pattern", "PatternBase", "Reductions",
-           "Stack", "Sweep", "VerticalSlash", "block_proxy", "causal_edges", "causal_tiles", "default_params",
+__all__ = ["AShape", "BLOCK", "BlockSparse", "Dense", "EVIDENCE", "PATTERNS", "Pattern", "PatternBase", "PromptFree",
+           "Reductions", "Stack", "Sweep", "VerticalSlash", "block_proxy", "causal_edges", "causal_tiles", "default_params",
            "membership", "pattern_class", "register_pattern", "vs_proxy", "vs_tile_count"]

@@ -252,20 +252,10 @@ def budgets_on(params: Sequence[dict[str, int]], key: str, device: torch.device 
     return top, None if all(s == top for s in sizes) else ints_on(sizes, device)
 
 
-def prompt_free_tiles(cls: type, params: Sequence[dict[str, int]], n: int, batch: int, block: int,
-                      device: torch.device | str) -> tuple[VSTiles, Band | None]:
-    """`layer_tiles` of a kind whose index reads only its config and the prompt length (Tri-shape, dilated,
-    strided): built once per (kind, params, n, batch, block, device) and cached, so a prefill makes no op and no
-    copy for them after its first layer (H200, Llama 32/8/128 at 64K: a Tri-shape layer took 708 ms a call when
-    each call built its tiles on the CPU against a dense layer's 69 ms; scripts/host_overhead.py --layers).
-    Read them, never write into them."""
-    key = tuple(tuple(sorted((name, int(v)) for name, v in p.items())) for p in params)
-    return _prompt_free_tiles(cls, key, n, batch, block, torch.device(device))
-
-
 @functools.lru_cache(maxsize=64)
 def _prompt_free_tiles(cls: type, params: tuple, n: int, batch: int, block: int,
                        device: torch.device) -> tuple[VSTiles, Band | None]:
+    """`PromptFree.layer_tiles`' cache: params as sorted (name, value) tuples per head."""
     pattern = cls.for_heads([dict(p) for p in params], None, None, 0.0, {}, block)
     band = pattern.token_band()
     tiles = pattern.to_tiles(n, batch).to(device)
@@ -438,6 +428,26 @@ class PatternBase:
             raise ValueError(f"no rate for pattern {self.kind!r}: the benchmark measured {sorted(rates)}")
         r = rates[self.kind]
         return self.tiles(n).double() * r["per_tile_ms"] + r["index_ms"]
+
+
+class PromptFree(PatternBase):
+    """A kind whose index reads only its config and the prompt length (Tri-shape, dilated, strided): `for_heads`
+    builds it from the params alone (its constructor takes them in `params` order, then `n_heads`), and a layer's
+    tiles are built once per (kind, params, n, batch, block, device) and cached, so a prefill makes no op and no
+    copy for them after its first layer (H200, Llama 32/8/128 at 64K: a Tri-shape layer took 708 ms a call when
+    each call built its tiles on the CPU, against a dense layer's 69 ms; scripts/host_overhead.py --layers).
+    Read the cached tiles, never write into them."""
+
+    @classmethod
+    def for_heads(cls, params: Sequence[dict[str, int]], q: Any, k: Any, scale: float, proxy: dict[str, Any],
+                  block: int) -> Pattern:
+        return cls(*(per_head(params, name) for name in cls.params), n_heads=len(params))
+
+    @classmethod
+    def layer_tiles(cls, params: Sequence[dict[str, int]], q: torch.Tensor, k: torch.Tensor, scale: float,
+                    proxy: dict[str, Any], block: int, triton: bool = False) -> tuple[VSTiles, Band | None]:
+        key = tuple(tuple(sorted((name, int(v)) for name, v in p.items())) for p in params)
+        return _prompt_free_tiles(cls, key, q.shape[2], q.shape[0], block, q.device)
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -7,30 +7,25 @@ Both are defined for any prompt length: `index(n)` gives the VS index of an n-to
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from workbench_kernels.index_ref import VSTiles, vs_to_tiles
 
 from workbench.patterns.ashape import _per_head
 from workbench.patterns.base import (
     BLOCK,
-    Band,
     MaskMod,
-    PatternBase,
+    PromptFree,
     Shapes,
     Sweep,
     check_head,
     default_budget,
-    per_head,
-    prompt_free_tiles,
     register_pattern,
 )
 from workbench.patterns.tile_select import repeat_batch
 from workbench.patterns.vertical_slash import VerticalSlash
 
 
-class _Offsets(PatternBase):
+class _Offsets(PromptFree):
     """A pattern given by per-head slash offsets that depend only on n."""
 
     def offsets(self, n: int) -> torch.Tensor:  # Long [H, K], -1 padded
@@ -61,16 +56,6 @@ class _Offsets(PatternBase):
     def head(self, h: int) -> _Offsets:
         check_head(self, h)
         return type(self)(*(getattr(self, name)[h] for name in self.params))
-
-    @classmethod
-    def for_heads(cls, params, q: Any, k: Any, scale: float, proxy: dict[str, Any], block: int) -> _Offsets:
-        return cls(*(per_head(params, name) for name in cls.params), n_heads=len(params))
-
-    @classmethod
-    def layer_tiles(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
-                    block: int, triton: bool = False) -> tuple[VSTiles, Band | None]:
-        """Its tiles read no prompt: built once per (params, length, batch, device) and cached."""
-        return prompt_free_tiles(cls, params, q.shape[2], q.shape[0], block, q.device)
 
 
 @register_pattern

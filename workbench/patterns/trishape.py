@@ -7,8 +7,6 @@ before the question, every causal key block on the row blocks that hold a questi
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from workbench_kernels import masks
 from workbench_kernels.index_ref import VSTiles, ashape_to_tiles
@@ -16,23 +14,20 @@ from workbench_kernels.index_ref import VSTiles, ashape_to_tiles
 from workbench.patterns.ashape import AShape, _per_head
 from workbench.patterns.base import (
     BLOCK,
-    Band,
     MaskMod,
-    PatternBase,
+    PromptFree,
     Shapes,
     Sweep,
     check_head,
     check_rows,
     default_budget,
-    per_head,
-    prompt_free_tiles,
     register_pattern,
 )
 from workbench.patterns.tile_select import repeat_batch
 
 
 @register_pattern
-class TriShape(PatternBase):
+class TriShape(PromptFree):
     """Sink + window for H heads, dense for the last `last` query rows. All in tokens (int or Long `[H]`)."""
 
     kind = "trishape"
@@ -115,16 +110,6 @@ class TriShape(PatternBase):
     def head(self, h: int) -> TriShape:
         check_head(self, h)
         return TriShape(self.ashape.sink[h], self.ashape.window[h], self.last[h])
-
-    @classmethod
-    def for_heads(cls, params, q: Any, k: Any, scale: float, proxy: dict[str, Any], block: int) -> TriShape:
-        return cls(*(per_head(params, key) for key in cls.params), n_heads=len(params))
-
-    @classmethod
-    def layer_tiles(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
-                    block: int, triton: bool = False) -> tuple[VSTiles, Band | None]:
-        """Its tiles read no prompt: built once per (params, length, batch, device) and cached."""
-        return prompt_free_tiles(cls, params, q.shape[2], q.shape[0], block, q.device)
 
     def __repr__(self) -> str:
         return (f"TriShape(sink={self.ashape.sink.tolist()}, window={self.ashape.window.tolist()}, "
