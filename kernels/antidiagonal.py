@@ -3,11 +3,12 @@ with no `[N / S, N / S]` score matrix in memory.
 
 Stride S: query group a = rows aS .. aS+S-1, key group c = keys cS .. cS+S-1, their score the sum of the S logits on
 the group's antidiagonal, sum_s q_{aS+s} . k_{cS+S-1-s} = qs_a . ks_c with qs = q viewed `[N / S, S D]` and ks = k
-with each group's rows reversed, viewed likewise. One program per (query head, 64 query groups) walks the causal
-key groups 64 at a time twice: pass 1 keeps each row's running max and sum of exp2 (the softmax over the causal key
-groups, logits scaled by scale / S), pass 2 recomputes the scores and sums the probabilities into 64-token blocks
-(64 / S groups each). Reference: `workbench.patterns.xattention.antidiagonal_block_scores` (same result, fp32
-accumulation; bf16 / fp16 inputs enter the dot as they are, fp32 ones in full precision).
+with each group's rows reversed, viewed likewise. One program per (query head, `TILE[0]` query groups; the longest
+causal rows first) walks the causal key groups `TILE[1]` at a time twice: pass 1 keeps each row's running max and
+sum of exp2 (the softmax over the causal key groups, logits scaled by scale / S), pass 2 recomputes the scores and
+sums the probabilities into 64-token blocks (64 / S groups each). Reference:
+`workbench.patterns.xattention.antidiagonal_block_scores` (same result, fp32 accumulation; bf16 / fp16 inputs enter
+the dot as they are, fp32 ones in full precision).
 """
 from __future__ import annotations
 
@@ -82,6 +83,9 @@ def antidiagonal_scores(q: torch.Tensor, k: torch.Tensor, scale: float, stride: 
     if hq % hkv or k.shape[1:] != q.shape[1:] or (d * stride) % 16:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [Hq, N, D] / [Hkv, N, D] with Hkv "
                          f"dividing Hq and D * stride a multiple of 16")
+    bq, bc, warps, stages = tile
+    if bq % bc or min(bq, bc) < BLOCK // stride:
+        raise ValueError(f"tile={tile}: query groups a multiple of key groups, both >= {BLOCK // stride} (a block)")
     m = -(-n // block)
     g = m * block // stride
     pad = m * block - n
@@ -89,9 +93,6 @@ def antidiagonal_scores(q: torch.Tensor, k: torch.Tensor, scale: float, stride: 
     ks = torch.nn.functional.pad(k, (0, 0, 0, pad)).reshape(hkv, g, stride, d).flip(-2).reshape(hkv, g, stride * d)
     out = torch.zeros(hq, m, m, dtype=torch.float32, device=q.device)
     sd = stride * d
-    bq, bc, warps, stages = tile
-    if bq % bc or min(bq, bc) < BLOCK // stride:
-        raise ValueError(f"tile={tile}: query groups a multiple of key groups, both >= {BLOCK // stride} (a block)")
     _antidiagonal_kernel[(triton.cdiv(g, bq), hq)](
         qs, ks.contiguous(), out, n, g, m, scale / stride * LOG2E, GROUP=hq // hkv, SD=sd, STRIDE=stride,
         BK=64 if sd % 64 == 0 else 32 if sd % 32 == 0 else 16, IEEE=q.dtype == torch.float32, BQ=bq, BC=bc,
