@@ -25,7 +25,8 @@ every sum is fp32. Extra memory is the outputs: O(n) per head, plus the pooled m
   at the row of its first column and skips the rows above it.
 - `captured_mass`: one program per (head, row block) walks a `TokenRule`'s tiles (pieces and column
   strips, as the prefill kernel does) and sums p over the kept tokens; it also counts them, so a caller
-  can check that the rule is the index's exact logical set.
+  can check that the rule is the index's exact logical set. Dense rows (`VSTiles.dense_from`) keep all their
+  mass and every causal key.
 
 The references are in `attn_stats_ref` (same arguments, same results up to fp32 summation order).
 """
@@ -325,7 +326,7 @@ def _column_offset_kernel(Q, K, LSE2, COLS, LEVEL, OUT, qk_scale, N, G, V, L, RO
 
 
 @triton.jit
-def _kept_sum(q, kbase, keys, ok, rows, row_ok, lse, KEYS, OFFS, first, qk_scale, skn, dims, mass, count,
+def _kept_sum(q, kbase, keys, ok, rows, row_ok, lse, KEYS, OFFS, qk_scale, skn, dims, mass, count,
               D: tl.constexpr, SETS: tl.constexpr, PREC: tl.constexpr):
     """Add the probabilities (and the count) of the kept tokens among `keys` to each row's mass."""
     k = tl.load(kbase + keys[:, None] * skn + dims[None, :], mask=ok[:, None] & (dims[None, :] < D), other=0.0)
@@ -334,14 +335,14 @@ def _kept_sum(q, kbase, keys, ok, rows, row_ok, lse, KEYS, OFFS, first, qk_scale
     if SETS:
         d = rows[:, None] - keys[None, :]
         kept = tl.load(KEYS + keys, mask=ok, other=0)[None, :] != 0
-        kept = kept | (tl.load(OFFS + d, mask=keep, other=0) != 0) | (rows[:, None] >= first)
+        kept = kept | (tl.load(OFFS + d, mask=keep, other=0) != 0)
         keep = keep & kept
     p = tl.where(keep, tl.math.exp2(s * qk_scale - lse[:, None]), 0.0)
     return mass + tl.sum(p, 1), count + tl.sum(keep.to(tl.int32), 1)
 
 
 @triton.jit
-def _captured_kernel(Q, K, LSE2, MASS, COUNT, BlockCount, BlockOffset, ColumnCount, ColumnIndex, KEYS, OFFS, FIRST,
+def _captured_kernel(Q, K, LSE2, MASS, COUNT, BlockCount, BlockOffset, ColumnCount, ColumnIndex, KEYS, OFFS,
                      qk_scale, N, G, M, NS, NC, sqh, sqn, skh, skn,
                      D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
                      SETS: tl.constexpr, PREC: tl.constexpr):
@@ -356,9 +357,6 @@ def _captured_kernel(Q, K, LSE2, MASS, COUNT, BlockCount, BlockOffset, ColumnCou
                 other=0.0)
     lse = tl.load(LSE2 + hN + rows, mask=row_ok, other=0.0)
     kbase = K + (h // G) * skh
-    first = N
-    if SETS:
-        first = tl.load(FIRST + h)
     mass = tl.zeros([BLOCK], tl.float32)
     count = tl.zeros([BLOCK], tl.int32)
     tile = h * M + m
@@ -366,7 +364,7 @@ def _captured_kernel(Q, K, LSE2, MASS, COUNT, BlockCount, BlockOffset, ColumnCou
     for c0 in range(0, n_col, BLOCK_N):  # column strips
         ok = c0 + lanes < n_col
         keys = tl.load(ColumnIndex + tile * NC + c0 + lanes, mask=ok, other=0)
-        mass, count = _kept_sum(q, kbase, keys, ok, rows, row_ok, lse, KEYS + hN, OFFS + hN, first, qk_scale, skn,
+        mass, count = _kept_sum(q, kbase, keys, ok, rows, row_ok, lse, KEYS + hN, OFFS + hN, qk_scale, skn,
                                 dims, mass, count, D, SETS, PREC)
     n_blk = tl.load(BlockCount + tile)
     base = BlockOffset + tile * NS
@@ -375,7 +373,7 @@ def _captured_kernel(Q, K, LSE2, MASS, COUNT, BlockCount, BlockOffset, ColumnCou
         nxt = tl.load(base + t + 1, mask=t + 1 < n_blk, other=1 << 30)
         keys = p0 + lanes
         ok = (keys >= 0) & (keys < N) & (keys < nxt)
-        mass, count = _kept_sum(q, kbase, keys, ok, rows, row_ok, lse, KEYS + hN, OFFS + hN, first, qk_scale, skn,
+        mass, count = _kept_sum(q, kbase, keys, ok, rows, row_ok, lse, KEYS + hN, OFFS + hN, qk_scale, skn,
                                 dims, mass, count, D, SETS, PREC)
     tl.store(MASS + hN + rows, mass, mask=row_ok)
     tl.store(COUNT + hN + rows, count, mask=row_ok)
@@ -566,14 +564,17 @@ def captured_mass(q: torch.Tensor, k: torch.Tensor, scale: float, rule: TokenRul
     none = torch.zeros(Hq, n, dtype=torch.int8, device=dev) if sets else torch.empty(1, dtype=torch.int8, device=dev)
     keys = none if rule.keys is None else rule.keys.to(device=dev, dtype=torch.int8).expand(Hq, n).contiguous()
     offs = none if rule.offsets is None else rule.offsets.to(device=dev, dtype=torch.int8).expand(Hq, n).contiguous()
-    first = torch.full((Hq,), n, dtype=torch.int32, device=dev) if rule.first is None else \
-        rule.first.to(device=dev, dtype=torch.int32).expand(Hq).contiguous()
     mass = torch.zeros(Hq, n, device=dev)
     count = torch.zeros(Hq, n, dtype=torch.int32, device=dev)
     bc, bo = tiles.block_count.contiguous(), tiles.block_offset.contiguous()
     cc, ci = tiles.column_count.contiguous(), tiles.column_index.contiguous()
-    _captured_kernel[(M, Hq)](q, k, lse2, mass, count, bc, bo, cc, ci, keys, offs, first, scale * LOG2E, n, g, M,
+    _captured_kernel[(M, Hq)](q, k, lse2, mass, count, bc, bo, cc, ci, keys, offs, scale * LOG2E, n, g, M,
                               bo.shape[-1], ci.shape[-1], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                               D=d, DP=dp, BLOCK=tiles.block, BLOCK_N=tiles.piece, SETS=sets, PREC=prec,
                               num_warps=4 if tiles.block == 64 else 8, num_stages=2)
+    if tiles.dense_from is not None:  # a dense row keeps every causal key: all of its mass
+        rows = torch.arange(n, device=dev)
+        dense = rows >= tiles.dense_from[0].to(dev)[:, None]
+        mass = torch.where(dense, 1.0, mass)
+        count = torch.where(dense, (rows + 1).int(), count)
     return mass, count

@@ -344,13 +344,12 @@ class TokenRule:
     """A sparse index as a kernel reads it: the tiles it visits and which tokens of them it keeps.
 
     Query row i keeps key j <= i when (i, j) lies in `tiles` (`[1, H, M]`, piece / column semantics of
-    `index_ref`) and (i >= first[h], or key j is in `keys[h]`, or offset i - j is in `offsets[h]`).
-    keys / offsets Bool `[H, N]`, first Long `[H]`; all three None: every token of the tiles."""
+    `index_ref`) and (key j is in `keys[h]`, or offset i - j is in `offsets[h]`), or when row i is one of the
+    tiles' dense rows (every causal key). keys / offsets Bool `[H, N]`; both None: every token of the tiles."""
 
     tiles: VSTiles
     keys: torch.Tensor | None = None
     offsets: torch.Tensor | None = None
-    first: torch.Tensor | None = None
 
     @classmethod
     def banded(cls, tiles: VSTiles, sink: torch.Tensor, window: torch.Tensor, n: int) -> TokenRule:
@@ -372,6 +371,7 @@ class TokenRule:
                 keep |= self.keys[:, None, :].to(mask.device)
             if self.offsets is not None:
                 keep |= self.offsets.to(mask.device)[:, (i - j).clamp(min=0)]
-        if self.first is not None:
-            keep |= i[None] >= self.first.to(mask.device).view(-1, 1, 1)
+        dense = self.tiles.dense_mask(i, j)
+        if dense is not None:
+            keep |= dense[0].to(mask.device)
         return mask & keep

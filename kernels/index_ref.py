@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from . import masks
-from .tiling import BLOCK, band_on, ints_on
+from .tiling import BLOCK, NO_WINDOW, band_on, ints_on
 
 
 @dataclass
@@ -52,6 +52,10 @@ class VSTiles:
     `[B, H, n + block - 1]` (index d + block - 1 is 1 iff d = m*block - key lies under a piece, the same for
     every row block m): row block m reads column c iff c < m*block and covered[m*block - c + block - 1] == 0,
     which is its `column_index` list (`index_build.vs_tiles(head_columns=True)`).
+    Rows outside the lists, optionally (Tri-shape's question): dense_from Int32 `[B, H]`, the first query row of each
+    head that attends to every causal key (`NO_WINDOW`: none), and `dense_rows`, the static count of last rows a
+    launch computes densely after the lists (>= n - min(dense_from); `prefill_ref.last_rows_attention`). The lists
+    need not cover those rows, so a long question adds no list width.
     """
 
     block_count: torch.Tensor
@@ -64,6 +68,8 @@ class VSTiles:
     columns: bool = True  # False: no column lists at all (block-sparse tiles; column_count all 0), known statically
     head_columns: torch.Tensor | None = None
     covered: torch.Tensor | None = None
+    dense_from: torch.Tensor | None = None
+    dense_rows: int = 0
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -78,9 +84,26 @@ class VSTiles:
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> VSTiles:
         """These tiles with `fn` applied to every tensor (head dimension 1 throughout)."""
-        opt = [None if t is None else fn(t) for t in (self.head_columns, self.covered)]
+        opt = [None if t is None else fn(t) for t in (self.head_columns, self.covered, self.dense_from)]
         return VSTiles(*(fn(t) for t in (self.block_count, self.block_offset, self.column_count, self.column_index)),
-                       self.block, self.width, self.disjoint, self.columns, *opt)
+                       self.block, self.width, self.disjoint, self.columns, *opt, self.dense_rows)
+
+    def with_dense_rows(self, parts: Sequence[VSTiles]) -> VSTiles:
+        """These full-width tiles with room for the dense rows of `parts` (to be written by `write_heads`):
+        dense_from all `NO_WINDOW`, dense_rows the widest part's; unchanged where no part has dense rows."""
+        rows = max(t.dense_rows for t in parts)
+        if not rows:
+            return self
+        B, H, _ = self.shape
+        start = torch.full((B, H), NO_WINDOW, dtype=torch.int32, device=self.block_count.device)
+        return dataclasses.replace(self, dense_from=start, dense_rows=rows)
+
+    def dense_mask(self, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor | None:
+        """Bool, broadcast of `[B, H, 1, 1]` with query rows i and keys j: (i, j) lies in a dense row (causal);
+        None without dense rows."""
+        if self.dense_from is None:
+            return None
+        return (i >= self.dense_from.to(i.device)[..., None, None]) & (j <= i)
 
 
 def _check_bh(name: str, t: torch.Tensor, ndim: int = 3) -> None:
@@ -359,6 +382,10 @@ def write_heads(out: VSTiles, heads: slice | torch.Tensor, tiles: VSTiles) -> No
     if out.head_columns is not None and tiles.head_columns is not None:
         out.head_columns[:, heads, : tiles.head_columns.shape[-1]] = tiles.head_columns
         out.covered[:, heads] = tiles.covered
+    if tiles.dense_from is not None:
+        if out.dense_from is None or out.dense_rows < tiles.dense_rows:
+            raise ValueError("the full-width tiles have no room for these dense rows: make them with `with_dense_rows`")
+        out.dense_from[:, heads] = tiles.dense_from
 
 
 def with_head_columns(tiles: VSTiles, parts: list[VSTiles]) -> VSTiles:
@@ -389,7 +416,10 @@ def widened(base: VSTiles, parts: list[VSTiles]) -> VSTiles:
     out = VSTiles(base.block_count.clone(), pad(base.block_offset, ns), base.column_count.clone(),
                   pad(base.column_index, nc), base.block, base.width, all(t.disjoint for t in (base, *parts)),
                   any(t.columns for t in (base, *parts)))
-    return with_head_columns(out, [base, *parts])
+    out = with_head_columns(out, [base, *parts]).with_dense_rows([base, *parts])
+    if base.dense_from is not None:
+        out.dense_from.copy_(base.dense_from)
+    return out
 
 
 def merge_tiles(parts: list[tuple[list[int] | torch.Tensor, VSTiles]], num_heads: int, cover: bool = True,
@@ -415,7 +445,7 @@ def merge_tiles(parts: list[tuple[list[int] | torch.Tensor, VSTiles]], num_heads
                   torch.zeros(B, num_heads, M, dtype=torch.int32, device=dev),
                   torch.full((B, num_heads, M, nc), -1, dtype=torch.int32, device=dev), t0.block, t0.width,
                   all(t.disjoint for _, t in parts), any(t.columns for _, t in parts))
-    out = with_head_columns(out, [t for _, t in parts])
+    out = with_head_columns(out, [t for _, t in parts]).with_dense_rows([t for _, t in parts])
     for h, t in parts:
         ids_h = torch.as_tensor(h, dtype=torch.long).reshape(-1).tolist()
         if t.shape != (B, len(ids_h), M):
@@ -452,7 +482,8 @@ def tiles_to_mask(tiles: VSTiles, n: int, sink: torch.Tensor | None = None,
         sink = torch.as_tensor(sink, device=dev).view(1, H, 1, 1)
         window = torch.as_tensor(window, device=dev).view(1, H, 1, 1)
         mask &= masks.band(i, j, sink, window)
-    return mask
+    dense = tiles.dense_mask(i, j)
+    return mask if dense is None else mask | dense
 
 
 def tile_area(tiles: VSTiles, n: int) -> torch.Tensor:
@@ -464,4 +495,7 @@ def tile_area(tiles: VSTiles, n: int) -> torch.Tensor:
     rows = torch.full((M,), tiles.block, device=tiles.block_count.device)
     rows[-1] = n - (M - 1) * tiles.block
     per_block = tiles.block_count.long() * tiles.piece + tiles.column_count.long()
-    return (per_block * rows).sum(-1)
+    area = (per_block * rows).sum(-1)
+    if tiles.dense_from is not None:  # the dense rows, every key (`last_rows_attention` masks in key chunks)
+        area += (n - tiles.dense_from.long()).clamp(min=0) * n
+    return area

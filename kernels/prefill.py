@@ -23,7 +23,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from .index_ref import VSTiles, ashape_to_tiles, block_sparse_to_tiles, expand_groups, vs_to_tiles
-from .prefill_ref import check_prefill_args
+from .prefill_ref import check_prefill_args, last_rows_attention
 from .schedule import LOG2E, work_order
 from .tiling import band_on
 
@@ -315,8 +315,9 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
 
         warp_specialize = ws_takes(q, tiles, sink)
     if warp_specialize:
-        return _warp_specialized(q, k, v, tiles, scale, sink, window,
-                                 tiles.head_columns is not None if kv_major is None else kv_major)
+        o, lse = _warp_specialized(q, k, v, tiles, scale, sink, window,
+                                   tiles.head_columns is not None if kv_major is None else kv_major)
+        return with_dense_rows(o, lse, q, k, v, tiles, scale)
     if D & (D - 1) or not 16 <= D <= 256:
         raise ValueError(f"head_dim must be a power of two in 16..256 for the Triton kernel, got {D}")
     if pack_rows is None:
@@ -384,7 +385,7 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
 
     if num_stages is not None:
         launch(num_stages)
-        return o, lse
+        return with_dense_rows(o, lse, q, k, v, tiles, scale)
     kind = (dev, q.dtype, D, block, tiles.piece, pack, rows, split, tma, persistent, has_window,
             num_warps or auto_warps)
     for stages in range(_FITTING_STAGES.get(kind, auto_stages), 0, -1):  # fewer stages until the tiles fit this
@@ -395,6 +396,24 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
         except OutOfResources:
             if stages == 1:
                 raise
+    return with_dense_rows(o, lse, q, k, v, tiles, scale)
+
+
+def with_dense_rows(o: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    tiles: VSTiles, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lists' result (o `[B, Hq, N, D]`, lse `[B, Hq, N]`) with the rows `tiles.dense_from` marks replaced by
+    exact causal attention over every key (`last_rows_attention` over the last `tiles.dense_rows` rows, in place)."""
+    if tiles.dense_from is None:
+        return o, lse
+    N = q.shape[2]
+    rows = min(tiles.dense_rows, N)
+    dense_o, dense_lse = last_rows_attention(q, k, v, rows, scale)
+    start = tiles.dense_from.to(q.device)
+    if start.shape[1] != q.shape[1]:  # group-shared tiles: one start per KV head
+        start = start.repeat_interleave(q.shape[1] // start.shape[1], 1)
+    take = torch.arange(N - rows, N, device=q.device) >= start[..., None]  # [B, Hq, rows]
+    o[:, :, N - rows:] = torch.where(take[..., None], dense_o, o[:, :, N - rows:])
+    lse[:, :, N - rows:] = torch.where(take, dense_lse, lse[:, :, N - rows:])
     return o, lse
 
 

@@ -161,8 +161,7 @@ def set_rule(name, index, n):
     if name == "vs":
         return TokenRule(index.to_tiles(n), index.column_set(n), index.offset_set(n))
     j = torch.arange(n)[None]
-    return TokenRule(index.to_tiles(n), j < index.ashape.sink[:, None], j < index.ashape.window[:, None],
-                     n - index.last)
+    return TokenRule(index.to_tiles(n), j < index.ashape.sink[:, None], j < index.ashape.window[:, None])
 
 
 @pytest.mark.parametrize("n", [64, 200])

@@ -17,6 +17,7 @@ from workbench_kernels.prefill_ref import masked_attention_ref
 from workbench_kernels.tiling import NO_WINDOW
 
 from workbench.patterns import AShape, BlockSparse, VerticalSlash
+from workbench.patterns.trishape import TriShape
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16] if DEV == "cuda" else [torch.float32, torch.float16]
@@ -222,6 +223,43 @@ def test_mixed_pattern_layer_in_one_launch(dtype):
     check(out, masked_attention_ref(q, k, v, mask.to(DEV)), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dense_rows_beside_lists_in_one_launch(dtype):
+    """Tri-shape heads (their question as dense rows outside the lists) merged with Vertical-Slash and block-sparse
+    heads, GQA 6 / 2, batch 2, N not a multiple of 64: one launch equals attention under `tiles_to_mask`, which holds
+    every causal key on the dense rows; as group-shared tiles (one start per KV head) too."""
+    n, B, Hq, Hkv, D = 200, 2, 6, 2, 64
+    M = -(-n // 64)
+    q, k, v = qkv(B, Hq, Hkv, n, D, dtype, seed=13)
+    g = torch.Generator().manual_seed(4)
+    cols, offs = torch.randint(0, n, (B, 2, 8), generator=g), torch.randint(0, n, (B, 2, 5), generator=g)
+    index = torch.randint(-1, M, (B, 2, M, 2), generator=g)
+    tri = TriShape(torch.tensor([3, 0]), torch.tensor([20, 70]), torch.tensor([30, 137]))
+    tiles = merge_tiles([([0, 4], vs_to_tiles(cols, offs, n)), ([1, 5], block_sparse_to_tiles(index, n)),
+                         ([2, 3], tri.to_tiles(n, B))], Hq)
+    assert tiles.dense_rows == 137 and tiles.dense_from[0].tolist() == [NO_WINDOW] * 2 + [170, 63] + [NO_WINDOW] * 2
+    mask = tiles_to_mask(tiles, n)
+    assert torch.equal(mask[:, 2:4], tiles_to_mask(tri.to_tiles(n, B), n))
+    assert not (tri.to_mask(n) & ~mask[0, 2:4]).any()
+    check(sparse_prefill(q, k, v, tiles), masked_attention_ref(q, k, v, mask.to(DEV)), dtype)
+    shared = TriShape(torch.tensor([3, 0]), torch.tensor([20, 70]), torch.tensor([0, 64])).to_tiles(n, B)
+    check(sparse_prefill(q, k, v, shared),
+          masked_attention_ref(q, k, v, tiles_to_mask(expand_groups(shared, Hq // Hkv), n).to(DEV)), dtype)
+
+
+def test_last_rows_attention_is_causal_attention_of_the_last_rows():
+    """In key chunks that do not divide N, GQA 6 / 2: the last rows of full causal attention; rows > N clamp."""
+    from workbench_kernels.prefill_ref import last_rows_attention
+
+    n = 150
+    q, k, v = qkv(1, 6, 2, n, 32, torch.float32, seed=3)
+    ro, rlse = masked_attention_ref(q, k, v, torch.ones(n, n, dtype=torch.bool, device=DEV).tril().expand(1, 6, n, n))
+    for rows in (1, 40, 150, 400):
+        o, lse = last_rows_attention(q, k, v, rows, chunk=37)
+        r = min(rows, n)
+        check((o, lse), (ro[:, :, n - r:], rlse[:, :, n - r:]), torch.float32)
+
+
 @pytest.mark.parametrize("block,width", [(128, 0), (128, 64)])
 def test_128_row_tiles_match_reference(block, width):
     n, B, Hq, Hkv, D, dtype = 200, 1, 3, 1, 64, DTYPES[0]
@@ -335,6 +373,10 @@ def test_bf16_model_shapes_every_pattern_per_head_and_packed(Hq, Hkv, D):
     sink, window = torch.full((Hq,), 64), torch.full((Hq,), 512)
     o, _ = ashape_prefill(q, k, v, sink, window)
     ro, _ = masked_attention_ref(q, k, v, ashape_mask(sink, window, n).unsqueeze(0).to(DEV))
+    assert ((o.float() - ro.float()).norm() / ro.float().norm()).item() < 1e-2
+    tri = TriShape(64, 512, 100, n_heads=Hq).to_tiles(n)  # the question as dense rows after the lists
+    o, _ = sparse_prefill(q, k, v, tri)
+    ro, _ = masked_attention_ref(q, k, v, tiles_to_mask(tri, n).to(DEV))
     assert ((o.float() - ro.float()).norm() / ro.float().norm()).item() < 1e-2
 
 

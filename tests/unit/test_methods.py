@@ -49,18 +49,28 @@ def test_trishape_mask_edges_tiles(n):
 
 
 @pytest.mark.parametrize("n", [1, 65, 300, 777])
-def test_trishape_tiles_are_the_ashape_tiles_and_whole_question_row_blocks(n):
-    """Exactly what the kernel computes: a row block holding a question row reads every causal key (the whole
-    causal row block), every other row block the A-shape's tiles, per head and prompt of the batch."""
+def test_trishape_tiles_are_the_ashape_tiles_and_dense_question_rows(n):
+    """Exactly what the kernel computes: the A-shape's tiles on every row block, and from row n - last on every
+    causal key (dense rows outside the lists), per head and prompt of the batch; the lists stay as wide as the
+    A-shape's at any length."""
     from workbench_kernels.index_ref import ashape_to_tiles, tiles_to_mask
 
     sink, window, last = torch.tensor([4, 0, 70, 64]), torch.tensor([16, 1, 100, 3000]), torch.tensor([20, 0, 130, 1])
-    got = tiles_to_mask(TriShape(sink, window, last).to_tiles(n, batch=2), n)
-    ashape = tiles_to_mask(ashape_to_tiles(sink, window, n, 2), n)
-    rows = torch.arange(n)
-    question_block = (torch.clamp((rows // 64 + 1) * 64, max=n)[None, :] > n - last[:, None])[None, :, :, None]
+    tiles = TriShape(sink, window, last).to_tiles(n, batch=2)
+    band = ashape_to_tiles(sink, window, n, 2)
+    assert tiles.block_offset.shape == band.block_offset.shape
+    question = (torch.arange(n)[None, :] >= n - last[:, None])[None, :, :, None]
     causal = torch.ones(n, n, dtype=torch.bool).tril()
-    assert torch.equal(got, torch.where(question_block, causal, ashape))
+    assert torch.equal(tiles_to_mask(tiles, n), torch.where(question, causal, tiles_to_mask(band, n)))
+
+
+def test_trishape_tiles_at_a_million_tokens_are_as_wide_as_the_band():
+    """32 heads at 1M tokens: the question adds no list width (it would be M = 16384 pieces a row block, 34 GB)."""
+    n, tri = 1 << 20, TriShape(64, 4096, 64, n_heads=32)
+    tiles = tri.to_tiles(n)
+    assert tiles.block_offset.shape == (1, 32, n // 64, 65)
+    assert tiles.dense_rows == 64 and torch.equal(tiles.dense_from, torch.full((1, 32), n - 64, dtype=torch.int32))
+    assert torch.equal(tri.tiles(n), tile_count(tiles)[0])
 
 
 @pytest.mark.parametrize("n", [1, 64, 200])

@@ -6,6 +6,7 @@ import torch
 
 from workbench.analysis.metrics import sparse_attention
 from workbench.patterns import AShape, BlockSparse, Dense, Stack, VerticalSlash, block_proxy, causal_tiles, vs_proxy
+from workbench.patterns.tile_select import tile_count
 
 B = 64
 
@@ -337,7 +338,7 @@ def test_protocol_parts_agree(n):
         if getattr(p, "kind", None) in ("ashape", "block", "dense", "xattention"):  # VS-like slashes widen to 64-wide pieces
             assert torch.equal(physical, mask), p
         t = p.to_tiles(n)
-        assert torch.equal(p.tiles(n), (t.block_count.long() + -(-t.column_count.long() // B)).sum(-1)[0]), p
+        assert torch.equal(p.tiles(n), tile_count(t)[0]), p  # pieces, column strips and dense rows' blocks
         assert torch.equal(p.edges(n), mask.sum((1, 2))), p
         mod = p.mask_mod(n)
         grid = mod(0, torch.arange(p.n_heads)[:, None, None], q_idx, kv_idx)

@@ -82,7 +82,7 @@ def layer_stats(q: torch.Tensor, k: torch.Tensor, scale: float, resolution: int 
 
 def kernel_rule(index: RowMasked, n: int) -> TokenRule | None:
     """The index as the captured-mass kernel reads it: its tiles plus its token band, or its own token
-    sets when it has `token_sets(n)` (keys, offsets, first; see `TokenRule`). None when the index has
+    sets when it has `token_sets(n)` (keys, offsets; see `TokenRule`). None when the index has
     no tiles (the reference reads `row_mask` only)."""
     to_tiles = getattr(index, "to_tiles", None)
     if to_tiles is None:

@@ -7,6 +7,8 @@ the two inputs).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from workbench_kernels.index_ref import VSTiles
 
@@ -19,6 +21,8 @@ def select_tiles(a: VSTiles, b: VSTiles, take_b: torch.Tensor) -> VSTiles:
     """Tiles of `b` where `take_b` (Bool broadcastable to `[B, H, M]`) else of `a`; same block and piece."""
     if (a.block, a.piece) != (b.block, b.piece) or a.shape != b.shape:
         raise ValueError(f"cannot mix tiles of shape {a.shape} / block {a.block} with {b.shape} / block {b.block}")
+    if a.dense_from is not None or b.dense_from is not None:
+        raise ValueError("select_tiles mixes list tiles per row block: tiles with dense rows (dense_from) cannot mix")
     take = take_b.to(a.block_count.device).expand(a.shape)
     ns = max(a.block_offset.shape[-1], b.block_offset.shape[-1])
     nc = max(a.column_index.shape[-1], b.column_index.shape[-1])
@@ -30,8 +34,7 @@ def select_tiles(a: VSTiles, b: VSTiles, take_b: torch.Tensor) -> VSTiles:
 
 def repeat_batch(tiles: VSTiles, batch: int) -> VSTiles:
     """Tiles of batch 1 -> the same tiles for `batch` prompts (a view, no copy)."""
-    parts = (tiles.block_count, tiles.block_offset, tiles.column_count, tiles.column_index)
-    return VSTiles(*(t.expand(batch, *t.shape[1:]) for t in parts), tiles.block, tiles.width)
+    return tiles.map(lambda t: t.expand(batch, *t.shape[1:]))
 
 
 def stack_batch(parts: list[VSTiles]) -> VSTiles:
@@ -41,14 +44,24 @@ def stack_batch(parts: list[VSTiles]) -> VSTiles:
     ns = max(t.block_offset.shape[-1] for t in parts)
     nc = max(t.column_index.shape[-1] for t in parts)
     cat = lambda get, w=None: torch.cat([get(t) if w is None else _pad_last(get(t), w) for t in parts])  # noqa: E731
-    return VSTiles(cat(lambda t: t.block_count), cat(lambda t: t.block_offset, ns), cat(lambda t: t.column_count),
-                   cat(lambda t: t.column_index, nc), parts[0].block, parts[0].width)
+    out = VSTiles(cat(lambda t: t.block_count), cat(lambda t: t.block_offset, ns), cat(lambda t: t.column_count),
+                  cat(lambda t: t.column_index, nc), parts[0].block, parts[0].width)
+    if any(t.dense_from is not None for t in parts):
+        starts = [t.with_dense_rows(parts).dense_from if t.dense_from is None else t.dense_from for t in parts]
+        out = dataclasses.replace(out, dense_from=torch.cat(starts), dense_rows=max(t.dense_rows for t in parts))
+    return out
 
 
 def tile_count(tiles: VSTiles) -> torch.Tensor:
-    """Long `[B, H]`: tiles the kernel computes (pieces plus column strips packed `piece` at a time)."""
+    """Long `[B, H]`: tiles the kernel computes (pieces plus column strips packed `piece` at a time), and for
+    dense rows every causal key block of the row blocks they touch."""
     strips = -(-tiles.column_count.long() // tiles.piece)
-    return (tiles.block_count.long() + strips).sum(-1)
+    count = (tiles.block_count.long() + strips).sum(-1)
+    if tiles.dense_from is not None:
+        m = torch.arange(tiles.shape[-1], device=count.device)
+        touched = m >= (tiles.dense_from.long() // tiles.block)[..., None]
+        count += torch.where(touched, m + 1, 0).sum(-1)
+    return count
 
 
 def cumulative_keep(weight: torch.Tensor, share: float | torch.Tensor, min_keep: int = 1) -> torch.Tensor:

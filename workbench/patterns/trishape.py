@@ -2,14 +2,17 @@
 last `last` query rows (the question at the end of a prompt). Static: needs no online index.
 
 N(i) = {j <= i} if i >= n - last, else {0 .. min(sink, i+1) - 1} U {max(0, i - window + 1) .. i}.
-Physical tiles: the A-shape as Vertical-Slash tiles (sink columns, window offsets) on the row blocks
-before the question, every causal key block on the row blocks that hold a question row.
+Physical tiles: the A-shape as Vertical-Slash tiles (sink columns, window offsets) on every row block; the
+question rows are dense rows of the tiles (`VSTiles.dense_from`), computed after the lists over every key.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from workbench_kernels import masks
 from workbench_kernels.index_ref import VSTiles, ashape_to_tiles
+from workbench_kernels.tiling import NO_WINDOW
 
 from workbench.patterns.ashape import AShape, _per_head
 from workbench.patterns.base import (
@@ -69,29 +72,21 @@ class TriShape(PromptFree):
         return torch.where(i >= n - self.last[:, None], i + 1, ashape).sum(1)
 
     def to_tiles(self, n: int, batch: int = 1) -> VSTiles:
-        """Tiles `[batch, H, M]`: A-shape row blocks as VS pieces / columns (`ashape_to_tiles`), then the question
-        row blocks overwritten with every causal key block (their piece lists make the table M wide: `[H, M, M]`
-        Int32, 0.5 GB at 128K for 32 heads; built in ~0.2 s on the CPU)."""
-        m = -(-n // BLOCK)
+        """Tiles `[batch, H, M]`: the A-shape's (`ashape_to_tiles`: window pieces, sink columns) on every row block,
+        and the question as dense rows from n - last on (`VSTiles.dense_from`, computed after the lists by exact
+        attention over every key), so the lists stay as wide as the band at any length (1M, window 4096: 65
+        pieces a row block, where whole question row blocks would make them M = 16384 wide)."""
         band = ashape_to_tiles(self.ashape.sink, self.ashape.window, n)
-        offsets = torch.full((1, self.n_heads, m, max(m, band.block_offset.shape[-1])), -1, dtype=torch.int32)
-        offsets[..., :band.block_offset.shape[-1]] = band.block_offset
-        count, columns, column_count = band.block_count.clone(), band.column_index.clone(), band.column_count.clone()
-        rows = torch.arange(m)
-        heads, qrows = (torch.clamp((rows + 1) * BLOCK, max=n)[None, :] > n - self.last[:, None]).nonzero(as_tuple=True)
-        t = torch.arange(offsets.shape[-1])
-        offsets[0, heads, qrows] = torch.where(t <= qrows[:, None], t * BLOCK, -1).int()
-        count[0, heads, qrows] = (qrows + 1).int()
-        column_count[0, heads, qrows] = 0
-        columns[0, heads, qrows] = -1
-        return repeat_batch(VSTiles(count, offsets, column_count, columns, BLOCK), batch)
+        start = (n - self.last.clamp(max=n)).where(self.last > 0, NO_WINDOW).to(torch.int32)
+        tiles = dataclasses.replace(band, dense_from=start[None], dense_rows=int(self.last.clamp(max=n).max()))
+        return repeat_batch(tiles, batch)
 
     def tiles(self, n: int) -> torch.Tensor:
-        """Long `[H]`, in closed form (no `[H, M, M]` table): the A-shape's tiles per row block, every causal key
-        block on the question row blocks."""
+        """Long `[H]`, in closed form: the A-shape's tiles on every row block plus, for the dense rows, every causal
+        key block of the row blocks they touch."""
         rows = torch.arange(-(-n // BLOCK))
         question = torch.clamp((rows + 1) * BLOCK, max=n)[None, :] > n - self.last[:, None]
-        return torch.where(question, rows + 1, self.ashape.row_tiles(n)).sum(1)
+        return self.ashape.row_tiles(n).sum(1) + torch.where(question, rows + 1, 0).sum(1)
 
     def mask_mod(self, n: int, device: torch.device | str | None = None) -> MaskMod:
         g, w, first = (x.to(device) for x in (self.ashape.sink, self.ashape.window, n - self.last))

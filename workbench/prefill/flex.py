@@ -64,21 +64,28 @@ def tiles_mask_mod(tiles: Any, n: int, sink: torch.Tensor | None = None,
                    window: torch.Tensor | None = None) -> MaskMod:
     """mask_mod(b, h, q_idx, kv_idx) of the keys the Triton kernel computes for `tiles` (VSTiles over
     one layer's H heads, batch 1): causal, inside a piece or column of q's row block, and, with
-    per-head `sink` / `window` Int `[H]` (tokens; window 2**30 = none), the A-shape token mask."""
+    per-head `sink` / `window` Int `[H]` (tokens; window 2**30 = none), the A-shape token mask; or any causal
+    key in a dense row (`tiles.dense_from`)."""
     bits = tile_bits(tiles, n)
     block = tiles.block
     if window is None:
-        def mask_mod(b, h, q_idx, kv_idx):
+        def listed(b, h, q_idx, kv_idx):
             word = bits[h, q_idx // block, kv_idx // 8].to(torch.int32)
             return masks.causal(q_idx, kv_idx) & (((word >> (kv_idx % 8)) & 1) == 1)
-        return mask_mod
-    sink = sink.to(bits.device)
-    window = window.to(bits.device)
+    else:
+        sink = sink.to(bits.device)
+        window = window.to(bits.device)
 
-    def banded(b, h, q_idx, kv_idx):
-        word = bits[h, q_idx // block, kv_idx // 8].to(torch.int32)
-        return masks.ashape(q_idx, kv_idx, sink[h], window[h]) & (((word >> (kv_idx % 8)) & 1) == 1)
-    return banded
+        def listed(b, h, q_idx, kv_idx):
+            word = bits[h, q_idx // block, kv_idx // 8].to(torch.int32)
+            return masks.ashape(q_idx, kv_idx, sink[h], window[h]) & (((word >> (kv_idx % 8)) & 1) == 1)
+    if tiles.dense_from is None:
+        return listed
+    start = tiles.dense_from[0].to(bits.device)
+
+    def with_dense_rows(b, h, q_idx, kv_idx):
+        return listed(b, h, q_idx, kv_idx) | ((q_idx >= start[h]) & masks.causal(q_idx, kv_idx))
+    return with_dense_rows
 
 
 def make_block_mask(mask_mod: MaskMod, n_heads: int, n: int, device: torch.device | str,
@@ -124,13 +131,10 @@ def tiles_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: An
     """The Triton prefill kernel's result through flex_attention: same tiles (VSTiles `[B, Hq, M]`), same
     A-shape token mask, exact softmax. q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` -> o `[B, Hq, N, D]`.
     compile: see `flex` (default: compiled on CUDA)."""
-    from workbench_kernels.index_ref import VSTiles
-
     B, H, n, _ = q.shape
     out = torch.empty_like(q)
     for b in range(B):  # the index depends on the prompt: one mask per batch row
-        one = VSTiles(*(t[b:b + 1] for t in (tiles.block_count, tiles.block_offset, tiles.column_count,
-                                              tiles.column_index)), block=tiles.block, width=tiles.width)
+        one = tiles.map(lambda t: t[b:b + 1])
         mask = make_block_mask(tiles_mask_mod(one, n, sink, window), H, n, q.device, compile)
         out[b:b + 1] = flex(q[b:b + 1], k[b:b + 1], v[b:b + 1], mask, scale, compile)
     return out

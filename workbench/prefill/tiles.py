@@ -1,5 +1,5 @@
 """The keys the sparse prefill kernel computes, row by row: a `VSTiles` index (pieces cut at the next
-piece's start, plus columns) as per-row key masks, for the PyTorch reference path and the Flex export."""
+piece's start, plus columns and dense rows) as per-row key masks, for the PyTorch reference path and the Flex export."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,8 +9,8 @@ import torch
 
 def tile_rows(tiles: Any, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys the sparse kernel computes for query rows r0..r1-1 (r0 a multiple of tiles.block), from
-    its pieces (each cut at the next piece's start) and columns, causal: (keys Long `[K]`: the key
-    positions any head reads, mask Bool `[B, H, r1 - r0, K]` over those keys).
+    its pieces (each cut at the next piece's start), columns and dense rows (every key), causal: (keys Long
+    `[K]`: the key positions any head reads, mask Bool `[B, H, r1 - r0, K]` over those keys).
     (A-shape heads add a token mask on top: `band_rows`.)"""
     b = tiles.block
     m0, m1 = r0 // b, -(-r1 // b)
@@ -29,8 +29,15 @@ def tile_rows(tiles: Any, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]
     hit = torch.zeros(*cols.shape[:-1], r1 + 1, dtype=torch.bool, device=cols.device)
     hit.scatter_(-1, torch.where(c_live, cols, r1).clamp(0, r1), True)
     blk = keys | hit[..., :r1]
-    used = blk.flatten(0, -2).any(0).nonzero().squeeze(1)  # keys any head of these rows reads
+    i = torch.arange(r0, r1, device=blk.device)
+    dense = None if tiles.dense_from is None else i >= tiles.dense_from.to(blk.device).long()[..., None]  # [B, H, R]
+    if dense is not None and bool(dense.any()):
+        used = torch.arange(r1, device=blk.device)  # a dense row reads every key up to its own
+    else:
+        used = blk.flatten(0, -2).any(0).nonzero().squeeze(1)  # keys any head of these rows reads
     blk = blk[..., used]
     B, H, mc, k = blk.shape
     rows = blk.unsqueeze(3).expand(B, H, mc, b, k).reshape(B, H, mc * b, k)[:, :, : r1 - r0]
-    return used, rows & (used[None, :] <= torch.arange(r0, r1, device=blk.device)[:, None])
+    if dense is not None:
+        rows = rows | dense[..., None]
+    return used, rows & (used[None, :] <= i[:, None])
