@@ -308,7 +308,7 @@ def test_mask_algebra_is_every_consumers_mask():
     from workbench_kernels import masks
     from workbench_kernels.index_ref import ashape_to_tiles, tiles_to_mask
 
-    from workbench.prefill.sparse import band_mask
+    from workbench.prefill.tiles import band_mask
 
     n, sink, window = 150, torch.tensor([0, 3, 20, 70]), torch.tensor([1, 10, 200, 64])
     want = torch.zeros(4, n, n, dtype=torch.bool)
@@ -335,7 +335,7 @@ def test_protocol_parts_agree(n):
         mask = p.row_mask(0, n, n)
         physical = kernel_mask(p, n)
         assert bool((physical >= mask).all()), f"{p}: the kernel tiles miss kept pairs"
-        if getattr(p, "kind", None) in ("ashape", "block", "dense", "xattention"):  # VS-like slashes widen to 64-wide pieces
+        if getattr(p, "kind", None) in ("ashape", "trishape", "block", "dense", "xattention"):  # VS-like slashes widen
             assert torch.equal(physical, mask), p
         t = p.to_tiles(n)
         assert torch.equal(p.tiles(n), tile_count(t)[0]), p  # pieces, column strips and dense rows' blocks

@@ -88,6 +88,10 @@ class TriShape(PromptFree):
         question = torch.clamp((rows + 1) * BLOCK, max=n)[None, :] > n - self.last[:, None]
         return self.ashape.row_tiles(n).sum(1) + torch.where(question, rows + 1, 0).sum(1)
 
+    def token_band(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The A-shape's (sink, window): exact on the lists' rows; the dense rows read every key after them."""
+        return self.ashape.sink, self.ashape.window
+
     def mask_mod(self, n: int, device: torch.device | str | None = None) -> MaskMod:
         g, w, first = (x.to(device) for x in (self.ashape.sink, self.ashape.window, n - self.last))
         return lambda b, h, q_idx, kv_idx: masks.causal(q_idx, kv_idx) & (

@@ -19,6 +19,7 @@ there as needing a prompt.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -40,11 +41,12 @@ FORMAT = "workbench.flex_masks"
 def tile_bits(tiles: Any, n: int) -> torch.Tensor:
     """Pack the physical key set of `tiles` (VSTiles, batch 1) into bits: UInt8 `[H, M, ceil(n/8)]`,
     bit j % 8 of byte j // 8 set when row block m's pieces or columns contain key j (before the causal
-    and A-shape token masks)."""
+    and A-shape token masks; dense rows are not in the bits)."""
 
     B, H, M = tiles.shape
     if B != 1:
         raise ValueError(f"tile_bits wants the tiles of one prompt (batch 1), got batch {B}: pass tiles[b]")
+    tiles = dataclasses.replace(tiles, dense_from=None, dense_rows=0)  # the lists only: mask_mods add dense rows
     b = tiles.block
     width = -(-n // 8) * 8
     bits = torch.zeros(H, M, width // 8, dtype=torch.uint8, device=tiles.block_count.device)

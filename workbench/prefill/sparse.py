@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from workbench_kernels import masks
 from workbench_kernels.index_ref import merge_tiles, widened, write_heads
 from workbench_kernels.tiling import NO_WINDOW
 
@@ -47,7 +46,7 @@ from workbench.core.timing import stamp
 from workbench.patterns import Dense, pattern_class
 from workbench.patterns.base import Band
 from workbench.prefill.index_graph import IndexGraphs
-from workbench.prefill.tiles import tile_rows
+from workbench.prefill.tiles import band_mask, tile_rows
 
 # Prefill length below which prompts run dense: the first measured length at which the sparse model
 # (block-sparse top-100 and A-shape configs, Llama-3-8B shape, bf16, H200) beats dense SDPA end to end;
@@ -314,10 +313,10 @@ class SparsePrefill:
             if not bands:
                 return None, None
             if not cached_band:
-                return self._bands(bands, hq, dev)
+                return self._bands(bands, hq, dev, head_index)
             key = (layer, "band", dev)
             if key not in self._static:
-                self._static[key] = self._bands(bands, hq, dev)
+                self._static[key] = self._bands(bands, hq, dev, head_index)
             return self._static[key]
 
         def head_index(ids: list[int]) -> slice | torch.Tensor:  # cached on the device per layer and head set
@@ -344,11 +343,13 @@ class SparsePrefill:
         return (tiles, *band_of())
 
     @staticmethod
-    def _bands(bands: list[tuple[list[int], Band]], hq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _bands(bands: list[tuple[list[int], Band]], hq: int, device: torch.device,
+               head_index: Callable[[list[int]], slice | torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sink / window Int32 `[hq]` on `device` from the kinds' bands (`head_index`: a kind's heads there, cached)."""
         sink = torch.zeros(hq, dtype=torch.int32, device=device)
         window = torch.full((hq,), NO_WINDOW, dtype=torch.int32, device=device)
         for heads, band in bands:
-            h = torch.tensor(heads, device=device)
+            h = head_index(heads)
             sink[h], window[h] = band[0].to(device, torch.int32), band[1].to(device, torch.int32)
         return sink, window
 
@@ -362,18 +363,9 @@ class SparsePrefill:
         for heads, tiles, band in groups.values():
             h = torch.tensor(heads, device=q.device)
 
-            def rows(r0: int, r1: int, tiles=tiles, band=band) -> tuple[torch.Tensor, torch.Tensor]:
-                keys, mask = tile_rows(tiles, r0, r1)
-                return keys, mask if band is None else mask & band_mask(*band, keys, r0, r1)
+            rows = functools.partial(tile_rows, tiles, band=band)
             o[:, h] = masked_prefill(q[:, h], k[:, h // G], v[:, h // G], rows, scale)
         return o
-
-
-def band_mask(sink: torch.Tensor, window: torch.Tensor, keys: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
-    """Bool `[H, r1 - r0, K]`: the A-shape token mask (j < sink or i - j < window) of rows r0..r1-1 over
-    the key positions `keys` `[K]` (not causal by itself), on keys' device."""
-    rows = torch.arange(r0, r1, device=keys.device)[:, None]
-    return masks.band(rows, keys[None, :], sink.to(keys.device).view(-1, 1, 1), window.to(keys.device).view(-1, 1, 1))
 
 
 def band_rows(sink: torch.Tensor, window: torch.Tensor, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:

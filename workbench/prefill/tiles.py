@@ -5,13 +5,22 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from workbench_kernels import masks
 
 
-def tile_rows(tiles: Any, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
+def band_mask(sink: torch.Tensor, window: torch.Tensor, keys: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """Bool `[H, r1 - r0, K]`: the A-shape token mask (j < sink or i - j < window) of rows r0..r1-1 over
+    the key positions `keys` `[K]` (not causal by itself), on keys' device."""
+    rows = torch.arange(r0, r1, device=keys.device)[:, None]
+    return masks.band(rows, keys[None, :], sink.to(keys.device).view(-1, 1, 1), window.to(keys.device).view(-1, 1, 1))
+
+
+def tile_rows(tiles: Any, r0: int, r1: int, band: tuple[torch.Tensor, torch.Tensor] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys the sparse kernel computes for query rows r0..r1-1 (r0 a multiple of tiles.block), from
-    its pieces (each cut at the next piece's start), columns and dense rows (every key), causal: (keys Long
-    `[K]`: the key positions any head reads, mask Bool `[B, H, r1 - r0, K]` over those keys).
-    (A-shape heads add a token mask on top: `band_rows`.)"""
+    its pieces (each cut at the next piece's start) and columns, under the token `band` (sink, window `[H]`)
+    where given, and its dense rows (every key), causal: (keys Long `[K]`: the key positions any head reads,
+    mask Bool `[B, H, r1 - r0, K]` over those keys)."""
     b = tiles.block
     m0, m1 = r0 // b, -(-r1 // b)
     start = tiles.block_offset[:, :, m0:m1].long()
@@ -38,6 +47,8 @@ def tile_rows(tiles: Any, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]
     blk = blk[..., used]
     B, H, mc, k = blk.shape
     rows = blk.unsqueeze(3).expand(B, H, mc, b, k).reshape(B, H, mc * b, k)[:, :, : r1 - r0]
+    if band is not None:
+        rows = rows & band_mask(*band, used, r0, r1)
     if dense is not None:
         rows = rows | dense[..., None]
     return used, rows & (used[None, :] <= i[:, None])
