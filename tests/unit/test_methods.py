@@ -123,7 +123,8 @@ def test_xattention_and_flexprefill_fast_tiles_equal_the_reference_conversion(n)
     blocks = tiles_to_mask(block_sparse_to_tiles(f.blocks.block_index[None].int(), n), n)
     want = torch.where(f.use_vs[None, :, None, None], vs, blocks)
     for triton in (False, True):
-        assert torch.equal(tiles_to_mask(f.to_tiles(n, triton=triton), n), want), triton
+        f.triton = triton
+        assert torch.equal(tiles_to_mask(f.to_tiles(n), n), want), triton
 
 
 def test_bad_sizes_name_the_field():

@@ -157,7 +157,8 @@ class AShape(PatternBase):
         return AShape(self.sink[h], self.window[h])
 
     @classmethod
-    def for_heads(cls, params, q: Any, k: Any, scale: float, proxy: dict[str, Any], block: int) -> AShape:
+    def for_heads(cls, params, q: Any, k: Any, scale: float, proxy: dict[str, Any], block: int,
+                  triton: bool = False) -> AShape:
         return cls(per_head(params, "sink"), per_head(params, "window"), len(params))
 
     @classmethod

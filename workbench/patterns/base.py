@@ -138,10 +138,11 @@ class Pattern(Protocol):
 
     @classmethod
     def for_heads(cls, params: Sequence[dict[str, int]], q: torch.Tensor, k: torch.Tensor, scale: float,
-                  proxy: dict[str, Any], block: int) -> Pattern:
+                  proxy: dict[str, Any], block: int, triton: bool = False) -> Pattern:
         """One pattern over the H heads whose config `params` are given (all of this kind, vectorised over
         heads, on q's device), indexed online from q `[H, N, D]` and k `[H, N, D]` (each query head's own
-        KV head: the caller resolves GQA)."""
+        KV head: the caller resolves GQA). `triton`: its Triton index builders where it has them (its index and
+        its `to_tiles`)."""
 
     @classmethod
     def build(cls, params: Sequence[dict[str, int] | None], q: torch.Tensor, k: torch.Tensor, scale: float,
@@ -418,7 +419,7 @@ class PatternBase:
     def layer_tiles(cls, params: Sequence[dict[str, int]], q: torch.Tensor, k: torch.Tensor, scale: float,
                     proxy: dict[str, Any], block: int, triton: bool = False) -> tuple[VSTiles, Band | None]:
         n = q.shape[2]
-        parts = [cls.for_heads(params, q[b], k[b], scale, proxy, block) for b in range(q.shape[0])]
+        parts = [cls.for_heads(params, q[b], k[b], scale, proxy, block, triton) for b in range(q.shape[0])]
         band = parts[0].token_band()  # static patterns only: the same for every prompt of the batch
         tiles = stack_batch([p.to_tiles(n).to(q.device) for p in parts])
         return tiles, None if band is None else (band[0].to(q.device), band[1].to(q.device))
@@ -440,7 +441,7 @@ class PromptFree(PatternBase):
 
     @classmethod
     def for_heads(cls, params: Sequence[dict[str, int]], q: Any, k: Any, scale: float, proxy: dict[str, Any],
-                  block: int) -> Pattern:
+                  block: int, triton: bool = False) -> Pattern:
         return cls(*(per_head(params, name) for name in cls.params), n_heads=len(params))
 
     @classmethod

@@ -155,7 +155,7 @@ class BlockSparse(PatternBase):
 
     @classmethod
     def for_heads(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
-                  block: int) -> BlockSparse:
+                  block: int, triton: bool = False) -> BlockSparse:
         return cls(block_proxy(q, k, per_head(params, "topk"), block), block)
 
     @classmethod

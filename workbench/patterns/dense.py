@@ -82,7 +82,7 @@ class Dense(PatternBase):
         return Dense(1)
 
     @classmethod
-    def for_heads(cls, params, q, k, scale, proxy, block) -> Dense:
+    def for_heads(cls, params, q, k, scale, proxy, block, triton=False) -> Dense:
         return cls(len(params))
 
     @classmethod

@@ -39,7 +39,6 @@ from workbench.patterns.tile_select import (
     positions,
     repeat_batch,
     select_tiles,
-    stack_batch,
     tile_count,
 )
 from workbench.patterns.vertical_slash import VerticalSlash
@@ -69,11 +68,12 @@ class FlexPrefill(PatternBase):
         """gamma 0.9 / 0.95, tau 0.1, at least 256 tokens (thresholds: the same at every length)."""
         return [{"gamma_milli": gamma, "tau_milli": 100, "min_budget": 256} for gamma in (900, 950)]
 
-    def __init__(self, use_vs: torch.Tensor, vs: VerticalSlash, blocks: BlockSparse):
+    def __init__(self, use_vs: torch.Tensor, vs: VerticalSlash, blocks: BlockSparse, triton: bool = False):
         if not (use_vs.numel() == vs.n_heads == blocks.n_heads):
             raise ValueError(f"FlexPrefill wants use_vs, vs and blocks for the same heads, got "
                              f"{use_vs.numel()}, {vs.n_heads}, {blocks.n_heads}")
         self.use_vs, self.vs, self.blocks = use_vs.bool().to(vs.columns.device), vs, blocks
+        self.triton = triton  # `to_tiles` through the Triton VS builder
         self.n_heads = vs.n_heads
 
     def row_mask(self, r0: int, r1: int, n: int) -> torch.Tensor:
@@ -83,16 +83,16 @@ class FlexPrefill(PatternBase):
     def edges(self, n: int) -> torch.Tensor:
         return torch.where(self.use_vs, self.vs.edges(n), self.blocks.edges(n))
 
-    def to_tiles(self, n: int, batch: int = 1, triton: bool = False) -> VSTiles:
+    def to_tiles(self, n: int, batch: int = 1) -> VSTiles:
         """The VS heads' tiles where `use_vs`, else the block heads'. Its block table is ascending, causal,
         duplicate-free and holds the diagonal, so those are `selected_block_tiles`' (no sort, no sync); the VS
-        lists (N wide, -1 padded) are cut to the widest head's count (one host sync) and, with `triton`, expanded
+        lists (N wide, -1 padded) are cut to the widest head's count (one host sync) and, with `self.triton`, expanded
         by the Triton builder (`index_build.vs_tiles`) instead of the PyTorch reference (H200, Llama 32/8/128 at
         64K: 214 ms a layer with the reference against dense SDPA's 67; scripts/host_overhead.py --layers)."""
         cols, offs = (x[None].sort(-1, descending=True).values for x in (self.vs.columns, self.vs.offsets))  # -1 last
         kv, ks = (max(int(x), 1) for x in torch.stack([(cols >= 0).sum(-1).max(), (offs >= 0).sum(-1).max()]).tolist())
         cols, offs = cols[..., :kv], offs[..., :ks]
-        if triton:
+        if self.triton:
             from workbench_kernels.index_build import vs_tiles
 
             vs = vs_tiles(cols, offs, n, BLOCK)
@@ -132,17 +132,8 @@ class FlexPrefill(PatternBase):
             pick = lambda a, b: torch.where(mine.view(-1, *[1] * (a.dim() - 1)), a, b)  # noqa: E731
             out = FlexPrefill(pick(f.use_vs, out.use_vs),
                               VerticalSlash(pick(f.vs.columns, out.vs.columns), pick(f.vs.offsets, out.vs.offsets)),
-                              BlockSparse(pick(f.blocks.block_index, out.blocks.block_index), block))
+                              BlockSparse(pick(f.blocks.block_index, out.blocks.block_index), block), triton)
         return out
-
-    @classmethod
-    def layer_tiles(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
-                    block: int, triton: bool = False) -> tuple[VSTiles, None]:
-        """Its index per prompt of the batch (`for_heads`); with `triton` its column / diagonal sums and its VS
-        tiles from the Triton kernels."""
-        parts = [cls.for_heads(params, q[b], k[b], scale, proxy, block, triton).to_tiles(q.shape[2], triton=triton)
-                 for b in range(q.shape[0])]
-        return stack_batch(parts), None
 
     def tiles(self, n: int) -> torch.Tensor:
         return tile_count(self.to_tiles(n))[0]
@@ -202,7 +193,8 @@ def flexprefill(q: torch.Tensor, k: torch.Tensor, scale: float, gamma: float | t
                 triton: bool = False) -> FlexPrefill:
     """FlexPrefill's index of one layer (q `[Hq, N, D]`, k `[Hkv, N, D]`). gamma, tau: float or `[Hq]`;
     min_budget: tokens (columns and offsets for VS heads, min_budget // block blocks for block heads); `triton`:
-    the column / diagonal sums from the Triton passes (`flexprefill_scores`)."""
+    the column / diagonal sums from the Triton passes (`flexprefill_scores`), and its VS tiles from the Triton
+    builder."""
     hq, n, _ = q.shape
     if min_budget < 0:
         raise ValueError(f"min_budget={min_budget} must be >= 0 tokens")
@@ -217,4 +209,4 @@ def flexprefill(q: torch.Tensor, k: torch.Tensor, scale: float, gamma: float | t
     keep = cumulative_keep(sc["block_score"], g1[:, :, None], max(1, math.ceil(min_budget / block)))
     keep |= torch.eye(m, dtype=torch.bool, device=q.device)
     keep &= torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
-    return FlexPrefill(use_vs, VerticalSlash(cols, offs), BlockSparse(positions(keep).int()))
+    return FlexPrefill(use_vs, VerticalSlash(cols, offs), BlockSparse(positions(keep).int()), triton)

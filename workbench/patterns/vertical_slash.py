@@ -160,7 +160,7 @@ class VerticalSlash(PatternBase):
 
     @classmethod
     def for_heads(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
-                  block: int) -> VerticalSlash:
+                  block: int, triton: bool = False) -> VerticalSlash:
         return cls(*vs_proxy(q, k, scale, per_head(params, "vertical"), per_head(params, "slash"), **proxy))
 
     @classmethod

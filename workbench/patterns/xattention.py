@@ -22,6 +22,7 @@ from workbench_kernels.tiling import ints_on
 
 from workbench.patterns.base import (
     BLOCK,
+    PatternBase,
     Reductions,
     Scores,
     Sweep,
@@ -30,7 +31,7 @@ from workbench.patterns.base import (
 )
 from workbench.patterns.block_sparse import BlockSparse
 from workbench.patterns.proxy import _grouped_scores
-from workbench.patterns.tile_select import cumulative_keep, positions, stack_batch
+from workbench.patterns.tile_select import cumulative_keep, positions
 
 STRIDES = (4, 8, 16, 32, 64)
 
@@ -155,13 +156,8 @@ class XAttention(BlockSparse):
                              f"build it with block={BLOCK} to run it")
         return selected_block_tiles(self.block_index.expand(batch, -1, -1, -1))
 
-    @classmethod
-    def layer_tiles(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
-                    block: int, triton: bool = False) -> tuple[VSTiles, None]:
-        """Tiles from its own index (`for_heads`; with `triton` its scores from the Triton kernel), not
-        BlockSparse's pooled top-k."""
-        return stack_batch([cls.for_heads(params, q[b], k[b], scale, proxy, block, triton).to_tiles(q.shape[2])
-                            for b in range(q.shape[0])]), None
+    layer_tiles = PatternBase.__dict__["layer_tiles"]  # its own index per prompt (`for_heads`), not BlockSparse's
+    # pooled top-k
 
     @classmethod
     def for_heads(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
