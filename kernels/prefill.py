@@ -99,7 +99,7 @@ def _row_block(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount, ColumnInde
     SUB: tl.constexpr = BLOCK // ROWS
     m = mid // SUB
     b = (bh // HT).to(tl.int64)
-    ht = bh % HT
+    ht = (bh % HT).to(tl.int64)  # head offsets pass 2^31 elements at 1M tokens x 32 heads
     r = tl.arange(0, PACK * ROWS)
     head = ht * PACK + r // ROWS  # query head of each row, [PACK * ROWS]
     kvh = (ht * PACK) // G
