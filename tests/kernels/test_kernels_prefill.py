@@ -388,7 +388,7 @@ def test_heads_past_two_to_the_31_elements():
     n, d, w = 1 << 24, 64, 64
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (3, 1, 1))
-    o, _ = sparse_prefill(q, k, v, ashape_to_tiles([0] * 3, [w] * 3, n, device="cuda"), sink=torch.zeros(3),
+    o, _ = sparse_prefill(q, k, v, ashape_to_tiles([0] * 3, [w] * 3, n, device="cuda"), sink=torch.zeros(3, dtype=torch.long),
                           window=torch.full((3,), w), warp_specialize=False)
     tail = slice(n - 4 * w, n)
     ro, _ = masked_attention_ref(q[:, :, tail], k[:, :, tail], v[:, :, tail],
