@@ -383,16 +383,16 @@ def test_bf16_model_shapes_every_pattern_per_head_and_packed(Hq, Hkv, D):
 @pytest.mark.gpu
 @pytest.mark.skipif(DEV != "cuda", reason="2^31 elements per tensor need a GPU")
 def test_heads_past_two_to_the_31_elements():
-    """Head offsets past 2^31 elements (Llama's 32 heads at 1M tokens; here 3 heads of 2^24 x 64): a window-only
+    """Head offsets past 2^31 elements (Llama's 32 heads at 1M tokens; here head 8 of 2M x 128): a window-only
     A-shape on its last rows equals the reference on a slice (a window is the same at every position)."""
-    n, d, w = 1 << 24, 64, 64
+    n, d, w, h = 1 << 21, 128, 64, 9
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (3, 1, 1))
-    o, _ = sparse_prefill(q, k, v, ashape_to_tiles([0] * 3, [w] * 3, n, device="cuda"), sink=torch.zeros(3, dtype=torch.long),
-                          window=torch.full((3,), w), warp_specialize=False)
+    q, k, v = (torch.randn(1, x, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for x in (h, 1, 1))
+    o, _ = sparse_prefill(q, k, v, ashape_to_tiles([0] * h, [w] * h, n, device="cuda"),
+                          sink=torch.zeros(h, dtype=torch.long), window=torch.full((h,), w), warp_specialize=False)
     tail = slice(n - 4 * w, n)
     ro, _ = masked_attention_ref(q[:, :, tail], k[:, :, tail], v[:, :, tail],
-                                 ashape_mask([0] * 3, [w] * 3, 4 * w).unsqueeze(0).to(DEV))
+                                 ashape_mask([0] * h, [w] * h, 4 * w).unsqueeze(0).to(DEV))
     torch.testing.assert_close(o[:, :, -2 * w:].float(), ro[:, :, -2 * w:].float(), atol=2e-2, rtol=2e-2)
 
 
