@@ -285,12 +285,13 @@ def ashape_to_tiles(sink: torch.Tensor | list[int], window: torch.Tensor | list[
         raise ValueError("window must be >= 1 and sink >= 0 tokens per head")
     w = width or block
     M = -(-n // block)
+    device = torch.get_default_device() if device is None else torch.device(device)  # e.g. a search's capture device
     win, sk = window.clamp(max=n), sink.clamp(max=n)
     pieces = (win + block - 2) // w + 1  # pieces per row block before the cuts at 0 and n, [H]
     ns, nc = int(pieces.max()), max(int(sk.max()), 1)
     sinks = bool(sk.max() > 0)  # (no sink anywhere: no column lists, e.g. dense heads)
     # cached device copies (`tiling.ints_on`): a copy from pageable host memory would wait for the GPU's queue to drain
-    win, sk, pieces = (ints_on(t, device or "cpu").long().view(-1, 1) for t in (win, sk, pieces))
+    win, sk, pieces = (ints_on(t, device).long().view(-1, 1) for t in (win, sk, pieces))
     base = (torch.arange(M, device=device) * block + block - w).view(1, M)  # highest piece start, [1, M]
     k_hi = torch.minimum(pieces - 1, torch.div(base + w - 1, w, rounding_mode="floor"))  # start > -w
     k_lo = torch.div(base - n, w, rounding_mode="floor").add(1).clamp(min=0)  # start < n

@@ -116,7 +116,7 @@ class AShape(PatternBase):
                                 & causal_rows(r0, r1, n, pos.device))
 
     def edges(self, n: int) -> torch.Tensor:
-        i = torch.arange(n)[None, :]
+        i = torch.arange(n, device=self.sink.device)[None, :]
         g, w = self.sink[:, None], self.window[:, None]
         sink = torch.minimum(g, i + 1)
         band = torch.minimum(w, i + 1)
@@ -128,7 +128,7 @@ class AShape(PatternBase):
 
     def row_tiles(self, n: int, block: int = BLOCK) -> torch.Tensor:
         """Long `[H, M]`: the tiles each row block computes (its sink columns' strips and its band's pieces)."""
-        m = torch.arange(-(-n // block))[None, :]
+        m = torch.arange(-(-n // block), device=self.sink.device)[None, :]
         start, end = m * block, torch.clamp((m + 1) * block, max=n)
         g, w = self.sink[:, None], self.window[:, None]
         sink_hi = -(-torch.minimum(g, end) // block)  # sink tiles [0, sink_hi)

@@ -65,7 +65,7 @@ class TriShape(PromptFree):
         return self.ashape.row_mask(r0, r1, n) | (question & (j <= i))
 
     def edges(self, n: int) -> torch.Tensor:
-        i = torch.arange(n)[None, :]
+        i = torch.arange(n, device=self.last.device)[None, :]
         g, w = self.ashape.sink[:, None], self.ashape.window[:, None]
         sink, band = torch.minimum(g, i + 1), torch.minimum(w, i + 1)
         ashape = sink + band - (sink - (i - w + 1).clamp(min=0)).clamp(min=0)  # keys per row, overlap once
@@ -77,14 +77,14 @@ class TriShape(PromptFree):
         attention over every key), so the lists stay as wide as the band at any length (1M, window 4096: 65
         pieces a row block, where whole question row blocks would make them M = 16384 wide)."""
         band = ashape_to_tiles(self.ashape.sink, self.ashape.window, n)
-        start = (n - self.last.clamp(max=n)).where(self.last > 0, NO_WINDOW).to(torch.int32)
+        start = (n - self.last.clamp(max=n)).where(self.last > 0, NO_WINDOW).to(band.block_count.device, torch.int32)
         tiles = dataclasses.replace(band, dense_from=start[None], dense_rows=int(self.last.clamp(max=n).max()))
         return repeat_batch(tiles, batch)
 
     def tiles(self, n: int) -> torch.Tensor:
         """Long `[H]`, in closed form: the A-shape's tiles on every row block plus, for the dense rows, every causal
         key block of the row blocks they touch."""
-        rows = torch.arange(-(-n // BLOCK))
+        rows = torch.arange(-(-n // BLOCK), device=self.last.device)
         question = torch.clamp((rows + 1) * BLOCK, max=n)[None, :] > n - self.last[:, None]
         return self.ashape.row_tiles(n).sum(1) + torch.where(question, rows + 1, 0).sum(1)
 
