@@ -52,28 +52,34 @@ def masked_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
 def last_rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int, scale: float | None = None,
                         chunk: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact causal attention of the last `rows` query rows over every key they may read (the dense rows of
-    `VSTiles`, e.g. Tri-shape's question): fp32 math, online softmax over key chunks of `chunk` keys, so nothing
-    of size rows x N is held. q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` -> (o `[B, Hq, rows, D]` in q's dtype, lse
-    Float32 `[B, Hq, rows]`), rows N - rows .. N - 1."""
+    `VSTiles`, e.g. Tri-shape's question): online softmax over key chunks of `chunk` keys, so nothing of size
+    rows x N is held. Scores, softmax and sums in fp32; on a GPU the two products take q's fp16 / bf16 with fp32
+    results (tensor cores, as the kernels' dots), elsewhere fp32. q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` -> (o
+    `[B, Hq, rows, D]` in q's dtype, lse Float32 `[B, Hq, rows]`), rows N - rows .. N - 1."""
     B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
     rows = min(rows, N)
     G, first = Hq // Hkv, N - rows
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
-    qr = q[:, :, first:].float().reshape(B, Hkv, G * rows, D) * scale
+    half = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+    def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(a.to(q.dtype), b, out_dtype=torch.float32) if half else a.float() @ b.float()
+
+    qr = q[:, :, first:].reshape(B * Hkv, G * rows, D)  # the G heads of a KV head, their rows one after another
     i = torch.arange(first, N, device=q.device).repeat(G)[:, None]  # each packed row's position
-    m = torch.full((B, Hkv, G * rows), float("-inf"), device=q.device)
+    m = torch.full((B * Hkv, G * rows), float("-inf"), device=q.device)
     l = torch.zeros_like(m)
-    acc = torch.zeros(B, Hkv, G * rows, D, device=q.device)
+    acc = torch.zeros(B * Hkv, G * rows, D, device=q.device)
     for c0 in range(0, N, chunk):  # key 0 lies in the first chunk: every row's max is finite from there on
         c1 = min(c0 + chunk, N)
-        s = qr @ k[:, :, c0:c1].float().transpose(-1, -2)
+        s = mm(qr, k[:, :, c0:c1].reshape(B * Hkv, c1 - c0, D).transpose(1, 2)) * scale
         if c1 - 1 > first:
             s.masked_fill_(torch.arange(c0, c1, device=q.device)[None, :] > i, float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         p = torch.exp(s - m_new[..., None])
         alpha = torch.exp(m - m_new)
         l = l * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + p @ v[:, :, c0:c1].float()
+        acc = acc * alpha[..., None] + mm(p, v[:, :, c0:c1].reshape(B * Hkv, c1 - c0, D))
         m = m_new
     o = (acc / l[..., None]).view(B, Hq, rows, D)
     return o.to(q.dtype), (m + torch.log(l)).view(B, Hq, rows)
