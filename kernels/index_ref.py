@@ -491,12 +491,14 @@ def tile_area(tiles: VSTiles, n: int) -> torch.Tensor:
     """Physical (query, key) pairs computed per head, Long `[B, H]` (piece rows x piece width + column
     strips, before causal masking; what the loop's tensor cores do). The Gluon kernel walks head columns as whole
     64-key strips (a row block's columns rounded up, the covered ones masked, `prefill_ws`) and pairs items in
-    128-key steps (an odd last item adds a masked half): a little more than this."""
+    128-key steps (an odd last item adds a masked half): a little more than this. A row block that holds dense rows
+    counts as every causal key block (its band pieces and dense rows cost about that)."""
     M = tiles.shape[-1]
     rows = torch.full((M,), tiles.block, device=tiles.block_count.device)
     rows[-1] = n - (M - 1) * tiles.block
     per_block = tiles.block_count.long() * tiles.piece + tiles.column_count.long()
-    area = (per_block * rows).sum(-1)
-    if tiles.dense_from is not None:  # the dense rows, every key (`last_rows_attention` masks in key chunks)
-        area += (n - tiles.dense_from.long()).clamp(min=0) * n
-    return area
+    if tiles.dense_from is not None:  # a row block that holds dense rows: every causal key block
+        m = torch.arange(M, device=per_block.device)
+        per_block = torch.where(m >= (tiles.dense_from.long() // tiles.block)[..., None], (m + 1) * tiles.block,
+                                per_block)
+    return (per_block * rows).sum(-1)

@@ -53,15 +53,13 @@ def stack_batch(parts: list[VSTiles]) -> VSTiles:
 
 
 def tile_count(tiles: VSTiles) -> torch.Tensor:
-    """Long `[B, H]`: tiles the kernel computes (pieces plus column strips packed `piece` at a time), and for
-    dense rows every causal key block of the row blocks they touch."""
-    strips = -(-tiles.column_count.long() // tiles.piece)
-    count = (tiles.block_count.long() + strips).sum(-1)
+    """Long `[B, H]`: tiles the kernel computes (pieces plus column strips packed `piece` at a time); a row block
+    that holds dense rows counts as every causal key block (at most the causal tiles, like a dense head)."""
+    per_block = tiles.block_count.long() + -(-tiles.column_count.long() // tiles.piece)
     if tiles.dense_from is not None:
-        m = torch.arange(tiles.shape[-1], device=count.device)
-        touched = m >= (tiles.dense_from.long() // tiles.block)[..., None]
-        count += torch.where(touched, m + 1, 0).sum(-1)
-    return count
+        m = torch.arange(tiles.shape[-1], device=per_block.device)
+        per_block = torch.where(m >= (tiles.dense_from.long() // tiles.block)[..., None], m + 1, per_block)
+    return per_block.sum(-1)
 
 
 def cumulative_keep(weight: torch.Tensor, share: float | torch.Tensor, min_keep: int = 1) -> torch.Tensor:

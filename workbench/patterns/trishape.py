@@ -82,11 +82,11 @@ class TriShape(PromptFree):
         return repeat_batch(tiles, batch)
 
     def tiles(self, n: int) -> torch.Tensor:
-        """Long `[H]`, in closed form: the A-shape's tiles on every row block plus, for the dense rows, every causal
-        key block of the row blocks they touch."""
+        """Long `[H]`, in closed form (`tile_count` of `to_tiles`): the A-shape's tiles per row block, every causal key
+        block on the row blocks that hold a question row."""
         rows = torch.arange(-(-n // BLOCK), device=self.last.device)
         question = torch.clamp((rows + 1) * BLOCK, max=n)[None, :] > n - self.last[:, None]
-        return self.ashape.row_tiles(n).sum(1) + torch.where(question, rows + 1, 0).sum(1)
+        return torch.where(question, rows + 1, self.ashape.row_tiles(n)).sum(1)
 
     def token_band(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The A-shape's (sink, window): exact on the lists' rows; the dense rows read every key after them."""
