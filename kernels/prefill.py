@@ -27,6 +27,8 @@ from .prefill_ref import check_prefill_args, last_rows_attention
 from .schedule import LOG2E, work_order
 from .tiling import band_on
 
+GRID_Y = 65535  # CUDA's largest grid along y: one program per row block reaches it past 4M tokens (64-row blocks)
+
 
 @triton.jit
 def _online_update(qk, qk_scale, v, m_i, l_i, acc):
@@ -292,7 +294,8 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     `tiles.disjoint`); False: one loop that masks the pieces it finds on an edge. `tma` (with `split`,
     on Hopper or newer): K/V tiles, and a per-head program's Q and O rows, through tensor descriptors
     (TMA). None: the fastest on the H200 for this program shape (`loop_variant`). `persistent`: one
-    program per SM slot looping over the row blocks in `work_order` (None: `loop_variant`'s choice), with
+    program per SM slot looping over the row blocks in `work_order` (None: `loop_variant`'s choice, and always past
+    `GRID_Y` row-block programs per head, i.e. past 4M tokens with 64-row blocks), with
     `kv_major` every row block of one KV head's heads before the next KV head's (None: for Vertical-Slash column
     lists, whose near-dense tiles stream a KV head's whole K/V: H200, VS(1000, 6096), 64K / 128K, 1.07x / 1.12x
     the loop's speed, 1.27x / 1.31x the Gluon kernel's; block-sparse per head ran 3-7 % slower with it);
@@ -339,7 +342,11 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     columns = tiles.column_index.shape[-1] > 1 and window is None  # Vertical-Slash column lists (a static width)
     kv_major = columns if kv_major is None else kv_major
     auto_split, auto_tma, auto_persistent = loop_variant(pack, columns, hopper, D)
-    persistent = auto_persistent if persistent is None else persistent
+    programs = M * (tiles.block // rows)  # per (batch, head): the grid's second axis unless persistent
+    if persistent is False and programs > GRID_Y:
+        raise ValueError(f"persistent=False launches {programs} programs per head along the grid's y axis, more than "
+                         f"CUDA's {GRID_Y} (N = {N} tokens): use persistent=True or None")
+    persistent = (auto_persistent or programs > GRID_Y) if persistent is None else persistent
     split = auto_split if split is None else split
     tma = (auto_tma and split) if tma is None else tma
     if tma and not (split and (q.device.type != "cuda" or hopper)):

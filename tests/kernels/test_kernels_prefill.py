@@ -289,6 +289,16 @@ def test_bad_tiles_name_the_problem():
         sparse_prefill(q, k.expand(1, 2, 100, 64), v.expand(1, 2, 100, 64), tiles)
 
 
+def test_more_row_blocks_than_the_grid_takes_need_the_persistent_launch():
+    """Past 65535 row-block programs per head (4M tokens) a launch of one program per row block is refused by name
+    before any work (the default switches to the persistent launch)."""
+    n = 65536 * 64 + 1
+    q = torch.zeros(1, 1, n, 16, dtype=torch.float16, device=DEV)
+    tiles = ashape_to_tiles([0], [64], n, device=DEV)
+    with pytest.raises(ValueError, match="persistent=True or None"):
+        sparse_prefill(q, q, q, tiles, persistent=False, warp_specialize=False)
+
+
 def test_warp_specialized_kernel_is_chosen_only_where_it_takes_the_tiles():
     """The Gluon kernel takes 64 x 64 block tiles without columns or A-shape masks, per head or with an even group,
     on sm_90; elsewhere the default is the Triton-language loop, and forcing the Gluon kernel names why not."""
