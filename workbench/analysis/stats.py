@@ -8,9 +8,8 @@ summation order). `backend("triton")` forces the kernels (on the CPU they need T
 
 The kernel path pools the maps at a cell (ceil(N / resolution)) and a `block` that divide 64 or are
 larger than 64; other sizes (a cell of 20 or 48, say) run the reference. `captured_mass` runs the
-kernel when the index's tiles plus its token band (`Pattern.to_tiles`, `token_band`) keep exactly its
-logical edges (`edges`), or when the index says which tokens it keeps (`token_sets(n)`); otherwise
-the reference.
+kernel when the index's tiles plus its token band and dense rows (`Pattern.to_tiles`, `token_band`) keep
+exactly its logical edges (`edges`); otherwise the reference.
 
 `window_map` re-reduces one head over a window of its attention (a zoom into the pooled map) at the
 finest cell that fits the screen, exactly: each row keeps its full causal softmax normaliser.
@@ -81,16 +80,12 @@ def layer_stats(q: torch.Tensor, k: torch.Tensor, scale: float, resolution: int 
 
 
 def kernel_rule(index: RowMasked, n: int) -> TokenRule | None:
-    """The index as the captured-mass kernel reads it: its tiles plus its token band, or its own token
-    sets when it has `token_sets(n)` (keys, offsets; see `TokenRule`). None when the index has
-    no tiles (the reference reads `row_mask` only)."""
+    """The index as the captured-mass kernel reads it: its tiles (with their dense rows) plus its token band
+    (`TokenRule`). None when the index has no tiles (the reference reads `row_mask` only)."""
     to_tiles = getattr(index, "to_tiles", None)
     if to_tiles is None:
         return None
     tiles = to_tiles(n)
-    sets = getattr(index, "token_sets", None)
-    if sets is not None:
-        return TokenRule(tiles, *sets(n))
     band = index.token_band() if hasattr(index, "token_band") else None
     return TokenRule(tiles) if band is None else TokenRule.banded(tiles, band[0], band[1], n)
 
@@ -100,8 +95,8 @@ def captured_mass(q: torch.Tensor, k: torch.Tensor, scale: float, index: RowMask
     """Exact dense probability mass that `index` keeps, per query row: `[Hq, N]` in [0, 1].
 
     The kernel path counts the tokens it kept per head; when that is not the index's logical edge
-    count (`edges(n)`: its tiles cover more than its mask, as Vertical-Slash pieces do) and the index
-    has no `token_sets`, the reference recomputes the mass from `row_mask`. `lse` `[Hq, N]` (the rows'
+    count (`edges(n)`: its tiles cover more than its mask, as Vertical-Slash pieces do), the reference
+    recomputes the mass from `row_mask`. `lse` `[Hq, N]` (the rows'
     log-normalisers, e.g. `LayerSums.lse`) saves the kernel path its first pass."""
     ref.check_qk(q, k)
     n = q.shape[1]
@@ -111,8 +106,7 @@ def captured_mass(q: torch.Tensor, k: torch.Tensor, scale: float, index: RowMask
             from workbench_kernels import attn_stats
 
             mass, count = attn_stats.captured_mass(q, k, scale, rule, lse)
-            if hasattr(index, "token_sets") or torch.equal(count.sum(1, dtype=torch.int64).cpu(),
-                                                           index.edges(n).cpu().long()):
+            if torch.equal(count.sum(1, dtype=torch.int64).cpu(), index.edges(n).cpu().long()):
                 return mass
     return ref.captured_mass(q, k, scale, index, chunk)
 
