@@ -53,9 +53,9 @@ class VSTiles:
     every row block m): row block m reads column c iff c < m*block and covered[m*block - c + block - 1] == 0,
     which is its `column_index` list (`index_build.vs_tiles(head_columns=True)`).
     Rows outside the lists, optionally (Tri-shape's question): dense_from Int32 `[B, H]`, the first query row of each
-    head that attends to every causal key (`NO_WINDOW`: none), and `dense_rows`, the static count of last rows a
-    launch computes densely after the lists (>= n - min(dense_from); `prefill_ref.last_rows_attention`). The lists
-    need not cover those rows, so a long question adds no list width.
+    head that attends to every causal key (`NO_WINDOW`: none), and `dense_rows` > 0, the static count of last rows a
+    launch computes densely after the lists (>= n - min(dense_from); `prefill_ref.last_rows_attention`); both unset
+    (None, 0) without dense rows. The lists need not cover those rows, so a long question adds no list width.
     """
 
     block_count: torch.Tensor

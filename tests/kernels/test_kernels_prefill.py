@@ -242,6 +242,11 @@ def test_dense_rows_beside_lists_in_one_launch(dtype):
     assert torch.equal(mask[:, 2:4], tiles_to_mask(tri.to_tiles(n, B), n))
     assert not (tri.to_mask(n) & ~mask[0, 2:4]).any()
     check(sparse_prefill(q, k, v, tiles), masked_attention_ref(q, k, v, mask.to(DEV)), dtype)
+    no_question = TriShape(torch.tensor([3, 0]), torch.tensor([20, 70]), torch.tensor([0, 0])).to_tiles(n, B)
+    assert no_question.dense_from is None and no_question.dense_rows == 0
+    tiles = merge_tiles([([0, 4], vs_to_tiles(cols, offs, n)), ([1, 5], tri.to_tiles(n, B)), ([2, 3], no_question)], Hq)
+    assert tiles.dense_from[0].tolist() == [NO_WINDOW, 170, NO_WINDOW, NO_WINDOW, NO_WINDOW, 63]
+    check(sparse_prefill(q, k, v, tiles), masked_attention_ref(q, k, v, tiles_to_mask(tiles, n).to(DEV)), dtype)
     shared = TriShape(torch.tensor([3, 0]), torch.tensor([20, 70]), torch.tensor([0, 64])).to_tiles(n, B)
     check(sparse_prefill(q, k, v, shared),
           masked_attention_ref(q, k, v, tiles_to_mask(expand_groups(shared, Hq // Hkv), n).to(DEV)), dtype)

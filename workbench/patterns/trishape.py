@@ -77,9 +77,11 @@ class TriShape(PromptFree):
         attention over every key), so the lists stay as wide as the band at any length (1M, window 4096: 65
         pieces a row block, where whole question row blocks would make them M = 16384 wide)."""
         band = ashape_to_tiles(self.ashape.sink, self.ashape.window, n)
+        rows = int(self.last.clamp(max=n).max())
+        if rows == 0:  # no question on any head: the A-shape's tiles
+            return repeat_batch(band, batch)
         start = (n - self.last.clamp(max=n)).where(self.last > 0, NO_WINDOW).to(band.block_count.device, torch.int32)
-        tiles = dataclasses.replace(band, dense_from=start[None], dense_rows=int(self.last.clamp(max=n).max()))
-        return repeat_batch(tiles, batch)
+        return repeat_batch(dataclasses.replace(band, dense_from=start[None], dense_rows=rows), batch)
 
     def tiles(self, n: int) -> torch.Tensor:
         """Long `[H]`, in closed form (`tile_count` of `to_tiles`): the A-shape's tiles per row block, every causal key
