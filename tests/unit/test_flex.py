@@ -14,9 +14,10 @@ from workbench.prefill.sparse import SparsePrefill
 
 SHAPE = ModelShape(name="tiny", architecture="llama", n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16,
                    hidden_size=64, rope_type="default", rope_theta=10000.0, max_positions=2048, fingerprint="f")
-LAYERS = [  # layer 0 mixes every pattern, 1 is static, 2 is all online
+LAYERS = [  # layer 0 mixes every pattern, 1 is static (with a Tri-shape head), 2 is all online
     [("vs", {"vertical": 40, "slash": 70}), ("ashape", {"sink": 8, "window": 96}), ("block", {"topk": 2}), ("dense", {})],
-    [("ashape", {"sink": 4, "window": 50}), ("dense", {}), ("ashape", {"sink": 0, "window": 130}), ("dense", {})],
+    [("ashape", {"sink": 4, "window": 50}), ("dense", {}), ("trishape", {"sink": 0, "window": 130, "last": 40}),
+     ("dense", {})],
     [("block", {"topk": 1}), ("vs", {"vertical": 8, "slash": 20}), ("vs", {"vertical": 100, "slash": 5}), ("block", {"topk": 3})],
 ]
 CONFIG = HeadConfig(model=SHAPE.to_dict(), heads=[HeadEntry(l, h, p, dict(params)) for l, layer in enumerate(LAYERS)

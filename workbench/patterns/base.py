@@ -349,8 +349,8 @@ class PatternBase:
       None where there is none.
 
     `static`: `layer_tiles` reads only q's shape and device (not its values, nor k's): no online index, so
-    the prefill neither gathers q/k for these heads nor rebuilds their tiles per call, and a FlexAttention
-    export writes the mask from `token_band` alone."""
+    the prefill neither gathers q/k for these heads nor rebuilds their tiles per call, and its mask is its token
+    band plus its tiles' dense rows (what a FlexAttention export writes: A-shape, dense, Tri-shape)."""
 
     n_heads: int
     kind: ClassVar[str]

@@ -37,6 +37,7 @@ class TriShape(PromptFree):
     title = "Tri-shape"
     params = ("sink", "window", "last")
     order = 50
+    static = True  # its mask: the A-shape's band plus the question's dense rows
     bench_kernel = None
     minference_attn_type = "tri_shape"
     sweep = Sweep("tri-shape", "window", (256, 512, 1024), lambda v: {"sink": 64, "window": int(v), "last": 64},

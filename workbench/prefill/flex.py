@@ -12,7 +12,7 @@ Two key sets, both per layer and per prompt length n:
   `block_mask(..., physical=True)` gives the physical set from the patterns' `to_tiles` / `token_band`.
 
 Vertical-Slash and block-sparse heads are indexed online from the prompt: their masks need that prompt's
-q and k (`block_mask(..., q=, k=)`), as in the Triton path. A-shape and dense heads need nothing: a layer
+q and k (`block_mask(..., q=, k=)`), as in the Triton path. A-shape, Tri-shape and dense heads need nothing: a layer
 whose heads are all static gets its mask from the config alone (`static_layers`); that is what
 `workbench export --format flex` writes (`save_masks` / `load_masks`); layers with online heads are listed
 there as needing a prompt.
@@ -142,7 +142,7 @@ def tiles_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: An
     return out
 
 
-STATIC_KINDS = tuple(kind for kind, cls in PATTERNS.items() if cls.static)  # masks from the config alone (A-shape, dense)
+STATIC_KINDS = tuple(kind for kind, cls in PATTERNS.items() if cls.static)  # masks from the config alone
 
 
 def online_heads(config: HeadConfig, layer: int) -> list[int]:
@@ -151,7 +151,7 @@ def online_heads(config: HeadConfig, layer: int) -> list[int]:
 
 
 def static_layers(config: HeadConfig) -> list[int]:
-    """Layers whose every head has a prompt-independent mask (A-shape, dense)."""
+    """Layers whose every head has a prompt-independent mask (A-shape, Tri-shape, dense)."""
     return [l for l in range(config.model["n_layers"]) if not online_heads(config, l)]
 
 
@@ -190,16 +190,19 @@ def block_mask(config: HeadConfig, layer: int, n: int, device: torch.device | st
 
 
 def save_masks(config: HeadConfig, n: int, path: str | Path) -> dict[str, Any]:
-    """Write the static layers' masks at length n (per head sink / window tokens; dense heads: no window)
-    and the online layers' heads to `path` (torch.save; `load_masks` rebuilds the BlockMasks)."""
+    """Write the static layers' masks at length n (per head sink / window tokens, dense heads no window; `first`, the
+    first row that reads every causal key: Tri-shape's question, n where none) and the online layers' heads to `path`
+    (torch.save; `load_masks` rebuilds the BlockMasks)."""
     from workbench.core.io import atomic_path
 
     layers = {}
     for l in static_layers(config):
-        band = layer_index(config, l, n).token_band()
+        index = layer_index(config, l, n)
+        band, start = index.token_band(), index.to_tiles(n).dense_from
         h = config.model["n_heads"]
         sink, window = band if band is not None else (torch.zeros(h, dtype=torch.long), torch.full((h,), n))
-        layers[l] = {"sink": sink.long(), "window": window.long()}
+        first = torch.full((h,), n) if start is None else start[0].long().clamp(max=n)
+        layers[l] = {"sink": sink.long(), "window": window.long(), "first": first}
     data = {"format": FORMAT, "n": n, "n_heads": config.model["n_heads"], "model": config.model["name"],
             "layers": layers,
             "online": {l: online_heads(config, l) for l in range(config.model["n_layers"]) if l not in layers},
@@ -217,8 +220,9 @@ def load_masks(path: str | Path, device: torch.device | str = "cpu") -> dict[int
     out = {}
     for l, d in data["layers"].items():
         sink, window = d["sink"].to(device), d["window"].to(device)
+        first = d.get("first", torch.full_like(d["sink"], data["n"])).to(device)  # files before Tri-shape: none
 
-        def mask_mod(b, h, q_idx, kv_idx, sink=sink, window=window):
-            return masks.ashape(q_idx, kv_idx, sink[h], window[h])
+        def mask_mod(b, h, q_idx, kv_idx, sink=sink, window=window, first=first):
+            return masks.ashape(q_idx, kv_idx, sink[h], window[h]) | ((q_idx >= first[h]) & masks.causal(q_idx, kv_idx))
         out[l] = make_block_mask(mask_mod, data["n_heads"], data["n"], device)
     return out
