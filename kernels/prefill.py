@@ -320,7 +320,7 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     if warp_specialize:
         o, lse = _warp_specialized(q, k, v, tiles, scale, sink, window,
                                    tiles.head_columns is not None if kv_major is None else kv_major)
-        return with_dense_rows(o, lse, q, k, v, tiles, scale)
+        return write_dense_rows(o, lse, q, k, v, tiles, scale)
     if D & (D - 1) or not 16 <= D <= 256:
         raise ValueError(f"head_dim must be a power of two in 16..256 for the Triton kernel, got {D}")
     if pack_rows is None:
@@ -392,7 +392,7 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
 
     if num_stages is not None:
         launch(num_stages)
-        return with_dense_rows(o, lse, q, k, v, tiles, scale)
+        return write_dense_rows(o, lse, q, k, v, tiles, scale)
     kind = (dev, q.dtype, D, block, tiles.piece, pack, rows, split, tma, persistent, has_window,
             num_warps or auto_warps)
     for stages in range(_FITTING_STAGES.get(kind, auto_stages), 0, -1):  # fewer stages until the tiles fit this
@@ -403,10 +403,10 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
         except OutOfResources:
             if stages == 1:
                 raise
-    return with_dense_rows(o, lse, q, k, v, tiles, scale)
+    return write_dense_rows(o, lse, q, k, v, tiles, scale)
 
 
-def with_dense_rows(o: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def write_dense_rows(o: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     tiles: VSTiles, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The lists' result (o `[B, Hq, N, D]`, lse `[B, Hq, N]`) with the rows `tiles.dense_from` marks replaced by
     exact causal attention over every key (`last_rows_attention` over the last `tiles.dense_rows` rows, in place)."""

@@ -85,9 +85,9 @@ def tiles_mask_mod(tiles: Any, n: int, sink: torch.Tensor | None = None,
         return listed
     start = tiles.dense_from[0].to(bits.device)
 
-    def with_dense_rows(b, h, q_idx, kv_idx):
+    def listed_or_dense(b, h, q_idx, kv_idx):
         return listed(b, h, q_idx, kv_idx) | ((q_idx >= start[h]) & masks.causal(q_idx, kv_idx))
-    return with_dense_rows
+    return listed_or_dense
 
 
 def make_block_mask(mask_mod: MaskMod, n_heads: int, n: int, device: torch.device | str,
