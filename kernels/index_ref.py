@@ -98,6 +98,14 @@ class VSTiles:
         start = torch.full((B, H), NO_WINDOW, dtype=torch.int32, device=self.block_count.device)
         return dataclasses.replace(self, dense_from=start, dense_rows=rows)
 
+    def dense_blocks(self) -> torch.Tensor | None:
+        """Bool `[B, H, M]`: the row blocks that hold a dense row (counted as every causal key block: `tile_area`,
+        `tile_count`); None without dense rows."""
+        if self.dense_from is None:
+            return None
+        m = torch.arange(self.shape[-1], device=self.dense_from.device)
+        return m >= (self.dense_from.long() // self.block)[..., None]
+
     def dense_mask(self, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor | None:
         """Bool, broadcast of `[B, H, 1, 1]` with query rows i and keys j: (i, j) lies in a dense row (causal);
         None without dense rows."""
@@ -497,8 +505,7 @@ def tile_area(tiles: VSTiles, n: int) -> torch.Tensor:
     rows = torch.full((M,), tiles.block, device=tiles.block_count.device)
     rows[-1] = n - (M - 1) * tiles.block
     per_block = tiles.block_count.long() * tiles.piece + tiles.column_count.long()
-    if tiles.dense_from is not None:  # a row block that holds dense rows: every causal key block
-        m = torch.arange(M, device=per_block.device)
-        per_block = torch.where(m >= (tiles.dense_from.long() // tiles.block)[..., None], (m + 1) * tiles.block,
-                                per_block)
+    dense = tiles.dense_blocks()
+    if dense is not None:  # a row block that holds dense rows: every causal key block
+        per_block = torch.where(dense, (torch.arange(M, device=dense.device) + 1) * tiles.block, per_block)
     return (per_block * rows).sum(-1)

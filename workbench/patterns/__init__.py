@@ -27,7 +27,7 @@ kind's member from another registered kind):
 - the `Pattern` methods (`row_mask`, `edges`, `tiles`, `to_tiles`, `mask_mod`, `shapes`, `head`, and the
   classmethod `for_heads` that indexes one layer's heads, online from q and k where it needs them;
   `token_band` only if the kernel needs a per-token mask on top of the tiles; `static = True` if its index
-  needs no prompt and its whole mask is `token_band` plus causality; subclass `PromptFree` instead of
+  needs no prompt and its whole mask is `token_band` plus its tiles' dense rows, causal; subclass `PromptFree` instead of
   `PatternBase` if its index reads only its params and n: it then builds from the params alone and a layer's
   tiles are cached);
 - where it applies: `grid(n)` (search candidates; `default_search = True` puts them in

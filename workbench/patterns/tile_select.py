@@ -56,9 +56,9 @@ def tile_count(tiles: VSTiles) -> torch.Tensor:
     """Long `[B, H]`: tiles the kernel computes (pieces plus column strips packed `piece` at a time); a row block
     that holds dense rows counts as every causal key block (at most the causal tiles, like a dense head)."""
     per_block = tiles.block_count.long() + -(-tiles.column_count.long() // tiles.piece)
-    if tiles.dense_from is not None:
-        m = torch.arange(tiles.shape[-1], device=per_block.device)
-        per_block = torch.where(m >= (tiles.dense_from.long() // tiles.block)[..., None], m + 1, per_block)
+    dense = tiles.dense_blocks()
+    if dense is not None:
+        per_block = torch.where(dense, torch.arange(tiles.shape[-1], device=dense.device) + 1, per_block)
     return per_block.sum(-1)
 
 
