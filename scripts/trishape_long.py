@@ -1,11 +1,12 @@
 """Exploratory (GPU): a layer of Tri-shape heads at long lengths, as `SparsePrefill` runs it (random weights,
 random q / k / v at the shape; no model). Its question rows are dense rows outside the tile lists
-(`VSTiles.dense_from`), so the lists stay as wide as the band at any length. Per length: the layer beside an A-shape
-layer of the same band (its lists alone) and the dense rows alone (`last_rows_attention`), timed in turn
-(`paired_ms`); dense causal SDPA where `--dense-up-to` allows (one call at 1M takes seconds); the width of the lists;
-and a check of the layer's output against the A-shape layer on the rows before the question and against SDPA under
-an explicit mask on the question rows (the A-shape layer runs its own Gluon kernel where it takes the layer, so the
-rows before the question agree to bf16 rounding, not bit for bit).
+(`VSTiles.dense_from`), so the lists stay as wide as the band at any length. Per length: the layer (A-shape's Gluon
+kernel over the band where it takes the layer, then the dense rows: `TriShape.layer_attention`) beside the one
+launch of the loop over its tiles, an A-shape layer of the same band (its lists alone) and the dense rows alone
+(`last_rows_attention`), timed in turn (`paired_ms`); dense causal SDPA where `--dense-up-to` allows (one call at
+1M takes seconds); the width of the lists; and checks: the rows before the question against the A-shape layer
+(the same kernel where both take the Gluon route: equal), the question rows against SDPA under an explicit mask,
+the whole layer against the loop's launch (another kernel: bf16 rounding).
 
     python3 scripts/trishape_long.py --lengths 131072,262144,1048576 --out trishape_long.json
 """
@@ -17,6 +18,7 @@ import time
 
 import torch
 from workbench_benchmarks.kernels_prefill import SHAPES, one_kind_layer
+from workbench_kernels.prefill import sparse_prefill
 from workbench_kernels.prefill_ref import last_rows_attention
 
 from workbench.core.io import write_json
@@ -39,10 +41,12 @@ def one_length(args: argparse.Namespace, n: int) -> dict:
         shape, config = one_kind_layer(args.shape, kind, params)
         layers[kind] = SparsePrefill(None, shape, config, min_length=0)
     t0 = time.perf_counter()
-    tiles = layers["trishape"].layer_index(0, q, k, scale, "triton")[0]  # first call: builds and caches the tiles
+    index = layers["trishape"].layer_index(0, q, k, scale, "triton")  # first call: builds and caches the tiles
     build_s = time.perf_counter() - t0
+    tiles = index[0]
     calls = {kind: (lambda sp=sp: sp.layer_kernel(0, sp.layer_index(0, q, k, scale, "triton"), q, k, v, scale,
                                                    "triton")) for kind, sp in layers.items()}
+    calls["trishape_loop"] = lambda: sparse_prefill(q, k, v, tiles, sink=index[1], window=index[2], scale=scale)[0]
     calls["dense_rows"] = lambda: last_rows_attention(q, k, v, args.last, scale)
     out = {kind: fn() for kind, fn in calls.items()}
     first = n - args.last
@@ -54,7 +58,9 @@ def one_length(args: argparse.Namespace, n: int) -> dict:
            "column_width": tiles.column_index.shape[-1], "dense_rows": tiles.dense_rows,
            "band_rows_rel_err_vs_ashape": rel(tri[:, :, :first], out["ashape"][:, :, :first]),
            "question_rel_err_vs_sdpa": rel(tri[:, :, first:], ref),
-           **dict(zip(("trishape_ms", "ashape_ms", "dense_rows_ms"), paired_ms(list(calls.values()))))}
+           "rel_err_vs_loop": rel(tri, out["trishape_loop"]),
+           **dict(zip(("trishape_ms", "ashape_ms", "trishape_loop_ms", "dense_rows_ms"),
+                      paired_ms(list(calls.values()))))}
     if n <= args.dense_up_to:
         row["dense_sdpa_ms"] = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=True))

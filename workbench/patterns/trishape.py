@@ -8,6 +8,7 @@ question rows are dense rows of the tiles (`VSTiles.dense_from`), computed after
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 from workbench_kernels import masks
@@ -24,6 +25,7 @@ from workbench.patterns.base import (
     check_head,
     check_rows,
     default_budget,
+    per_head,
     register_pattern,
 )
 from workbench.patterns.tile_select import repeat_batch
@@ -83,6 +85,19 @@ class TriShape(PromptFree):
             return repeat_batch(band, batch)
         start = (n - self.last.clamp(max=n)).where(self.last > 0, NO_WINDOW).to(band.block_count.device, torch.int32)
         return repeat_batch(dataclasses.replace(band, dense_from=start[None], dense_rows=rows), batch)
+
+    @classmethod
+    def layer_attention(cls, params: Sequence[dict[str, int]], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        scale: float) -> torch.Tensor | None:
+        """A-shape's Gluon kernel over the band (`ashape_gluon`: sm_90, head_dim 128, heads 2j and 2j + 1 of one
+        band), then the question's dense rows (`write_dense_rows`, from the layer's cached tiles); else None."""
+        from workbench_kernels.prefill import ashape_gluon, write_dense_rows
+
+        out = ashape_gluon(q, k, v, per_head(params, "sink"), per_head(params, "window"), scale)
+        if out is None:
+            return None
+        tiles, _ = cls.layer_tiles(params, q, k, scale, {}, BLOCK)
+        return write_dense_rows(*out, q, k, v, tiles, scale)[0]
 
     def tiles(self, n: int) -> torch.Tensor:
         """Long `[H]`, in closed form (`tile_count` of `to_tiles`): the A-shape's tiles per row block, every causal key
