@@ -12,7 +12,9 @@ tile area (pieces x width + packed columns, per row block) / causal pairs; effec
 4 * head_dim * tile area / time; ratio_to_dense_tflops divides by dense SDPA's causal TFLOP/s of the
 same run (the faster of its two GQA forms, K/V repeated per query head or `enable_gqa`: `dense_form`, both
 times in `dense_forms_ms`); paired_ratio_to_dense_tflops: the same for the default, timed in turn with dense SDPA over five
-rounds (`paired_ms`, medians: both see the GPU's clock and power state of the moment); index_ms = building
+rounds (`paired_ms`, medians: both see the GPU's clock and power state of the moment); route_paired_ratio_to_dense_tflops
+(A-shape): the same for `ashape_prefill`, the route a user calls (the Gluon shared ring on the H200, where the row's
+default is the loop over per-head tiles); index_ms = building
 the index and its tiles for all heads of the layer (no host sync);
 flex_* = FlexAttention on a BlockMask of the 64-aligned blocks our tiles touch (VS: exact logical
 mask via mask_mod, since Flex cannot gather columns), compile time reported separately.
@@ -545,7 +547,7 @@ def compare_minference(args: argparse.Namespace) -> int:
     import torch
     from workbench_kernels.index_build import block_index, block_tiles, pooled_scores, select_blocks, vs_index, vs_tiles
     from workbench_kernels.index_ref import VSTiles, ashape_to_tiles, expand_groups, selected_block_tiles, tile_area
-    from workbench_kernels.prefill import default_config, loop_variant, sparse_prefill
+    from workbench_kernels.prefill import ashape_prefill, default_config, loop_variant, sparse_prefill
     from workbench_kernels.prefill_ws import (
         ASHAPE_LAUNCH,
         HEAD_LAUNCH,
@@ -805,7 +807,10 @@ def compare_minference(args: argparse.Namespace) -> int:
                                                   out, "ws_shared")
                         ws.update(shared_ring)
                 r = row("a_shape" + ("_packed" if shared else ""), tiles, times, best, index_ms=t_a, **ws)
-                if not shared:
+                if not shared:  # the deployed route (`ashape_prefill`: the shared ring on the H200) in turn with dense
+                    paired_dense, r["route_paired_ms"] = paired_ms(
+                        [dense, lambda: ashape_prefill(q, k, v, sink, window, scale=scale)])
+                    r["route_paired_ratio_to_dense_tflops"] = r["physical_density"] * paired_dense / r["route_paired_ms"]
                     with_flex(r, tiles, "a_shape", AShape(args.sink, args.window, hq).mask_mod(n, dev), sink=sink,
                               window=window)
                 del out
@@ -922,6 +927,7 @@ BARS = {  # the issue's ratios: name -> (row pattern, row key); "queued": the de
     "vs_paired_ratio_to_dense": ("vertical_slash", "paired_ratio_to_dense_tflops"),
     "vs_speedup_vs_dense": ("vertical_slash", "speedup_vs_dense"),
     "vs_physical_density": ("vertical_slash", "physical_density"),
+    "ashape_route_paired_ratio_to_dense": ("a_shape", "route_paired_ratio_to_dense_tflops"),
     "block_ratio_to_dense": ("block_sparse", "ratio_to_dense_tflops"),
     "block_paired_ratio_to_dense": ("block_sparse", "paired_ratio_to_dense_tflops"),
     "block_speedup_vs_minference": ("block_sparse", "speedup_vs_minference"),
