@@ -2,10 +2,12 @@
 
 Session 19 found a short kernel timed right after a 55-250 ms dense SDPA call reading up to 12 % slower than one
 batch later, and guessed the GPU's clocks after dense SDPA's power draw. Here each measured batch (a kernel queued
-`--reps` times between two CUDA events) follows one prelude of about `--prelude-ms`, queued just before it with no
+for about `--batch-ms` between two CUDA events) follows one prelude of about `--prelude-ms`, queued just before it with no
 sync between: `idle` (the host sleeps, the GPU has nothing), `dense` (dense causal SDPA), `gemm` (bf16 matmuls of
-8192^3), `same` (the measured kernel itself). Kernels measured: the A-shape layer's Gluon route (`ashape_prefill`,
-Llama 32/8/128, sink 128, window 4096) and dense SDPA. Conditions are interleaved over `--rounds` rounds; medians.
+8192^3), `same` (the measured kernel itself: its steady state). Kernels measured, on the bench's planted inputs (Llama
+32/8/128): the A-shape layer's Gluon route (`ashape_prefill`, sink 128, window 4096), Vertical-Slash (1000, 6096)
+as the bench's default runs it (`sparse_prefill` on `vs_tiles(head_columns=True)`) and dense SDPA. Conditions are
+interleaved over `--rounds` rounds; medians.
 `nvidia-smi -lms` samples SM clock, power and throttle reasons meanwhile; each batch's window (host time after its
 end event, minus its GPU time) picks the samples that fall in it.
 
@@ -21,8 +23,9 @@ import tempfile
 import time
 
 import torch
-from workbench_benchmarks.kernels_prefill import SHAPES
-from workbench_kernels.prefill import ashape_prefill
+from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
+from workbench_kernels.index_build import vs_index, vs_tiles
+from workbench_kernels.prefill import ashape_prefill, sparse_prefill
 
 from workbench.core.io import write_json
 from workbench.core.timing import environment
@@ -76,11 +79,12 @@ def repeat(fn, ms_each: float, total_ms: float):
 
 
 def one_length(args: argparse.Namespace, n: int, log: list) -> dict:
-    hq, hkv, d, _ = SHAPES["llama3-8b"]
-    g = torch.Generator(device="cuda").manual_seed(n)
-    q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv))
+    hq, hkv, d, theta = SHAPES["llama3-8b"]
+    q, k, v = planted_inputs(hq, hkv, d, n, theta)
     sink, window = torch.full((hq,), args.sink), torch.full((hq,), args.window)
+    tiles = vs_tiles(*vs_index(q, k, d ** -0.5, 1000, 6096), n, head_columns=True)
     kernels = {"ashape": lambda: ashape_prefill(q, k, v, sink, window),
+               "vertical_slash": lambda: sparse_prefill(q, k, v, tiles),
                "dense": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                                  enable_gqa=True)}
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -144,13 +148,11 @@ def main() -> None:
             entry["watts"] = statistics.mean(s[2] for s in inside)
             entry["throttle"] = sorted({s[3] for s in inside})
     for row in result["rows"]:
-        row["sm_mhz_median"] = {}
-        for kn in row["median_ms"]:
-            row["sm_mhz_median"][kn] = {
-                slot: statistics.median([e["sm_mhz"] for e in log if e["n"] == row["n"] and e["kernel"] == kn
-                                         and e["slot"] == slot and "sm_mhz" in e] or [float("nan")])
-                for slot in row["median_ms"][kn]}
-        print(json.dumps({k_: row[k_] for k_ in ("n", "median_ms", "sm_mhz_median")}), flush=True)
+        for key, field in (("sm_mhz_median", "sm_mhz"), ("watts_median", "watts")):
+            row[key] = {kn: {slot: statistics.median([e[field] for e in log if e["n"] == row["n"] and e["kernel"] == kn
+                                                      and e["slot"] == slot and field in e] or [float("nan")])
+                             for slot in row["median_ms"][kn]} for kn in row["median_ms"]}
+        print(json.dumps({k_: row[k_] for k_ in ("n", "median_ms", "sm_mhz_median", "watts_median")}), flush=True)
     result["batches"] = log
     result["samples_taken"] = len(smp)
     write_json(args.out, result)
