@@ -2,8 +2,9 @@
 # Build the wheel folders the GPU machine needs (it has torch, Triton and transformers 5.17, no network) from the
 # local .venv's versions, for CPython 3.12 on manylinux x86_64 (see DEVELOPERS.md):
 #   .whl     transformers (5.17 there converts Gemma-3's GGUF tokenizer one character per token), gguf, jsonschema
-#            and its dependencies, plotly, narwhals (not transformers' own dependencies the machine has, nor Hugging
-#            Face's `kernels` / tomlkit that 5.25 lists: loading a GGUF does not import them)
+#            and its dependencies, plotly, narwhals, huggingface-hub (5.25 needs >= 2.4; the machine has 1.33) and its
+#            HTTP client; not what the machine has, nor Hugging Face's `kernels` / tomlkit, which 5.25 lists but the
+#            workbench never uses (it loads with use_kernels=False)
 #   .whl-ui  the dependency closure of panel, bokeh, ipykernel, nbclient, ipywidgets (notebooks and the dashboard),
 #            less what the machine has (torch, numpy, jinja2 ...) and what .whl holds
 #   scripts/device_wheels.sh        (after `make install`; then `scripts/device_payload.sh` packs .whl-ui)
@@ -32,7 +33,7 @@ print("\n".join(f"{n}=={v}" for n, v in sorted(seen.items())))
 EOF
 }
 main="transformers,gguf,jsonschema,plotly,narwhals"
-closure "$main" "huggingface-hub,numpy,packaging,pyyaml,regex,tokenizers,safetensors,tqdm,typer,sentencepiece,requests,typing-extensions,kernels,tomlkit" > "$tmp/main.txt"
+closure "$main" "numpy,packaging,pyyaml,regex,tokenizers,safetensors,tqdm,typer,sentencepiece,requests,typing-extensions,kernels,tomlkit,filelock,fsspec,anyio,idna,h11,certifi,sniffio" > "$tmp/main.txt"
 closure "panel,bokeh,ipykernel,nbclient,nbformat,ipywidgets,panel-material-ui" \
   "torch,triton,numpy,sympy,mpmath,networkx,fsspec,filelock,typing-extensions,jinja2,markupsafe,setuptools,pip,debugpy,widgetsnbextension,$main,jsonschema-specifications,referencing,rpds-py,attrs" \
   > "$tmp/ui.txt"

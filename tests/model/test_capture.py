@@ -15,6 +15,14 @@ def test_shape_of_embedded_model(embedded):
     assert len(shape.fingerprint) == 16
 
 
+def test_the_model_keeps_its_own_modules(embedded):
+    """No Hugging Face hub kernels swapped in (transformers >= 5.25 does so by default, fetching them at load time):
+    the workbench captures and times the model's own attention modules."""
+    model, _, _ = embedded
+    assert not model.use_kernels
+    assert type(model.model.layers[0].self_attn).__module__.startswith("transformers.models.llama")
+
+
 def test_capture_reproduces_eager_attention(embedded, capture_256):
     """At n = 256 the captured post-RoPE q/k give the model's own eager probabilities (<= 1e-4)."""
     model, _, shape = embedded

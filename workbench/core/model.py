@@ -267,7 +267,7 @@ def _check_tokenizer(tok: Any, bundle: BundledModel) -> None:
 def _cached_gguf(bundle: BundledModel, dtype: torch.dtype, device_map: Any = None) -> tuple[Any, Any, str]:
     """Load a bundled GGUF once (dequantisation: ~18 s for SmolLM2, ~5 min for Gemma-3-270M on 2 CPU
     cores), then from a safetensors cache (seconds). The cache folder appears atomically."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     key, gguf_path = _gguf_source(bundle)
     target = cache_dir() / f"{bundle.cache_name}-v{CACHE_FORMAT}-{key}"
@@ -280,8 +280,7 @@ def _cached_gguf(bundle: BundledModel, dtype: torch.dtype, device_map: Any = Non
                 gguf = gguf_path(scratch)
                 tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
                 _check_tokenizer(tok, bundle)
-                model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                             dtype=torch.float32)
+                model = _causal_lm(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
             model.hf_quantizer = None  # the weights are dequantised: save them as plain safetensors
             model.is_quantized = False
             if hasattr(model.config, "quantization_config"):
@@ -300,8 +299,17 @@ def _cached_gguf(bundle: BundledModel, dtype: torch.dtype, device_map: Any = Non
             shutil.rmtree(tmp, ignore_errors=True)  # another process won the race, or the load failed
     fp = json.loads(meta.read_text())["fingerprint"]
     tok = AutoTokenizer.from_pretrained(str(target))
-    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype, device_map=device_map)
+    model = _causal_lm(str(target), dtype=dtype, device_map=device_map)
     return model, tok, fp
+
+
+def _causal_lm(path: str, **kwargs: Any) -> Any:
+    """`AutoModelForCausalLM.from_pretrained` keeping the model's own modules: from 5.25 on, transformers swaps layers
+    for Hugging Face hub kernels by default (fetched at load time; without the `kernels` package it refuses to load on
+    a GPU), which would change what the workbench captures and times and needs the network."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, use_kernels=False, **kwargs)
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -333,7 +341,7 @@ def load_model(name_or_path: str | None = None, *, device: str | torch.device | 
     device_map: accelerate's layer placement over the GPUs ("auto", ...) for models larger than one GPU
     (then `device` only says that GPUs are used). Bad values raise `DeviceError` naming the fix.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from workbench.core.device import check_device_map, parse_dtype, resolve_device
 
@@ -353,8 +361,7 @@ def load_model(name_or_path: str | None = None, *, device: str | torch.device | 
         offline = not local.exists() and not _hub_reachable()  # then only the local cache: fail in seconds
         try:
             tok = AutoTokenizer.from_pretrained(name_or_path, local_files_only=offline)
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, device_map=device_map,
-                                                         local_files_only=offline)
+            model = _causal_lm(name_or_path, dtype=dtype, device_map=device_map, local_files_only=offline)
         except (OSError, ValueError) as e:
             if offline:
                 raise ModelError(f"model {name_or_path!r} is not in the local Hugging Face cache and the hub is out of "
