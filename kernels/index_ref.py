@@ -111,7 +111,7 @@ class VSTiles:
         None without dense rows."""
         if self.dense_from is None:
             return None
-        return (i >= self.dense_from.to(i.device)[..., None, None]) & (j <= i)
+        return masks.dense_rows(i, j, self.dense_from.to(i.device)[..., None, None])
 
 
 def _check_bh(name: str, t: torch.Tensor, ndim: int = 3) -> None:

@@ -12,6 +12,7 @@ sizes `[H, 1, 1]` per head), or on the scalar tensors FlexAttention passes to a 
 - `band(i, j, sink_size, window_size)`: A-shape's token mask, sink or window (not causal by itself): what
   the prefill kernel applies on top of its tiles.
 - `ashape(i, j, sink_size, window_size)`: causal and band.
+- `dense_rows(i, j, first)`: causal, from query `first` on (dense rows, e.g. Tri-shape's question).
 - `tile(table, i, j, block, key_block, head)`: membership in a per-row-block table, `table[..., i // block,
   j // key_block]` (key blocks of a block-sparse index with key_block = block, single keys of a kernel's
   pieces and columns with key_block = 1); `head` picks a head's table in the same indexing step (a
@@ -58,6 +59,11 @@ def band(i: Index, j: Index, sink_size: Index, window_size: Index) -> torch.Tens
 def ashape(i: Index, j: Index, sink_size: Index, window_size: Index) -> torch.Tensor:
     """A-shape: causal, and a sink or inside the window."""
     return causal(i, j) & band(i, j, sink_size, window_size)
+
+
+def dense_rows(i: Index, j: Index, first: Index) -> torch.Tensor:
+    """Query i is a dense row (i >= first: it reads every key) and key j is causal to it."""
+    return (i >= first) & causal(i, j)
 
 
 def tile(table: torch.Tensor, i: Index, j: Index, block: int = BLOCK, key_block: int = BLOCK,

@@ -64,8 +64,7 @@ class TriShape(PromptFree):
         check_rows(r0, r1, n)
         i = torch.arange(r0, r1, device=self.last.device)[None, :, None]
         j = torch.arange(n, device=self.last.device)[None, None, :]
-        question = i >= n - self.last[:, None, None]
-        return self.ashape.row_mask(r0, r1, n) | (question & (j <= i))
+        return self.ashape.row_mask(r0, r1, n) | masks.dense_rows(i, j, n - self.last[:, None, None])
 
     def edges(self, n: int) -> torch.Tensor:
         i = torch.arange(n, device=self.last.device)[None, :]
@@ -112,8 +111,8 @@ class TriShape(PromptFree):
 
     def mask_mod(self, n: int, device: torch.device | str | None = None) -> MaskMod:
         g, w, first = (x.to(device) for x in (self.ashape.sink, self.ashape.window, n - self.last))
-        return lambda b, h, q_idx, kv_idx: masks.causal(q_idx, kv_idx) & (
-            masks.band(q_idx, kv_idx, g[h], w[h]) | (q_idx >= first[h]))
+        return lambda b, h, q_idx, kv_idx: (masks.ashape(q_idx, kv_idx, g[h], w[h])
+                                            | masks.dense_rows(q_idx, kv_idx, first[h]))
 
     def shapes(self, head: int, n: int) -> Shapes:
         check_head(self, head)

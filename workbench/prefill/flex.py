@@ -86,7 +86,7 @@ def tiles_mask_mod(tiles: Any, n: int, sink: torch.Tensor | None = None,
     start = tiles.dense_from[0].to(bits.device)
 
     def listed_or_dense(b, h, q_idx, kv_idx):
-        return listed(b, h, q_idx, kv_idx) | ((q_idx >= start[h]) & masks.causal(q_idx, kv_idx))
+        return listed(b, h, q_idx, kv_idx) | masks.dense_rows(q_idx, kv_idx, start[h])
     return listed_or_dense
 
 
@@ -223,6 +223,6 @@ def load_masks(path: str | Path, device: torch.device | str = "cpu") -> dict[int
         first = d.get("first", torch.full_like(d["sink"], data["n"])).to(device)  # files before Tri-shape: none
 
         def mask_mod(b, h, q_idx, kv_idx, sink=sink, window=window, first=first):
-            return masks.ashape(q_idx, kv_idx, sink[h], window[h]) | ((q_idx >= first[h]) & masks.causal(q_idx, kv_idx))
+            return masks.ashape(q_idx, kv_idx, sink[h], window[h]) | masks.dense_rows(q_idx, kv_idx, first[h])
         out[l] = make_block_mask(mask_mod, data["n_heads"], data["n"], device)
     return out
