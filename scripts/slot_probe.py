@@ -6,8 +6,11 @@ for about `--batch-ms` between two CUDA events) follows one prelude of about `--
 sync between: `idle` (the host sleeps, the GPU has nothing), `dense` (dense causal SDPA), `gemm` (bf16 matmuls of
 8192^3), `same` (the measured kernel itself: its steady state). Kernels measured, on the bench's planted inputs (Llama
 32/8/128): the A-shape layer's Gluon route (`ashape_prefill`, sink 128, window 4096), Vertical-Slash (1000, 6096)
-as the bench's default runs it (`sparse_prefill` on `vs_tiles(head_columns=True)`) and dense SDPA. Conditions are
-interleaved over `--rounds` rounds; medians.
+as the bench's default runs it (`sparse_prefill` on `vs_tiles(head_columns=True)`) and dense SDPA; with `--kernels`
+also every causal 64-row tile through the loop VS takes (`ring_dense`: `sparse_prefill` on all causal block tiles,
+per-head rings) and through A-shape's shared ring (`shared_dense`: `ashape_prefill` without sink or band limit), so
+the energy per computed tile of the tile loop itself reads beside VS's and cuDNN's. Conditions are interleaved over
+`--rounds` rounds; medians.
 `nvidia-smi -lms` samples SM clock, power and throttle reasons meanwhile; each batch's window (host time after its
 end event, minus its GPU time) picks the samples that fall in it.
 
@@ -25,7 +28,9 @@ import time
 import torch
 from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
 from workbench_kernels.index_build import vs_index, vs_tiles
+from workbench_kernels.index_ref import selected_block_tiles, tile_area
 from workbench_kernels.prefill import ashape_prefill, sparse_prefill
+from workbench_kernels.tiling import NO_WINDOW
 
 from workbench.core.io import write_json
 from workbench.core.timing import environment
@@ -83,10 +88,19 @@ def one_length(args: argparse.Namespace, n: int, log: list) -> dict:
     q, k, v = planted_inputs(hq, hkv, d, n, theta)
     sink, window = torch.full((hq,), args.sink), torch.full((hq,), args.window)
     tiles = vs_tiles(*vs_index(q, k, d ** -0.5, 1000, 6096), n, head_columns=True)
+    m = torch.arange(-(-n // 64), device="cuda")
+    every = selected_block_tiles(torch.where(m[None, :] <= m[:, None], m[None, :], -1).expand(1, hq, len(m), len(m)))
+    no_limit = torch.full((hq,), NO_WINDOW)
     kernels = {"ashape": lambda: ashape_prefill(q, k, v, sink, window),
                "vertical_slash": lambda: sparse_prefill(q, k, v, tiles),
                "dense": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                                 enable_gqa=True)}
+                                                                                 enable_gqa=True),
+               "ring_dense": lambda: sparse_prefill(q, k, v, every),
+               "shared_dense": lambda: ashape_prefill(q, k, v, torch.zeros(hq, dtype=torch.long), no_limit)}
+    kernels = {name: kernels[name] for name in args.kernels.split(",")}
+    causal = n * (n + 1) / 2
+    area = {name: tile_area(t, n).float().mean().item() / causal  # of the causal area
+            for name, t in (("vertical_slash", tiles), ("ring_dense", every))}
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     gemm = lambda: a @ a  # noqa: E731
     one = {}
@@ -110,7 +124,7 @@ def one_length(args: argparse.Namespace, n: int, log: list) -> dict:
                 ms, t0, t1 = run_slot(pre, fn, reps)
                 times[kname].setdefault(slot, []).append(ms)
                 log.append({"n": n, "kernel": kname, "slot": slot, "round": r, "ms": ms, "t0": t0, "t1": t1})
-    return {"n": n, "one_call_ms": one,
+    return {"n": n, "one_call_ms": one, "tile_area_of_causal": area,
             "median_ms": {kn: {s: statistics.median(v_) for s, v_ in d_.items()} for kn, d_ in times.items()},
             "all_ms": times}
 
@@ -123,6 +137,8 @@ def main() -> None:
     p.add_argument("--prelude-ms", type=float, default=250.0)
     p.add_argument("--batch-ms", type=float, default=100.0)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--kernels", default="ashape,vertical_slash,dense",
+                   help="of ashape, vertical_slash, dense, ring_dense, shared_dense")
     p.add_argument("--sample-ms", type=int, default=10)
     p.add_argument("--out", default="slot_probe.json")
     args = p.parse_args()
