@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from workbench.analysis.layer_profiles import LayerProfiles
-    from workbench.cli._args import check_layers, check_lengths, check_tasks, one_task, out_dir
+    from workbench.cli._args import check_layers, check_lengths, check_tasks, one_task, out_dir, read_config
     from workbench.core.corpus import TASKS
     from workbench.core.io import write_json
     from workbench.core.report import Report
@@ -38,15 +38,13 @@ def run(args: argparse.Namespace) -> int:
     out = out_dir(args.out)
     if args.config and args.no_fits:
         raise ValueError("--config is reported in the pattern fits: drop --no-fits, or drop --config")
+    config = read_config(args.config)  # before the model and the long work: a bad file leaves the report alone
     t0 = time.perf_counter()
     model, tok, shape = load_for_stream(args, args.layers)
     check_lengths([args.length], shape.max_positions, shape.name, "--length")
     check_layers(args.layers, shape.n_layers)
-    config = None
-    if args.config:  # read before the long work: a bad config fails in seconds and leaves the report alone
-        from workbench.config import HeadConfig
-
-        config = HeadConfig.load(args.config, shape)
+    if config is not None:
+        config.validate(shape)
     sample = stream_sample(args, tok, shape, task, model)
     t1 = time.perf_counter()
     cap = stream_capture(model, shape, sample.input_ids, layers=args.layers, chunk=args.chunk,

@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from workbench.cli._args import check_layers, check_lengths, check_tasks, out_file
+    from workbench.cli._args import check_layers, check_lengths, check_tasks, out_file, read_config
     from workbench.config import HeadConfig
     from workbench.core.corpus import TASKS
     from workbench.core.io import read_json, write_json
@@ -71,11 +71,14 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     check_tasks(args.tasks + (args.quality_tasks or []), TASKS)
+    config = None if args.config == "none" else read_config(args.config)
     model, tok, shape = load_model(args.model, **resolve_device_args(args))
     check_lengths(args.lengths + (args.quality_lengths or []), shape.max_positions, shape.name)
     check_layers(args.layers, shape.n_layers)
-    path = None if args.config == "none" else args.config or shipped_config(shape.name)
-    config = None if path is None else HeadConfig.load(path, shape)
+    shipped = None if args.config else shipped_config(shape.name)  # ("none": no config)
+    config = config or (HeadConfig.load(shipped) if shipped else None)
+    if config is not None:
+        config.validate(shape)
     report = compare(model, tok, shape, tasks=args.tasks, lengths=args.lengths, layers=args.layers, config=config,
                      rows=args.rows or None, quality=args.quality, quality_lengths=args.quality_lengths,
                      quality_tasks=args.quality_tasks, max_new_tokens=args.max_new_tokens, seed=args.seed,

@@ -40,8 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from workbench.cli._args import check_lengths, check_tasks, out_file
-    from workbench.config import HeadConfig
+    from workbench.cli._args import check_lengths, check_tasks, out_file, read_config
     from workbench.core.corpus import TASKS
     from workbench.core.model import load_model
     from workbench.data import file_stem
@@ -57,9 +56,10 @@ def run(args: argparse.Namespace) -> int:
         out_file(args.out)
     where = resolve_device_args(args, gpu_dtype=torch.bfloat16)
     device, dtype = where["device"], where["dtype"]
+    config = read_config(args.config)
     model, tok, shape = load_model(args.model, **where)
     check_lengths(args.lengths, shape.max_positions, shape.name)
-    config = HeadConfig.load(args.config, shape)
+    config.validate(shape)
     out = out_file(args.out or f"reports/generalize/{file_stem(shape.name)}.json")
     command = (f"workbench generalize --config {args.config} --lengths {','.join(map(str, args.lengths))} "
                f"--tasks {','.join(args.tasks)} --samples {args.samples} --quality-samples {args.quality_samples} "
