@@ -174,17 +174,6 @@ def check_lengths(lengths: list[int], max_positions: int, name: str, flag: str =
                          f"(max_position_embeddings): use at most {max_positions}")
 
 
-def read_config(path: str | Path | None) -> Any:
-    """`--config` read and checked on its own (JSON, schema, every head once) before a model loads: a missing or
-    malformed file fails in seconds, not after the model's load. None without a path; after the load,
-    `HeadConfig.validate(shape)` checks it against the model."""
-    if path is None:
-        return None
-    from workbench.config import HeadConfig
-
-    return HeadConfig.load(path)
-
-
 def out_file(path: str, flag: str = "--out") -> Path:
     """An output file path that is not a folder (checked before any work)."""
     out = Path(path)

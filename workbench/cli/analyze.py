@@ -26,7 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from workbench.analysis.layer_profiles import LayerProfiles
-    from workbench.cli._args import check_layers, check_lengths, check_tasks, one_task, out_dir, read_config
+    from workbench.cli._args import check_layers, check_lengths, check_tasks, one_task, out_dir
+    from workbench.config import HeadConfig
     from workbench.core.corpus import TASKS
     from workbench.core.io import write_json
     from workbench.core.report import Report
@@ -38,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
     out = out_dir(args.out)
     if args.config and args.no_fits:
         raise ValueError("--config is reported in the pattern fits: drop --no-fits, or drop --config")
-    config = read_config(args.config)  # before the model and the long work: a bad file leaves the report alone
+    # read before the model and the long work (then checked against the model): a bad file fails in seconds
+    config = HeadConfig.load(args.config) if args.config else None
     t0 = time.perf_counter()
     model, tok, shape = load_for_stream(args, args.layers)
     check_lengths([args.length], shape.max_positions, shape.name, "--length")

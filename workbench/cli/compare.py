@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from workbench.cli._args import check_layers, check_lengths, check_tasks, out_file, read_config
+    from workbench.cli._args import check_layers, check_lengths, check_tasks, out_file
     from workbench.config import HeadConfig
     from workbench.core.corpus import TASKS
     from workbench.core.io import read_json, write_json
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     check_tasks(args.tasks + (args.quality_tasks or []), TASKS)
-    config = None if args.config == "none" else read_config(args.config)
+    config = HeadConfig.load(args.config) if args.config not in (None, "none") else None  # before the model
     model, tok, shape = load_model(args.model, **resolve_device_args(args))
     check_lengths(args.lengths + (args.quality_lengths or []), shape.max_positions, shape.name)
     check_layers(args.layers, shape.n_layers)

@@ -40,7 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from workbench.cli._args import check_lengths, check_tasks, out_file, read_config
+    from workbench.cli._args import check_lengths, check_tasks, out_file
+    from workbench.config import HeadConfig
     from workbench.core.corpus import TASKS
     from workbench.core.model import load_model
     from workbench.data import file_stem
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         out_file(args.out)
     where = resolve_device_args(args, gpu_dtype=torch.bfloat16)
     device, dtype = where["device"], where["dtype"]
-    config = read_config(args.config)
+    config = HeadConfig.load(args.config)  # before the model: a bad file fails in seconds
     model, tok, shape = load_model(args.model, **where)
     check_lengths(args.lengths, shape.max_positions, shape.name)
     config.validate(shape)

@@ -42,7 +42,7 @@ def run_quality(args: argparse.Namespace) -> int:
 
     import torch
 
-    from workbench.cli._args import check_lengths, one_task, out_file, read_config
+    from workbench.cli._args import check_lengths, one_task, out_file
     from workbench.config import HeadConfig
     from workbench.core.io import read_json
     from workbench.core.model import load_model
@@ -61,7 +61,7 @@ def run_quality(args: argparse.Namespace) -> int:
     if args.backend == "triton" and where["device"].type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
         raise ValueError("--backend triton runs the Triton kernels, which need a GPU: add --device cuda on a GPU "
                          "machine, or use --backend torch (or auto) on the CPU")
-    config = read_config(args.config)
+    config = HeadConfig.load(args.config) if args.config else None  # before the model: a bad file fails in seconds
     model, tok, shape = load_model(args.model, **where)
     check_lengths(args.lengths + [args.sensitivity_length or 1], shape.max_positions, shape.name)
     config_path = args.config or shipped_config(shape.name)
