@@ -140,12 +140,14 @@ def vs_index(q: torch.Tensor, k: torch.Tensor, scale: float, vertical: int = 100
     `per_head`: (columns, offsets) budgets Long `[Hq]` on q's device, or None where every head takes
     `vertical` / `slash` (then the largest): each head keeps its first choices, as `vs_proxy` with per-head budgets.
     `group_shared`: one index per KV head (`[B, Hkv, ...]`) from the column and diagonal sums added
-    over its G query heads, for the GQA-packed kernel."""
+    over its G query heads, for the GQA-packed kernel (`per_head` budgets are then per KV head, `[Hkv]`)."""
     if q.dim() != 4 or k.dim() != 4 or q.shape[1] % k.shape[1]:
         raise ValueError(f"q must be [B, Hq, N, D] and k [B, Hkv, N, D] with Hq a multiple of Hkv; "
                          f"got {tuple(q.shape)} and {tuple(k.shape)}")
-    if group_shared and per_head != (None, None):
-        raise ValueError("per_head budgets are per query head: give none with group_shared=True")
+    heads = k.shape[1] if group_shared else q.shape[1]
+    if any(b is not None and b.numel() != heads for b in per_head):
+        raise ValueError(f"per_head budgets must hold one budget per {'KV' if group_shared else 'query'} head "
+                         f"({heads}), got {[None if b is None else b.numel() for b in per_head]}")
     col, diag = vs_scores(q, k, scale)
     if group_shared:
         col, diag = (x.unflatten(1, (k.shape[1], -1)).sum(2) for x in (col, diag))

@@ -336,6 +336,14 @@ def test_group_shared_indexes_select_from_the_summed_group_scores():
     assert cols.shape == (1, 2, 20) and offs.shape == (1, 2, 10)
     if DEV == "cpu":
         assert torch.equal(cols, top_positions(col, 3, 20)) and torch.equal(offs, top_positions(diag, 4, 10))
+    # the torch proxy of the `vs_group` kind picks the same, with budgets per KV head on both
+    budgets = (torch.tensor([20, 6]), torch.tensor([4, 10]))
+    cols, offs = vs_index(q.to(DEV), k.to(DEV), 0.125, 20, 10, sink=3, local=4, group_shared=True,
+                          per_head=tuple(b.to(DEV) for b in budgets))
+    ref_cols, ref_offs = vs_proxy(q, k, 0.125, *budgets, sink=3, local=4, group_shared=True)
+    assert torch.equal((cols >= 0).sum(-1).cpu(), budgets[0][None]) and torch.equal((offs >= 0).sum(-1).cpu(), budgets[1][None])
+    if DEV == "cpu":
+        assert torch.equal(cols, ref_cols) and torch.equal(offs, ref_offs)
 
 
 

@@ -70,11 +70,12 @@ MIXED = [("dense", {}), ("ashape", {"sink": 4, "window": 40}), ("vs", {"vertical
          ("xattention", {"tau_milli": 800, "stride": 8}), ("xattention", {"tau_milli": 600, "stride": 16}),
          ("flexprefill", {"gamma_milli": 900, "tau_milli": 1, "min_budget": 16}),  # distance >= 0.001: VS
          ("flexprefill", {"gamma_milli": 700, "tau_milli": 1000, "min_budget": 64}),  # distance < 1: blocks
-         ("vs", {"vertical": 4, "slash": 8})]
+         ("vs", {"vertical": 4, "slash": 8}),
+         *[("vs_group", {"vertical": 10, "slash": 16})] * 4]  # one whole KV group (G = 4)
 PARITY_ABS = 1e-3  # tests/model/test_prefill_parity.py's bar
 
 
-def mixed_prefill(entries, n=200, hkv=3, d=16, seed=0, **kw):
+def mixed_prefill(entries, n=200, hkv=4, d=16, seed=0, **kw):
     """(SparsePrefill over one layer of `entries`, q, k, v) for a toy model shape, batch 2."""
     from workbench.config import HeadConfig, HeadEntry
     from workbench.core.model import ModelShape
@@ -114,6 +115,30 @@ def test_every_registered_kind_runs_on_every_backend():
         kk, vv = (x[b:b + 1].repeat_interleave(q.shape[1] // k.shape[1], 1).double() for x in (k, v))
         want = masked_attention_ref(q[b:b + 1].double(), kk, vv, mask, 0.25)[0]
         assert torch.allclose(ref[b], want, atol=1e-6), f"prompt {b}: the reference is not the heads' own patterns"
+
+
+@pytest.mark.parametrize("group", [4, 3])
+def test_a_layer_of_group_shared_vs_runs_its_tiles_per_kv_head(group):
+    """A layer whose heads all take `vs_group` (two KV groups, different budgets): the Triton path keeps one list
+    per KV head (GQA-packed for G = 4; G = 3 runs per head) and equals the PyTorch reference, which equals exact
+    attention under each group's shared index (every head of a group reads the same keys)."""
+    from workbench_kernels.index_ref import tiles_to_mask
+
+    entries = [("vs_group", {"vertical": 10, "slash": 16})] * group + [("vs_group", {"vertical": 4, "slash": 30})] * group
+    sp, config, q, k, v = mixed_prefill(entries, n=190, hkv=2)
+    index = sp.layer_index(0, q.to(DEV), k.to(DEV), 0.25, "triton")
+    assert index[0].shape[1] == 2  # tiles per KV head
+    ref = run_layer(sp, q, k, v, "torch")
+    assert float((ref - run_layer(sp, q, k, v, "triton")).abs().max()) <= PARITY_ABS
+    n = q.shape[2]
+    for b in range(q.shape[0]):
+        stack = config.layer_index(0, q[b], k[b], 0.25)
+        keys = stack.row_mask(0, n, n)
+        assert torch.equal(keys[0], keys[group - 1]) and not torch.equal(keys[0], keys[group])
+        mask = tiles_to_mask(stack.to_tiles(n), n)
+        kk, vv = (x[b:b + 1].repeat_interleave(group, 1).double() for x in (k, v))
+        want = masked_attention_ref(q[b:b + 1].double(), kk, vv, mask, 0.25)[0]
+        assert torch.allclose(ref[b], want, atol=1e-6)
 
 
 def test_flex_backend_runs_every_kind():

@@ -276,7 +276,8 @@ def test_registry_maps_config_kinds_to_classes_and_back():
     from workbench.patterns import PATTERNS, PatternBase, default_params, pattern_class, register_pattern
 
     assert {k: c.__name__ for k, c in PATTERNS.items()} == {
-        "ashape": "AShape", "vs": "VerticalSlash", "block": "BlockSparse", "dense": "Dense", "trishape": "TriShape",
+        "ashape": "AShape", "vs": "VerticalSlash", "vs_group": "GroupVerticalSlash", "block": "BlockSparse",
+        "dense": "Dense", "trishape": "TriShape",
         "dilated": "Dilated", "strided": "Strided", "xattention": "XAttention", "flexprefill": "FlexPrefill"}
     assert list(PATTERNS) == sorted(PATTERNS, key=lambda kind: PATTERNS[kind].order)
     for kind, cls in PATTERNS.items():

@@ -35,9 +35,12 @@ def qk(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def config_with(kind: str, params: dict[str, int]) -> HeadConfig:
-    """Dense everywhere but heads (1, 0) and (1, 4), which get `kind`."""
-    heads = [HeadEntry(l, h, kind if (l, h) in ((1, 0), (1, 4)) else "dense", dict(params) if (l, h) in ((1, 0), (1, 4))
-                       else {}) for l in range(SHAPE.n_layers) for h in range(SHAPE.n_heads)]
+    """Dense everywhere but heads (1, 0) and (1, 4), which get `kind` (with their KV groups, 0-2 and 3-5, where the
+    kind shares one index per KV head)."""
+    group = SHAPE.n_heads // SHAPE.n_kv_heads if pattern_class(kind).kv_shared else 1
+    mine = {(1, h) for h0 in (0, 4) for h in range(h0 - h0 % group, h0 - h0 % group + group)}
+    heads = [HeadEntry(l, h, kind if (l, h) in mine else "dense", dict(params) if (l, h) in mine else {})
+             for l in range(SHAPE.n_layers) for h in range(SHAPE.n_heads)]
     return HeadConfig(model=SHAPE.to_dict(), heads=heads)
 
 

@@ -25,6 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(default: --target)")
     p.add_argument("--candidates", default=None,
                    help="JSON file: a list of {\"pattern\": ..., \"params\": {...}} (default: a grid scaled to the length)")
+    p.add_argument("--group-shared", action="store_true",
+                   help="also try, per KV group, the kinds that share one index per KV head (vs_group: Vertical-Slash "
+                        "shared by the group) at their grid's budgets; a group takes one where every head keeps the "
+                        "target and the cost falls, which needs --latency from a benchmark that timed its kernel")
     p.add_argument("--holdout", default="multikey",
                    help="task scored with the chosen config but not used to choose it ('' to skip; default multikey)")
     p.add_argument("--last-rows", type=int, default=64, help="query rows the VS proxy samples (default 64)")
@@ -72,8 +76,9 @@ def run(args: argparse.Namespace) -> int:
     from workbench.core.model import load_model
     from workbench.core.stream import check_memory, default_chunk, stopped_midway, stream_capture
     from workbench.data import file_stem
+    from workbench.patterns import PATTERNS
     from workbench.search import distributed
-    from workbench.search.search import Candidate, evaluate_config, search_heads
+    from workbench.search.search import Candidate, default_candidates, evaluate_config, search_heads
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -96,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
         candidates = [Candidate.from_dict(d) for d in data]
         if not any(c.pattern == "dense" for c in candidates):
             candidates.append(Candidate("dense"))
+    if args.group_shared:
+        candidates = (candidates or default_candidates(max(lengths))) + [
+            Candidate.from_dict({"pattern": kind, "params": p})
+            for kind, cls in PATTERNS.items() if cls.kv_shared for p in cls.grid(max(lengths))]
     proxy = {"last_rows": args.last_rows, "aggregate": args.aggregate, "diag_norm": args.diag_norm}
     bench = None
     if args.latency:
@@ -124,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
         check_memory(model, shape, max(lengths), args.chunk or default_chunk(model.device))
     command = (f"workbench search --tasks {','.join(tasks)} --lengths {','.join(map(str, lengths))} --seed {args.seed} "
                f"--target {args.target}" + (f" --tail-target {args.tail_target}" if args.tail_target is not None else "")
-               + f" --holdout '{args.holdout}'" + (f" --model {args.model}" if args.model else ""))
+               + f" --holdout '{args.holdout}'" + (f" --model {args.model}" if args.model else "")
+               + (" --group-shared" if args.group_shared else "") + (f" --latency {args.latency}" if args.latency else ""))
     settings = dict(candidates=candidates, target=args.target, tail_target=args.tail_target, proxy=proxy,
                     progress=not args.no_progress,
                     latency=latency, provenance={"command": command, "seed": args.seed, "threads": torch.get_num_threads(),

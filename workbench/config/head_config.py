@@ -282,6 +282,16 @@ class HeadConfig:
                                   f"{e.head}): JSON has no such number; write null")
         self._rank_view(source)
         for i, e in enumerate(self.heads):
+            if pattern_class(e.pattern).kv_shared:
+                mates = [self.heads[e.layer * n_heads + h] for h in self.kv_group(e.head)]
+                odd = next((m for m in mates if (m.pattern, m.params) != (e.pattern, e.params)), None)
+                if odd is not None:
+                    first, last = mates[0].head, mates[-1].head
+                    raise ConfigError(f"{source}: heads[{i}] (layer {e.layer}, head {e.head}) is {e.label()}, one index "
+                                      f"shared by the query heads {first}..{last} of its KV head, but head {odd.head} is "
+                                      f"{odd.label()}: give all of heads {first}..{last} the same {e.pattern!r} entry "
+                                      "(`HeadConfig.edit` moves the whole group) or none of them")
+        for i, e in enumerate(self.heads):
             window = self.window(e.layer)
             if window is not None and not (e.fixed and e.pattern == "ashape" and e.params == {"sink": 0, "window": window}):
                 raise ConfigError(f"{source}: heads[{i}]: {self.fixed_reason(e.layer, e.head)}; write it as "
@@ -341,21 +351,38 @@ class HeadConfig:
         self.entry(layer, 0)
         return self.heads[layer * n:(layer + 1) * n]
 
+    def kv_group(self, head: int) -> range:
+        """The query heads that share `head`'s KV head (consecutive, `n_heads / n_kv_heads` of them)."""
+        group = max(1, self.model["n_heads"] // self.model["n_kv_heads"])
+        return range(head - head % group, head - head % group + group)
+
     def edit(self, layer: int, head: int, pattern: str, params: dict[str, int], *, keep_score: bool) -> HeadEntry:
-        """Give one head another pattern / sizes. `keep_score`: keep MInference's opaque score of an
-        imported head with the new entry (True) or drop it (False: the export writes null). Our recall,
-        density, oracle and evidence described the old choice and are cleared."""
+        """Give one head another pattern / sizes, and its whole KV group (`kv_group`) when the new or the old
+        kind shares one index per KV head (`PatternBase.kv_shared`). `keep_score`: keep MInference's opaque
+        score of an imported head with the new entry (True) or drop it (False: the export writes null). Our
+        recall, density, oracle and evidence described the old choice and are cleared. Returns (layer, head)'s
+        entry."""
         e = self.entry(layer, head)
         if e.fixed:
             raise ConfigError(self.fixed_reason(layer, head))
         if pattern not in PARAMS or set(params) != set(PARAMS[pattern]):
             raise ConfigError(f"(layer {layer}, head {head}): pattern {pattern!r} with params {sorted(params)} is not "
                               f"valid: use one of {list(PARAMS)} with exactly its params {PARAMS}")
-        score = e.minference[3] if keep_score and e.minference is not None else None
-        e.pattern, e.params = pattern, {k: int(v) for k, v in params.items()}
-        e.recall = e.density = e.oracle = e.evidence = None
-        e.minference = _to_minference(e, self.model["max_positions"], score) if keep_score and e.minference else None
-        self.check()
+        shared = pattern_class(pattern).kv_shared or pattern_class(e.pattern).kv_shared
+        group = [self.entry(layer, h) for h in (self.kv_group(head) if shared else (head,))]
+        before = [m.to_dict() for m in group]
+        try:
+            for m in group:
+                score = m.minference[3] if keep_score and m.minference is not None else None
+                m.pattern, m.params = pattern, {k: int(v) for k, v in params.items()}
+                m.recall = m.density = m.oracle = m.evidence = None
+                m.minference = (_to_minference(m, self.model["max_positions"], score) if keep_score and m.minference
+                                else None)
+            self.check()
+        except Exception:  # a refused edit leaves the config as it was
+            for m, d in zip(group, before):
+                m.__dict__.update(vars(HeadEntry.from_dict(d)))
+            raise
         return e
 
     def summary(self) -> dict[str, int]:

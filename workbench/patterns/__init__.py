@@ -62,9 +62,11 @@ from workbench.patterns.base import (
 )
 from workbench.patterns.block_sparse import BlockSparse
 from workbench.patterns.dense import Dense
+from workbench.patterns.group_vertical_slash import GroupVerticalSlash
 from workbench.patterns.proxy import block_proxy, vs_proxy
 from workbench.patterns.vertical_slash import VerticalSlash, membership, vs_tile_count
 
-__all__ = ["AShape", "BLOCK", "BlockSparse", "Dense", "EVIDENCE", "PATTERNS", "Pattern", "PatternBase", "PromptFree",
-           "Reductions", "Stack", "Sweep", "VerticalSlash", "block_proxy", "causal_edges", "causal_tiles", "default_params",
-           "membership", "pattern_class", "register_pattern", "vs_proxy", "vs_tile_count"]
+__all__ = ["AShape", "BLOCK", "BlockSparse", "Dense", "EVIDENCE", "GroupVerticalSlash", "PATTERNS", "Pattern",
+           "PatternBase", "PromptFree", "Reductions", "Stack", "Sweep", "VerticalSlash", "block_proxy",
+           "causal_edges", "causal_tiles", "default_params", "membership", "pattern_class", "register_pattern",
+           "vs_proxy", "vs_tile_count"]

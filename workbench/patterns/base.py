@@ -350,7 +350,12 @@ class PatternBase:
 
     `static`: `layer_tiles` reads only q's shape and device (not its values, nor k's): no online index, so
     the prefill neither gathers q/k for these heads nor rebuilds their tiles per call, and its mask is its token
-    band plus its tiles' dense rows (what a FlexAttention export writes: A-shape, dense, Tri-shape)."""
+    band plus its tiles' dense rows (what a FlexAttention export writes: A-shape, dense, Tri-shape).
+
+    `kv_shared`: one index per KV head, read by all its query heads (`GroupVerticalSlash`). A config gives such a
+    kind to whole KV groups with one size (`HeadConfig.check`; `HeadConfig.edit` moves the group), the search
+    chooses it per group (`search.choose`), and `for_heads` / `layer_tiles` get k of the groups' KV heads
+    (`[H / G, N, D]`, query heads grouped in order; `layer_tiles` then returns tiles per KV head)."""
 
     n_heads: int
     kind: ClassVar[str]
@@ -358,6 +363,7 @@ class PatternBase:
     params: ClassVar[tuple[str, ...]]
     order: ClassVar[int]
     static: ClassVar[bool] = False
+    kv_shared: ClassVar[bool] = False
     bench_kernel: ClassVar[str | None] = None
     minference_name: ClassVar[str | None] = None
     minference_attn_type: ClassVar[str | None] = None
@@ -411,7 +417,8 @@ class PatternBase:
         if not heads:
             return {}
         h = torch.tensor(heads, device=q.device)
-        pattern = cls.for_heads([params[i] for i in heads], q[h], k[h // (q.shape[0] // k.shape[0])], scale,
+        kv = h // (q.shape[0] // k.shape[0])
+        pattern = cls.for_heads([params[i] for i in heads], q[h], k[kv.unique() if cls.kv_shared else kv], scale,
                                 proxy, block)
         return {head: pattern.head(i) for i, head in enumerate(heads)}
 

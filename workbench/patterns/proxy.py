@@ -48,7 +48,8 @@ def _grouped_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 def vs_proxy(q: torch.Tensor, k: torch.Tensor, scale: float, vertical: int | torch.Tensor,
              slash: int | torch.Tensor, *, last_rows: int = 64, aggregate: str = "sum",
              diag_norm: str = "sum", sink: int = 30, local: int = 100,
-             prior: float = 16.0, ranked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+             prior: float = 16.0, ranked: bool = False, group_shared: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Vertical-slash index from the last `last_rows` query rows -> (columns, offsets).
 
     The last r rows score all keys (causal inside the r x r corner). `aggregate`: "sum" of softmax
@@ -60,6 +61,9 @@ def vs_proxy(q: torch.Tensor, k: torch.Tensor, scale: float, vertical: int | tor
     `vertical`, `slash`: budgets (int, or Long `[Hq]` per head).
     Returns columns Long `[..., Hq, vertical]`, offsets Long `[..., Hq, slash]`, ascending, -1 padded
     (`ranked=True`: in preference order, so the first v columns are exactly the index of budget v).
+    `group_shared`: one index per KV head (`[..., Hkv, ...]`) from the column and diagonal scores added over
+    its query heads (as `workbench_kernels.index_build.vs_index(group_shared=True)`); per-head budgets are then
+    one per KV head.
     """
     if aggregate not in AGGREGATES:
         raise ValueError(f"aggregate={aggregate!r} is unknown: use one of {AGGREGATES}")
@@ -68,13 +72,16 @@ def vs_proxy(q: torch.Tensor, k: torch.Tensor, scale: float, vertical: int | tor
     if last_rows < 1:
         raise ValueError(f"last_rows={last_rows}: use at least 1 query row")
     hq, n = q.shape[-3], q.shape[-2]
-    v_max, v_head = _budget(vertical, hq, "vertical")
-    s_max, s_head = _budget(slash, hq, "slash")
+    heads = k.shape[-3] if group_shared else hq
+    v_max, v_head = _budget(vertical, heads, "vertical")
+    s_max, s_head = _budget(slash, heads, "slash")
     r = min(last_rows, n)
     batch = q[..., 0, 0, 0].numel()  # prompts in the leading dims
     parts = [_vs_scores(q[..., hs, n - r:, :], k[..., ks, :, :], scale, aggregate, diag_norm, prior)
              for hs, ks in head_groups(hq, k.shape[-3], batch * r * n)]
     col, diag = (torch.cat(x, -2) for x in zip(*parts))
+    if group_shared:
+        col, diag = (x.unflatten(-2, (k.shape[-3], -1)).sum(-2) for x in (col, diag))
     columns = top_positions(col, sink, v_max, v_head, ranked)
     offsets = top_positions(diag, max(local, 1), s_max, s_head, ranked)
     return columns, offsets

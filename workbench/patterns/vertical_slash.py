@@ -156,7 +156,7 @@ class VerticalSlash(PatternBase):
 
     def head(self, h: int) -> VerticalSlash:
         check_head(self, h)
-        return VerticalSlash(self.columns[h:h + 1], self.offsets[h:h + 1])
+        return type(self)(self.columns[h:h + 1], self.offsets[h:h + 1])
 
     @classmethod
     def for_heads(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],

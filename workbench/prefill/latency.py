@@ -1,6 +1,7 @@
 """Latency of sparse attention: estimated from a committed GPU benchmark, or timed live on one layer.
 
-`tile_rates(bench, shape)` turns a `workbench bench kernels` JSON into {pattern: {"per_tile_ms", "index_ms"}}
+`tile_rates(bench, shape)` turns a `workbench bench kernels` JSON (or a `kernels_prefill --minference` comparison's,
+whose rows also time `vs_group`'s kernel) into {pattern: {"per_tile_ms", "index_ms"}}
 per query head (median over the measured lengths), the table
 `search.choose(latency=...)` takes; `estimate_ms` applies it to a head's 64x64 tile count. Given a model's
 shape, `match_shape` picks the measured shape to read (the model's own, else the same head_dim, else the
@@ -51,10 +52,28 @@ def rate_table(bench: dict[str, Any], source: str) -> dict[str, Any]:
     return {"environment": bench.get("environment", {}), "source": source, "rows": rows}
 
 
+def _kernel_rows(bench: dict[str, Any]) -> list[dict[str, Any]]:
+    """The benchmark's rows as `workbench bench kernels` writes them (kernel, block, time_ms, ...). Rows of the
+    MInference comparison (`kernels_prefill --minference`: "pattern", block "64x64", the dense time of the
+    shape and length in each row) are turned into that form, with one dense_sdpa row per shape and length."""
+    rows, dense = [], {}
+    for row in bench.get("rows", []):
+        if "kernel" in row or "pattern" not in row:
+            rows.append(row)
+            continue
+        a, _, b = str(row.get("block", "64")).partition("x")
+        rows.append({**row, "kernel": row["pattern"], "block": a if b in ("", a) else row["block"],
+                     "index_ms": row.get("index_ms") or 0.0})
+        if row.get("dense_ms") is not None:
+            dense.setdefault((row["shape"], row["n"]), {k: row[k] for k in ("shape", "q_heads", "kv_heads", "head_dim", "n")}
+                             | {"kernel": "dense_sdpa", "time_ms": row["dense_ms"]})
+    return rows + list(dense.values())
+
+
 def _usable_rows(bench: dict[str, Any], block: int | None):
     """(pattern, row) for every benchmark row of a kernel a pattern runs on, at `block` (None: any)."""
     kernels = {cls.bench_kernel: kind for kind, cls in PATTERNS.items() if cls.bench_kernel}
-    for row in bench.get("rows", []):
+    for row in _kernel_rows(bench):
         pattern = kernels.get(str(row.get("kernel")).split("@")[0])  # "vertical_slash@512": a second budget
         if pattern is not None and (block is None or str(row.get("block", block)) == str(block)):
             yield pattern, row
@@ -107,7 +126,7 @@ def tile_rates(bench: dict[str, Any], shape: str | Any = "embedded", block: int 
         tiles = causal_tiles(row["n"], block) * heads * row.get("physical_density", 1.0)
         r = rates.setdefault(pattern, {"per_tile_ms": [], "index_ms": []})
         r["per_tile_ms"].append(row["time_ms"] / tiles * scale)
-        r["index_ms"].append(row.get("index_ms", 0.0) / heads)
+        r["index_ms"].append((row.get("index_ms") or 0.0) / heads)
     if not rates:
         raise ValueError(f"the benchmark has no rows for shape {shape!r} at block {block}: "
                          f"pick a shape it measured ({sorted(bench_shapes(bench, block))}) or pass the model's shape")

@@ -367,7 +367,7 @@ def rechoose(config: HeadConfig, target: float, tail_target: float | None = None
     tail = grid("tail_worst") if all(e.fixed or "tail_worst" in e.evidence for e in config.heads) else mass
     ev = Evidence(cands, [{"stored_evidence": "worst calibration sample per head"}], [n], mass, tail,
                   grid("oracle_mean"), grid("physical_density") * causal_tiles(n), torch.zeros_like(mass),
-                  torch.ones(1, n_layers, dtype=torch.float64))
+                  torch.ones(1, n_layers, dtype=torch.float64), config.model["n_heads"] // config.model["n_kv_heads"])
     prov = {k: v for k, v in config.provenance.items()
             if k not in ("target", "tail_target", "created", "tool", "hardware")}
     prov["rechosen"] = {"from_target": config.provenance.get("target"), "target": target, "tail_target": tail_target,

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from workbench_kernels.index_ref import merge_tiles, widened, write_heads
+from workbench_kernels.index_ref import expand_groups, merge_tiles, widened, write_heads
 from workbench_kernels.tiling import NO_WINDOW
 
 from workbench.config import HeadConfig
@@ -240,7 +240,7 @@ class SparsePrefill:
         if backend == "flex":
             from workbench.prefill.flex import tiles_attention
 
-            return tiles_attention(q, k, v, tiles, sink, window, scale)
+            return tiles_attention(q, k, v, expand_groups(tiles, q.shape[1] // tiles.shape[1]), sink, window, scale)
         from workbench_kernels.prefill import sparse_prefill
 
         plan = self.plans[layer]
@@ -254,7 +254,8 @@ class SparsePrefill:
             from workbench_kernels.index_ref import tile_area
 
             n = q.shape[2]
-            self.density[layer] = float(tile_area(tiles, n).sum()) / (q.shape[0] * q.shape[1] * n * (n + 1) / 2)
+            area = float(tile_area(tiles, n).sum()) * (q.shape[1] // tiles.shape[1])  # group-shared tiles serve G heads
+            self.density[layer] = area / (q.shape[0] * q.shape[1] * n * (n + 1) / 2)
         return o
 
     # ---- the index: physical tiles of one layer ---------------------------------------------------
@@ -277,21 +278,31 @@ class SparsePrefill:
         None), from the kind's pattern class (`layer_tiles`: online index on q's device, the Triton
         builders with `triton` where the kind has them). Tiles are the keys the kernel computes (the
         logical index plus its tile expansion). q `[B, Hq, N, D]`, k `[B, Hkv, N, D]`.
-        Static kinds (`PatternBase.static`: A-shape, dense) get views of q's shape, no gather."""
+        Static kinds (`PatternBase.static`: A-shape, dense) get views of q's shape, no gather. Kinds that share an
+        index per KV head (`PatternBase.kv_shared`) get their groups' KV heads and keep their tiles per KV head
+        when they are the layer's one kind on the Triton path (the kernel runs them GQA-packed or on one K/V ring);
+        otherwise their tiles are expanded per query head."""
         plan, G = self.plans[layer], q.shape[1] // k.shape[1]
         out = {}
         for kind, heads in plan.heads.items():
             cls = pattern_class(kind)
-            if G == 1 and len(heads) == q.shape[1]:
+            if len(heads) == q.shape[1] and (G == 1 or cls.kv_shared):
                 qh, kh = q, k
             elif getattr(cls, "static", False):  # reads q's shape and device only
                 shape = (q.shape[0], len(heads), *q.shape[2:])
                 qh, kh = q[:, :1].expand(shape), k[:, :1].expand(shape[:3] + k.shape[3:])
+            elif cls.kv_shared:  # whole KV groups (the config's rule): q of their heads, k of their KV heads
+                h, _ = self._heads_on(layer, kind, heads, G, q.device)
+                hk, _ = self._heads_on(layer, (kind, "kv"), sorted({x // G for x in heads}), 1, q.device)
+                qh, kh = q[:, h], k[:, hk]
             else:
                 h, hk = self._heads_on(layer, kind, heads, G, q.device)
                 qh, kh = q[:, h], k[:, hk]
-            out[kind] = (heads, *cls.layer_tiles(plan.params[kind], qh, kh, scale, self.config.proxy,
-                                                 self.config.block, triton=triton))
+            tiles, band = cls.layer_tiles(plan.params[kind], qh, kh, scale, self.config.proxy, self.config.block,
+                                          triton=triton)
+            if tiles.shape[1] != len(heads) and not (triton and len(plan.heads) == 1):
+                tiles = expand_groups(tiles, len(heads) // tiles.shape[1])
+            out[kind] = (heads, tiles, band)
         return out
 
     def merge(self, groups: dict[str, tuple[list[int], Any, Band | None]], q: torch.Tensor, layer: int | None = None):

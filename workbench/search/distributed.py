@@ -109,7 +109,8 @@ def score_shard(model: torch.nn.Module, shape: ModelShape, samples: Sequence[Any
                                layers=_layers_of(i, shape.n_layers, d.rank, d.world_size))
                 for i, s in enumerate(samples))
     return collect_evidence(captures, [s.describe() for s in samples], lengths, candidates, shape.n_layers,
-                            shape.n_heads, proxy, progress, shard=(d.rank, d.world_size))
+                            shape.n_heads, proxy, progress, shard=(d.rank, d.world_size),
+                            group=shape.n_heads // shape.n_kv_heads)
 
 
 def merge_evidence(ev: Evidence) -> Evidence:

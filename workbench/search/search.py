@@ -127,7 +127,9 @@ class Evidence:
     """Per-head evidence: tensors `[S, L, H, C]` float64 (samples, layers, heads, candidates).
 
     Plain and additive: workers that scored disjoint (sample, layer) slices can be merged with `+`
-    (or a torch.distributed all_reduce of each tensor). `lengths[s]` is sample s's token count."""
+    (or a torch.distributed all_reduce of each tensor). `lengths[s]` is sample s's token count; `group`:
+    query heads per KV head (heads g*group .. g*group + group - 1 share one; `choose` gives kinds that share
+    an index per KV head to whole groups)."""
 
     candidates: list[Candidate]
     samples: list[dict[str, Any]]
@@ -138,14 +140,15 @@ class Evidence:
     tiles: torch.Tensor
     edges: torch.Tensor
     done: torch.Tensor = field(default=None)  # [S, L] 1 where scored
+    group: int = 1
 
     @classmethod
     def empty(cls, candidates: Sequence[Candidate], samples: Sequence[dict[str, Any]], lengths: Sequence[int],
-              n_layers: int, n_heads: int) -> Evidence:
+              n_layers: int, n_heads: int, group: int = 1) -> Evidence:
         shape = (len(samples), n_layers, n_heads, len(candidates))
         z = lambda: torch.zeros(shape, dtype=torch.float64)  # noqa: E731
         return cls(list(candidates), list(samples), list(lengths), *(z() for _ in METRICS),
-                   torch.zeros(len(samples), n_layers, dtype=torch.float64))
+                   torch.zeros(len(samples), n_layers, dtype=torch.float64), group)
 
     def fill(self, sample: int, layer: int, scores: dict[str, torch.Tensor]) -> None:
         for name in METRICS:
@@ -153,11 +156,11 @@ class Evidence:
         self.done[sample, layer] = 1
 
     def __add__(self, other: Evidence) -> Evidence:
-        if other.candidates != self.candidates or other.lengths != self.lengths:
-            raise ValueError("evidence from different candidate grids or samples cannot be merged: "
-                             "run every worker with the same candidates and calibration samples")
+        if other.candidates != self.candidates or other.lengths != self.lengths or other.group != self.group:
+            raise ValueError("evidence from different candidate grids, samples or models cannot be merged: "
+                             "run every worker with the same model, candidates and calibration samples")
         return Evidence(self.candidates, self.samples, self.lengths,
-                        *(getattr(self, n) + getattr(other, n) for n in (*METRICS, "done")))
+                        *(getattr(self, n) + getattr(other, n) for n in (*METRICS, "done")), self.group)
 
     def all_reduce(self) -> Evidence:
         """Sum every rank's evidence in place (torch.distributed must be initialised)."""
@@ -180,6 +183,10 @@ def choose(evidence: Evidence, target: float = TARGET, latency: dict[str, dict[s
     over all rows and `tail_target` (default `target`) over the answer rows, on the worst sample; ties
     go to the higher worst-sample mass, then to the earlier candidate.
 
+    Kinds that share one index per KV head (`PatternBase.kv_shared`) are chosen per KV group
+    (`evidence.group` heads): a group takes the cheapest such candidate that every one of its heads can take,
+    where its heads' summed cost is below the sum of their own choices.
+
     Cost = mean physical density (64x64 tiles / causal tiles) or, with a measured `latency` table
     {pattern: {"per_tile_ms": a, "index_ms": b}}, a * tiles + b averaged over samples."""
     tail_target = target if tail_target is None else tail_target
@@ -197,15 +204,30 @@ def choose(evidence: Evidence, target: float = TARGET, latency: dict[str, dict[s
                               latency.get(c.pattern, {}).get("index_ms", 0.0)] for c in evidence.candidates],
                             dtype=torch.float64)
         if rate[:, 0].isnan().any():
-            raise ValueError(f"latency table lacks per_tile_ms for some of {sorted({c.pattern for c in evidence.candidates})}")
+            missing = sorted({c.pattern for c in evidence.candidates if c.pattern not in latency})
+            raise ValueError(f"the latency table has no per-tile time for {missing}: give a benchmark that timed their "
+                             "kernels (`workbench bench prefill` on a GPU) or leave those candidates out")
         cost = (evidence.tiles * rate[:, 0] + rate[:, 1]).mean(0)
     ok = (worst >= target - 1e-12) & (evidence.tail.amin(0) >= tail_target - 1e-12)
     ok[..., [c.pattern == "dense" for c in evidence.candidates]] = True  # dense is the fallback
     key = torch.where(ok, cost, math.inf)  # infeasible candidates cost infinitely much
+    shared = [c for c, cand in enumerate(evidence.candidates) if pattern_class(cand.pattern).kv_shared]
+    key[..., shared] = math.inf  # chosen per KV group below
     best = torch.empty(worst.shape[:2], dtype=torch.long)
     for l in range(worst.shape[0]):
         for h in range(worst.shape[1]):  # lexicographic: cost, then higher worst mass, then grid order
             best[l, h] = min(range(len(evidence.candidates)), key=lambda c: (float(key[l, h, c]), -float(worst[l, h, c]), c))
+    g = evidence.group
+    for l in range(worst.shape[0]) if shared else ():
+        for h0 in range(0, worst.shape[1], g):
+            heads = slice(h0, h0 + g)
+            fits = [c for c in shared if bool(ok[l, heads, c].all())]
+            if not fits:
+                continue
+            c = min(fits, key=lambda c: (float(cost[l, heads, c].sum()), -float(worst[l, heads, c].min()), c))
+            own = sum(float(key[l, h, best[l, h]]) for h in range(h0, h0 + g))
+            if float(cost[l, heads, c].sum()) < own:
+                best[l, heads] = c
     return best
 
 
@@ -270,8 +292,9 @@ def build_config(evidence: Evidence, choice: torch.Tensor, model: dict[str, Any]
 def collect_evidence(captures: Iterable[Any], samples: Sequence[dict[str, Any]], lengths: Sequence[int],
                      candidates: Sequence[Candidate], n_layers: int, n_heads: int,
                      proxy: dict[str, Any] | None = None, progress: bool = True,
-                     shard: tuple[int, int] = (0, 1)) -> Evidence:
-    """Score every layer of every capture (an iterable, so each can be made and freed in turn).
+                     shard: tuple[int, int] = (0, 1), group: int = 1) -> Evidence:
+    """Score every layer of every capture (an iterable, so each can be made and freed in turn); `group`:
+    query heads per KV head (`Evidence.group`).
 
     `shard=(rank, world)` scores only the (sample, layer) slices with (sample * L + layer) % world ==
     rank; summing the evidence of all ranks (`+`, or `all_reduce`) gives the full evidence. Layers the
@@ -279,7 +302,7 @@ def collect_evidence(captures: Iterable[Any], samples: Sequence[dict[str, Any]],
     rank, world = shard
     if not 0 <= rank < world:
         raise ValueError(f"shard {shard} is not (rank, world) with 0 <= rank < world")
-    ev = Evidence.empty(candidates, samples, lengths, n_layers, n_heads)
+    ev = Evidence.empty(candidates, samples, lengths, n_layers, n_heads, group)
     mine = [(s, l) for s in range(len(samples)) for l in range(n_layers) if (s * n_layers + l) % world == rank]
     bar = tqdm(total=len(mine), desc="search", unit="layer", disable=not progress)
     for s, cap in enumerate(captures):
@@ -320,7 +343,7 @@ def search_heads(model: torch.nn.Module, tokenizer: Any, shape: Any, samples: Se
     captures = (stream_capture(model, shape, s.input_ids, layers=shape.free_layers, chunk=chunk, progress=False)
                 for s in samples)
     ev = collect_evidence(captures, [s.describe() for s in samples], lengths, candidates,
-                          shape.n_layers, shape.n_heads, proxy, progress)
+                          shape.n_layers, shape.n_heads, proxy, progress, group=shape.n_heads // shape.n_kv_heads)
     cfg = build_config(ev, choose(ev, target, latency, tail_target), shape.to_dict(), target=target,
                        tail_target=tail_target, proxy=proxy, provenance=provenance)
     return cfg, ev
@@ -366,13 +389,18 @@ def evaluate_config(config: HeadConfig, capture: Any, progress: bool = False) ->
 class HeadCache:
     """What re-scoring one head needs, per sample: its q `[N, D]`, its KV head's k `[N, D]`, and its
     exact sums (`metrics.LayerSums` of that head alone: column, diagonal, tile masses and lse); the
-    answer rows' sums are computed on the first re-score and kept."""
+    answer rows' sums are computed on the first re-score and kept. `group_q`: per sample, q `[G, N, D]` of
+    the head's KV group (the head is row `member`; None: the head alone), which kinds that share an index per
+    KV head read; their sums over the group are computed on their first re-score and kept."""
 
     scale: float
     q: list[torch.Tensor]
     k: list[torch.Tensor]
     sums: list[Any]
+    group_q: list[torch.Tensor] | None = None
+    member: int = 0
     _reductions: list[LayerReductions] = field(init=False, repr=False)
+    _group: list[LayerReductions] | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self):
         self._reductions = [LayerReductions(q[None], k[None], self.scale, all_rows=st)
@@ -380,17 +408,24 @@ class HeadCache:
 
     @classmethod
     def from_captures(cls, captures: Sequence[Any], layer: int, head: int) -> HeadCache:
-        qs, ks, sums = [], [], []
+        qs, ks, sums, groups = [], [], [], []
         for cap in captures:
             q, k, _ = cap.head_qkv(layer, head)
             qs.append(q)
             ks.append(k)
             sums.append(layer_sums(q[None], k[None], cap.scale))
-        return cls(scale=captures[0].scale, q=qs, k=ks, sums=sums)
+            group = cap.shape.n_heads // cap.shape.n_kv_heads
+            groups.append(cap.layer_qkv(layer)[0][head - head % group:head - head % group + group])
+        return cls(scale=captures[0].scale, q=qs, k=ks, sums=sums, group_q=groups, member=head % groups[0].shape[0])
 
-    def reductions(self, proxy: dict[str, Any]) -> list[LayerReductions]:
-        """Each sample's `LayerReductions` of this head under `proxy` (its cached sums shared)."""
-        return [LayerReductions(r.q, r.k, r.scale, proxy, r.sums, r.tail) for r in self._reductions]
+    def reductions(self, proxy: dict[str, Any], group: bool = False) -> list[LayerReductions]:
+        """Each sample's `LayerReductions` of this head under `proxy` (its cached sums shared); `group`: of its
+        whole KV group (`group_q`), whose row `member` is this head."""
+        if group and self._group is None:
+            group_q = self.group_q or [q[None] for q in self.q]
+            self._group = [LayerReductions(q, k[None], self.scale) for q, k in zip(group_q, self.k)]
+        return [LayerReductions(r.q, r.k, r.scale, proxy, r.sums, r.tail)
+                for r in (self._group if group else self._reductions)]
 
 
 @torch.no_grad()
@@ -402,12 +437,13 @@ def rescore_head(cache: HeadCache, candidate: Candidate, proxy: dict[str, Any] |
     "mean": float}."""
     proxy = {**PROXY_DEFAULTS, **(proxy or {})}
     cls = pattern_class(candidate.pattern)
+    row = cache.member if cls.kv_shared else 0  # a group-shared kind is scored on the head's whole KV group
     out: dict[str, list[float]] = {"mass": [], "tail": [], "oracle": [], "tiles": [], "physical_density": []}
-    for sums in cache.reductions(proxy):
+    for sums in cache.reductions(proxy, group=cls.kv_shared):
         scores = cls.evidence([candidate.params], sums)
         for name in ("mass", "tail", "oracle"):
-            out[name].append(min(float(scores[name][0, 0]), 1.0))
-        tiles = int(scores["tiles"][0, 0])
+            out[name].append(min(float(scores[name][row, 0]), 1.0))
+        tiles = int(scores["tiles"][row, 0])
         out["tiles"].append(tiles)
         out["physical_density"].append(tiles / causal_tiles(sums.n))
     return {**out, "worst": min(out["mass"]), "mean": sum(out["mass"]) / len(out["mass"])}
@@ -435,7 +471,7 @@ def pattern_fits(capture: Any, config: HeadConfig | None = None, target: float =
     for layer in tqdm(capture.layers, desc="pattern fits", unit="layer", disable=not progress, leave=False):
         q, k, _ = capture.layer_qkv(layer)
         sc = layer_scores(q, k, capture.scale, cands, config.proxy if config else None, capture.layer_lse(layer))
-        ev = Evidence.empty(cands, [{}], [n], 1, q.shape[0])
+        ev = Evidence.empty(cands, [{}], [n], 1, q.shape[0], q.shape[0] // k.shape[0])
         ev.fill(0, 0, sc)
         fit = choose(ev, target)[0]
         density = ev.density()[1][0, 0]

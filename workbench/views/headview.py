@@ -28,10 +28,15 @@ def full_mask(index: Any, n: int) -> torch.Tensor:
 
 @torch.no_grad()
 def head_index(entry: Any, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
-               block: int = BLOCK):
+               block: int = BLOCK, group: tuple[torch.Tensor, int] | None = None):
     """The one-head index a `HeadEntry` prescribes for this prompt (q, k `[N, D]`): what
-    `HeadConfig.layer_index` builds for that head, without running the proxies of the other heads."""
-    return pattern_class(entry.pattern).build([entry.params], q[None], k[None], scale, proxy, block)[0]
+    `HeadConfig.layer_index` builds for that head, without running the proxies of the other heads. `group`: (q
+    `[G, N, D]` of the head's KV group, the head's row in it), which a kind that shares one index per KV group
+    reads (the whole group taking the entry, as the config's rule has it)."""
+    cls = pattern_class(entry.pattern)
+    if cls.kv_shared and group is not None:
+        return cls.build([entry.params] * group[0].shape[0], group[0], k[None], scale, proxy, block)[group[1]]
+    return cls.build([entry.params], q[None], k[None], scale, proxy, block)[0]
 
 
 class HeadView:

@@ -372,7 +372,8 @@ class Session(Job):
 
         cap, shape = self.capture, self.shape
         cands = default_candidates(cap.n)
-        ev = Evidence.empty(cands, [self.sample.describe()], [cap.n], len(cap.layers), shape.n_heads)
+        ev = Evidence.empty(cands, [self.sample.describe()], [cap.n], len(cap.layers), shape.n_heads,
+                            shape.n_heads // shape.n_kv_heads)
         for i, layer in enumerate(cap.layers):
             self._step(f"searching patterns: layer {layer}", i, len(cap.layers))
             if shape.window(layer) is not None:  # the model fixes this layer: nothing to search

@@ -171,16 +171,17 @@ class HeadState(Job):
             raise ValueError(f"{pattern} needs {', '.join(missing)}: type a whole number")
         t0 = time.perf_counter()
         params = {k: int(params[k]) for k in PARAMS[pattern]}
-        i = self.layer * s.config.model["n_heads"] + self.head
-        old = s.config.heads[i]
-        if old.fixed:
+        n_heads = s.config.model["n_heads"]
+        if s.config.entry(self.layer, self.head).fixed:
             raise ValueError(s.config.fixed_reason(self.layer, self.head))
-        s.config.heads[i] = HeadEntry(old.layer, old.head, pattern, params)
-        try:
-            s.config.check("edit")
+        layer = slice(self.layer * n_heads, (self.layer + 1) * n_heads)
+        old = s.config.heads[layer]
+        s.config.heads[layer] = [HeadEntry.from_dict(e.to_dict()) for e in old]
+        try:  # a kind that shares one index per KV group moves the head's whole group (`HeadConfig.edit`)
+            s.config.edit(self.layer, self.head, pattern, params, keep_score=False)
             result = self._score(publish=False)
         except Exception:
-            s.config.heads[i] = old
+            s.config.heads[layer] = old
             raise
         s.config.provenance.setdefault("edits", []).append(
             {"layer": self.layer, "head": self.head, "pattern": pattern, "params": params, "sample": s.sample.describe()})
@@ -203,7 +204,8 @@ class HeadState(Job):
         cand = Candidate(e.pattern, tuple(e.params[p] for p in PARAMS[e.pattern]))
         scores = rescore_head(self.cache, cand, s.config.proxy)
         q, k, _ = cap.head_qkv(self.layer, self.head)
-        index = head_index(e, q, k, cap.scale, s.config.proxy, s.config.block)
+        index = head_index(e, q, k, cap.scale, s.config.proxy, s.config.block,
+                           group=(self.cache.group_q[0], self.cache.member) if self.cache.group_q else None)
         view = self.view.evaluate(index)
         mass, oracle, tiles = scores["mass"][0], scores["oracle"][0], scores["tiles"][0]
         estimate, why = estimate_for(s)
