@@ -320,6 +320,16 @@ def run(args: argparse.Namespace) -> int:
                 _, t_vs_tiles = sync_ms(lambda: vs_tiles(vs_cols, vs_offs, n, rb, pw))
                 indexes[(name, blk)] = (tiles, t_vs_idx + t_vs_tiles, None)
         vs_cols, vs_offs = vs_sets["vertical_slash"]
+        # vs_group: one index per KV head (`index_build.vs_index(group_shared=True)`), the tiles `SparsePrefill` runs
+        # for a layer of it (per KV head, with columns per head: the Gluon kernel's shared ring on sm_90)
+        nv, ns = vs_budgets["vertical_slash"]
+        (g_cols, g_offs), t_g_idx = sync_ms(lambda: vs_index(q, k, scale, nv, ns, group_shared=True))
+        _, t_g_idx = sync_ms(lambda: vs_index(q, k, scale, nv, ns, group_shared=True))  # warm
+        if "64" in tile_shapes:
+            tiles, t_g_tiles = sync_ms(lambda: vs_tiles(g_cols, g_offs, n, 64, 0, head_columns=True))
+            _, t_g_tiles = sync_ms(lambda: vs_tiles(g_cols, g_offs, n, 64, 0, head_columns=True))
+            indexes[("vertical_slash_group_shared", "64")] = (tiles, t_g_idx + t_g_tiles, None)
+            vs_budgets["vertical_slash_group_shared"] = (nv, ns)
         bidx, t_bs_idx = sync_ms(lambda: block_index(q, k, args.topk))
         bidx, t_bs_idx = sync_ms(lambda: block_index(q, k, args.topk))
         for blk in tile_shapes:
@@ -338,6 +348,8 @@ def run(args: argparse.Namespace) -> int:
                           "a_shape": AShape(args.sink, args.window, hq)}
         logical = {
             **{name: VerticalSlash(c[0], o[0]).edges(n).sum().item() for name, (c, o) in vs_sets.items()},
+            "vertical_slash_group_shared": VerticalSlash(*(x[0].repeat_interleave(hq // hkv, 0) for x in (g_cols, g_offs))
+                                                         ).edges(n).sum().item(),
             **{name: p.edges(n).sum().item() for name, p in layer_patterns.items() if name != "vertical_slash"},
         }
 
