@@ -141,3 +141,24 @@ def test_latency_rates_read_the_minference_comparison_rows():
     dense = [r["dense_ms"] / (causal_tiles(r["n"]) * r["q_heads"]) for r in bench["rows"]
              if r["shape"] == "llama3-8b" and r["pattern"] == "vertical_slash"]
     assert rates["dense"]["per_tile_ms"] == pytest.approx(statistics.median(dense))
+
+
+def test_compare_sweeps_it_on_whole_groups_and_times_its_tiles_per_kv_head():
+    """`workbench compare`'s vertical-slash-group row builds the shared index from the KV heads (not one group per
+    query head), and its kernel lane gets tiles per KV head, as `SparsePrefill` runs a layer of it."""
+    from workbench.analysis.compare import default_methods
+    from workbench.prefill.compare import pattern_tiles
+
+    q, k = qk(200, 3)
+    method = next(m for m in default_methods() if m.name == "vertical-slash-group")
+    got = method.build(q, k, 0.25, 64)
+    want = GroupVerticalSlash.build([method_params(64)] * 6, q, k, 0.25, {}, 64)
+    assert all(torch.equal(got.columns[h], want[h].columns[0]) for h in range(6))
+    tiles, _, _ = pattern_tiles(lambda qc, kc: method.build(qc, kc, 0.25, 64))(q[None], k[None])
+    assert tiles.shape == (1, 2, 4)
+    per_head = got.to_tiles(200)
+    assert torch.equal(tiles.block_count, per_head.block_count[:, ::3])
+
+
+def method_params(value: int) -> dict[str, int]:
+    return GroupVerticalSlash.sweep.params(value)

@@ -42,11 +42,12 @@ class Method:
 
 def sweep_builder(cls: type) -> Builder:
     """(q, k, scale, value) -> the kind's pattern over all Hq heads of one layer at the config params
-    `cls.sweep.params(value)`, built as the prefill builds it (`for_heads`, the proxies' default settings)."""
+    `cls.sweep.params(value)`, built as the prefill builds it (`for_heads`, the proxies' default settings; a kind
+    that shares one index per KV head gets the KV heads)."""
     def build(q: torch.Tensor, k: torch.Tensor, scale: float, value: float) -> Pattern:
         hq = q.shape[0]
-        return cls.for_heads([cls.sweep.params(value)] * hq, q, k.repeat_interleave(hq // k.shape[0], 0), scale, {},
-                             BLOCK)
+        kv = k if cls.kv_shared else k.repeat_interleave(hq // k.shape[0], 0)
+        return cls.for_heads([cls.sweep.params(value)] * hq, q, kv, scale, {}, BLOCK)
     return build
 
 

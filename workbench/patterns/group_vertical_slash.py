@@ -15,6 +15,7 @@ target and the group's cost falls.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,7 +45,7 @@ class GroupVerticalSlash(VerticalSlash):
     bench_kernel = "vertical_slash_group_shared"
     minference_name = None
     default_search = False
-    sweep = None
+    sweep = dataclasses.replace(VerticalSlash.sweep, name="vertical-slash-group")
 
     @classmethod
     def defaults(cls, n: int) -> dict[str, int]:
@@ -98,6 +99,10 @@ class GroupVerticalSlash(VerticalSlash):
         cols, offs = vs_proxy(q, k, scale, per_head(params[::group], "vertical"), per_head(params[::group], "slash"),
                               group_shared=True, **proxy)
         return cls(cols.repeat_interleave(group, 0), offs.repeat_interleave(group, 0))
+
+    def kv_tiles(self, n: int, group: int) -> VSTiles:
+        """The kernel's tiles per KV head `[1, H / group, M]` (one row of each group of `group` heads)."""
+        return vs_to_tiles(self.columns[None, ::group], self.offsets[None, ::group], n)
 
     @classmethod
     def layer_tiles(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],

@@ -99,12 +99,15 @@ TilesBuilder = Callable[[torch.Tensor, torch.Tensor], tuple[Any, Any, Any]]  # (
 
 
 def pattern_tiles(build: Callable[[torch.Tensor, torch.Tensor], Pattern]) -> TilesBuilder:
-    """A method's kernel input on q's device: (tiles, sink, window) of the pattern `build(q, k)` makes."""
+    """A method's kernel input on q's device: (tiles, sink, window) of the pattern `build(q, k)` makes (tiles per
+    KV head for a kind that shares one index per KV head, as `SparsePrefill` runs a layer of it)."""
     def tiles(q: torch.Tensor, k: torch.Tensor) -> tuple[Any, Any, Any]:
         pattern = build(q[0], k[0])
         band = pattern.token_band()
         sink, window = (None, None) if band is None else (band[0].to(q.device), band[1].to(q.device))
-        return pattern.to_tiles(q.shape[2]).to(q.device), sink, window
+        n = q.shape[2]
+        t = pattern.kv_tiles(n, q.shape[1] // k.shape[1]) if pattern.kv_shared else pattern.to_tiles(n)
+        return t.to(q.device), sink, window
     return tiles
 
 
