@@ -133,5 +133,10 @@ def test_each_kind_through_a_dashboard_edit(tmp_path):
         assert (r["entry"].pattern, r["entry"].params) == (kind, default_params(kind, 256))
         assert 0 < r["mass"] <= 1 and r["oracle"] >= r["mass"] - 1e-6 and r["tiles"] > 0
         assert s.config.entry(1, 2).pattern == kind and s.config.provenance["edits"][-1]["pattern"] == kind
+        mates = [s.config.entry(1, h) for h in (0, 1)]  # head 2's KV group: heads 0-2
+        if pattern_class(kind).kv_shared:  # the group moved with it, each mate re-scored on its own
+            assert all(m.pattern == kind and m.recall["mean"] == pytest.approx(float(s.mass[1, m.head])) for m in mates)
+        else:
+            assert all(m.pattern != "vs_group" for m in mates)
     r = head.edit("ashape", {"sink": 4, "window": 16})
     assert r["entry"].params == {"sink": 4, "window": 16} and r["mass"] < 1

@@ -158,8 +158,9 @@ class HeadState(Job):
 
     def edit(self, pattern: str, params: dict[str, int] | None = None) -> dict[str, Any]:
         """Give the open head a new pattern and sizes (default: the kind's `default_params` at this prompt's
-        length), re-score it (no capture, no other head); raises (naming the size and the fix) and keeps the
-        old entry when the config would be invalid."""
+        length), re-score it (no capture; the other heads of its KV group too when a kind that shares one index per
+        group moved them with it); raises (naming the size and the fix) and keeps the old entries when the config
+        would be invalid."""
         s = self.session
         if self.busy or self.view is None:
             raise RuntimeError("wait until the head is open")
@@ -180,15 +181,34 @@ class HeadState(Job):
         try:  # a kind that shares one index per KV group moves the head's whole group (`HeadConfig.edit`)
             s.config.edit(self.layer, self.head, pattern, params, keep_score=False)
             result = self._score(publish=False)
+            moved = [self._score_mate(e.head) for e, before in zip(s.config.heads[layer], old)
+                     if e.head != self.head and (e.pattern, e.params) != (before.pattern, before.params)]
         except Exception:
             s.config.heads[layer] = old
             raise
+        for entry, mass, oracle in moved:
+            s.set_entry(entry, mass, oracle)
         s.config.provenance.setdefault("edits", []).append(
             {"layer": self.layer, "head": self.head, "pattern": pattern, "params": params, "sample": s.sample.describe()})
         self.last_edit_ms = (time.perf_counter() - t0) * 1e3  # the numbers; then the views redraw
         self._publish()
         self.last_edit_total_ms = (time.perf_counter() - t0) * 1e3
         return result
+
+    def _score_mate(self, head: int) -> tuple[HeadEntry, float, float]:
+        """(entry with its recall and oracle, mass, oracle) of another head of the open layer that an edit moved
+        (`search.rescore_head` on its own cached sums)."""
+        from workbench.search.search import Candidate, HeadCache, rescore_head
+
+        s = self.session
+        cap, e = s.capture, s.config.entry(self.layer, head)
+        cache = SHARED.memo(("headcache", s.capture_key, self.layer, head),
+                            lambda: HeadCache.from_captures([cap], self.layer, head))
+        scores = rescore_head(cache, Candidate(e.pattern, tuple(e.params[p] for p in PARAMS[e.pattern])), s.config.proxy)
+        mass, oracle = scores["mass"][0], scores["oracle"][0]
+        entry = HeadEntry(e.layer, e.head, e.pattern, e.params, recall={"mean": round(mass, 6), "worst": round(mass, 6)},
+                          density={"physical": round(scores["physical_density"][0], 6)}, oracle=round(oracle, 6))
+        return entry, mass, oracle
 
     def _publish(self) -> None:
         self.session.set_entry(self.result["entry"], self.result["mass"], self.result["oracle"])
