@@ -116,6 +116,20 @@ def expected_scores(p, q, k, scale, cand: Candidate) -> dict[str, torch.Tensor]:
             by_offset = torch.stack([off_columns.diagonal(-d, 1, 2).sum(-1) for d in range(n)], -1)
             best = kept(VerticalSlash(c, top_positions(by_offset, 1, s)).to_mask(n)).mean(-1)
             oracle = torch.maximum(oracle, best)
+    elif cand.pattern == "vs_group":  # one index per KV group; its oracle is the group's best known shared index
+        v, s = cand.sizes
+        g = hq // k.shape[0]
+        heads = lambda x: x.repeat_interleave(g, 0)  # noqa: E731
+        group = lambda x: x.unflatten(0, (-1, g)).sum(1)  # noqa: E731
+        cols, offs = vs_proxy(q, k, scale, v, s, group_shared=True)
+        rows = kept(VerticalSlash(heads(cols), heads(offs)).to_mask(n))
+        best = rows.mean(-1)
+        for c in (cols, top_positions(group(p.sum(1)), 0, v)):
+            off_columns = p * ~membership(heads(c), n)[:, None, :]
+            by_offset = torch.stack([off_columns.diagonal(-d, 1, 2).sum(-1) for d in range(n)], -1)
+            other = kept(VerticalSlash(heads(c), heads(top_positions(group(by_offset), 1, s))).to_mask(n)).mean(-1)
+            best = torch.where(heads(group(other) > group(best)), other, best)
+        oracle = torch.maximum(rows.mean(-1), best)
     elif cand.pattern == "block":
         rows = kept(BlockSparse(block_proxy(q, k, cand.sizes[0])).to_mask(n))
         m = -(-n // 64)
@@ -140,7 +154,8 @@ def check_against_dense(q, k, scale, head: int = 4):
     n, g = q.shape[1], q.shape[0] // k.shape[0]
     cands = list(dict.fromkeys(default_candidates(n) + method_candidates(n) + EXTRA + OVERSIZED))
     sc, p = layer_scores(q, k, scale, cands), dense_probs(q, k, scale)
-    cache = HeadCache(scale, [q[head]], [k[head // g]], [layer_sums(q[head][None], k[head // g][None], scale)])
+    cache = HeadCache(scale, [q[head]], [k[head // g]], [layer_sums(q[head][None], k[head // g][None], scale)],
+                      group_q=[q[head - head % g:head - head % g + g]], member=head % g)
     for c, cand in enumerate(cands):
         want = expected_scores(p, q, k, scale, cand)
         again = rescore_head(cache, cand)
