@@ -1,11 +1,11 @@
 """Sparse attention patterns as compact per-layer indexes, and the online proxies that build them.
 
-`AShape(sink, window)`, `VerticalSlash(columns, offsets)`, `BlockSparse(block_index)`, `Dense(H)` and
-`Stack([...])` (different patterns for different heads of one layer) implement the `Pattern` protocol
-(`base.py`): each owns its geometry once - logical `row_mask` / `edges` / FlexAttention `mask_mod`
-(from the predicates of `workbench_kernels.masks`), the kernel's physical `to_tiles` / `token_band` /
-`tiles`, the latency `cost`, and the overlay `shapes` - and every consumer (prefill, latency, config,
-headview, viz, benchmarks) calls these.
+`AShape(sink, window)`, `VerticalSlash(columns, offsets)` (and `GroupVerticalSlash`, one per KV group),
+`BlockSparse(block_index)`, `Dense(H)` and `Stack([...])` (different patterns for different heads of one layer)
+implement the `Pattern` protocol (`base.py`): each owns its geometry once - logical `row_mask` / `edges` /
+FlexAttention `mask_mod` (from the predicates of `workbench_kernels.masks`), the kernel's physical `to_tiles` /
+`token_band` / `tiles`, the latency `cost`, and the overlay `shapes` - and every consumer (prefill, latency,
+config, headview, viz, benchmarks) calls these.
 
 The registry is the only list of kinds. `PATTERNS` maps a head config's kind ("ashape", "vs", "block",
 "dense", ...) to its class in the classes' `order`; `cls.kind` goes back. Everything else derives from it:
@@ -29,7 +29,8 @@ kind's member from another registered kind):
   `token_band` only if the kernel needs a per-token mask on top of the tiles; `static = True` if its index
   needs no prompt and its whole mask is `token_band` plus its tiles' dense rows, causal; subclass `PromptFree` instead of
   `PatternBase` if its index reads only its params and n: it then builds from the params alone and a layer's
-  tiles are cached);
+  tiles are cached; `kv_shared = True` if it builds one index per KV head, which the config then gives to whole
+  KV groups and the search chooses per group, as `GroupVerticalSlash`);
 - where it applies: `grid(n)` (search candidates; `default_search = True` puts them in
   `default_candidates`, else they are `method_candidates`), `evidence(params, sums)` (closed-form scores
   from the exact reductions; the default is one exact pass per candidate), `sweep` (`Sweep`: its
