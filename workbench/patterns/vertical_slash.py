@@ -91,29 +91,7 @@ class VerticalSlash(PatternBase):
 
     @classmethod
     def evidence(cls, params: Sequence[dict[str, int]], sums: Reductions) -> Scores:
-        """Closed form from the exact sums (`vs_mass`): the index the online proxy (`vs_proxy`) picks for
-        this prompt, i.e. what the kernel runs; its oracle is the best known same-budget index (`vs_oracle`'s
-        greedy choice from the proxy's and the heaviest columns). Budgets are nested: one ranked proxy
-        (and one ranked column list) at the largest budget serves every candidate as a prefix, and one
-        `offset_mass` pass over all rows (one over the answer rows) gives all their overlaps."""
-        n, st = sums.n, sums.sums
-        sizes = [(p["vertical"], p["slash"]) for p in params]
-        levels = sorted({v for v, _ in sizes})
-        cols_all, offs_all = vs_proxy(sums.q, sums.k, sums.scale, levels[-1], max(s for _, s in sizes), ranked=True,
-                                      **sums.proxy)
-        best_all = top_positions(st.column_mass, 0, levels[-1], None, ranked=True)
-        proxy_ov, best_ov = sums.offset_mass([cols_all, best_all], prefixes=[levels, levels])
-        tail_ov = sums.offset_mass([cols_all], prefixes=[levels], rows=sums.tail_rows)[0]
-        parts = []
-        for v, s in sizes:
-            li = levels.index(v)
-            cols, offs, best = cols_all[:, :v], offs_all[:, :s], best_all[:, :v]
-            mass = vs_mass(st, proxy_ov[li], cols, offs)
-            oracle = torch.maximum(mass, vs_mass(st, proxy_ov[li], cols, best_offsets(st.diag_mass, proxy_ov[li], s)))
-            oracle = torch.maximum(oracle, vs_mass(st, best_ov[li], best, best_offsets(st.diag_mass, best_ov[li], s)))
-            parts.append({"mass": mass, "tail": vs_mass(sums.tail, tail_ov[li], cols, offs), "oracle": oracle,
-                          "tiles": vs_tile_count(cols[None], offs[None], n)[0], "edges": cls(cols, offs).edges(n)})
-        return stack_scores(parts)
+        return vs_evidence(cls, params, sums)
 
     def column_set(self, n: int) -> torch.Tensor:
         """Bool `[H, n]`: which keys are columns."""
@@ -161,23 +139,33 @@ class VerticalSlash(PatternBase):
     @classmethod
     def for_heads(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
                   block: int, triton: bool = False) -> VerticalSlash:
-        return cls(*vs_proxy(q, k, scale, per_head(params, "vertical"), per_head(params, "slash"), **proxy))
+        """Per head: k `[H, N, D]` each query head's KV head. A kind that shares one index per KV head
+        (`kv_shared`): q of whole KV groups in order, k `[H / G, N, D]` their KV heads (per-head k: each head its
+        own group), params equal within a group; each head gets its group's index."""
+        group = q.shape[0] // k.shape[0] if cls.kv_shared else 1
+        cols, offs = vs_proxy(q, k, scale, per_head(params[::group], "vertical"), per_head(params[::group], "slash"),
+                              group_shared=cls.kv_shared, **proxy)
+        return cls(*(x.repeat_interleave(group, 0) for x in (cols, offs)) if group > 1 else (cols, offs))
 
     @classmethod
     def layer_tiles(cls, params, q: torch.Tensor, k: torch.Tensor, scale: float, proxy: dict[str, Any],
                     block: int, triton: bool = False) -> tuple[VSTiles, None]:
         """The proxy on all heads of the batch at once; with `triton` (and proxy settings the Triton
         builder computes) the Triton index (`vs_index`) and tile expansion, with the columns per head too
-        (`VSTiles.head_columns`: the Gluon kernel's form on sm_90)."""
-        n = q.shape[2]
+        (`VSTiles.head_columns`: the Gluon kernel's form on sm_90). A `kv_shared` kind: q `[B, H, N, D]` of whole
+        KV groups, k `[B, H / G, N, D]` their KV heads, and tiles per KV head `[B, H / G, M]` (group-shared:
+        `sparse_prefill` runs them on one K/V ring or GQA-packed; `index_ref.expand_groups` gives per-head ones)."""
+        n, shared = q.shape[2], cls.kv_shared
+        params = params[::q.shape[1] // k.shape[1]] if shared else params  # one budget per index
         if triton and all(proxy.get(key, value) == value for key, value in TRITON_PROXY.items()):
             from workbench_kernels.index_build import vs_index
 
             (vertical, per_v), (slash, per_s) = (budgets_on(params, key, q.device) for key in ("vertical", "slash"))
-            cols, offs = vs_index(q, k, scale, vertical, slash, proxy["sink"], proxy["local"], per_head=(per_v, per_s))
+            cols, offs = vs_index(q, k, scale, vertical, slash, proxy["sink"], proxy["local"], group_shared=shared,
+                                  per_head=(per_v, per_s))
         else:
             vertical, slash = per_head(params, "vertical"), per_head(params, "slash")  # host ints: no sync
-            cols, offs = vs_proxy(q, k, scale, vertical, slash, **proxy)
+            cols, offs = vs_proxy(q, k, scale, vertical, slash, group_shared=shared, **proxy)
         if triton:
             from workbench_kernels.index_build import vs_tiles
 
@@ -191,6 +179,49 @@ class VerticalSlash(PatternBase):
 def _sizes(budget: int) -> dict[str, int]:
     """VS config params of a budget of b keys per query: b/2 columns (>= 30), b slashes (>= 50)."""
     return {"vertical": max(30, budget // 2), "slash": max(50, budget)}
+
+
+def group_sum(x: torch.Tensor, group: int) -> torch.Tensor:
+    """`[H, ...]` per query head -> `[H / group, ...]` summed over each KV group's consecutive heads."""
+    return x.unflatten(0, (-1, group)).sum(1) if group > 1 else x
+
+
+def vs_evidence(cls: type, params: Sequence[dict[str, int]], sums: Reductions) -> Scores:
+    """`evidence` of a VS kind in closed form from the exact sums (`vs_mass`): the index the online proxy
+    (`vs_proxy`) picks for this prompt, i.e. what the kernel runs; its oracle is the best known same-budget index
+    (`vs_oracle`'s greedy choice from the proxy's and the heaviest columns, each with the heaviest remaining
+    offsets). Budgets are nested: one ranked proxy (and one ranked column list) at the largest budget serves every
+    candidate as a prefix, and one `offset_mass` pass over all rows (one over the answer rows) gives all their
+    overlaps. A `kv_shared` kind: each KV group's shared index (every head of the layer in the kind), its oracle
+    for each head the better of that index and the group's best known shared index (columns and offsets chosen
+    by the group's summed mass, whichever of the two holds more of it)."""
+    n, st = sums.n, sums.sums
+    group = sums.q.shape[0] // sums.k.shape[0] if cls.kv_shared else 1
+    sizes = [(p["vertical"], p["slash"]) for p in params]
+    levels = sorted({v for v, _ in sizes})
+    cols_all, offs_all = vs_proxy(sums.q, sums.k, sums.scale, levels[-1], max(s for _, s in sizes), ranked=True,
+                                  group_shared=cls.kv_shared, **sums.proxy)
+    best_all = top_positions(group_sum(st.column_mass, group), 0, levels[-1], None, ranked=True)
+
+    def heads(x: torch.Tensor) -> torch.Tensor:  # one row per index -> one per query head
+        return x.repeat_interleave(group, 0) if group > 1 else x
+
+    proxy_ov, best_ov = sums.offset_mass([heads(cols_all), heads(best_all)], prefixes=[levels, levels])
+    tail_ov = sums.offset_mass([heads(cols_all)], prefixes=[levels], rows=sums.tail_rows)[0]
+    diag = group_sum(st.diag_mass, group)
+    parts = []
+    for v, s in sizes:
+        li = levels.index(v)
+        cols, offs = heads(cols_all[:, :v]), heads(offs_all[:, :s])
+        mass = vs_mass(st, proxy_ov[li], cols, offs)
+        best = mass
+        for c, ov in ((cols, proxy_ov[li]), (heads(best_all[:, :v]), best_ov[li])):
+            other = vs_mass(st, ov, c, heads(best_offsets(diag, group_sum(ov, group), s)))
+            best = torch.where(heads(group_sum(other, group) > group_sum(best, group)), other, best)
+        parts.append({"mass": mass, "tail": vs_mass(sums.tail, tail_ov[li], cols, offs),
+                      "oracle": torch.maximum(mass, best), "tiles": vs_tile_count(cols[None], offs[None], n)[0],
+                      "edges": cls(cols, offs).edges(n)})
+    return stack_scores(parts)
 
 
 def vs_mass(sums: Any, overlap: torch.Tensor, columns: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
