@@ -117,24 +117,26 @@ def test_every_registered_kind_runs_on_every_backend():
         assert torch.allclose(ref[b], want, atol=1e-6), f"prompt {b}: the reference is not the heads' own patterns"
 
 
-@pytest.mark.parametrize("group", [4, 3])
-def test_a_layer_of_group_shared_vs_runs_its_tiles_per_kv_head(group):
-    """A layer whose heads all take `vs_group` (two KV groups, different budgets): the Triton path keeps one list
-    per KV head (GQA-packed for G = 4; G = 3 runs per head) and equals the PyTorch reference, which equals exact
-    attention under each group's shared index (every head of a group reads the same keys)."""
+@pytest.mark.parametrize("group,hkv,d", [(4, 2, 16), (3, 2, 16), (4, 1, 256)], ids=["g4", "g3", "gemma"])
+def test_a_layer_of_group_shared_vs_runs_its_tiles_per_kv_head(group, hkv, d):
+    """A layer whose heads all take `vs_group` (KV groups with different budgets; Gemma-3's shape: one KV head,
+    head_dim 256): the Triton path keeps one list per KV head (GQA-packed for G = 4; G = 3 runs per head) and equals
+    the PyTorch reference, which equals exact attention under each group's shared index (every head of a group reads
+    the same keys)."""
     from workbench_kernels.index_ref import tiles_to_mask
 
-    entries = [("vs_group", {"vertical": 10, "slash": 16})] * group + [("vs_group", {"vertical": 4, "slash": 30})] * group
-    sp, config, q, k, v = mixed_prefill(entries, n=190, hkv=2)
+    sizes = [{"vertical": 10, "slash": 16}, {"vertical": 4, "slash": 30}]
+    entries = [("vs_group", sizes[g % 2]) for g in range(hkv) for _ in range(group)]
+    sp, config, q, k, v = mixed_prefill(entries, n=190, hkv=hkv, d=d)
     index = sp.layer_index(0, q.to(DEV), k.to(DEV), 0.25, "triton")
-    assert index[0].shape[1] == 2  # tiles per KV head
+    assert index[0].shape[1] == hkv  # tiles per KV head
     ref = run_layer(sp, q, k, v, "torch")
     assert float((ref - run_layer(sp, q, k, v, "triton")).abs().max()) <= PARITY_ABS
     n = q.shape[2]
     for b in range(q.shape[0]):
         stack = config.layer_index(0, q[b], k[b], 0.25)
         keys = stack.row_mask(0, n, n)
-        assert torch.equal(keys[0], keys[group - 1]) and not torch.equal(keys[0], keys[group])
+        assert torch.equal(keys[0], keys[group - 1]) and (hkv == 1 or not torch.equal(keys[0], keys[group]))
         mask = tiles_to_mask(stack.to_tiles(n), n)
         kk, vv = (x[b:b + 1].repeat_interleave(group, 1).double() for x in (k, v))
         want = masked_attention_ref(q[b:b + 1].double(), kk, vv, mask, 0.25)[0]
