@@ -6,10 +6,10 @@ in bf16, directly on the GPU, with `--layers` decoder layers (the per-layer numb
 to 32 layers). Random weights make the attention of real prompts unrealistic, so the configs are
 named by their budgets: block-sparse top-100 (MInference's block_sparse default), A-shape, VS with
 MInference's default budget (1000 columns, 6096 slashes: on random weights its slashes scatter, the
-worst case for tiles) and a mixed layer. Per config and length: end-to-end prefill time (CUDA
-events around `model(ids)`, logits of the last position only), the per-layer breakdown T_proj /
-T_index / T_sparse / T_other (`SparsePrefill(timing=True)`), the physical density, and the
-crossover length below which dense wins.
+worst case for tiles), the same VS sizes with one index per KV group (`vs_group`) and a mixed layer.
+Per config and length: end-to-end prefill time (CUDA events around `model(ids)`, logits of the last
+position only), the per-layer breakdown T_proj / T_index / T_sparse / T_other
+(`SparsePrefill(timing=True)`), the physical density, and the crossover length below which dense wins.
 
 Transformers' eager RMSNorm and MLP run several unfused fp32 passes over [N, hidden] per layer, which
 inflates T_other for dense and sparse alike (and so shrinks the speed-up). `--compile-other` fuses
@@ -28,6 +28,7 @@ CONFIGS = {  # name: per-head (pattern, params) by head index
     "block_top100": lambda h: ("block", {"topk": 100}),
     "ashape_128_4096": lambda h: ("ashape", {"sink": 128, "window": 4096}),
     "vs_1000_6096": lambda h: ("vs", {"vertical": 1000, "slash": 6096}),
+    "vs_group_1000_6096": lambda h: ("vs_group", {"vertical": 1000, "slash": 6096}),
     "mixed_thirds": lambda h: [("vs", {"vertical": 1000, "slash": 6096}), ("block", {"topk": 100}),
                                ("ashape", {"sink": 128, "window": 4096})][h % 3],
 }

@@ -59,3 +59,26 @@ def test_tiny_search_benchmark_writes_environment(tmp_path):
                             f"--out {out}")
     assert {"gpu", "torch", "triton", "transformers", "python", "cpu", "cores", "load_average_1_5_15"} <= set(e)
     assert data["world_size"] == 1 and data["model"]["n_layers"] == 1 and len(data["heads_sha256"]) == 64
+
+
+def test_prefill_bench_configs_are_valid_and_run():
+    """Each `bench prefill` config is a valid head config of a Llama-shaped model (whole KV groups for
+    `vs_group`) and runs through `SparsePrefill`; at 512 tokens its budgets cover every key, so the logits
+    equal dense attention's."""
+    import torch
+    from workbench_benchmarks.prefill_e2e import CONFIGS, _config
+    from workbench_benchmarks.shapes import random_llama
+
+    from workbench.prefill.sparse import SparsePrefill
+
+    model, shape = random_llama(1, tiny=True, device="cpu", dtype=torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        dense = model(ids, logits_to_keep=1).logits
+    for name, make in CONFIGS.items():
+        config = _config(shape, make)
+        config.check(name)
+        with torch.no_grad(), SparsePrefill(model, shape, config, min_length=0) as sp:
+            out = model(ids, logits_to_keep=1).logits
+        assert sp.calls[("sparse", "prefill")] == 1, (name, dict(sp.calls))
+        torch.testing.assert_close(out, dense, msg=name)
