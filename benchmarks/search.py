@@ -70,6 +70,7 @@ def embedded_search(args: argparse.Namespace) -> int:
     from workbench.core.io import write_json
     from workbench.core.model import load_model
     from workbench.core.timing import environment, measure
+    from workbench.patterns.base import default_budget
     from workbench.search.search import Candidate, HeadCache, compare_proxies, rescore_head
 
     n = args.length or 4096
@@ -88,8 +89,7 @@ def embedded_search(args: argparse.Namespace) -> int:
     caps = [capture_attention(model, shape, s.input_ids, layers=[EDIT_LAYER], progress=False) for s in samples]
     cache = HeadCache.from_captures(caps, EDIT_LAYER, EDIT_HEAD)
     cache_seconds = time.perf_counter() - t0
-    edits = [Candidate("vs", (max(30, n // 32), max(50, n // 16))), Candidate("ashape", (64, max(64, n // 16))),
-             Candidate("block", (max(2, n // 1024),))]
+    edits = [Candidate.at_budget(kind, default_budget(n), n) for kind in ("vs", "ashape", "block")]  # n/16 keys
     rescore = {}
     for cand in edits:
         t = measure(lambda cand=cand: rescore_head(cache, cand, cfg.proxy), cuda=False, warmup=0,

@@ -52,7 +52,7 @@ def attention_figures(length: int) -> dict:
         thumbs, title=f"{shape.name}: all {len(profiles)} heads, passkey prompt of {length} tokens")}
     top = max(profiles, key=lambda p: p.vertical)
     q, k, _ = cap.layer_qkv(top.layer)
-    cols, offs = vs_proxy(q, k, cap.scale, max(30, length // 32), max(50, length // 16))
+    cols, offs = vs_proxy(q, k, cap.scale, **VerticalSlash.at_budget(length // 16, length))
     figs["attention_vs_overlay"] = viz.attention_map(
         stats[top.layer], top.head, pattern=VerticalSlash(cols, offs),
         title=f"L{top.layer} H{top.head}: max-pooled map + online Vertical-Slash index")

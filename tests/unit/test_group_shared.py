@@ -10,7 +10,7 @@ from workbench.analysis.stats import captured_mass
 from workbench.config import PROXY_DEFAULTS, ConfigError, HeadConfig, HeadEntry
 from workbench.core.model import ModelShape
 from workbench.patterns import GroupVerticalSlash, VerticalSlash, vs_proxy
-from workbench.search.search import Candidate, Evidence, HeadCache, choose, layer_scores, rescore_head
+from workbench.search.search import Candidate, Evidence, HeadCache, choose, edit_head, layer_scores, rescore_head
 
 SHAPE = ModelShape(name="tiny", architecture="llama", n_layers=1, n_heads=6, n_kv_heads=2, head_dim=16,
                    hidden_size=96, rope_type="default", rope_theta=10000.0, max_positions=1024, fingerprint="abc")
@@ -80,6 +80,35 @@ def test_evidence_is_the_mass_of_the_shared_index_the_prefill_runs():
     assert got["tiles"][0] == int(sc["tiles"][4, 0])
     alone = rescore_head(cache, cands[1])  # a per-head kind: the head alone
     assert alone["mass"][0] == pytest.approx(float(sc["mass"][4, 1]), abs=1e-6)
+
+
+def test_edit_head_rescores_every_head_the_edit_moved():
+    """`search.edit_head` (the notebooks' and the dashboard's edit): switching head 4 to `vs_group` moves and
+    re-scores heads 3..5 on their own samples, each entry's recall being its `rescore_head` mass; a per-head edit
+    re-scores the head alone; a re-score that fails leaves the config as it was."""
+    qs, ks = zip(qk(300, 1), qk(300, 2))
+    caches = {h: HeadCache(scale=0.25, q=[q[h] for q in qs], k=[k[h // 3] for k in ks],
+                           sums=[LayerReductions(q[h:h + 1], k[h // 3:h // 3 + 1], 0.25).sums for q, k in zip(qs, ks)],
+                           group_q=[q[h - h % 3:h - h % 3 + 3] for q in qs], member=h % 3) for h in range(6)}
+    cfg = config([("vs", VS)] * 6)
+    got = edit_head(cfg, 0, 4, Candidate("vs_group", (30, 50)), caches.__getitem__)
+    assert sorted(got) == [3, 4, 5] and [e.pattern for e in cfg.heads] == ["vs"] * 3 + ["vs_group"] * 3
+    for h in (3, 4, 5):
+        want = rescore_head(caches[h], Candidate("vs_group", (30, 50)))
+        e = cfg.entry(0, h)
+        assert e.recall == {"mean": round(want["mean"], 6), "worst": round(want["worst"], 6)}
+        assert e.oracle == round(sum(want["oracle"]) / 2, 6) and 0 < e.density["physical"] <= 1
+    assert cfg.entry(0, 0).recall is None  # heads the edit did not move keep their entries
+    assert sorted(edit_head(cfg, 0, 1, Candidate("dense"), caches.__getitem__)) == [1]
+    assert cfg.entry(0, 1).recall == {"mean": 1.0, "worst": 1.0}
+    before = cfg.to_dict()
+
+    def broken(h: int) -> HeadCache:
+        raise RuntimeError("no capture")
+
+    with pytest.raises(RuntimeError, match="no capture"):
+        edit_head(cfg, 0, 0, Candidate("vs_group", (30, 50)), broken)
+    assert cfg.to_dict() == before
 
 
 def evidence(mass: list[list[float]], cost: list[list[float]], group: int = 3) -> Evidence:

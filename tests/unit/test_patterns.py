@@ -289,17 +289,43 @@ def test_registry_maps_config_kinds_to_classes_and_back():
         register_pattern(type("Other", (PatternBase,), {"kind": "vs", **own}))
     with pytest.raises(ValueError, match="`kind`"):
         register_pattern(type("Nameless", (PatternBase,), {}))
-    with pytest.raises(ValueError, match=r"must set \['title', 'order', 'defaults'\]"):
+    with pytest.raises(ValueError, match=r"must set \['title', 'order'\]"):
         register_pattern(type("Bare", (PatternBase,), {"kind": "bare", "params": ()}))
+    with pytest.raises(ValueError, match=r"sets no sizes: define `at_budget\(budget, n\)`"):
+        register_pattern(type("Sizeless", (PatternBase,), {"kind": "sizeless", **own, "defaults": PatternBase.defaults}))
     with pytest.raises(ValueError, match="inherit `bench_kernel` from BlockSparse"):
         register_pattern(type("Child", (BlockSparse,), {"kind": "child", **own}))
     rest = {name: PatternBase.__dict__[name] for name in ("bench_kernel", "minference_name", "minference_attn_type",
-                                                         "default_search", "grid", "evidence", "sweep")}
+                                                         "default_search", "at_budget", "grid", "evidence", "sweep")}
     with pytest.raises(ValueError, match="inherit `layer_attention` from AShape"):  # A-shape's own kernel
         register_pattern(type("Banded", (AShape,), {"kind": "banded", **own, **rest}))
     with pytest.raises(ValueError, match="order = 10 is already AShape's"):
         register_pattern(type("Twin", (PatternBase,), {"kind": "twin", **own, "order": 10}))
     assert PATTERNS["vs"] is VerticalSlash and "child" not in PATTERNS and "twin" not in PATTERNS
+
+
+@pytest.mark.parametrize("n", [1000, 8192, 131072])
+def test_at_budget_is_each_kinds_one_knob(n):
+    """A kind with a key budget gives exactly its params at any budget, its defaults are its sizes at n / 16 keys,
+    and more keys never shrink the mask of a prompt-free kind; kinds without one (dense, the thresholds, not
+    XAttention's inherited top-k) say None, and a candidate at a budget then takes their defaults."""
+    from workbench.patterns import PATTERNS, PromptFree
+    from workbench.patterns.base import default_budget
+    from workbench.search.search import Candidate
+
+    budgeted = {kind for kind, cls in PATTERNS.items() if cls.at_budget(64, n) is not None}
+    assert budgeted == {"ashape", "vs", "vs_group", "block", "trishape", "dilated", "strided"}
+    for kind, cls in PATTERNS.items():
+        if kind not in budgeted:
+            assert Candidate.at_budget(kind, 256, n).params == cls.defaults(n)
+            continue
+        assert cls.defaults(n) == cls.at_budget(default_budget(n), n)
+        for b in (64, 256, n // 4):
+            assert set(cls.at_budget(b, n)) == set(cls.params) and Candidate.at_budget(kind, b, n).params == cls.at_budget(b, n)
+        if issubclass(cls, PromptFree) and n <= 8192:
+            m = 512
+            small, large = (cls.for_heads([cls.at_budget(b, m)], None, None, 0.0, {}, 64).to_mask(m) for b in (64, 128))
+            assert (small <= large).all() and large.sum() > small.sum(), kind
 
 
 def test_mask_algebra_is_every_consumers_mask():

@@ -11,7 +11,8 @@ The registry is the only list of kinds. `PATTERNS` maps a head config's kind ("a
 "dense", ...) to its class in the classes' `order`; `cls.kind` goes back. Everything else derives from it:
 the config's params and schema (`workbench.config.PARAMS`), MInference's names, the search's grids
 (`default_candidates`, `method_candidates`) and evidence (`layer_scores`, `rescore_head`), the default
-sizes of a head switched to a kind (`default_params(kind, n)`: the dashboard, notebooks), the `workbench
+sizes of a head switched to a kind (`default_params(kind, n)`: the dashboard) and its sizes at a budget of
+keys per query (`cls.at_budget(b, n)`: the notebooks' budget slider, `analyze`'s equal-budget fits), the `workbench
 compare` sweeps and the latency table's kernels. `vs_proxy` / `block_proxy` build VS and block-sparse
 indexes from q and k online.
 
@@ -22,8 +23,9 @@ kind's member from another registered kind):
 
 - `kind` (its config name), `title` (its name in pages and reports), `params` (the names of its per-head
   sizes, whole numbers >= 0), `order` (its place in every list of kinds and its colour in figures: an
-  unused number), `defaults(n)` (the sizes a head switched to it gets at
-  prompt length n; keep budgets well below n / 4);
+  unused number), and its sizes: `at_budget(budget, n)` (its params at a budget of keys per query row, the
+  knob that puts kinds side by side; the sizes a head switched to it gets, `defaults(n)`, are then those of
+  n / 16 keys) or, for a kind without a key budget, `defaults(n)` itself;
 - the `Pattern` methods (`row_mask`, `edges`, `tiles`, `to_tiles`, `mask_mod`, `shapes`, `head`, and the
   classmethod `for_heads` that indexes one layer's heads, online from q and k where it needs them;
   `token_band` only if the kernel needs a per-token mask on top of the tiles; `static = True` if its index

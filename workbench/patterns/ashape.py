@@ -24,7 +24,6 @@ from workbench.patterns.base import (
     check_head,
     check_rows,
     column_poly,
-    default_budget,
     per_head,
     register_pattern,
     search_budgets,
@@ -69,8 +68,9 @@ class AShape(PatternBase):
         self.window = _per_head(window, n_heads, "window", 1)
 
     @classmethod
-    def defaults(cls, n: int) -> dict[str, int]:
-        return {"sink": 64, "window": default_budget(n)}
+    def at_budget(cls, budget: int, n: int) -> dict[str, int]:
+        """64 sink tokens and a window of the budget."""
+        return {"sink": 64, "window": budget}
 
     @classmethod
     def minference_sizes(cls, params: dict[str, int]) -> tuple[int, int]:
@@ -84,7 +84,7 @@ class AShape(PatternBase):
     @classmethod
     def grid(cls, n: int) -> list[dict[str, int]]:
         """64 sink tokens + a window of each search budget (n/64 .. n/4)."""
-        return [{"sink": 64, "window": b} for b in search_budgets(n)]
+        return [cls.at_budget(b, n) for b in search_budgets(n)]
 
     @classmethod
     def evidence(cls, params: Sequence[dict[str, int]], sums: Reductions) -> Scores:

@@ -166,10 +166,10 @@ class Pattern(Protocol):
 
 
 PATTERNS: dict[str, type] = {}  # config kind -> pattern class, in the classes' `order`
-_OWN = ("kind", "title", "params", "order", "defaults")  # what each registered class sets in its own body
+_OWN = ("kind", "title", "params", "order")  # what each registered class sets in its own body
 # what a class may take from PatternBase (safe defaults) but never from another registered kind
-_NOT_FROM_ANOTHER_KIND = ("bench_kernel", "minference_name", "minference_attn_type", "default_search", "grid",
-                          "evidence", "sweep", "layer_attention")
+_NOT_FROM_ANOTHER_KIND = ("bench_kernel", "minference_name", "minference_attn_type", "default_search", "at_budget",
+                          "grid", "evidence", "sweep", "layer_attention")
 
 
 def register_pattern(cls: type) -> type:
@@ -185,6 +185,9 @@ def register_pattern(cls: type) -> type:
     if missing:
         raise ValueError(f"{cls.__name__} (kind {kind!r}) must set {missing} in its own body: see the note in "
                          "workbench/patterns/__init__.py")
+    if all(getattr(cls, name).__func__ is getattr(PatternBase, name).__func__ for name in ("at_budget", "defaults")):
+        raise ValueError(f"{cls.__name__} (kind {kind!r}) sets no sizes: define `at_budget(budget, n)` (a kind with a "
+                         "key budget) or `defaults(n)`")
     for name in _NOT_FROM_ANOTHER_KIND:
         owner = next(c for c in cls.__mro__ if name in c.__dict__)
         if owner is not cls and PATTERNS.get(owner.__dict__.get("kind")) is owner:
@@ -338,7 +341,9 @@ class PatternBase:
     - `kind`*, `title`*, `params`* (config name, the name pages and reports show, and the names of its
       per-head sizes), `order`* (its place in every list of kinds: schema, menus, search grids, sweeps,
       the colours of figures);
-    - `defaults(n)`*: the sizes a head gets when a user switches it to this kind at prompt length n;
+    - `at_budget(budget, n)`: its sizes at a budget of keys per query row (None: the kind has no key budget),
+      and `defaults(n)`: the sizes a head gets when a user switches it to this kind at prompt length n (by
+      default `at_budget(default_budget(n), n)`); each class sets one of the two;
     - `grid(n)`: its search candidates at length n, part of `default_candidates` when `default_search`,
       else of `method_candidates` (default: none);
     - `evidence(params, sums)`: the scores of those candidates on one layer (default: one exact pass
@@ -371,9 +376,20 @@ class PatternBase:
     sweep: ClassVar[Sweep | None] = None
 
     @classmethod
+    def at_budget(cls, budget: int, n: int) -> dict[str, int] | None:
+        """Config params of this kind at a budget of `budget` keys per query row, prompt length n: the one knob
+        that puts kinds side by side (search grids, `analyze`'s equal-budget fits, the notebooks' slider).
+        None: the kind has no key budget (dense; adaptive thresholds)."""
+        return None
+
+    @classmethod
     def defaults(cls, n: int) -> dict[str, int]:
-        """Config params of a head switched to this kind at prompt length n (budgets well below n / 4)."""
-        raise NotImplementedError(f"{cls.__name__} sets no default sizes: define `defaults(n)`")
+        """Config params of a head switched to this kind at prompt length n: the kind's sizes at
+        `default_budget(n)` (n / 16 keys per query); a kind without a key budget sets its own."""
+        params = cls.at_budget(default_budget(n), n)
+        if params is None:
+            raise NotImplementedError(f"{cls.__name__} has no key budget: define `defaults(n)`")
+        return params
 
     @classmethod
     def minference_sizes(cls, params: dict[str, int]) -> tuple[int, int]:

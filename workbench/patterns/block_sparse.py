@@ -26,7 +26,6 @@ from workbench.patterns.base import (
     causal_rows,
     check_head,
     check_rows,
-    default_budget,
     per_head,
     register_pattern,
     runs,
@@ -58,8 +57,9 @@ class BlockSparse(PatternBase):
         self.n_heads = block_index.shape[0]
 
     @classmethod
-    def defaults(cls, n: int) -> dict[str, int]:
-        return {"topk": max(2, default_budget(n) // BLOCK)}
+    def at_budget(cls, budget: int, n: int) -> dict[str, int]:
+        """b keys per query -> b / 64 blocks (rounded, >= 2)."""
+        return {"topk": max(2, round(budget / BLOCK))}
 
     @classmethod
     def minference_sizes(cls, params: dict[str, int]) -> tuple[int, int]:
@@ -73,7 +73,7 @@ class BlockSparse(PatternBase):
     @classmethod
     def grid(cls, n: int) -> list[dict[str, int]]:
         """Each search budget b as b / 64 blocks (>= 2), once each, ascending."""
-        return [{"topk": t} for t in sorted({max(2, round(b / BLOCK)) for b in search_budgets(n)})]
+        return [{"topk": t} for t in sorted({cls.at_budget(b, n)["topk"] for b in search_budgets(n)})]
 
     @classmethod
     def evidence(cls, params: Sequence[dict[str, int]], sums: Reductions) -> Scores:

@@ -18,7 +18,6 @@ from workbench.patterns.base import (
     Shapes,
     Sweep,
     check_head,
-    default_budget,
     register_pattern,
 )
 from workbench.patterns.tile_select import repeat_batch
@@ -69,8 +68,9 @@ class Dilated(_Offsets):
     sweep = Sweep("dilated", "taps", (128, 256, 512), lambda v: {"window": int(v), "dilation": 2}, online=False)
 
     @classmethod
-    def defaults(cls, n: int) -> dict[str, int]:
-        return {"window": default_budget(n), "dilation": 2}
+    def at_budget(cls, budget: int, n: int) -> dict[str, int]:
+        """The budget's keys as taps, every second token."""
+        return {"window": budget, "dilation": 2}
 
     def __init__(self, window: int | torch.Tensor, dilation: int | torch.Tensor, n_heads: int = 1):
         self.n_heads = max([n_heads] + [x.numel() for x in (window, dilation) if isinstance(x, torch.Tensor)])
@@ -97,10 +97,9 @@ class Strided(_Offsets):
     sweep = Sweep("strided", "stride", (256, 128, 64), lambda v: {"window": 128, "stride": int(v)}, online=False)
 
     @classmethod
-    def defaults(cls, n: int) -> dict[str, int]:
-        """A window of the default budget b plus about b / 2 strided keys (stride 2n / b)."""
-        b = default_budget(n)
-        return {"window": b, "stride": max(1, 2 * n // b)}
+    def at_budget(cls, budget: int, n: int) -> dict[str, int]:
+        """A window of the budget b plus about b / 2 strided keys (stride 2n / b)."""
+        return {"window": budget, "stride": max(1, 2 * n // budget)}
 
     def __init__(self, window: int | torch.Tensor, stride: int | torch.Tensor, n_heads: int = 1):
         self.n_heads = max([n_heads] + [x.numel() for x in (window, stride) if isinstance(x, torch.Tensor)])

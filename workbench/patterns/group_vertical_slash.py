@@ -40,8 +40,8 @@ class GroupVerticalSlash(VerticalSlash):
     sweep = dataclasses.replace(VerticalSlash.sweep, name="vertical-slash-group")
 
     @classmethod
-    def defaults(cls, n: int) -> dict[str, int]:
-        return VerticalSlash.defaults(n)
+    def at_budget(cls, budget: int, n: int) -> dict[str, int]:
+        return VerticalSlash.at_budget(budget, n)
 
     @classmethod
     def grid(cls, n: int) -> list[dict[str, int]]:

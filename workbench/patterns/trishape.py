@@ -24,7 +24,6 @@ from workbench.patterns.base import (
     Sweep,
     check_head,
     check_rows,
-    default_budget,
     per_head,
     register_pattern,
 )
@@ -46,13 +45,14 @@ class TriShape(PromptFree):
                   online=False)
 
     @classmethod
-    def defaults(cls, n: int) -> dict[str, int]:
-        return {"sink": 64, "window": default_budget(n), "last": 64}
+    def at_budget(cls, budget: int, n: int) -> dict[str, int]:
+        """64 sink tokens, a window of the budget, the last 64 rows dense."""
+        return {"sink": 64, "window": budget, "last": 64}
 
     @classmethod
     def grid(cls, n: int) -> list[dict[str, int]]:
         """64 sink tokens, a window of n/16 .. n/4, the last 64 rows (the question) dense."""
-        return [{"sink": 64, "window": w, "last": 64} for w in sorted({max(64, round(n / f)) for f in (16, 8, 4)})]
+        return [cls.at_budget(w, n) for w in sorted({max(64, round(n / f)) for f in (16, 8, 4)})]
 
     def __init__(self, sink: int | torch.Tensor, window: int | torch.Tensor, last: int | torch.Tensor = 64,
                  n_heads: int = 1):

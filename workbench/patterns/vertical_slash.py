@@ -29,7 +29,6 @@ from workbench.patterns.base import (
     check_head,
     check_rows,
     column_poly,
-    default_budget,
     per_head,
     register_pattern,
     runs,
@@ -72,8 +71,9 @@ class VerticalSlash(PatternBase):
         self.n_heads = columns.shape[0]
 
     @classmethod
-    def defaults(cls, n: int) -> dict[str, int]:
-        return _sizes(default_budget(n))
+    def at_budget(cls, budget: int, n: int) -> dict[str, int]:
+        """b keys per query -> b / 2 columns (>= 30) and b slashes (>= 50), as MInference clamps them."""
+        return {"vertical": max(30, budget // 2), "slash": max(50, budget)}
 
     @classmethod
     def minference_sizes(cls, params: dict[str, int]) -> tuple[int, int]:
@@ -85,9 +85,8 @@ class VerticalSlash(PatternBase):
 
     @classmethod
     def grid(cls, n: int) -> list[dict[str, int]]:
-        """Budget b -> b/2 columns (>= 30) + b slashes (>= 50), as MInference clamps them, for the search
-        budgets up to n/8 (larger VS budgets already cost about as many tiles as dense)."""
-        return [_sizes(b) for b in search_budgets(n)[:-1]]
+        """The search budgets up to n/8 (larger VS budgets already cost about as many tiles as dense)."""
+        return [cls.at_budget(b, n) for b in search_budgets(n)[:-1]]
 
     @classmethod
     def evidence(cls, params: Sequence[dict[str, int]], sums: Reductions) -> Scores:
@@ -174,11 +173,6 @@ class VerticalSlash(PatternBase):
 
     def __repr__(self) -> str:
         return f"VerticalSlash(columns {tuple(self.columns.shape)}, offsets {tuple(self.offsets.shape)})"
-
-
-def _sizes(budget: int) -> dict[str, int]:
-    """VS config params of a budget of b keys per query: b/2 columns (>= 30), b slashes (>= 50)."""
-    return {"vertical": max(30, budget // 2), "slash": max(50, budget)}
 
 
 def group_sum(x: torch.Tensor, group: int) -> torch.Tensor:

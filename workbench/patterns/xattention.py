@@ -134,6 +134,8 @@ class XAttention(BlockSparse):
     sweep = Sweep("xattention", "tau", (0.8, 0.9, 0.95), lambda v: {"tau_milli": round(v * 1000), "stride": 8},
                   adaptive=True)
 
+    at_budget = PatternBase.__dict__["at_budget"]  # a threshold, not a key budget (not BlockSparse's top-k)
+
     @classmethod
     def defaults(cls, n: int) -> dict[str, int]:
         return {"tau_milli": 900, "stride": 8}

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import datetime
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,7 @@ from workbench.analysis.stats import captured_mass
 from workbench.config import PARAMS, PROXY_DEFAULTS, HeadConfig, HeadEntry
 from workbench.core.model import ModelShape
 from workbench.core.timing import environment
-from workbench.patterns import BLOCK, EVIDENCE, PATTERNS, AShape, causal_edges, causal_tiles, pattern_class, vs_proxy
+from workbench.patterns import EVIDENCE, PATTERNS, AShape, causal_edges, causal_tiles, pattern_class, vs_proxy
 from workbench.patterns.base import default_budget
 from workbench.patterns.proxy import top_positions
 from workbench.patterns.vertical_slash import best_offsets, vs_mass
@@ -79,6 +79,14 @@ class Candidate:
         if missing:
             raise ValueError(f"candidate {pattern!r} needs params {list(PARAMS[pattern])}; missing {missing}")
         return cls(pattern, tuple(int(params[k]) for k in PARAMS[pattern]))
+
+    @classmethod
+    def at_budget(cls, pattern: str, budget: int, n: int) -> Candidate:
+        """`pattern` at `budget` keys per query row, prompt length n (its class's `at_budget`); a kind without a
+        key budget (dense, the adaptive thresholds) at its `defaults(n)`."""
+        kind = pattern_class(pattern)
+        params = kind.at_budget(budget, n)
+        return cls.from_dict({"pattern": pattern, "params": kind.defaults(n) if params is None else params})
 
 
 def default_candidates(n: int) -> list[Candidate]:
@@ -449,6 +457,33 @@ def rescore_head(cache: HeadCache, candidate: Candidate, proxy: dict[str, Any] |
     return {**out, "worst": min(out["mass"]), "mean": sum(out["mass"]) / len(out["mass"])}
 
 
+def edit_head(config: HeadConfig, layer: int, head: int, candidate: Candidate,
+              cache_of: Callable[[int], HeadCache]) -> dict[int, dict[str, Any]]:
+    """Give (layer, head) `candidate` (its whole KV group where the new or the old kind shares one index per KV
+    head: `HeadConfig.edit`) and re-score the head and every other head the edit moved on their cached samples
+    (`rescore_head`; `cache_of(h)` is head h's `HeadCache`): each entry's recall (mean and worst over the
+    samples), physical density and oracle (means) are set from its scores. Returns {head: scores} of the
+    re-scored heads. A refused edit, or one whose re-score fails, leaves the config as it was."""
+    entries = config.layer(layer)
+    before = [e.to_dict() for e in entries]
+    config.edit(layer, head, candidate.pattern, candidate.params, keep_score=False)
+    try:
+        moved = [e for e, b in zip(entries, before)
+                 if e.head == head or (e.pattern, e.params) != (b["pattern"], b["params"])]
+        scores = {e.head: rescore_head(cache_of(e.head), Candidate.from_dict(e.to_dict()), config.proxy)
+                  for e in moved}
+    except Exception:
+        for e, b in zip(entries, before):
+            e.__dict__.update(vars(HeadEntry.from_dict(b)))
+        raise
+    mean = lambda xs: round(sum(xs) / len(xs), 6)  # noqa: E731
+    for e in moved:
+        s = scores[e.head]
+        e.recall = {"mean": round(s["mean"], 6), "worst": round(s["worst"], 6)}
+        e.density, e.oracle = {"physical": mean(s["physical_density"])}, mean(s["oracle"])
+    return scores
+
+
 @torch.no_grad()
 def pattern_fits(capture: Any, config: HeadConfig | None = None, target: float = TARGET,
                  budget: int | None = None, progress: bool = False) -> dict[str, Any]:
@@ -461,8 +496,7 @@ def pattern_fits(capture: Any, config: HeadConfig | None = None, target: float =
     "summary": {...}}, all plain JSON."""
     n = capture.n
     b = budget or default_budget(n)
-    fixed = [Candidate("ashape", (64, b)), Candidate("vs", (max(30, b // 2), max(50, b))),
-             Candidate("block", (max(2, b // BLOCK),))]
+    fixed = [Candidate.at_budget(kind, b, n) for kind in ("ashape", "vs", "block")]  # the report's equal-budget columns
     grid = default_candidates(n)
     cands = grid + [c for c in fixed if c not in grid]
     at = {c.pattern: cands.index(c) for c in fixed}

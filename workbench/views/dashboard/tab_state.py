@@ -161,6 +161,8 @@ class HeadState(Job):
         length), re-score it (no capture; the other heads of its KV group too when a kind that shares one index per
         group moved them with it); raises (naming the size and the fix) and keeps the old entries when the config
         would be invalid."""
+        from workbench.search.search import Candidate, edit_head
+
         s = self.session
         if self.busy or self.view is None:
             raise RuntimeError("wait until the head is open")
@@ -179,15 +181,14 @@ class HeadState(Job):
         old = s.config.heads[layer]
         s.config.heads[layer] = [HeadEntry.from_dict(e.to_dict()) for e in old]
         try:  # a kind that shares one index per KV group moves the head's whole group (`HeadConfig.edit`)
-            s.config.edit(self.layer, self.head, pattern, params, keep_score=False)
-            result = self._score(publish=False)
-            moved = [self._score_mate(e.head) for e, before in zip(s.config.heads[layer], old)
-                     if e.head != self.head and (e.pattern, e.params) != (before.pattern, before.params)]
+            scores = edit_head(s.config, self.layer, self.head, Candidate.from_dict({"pattern": pattern, "params": params}),
+                               self._cache_of)
+            result = self._score(publish=False, scores=scores.pop(self.head))
         except Exception:
             s.config.heads[layer] = old
             raise
-        for entry, mass, oracle in moved:
-            s.set_entry(entry, mass, oracle)
+        for h, mate in scores.items():  # the group's other heads, re-scored on their own sums
+            s.set_entry(s.config.entry(self.layer, h), mate["mass"][0], mate["oracle"][0])
         s.config.provenance.setdefault("edits", []).append(
             {"layer": self.layer, "head": self.head, "pattern": pattern, "params": params, "sample": s.sample.describe()})
         self.last_edit_ms = (time.perf_counter() - t0) * 1e3  # the numbers; then the views redraw
@@ -195,34 +196,26 @@ class HeadState(Job):
         self.last_edit_total_ms = (time.perf_counter() - t0) * 1e3
         return result
 
-    def _score_mate(self, head: int) -> tuple[HeadEntry, float, float]:
-        """(entry with its recall and oracle, mass, oracle) of another head of the open layer that an edit moved
-        (`search.rescore_head` on its own cached sums)."""
-        from workbench.search.search import Candidate, HeadCache, rescore_head
+    def _cache_of(self, head: int) -> Any:
+        """The `HeadCache` of a head of the open layer (the open head's, or a KV-group mate's an edit moved)."""
+        from workbench.search.search import HeadCache
 
-        s = self.session
-        cap, e = s.capture, s.config.entry(self.layer, head)
-        cache = SHARED.memo(("headcache", s.capture_key, self.layer, head),
-                            lambda: HeadCache.from_captures([cap], self.layer, head))
-        scores = rescore_head(cache, Candidate(e.pattern, tuple(e.params[p] for p in PARAMS[e.pattern])), s.config.proxy)
-        mass, oracle = scores["mass"][0], scores["oracle"][0]
-        entry = HeadEntry(e.layer, e.head, e.pattern, e.params, recall={"mean": round(mass, 6), "worst": round(mass, 6)},
-                          density={"physical": round(scores["physical_density"][0], 6)}, oracle=round(oracle, 6))
-        return entry, mass, oracle
+        s, cap, layer = self.session, self.session.capture, self.layer
+        return SHARED.memo(("headcache", s.capture_key, layer, head), lambda: HeadCache.from_captures([cap], layer, head))
 
     def _publish(self) -> None:
         self.session.set_entry(self.result["entry"], self.result["mass"], self.result["oracle"])
         self.version += 1
 
-    def _score(self, publish: bool = True) -> dict[str, Any]:
-        """Numbers of the open head under its current entry."""
+    def _score(self, publish: bool = True, scores: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Numbers of the open head under its current entry (`scores`: its `rescore_head` scores, if known)."""
         from workbench.search.search import Candidate, rescore_head
         from workbench.views.headview import head_index
 
         s = self.session
         e, cap = self.entry(), s.capture
-        cand = Candidate(e.pattern, tuple(e.params[p] for p in PARAMS[e.pattern]))
-        scores = rescore_head(self.cache, cand, s.config.proxy)
+        if scores is None:
+            scores = rescore_head(self.cache, Candidate.from_dict(e.to_dict()), s.config.proxy)
         q, k, _ = cap.head_qkv(self.layer, self.head)
         index = head_index(e, q, k, cap.scale, s.config.proxy, s.config.block,
                            group=(self.cache.group_q[0], self.cache.member) if self.cache.group_q else None)
