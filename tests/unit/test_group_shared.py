@@ -191,3 +191,26 @@ def test_compare_sweeps_it_on_whole_groups_and_times_its_tiles_per_kv_head():
 
 def method_params(value: int) -> dict[str, int]:
     return GroupVerticalSlash.sweep.params(value)
+
+
+def test_record_density_is_the_same_on_the_reference_and_the_merged_tiles():
+    """`SparsePrefill(record_density=True)` on the PyTorch reference (tiles per kind) and on FlexAttention (the
+    layer's merged tiles, as the Triton launch gets them): one density per layer, strictly between 0 and 1 for a
+    layer mixing a `vs_group` group, per-head VS and A-shape, and the same outputs."""
+    from workbench_benchmarks.shapes import random_llama
+
+    from workbench.prefill.sparse import SparsePrefill
+
+    model, shape = random_llama(2, tiny=True, device="cpu", dtype=torch.float32)
+    kinds = [("vs_group", {"vertical": 30, "slash": 60})] * 2 + [("vs", {"vertical": 40, "slash": 50}),
+                                                                ("ashape", {"sink": 16, "window": 96})]
+    cfg = HeadConfig(model=shape.to_dict(), heads=[HeadEntry(l, h, *kinds[h]) for l in range(2) for h in range(4)])
+    ids = torch.randint(0, model.config.vocab_size, (1, 700), generator=torch.Generator().manual_seed(0))
+    got = {}
+    for backend in ("torch", "flex"):
+        with torch.no_grad(), SparsePrefill(model, shape, cfg, min_length=0, backend=backend, record_density=True) as sp:
+            got[backend] = (model(ids, logits_to_keep=1).logits, dict(sp.density))
+    (ref, density), (flex, merged) = got["torch"], got["flex"]
+    assert sorted(density) == [0, 1] and all(0.1 < d < 0.9 for d in density.values())
+    assert density == pytest.approx(merged, rel=1e-9)
+    torch.testing.assert_close(flex, ref, atol=2e-4, rtol=2e-4)

@@ -94,7 +94,7 @@ class SparsePrefill:
     (`cosine[layer]`, one value per query head; costs a dense attention per layer).
     timing: record the per-layer time breakdown of each prefill (`breakdown()`).
     record_density: keep each sparse layer's physical density (tile area / causal pairs, `density[layer]`;
-    Triton backend). num_stages: the kernel's pipeline stages (None: the kernel's choice per head_dim,
+    every backend). num_stages: the kernel's pipeline stages (None: the kernel's choice per head_dim,
     `workbench_kernels.prefill.default_config`).
     graph_index: on a GPU, replay each sparse layer's online index from a CUDA graph (`index_graph.IndexGraphs`:
     an index of a few heads is launch-bound; q and k are copied into the graph's buffers per call, its outputs live
@@ -234,6 +234,13 @@ class SparsePrefill:
         """Sparse attention of one layer under `layer_index`'s result -> o `[B, Hq, N, D]`: one launch over the
         merged tiles; a layer of one kind runs that kind's own kernel where it has one and takes the layer
         (`PatternBase.layer_attention`: A-shape's Gluon kernel, two heads on one K/V ring) unless `num_stages` is set."""
+        if self.record_density:  # tile area / causal pairs; tiles per KV head serve its G query heads
+            from workbench_kernels.index_ref import tile_area
+
+            n = q.shape[2]
+            parts = [(len(h), t) for h, t, _ in index.values()] if backend == "torch" else [(q.shape[1], index[0])]
+            area = sum(float(tile_area(t, n).sum()) * (h // t.shape[1]) for h, t in parts)
+            self.density[layer] = area / (q.shape[0] * q.shape[1] * n * (n + 1) / 2)
         if backend == "torch":
             return self.reference(index, q, k, v, scale)
         tiles, sink, window = index
@@ -250,12 +257,6 @@ class SparsePrefill:
             o = pattern_class(kind).layer_attention(plan.params[kind], q, k, v, scale)
         if o is None:
             o, _ = sparse_prefill(q, k, v, tiles, sink=sink, window=window, scale=scale, num_stages=self.num_stages)
-        if self.record_density:
-            from workbench_kernels.index_ref import tile_area
-
-            n = q.shape[2]
-            area = float(tile_area(tiles, n).sum()) * (q.shape[1] // tiles.shape[1])  # group-shared tiles serve G heads
-            self.density[layer] = area / (q.shape[0] * q.shape[1] * n * (n + 1) / 2)
         return o
 
     # ---- the index: physical tiles of one layer ---------------------------------------------------
