@@ -164,6 +164,10 @@ class HeadEntry:
     def from_dict(cls, d: dict[str, Any]) -> HeadEntry:
         return cls(**copy.deepcopy(d))
 
+    def restore(self, d: dict[str, Any]) -> None:
+        """Set every field back to `d` (this entry's earlier `to_dict()`), in place: undoes a refused edit."""
+        self.__dict__.update(vars(HeadEntry.from_dict(d)))
+
     def label(self) -> str:
         return self.pattern + "(" + ", ".join(f"{k}={v}" for k, v in self.params.items()) + ")"
 
@@ -381,7 +385,7 @@ class HeadConfig:
             self.check()
         except Exception:  # a refused edit leaves the config as it was
             for m, d in zip(group, before):
-                m.__dict__.update(vars(HeadEntry.from_dict(d)))
+                m.restore(d)
             raise
         return e
 

@@ -474,7 +474,7 @@ def edit_head(config: HeadConfig, layer: int, head: int, candidate: Candidate,
                   for e in moved}
     except Exception:
         for e, b in zip(entries, before):
-            e.__dict__.update(vars(HeadEntry.from_dict(b)))
+            e.restore(b)
         raise
     mean = lambda xs: round(sum(xs) / len(xs), 6)  # noqa: E731
     for e in moved:
