@@ -54,5 +54,33 @@ def test_a_head_switched_to_a_pattern_gets_budgets_below_a_quarter_of_the_prompt
     page.close()
 
 
+def test_the_budget_knob_sets_a_kinds_sizes_and_shows_only_where_it_describes_them(server, browser):
+    """One number, keys per query row, sets any budgeted kind's sizes (`PatternBase.at_budget`): VS at 256 keys is
+    VS(128, 256), block-sparse at 256 is top-4; a switched kind shows its default budget (n / 16); a size typed
+    by hand empties the knob; dense has none."""
+    page = open_page(browser, server[0])
+    tab(page, "Head")
+    until(page, page.locator(HEAD_READY), LOAD_S * 1000)
+    n = int(page.locator(".wb-head-prompt").inner_text().split(", ")[-1].split()[0])
+    current = page.locator(".wb-head-head").inner_text()
+    page.locator(".wb-pattern select").select_option("dense" if ": vs(" in current else "vs")
+    page.locator(".wb-pattern select").select_option("vs")
+    until(page, page.locator(".wb-head-head", has_text=": vs("), EDIT_MS)
+    assert page.locator(".wb-budget input").input_value() == str(max(64, n // 16))
+    fill(page, ".wb-budget", 256)
+    until(page, page.locator(".wb-head-head", has_text="vs(vertical=128, slash=256)"), EDIT_MS)
+    page.locator(".wb-pattern select").select_option("block")
+    until(page, page.locator(".wb-head-head", has_text=": block("), EDIT_MS)
+    fill(page, ".wb-budget", 256)
+    until(page, page.locator(".wb-head-head", has_text="block(topk=4)"), EDIT_MS)
+    fill(page, ".wb-topk", 5)
+    until(page, page.locator(".wb-head-head", has_text="block(topk=5)"), EDIT_MS)
+    assert page.locator(".wb-budget input").input_value() == ""
+    page.locator(".wb-pattern select").select_option("dense")
+    until(page, page.locator(".wb-head-head", has_text=": dense("), EDIT_MS)
+    assert not page.locator(".wb-budget input").is_visible()
+    page.close()
+
+
 def test_server_logged_no_traceback(server):
     assert_no_traceback(server[1])

@@ -18,7 +18,8 @@ import pandas as pd
 import panel as pn
 
 from workbench.config import MINFERENCE_DEFAULT, PARAMS
-from workbench.patterns import default_params
+from workbench.patterns import default_params, pattern_class
+from workbench.patterns.base import default_budget
 from workbench.views import viz  # absolute imports: `panel serve` runs this file as a script
 from workbench.views.dashboard.decode_tab import DecodeTab
 from workbench.views.dashboard.lengths_tab import LengthsTab
@@ -108,6 +109,10 @@ class HeadTab(Tab):
         # refuses it instead, with the reason in the tab's Alert
         self.sizes = {k: pn.widgets.IntInput(name=k, value=0, css_classes=[f"wb-{k}"], width=110)
                       for k in _SIZES}
+        # one knob for the kinds with a key budget: it sets their sizes (`at_budget`); empty when it does not
+        # describe the head's sizes
+        self.budget = pn.widgets.IntInput(name="budget (keys / query)", value=None, placeholder="sets the sizes",
+                                          css_classes=["wb-budget"], width=150)
         self.proxy = pn.pane.HTML("", css_classes=["wb-proxy-settings"])
         self.numbers = pn.pane.HTML("", css_classes=["wb-numbers"], width=560)
         self.segments = pn.pane.Plotly(None, config={"displayModeBar": False}, css_classes=["wb-segments"])
@@ -121,6 +126,7 @@ class HeadTab(Tab):
         self.pattern.param.watch(self._pattern_changed, "value")
         for w in self.sizes.values():
             w.param.watch(self._edited, "value")
+        self.budget.param.watch(self._budget_set, "value")
         self.map.param.watch(self._hovered, "hover_data")
         self.map.param.watch(self._zoomed, "relayout_data")
         self.job.param.watch(on_page_loop(self.changed), "version")
@@ -173,19 +179,28 @@ class HeadTab(Tab):
         self._cell = int(fig.data[0].dx)
         self.map.object = fig
 
+    def _n(self) -> int:
+        """The prompt's length (before a capture, any length: it only tells which kinds have a budget)."""
+        return self.session.capture.n if self.session.capture is not None else 4096
+
     def _show_sizes(self) -> None:
         for k, w in self.sizes.items():
             w.visible = k in PARAMS[self.pattern.value]
+        self.budget.visible = pattern_class(self.pattern.value).at_budget(64, self._n()) is not None
 
     def _show_entry(self, pattern: str, sizes: dict[str, int]) -> None:
         """Put `pattern` and `sizes` into the editor (not an edit). The sizes are in their inputs before the
         pattern's inputs show, and the browser gets it all in one message: a size typed into an input as soon
         as it appears is not overwritten by a value the server sent after showing it."""
+        cls, n = pattern_class(pattern), self._n()
+        budget = next((b for b in (self.budget.value, default_budget(n)) if b is not None and b > 0
+                       and cls.at_budget(b, n) == dict(sizes)), None)  # a budget shows only where it gives these sizes
         self._syncing = True
         try:
             with pn.io.hold():
                 for k, v in sizes.items():
                     self.sizes[k].value = v
+                self.budget.value = budget
                 self.pattern.value = pattern
                 self._show_sizes()
         finally:
@@ -199,6 +214,17 @@ class HeadTab(Tab):
             self._show_sizes()
             return
         self._show_entry(self.pattern.value, _default_sizes(self.pattern.value, self.session.capture.n))
+        self._edited(None)
+
+    def _budget_set(self, _event) -> None:
+        """A budget of keys per query row sets the kind's sizes (`PatternBase.at_budget`), then edits the head."""
+        b = self.budget.value
+        if self._syncing or self.job.view is None or b is None:
+            return
+        if b < 1:
+            self.say(f"budget {b}: give a whole number of keys per query row, at least 1")
+            return
+        self._show_entry(self.pattern.value, pattern_class(self.pattern.value).at_budget(b, self._n()))
         self._edited(None)
 
     def _edited(self, _event) -> None:
@@ -241,7 +267,7 @@ class HeadTab(Tab):
         self._safely(self._draw_map)
 
     def body(self):
-        editor = pn.Row(self.pattern, *self.sizes.values())
+        editor = pn.Row(self.pattern, self.budget, *self.sizes.values())
         return pn.Column(editor, self.proxy, pn.Row(self.numbers, self.segments), self.hover, self.map)
 
 
