@@ -56,8 +56,8 @@ def test_a_head_switched_to_a_pattern_gets_budgets_below_a_quarter_of_the_prompt
 
 def test_the_budget_knob_sets_a_kinds_sizes_and_shows_only_where_it_describes_them(server, browser):
     """One number, keys per query row, sets any budgeted kind's sizes (`PatternBase.at_budget`): VS at 256 keys is
-    VS(128, 256), block-sparse at 256 is top-4; a switched kind shows its default budget (n / 16); a size typed
-    by hand empties the knob; dense has none."""
+    VS(128, 256), block-sparse at 256 is top-4; a switched kind shows its default budget (n / 16); sizes typed by
+    hand show the budget that gives them, or none; dense has no knob."""
     page = open_page(browser, server[0])
     tab(page, "Head")
     until(page, page.locator(HEAD_READY), LOAD_S * 1000)
@@ -73,8 +73,13 @@ def test_the_budget_knob_sets_a_kinds_sizes_and_shows_only_where_it_describes_th
     until(page, page.locator(".wb-head-head", has_text=": block("), EDIT_MS)
     fill(page, ".wb-budget", 256)
     until(page, page.locator(".wb-head-head", has_text="block(topk=4)"), EDIT_MS)
-    fill(page, ".wb-topk", 5)
+    fill(page, ".wb-topk", 5)  # 5 blocks: the budget of 320 keys
     until(page, page.locator(".wb-head-head", has_text="block(topk=5)"), EDIT_MS)
+    assert page.locator(".wb-budget input").input_value() == "320"
+    page.locator(".wb-pattern select").select_option("strided")
+    until(page, page.locator(".wb-head-head", has_text=": strided("), EDIT_MS)
+    fill(page, ".wb-stride", 7)  # no budget gives this stride at this length
+    until(page, page.locator(".wb-head-head", has_text="stride=7)"), EDIT_MS)
     assert page.locator(".wb-budget input").input_value() == ""
     page.locator(".wb-pattern select").select_option("dense")
     until(page, page.locator(".wb-head-head", has_text=": dense("), EDIT_MS)

@@ -18,7 +18,7 @@ import pandas as pd
 import panel as pn
 
 from workbench.config import MINFERENCE_DEFAULT, PARAMS
-from workbench.patterns import default_params, pattern_class
+from workbench.patterns import BLOCK, default_params, pattern_class
 from workbench.patterns.base import default_budget
 from workbench.views import viz  # absolute imports: `panel serve` runs this file as a script
 from workbench.views.dashboard.decode_tab import DecodeTab
@@ -193,8 +193,9 @@ class HeadTab(Tab):
         pattern's inputs show, and the browser gets it all in one message: a size typed into an input as soon
         as it appears is not overwritten by a value the server sent after showing it."""
         cls, n = pattern_class(pattern), self._n()
-        budget = next((b for b in (self.budget.value, default_budget(n)) if b is not None and b > 0
-                       and cls.at_budget(b, n) == dict(sizes)), None)  # a budget shows only where it gives these sizes
+        tried = (self.budget.value, default_budget(n), *sizes.values(), *(BLOCK * v for v in sizes.values()))
+        budget = next((b for b in tried if b is not None and b > 0 and cls.at_budget(b, n) == dict(sizes)),
+                      None)  # the knob shows a budget only where `at_budget` gives exactly these sizes
         self._syncing = True
         try:
             with pn.io.hold():
