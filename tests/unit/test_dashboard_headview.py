@@ -65,7 +65,7 @@ def test_tile_rates_from_the_committed_benchmark():
     from workbench.prefill.latency import BENCH, estimate_ms, load_bench, tile_rates
 
     rates = tile_rates(load_bench(BENCH))
-    assert set(rates) == {"vs", "block", "ashape", "dense"}
+    assert set(rates) == {"vs", "vs_group", "block", "ashape", "dense"}  # every kind the benchmark times
     assert all(r["per_tile_ms"] > 0 for r in rates.values())
     assert rates["dense"]["index_ms"] == 0
     assert estimate_ms(rates, "block", 200) > estimate_ms(rates, "block", 100)
