@@ -4,17 +4,20 @@ Inputs are synthetic (random weights, no model): q/k/v of a real attention shape
 (RoPE locality from a shared q/k component, attention sinks, vertical keys, slashes at fixed offsets,
 topical key blocks) so that the online indexes find realistic patterns instead of uniformly random ones.
 Per (shape, length) it times dense causal SDPA, then for each pattern (Vertical-Slash from the Triton
-online index, Block-Sparse from pooled top-k, A-shape) the index build, our kernel and FlexAttention
-with a BlockMask over the same 64x64 tiles. Rows go to a JSON file as they are measured.
+online index, Block-Sparse from pooled top-k, A-shape) the index build, our kernel through the route a model's
+prefill deploys (VS tiles with their columns per head, as `VerticalSlash.layer_tiles` builds them; A-shape through
+`ashape_prefill`, the Gluon shared ring on the H200), timed in turn with dense SDPA (`paired_ms`: both see the
+GPU's clock and power state of the moment), and FlexAttention with a BlockMask over the same 64x64 tiles. Rows go
+to a JSON file as they are measured.
 
 Row fields: logical_density = attended (query, key) pairs / causal pairs; physical_density = computed
 tile area (pieces x width + packed columns, per row block) / causal pairs; effective_tflops =
-4 * head_dim * tile area / time; ratio_to_dense_tflops divides by dense SDPA's causal TFLOP/s of the
-same run (the faster of its two GQA forms, K/V repeated per query head or `enable_gqa`: `dense_form`, both
-times in `dense_forms_ms`); paired_ratio_to_dense_tflops: the same for the default, timed in turn with dense SDPA over five
-rounds (`paired_ms`, medians: both see the GPU's clock and power state of the moment); route_paired_ratio_to_dense_tflops
-(A-shape): the same for `ashape_prefill`, the route a user calls (the Gluon shared ring on the H200, where the row's
-default is the loop over per-head tiles); index_ms = building
+4 * head_dim * tile area / time; time_ms is the kernel's median in rounds taken in turn with dense SDPA (the
+faster of its two GQA forms, K/V repeated per query head or `enable_gqa`: `dense_form`, both timed alone in
+`dense_forms_ms`), whose median in the same rounds is `paired_dense_ms`; ratio_to_dense_tflops divides by dense's
+causal TFLOP/s at paired_dense_ms. The dense_sdpa row's time_ms is the median of its rows' paired_dense_ms
+(`unpaired_ms`: alone). In `--minference` rows, paired_ratio_to_dense_tflops is the same for the default, and
+route_paired_ratio_to_dense_tflops (A-shape) for `ashape_prefill`; index_ms = building
 the index and its tiles for all heads of the layer (no host sync);
 flex_* = FlexAttention on a BlockMask of the 64-aligned blocks our tiles touch (VS: exact logical
 mask via mask_mod, since Flex cannot gather columns), compile time reported separately.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import time
 
@@ -234,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
         selected_block_tiles,
         tile_area,
     )
-    from workbench_kernels.prefill import sparse_prefill
+    from workbench_kernels.prefill import ashape_prefill, sparse_prefill
     from workbench_kernels.tiling import NO_WINDOW
 
     from workbench.core.io import write_json
@@ -295,14 +299,23 @@ def run(args: argparse.Namespace) -> int:
         causal_pairs = n * (n + 1) // 2
         tile_shapes = [b for b in blocks if d <= 128 or b != "128"]  # 128x128 tiles of head_dim 256 overflow smem
         kx, vx = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-        _, dense_form, dense_forms = dense_baseline(q, k, v, kx, vx)
-        dense_ms = dense_forms[dense_form]
-        kx = vx = None  # free the expanded copies
-        dense_tflops = 4 * d * hq * causal_pairs / dense_ms / 1e9
+        dense, dense_form, dense_forms = dense_baseline(q, k, v, kx, vx)
+        if dense_form != "repeat_kv":
+            kx = vx = None  # free the expanded copies
         base = {"shape": shape, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "n": n}
-        rows.append({**base, "kernel": "dense_sdpa", "time_ms": dense_ms, "tflops": dense_tflops,
-                     "dense_form": dense_form, "dense_forms_ms": dense_forms})
-        save()
+        dense_row = {**base, "kernel": "dense_sdpa", "unpaired_ms": dense_forms[dense_form], "dense_form": dense_form,
+                     "dense_forms_ms": dense_forms}
+        rows.append(dense_row)
+        paired_dense = []  # dense SDPA's median in each kind's rounds
+
+        def timed(fn, area: float) -> dict:
+            """fn and dense SDPA timed in turn: the row's time fields, ratios at the same moment's dense."""
+            dense_ms, ms = paired_ms([dense, fn])
+            paired_dense.append(dense_ms)
+            tf = 4 * d * area / ms / 1e9
+            return {"time_ms": ms, "paired_dense_ms": dense_ms, "effective_tflops": tf,
+                    "ratio_to_dense_tflops": tf / (4 * d * hq * causal_pairs / dense_ms / 1e9),
+                    "speedup_vs_dense": dense_ms / ms}
 
         # indexes (timed: all heads of the layer, no host sync inside)
         indexes = {}
@@ -316,8 +329,9 @@ def run(args: argparse.Namespace) -> int:
             vs_sets[name] = (vs_cols, vs_offs)
             for blk in tile_shapes:
                 rb, pw = shape_of[blk]
-                tiles, t_vs_tiles = sync_ms(lambda: vs_tiles(vs_cols, vs_offs, n, rb, pw))
-                _, t_vs_tiles = sync_ms(lambda: vs_tiles(vs_cols, vs_offs, n, rb, pw))
+                # with the columns per head, as `VerticalSlash.layer_tiles` deploys them (the Gluon kernel's form)
+                tiles, t_vs_tiles = sync_ms(lambda: vs_tiles(vs_cols, vs_offs, n, rb, pw, head_columns=True))
+                _, t_vs_tiles = sync_ms(lambda: vs_tiles(vs_cols, vs_offs, n, rb, pw, head_columns=True))
                 indexes[(name, blk)] = (tiles, t_vs_idx + t_vs_tiles, None)
         vs_cols, vs_offs = vs_sets["vertical_slash"]
         # vs_group: one index per KV head (`index_build.vs_index(group_shared=True)`), the tiles `SparsePrefill` runs
@@ -340,7 +354,8 @@ def run(args: argparse.Namespace) -> int:
             tiles, t_bs_tiles = sync_ms(convert)
             _, t_bs_tiles = sync_ms(convert)
             indexes[("block_sparse", blk)] = (tiles, t_bs_idx + t_bs_tiles, None)
-            # every head has the same sink and window: group-shared tiles run GQA-packed
+            # every head has the same sink and window: group-shared tiles (their area; `ashape_prefill` runs the
+            # Gluon shared ring where it takes the layer, else these tiles GQA-packed)
             tiles, t_a = sync_ms(lambda: ashape_to_tiles([args.sink] * hkv, [args.window] * hkv, n, 1, rb, dev, pw))
             _, t_a = sync_ms(lambda: ashape_to_tiles([args.sink] * hkv, [args.window] * hkv, n, 1, rb, dev, pw))
             indexes[("a_shape", blk)] = (tiles, t_a, ([args.sink] * hq, [args.window] * hq))
@@ -372,7 +387,8 @@ def run(args: argparse.Namespace) -> int:
                         rows.append({**base, "kernel": pattern, "block": blk, "num_warps": warps,
                                      "num_stages": stages, "longest_first": lf, "time_ms": ms,
                                      "effective_tflops": tf, "ratio_to_dense_tflops":
-                                     tf / dense_tflops if tf else None, "error": err})
+                                     tf * dense_row["unpaired_ms"] / (4 * d * hq * causal_pairs / 1e9) if tf else None,
+                                     "error": err})
                         print(rows[-1], flush=True)
                         save()
             continue
@@ -381,19 +397,22 @@ def run(args: argparse.Namespace) -> int:
             sink, window = (aw if aw else (None, None))
             family = "vertical_slash" if pattern.startswith("vertical_slash") else "block_sparse"
             cfg = tuned.get((pattern, blk), tuned.get((family, blk), {}))
-            fn = lambda: sparse_prefill(q, k, v, tiles, sink=sink, window=window, scale=scale, **cfg)  # noqa: E731
-            ms = time_ms(fn)
+            rb, pw = shape_of[blk]
+            if pattern == "a_shape" and not cfg:  # the route a model's prefill and a user's call take
+                route = "ashape_prefill"
+                fn = lambda: ashape_prefill(q, k, v, sink, window, scale=scale, block=rb, width=pw)  # noqa: E731
+            else:
+                route = "sparse_prefill"
+                fn = lambda: sparse_prefill(q, k, v, tiles, sink=sink, window=window, scale=scale, **cfg)  # noqa: E731
             area = tile_area(tiles, n).sum().item() * (hq // tiles.shape[1])  # group-shared tiles serve G heads
-            tf = 4 * d * area / ms / 1e9
             budget = vs_budgets.get(pattern) or ((args.topk,) if pattern == "block_sparse"
                                                  else (args.sink, args.window))
-            row = {**base, "kernel": pattern, "block": blk, "budget": list(budget), **cfg, "time_ms": ms,
-                   "index_ms": t_index,
-                   "index_share_of_kernel": t_index / ms,
+            row = {**base, "kernel": pattern, "block": blk, "route": route, "budget": list(budget), **cfg,
+                   **timed(fn, area), "index_ms": t_index,
                    "logical_density": logical[pattern] / (hq * causal_pairs),
-                   "physical_density": area / (hq * causal_pairs),
-                   "effective_tflops": tf, "ratio_to_dense_tflops": tf / dense_tflops,
-                   "speedup_vs_dense": dense_ms / ms, "speedup_vs_dense_with_index": dense_ms / (ms + t_index)}
+                   "physical_density": area / (hq * causal_pairs)}
+            row.update(index_share_of_kernel=t_index / row["time_ms"], speedup_vs_dense_with_index=(
+                row["paired_dense_ms"] / (row["time_ms"] + t_index)))
             rows.append(row)
             print(row, flush=True)
             save()
@@ -425,14 +444,15 @@ def run(args: argparse.Namespace) -> int:
         windows = torch.full((hq,), NO_WINDOW, dtype=torch.int32)
         sinks[thirds[2]], windows[thirds[2]] = args.sink, args.window
         cfg = tuned.get(("vertical_slash", "64"), {})
-        ms = time_ms(lambda: sparse_prefill(q, k, v, mixed, sink=sinks, window=windows, scale=scale, **cfg))
         area = tile_area(mixed, n).sum().item()
-        tf = 4 * d * area / ms / 1e9
-        rows.append({**base, "kernel": "mixed_layer_one_launch", "block": "64", "time_ms": ms,
-                     "physical_density": area / (hq * causal_pairs), "effective_tflops": tf,
-                     "ratio_to_dense_tflops": tf / dense_tflops, "speedup_vs_dense": dense_ms / ms})
+        rows.append({**base, "kernel": "mixed_layer_one_launch", "block": "64", "route": "sparse_prefill",
+                     **timed(lambda: sparse_prefill(q, k, v, mixed, sink=sinks, window=windows, scale=scale, **cfg),
+                             area), "physical_density": area / (hq * causal_pairs)})
         print(rows[-1], flush=True)
+        dense_row["time_ms"] = statistics.median(paired_dense)
+        dense_row["tflops"] = 4 * d * hq * causal_pairs / dense_row["time_ms"] / 1e9
         save()
+        kx = vx = dense = None
 
     flex_jobs.sort(key=lambda job: (job[1] != "llama3-8b", -job[2]))  # the long Llama rows first
     for row, _shape, n, q, k, v, touched, full, mask_mod, ref, scale in tqdm(flex_jobs, desc="flex"):

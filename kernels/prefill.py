@@ -28,6 +28,9 @@ from .schedule import LOG2E, work_order
 from .tiling import band_on
 
 GRID_Y = 65535  # CUDA's largest grid along y: one program per row block reaches it past 4M tokens (64-row blocks)
+PACKED_Q_BYTES = 64 << 10  # the largest query tile (rows x head_dim x element size) a GQA-packed program holds; past
+# it (fp32 at head_dim 256: 128 rows x 256 x 4 = 128 KiB of q and as much accumulator per program) group-shared
+# tiles run per head
 
 
 @triton.jit
@@ -288,7 +291,8 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     heads of a KV head attend to the same keys, as InfLLM-V2 selects them); group-shared tiles run
     GQA-packed, `pack_rows` rows per program (`pack_rows / G` of each head; default 128: packed A-shape
     at head_dim 256 ran at 0.74 of dense with 128 rows, 0.61 with 64), so each K/V tile loads once for all
-    G heads. Optional per-head A-shape token mask: `sink`,
+    G heads; per head (`expand_groups`) where G does not pack or the packed query tile passes `PACKED_Q_BYTES`
+    (fp32 at head_dim 256). Optional per-head A-shape token mask: `sink`,
     `window` Int `[Hq]` (tokens; use `NO_WINDOW` / 0 for heads without). `split`: walk the pieces of a
     tile as masked prefix, unmasked interior, masked suffix (an interior with no per-piece branch when
     `tiles.disjoint`); False: one loop that masks the pieces it finds on an edge. `tma` (with `split`,
@@ -329,7 +333,8 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     if tiles.shape[1] == Hkv and Hq != Hkv:
         G = Hq // Hkv
         rows = pack_rows // G
-        if G & (G - 1) or rows < 1 or tiles.block % rows or G * rows < 16:
+        if G & (G - 1) or rows < 1 or tiles.block % rows or G * rows < 16 or (
+                G * rows * D * q.element_size() > PACKED_Q_BYTES):
             tiles = expand_groups(tiles, G)  # G not packable: run per head
     if tuple(tiles.shape) not in ((B, Hq, M), (B, Hkv, M)):
         raise ValueError(f"tiles are for [B, H, M] = {tuple(tiles.shape)} but q needs ({B}, {Hq} or {Hkv}, {M}) "
