@@ -28,7 +28,7 @@ from workbench.patterns import PATTERNS, Stack, causal_tiles
 from workbench.patterns.base import NO_WINDOW
 
 BENCH = LATENCY_BENCH
-_ROW_FIELDS = ("shape", "q_heads", "kv_heads", "head_dim", "n", "kernel", "block", "time_ms", "index_ms",
+_ROW_FIELDS = ("shape", "q_heads", "kv_heads", "head_dim", "n", "kernel", "block", "route", "time_ms", "index_ms",
                "physical_density")
 
 
