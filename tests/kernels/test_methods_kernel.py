@@ -73,6 +73,7 @@ MIXED = [("dense", {}), ("ashape", {"sink": 4, "window": 40}), ("vs", {"vertical
          ("vs", {"vertical": 4, "slash": 8}),
          *[("vs_group", {"vertical": 10, "slash": 16})] * 4]  # one whole KV group (G = 4)
 PARITY_ABS = 1e-3  # tests/model/test_prefill_parity.py's bar
+REF_ABS = 1e-6 if DEV == "cpu" else 1e-4  # the fp32 reference path against float64 (CUDA's fp32 matmuls are looser)
 
 
 def mixed_prefill(entries, n=200, hkv=4, d=16, seed=0, **kw):
@@ -140,7 +141,8 @@ def test_a_layer_of_group_shared_vs_runs_its_tiles_per_kv_head(group, hkv, d):
         mask = tiles_to_mask(stack.to_tiles(n), n)
         kk, vv = (x[b:b + 1].repeat_interleave(group, 1).double() for x in (k, v))
         want = masked_attention_ref(q[b:b + 1].double(), kk, vv, mask, 0.25)[0]
-        assert torch.allclose(ref[b], want, atol=1e-6)
+        err = float((ref[b] - want).abs().max())
+        assert err <= REF_ABS, f"prompt {b}: the fp32 reference is {err:.2e} from exact attention"
 
 
 def test_flex_backend_runs_every_kind():

@@ -6,7 +6,7 @@ per query head (median over the measured lengths), the table
 `search.choose(latency=...)` takes; `estimate_ms` applies it to a head's 64x64 tile count. Given a model's
 shape, `match_shape` picks the measured shape to read (the model's own, else the same head_dim, else the
 nearest) and says which. The package ships the rows it reads (`BENCH`, workbench/data/latency: `rate_table` of
-the committed H200 run assets/benchmarks/kernels_9acea96_h200.json), so the estimate works from any folder.
+the committed H200 run assets/benchmarks/kernels_e1b5f27_h200.json), so the estimate works from any folder.
 `time_model_layer` times one of the model's own captured layers under its heads from a HeadConfig, as
 the deployed prefill runs it (online index + Triton kernel on a GPU; on the CPU the PyTorch reference
 path, dense math under a mask that does not get faster with sparsity, labelled as such) against dense
