@@ -1,7 +1,9 @@
 """Where a `vs_group` layer at Gemma-3's shape (4 query heads on 1 KV head, head_dim 256, n = 190) spends its first
 call on the GPU, per dtype and tile route: the Triton index, then the prefill kernel GQA-packed (the group's four
 heads in one 128-row program) or expanded per head (`index_ref.expand_groups`). Each case runs in its own process
-under a time limit, so a compile that does not finish is reported as such and the others still run.
+under a time limit, so a compile that does not finish is reported as such and the others still run. fp32 dots
+compile as TRITON_F32_DEFAULT says (unset: TF32; the tests set "ieee", whose fp32 programs took ~100 s a compile
+on the H200's host against ~2-10 s: set it to time what the GPU lane compiles).
 
     python scripts/compile_probe.py --out $OUT/compile_probe.json [--limit 300]
 """
