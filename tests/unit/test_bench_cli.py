@@ -82,3 +82,30 @@ def test_prefill_bench_configs_are_valid_and_run():
             out = model(ids, logits_to_keep=1).logits
         assert sp.calls[("sparse", "prefill")] == 1, (name, dict(sp.calls))
         torch.testing.assert_close(out, dense, msg=name)
+
+
+def test_kernel_bench_times_each_kind_on_its_route_in_turn_with_dense(tmp_path):
+    """`workbench bench kernels` on the CPU (Triton interpreter, tiny length: the path, not the times): every
+    kind's row names the route a model's prefill takes (A-shape through `ashape_prefill`), carries dense SDPA's
+    median from the same rounds, and its ratio to dense is computed at that dense time; the dense row's time is
+    the median of those."""
+    import statistics
+
+    out = tmp_path / "kernels.json"
+    cmd = [sys.executable, "-m", "workbench", "bench", "kernels", "--device", "cpu", "--lengths", "128", "--shapes",
+           "embedded", "--no-flex", "--blocks", "64", "--slash-small", "0", "--vertical", "8", "--slash", "32",
+           "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    dense = next(r for r in rows if r["kernel"] == "dense_sdpa")
+    kinds = {r["kernel"]: r for r in rows if r is not dense}
+    assert {"vertical_slash", "vertical_slash_group_shared", "block_sparse", "a_shape",
+            "mixed_layer_one_launch"} == set(kinds)
+    assert kinds["a_shape"]["route"] == "ashape_prefill"
+    assert {r["route"] for k, r in kinds.items() if k != "a_shape"} == {"sparse_prefill"}
+    for r in kinds.values():
+        assert r["ratio_to_dense_tflops"] == pytest.approx(r["physical_density"] * r["paired_dense_ms"] / r["time_ms"])
+    assert dense["time_ms"] == pytest.approx(statistics.median(r["paired_dense_ms"] for r in kinds.values()))
+    assert dense["unpaired_ms"] > 0
