@@ -391,6 +391,8 @@ def run(args: argparse.Namespace) -> int:
                                      "error": err})
                         print(rows[-1], flush=True)
                         save()
+            dense_row["time_ms"] = dense_row["unpaired_ms"]  # a sweep times nothing in turn with dense
+            save()
             continue
 
         for (pattern, blk), (tiles, t_index, aw) in indexes.items():
