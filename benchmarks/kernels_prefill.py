@@ -10,12 +10,13 @@ prefill deploys (VS tiles with their columns per head, as `VerticalSlash.layer_t
 GPU's clock and power state of the moment), and FlexAttention with a BlockMask over the same 64x64 tiles. Rows go
 to a JSON file as they are measured.
 
-Row fields: logical_density = attended (query, key) pairs / causal pairs; physical_density = computed
-tile area (pieces x width + packed columns, per row block) / causal pairs; effective_tflops =
-4 * head_dim * tile area / time; time_ms is the kernel's median in rounds taken in turn with dense SDPA (the
-faster of its two GQA forms, K/V repeated per query head or `enable_gqa`: `dense_form`, both timed alone in
-`dense_forms_ms`), whose median in the same rounds is `paired_dense_ms`; ratio_to_dense_tflops divides by dense's
-causal TFLOP/s at paired_dense_ms. The dense_sdpa row's time_ms is the median of its rows' paired_dense_ms
+Row fields: logical_density = attended (query, key) pairs / causal pairs; physical_density = computed tile area
+(pieces x width + packed columns, per row block) / causal pairs; effective_tflops = 4 * head_dim * tile area / time;
+program: the kernel the route ran (the warp-specialised Gluon kernel or the Triton-language loop:
+`prefill.takes_gluon`, `prefill.ashape_takes_gluon`); time_ms is the kernel's median in rounds taken in turn with
+dense SDPA (the faster of its two GQA forms, K/V repeated per query head or `enable_gqa`: `dense_form`, both timed
+alone in `dense_forms_ms`), whose median in the same rounds is `paired_dense_ms`; ratio_to_dense_tflops divides by
+dense's causal TFLOP/s at paired_dense_ms. The dense_sdpa row's time_ms is the median of its rows' paired_dense_ms
 (`unpaired_ms`: alone). In `--minference` rows, paired_ratio_to_dense_tflops is the same for the default, and
 route_paired_ratio_to_dense_tflops (A-shape) for `ashape_prefill`; index_ms = building
 the index and its tiles for all heads of the layer (no host sync);
@@ -238,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
         selected_block_tiles,
         tile_area,
     )
-    from workbench_kernels.prefill import ashape_prefill, sparse_prefill
+    from workbench_kernels.prefill import ashape_prefill, ashape_takes_gluon, sparse_prefill, takes_gluon
     from workbench_kernels.tiling import NO_WINDOW
 
     from workbench.core.io import write_json
@@ -403,13 +404,17 @@ def run(args: argparse.Namespace) -> int:
             if pattern == "a_shape" and not cfg:  # the route a model's prefill and a user's call take
                 route = "ashape_prefill"
                 fn = lambda: ashape_prefill(q, k, v, sink, window, scale=scale, block=rb, width=pw)  # noqa: E731
+                gluon = rb == 64 and pw in (0, 64) and ashape_takes_gluon(
+                    q, k, *(torch.tensor(x, dtype=torch.int32) for x in (sink, window)))
             else:
                 route = "sparse_prefill"
                 fn = lambda: sparse_prefill(q, k, v, tiles, sink=sink, window=window, scale=scale, **cfg)  # noqa: E731
+                gluon = sink is None and takes_gluon(q, tiles)
             area = tile_area(tiles, n).sum().item() * (hq // tiles.shape[1])  # group-shared tiles serve G heads
             budget = vs_budgets.get(pattern) or ((args.topk,) if pattern == "block_sparse"
                                                  else (args.sink, args.window))
-            row = {**base, "kernel": pattern, "block": blk, "route": route, "budget": list(budget), **cfg,
+            row = {**base, "kernel": pattern, "block": blk, "route": route, "program": "gluon" if gluon else "loop",
+                   "budget": list(budget), **cfg,
                    **timed(fn, area), "index_ms": t_index,
                    "logical_density": logical[pattern] / (hq * causal_pairs),
                    "physical_density": area / (hq * causal_pairs)}
@@ -447,7 +452,7 @@ def run(args: argparse.Namespace) -> int:
         sinks[thirds[2]], windows[thirds[2]] = args.sink, args.window
         cfg = tuned.get(("vertical_slash", "64"), {})
         area = tile_area(mixed, n).sum().item()
-        rows.append({**base, "kernel": "mixed_layer_one_launch", "block": "64", "route": "sparse_prefill",
+        rows.append({**base, "kernel": "mixed_layer_one_launch", "block": "64", "route": "sparse_prefill", "program": "loop",
                      **timed(lambda: sparse_prefill(q, k, v, mixed, sink=sinks, window=windows, scale=scale, **cfg),
                              area), "physical_density": area / (hq * causal_pairs)})
         print(rows[-1], flush=True)

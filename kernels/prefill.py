@@ -326,10 +326,8 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
     if (sink is None) != (window is None):
         raise ValueError("give both sink and window (per-head A-shape mask) or neither")
-    if warp_specialize is None and (D == 128 or D == 64 and not tiles.columns and tiles.shape[1] == Hq):
-        from .prefill_ws import ws_takes  # lazy, as in _warp_specialized
-
-        warp_specialize = ws_takes(q, tiles, sink)
+    if warp_specialize is None:
+        warp_specialize = takes_gluon(q, tiles, sink)
     if warp_specialize:
         o, lse = _warp_specialized(q, k, v, tiles, scale, sink, window,
                                    tiles.head_columns is not None if kv_major is None else kv_major)
@@ -422,6 +420,18 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     return write_dense_rows(o, lse, q, k, v, tiles, scale)
 
 
+def takes_gluon(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None = None) -> bool:
+    """Whether `sparse_prefill` at its default (`warp_specialize=None`) runs `tiles` through the Gluon kernel:
+    at head_dim 128, and at 64 for per-head tiles without columns, where `prefill_ws.ws_takes` takes them; else the
+    Triton-language loop."""
+    D = q.shape[-1]
+    if not (D == 128 or D == 64 and not tiles.columns and tiles.shape[1] == q.shape[1]):
+        return False
+    from .prefill_ws import ws_takes  # lazy, as in _warp_specialized
+
+    return ws_takes(q, tiles, sink)
+
+
 def write_dense_rows(o: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     tiles: VSTiles, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The lists' result (o `[B, Hq, N, D]`, lse `[B, Hq, N]`) with the rows `tiles.dense_from` marks replaced by
@@ -498,10 +508,18 @@ def ashape_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.
                  scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`ashape_prefill`'s Gluon route: (o, lse) where the Gluon kernel takes this A-shape (sm_90, head_dim 128, heads
     2j and 2j + 1 alike: `prefill_ws.ws_ashape_takes`; sink / window CPU Int `[Hq]`, so no host sync), else None."""
-    if q.shape[-1] != 128:
+    if not ashape_takes_gluon(q, k, sink, window):
         return None
-    from .prefill_ws import ASHAPE_LAUNCH, ws_ashape, ws_ashape_takes  # lazy, as in sparse_prefill
+    from .prefill_ws import ASHAPE_LAUNCH, ws_ashape  # lazy, as in sparse_prefill
 
-    if not ws_ashape_takes(q, k, sink, window):
-        return None
     return ws_ashape(q, k, v, sink, window, scale, **ASHAPE_LAUNCH)
+
+
+def ashape_takes_gluon(q: torch.Tensor, k: torch.Tensor, sink: torch.Tensor, window: torch.Tensor) -> bool:
+    """Whether `ashape_gluon` runs this A-shape (head_dim 128 and `prefill_ws.ws_ashape_takes`; sink / window CPU
+    Int `[Hq]`)."""
+    if q.shape[-1] != 128:
+        return False
+    from .prefill_ws import ws_ashape_takes  # lazy, as in sparse_prefill
+
+    return ws_ashape_takes(q, k, sink, window)
