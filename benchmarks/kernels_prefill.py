@@ -3,12 +3,12 @@
 Inputs are synthetic (random weights, no model): q/k/v of a real attention shape with planted structure
 (RoPE locality from a shared q/k component, attention sinks, vertical keys, slashes at fixed offsets,
 topical key blocks) so that the online indexes find realistic patterns instead of uniformly random ones.
-Per (shape, length) it times dense causal SDPA, then for each pattern (Vertical-Slash from the Triton
-online index, Block-Sparse from pooled top-k, A-shape) the index build, our kernel through the route a model's
-prefill deploys (VS tiles with their columns per head, as `VerticalSlash.layer_tiles` builds them; A-shape through
-`ashape_prefill`, the Gluon shared ring on the H200), timed in turn with dense SDPA (`paired_ms`: both see the
-GPU's clock and power state of the moment), and FlexAttention with a BlockMask over the same 64x64 tiles. Rows go
-to a JSON file as they are measured.
+Per (shape, length) it times dense causal SDPA, then for each pattern (Vertical-Slash from the Triton online index,
+Block-Sparse from pooled top-k, A-shape) the index build, our kernel through the route a model's prefill deploys (VS
+tiles with their columns per head, as `VerticalSlash.layer_tiles` builds them; A-shape through `ashape_prefill`
+where its Gluon shared ring takes the layer, as `AShape.layer_attention`, else its tiles), timed in turn with dense
+SDPA (`paired_ms`: both see the GPU's clock and power state of the moment), and FlexAttention with a BlockMask over
+the same 64x64 tiles. Rows go to a JSON file as they are measured.
 
 Row fields: logical_density = attended (query, key) pairs / causal pairs; physical_density = computed tile area
 (pieces x width + packed columns, per row block) / causal pairs; effective_tflops = 4 * head_dim * tile area / time;
@@ -401,11 +401,11 @@ def run(args: argparse.Namespace) -> int:
             family = "vertical_slash" if pattern.startswith("vertical_slash") else "block_sparse"
             cfg = tuned.get((pattern, blk), tuned.get((family, blk), {}))
             rb, pw = shape_of[blk]
-            if pattern == "a_shape" and not cfg:  # the route a model's prefill and a user's call take
+            gluon = pattern == "a_shape" and not cfg and rb == 64 and pw in (0, 64) and ashape_takes_gluon(
+                q, k, *(torch.tensor(x, dtype=torch.int32) for x in (sink, window)))
+            if gluon:  # `AShape.layer_attention`'s route (elsewhere a model runs the cached tiles, as below)
                 route = "ashape_prefill"
                 fn = lambda: ashape_prefill(q, k, v, sink, window, scale=scale, block=rb, width=pw)  # noqa: E731
-                gluon = rb == 64 and pw in (0, 64) and ashape_takes_gluon(
-                    q, k, *(torch.tensor(x, dtype=torch.int32) for x in (sink, window)))
             else:
                 route = "sparse_prefill"
                 fn = lambda: sparse_prefill(q, k, v, tiles, sink=sink, window=window, scale=scale, **cfg)  # noqa: E731
