@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from .index_ref import VSTiles, ashape_to_tiles, block_sparse_to_tiles, expand_groups, vs_to_tiles
+from .index_ref import VSTiles, band_tiles, block_sparse_to_tiles, expand_groups, vs_to_tiles
 from .prefill_ref import check_prefill_args, last_rows_attention
 from .schedule import LOG2E, work_order
 from .tiling import band_on
@@ -499,8 +499,7 @@ def ashape_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torc
         (sink_t.view(hkv, -1) == sink_t.view(hkv, -1)[:, :1]).all()
         & (window_t.view(hkv, -1) == window_t.view(hkv, -1)[:, :1]).all())
     heads = slice(None, None, hq // hkv) if shared else slice(None)
-    tiles = ashape_to_tiles(sink_t[heads], window_t[heads], q.shape[2], q.shape[0], block, device=q.device,
-                            width=width)
+    tiles, _ = band_tiles(sink_t[heads], window_t[heads], q.shape[2], q.shape[0], block, q.device, width)  # cached
     return sparse_prefill(q, k, v, tiles, sink=sink_t, window=window_t, scale=scale)
 
 
