@@ -40,8 +40,8 @@ RUN_LAST = ("test_compiled_flex_backend_equals_triton",)
 # the lane's deadline at c32b77d, 2026-12-03)
 COMPILE_ONLY = "tests/kernels/test_kernels_compile.py"
 COMPILE_ONLY_TESTS = "not test_ws_prefill_compiles_for_sm90"
-# The lane record whose per-test seconds deal a lane's tests to its shards (`lane_plugin.deal`): the last green run
-# on a fresh H200 (update it when a newer one is committed).
+# The lane record whose per-test seconds deal a lane's tests to its shards (`lane_plugin.deal`): the latest run whose
+# kernels lane reached every test (e1b5f27: its one failure was a tolerance, not a time; update it with each run).
 SHARD_TIMES = ROOT / "assets/benchmarks/gpu_check_e1b5f27_h200.json"
 
 
