@@ -313,7 +313,8 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     lists, whose near-dense tiles stream a KV head's whole K/V: H200, VS(1000, 6096), 64K / 128K, 1.07x / 1.12x
     the loop's speed, 1.27x / 1.31x the Gluon kernel's; block-sparse per head ran 3-7 % slower with it);
     `warp_specialize`: True runs the tiles through the warp-specialised Gluon kernel (`prefill_ws.ws_prefill`:
-    TMA producer warp, two wgmma consumer warpgroups; sm_90, bf16 / fp16, head_dim 64 or 128, 64 x 64 tiles
+    TMA producer warp, two wgmma consumer warpgroups; sm_90, bf16 / fp16, head_dim 64, 128 or 256 (256:
+    `prefill_ws.HEAD_LAUNCH_D256` / `SHARED_LAUNCH_D256`, compile-checked, not yet timed), 64 x 64 tiles
     without A-shape masks, columns only as `tiles.head_columns`; ValueError otherwise), False through the
     Triton-language loop below; None (default): the Gluon kernel where it takes the tiles at head_dim 128, and at
     head_dim 64 per-head tiles without columns (two 64-key items per step, `prefill_ws.HEAD_LAUNCH`; H200, 64K /
@@ -455,12 +456,20 @@ def _warp_specialized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: 
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sparse_prefill` through the Gluon kernel at its launches (`prefill_ws.HEAD_LAUNCH`, `HEAD_LAUNCH_D64`;
     group-shared tiles: `SHARED_LAUNCH`, two query heads of a group on one ring), the fastest on the H200."""
-    from .prefill_ws import HEAD_LAUNCH, HEAD_LAUNCH_D64, SHARED_LAUNCH, ws_prefill  # lazy: Gluon needs Triton's
-    # experimental module
+    from .prefill_ws import (  # lazy: Gluon needs Triton's experimental module
+        HEAD_LAUNCH,
+        HEAD_LAUNCH_D64,
+        HEAD_LAUNCH_D256,
+        SHARED_LAUNCH,
+        SHARED_LAUNCH_D256,
+        ws_prefill,
+    )
 
+    d256 = q.shape[-1] == 256
     if tiles.shape[1] != q.shape[1]:
-        return ws_prefill(q, k, v, tiles, scale, sink, window, kv_major=kv_major, **SHARED_LAUNCH)
-    launch = HEAD_LAUNCH if q.shape[-1] == 128 else HEAD_LAUNCH_D64
+        launch = SHARED_LAUNCH_D256 if d256 else SHARED_LAUNCH
+    else:
+        launch = HEAD_LAUNCH_D256 if d256 else HEAD_LAUNCH if q.shape[-1] == 128 else HEAD_LAUNCH_D64
     return ws_prefill(q, k, v, tiles, scale, sink, window, kv_major=kv_major, **launch)
 
 

@@ -58,7 +58,7 @@ from .tiling import band_on
 ROWS = 64  # query rows per consumer warpgroup (= tiles.block)
 KEYS = 64  # keys per piece and per column strip (= tiles.piece); ws_ashape / ws_vertical_slash also take 128
 DTYPES = (torch.bfloat16, torch.float16)  # q / k / v dtypes the kernel takes
-HEAD_DIMS = (64, 128)  # head_dims it takes
+HEAD_DIMS = (64, 128, 256)  # head_dims it takes (256: the launches below, not yet the default: `prefill.takes_gluon`)
 # TMA load global -> shared with an mbarrier: `async_load` from Triton 3.7 (3.9 removed the old name), the old
 # name in 3.6 (the H200 image's)
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -76,6 +76,13 @@ ASHAPE_LAUNCH = {"stages": 3, "share_kv": True, "width": 128}
 HEAD_LAUNCH = {"consumers": 2, "stages": 2, "v_stages": 1, "overlap": False, "pair": True}
 HEAD_LAUNCH_D64 = {"consumers": 1, "stages": 3, "overlap": False, "pair": True}
 SHARED_LAUNCH = {"consumers": 2, "stages": 3, "overlap": False, "share_kv": True, "pair": True}
+# Head_dim 256 (Gemma-3): K / V slots of 32 KB a 64-key item, so one item per step and shallow rings. Compiled for
+# sm_90 on the CPU (tests/kernels/test_prefill_ws.py): per head 2 consumers with rings of 1 slot, 197 KB of shared
+# memory (2 slots each: 328 KB, over the 227), 168 registers, no spills; two heads on one shared ring of 2 slots, 197
+# KB. Not timed on a GPU yet, so `sparse_prefill` takes them only with warp_specialize=True: the loop there holds
+# one 4-warp program per SM (225 KB; kernels/NOTES.md, session 26), these two consumer warpgroups.
+HEAD_LAUNCH_D256 = {"consumers": 2, "stages": 1, "overlap": False, "pair": False}
+SHARED_LAUNCH_D256 = {"consumers": 2, "stages": 2, "overlap": False, "share_kv": True, "pair": False}
 
 
 @gluon.jit
@@ -553,7 +560,7 @@ def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stages: int, 
         raise ValueError(f"q, k, v dtype must be bf16 or fp16 (all alike) for ws_prefill, got {q.dtype}, {k.dtype}, "
                          f"{v.dtype}; use sparse_prefill for fp32")
     if D not in HEAD_DIMS:
-        raise ValueError(f"head_dim {D} is not supported by ws_prefill (64 or 128); use sparse_prefill")
+        raise ValueError(f"head_dim {D} is not supported by ws_prefill (64, 128 or 256); use sparse_prefill")
     if consumers not in (1, 2) or stages < 1 + overlap:
         raise ValueError(f"consumers must be 1 or 2 and stages >= 2 with overlap (the next piece's K waits in the ring "
                          f"while this piece's slot is held), >= 1 without; got {consumers}, {stages}, overlap={overlap}")
@@ -582,7 +589,7 @@ def _check_device(q: torch.Tensor) -> None:
 
 def ws_takes(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None) -> bool:
     """Whether `ws_prefill` takes these tiles for q `[B, Hq, N, D]` (static facts only, no host sync): an sm_90
-    GPU, bf16 / fp16, head_dim 64 / 128, 64-row tiles of disjoint 64-key pieces, columns only as columns per head
+    GPU, bf16 / fp16, head_dim 64 / 128 / 256, 64-row tiles of disjoint 64-key pieces, columns only as columns per head
     (`tiles.columns` False, or `tiles.head_columns` given), no A-shape mask, group-shared tiles only with an even
     group (two query heads of a KV head share one K/V ring)."""
     hq, h = q.shape[1], tiles.shape[1]
@@ -600,8 +607,9 @@ def _heads_pair(hq: int, hkv: int, sink: torch.Tensor, window: torch.Tensor) -> 
 
 def ws_ashape_takes(q: torch.Tensor, k: torch.Tensor, sink: torch.Tensor, window: torch.Tensor) -> bool:
     """Whether `ws_ashape(share_kv=True)` takes this A-shape (CPU sink / window `[Hq]`, no host sync): an sm_90
-    GPU, bf16 / fp16, head_dim 64 / 128, and heads that pair (`_heads_pair`)."""
-    return (_sm90(q.device) and q.dtype in DTYPES and q.shape[-1] in HEAD_DIMS
+    GPU, bf16 / fp16, head_dim 64 / 128 (`ASHAPE_LAUNCH`'s 64 KB slots overflow at 256), and heads that pair
+    (`_heads_pair`)."""
+    return (_sm90(q.device) and q.dtype in DTYPES and q.shape[-1] in (64, 128)
             and _heads_pair(q.shape[1], k.shape[1], sink, window))
 
 
@@ -666,7 +674,7 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
     """Causal attention over the pieces of per-head block-sparse `tiles` on an sm_90 GPU (`sparse_prefill`'s
     contract for the tiles it takes).
 
-    q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` (bf16 / fp16, D = 64 or 128; copied if not contiguous); query head
+    q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` (bf16 / fp16, D = 64, 128 or 256; copied if not contiguous); query head
     h reads KV head h // (Hq // Hkv). `tiles`: per query head (`[B, Hq, M]`, M = ceil(N / 64)) or, with share_kv,
     per KV head (`[B, Hkv, M]`, group-shared), block 64, 64-key pieces that never overlap (`tiles.disjoint`:
     `block_sparse_to_tiles`, `vs_tiles`), vertical columns only as columns per head (`tiles.head_columns`:

@@ -64,6 +64,9 @@ CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block
     "vs_pair_one_consumer_k2_v1": (1, 2, False, 128, False, "vs", 64, 1, True),
     "vs_pair_two_consumers_k2_v1": (2, 2, False, 128, False, "vs", 64, 1, True),  # HEAD_LAUNCH, the deployed VS route
     "vs_pair_shared_kv_3_stages": (2, 3, False, 128, True, "vs", 64, None, True),
+    "head_dim_256": (2, 1, False, 256, False, "block"),  # HEAD_LAUNCH_D256
+    "head_dim_256_shared_kv": (2, 2, False, 256, True, "block"),  # SHARED_LAUNCH_D256
+    "vs_head_dim_256": (2, 1, False, 256, False, "vs"),  # HEAD_LAUNCH_D256 on head columns
 }
 # defaults: 64 keys per item, as many V stages as K stages, one item per step
 CASES = {case: (*args, *(64, None, False)[len(args) - 6:]) for case, args in CASES.items()}
@@ -218,6 +221,23 @@ def test_ws_prefill_matches_masked_attention_bf16(case, keep):
         o2, lse2 = ws_prefill(q, k, v, grouped, stages=stages, consumers=consumers, overlap=overlap, share_kv=True,
                               v_stages=v_stages, pair=pair)
         assert torch.equal(o2, o) and torch.equal(lse2, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not hopper(), reason="ws_prefill runs on sm_90 (H100 / H200) only")
+@pytest.mark.parametrize("share", [False, True], ids=["per_head", "group_shared"])
+def test_sparse_prefill_takes_the_gluon_launches_at_head_dim_256(share):
+    """`sparse_prefill(warp_specialize=True)` at Gemma-3's head_dim 256 (`HEAD_LAUNCH_D256`, group-shared tiles
+    `SHARED_LAUNCH_D256`; GQA 4:1) equals the Triton-language loop on the same tiles (bf16)."""
+    from workbench_kernels.prefill import sparse_prefill
+
+    B, Hq, Hkv, n = 1, 4, 1, 1000
+    q, k, v = qkv(B, Hq, Hkv, n, 256, seed=3)
+    tiles = block_sparse_to_tiles(block_index(B, Hkv if share else Hq, n, 0.3, seed=4), n).to("cuda")
+    o, lse = sparse_prefill(q, k, v, tiles, warp_specialize=True)
+    ro, rlse = sparse_prefill(q, k, v, tiles, warp_specialize=False)
+    torch.testing.assert_close(o.float(), ro.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, rlse, atol=2e-2, rtol=2e-2)
 
 
 def vs_index(B: int, H: int, n: int, n_cols: int, n_offs: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -455,13 +475,13 @@ def error_cases() -> dict[str, tuple]:
     tiles = block_sparse_to_tiles(block_index(1, 8, n, 0.5, seed=0), n)
     shared = block_sparse_to_tiles(block_index(1, 2, n, 0.5, seed=0), n)
     vs = vs_to_tiles(torch.tensor([[[3, 90]] * 8]), torch.tensor([[[0, 70]] * 8]), n)
-    q256, k256 = (torch.randn(1, h, n, 256, dtype=torch.bfloat16) for h in (8, 2))
+    q32, k32 = (torch.randn(1, h, n, 32, dtype=torch.bfloat16) for h in (8, 2))
     return {
         "columns": (q, k, v, vs, {}, "column"),
         "group_shared": (q, k, v, shared, {}, "expand_groups"),
         "block_128": (q, k, v, block_sparse_to_tiles(block_index(1, 8, n, 0.5, seed=0), n, block=128), {},
                       "tiles.block"),
-        "head_dim_256": (q256, k256, k256, tiles, {}, "head_dim"),
+        "head_dim_32": (q32, k32, k32, tiles, {}, "head_dim"),
         "fp32": (q.float(), k.float(), v.float(), tiles, {}, "dtype"),
         "window": (q, k, v, tiles, {"sink": torch.zeros(8), "window": torch.full((8,), 64)}, "window"),
         "overlapping_pieces": (q, k, v, dataclasses.replace(tiles, disjoint=False), {}, "tiles.disjoint"),
