@@ -586,7 +586,7 @@ def compare_minference(args: argparse.Namespace) -> int:
     import torch
     from workbench_kernels.index_build import block_index, block_tiles, pooled_scores, select_blocks, vs_index, vs_tiles
     from workbench_kernels.index_ref import VSTiles, ashape_to_tiles, expand_groups, selected_block_tiles, tile_area
-    from workbench_kernels.prefill import ashape_prefill, default_config, loop_variant, sparse_prefill
+    from workbench_kernels.prefill import ashape_prefill, default_config, loop_variant, sparse_prefill, takes_gluon
     from workbench_kernels.prefill_ws import (
         ASHAPE_LAUNCH,
         HEAD_LAUNCH,
@@ -672,7 +672,7 @@ def compare_minference(args: argparse.Namespace) -> int:
                 split, tma, persistent = loop_variant(pack, tiles.column_index.shape[-1] > 1 and kw.get("sink") is None,
                                                       hopper, d)
                 ws_fits = hopper and ws_takes(q, tiles, kw.get("sink"))
-                ws_default = ws_fits and d == 128
+                ws_default = takes_gluon(q, tiles, kw.get("sink"))  # sparse_prefill's own choice
                 same = {"split": split and not tma and not persistent, "tma": split and tma and not persistent,
                         "single": not split and not persistent, "persistent": persistent,
                         "loop": not ws_default, "ws": ws_default or not ws_fits}
@@ -694,7 +694,7 @@ def compare_minference(args: argparse.Namespace) -> int:
                     result.setdefault("failed", []).append({"shape": shape, "n": n, "variant_ms": times})
                     return times, None, None
                 out = sparse_prefill(q, k, v, tiles, scale=scale, **kw)[0]
-                warps, stages = default_config(d, rows_per_program, pack)
+                warps, stages = default_config(d, rows_per_program, pack, tiles.piece)
                 times["default_is"] = ({"kernel": "ws"} if ws_default else
                                        {"kernel": "loop", "split": split, "tma": tma and split, "persistent": persistent,
                                         "num_warps": warps, "num_stages": stages})
