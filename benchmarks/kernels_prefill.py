@@ -305,14 +305,17 @@ def run(args: argparse.Namespace) -> int:
             kx = vx = None  # free the expanded copies
         base = {"shape": shape, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "n": n}
         dense_row = {**base, "kernel": "dense_sdpa", "unpaired_ms": dense_forms[dense_form], "dense_form": dense_form,
-                     "dense_forms_ms": dense_forms}
+                     "dense_forms_ms": dense_forms, "time_ms": dense_forms[dense_form]}
         rows.append(dense_row)
         paired_dense = []  # dense SDPA's median in each kind's rounds
 
         def timed(fn, area: float) -> dict:
-            """fn and dense SDPA timed in turn: the row's time fields, ratios at the same moment's dense."""
+            """fn and dense SDPA timed in turn: the row's time fields, ratios at the same moment's dense (the dense
+            row's time: the median of dense's so far, so that a partial JSON is whole)."""
             dense_ms, ms = paired_ms([dense, fn])
             paired_dense.append(dense_ms)
+            dense_row["time_ms"] = statistics.median(paired_dense)
+            dense_row["tflops"] = 4 * d * hq * causal_pairs / dense_row["time_ms"] / 1e9
             tf = 4 * d * area / ms / 1e9
             return {"time_ms": ms, "paired_dense_ms": dense_ms, "effective_tflops": tf,
                     "ratio_to_dense_tflops": tf / (4 * d * hq * causal_pairs / dense_ms / 1e9),
@@ -392,8 +395,6 @@ def run(args: argparse.Namespace) -> int:
                                      "error": err})
                         print(rows[-1], flush=True)
                         save()
-            dense_row["time_ms"] = dense_row["unpaired_ms"]  # a sweep times nothing in turn with dense
-            save()
             continue
 
         for (pattern, blk), (tiles, t_index, aw) in indexes.items():
@@ -409,7 +410,7 @@ def run(args: argparse.Namespace) -> int:
             else:
                 route = "sparse_prefill"
                 fn = lambda: sparse_prefill(q, k, v, tiles, sink=sink, window=window, scale=scale, **cfg)  # noqa: E731
-                gluon = sink is None and takes_gluon(q, tiles)
+                gluon = takes_gluon(q, tiles, sink)
             area = tile_area(tiles, n).sum().item() * (hq // tiles.shape[1])  # group-shared tiles serve G heads
             budget = vs_budgets.get(pattern) or ((args.topk,) if pattern == "block_sparse"
                                                  else (args.sink, args.window))
@@ -456,8 +457,6 @@ def run(args: argparse.Namespace) -> int:
                      **timed(lambda: sparse_prefill(q, k, v, mixed, sink=sinks, window=windows, scale=scale, **cfg),
                              area), "physical_density": area / (hq * causal_pairs)})
         print(rows[-1], flush=True)
-        dense_row["time_ms"] = statistics.median(paired_dense)
-        dense_row["tflops"] = 4 * d * hq * causal_pairs / dense_row["time_ms"] / 1e9
         save()
         kx = vx = dense = None
 

@@ -15,6 +15,7 @@ each of the G query heads, so every K/V tile is loaded once per 128 query rows a
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -277,6 +278,14 @@ def default_config(d: int, rows: int, pack: int, piece: int = 64, element_size: 
     return (4 if pack * rows == 64 else 8), max(1, stages)
 
 
+@functools.lru_cache(maxsize=16)
+def _smem_per_block(device: torch.device) -> int:
+    """Shared memory one program may use on `device` (bytes; the H200's off a GPU). Cached: called per launch."""
+    if device.type != "cuda":
+        return SMEM_SM90
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", SMEM_SM90)
+
+
 _FITTING_STAGES: dict[tuple, int] = {}  # program kind -> the most stages that fit the GPU's shared memory
 
 
@@ -382,9 +391,7 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     bc, bo = tiles.block_count.contiguous(), tiles.block_offset.contiguous()
     cc, ci = tiles.column_count.contiguous(), tiles.column_index.contiguous()
     block = tiles.block
-    smem = getattr(torch.cuda.get_device_properties(dev), "shared_memory_per_block_optin", SMEM_SM90) \
-        if dev.type == "cuda" else SMEM_SM90
-    auto_warps, auto_stages = default_config(D, rows, pack, tiles.piece, q.element_size(), smem)
+    auto_warps, auto_stages = default_config(D, rows, pack, tiles.piece, q.element_size(), _smem_per_block(dev))
     sub = block // rows
     n_work = B * tiles.shape[1] * M * sub
     if persistent:
@@ -465,11 +472,10 @@ def _warp_specialized(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: 
         ws_prefill,
     )
 
-    d256 = q.shape[-1] == 256
     if tiles.shape[1] != q.shape[1]:
-        launch = SHARED_LAUNCH_D256 if d256 else SHARED_LAUNCH
+        launch = SHARED_LAUNCH_D256 if q.shape[-1] == 256 else SHARED_LAUNCH
     else:
-        launch = HEAD_LAUNCH_D256 if d256 else HEAD_LAUNCH if q.shape[-1] == 128 else HEAD_LAUNCH_D64
+        launch = {64: HEAD_LAUNCH_D64, 128: HEAD_LAUNCH, 256: HEAD_LAUNCH_D256}[q.shape[-1]]
     return ws_prefill(q, k, v, tiles, scale, sink, window, kv_major=kv_major, **launch)
 
 

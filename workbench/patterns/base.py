@@ -383,6 +383,13 @@ class PatternBase:
         return None
 
     @classmethod
+    def budget_of(cls, params: dict[str, int], n: int, hint: int | None = None) -> int | None:
+        """A budget whose `at_budget` gives exactly `params` at prompt length n, or None: tried in turn `hint`,
+        `default_budget(n)`, each size, and each size in 64-token blocks (the inverse a size editor shows)."""
+        tried = (hint, default_budget(n), *params.values(), *(BLOCK * v for v in params.values()))
+        return next((b for b in tried if b is not None and b > 0 and cls.at_budget(b, n) == dict(params)), None)
+
+    @classmethod
     def defaults(cls, n: int) -> dict[str, int]:
         """Config params of a head switched to this kind at prompt length n: the kind's sizes at
         `default_budget(n)` (n / 16 keys per query); a kind without a key budget sets its own."""

@@ -18,8 +18,7 @@ import pandas as pd
 import panel as pn
 
 from workbench.config import MINFERENCE_DEFAULT, PARAMS
-from workbench.patterns import BLOCK, default_params, pattern_class
-from workbench.patterns.base import default_budget
+from workbench.patterns import default_params, pattern_class
 from workbench.views import viz  # absolute imports: `panel serve` runs this file as a script
 from workbench.views.dashboard.decode_tab import DecodeTab
 from workbench.views.dashboard.lengths_tab import LengthsTab
@@ -192,10 +191,8 @@ class HeadTab(Tab):
         """Put `pattern` and `sizes` into the editor (not an edit). The sizes are in their inputs before the
         pattern's inputs show, and the browser gets it all in one message: a size typed into an input as soon
         as it appears is not overwritten by a value the server sent after showing it."""
-        cls, n = pattern_class(pattern), self._n()
-        tried = (self.budget.value, default_budget(n), *sizes.values(), *(BLOCK * v for v in sizes.values()))
-        budget = next((b for b in tried if b is not None and b > 0 and cls.at_budget(b, n) == dict(sizes)),
-                      None)  # the knob shows a budget only where `at_budget` gives exactly these sizes
+        # the knob shows a budget only where `at_budget` gives exactly these sizes
+        budget = pattern_class(pattern).budget_of(sizes, self._n(), hint=self.budget.value)
         self._syncing = True
         try:
             with pn.io.hold():
