@@ -369,6 +369,30 @@ def expand_groups(tiles: VSTiles, group: int) -> VSTiles:
     return tiles.map(lambda t: t.repeat_interleave(group, 1))
 
 
+def narrow_pieces(tiles: VSTiles, width: int, n: int) -> VSTiles:
+    """The same keys as `tiles` in pieces of `width` keys (a divisor of `tiles.piece`): each piece [p, min(p + piece,
+    next start)) becomes the sub-pieces p, p + width, ... below the next start, less those wholly before key 0 or
+    after the row block's last row; columns stay (strips of `width`). A narrower piece holds fewer K/V bytes per
+    stage (head_dim 256, 32 keys, 2 stages: 98 KB, two programs per SM; on the H100 no faster than 64 keys at 3
+    stages: kernels/NOTES.md, session 27). `[B, H, M, NS]` -> `[B, H, M, NS * piece / width]`; no host sync."""
+    if width < 16 or tiles.piece % width:
+        raise ValueError(f"width must divide the tiles' piece width {tiles.piece} and be at least 16, got {width}")
+    r = tiles.piece // width
+    if r == 1:
+        return tiles
+    B, H, M, NS = tiles.block_offset.shape
+    dev = tiles.block_offset.device
+    starts = tiles.block_offset.long()
+    slot = torch.arange(NS, device=dev)
+    real = slot < tiles.block_count.unsqueeze(-1).long()
+    nxt = torch.where(torch.nn.functional.pad(real[..., 1:], (0, 1)), starts.roll(-1, -1), 1 << 40)
+    sub = starts.unsqueeze(-1) + torch.arange(0, tiles.piece, width, device=dev)  # [B, H, M, NS, r]
+    last_row = (torch.arange(M, device=dev) * tiles.block + tiles.block - 1).clamp_max(n - 1).view(1, 1, M, 1, 1)
+    keep = real.unsqueeze(-1) & (sub < nxt.unsqueeze(-1)) & (sub + width > 0) & (sub <= last_row)
+    offset, count = _compact(sub.flatten(-2), keep.flatten(-2), NS * r)
+    return dataclasses.replace(tiles, block_count=count, block_offset=offset, width=width)
+
+
 def selected_block_tiles(block_index: torch.Tensor) -> VSTiles:
     """64-row tiles of an index that is already ascending, causal, duplicate-free, -1 padded and holds
     each row's diagonal block (what `index_build.block_index` and `block_proxy` return): the same tiles

@@ -4,8 +4,10 @@ process (ratio of effective TFLOP/s over the tiles' area to SDPA's; the bench's 
     python3 scripts/loop_sweep.py --shape embedded --pattern ashape --lengths 65536,131072 --out sweep.json
 
 Patterns: ashape (sink --sink, window --window on every head, per-head tiles: `sparse_prefill`'s A-shape at
-head_dim 64, where an odd group rules out the Gluon kernel's paired heads) and block (top --topk per head).
-Grid: --warps x --stages x (split, tma) x --widths (keys per piece; A-shape only), not persistent; a combination
+head_dim 64, where an odd group rules out the Gluon kernel's paired heads), block (top --topk per head) and vs
+(Vertical-Slash (--vertical, --slash) per head from the online index, as `VerticalSlash.layer_tiles` builds them).
+Grid: --warps x --stages x --loads (single / split / tma) x --widths (keys per piece: A-shape's tiles built at that
+width, the others' 64-key pieces cut by `index_ref.narrow_pieces`), not persistent; a combination
 that does not compile is recorded. Each combination is timed synced (`time_ms`: host launch time included) and queued
 (`queued_ms`: the GPU's time while the host runs ahead), in --rounds interleaved rounds (medians recorded)."""
 from __future__ import annotations
@@ -18,12 +20,14 @@ import statistics
 
 import torch
 from workbench_benchmarks.kernels_prefill import SHAPES, dense_baseline, planted_inputs
-from workbench_kernels.index_build import block_tiles
-from workbench_kernels.index_ref import ashape_to_tiles, tile_area
+from workbench_kernels.index_build import block_tiles, vs_index, vs_tiles
+from workbench_kernels.index_ref import ashape_to_tiles, narrow_pieces, tile_area
 from workbench_kernels.prefill import sparse_prefill
 
 from workbench.core.io import write_json
 from workbench.core.timing import environment, queued_ms, time_ms
+
+LOADS = {"single": (False, False), "split": (True, False), "tma": (True, True)}  # (split, tma)
 
 
 def ints(text: str) -> list[int]:
@@ -33,14 +37,17 @@ def ints(text: str) -> list[int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="embedded")
-    p.add_argument("--pattern", default="ashape", choices=("ashape", "block"))
+    p.add_argument("--pattern", default="ashape", choices=("ashape", "block", "vs"))
     p.add_argument("--lengths", default="65536,131072")
     p.add_argument("--sink", type=int, default=128)
     p.add_argument("--window", type=int, default=4096)
     p.add_argument("--topk", type=int, default=100)
+    p.add_argument("--vertical", type=int, default=1000)
+    p.add_argument("--slash", type=int, default=6096)
+    p.add_argument("--loads", default="single,split,tma", help="K/V loads: single loop, split (pointer), split + TMA")
     p.add_argument("--warps", default="4,8")
     p.add_argument("--stages", default="2,3,4")
-    p.add_argument("--widths", default="64", help="keys per A-shape piece (64 = the row block)")
+    p.add_argument("--widths", default="64", help="keys per piece (64 = the row block)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--out", default="loop_sweep.json")
     args = p.parse_args()
@@ -58,12 +65,17 @@ def main() -> None:
             tiles_of = {w: ashape_to_tiles([args.sink] * hq, [args.window] * hq, n, 1, 64, q.device, width=w)
                         for w in ints(args.widths)}
         else:
-            tiles_of = {64: block_tiles(q, k, args.topk)}
+            if args.pattern == "block":
+                wide = block_tiles(q, k, args.topk)
+            else:
+                cols, offs = vs_index(q, k, 1 / math.sqrt(d), args.vertical, min(args.slash, n))
+                wide = vs_tiles(cols, offs, n, 64, 0, head_columns=True)
+            tiles_of = {w: narrow_pieces(wide, w, n) for w in ints(args.widths)}
         base = {"n": n, "dense_ms": dense_ms, "dense_queued_ms": dense_queued_ms, "dense_form": dense_form}
         combos = [{"num_warps": warps, "num_stages": stages, "split": split, "tma": tma, "persistent": False,
                    "warp_specialize": False, "width": width}
                   for width, warps, stages, (split, tma) in itertools.product(
-                      tiles_of, ints(args.warps), ints(args.stages), ((False, False), (True, False), (True, True)))]
+                      tiles_of, ints(args.warps), ints(args.stages), [LOADS[x] for x in args.loads.split(",")])]
         combos.append({"default": True, "width": 64})
         times: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(combos))}
         errors: dict[int, str] = {}

@@ -4,10 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 from workbench_kernels.index_ref import (
+    VSTiles,
     ashape_to_tiles,
     block_sparse_to_tiles,
     expand_groups,
     merge_tiles,
+    narrow_pieces,
     tiles_to_mask,
     vs_tile_bounds,
     vs_to_tiles,
@@ -344,6 +346,44 @@ def test_group_shared_tiles_run_gqa_packed_and_match_reference(Hq, Hkv, block, w
     sink, window = torch.tensor([3, 3, 0, 0, 70, 70, 1, 1][:Hq]), torch.tensor([10, 10, 64, 64, 30, 30, 129, 129][:Hq])
     check(ashape_prefill(q, k, v, sink, window, block=block, width=width),
           masked_attention_ref(q, k, v, ashape_mask(sink, window, n).unsqueeze(0).to(DEV)), dtype)
+
+
+@pytest.mark.parametrize("n", [1, 64, 200, 333])
+def test_narrow_pieces_compute_the_same_keys(n):
+    """Vertical-Slash (overlapping pieces), block-sparse (disjoint) and A-shape (starts below 0) tiles in pieces of
+    32 and 16 keys: each key computed at most once and the same keys as the 64-wide tiles."""
+    g = torch.Generator().manual_seed(n)
+    B, H, M = 2, 3, -(-n // 64)
+    cols, offs = torch.randint(-1, n + 5, (B, H, 9), generator=g), torch.randint(-1, n + 5, (B, H, 12), generator=g)
+    sink, window = [3, 0, 70], [10, 64, 129]
+    count = torch.zeros(1, 1, M, dtype=torch.int32)  # pieces that overlap the next: [0, 20), [20, 84), [130, 194)
+    count[..., -1] = 3 if n > 130 else 0
+    offset = torch.tensor([0, 20, 130], dtype=torch.int32).expand(1, 1, M, 3).contiguous()
+    empty = torch.zeros(1, 1, M, 1, dtype=torch.int32)
+    overlapping = VSTiles(count, offset, count * 0, empty, columns=False)
+    for tiles, band in ((vs_to_tiles(cols, offs, n), None), (overlapping, None),
+                        (block_sparse_to_tiles(torch.randint(-1, M, (B, H, M, 3), generator=g), n), None),
+                        (ashape_to_tiles(sink, window, n, B), (torch.tensor(sink), torch.tensor(window)))):
+        phys = tiles_to_mask(tiles, n, *(band or ()))
+        for width in (32, 16):
+            narrow = narrow_pieces(tiles, width, n)
+            assert narrow.piece == width and narrow.disjoint == tiles.disjoint
+            assert coverage_counts(narrow, n).max() <= 1
+            assert torch.equal(tiles_to_mask(narrow, n, *(band or ())), phys)
+    with pytest.raises(ValueError, match="width must divide"):
+        narrow_pieces(tiles, 48, n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_narrow_pieces_match_reference_at_head_dim_256(dtype):
+    """The loop over 32-key pieces of Vertical-Slash tiles (`narrow_pieces`) equals masked attention at head_dim 256."""
+    n, B, Hq, Hkv, D = 130, 1, 4, 1, 256
+    q, k, v = qkv(B, Hq, Hkv, n, D, dtype, seed=32)
+    g = torch.Generator().manual_seed(32)
+    cols, offs = torch.randint(0, n, (B, Hq, 7), generator=g), torch.randint(0, n, (B, Hq, 5), generator=g)
+    tiles = narrow_pieces(vs_to_tiles(cols, offs, n), 32, n)
+    mask = tiles_to_mask(tiles, n)
+    check(sparse_prefill(q, k, v, tiles), masked_attention_ref(q, k, v, mask.to(DEV)), dtype)
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["per_head", "group_shared"])
