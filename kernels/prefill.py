@@ -323,14 +323,15 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     the loop's speed, 1.27x / 1.31x the Gluon kernel's; block-sparse per head ran 3-7 % slower with it);
     `warp_specialize`: True runs the tiles through the warp-specialised Gluon kernel (`prefill_ws.ws_prefill`:
     TMA producer warp, two wgmma consumer warpgroups; sm_90, bf16 / fp16, head_dim 64, 128 or 256 (256:
-    `prefill_ws.HEAD_LAUNCH_D256` / `SHARED_LAUNCH_D256`, compile-checked, not yet timed), 64 x 64 tiles
-    without A-shape masks, columns only as `tiles.head_columns`; ValueError otherwise), False through the
-    Triton-language loop below; None (default): the Gluon kernel where it takes the tiles at head_dim 128, and at
-    head_dim 64 per-head tiles without columns (two 64-key items per step, `prefill_ws.HEAD_LAUNCH`; H200, 64K /
-    128K, ws_probe: block-sparse top-100 12.15 / 25.92 ms against the loop's 14.01 / 31.60, Vertical-Slash (1000,
-    6096) with head columns 57.12 / 174.95 against 65.27 / 220.57; head_dim 64 block-sparse 2.32 / 4.61 against
-    2.37 / 5.06; session 16: kernels/NOTES.md), else the loop below (which reads `tiles.column_index`, never
-    `head_columns`); `kv_major` None there: for tiles with head columns. The other knobs tune the loop below only.
+    `prefill_ws.HEAD_LAUNCH_D256` / `SHARED_LAUNCH_D256`: on the H100 1-40 % slower than the loop, but per-head VS
+    at 128K 1.13x faster), 64 x 64 tiles without A-shape masks, columns only as `tiles.head_columns`; ValueError
+    otherwise), False through the Triton-language loop below; None (default): the Gluon kernel where it takes the
+    tiles at head_dim 128, and at head_dim 64 per-head tiles without columns (two 64-key items per step,
+    `prefill_ws.HEAD_LAUNCH`; H200, 64K / 128K, ws_probe: block-sparse top-100 12.15 / 25.92 ms against the loop's
+    14.01 / 31.60, Vertical-Slash (1000, 6096) with head columns 57.12 / 174.95 against 65.27 / 220.57; head_dim 64
+    block-sparse 2.32 / 4.61 against 2.37 / 5.06; session 16: kernels/NOTES.md), else the loop below (which reads
+    `tiles.column_index`, never `head_columns`); `kv_major` None there: for tiles with head columns. The other knobs
+    tune the loop below only.
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
     """
     B, Hq, Hkv, N, D = check_prefill_args(q, k, v)

@@ -79,8 +79,9 @@ SHARED_LAUNCH = {"consumers": 2, "stages": 3, "overlap": False, "share_kv": True
 # Head_dim 256 (Gemma-3): K / V slots of 32 KB a 64-key item, so one item per step and shallow rings. Compiled for
 # sm_90 on the CPU (tests/kernels/test_prefill_ws.py): per head 2 consumers with rings of 1 slot, 197 KB of shared
 # memory (2 slots each: 328 KB, over the 227), 168 registers, no spills; two heads on one shared ring of 2 slots, 197
-# KB. Not timed on a GPU yet, so `sparse_prefill` takes them only with warp_specialize=True: the loop there holds
-# one 4-warp program per SM (225 KB; kernels/NOTES.md, session 26), these two consumer warpgroups.
+# KB. `sparse_prefill` takes them only with warp_specialize=True: on the H100 (Gemma-3 shape, 16K-128K) they ran
+# 1-40 % slower than the loop's one 4-warp program per SM (225 KB), but per-head VS at 128K 1.13x faster
+# (kernels/NOTES.md, session 27).
 HEAD_LAUNCH_D256 = {"consumers": 2, "stages": 1, "overlap": False, "pair": False}
 SHARED_LAUNCH_D256 = {"consumers": 2, "stages": 2, "overlap": False, "share_kv": True, "pair": False}
 
