@@ -30,3 +30,21 @@ def test_search_latency_uses_the_nearest_measured_shape(embedded, tmp_path, caps
     latency = HeadConfig.load(out, embedded[2]).provenance["latency"]
     assert "shape 'llama3-8b'" in latency["bench"] and "scaled by 64/128" in latency["bench"]
     assert latency["rates"] == tile_rates(BENCH, embedded[2]) and match_shape(BENCH, embedded[2])[0] == "llama3-8b"
+
+
+def test_search_latency_alone_reads_the_table_shipped_for_this_machine(embedded, tmp_path):
+    """`--latency` without a file: the table shipped for this machine's GPU (the H200's off a GPU), recorded in the
+    command by its GPU so that the command reads the same table elsewhere."""
+    from workbench.cli import main
+    from workbench.prefill.latency import bench_path, load_bench
+
+    cands, out = tmp_path / "cands.json", tmp_path / "cfg.json"
+    cands.write_text(json.dumps([{"pattern": "ashape", "params": {"sink": 64, "window": 64}}]))
+    assert main(["search", "--lengths", "128", "--tasks", "passkey", "--holdout", "", "--candidates", str(cands),
+                 "--out", str(out), "--no-progress", "--latency"]) == 0
+    provenance = HeadConfig.load(out, embedded[2]).provenance
+    table = bench_path()
+    gpu = table.stem.removeprefix("prefill_")
+    assert provenance["command"].endswith(f"--latency {gpu}") and bench_path(gpu) == table
+    assert provenance["latency"]["bench"].startswith(f"{table}: shape 'embedded'")
+    assert provenance["latency"]["rates"] == tile_rates(load_bench(table), embedded[2])

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from workbench.core.io import write_json
 from workbench.core.model import ModelShape
-from workbench.data import DATA
-from workbench.prefill.latency import BENCH, load_bench, match_shape, rate_table, tile_rates
+from workbench.data import DATA, latency_gpus, shipped_latency
+from workbench.prefill.latency import BENCH, bench_path, load_bench, match_shape, rate_table, tile_rates
 from workbench.views.dashboard.state import Session, Settings, Shared, latency_rates
 
 EMBEDDED = ModelShape(name="SmolLM2-135M-Instruct", architecture="llama", n_layers=30, n_heads=9, n_kv_heads=3,
@@ -60,6 +61,27 @@ def test_the_shipped_table_is_package_data_in_the_rate_table_form():
     assert table["source"] == "full.json" and len(table["rows"]) == len(BOTH["rows"])
     for shape in ("embedded", "llama3-8b"):
         assert tile_rates(table, shape) == tile_rates(BOTH, shape)
+
+
+def test_a_table_per_gpu_each_measured_on_the_gpu_it_is_named_for(tmp_path):
+    """Each shipped table's rows come from the GPU its name says, and cover the three measured shapes; a GPU is picked
+    by its table's name or its device name; anything else is a JSON path, or an error naming the shipped GPUs."""
+    assert {"h100", "h200"} <= set(latency_gpus())
+    for gpu in latency_gpus():
+        table = load_bench(bench_path(gpu))
+        assert gpu in table["environment"]["gpu"].lower() and table["source"].endswith(f"_{gpu}.json")
+        for shape in ("llama3-8b", "embedded", "gemma3-270m"):
+            assert set(tile_rates(table, shape)) == {"dense", "vs", "vs_group", "block", "ashape"}
+    assert shipped_latency("NVIDIA H100 80GB HBM3") == bench_path("h100") != bench_path("H200") == BENCH
+    assert shipped_latency("NVIDIA A100-SXM4-80GB") is None
+    if not torch.cuda.is_available():
+        assert bench_path(None) == BENCH  # no GPU here: the H200's
+    elif shipped_latency(torch.cuda.get_device_name()) is not None:
+        assert bench_path(None) == shipped_latency(torch.cuda.get_device_name())
+    mine = write_json(tmp_path / "mine.json", BOTH)
+    assert bench_path(str(mine)) == mine and bench_path("not-yet-run.json").name == "not-yet-run.json"
+    with pytest.raises(ValueError, match=r"'a100' is neither a JSON file nor a GPU .*\(h100, h200"):
+        bench_path("a100")
 
 
 def test_same_head_dim_wins_then_nearest_head_counts():

@@ -22,8 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "if saved there, else the config the package ships for the model, else search; the page says which)")
     add_out(p, "reports/configs", "folder that 'Save' writes head configs into")
     p.add_argument("--forecast-report", default=None, help="forecast report JSON for the Forecast tab")
-    p.add_argument("--bench", default=None, help="kernel benchmark JSON of the latency estimate "
-                   "(default: the H200 kernel times the package ships)")
+    p.add_argument("--bench", default=None, help="the latency estimate's kernel benchmark: a JSON, or the GPU of a "
+                   "table the package ships (h100, h200; default: this machine's GPU's, else the H200's)")
     p.add_argument("--show", action="store_true", help="open a browser tab")
     add_device(p)
     renamed(p, configs_dir="--out")

@@ -34,9 +34,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--last-rows", type=int, default=64, help="query rows the VS proxy samples (default 64)")
     p.add_argument("--aggregate", choices=("sum", "max", "logits"), default="sum", help="VS proxy aggregation")
     p.add_argument("--diag-norm", choices=("sum", "mean", "prior"), default="sum", help="VS proxy diagonal normalisation")
-    p.add_argument("--latency", default=None,
-                   help="`workbench bench kernels` JSON: cost = measured time per tile + index time, from the rows of "
-                        "the benchmark shape nearest this model's (default cost: physical 64x64 tiles)")
+    p.add_argument("--latency", nargs="?", const="shipped", default=None,
+                   help="cost = measured time per tile + index time, from the rows of the benchmark shape nearest this "
+                        "model's: a `workbench bench kernels` JSON, the GPU of a shipped table (h100, h200), or alone: "
+                        "the table shipped for this machine's GPU, else the H200's (default cost: physical 64x64 tiles)")
     add_out(p, None, "head config file to write", shown="reports/configs/<model>.json")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; 1 is faster on a busy shared machine)")
@@ -108,9 +109,12 @@ def run(args: argparse.Namespace) -> int:
     proxy = {"last_rows": args.last_rows, "aggregate": args.aggregate, "diag_norm": args.diag_norm}
     bench = None
     if args.latency:
-        from workbench.prefill.latency import load_bench, match_shape, tile_rates
+        from workbench.prefill.latency import bench_path, load_bench, match_shape, tile_rates
 
-        bench = load_bench(args.latency)
+        bench_file = bench_path(None if args.latency == "shipped" else args.latency)
+        if args.latency == "shipped":  # the command records the table's GPU, which reads the same table elsewhere
+            args.latency = bench_file.stem.removeprefix("prefill_")
+        bench = load_bench(bench_file)
     t0, c0 = time.perf_counter(), time.process_time()
     d = distributed.init() if args.distributed or int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     where = resolve_device_args(args)
@@ -123,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     check_lengths(lengths, shape.max_positions, shape.name)
     latency = latency_source = None
     if bench is not None:  # the benchmark shape nearest this model's, as the dashboard's estimate picks it
-        latency, latency_source = tile_rates(bench, shape), f"{args.latency}: {match_shape(bench, shape)[1]}"
+        latency, latency_source = tile_rates(bench, shape), f"{bench_file}: {match_shape(bench, shape)[1]}"
         print(f"latency cost from {latency_source}")
     if tok is None:  # random weights: random ids, one sample per task and length (time and memory only)
         samples = [random_sample(model, n, args.seed, t) for t in tasks for n in lengths]

@@ -4,8 +4,9 @@ how each was made.
     configs/<model>.json              the head config searched for a model (`shipped_config`)
     configs/head_config.schema.json   the head-config JSON Schema (`SCHEMA_FILE`)
     forecast/<model>.safetensors      trained SparDA Forecast heads for a model (`shipped_forecast_heads`)
-    latency/prefill_h200.json         the kernel times the latency estimate reads (`LATENCY_BENCH`): the
-                                      rows of the committed `workbench bench kernels` result it uses
+    latency/prefill_<gpu>.json        the kernel times the latency estimate reads, one table per GPU
+                                      (`shipped_latency`; `LATENCY_BENCH`, the H200's, by default): the rows of
+                                      a committed `workbench bench kernels` result
 
 <model> is `ModelShape.name` with characters other than letters, digits, '.', '_' and '-' replaced by
 '-' (`file_stem`). Nothing writes here: commands write under reports/ unless --out says otherwise.
@@ -17,7 +18,8 @@ from pathlib import Path
 
 DATA = Path(__file__).resolve().parent
 SCHEMA_FILE = DATA / "configs" / "head_config.schema.json"
-LATENCY_BENCH = DATA / "latency" / "prefill_h200.json"
+LATENCY = DATA / "latency"
+LATENCY_BENCH = LATENCY / "prefill_h200.json"
 
 
 def file_stem(model_name: str) -> str:
@@ -35,3 +37,15 @@ def shipped_forecast_heads(model_name: str) -> Path | None:
     """The Forecast heads shipped for `model_name`, or None when there are none."""
     path = DATA / "forecast" / f"{file_stem(model_name)}.safetensors"
     return path if path.is_file() else None
+
+
+def shipped_latency(gpu: str) -> Path | None:
+    """The kernel-time table shipped for a GPU, or None: `gpu` is a table's name ("h100") or a device name that
+    contains it ("NVIDIA H100 80GB HBM3")."""
+    name = gpu.lower()
+    return next((LATENCY / f"prefill_{g}.json" for g in latency_gpus() if g in name), None)
+
+
+def latency_gpus() -> list[str]:
+    """The GPUs a kernel-time table is shipped for ("h100", "h200", ...)."""
+    return [p.stem.removeprefix("prefill_") for p in sorted(LATENCY.glob("prefill_*.json"))]

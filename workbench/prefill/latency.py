@@ -5,8 +5,9 @@ whose rows also time `vs_group`'s kernel) into {pattern: {"per_tile_ms", "index_
 per query head (median over the measured lengths), the table
 `search.choose(latency=...)` takes; `estimate_ms` applies it to a head's 64x64 tile count. Given a model's
 shape, `match_shape` picks the measured shape to read (the model's own, else the same head_dim, else the
-nearest) and says which. The package ships the rows it reads (`BENCH`, workbench/data/latency: `rate_table` of
-the committed H200 run assets/benchmarks/kernels_e1b5f27_h200.json), so the estimate works from any folder.
+nearest) and says which. The package ships the rows it reads, one table per GPU (workbench/data/latency: `rate_table`
+of the committed runs assets/benchmarks/kernels_e1b5f27_h200.json (`BENCH`, the default) and kernels_a2f7267_h100.json),
+so the estimate works from any folder; `bench_path` picks the table of this machine's GPU where one is shipped.
 `time_model_layer` times one of the model's own captured layers under its heads from a HeadConfig, as
 the deployed prefill runs it (online index + Triton kernel on a GPU; on the CPU the PyTorch reference
 path, dense math under a mask that does not get faster with sparsity, labelled as such) against dense
@@ -23,13 +24,31 @@ import torch
 
 from workbench.core.io import read_json
 from workbench.core.timing import time_ms
-from workbench.data import LATENCY_BENCH
+from workbench.data import LATENCY_BENCH, latency_gpus, shipped_latency
 from workbench.patterns import PATTERNS, Stack, causal_tiles
 from workbench.patterns.base import NO_WINDOW
 
 BENCH = LATENCY_BENCH
 _ROW_FIELDS = ("shape", "q_heads", "kv_heads", "head_dim", "n", "kernel", "block", "route", "time_ms", "index_ms",
                "physical_density")
+
+
+def bench_path(choice: str | Path | None = None) -> Path:
+    """The kernel benchmark an estimate reads. `choice`: a `workbench bench kernels` JSON (a path ending .json, or
+    a file), the GPU of a shipped table ("h100", "h200"), or None: the table shipped for this machine's GPU where
+    there is one, else `BENCH` (the H200's)."""
+    if choice is None:
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+        return (shipped_latency(gpu) if gpu else None) or BENCH
+    path = Path(choice)
+    if path.suffix == ".json" or path.exists():
+        return path
+    shipped = shipped_latency(str(choice))
+    if shipped is None:
+        raise ValueError(f"latency benchmark {str(choice)!r} is neither a JSON file nor a GPU whose kernel table is "
+                         f"shipped ({', '.join(latency_gpus())}): give a `workbench bench kernels` JSON or one of "
+                         "those names")
+    return shipped
 
 
 def load_bench(path: str | Path = BENCH) -> dict[str, Any]:

@@ -51,7 +51,8 @@ class Settings:
     layers: tuple[int, ...] | None = None  # capture only these layers (quick looks and UI tests); None = all
     device: str | None = None  # where the model runs (None: cuda when available); views read CPU copies
     dtype: str | None = None  # model dtype (None: float32)
-    bench: str | None = None  # kernel benchmark JSON of the latency estimate (None: prefill.latency.BENCH)
+    bench: str | None = None  # the latency estimate's kernel benchmark: a JSON or a shipped table's GPU (None: the
+    # table shipped for this machine's GPU, else the H200's: `prefill.latency.bench_path`)
 
     @staticmethod
     def parse_layers(text: str | None) -> tuple[int, ...] | None:

@@ -94,11 +94,14 @@ class Estimate:
 
 
 def estimate_for(session: Session) -> tuple[Estimate | None, str]:
-    """The session's latency estimate (the settings' benchmark, default `prefill.latency.BENCH`), shared;
-    re-read when the file changes."""
-    from workbench.prefill.latency import BENCH
+    """The session's latency estimate (the settings' benchmark: a JSON or a shipped table's GPU; default the table
+    shipped for this machine's GPU, `prefill.latency.bench_path`), shared; re-read when the file changes."""
+    from workbench.prefill.latency import bench_path
 
-    path = Path(session.settings.bench or BENCH)
+    try:
+        path = bench_path(session.settings.bench)
+    except ValueError as e:
+        return None, f"no estimate: {e}"
     stamp = path.stat().st_mtime_ns if path.exists() else None
     shape = session.shape
     dims = (shape.n_heads, shape.n_kv_heads, shape.head_dim)
