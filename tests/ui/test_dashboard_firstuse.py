@@ -25,6 +25,8 @@ from conftest import (
     wait_ready,
 )
 
+from workbench.prefill.latency import bench_path, load_bench
+
 pytestmark = [pytest.mark.ui, pytest.mark.model, pytest.mark.xdist_group("dashboard")]
 
 # Panel renders into shadow roots: these helpers search through every open one.
@@ -191,7 +193,8 @@ def test_latency_tab_says_what_ran_where_and_its_chart_matches_its_legend(server
     assert "this machine" in page.locator(".wb-lat-measured").inner_text()
     assert page.locator(".wb-lat-takeaway").inner_text().strip()
     source = page.locator(".wb-lat-source").inner_text()
-    assert re.search(r"^NVIDIA H200 estimate, not this machine: .* Takeaway: .+\.$", source), source
+    gpu = load_bench(bench_path())["environment"]["gpu"]  # the table shipped for this machine's GPU, else the H200's
+    assert re.search(rf"^{re.escape(gpu)} estimate, not this machine: .* Takeaway: .+\.$", source), source
     page.locator(".wb-lat-plot .legendtext").first.wait_for()
     chart = _plot(page, ".wb-lat-plot")
     assert set(chart["legend_texts"]) <= {"dense attention", "T_index (online index)", "T_sparse (sparse attention)"}
