@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=3, help="timed forwards per point (median; one warm-up first)")
     p.add_argument("--compile-other", action="store_true",
                    help="torch.compile each layer's MLP and RMSNorms (dense and sparse alike; attention untouched)")
-    p.add_argument("--out", default="reports/benchmarks/prefill_e2e_h200.json", help="JSON output path")
+    p.add_argument("--out", default=None, help="JSON output path (default reports/benchmarks/prefill_e2e_<gpu>.json, "
+                   "<gpu> as `timing.gpu_tag` names this machine's)")
 
 
 def _model(n_layers: int):
@@ -90,8 +91,9 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise ValueError("workbench bench prefill needs a CUDA GPU (none found): run it on the GPU machine")
 
-    from workbench.core.timing import environment
+    from workbench.core.timing import environment, gpu_tag
 
+    args.out = args.out or f"reports/benchmarks/prefill_e2e_{gpu_tag()}.json"
     names = [c for c in args.configs.split(",") if c]
     for c in names:
         if c not in CONFIGS:

@@ -2,6 +2,7 @@
 import types
 
 import pytest
+import torch
 
 from workbench.core import timing
 
@@ -106,3 +107,11 @@ def test_environment_fields():
     assert env["torch"] and env["python"] and len(env["load_average_1_5_15"]) == 3
     if env["gpu"] is not None:
         assert {"driver", "gpus", "gpu_memory_gib", "sms", "cuda"} <= set(env)
+
+
+@pytest.mark.parametrize("name,tag", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                                      ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA L40S", "l40s"),
+                                      ("NVIDIA GeForce RTX 4090", "nvidia-geforce-rtx-4090"), ("", "cpu")])
+def test_gpu_tag_names_the_model_for_file_names(name, tag):
+    assert timing.gpu_tag(name) == tag
+    assert timing.gpu_tag() == (timing.gpu_tag(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else "cpu")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -177,6 +178,19 @@ def _commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
+
+
+def gpu_tag(name: str | None = None) -> str:
+    """A short name of a GPU for file names (`name`: a CUDA device name; None: this machine's first GPU): its model
+    ("NVIDIA H100 80GB HBM3" -> "h100", "NVIDIA A100-SXM4-80GB" -> "a100"), else the whole name in lower case with
+    other characters as '-'; "cpu" without a GPU."""
+    if name is None:
+        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    if not name:
+        return "cpu"
+    low = name.lower()
+    model = re.search(r"\b[a-z]+\d+[a-z]*\b", low)  # letters then digits: h100, a100, l40s, t4
+    return model.group() if model else re.sub(r"[^a-z0-9]+", "-", low).strip("-")
 
 
 def environment(command: str | None = None) -> dict[str, Any]:
