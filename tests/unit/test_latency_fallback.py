@@ -9,6 +9,7 @@ import torch
 
 from workbench.core.io import write_json
 from workbench.core.model import ModelShape
+from workbench.core.timing import gpu_tag
 from workbench.data import DATA, latency_gpus, shipped_latency
 from workbench.prefill.latency import BENCH, bench_path, load_bench, match_shape, rate_table, tile_rates
 from workbench.views.dashboard.state import Session, Settings, Shared, latency_rates
@@ -64,20 +65,19 @@ def test_the_shipped_table_is_package_data_in_the_rate_table_form():
 
 
 def test_a_table_per_gpu_each_measured_on_the_gpu_it_is_named_for(tmp_path):
-    """Each shipped table's rows come from the GPU its name says, and cover the three measured shapes; a GPU is picked
-    by its table's name or its device name; anything else is a JSON path, or an error naming the shipped GPUs."""
+    """Each shipped table's rows come from the GPU its name says, and cover the three measured shapes; this machine's
+    GPU picks its own by `gpu_tag`; anything else is a JSON path, or an error naming the shipped GPUs."""
     assert {"h100", "h200"} <= set(latency_gpus())
     for gpu in latency_gpus():
         table = load_bench(bench_path(gpu))
-        assert gpu in table["environment"]["gpu"].lower() and table["source"].endswith(f"_{gpu}.json")
+        assert gpu_tag(table["environment"]["gpu"]) == gpu and table["source"].endswith(f"_{gpu}.json")
         for shape in ("llama3-8b", "embedded", "gemma3-270m"):
             assert set(tile_rates(table, shape)) == {"dense", "vs", "vs_group", "block", "ashape"}
-    assert shipped_latency("NVIDIA H100 80GB HBM3") == bench_path("h100") != bench_path("H200") == BENCH
-    assert shipped_latency("NVIDIA A100-SXM4-80GB") is None
+    assert shipped_latency(gpu_tag("NVIDIA H100 80GB HBM3")) == bench_path("h100") != bench_path("H200") == BENCH
+    assert shipped_latency(gpu_tag("NVIDIA A100-SXM4-80GB")) is None
+    assert bench_path(None) == (shipped_latency(gpu_tag()) or BENCH)  # no GPU, or none with a table: the H200's
     if not torch.cuda.is_available():
-        assert bench_path(None) == BENCH  # no GPU here: the H200's
-    elif shipped_latency(torch.cuda.get_device_name()) is not None:
-        assert bench_path(None) == shipped_latency(torch.cuda.get_device_name())
+        assert bench_path(None) == BENCH
     mine = write_json(tmp_path / "mine.json", BOTH)
     assert bench_path(str(mine)) == mine and bench_path("not-yet-run.json").name == "not-yet-run.json"
     with pytest.raises(ValueError, match=r"'a100' is neither a JSON file nor a GPU .*\(h100, h200"):

@@ -40,10 +40,9 @@ def shipped_forecast_heads(model_name: str) -> Path | None:
 
 
 def shipped_latency(gpu: str) -> Path | None:
-    """The kernel-time table shipped for a GPU, or None: `gpu` is a table's name ("h100") or a device name that
-    contains it ("NVIDIA H100 80GB HBM3")."""
-    name = gpu.lower()
-    return next((LATENCY / f"prefill_{g}.json" for g in latency_gpus() if g in name), None)
+    """The kernel-time table shipped for a GPU named as `core.timing.gpu_tag` names it ("h100"), or None."""
+    path = LATENCY / f"prefill_{gpu.lower()}.json"
+    return path if path.is_file() else None
 
 
 def latency_gpus() -> list[str]:

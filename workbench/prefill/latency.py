@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from workbench.core.io import read_json
-from workbench.core.timing import time_ms
+from workbench.core.timing import gpu_tag, time_ms
 from workbench.data import LATENCY_BENCH, latency_gpus, shipped_latency
 from workbench.patterns import PATTERNS, Stack, causal_tiles
 from workbench.patterns.base import NO_WINDOW
@@ -38,8 +38,7 @@ def bench_path(choice: str | Path | None = None) -> Path:
     a file), the GPU of a shipped table ("h100", "h200"), or None: the table shipped for this machine's GPU where
     there is one, else `BENCH` (the H200's)."""
     if choice is None:
-        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-        return (shipped_latency(gpu) if gpu else None) or BENCH
+        return shipped_latency(gpu_tag()) or BENCH
     path = Path(choice)
     if path.suffix == ".json" or path.exists():
         return path
