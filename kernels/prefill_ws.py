@@ -678,7 +678,8 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
     q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` (bf16 / fp16, D = 64, 128 or 256; copied if not contiguous); query head
     h reads KV head h // (Hq // Hkv). `tiles`: per query head (`[B, Hq, M]`, M = ceil(N / 64)) or, with share_kv,
     per KV head (`[B, Hkv, M]`, group-shared), block 64, 64-key pieces that never overlap (`tiles.disjoint`:
-    `block_sparse_to_tiles`, `vs_tiles`), vertical columns only as columns per head (`tiles.head_columns`:
+    `block_sparse_to_tiles`, `vs_tiles`; or their 32-key cut, `index_ref.narrow_pieces`: at head_dim 256 rings of 2
+    slots then fit per head, not yet timed), vertical columns only as columns per head (`tiles.head_columns`:
     `vs_tiles(head_columns=True)`, merged layers too; each head's are packed here, `pack_columns`, and walked as
     strips before its pieces; `ws_vertical_slash` takes MInference's index itself).
     `stages`: K/V ring depth per ring (`v_stages`: the V ring's, <= stages; None = stages); `consumers`: 64-row
@@ -699,9 +700,10 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
     if sink is not None or window is not None:
         raise ValueError("sink / window (A-shape token masks) are not taken by ws_prefill; use "
                          "ws_ashape(q, k, v, sink, window) or sparse_prefill")
-    if tiles.block != ROWS or tiles.piece != KEYS:
-        raise ValueError(f"tiles.block and tiles.width must give 64-row tiles of 64-key pieces for ws_prefill, got "
-                         f"block {tiles.block}, piece {tiles.piece}; build them with block=64, width=0")
+    if tiles.block != ROWS or tiles.piece not in (KEYS, KEYS // 2):
+        raise ValueError(f"tiles.block and tiles.width must give 64-row tiles of 64-key (or 32-key) pieces for "
+                         f"ws_prefill, got block {tiles.block}, piece {tiles.piece}; build them with block=64, width=0 "
+                         "(32 keys: index_ref.narrow_pieces)")
     M = -(-N // ROWS)
     grouped = tiles.shape[1] == Hkv != Hq
     if grouped and not (share_kv and Hq // Hkv % 2 == 0):
@@ -733,7 +735,7 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
         if tiles.covered is None or tuple(tiles.covered.shape) != (B, Hq, N + ROWS - 1):
             raise ValueError(f"tiles.covered must be Int8 [B, H, N + 63] = [{B}, {Hq}, {N + ROWS - 1}] beside "
                              f"tiles.head_columns; build both with vs_tiles(..., head_columns=True)")
-        packed = (*pack_columns(k, v, tiles.head_columns, Hq), tiles.covered)
+        packed = (*pack_columns(k, v, tiles.head_columns, Hq, tiles.piece), tiles.covered)
     return _launch(q, k, v, tiles, scale, (stages, v_stages or stages), consumers, overlap, share_kv, packed,
                    kv_major=kv_major, pair=pair)
 

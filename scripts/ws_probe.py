@@ -10,10 +10,12 @@ recorded, the rest go on; a variant that fails or hangs its check is left out of
           vs SDPA(is_causal=True); TFLOP/s over the causal pairs, ratio to SDPA's
   sparse  block-sparse top-k (`index_build.block_index` on the bench's planted inputs, 64-row tiles) at each of
           --lengths: ws vs sparse_prefill, efficiency = physical density x SDPA ms / ms (as the bench)
-Variants: cCsS[vV][o][k][g][p][w128] = C consumer warpgroups (1 or 2), S ring stages (vV: V stages, <= S; else S),
+Variants: cCsS[vV][o][k][g][p][w128|w32] = C consumer warpgroups (1 or 2), S ring stages (vV: V stages, <= S; else S),
 o = intra-warpgroup overlap, p = two 64-key items per step (`pair`), k = the
 two consumers share one K/V ring (query heads 2j, 2j + 1), w128 = 128 keys per step (`ws_ashape(width=128)`: the
-dense and ashape steps only), g = items by KV head first (`kv_major`; the sparse step
+dense and ashape steps only), w32 = 32 keys per item (the block tiles cut by `index_ref.narrow_pieces`: the check,
+dense and sparse steps; at head_dim 256 `c2s2w32` holds rings of 2 slots per head), g = items by KV head first
+(`kv_major`; the sparse step
 also times the persistent loop with it, "sparse_prefill/kv_major", the vs step the loop's default, KV head first,
 beside "sparse_prefill/longest_first"): checked on per-KV-head selections, timed on dense causal
 and on group-shared top-k (`block_index(group_shared=True)`, expanded per head) against sparse_prefill's
@@ -118,9 +120,9 @@ def planted(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
 
 
 def check(variant: str) -> dict:
-    """Block tiles through ws_prefill; a w128 variant: dense causal through ws_ashape (its check_ashape covers the
-    band)."""
-    from workbench_kernels.index_ref import block_sparse_to_tiles, tiles_to_mask
+    """Block tiles through ws_prefill (at --shape's head_dim; w32: in 32-key pieces); a w128 variant: dense causal
+    through ws_ashape (its check_ashape covers the band)."""
+    from workbench_kernels.index_ref import block_sparse_to_tiles, narrow_pieces, tiles_to_mask
     from workbench_kernels.prefill_ws import ws_ashape, ws_prefill
     from workbench_kernels.tiling import NO_WINDOW
 
@@ -131,7 +133,8 @@ def check(variant: str) -> dict:
     kw = parse_variant(variant.removeprefix("first:"))
     width = kw.pop("width")
     H = Hkv if kw["share_kv"] else Hq  # shared K/V: one selection per KV head, expanded to its query heads
-    for d in (128, 64) if variant.startswith("first:") else (128,):
+    d0 = shape()[2]
+    for d in (d0, 64) if variant.startswith("first:") else (d0,):
         q, k, v = (torch.randn(B, h, n, d, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
         if width == 128:
             causal = torch.ones(n, n, dtype=torch.bool, device="cuda").tril().expand(1, Hq, n, n)
@@ -140,14 +143,14 @@ def check(variant: str) -> dict:
             continue
         for keep in (1.0, 0.3):
             idx = torch.where(torch.rand(B, H, M, M, generator=g) < keep, torch.arange(M), -1).to(torch.int32)
-            tiles = block_sparse_to_tiles(idx.repeat_interleave(Hq // H, 1), n).to("cuda")
+            tiles = narrow_pieces(block_sparse_to_tiles(idx.repeat_interleave(Hq // H, 1), n), width, n).to("cuda")
             out[f"d{d}/keep{keep}"] = against_reference(lambda: ws_prefill(q, k, v, tiles, **kw), q, k, v,
                                                         tiles_to_mask(tiles, n))
     return out
 
 
 def dense(variants: list[str], n: int) -> dict:
-    from workbench_kernels.index_ref import selected_block_tiles
+    from workbench_kernels.index_ref import narrow_pieces, selected_block_tiles
     from workbench_kernels.prefill import sparse_prefill
     from workbench_kernels.prefill_ws import ws_ashape, ws_prefill
     from workbench_kernels.tiling import NO_WINDOW
@@ -167,9 +170,9 @@ def dense(variants: list[str], n: int) -> dict:
     out = {"n": n, "shape": [hq, hkv, d], "agreement_max_abs": {}}
     for name in variants:
         kw = parse_variant(name)
-        if kw["width"] == 64:
-            kw.pop("width")
-            call = lambda: ws_prefill(q, k, v, tiles, **kw)  # noqa: E731
+        if kw["width"] in (32, 64):
+            cut = narrow_pieces(tiles, kw.pop("width"), n)
+            call = lambda: ws_prefill(q, k, v, cut, **kw)  # noqa: E731
         else:  # 128 keys per step: dense causal as an A-shape without sinks or band
             call = lambda: ws_ashape(q, k, v, [0] * hq, [NO_WINDOW] * hq, **kw)  # noqa: E731
         out["agreement_max_abs"][name] = (call()[0].float() - ref.float()).abs().max().item()
@@ -180,7 +183,7 @@ def dense(variants: list[str], n: int) -> dict:
 
 def sparse(variants: list[str], lengths: list[int], topk: int) -> dict:
     from workbench_kernels.index_build import block_index
-    from workbench_kernels.index_ref import expand_groups, selected_block_tiles, tile_area
+    from workbench_kernels.index_ref import expand_groups, narrow_pieces, selected_block_tiles, tile_area
     from workbench_kernels.prefill import sparse_prefill
     from workbench_kernels.prefill_ws import ws_prefill
 
@@ -190,7 +193,7 @@ def sparse(variants: list[str], lengths: list[int], topk: int) -> dict:
         q, k, v, sdpa = planted(n)
         for selection in ("per_head", "group_shared"):
             names = [x for x in variants if parse_variant(x)["share_kv"] == (selection == "group_shared")
-                     and parse_variant(x)["width"] == 64]  # (128-key steps: the dense and ashape steps only)
+                     and parse_variant(x)["width"] in (32, 64)]  # (128-key steps: the dense and ashape steps only)
             if not names:
                 continue
             tiles = selected_block_tiles(block_index(q, k, topk, group_shared=selection == "group_shared"))
@@ -204,10 +207,10 @@ def sparse(variants: list[str], lengths: list[int], topk: int) -> dict:
             agree, calls = {}, {}
             for name in names:
                 kw = parse_variant(name)
-                kw.pop("width")  # (64: ws_prefill's pieces)
-                o, _ = ws_prefill(q, k, v, per_head, **kw)
+                cut = narrow_pieces(per_head, kw.pop("width"), n)  # (32 or 64 keys per item)
+                o, _ = ws_prefill(q, k, v, cut, **kw)
                 agree[name] = (o.float() - ref.float()).abs().max().item()
-                calls[f"ws/{name}"] = lambda kw=kw: ws_prefill(q, k, v, per_head, **kw)
+                calls[f"ws/{name}"] = lambda kw=kw, cut=cut: ws_prefill(q, k, v, cut, **kw)
                 rows[f"ws/{name}"] = timed(calls[f"ws/{name}"])
             out[f"{selection}/{n}"] = {
                 "physical_density": density, "sdpa_ms": sdpa, "agreement_max_abs": agree,

@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 from test_kernels_compile import SMEM_SM90, compile_env
-from workbench_kernels.index_ref import block_sparse_to_tiles, tiles_to_mask, vs_to_tiles
+from workbench_kernels.index_ref import block_sparse_to_tiles, narrow_pieces, tiles_to_mask, vs_to_tiles
 from workbench_kernels.prefill_ref import masked_attention_ref
 
 CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block / vs / ashape[, keys per item[,
@@ -67,6 +67,7 @@ CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block
     "head_dim_256": (2, 1, False, 256, False, "block"),  # HEAD_LAUNCH_D256
     "head_dim_256_shared_kv": (2, 2, False, 256, True, "block"),  # SHARED_LAUNCH_D256
     "vs_head_dim_256": (2, 1, False, 256, False, "vs"),  # HEAD_LAUNCH_D256 on head columns
+    "head_dim_256_keys32": (2, 2, False, 256, False, "block", 32),  # 32-key items, rings of 2 slots (197 KB)
 }
 # defaults: 64 keys per item, as many V stages as K stages, one item per step
 CASES = {case: (*args, *(64, None, False)[len(args) - 6:]) for case, args in CASES.items()}
@@ -205,11 +206,11 @@ def test_ws_prefill_matches_masked_attention_bf16(case, keep):
     lse against fp32 attention under the tiles' mask."""
     from workbench_kernels.prefill_ws import ws_prefill
 
-    consumers, stages, overlap, d, share, _, _, v_stages, pair = CASES[case]
+    consumers, stages, overlap, d, share, _, keys, v_stages, pair = CASES[case]
     B, Hq, Hkv, n = 2, 8, 2, 1000
     q, k, v = qkv(B, Hq, Hkv, n, d, seed=int(keep * 10))
     index = block_index(B, Hkv if share else Hq, n, keep, seed=1)  # share_kv: one selection per KV head
-    tiles = block_sparse_to_tiles(index.repeat_interleave(Hq // index.shape[1], 1), n).to("cuda")
+    tiles = narrow_pieces(block_sparse_to_tiles(index.repeat_interleave(Hq // index.shape[1], 1), n), keys, n).to("cuda")
     o, lse = ws_prefill(q, k, v, tiles, stages=stages, consumers=consumers, overlap=overlap, share_kv=share,
                         v_stages=v_stages, pair=pair)
     ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(tiles, n))
