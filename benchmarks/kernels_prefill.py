@@ -82,14 +82,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-limit", type=float, default=480.0, help="seconds; later FlexAttention runs are skipped")
     p.add_argument("--device", default="cuda", help="cuda (benchmark) or cpu (a dry run of the code path under "
                    "TRITON_INTERPRET=1 at tiny lengths; timings meaningless)")
-    p.add_argument("--out", default=None, help="JSON output path (default reports/benchmarks/prefill_<gpu>.json, "
-                   "<gpu> as `timing.gpu_tag` names this machine's: h100, h200, ...)")
+    p.add_argument("--out", default="reports/benchmarks/prefill_<gpu>.json",
+                   help="JSON output path; <gpu>: this machine's GPU as `timing.gpu_tag` names it (h100, h200, ...; cpu)")
     p.add_argument("--minference", default=None, metavar="PATH",
                    help="a MInference source checkout: run only the side-by-side comparison with its own kernels "
                         "on the same indices (first shape of --shapes, each of --lengths)")
-    p.add_argument("--minference-out", default=None,
-                   help="JSON output path of the --minference comparison (default "
-                        "reports/benchmarks/prefill_minference_<gpu>.json)")
+    p.add_argument("--minference-out", default="reports/benchmarks/prefill_minference_<gpu>.json",
+                   help="JSON output path of the --minference comparison (<gpu> as in --out)")
     p.add_argument("--variants", default="default,loop,ws",
                    help=f"--minference: our kernel variants timed side by side on the same tiles, on every shape, some "
                         f"of {list(VARIANTS)} (default: the library's choice; loop: the Triton-language loop at its "
@@ -251,8 +250,7 @@ def run(args: argparse.Namespace) -> int:
     if dev == "cuda" and not torch.cuda.is_available():
         raise ValueError("workbench bench kernels needs a CUDA GPU (none found); run it on the GPU machine, "
                          "or use --device cpu with TRITON_INTERPRET=1 for a dry run")
-    args.out = args.out or f"reports/benchmarks/prefill_{gpu_tag()}.json"
-    args.minference_out = args.minference_out or f"reports/benchmarks/prefill_minference_{gpu_tag()}.json"
+    args.out, args.minference_out = (x.replace("<gpu>", gpu_tag()) for x in (args.out, args.minference_out))
     if args.minference:
         return compare_minference(args)
     shapes = [s for s in args.shapes.split(",") if s]

@@ -42,8 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=3, help="timed forwards per point (median; one warm-up first)")
     p.add_argument("--compile-other", action="store_true",
                    help="torch.compile each layer's MLP and RMSNorms (dense and sparse alike; attention untouched)")
-    p.add_argument("--out", default=None, help="JSON output path (default reports/benchmarks/prefill_e2e_<gpu>.json, "
-                   "<gpu> as `timing.gpu_tag` names this machine's)")
+    p.add_argument("--out", default="reports/benchmarks/prefill_e2e_<gpu>.json",
+                   help="JSON output path; <gpu>: this machine's GPU as `timing.gpu_tag` names it (h100, h200, ...)")
 
 
 def _model(n_layers: int):
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
     from workbench.core.timing import environment, gpu_tag
 
-    args.out = args.out or f"reports/benchmarks/prefill_e2e_{gpu_tag()}.json"
+    args.out = args.out.replace("<gpu>", gpu_tag())
     names = [c for c in args.configs.split(",") if c]
     for c in names:
         if c not in CONFIGS:
