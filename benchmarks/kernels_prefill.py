@@ -404,8 +404,8 @@ def run(args: argparse.Namespace) -> int:
             family = "vertical_slash" if pattern.startswith("vertical_slash") else "block_sparse"
             cfg = tuned.get((pattern, blk), tuned.get((family, blk), {}))
             rb, pw = shape_of[blk]
-            gluon = pattern == "a_shape" and not cfg and rb == 64 and pw in (0, 64) and ashape_takes_gluon(
-                q, k, *(torch.tensor(x, dtype=torch.int32) for x in (sink, window)))
+            gluon = pattern == "a_shape" and not cfg and ashape_takes_gluon(
+                q, k, *(torch.tensor(x, dtype=torch.int32) for x in (sink, window)), rb, pw)
             if gluon:  # `AShape.layer_attention`'s route (elsewhere a model runs the cached tiles, as below)
                 route = "ashape_prefill"
                 fn = lambda: ashape_prefill(q, k, v, sink, window, scale=scale, block=rb, width=pw)  # noqa: E731

@@ -507,10 +507,9 @@ def ashape_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torc
     hq, hkv = q.shape[1], k.shape[1]
     sink_t = torch.as_tensor(sink).reshape(-1).cpu()
     window_t = torch.as_tensor(window).reshape(-1).cpu()
-    if block == 64 and width in (0, 64):
-        out = ashape_gluon(q, k, v, sink_t, window_t, scale)
-        if out is not None:
-            return out
+    out = ashape_gluon(q, k, v, sink_t, window_t, scale, block, width)
+    if out is not None:
+        return out
     shared = sink_t.numel() == hq and hq % hkv == 0 and bool(
         (sink_t.view(hkv, -1) == sink_t.view(hkv, -1)[:, :1]).all()
         & (window_t.view(hkv, -1) == window_t.view(hkv, -1)[:, :1]).all())
@@ -520,20 +519,22 @@ def ashape_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torc
 
 
 def ashape_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor, window: torch.Tensor,
-                 scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`ashape_prefill`'s Gluon route: (o, lse) where the Gluon kernel takes this A-shape (sm_90, head_dim 128, heads
-    2j and 2j + 1 alike: `prefill_ws.ws_ashape_takes`; sink / window CPU Int `[Hq]`, so no host sync), else None."""
-    if not ashape_takes_gluon(q, k, sink, window):
+                 scale: float | None = None, block: int = 64, width: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`ashape_prefill`'s Gluon route: (o, lse) where the Gluon kernel takes this A-shape (`ashape_takes_gluon`;
+    sink / window CPU Int `[Hq]`, so no host sync), else None."""
+    if not ashape_takes_gluon(q, k, sink, window, block, width):
         return None
     from .prefill_ws import ASHAPE_LAUNCH, ws_ashape  # lazy, as in sparse_prefill
 
     return ws_ashape(q, k, v, sink, window, scale, **ASHAPE_LAUNCH)
 
 
-def ashape_takes_gluon(q: torch.Tensor, k: torch.Tensor, sink: torch.Tensor, window: torch.Tensor) -> bool:
-    """Whether `ashape_gluon` runs this A-shape (head_dim 128 and `prefill_ws.ws_ashape_takes`; sink / window CPU
-    Int `[Hq]`)."""
-    if q.shape[-1] != 128:
+def ashape_takes_gluon(q: torch.Tensor, k: torch.Tensor, sink: torch.Tensor, window: torch.Tensor, block: int = 64,
+                       width: int = 0) -> bool:
+    """Whether `ashape_gluon` runs this A-shape asked for in tiles of `block` rows x `width` keys: 64-row tiles (width
+    0 or 64), head_dim 128 and `prefill_ws.ws_ashape_takes` (sm_90, heads 2j and 2j + 1 alike; sink / window CPU Int
+    `[Hq]`)."""
+    if q.shape[-1] != 128 or block != 64 or width not in (0, 64):
         return False
     from .prefill_ws import ws_ashape_takes  # lazy, as in sparse_prefill
 
