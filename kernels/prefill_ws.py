@@ -544,13 +544,17 @@ def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCo
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def launch_config(consumers: int) -> dict[str, int]:
+def launch_config(consumers: int, head_dim: int = 128) -> dict[str, int]:
     """maxnreg (registers per thread the kernel is compiled for) and the worker consumer's registers.
     Warps are allocated by warpgroup: 2 consumers + producer = 3 warpgroups (384 threads): 168 x 384 fits
     the 64K registers of an SM (one program per SM, 128-224 KB of shared memory); the producer's warpgroup
     runs at 24 and each consumer at 240. One consumer + producer = 2 warpgroups: maxnreg 128 lets two
-    programs share an SM (80-112 KB each), the consumer gets 232."""
-    return {"maxnreg": 168, "consumer_regs": 240} if consumers == 2 else {"maxnreg": 128, "consumer_regs": 232}
+    programs share an SM (80-112 KB each), the consumer gets 232; at head_dim 256 ptxas needs 158 before the
+    registers move (its 64 x 256 accumulator), and a ring of 2 slots takes 131-197 KB, one program per SM: 168 and
+    240 as for two consumers."""
+    if consumers == 2 or head_dim == 256:
+        return {"maxnreg": 168, "consumer_regs": 240}
+    return {"maxnreg": 128, "consumer_regs": 232}
 
 
 def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stages: int, consumers: int,
@@ -658,7 +662,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
         order = work_order(strip_tiles, 1, Hq // Hkv if kv_major else 0)
         n_work = B * Hq * M
         grid = triton.cdiv(n_work, consumers)
-    cfg = launch_config(consumers)
+    cfg = launch_config(consumers, D)
     _ws_prefill_kernel[(grid,)](
         q_desc, k_desc, v_desc, kc_desc, vc_desc, o, lse, bc, bo, col_count, cols, covered, sink, window, order,
         n_work, scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1], cols.shape[-1], covered.shape[-1],

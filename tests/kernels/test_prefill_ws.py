@@ -68,6 +68,11 @@ CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block
     "head_dim_256_shared_kv": (2, 2, False, 256, True, "block"),  # SHARED_LAUNCH_D256
     "vs_head_dim_256": (2, 1, False, 256, False, "vs"),  # HEAD_LAUNCH_D256 on head columns
     "head_dim_256_keys32": (2, 2, False, 256, False, "block", 32),  # 32-key items, rings of 2 slots (197 KB)
+    # one consumer with FA3's intra-warpgroup overlap at head_dim 256 (`launch_config`: 168 / 240 registers): the
+    # softmax beside the next piece's Q K^T, rings of 2 slots (164 KB) or K 3 / V 2 (197 KB)
+    "head_dim_256_one_consumer": (1, 2, True, 256, False, "block"),
+    "head_dim_256_one_consumer_k3_v2": (1, 3, True, 256, False, "block", 64, 2),
+    "vs_head_dim_256_one_consumer": (1, 2, True, 256, False, "vs"),
 }
 # defaults: 64 keys per item, as many V stages as K stages, one item per step
 CASES = {case: (*args, *(64, None, False)[len(args) - 6:]) for case, args in CASES.items()}
@@ -93,7 +98,7 @@ def compile_ws(consumers: int, stages: int, overlap: bool, d: int, share: bool, 
                 "Cols": "*i32", "Covered": "*i8", "Sink": "*i32", "Window": "*i32", "Order": "*i32"}
     types = {"q_desc": desc(64), "k_desc": desc(keys), "v_desc": desc(keys), "kc_desc": desc(keys), "vc_desc": desc(keys),
              "qk_scale": "fp32", **pointers}
-    cfg = prefill_ws.launch_config(consumers)
+    cfg = prefill_ws.launch_config(consumers, d)
     constants = dict(CONSUMERS=consumers, STAGES=stages, V_STAGES=v_stages or stages, OVERLAP=overlap, SHARE=share,
                      VS=pattern == "vs", ASHAPE=pattern == "ashape", PAIR=pair, CONSUMER_REGS=cfg["consumer_regs"])
     signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in fn.arg_names}
