@@ -238,7 +238,7 @@ def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount
                            D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr,
                            ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr, LONGEST_FIRST: tl.constexpr,
                            SPLIT: tl.constexpr, CUT: tl.constexpr, TMA: tl.constexpr,
-                           PERSISTENT: tl.constexpr, LAZY: tl.constexpr = False):
+                           PERSISTENT: tl.constexpr, LAZY: tl.constexpr):
     # Work items (bh, mid), bh = b * HT + tile head, mid = m * SUB + sub-block. PERSISTENT: a fixed grid
     # of programs, each taking items n_work apart from `Order` (most pieces first); else one program
     # per item, late row blocks (the most keys) first when LONGEST_FIRST.
