@@ -321,39 +321,34 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
                    lazy_rescale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over the keys of `tiles` (M = ceil(N / tiles.block)).
 
-    q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]` (last dim contiguous; fp16/bf16/fp32; D a power of two,
-    16..256). `tiles` are per query head (H = Hq) or group-shared (H = Hkv: the G = Hq / Hkv query
-    heads of a KV head attend to the same keys, as InfLLM-V2 selects them); group-shared tiles run
-    GQA-packed, `pack_rows` rows per program (`pack_rows / G` of each head; default 128: packed A-shape
-    at head_dim 256 ran at 0.74 of dense with 128 rows, 0.61 with 64), so each K/V tile loads once for all
-    G heads; per head (`expand_groups`) where G does not pack or the packed query tile passes `PACKED_Q_BYTES`
-    (fp32 at head_dim 256). Optional per-head A-shape token mask: `sink`,
-    `window` Int `[Hq]` (tokens; use `NO_WINDOW` / 0 for heads without). `split`: walk the pieces of a
-    tile as masked prefix, unmasked interior, masked suffix (an interior with no per-piece branch when
-    `tiles.disjoint`); False: one loop that masks the pieces it finds on an edge. `tma` (with `split`,
-    on Hopper or newer): K/V tiles, and a per-head program's Q and O rows, through tensor descriptors
-    (TMA). None: the fastest on the H200 for this program shape (`loop_variant`). `persistent`: one
-    program per SM slot looping over the row blocks in `work_order` (None: `loop_variant`'s choice, and always past
-    `GRID_Y` row-block programs per head, i.e. past 4M tokens with 64-row blocks), with
-    `kv_major` every row block of one KV head's heads before the next KV head's (None: for Vertical-Slash column
-    lists, whose near-dense tiles stream a KV head's whole K/V: H200, VS(1000, 6096), 64K / 128K, 1.07x / 1.12x
-    the loop's speed, 1.27x / 1.31x the Gluon kernel's; block-sparse per head ran 3-7 % slower with it);
-    `warp_specialize`: True runs the tiles through the warp-specialised Gluon kernel (`prefill_ws.ws_prefill`:
-    TMA producer warp, two wgmma consumer warpgroups; sm_90, bf16 / fp16, head_dim 64, 128 or 256 (256:
-    `prefill_ws.HEAD_LAUNCH_D256` / `SHARED_LAUNCH_D256`: on the H100 1-40 % slower than the loop, but per-head VS
-    at 128K 1.13x faster), 64 x 64 tiles without A-shape masks, columns only as `tiles.head_columns`; ValueError
-    otherwise), False through the Triton-language loop below; None (default): the Gluon kernel where it takes the
-    tiles at head_dim 128, and at head_dim 64 per-head tiles without columns (two 64-key items per step,
-    `prefill_ws.HEAD_LAUNCH`; H200, 64K / 128K, ws_probe: block-sparse top-100 12.15 / 25.92 ms against the loop's
-    14.01 / 31.60, Vertical-Slash (1000, 6096) with head columns 57.12 / 174.95 against 65.27 / 220.57; head_dim 64
-    block-sparse 2.32 / 4.61 against 2.37 / 5.06; session 16: kernels/NOTES.md), else the loop below (which reads
-    `tiles.column_index`, never `head_columns`); `kv_major` None there: for tiles with head columns. The other knobs
-    tune the loop below only. `lazy_rescale`: the loop's pieces rescale a program's accumulator only in steps where
-    some row's maximum grows by more than 2^`LAZY_GROWTH` (`_online_update`; one block-wide max and a branch per
-    step instead of rows x head_dim multiplies: 128 a thread at head_dim 256, a quarter of the step's ALU work in the
-    sm_90 SASS; the column strips keep the eager update, which Triton 3.6 compiles without spilling at head_dim
-    256; it runs the loop where `warp_specialize` is None); off until timed (kernels/NOTES.md, session 28).
-    Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
+    q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]`: last dim contiguous, fp16 / bf16 / fp32, D a power of two in 16..256;
+    query head h reads KV head h // (Hq / Hkv). Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`,
+    natural log). The measurements behind each default are in kernels/NOTES.md.
+
+    - `tiles`: per query head (`[B, Hq, M]`) or group-shared (`[B, Hkv, M]`: the G = Hq / Hkv heads of a KV head
+      attend to the same keys, as InfLLM-V2 selects them). Group-shared tiles run GQA-packed, `pack_rows` rows a
+      program (`pack_rows / G` of each head; default 128), so each K/V tile loads once for the G heads; per head
+      (`expand_groups`) where G does not pack or the query tile would pass `PACKED_Q_BYTES` (fp32 at head_dim 256).
+    - `sink`, `window`: optional per-head A-shape token mask, Int `[Hq]` in tokens (`NO_WINDOW` / 0: none).
+    - `warp_specialize`: True runs the warp-specialised Gluon kernel (`prefill_ws.ws_prefill`: sm_90, bf16 / fp16,
+      head_dim 64 / 128 / 256, 64 x 64 tiles without A-shape masks, columns only as `tiles.head_columns`;
+      ValueError otherwise); False the Triton-language loop; None (default) the Gluon kernel where `takes_gluon`
+      says it takes the tiles (head_dim 128; head_dim 64 per-head tiles without columns), else the loop. The loop
+      reads `tiles.column_index`, never `head_columns`. The knobs below tune the loop only.
+    - `split`: walk a tile's pieces as a masked prefix, an unmasked interior and a masked suffix; False: one loop
+      that masks the pieces on an edge. `tma` (with `split`, Hopper or newer): K/V tiles, and a per-head program's
+      Q and O rows, through tensor descriptors. None for either: `loop_variant`'s choice for this program shape.
+    - `persistent`: one program per SM slot looping over the row blocks in `work_order` (None: `loop_variant`'s
+      choice, and always past `GRID_Y` row-block programs per head, i.e. past 4M tokens at 64-row blocks);
+      `kv_major`: every row block of one KV head's heads before the next KV head's (None: for Vertical-Slash column
+      lists, whose near-dense tiles stream a KV head's whole K/V; on the Gluon route, for tiles with head columns).
+    - `scale`: the softmax scale (None: D ** -0.5). `longest_first`: one program per row block, late row blocks
+      (the most keys) launched first.
+    - `num_warps`, `num_stages`: None for `default_config`'s (stages stepped down where shared memory runs out).
+    - `lazy_rescale`: the loop's pieces rescale l and the accumulator only in steps where some row's maximum grows
+      by more than 2^`LAZY_GROWTH` (`_online_update`): at head_dim 256 that skips 128 of a step's ~450 issued
+      instructions a thread. Where `warp_specialize` is None it runs the loop; with True it is refused. Off until
+      timed (NOTES, session 28).
     """
     B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
     if (sink is None) != (window is None):
