@@ -51,17 +51,18 @@ def _online_update(qk, qk_scale, v, m_i, l_i, acc, LAZY: tl.constexpr):
             l_i = l_i * alpha
             acc = acc * alpha[:, None]
             m_i = m_new
-        p = tl.math.exp2(qk * qk_scale - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-        l_i = l_i + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        return m_i, l_i, acc
-    m_new = tl.maximum(m_i, m_tile)
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet stays at zero
-    alpha = tl.math.exp2(m_i - m_use)
+        m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+    else:
+        m_new = tl.maximum(m_i, m_tile)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet stays at zero
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha
+        acc = acc * alpha[:, None]
+        m_i = m_new
     p = tl.math.exp2(qk * qk_scale - m_use[:, None])  # one FMA per score
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
+    l_i = l_i + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return m_i, l_i, acc
 
 
 @triton.jit
