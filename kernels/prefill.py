@@ -30,45 +30,27 @@ from .tiling import band_on
 
 GRID_Y = 65535  # CUDA's largest grid along y: one program per row block reaches it past 4M tokens (64-row blocks)
 SMEM_SM90 = 232448  # bytes of shared memory one program may use on an H100 / H200 (sm_90)
-LAZY_GROWTH = tl.constexpr(8.0)  # log2 units: with `lazy_rescale`, p <= 2^8 (exact in bf16 / fp16 as any p)
 PACKED_Q_BYTES = 64 << 10  # the largest query tile (rows x head_dim x element size) a GQA-packed program holds; past
 # it (fp32 at head_dim 256: 128 rows x 256 x 4 = 128 KiB of q and as much accumulator per program) group-shared
 # tiles run per head
 
 
 @triton.jit
-def _online_update(qk, qk_scale, v, m_i, l_i, acc, LAZY: tl.constexpr):
-    """One online-softmax step on raw scores `qk` (-inf = masked; times qk_scale = log2 units) and `v`.
-    m_i: each row's reference maximum (log2 units). LAZY: keep it, and skip the rescale of l_i and the whole
-    accumulator, unless some row's scores pass it by more than `LAZY_GROWTH` (FlashAttention-4's conditional
-    rescaling): p then stays below 2^LAZY_GROWTH, and the result is exact either way."""
-    m_tile = tl.max(qk, 1) * qk_scale
-    if LAZY:
-        growth = tl.max(tl.where(m_tile > m_i, m_tile - m_i, 0.0), 0)  # -inf before a row's first key: inf
-        if growth > LAZY_GROWTH:
-            m_new = tl.maximum(m_i, m_tile)
-            alpha = tl.math.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-            l_i = l_i * alpha
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
-    else:
-        m_new = tl.maximum(m_i, m_tile)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet stays at zero
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha
-        acc = acc * alpha[:, None]
-        m_i = m_new
+def _online_update(qk, qk_scale, v, m_i, l_i, acc):
+    """One online-softmax step on raw scores `qk` (-inf = masked; times qk_scale = log2 units) and `v`."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet stays at zero
+    alpha = tl.math.exp2(m_i - m_use)
     p = tl.math.exp2(qk * qk_scale - m_use[:, None])  # one FMA per score
-    l_i = l_i + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc)
-    return m_i, l_i, acc
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
 
 
 @triton.jit
 def _pieces(q, Kbase, Vbase, kdesc, vdesc, Offsets, lo, hi, n_blk, rows, N, sink, window, qk_scale, m_i, l_i, acc,
             skn, svn, dims, lanes, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CUT: tl.constexpr,
-            HAS_WINDOW: tl.constexpr, TMA: tl.constexpr, LAZY: tl.constexpr):
+            HAS_WINDOW: tl.constexpr, TMA: tl.constexpr):
     """Online softmax over pieces lo..hi-1 of one tile. MASK: every mask (key range, the cut at the next
     piece, causal, sink/window); else no mask but, with CUT, the cut where a piece overlaps the next.
     TMA: K/V through tensor descriptors over this KV head's [N, D] rows (rows outside [0, N) read as
@@ -107,7 +89,7 @@ def _pieces(q, Kbase, Vbase, kdesc, vdesc, Offsets, lo, hi, n_blk, rows, N, sink
                 v = vdesc.load([p, 0])
             else:
                 v = tl.load(Vbase + keys[:, None] * svn + dims[None, :])
-        m_i, l_i, acc = _online_update(s, qk_scale, v, m_i, l_i, acc, LAZY)
+        m_i, l_i, acc = _online_update(s, qk_scale, v, m_i, l_i, acc)
         p = nxt
     return m_i, l_i, acc
 
@@ -117,7 +99,7 @@ def _row_block(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount, ColumnInde
                qk_scale, N, HT, G, M, NS, NC, sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
                D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr,
                ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, CUT: tl.constexpr,
-               TMA: tl.constexpr, LAZY: tl.constexpr):
+               TMA: tl.constexpr):
     """Work item (bh, mid): ROWS query rows of each of PACK query heads that share one tile list (PACK =
     1: one head, ROWS = BLOCK; PACK = G: the G heads of a KV head, ROWS = pack_rows / G of each), so each
     K/V tile loads once for PACK * ROWS rows. HT = heads of the tile list; mid = row block m, sub-block."""
@@ -163,7 +145,7 @@ def _row_block(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount, ColumnInde
         s = tl.dot(q, tl.trans(k))
         s = tl.where(ok[None, :], s, float("-inf"))
         v = tl.load(Vbase + col[:, None] * svn + dims[None, :], mask=ok[:, None], other=0.0)
-        m_i, l_i, acc = _online_update(s, qk_scale, v, m_i, l_i, acc, False)  # LAZY spills here (d 256, Triton 3.6)
+        m_i, l_i, acc = _online_update(s, qk_scale, v, m_i, l_i, acc)
     if HAS_WINDOW:
         sink = tl.load(Sink + head)
         window = tl.load(Window + head)
@@ -194,13 +176,13 @@ def _row_block(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount, ColumnInde
             p_t = tl.load(BlockOffset + base + t_hi - 1, mask=t_hi > t_lo, other=-(1 << 30))
         m_i, l_i, acc = _pieces(q, Kbase, Vbase, kdesc, vdesc, BlockOffset + base, 0, t_lo, n_blk, rows, N, sink,
                                 window, qk_scale, m_i, l_i, acc, skn, svn, dims, lanes, BLOCK_N, True, False,
-                                HAS_WINDOW, TMA, LAZY)
+                                HAS_WINDOW, TMA)
         m_i, l_i, acc = _pieces(q, Kbase, Vbase, kdesc, vdesc, BlockOffset + base, t_lo, t_hi, n_blk, rows, N, sink,
                                 window, qk_scale, m_i, l_i, acc, skn, svn, dims, lanes, BLOCK_N, False, CUT,
-                                HAS_WINDOW, TMA, LAZY)
+                                HAS_WINDOW, TMA)
         m_i, l_i, acc = _pieces(q, Kbase, Vbase, kdesc, vdesc, BlockOffset + base, t_hi, n_blk, n_blk, rows, N, sink,
                                 window, qk_scale, m_i, l_i, acc, skn, svn, dims, lanes, BLOCK_N, True, False,
-                                HAS_WINDOW, TMA, LAZY)
+                                HAS_WINDOW, TMA)
     else:
         p = tl.load(BlockOffset + base, mask=n_blk > 0, other=0)
         for t in range(0, n_blk):
@@ -218,7 +200,7 @@ def _row_block(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount, ColumnInde
                     keep = keep & ((rows[:, None] - keys[None, :] < window[:, None]) | (keys[None, :] < sink[:, None]))
                 s = tl.where(keep, s, float("-inf"))
             v = tl.load(Vbase + keys[:, None] * svn + dims[None, :], mask=in_seq[:, None], other=0.0)
-            m_i, l_i, acc = _online_update(s, qk_scale, v, m_i, l_i, acc, LAZY)
+            m_i, l_i, acc = _online_update(s, qk_scale, v, m_i, l_i, acc)
             p = nxt
     out = acc / l_i[:, None]
     row_ok = rows < N
@@ -239,7 +221,7 @@ def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount
                            D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr,
                            ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr, LONGEST_FIRST: tl.constexpr,
                            SPLIT: tl.constexpr, CUT: tl.constexpr, TMA: tl.constexpr,
-                           PERSISTENT: tl.constexpr, LAZY: tl.constexpr):
+                           PERSISTENT: tl.constexpr):
     # Work items (bh, mid), bh = b * HT + tile head, mid = m * SUB + sub-block. PERSISTENT: a fixed grid
     # of programs, each taking items n_work apart from `Order` (most pieces first); else one program
     # per item, late row blocks (the most keys) first when LONGEST_FIRST.
@@ -250,7 +232,7 @@ def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount
             _row_block(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount, ColumnIndex, Sink, Window,
                        item // (M * SUB), item % (M * SUB), qk_scale, N, HT, G, M, NS, NC,
                        sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
-                       D, BLOCK, BLOCK_N, PACK, ROWS, HAS_WINDOW, SPLIT, CUT, TMA, LAZY)
+                       D, BLOCK, BLOCK_N, PACK, ROWS, HAS_WINDOW, SPLIT, CUT, TMA)
     else:
         mid = tl.program_id(1)
         if LONGEST_FIRST:
@@ -258,7 +240,7 @@ def _sparse_prefill_kernel(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount
         _row_block(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount, ColumnIndex, Sink, Window,
                    tl.program_id(0), mid, qk_scale, N, HT, G, M, NS, NC,
                    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
-                   D, BLOCK, BLOCK_N, PACK, ROWS, HAS_WINDOW, SPLIT, CUT, TMA, LAZY)
+                   D, BLOCK, BLOCK_N, PACK, ROWS, HAS_WINDOW, SPLIT, CUT, TMA)
 
 
 def loop_variant(pack: int, columns: bool, hopper: bool, head_dim: int = 128) -> tuple[bool, bool, bool]:
@@ -318,8 +300,8 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
                    num_stages: int | None = None, longest_first: bool = True,
                    pack_rows: int | None = None, split: bool | None = None,
                    tma: bool | None = None, persistent: bool | None = None,
-                   warp_specialize: bool | None = None, kv_major: bool | None = None,
-                   lazy_rescale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   warp_specialize: bool | None = None, kv_major: bool | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over the keys of `tiles` (M = ceil(N / tiles.block)).
 
     q `[B, Hq, N, D]`, k/v `[B, Hkv, N, D]`: last dim contiguous, fp16 / bf16 / fp32, D a power of two in 16..256;
@@ -346,20 +328,13 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     - `scale`: the softmax scale (None: D ** -0.5). `longest_first`: one program per row block, late row blocks
       (the most keys) launched first.
     - `num_warps`, `num_stages`: None for `default_config`'s (stages stepped down where shared memory runs out).
-    - `lazy_rescale`: the loop's pieces rescale l and the accumulator only in steps where some row's maximum grows
-      by more than 2^`LAZY_GROWTH` (`_online_update`): at head_dim 256 that skips 128 of a step's ~450 issued
-      instructions a thread. Where `warp_specialize` is None it runs the loop; with True it is refused. Off until
-      timed (NOTES, session 28).
     """
     B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
     if (sink is None) != (window is None):
         raise ValueError("give both sink and window (per-head A-shape mask) or neither")
     if warp_specialize is None:
-        warp_specialize = not lazy_rescale and takes_gluon(q, tiles, sink)
+        warp_specialize = takes_gluon(q, tiles, sink)
     if warp_specialize:
-        if lazy_rescale:
-            raise ValueError("lazy_rescale is a knob of the Triton-language loop, and warp_specialize=True runs the "
-                             "Gluon kernel: pass one of them")
         o, lse = _warp_specialized(q, k, v, tiles, scale, sink, window,
                                    tiles.head_columns is not None if kv_major is None else kv_major)
         return write_dense_rows(o, lse, q, k, v, tiles, scale)
@@ -431,13 +406,13 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
             v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
             D=D, BLOCK=block, BLOCK_N=tiles.piece, PACK=pack, ROWS=rows, HAS_WINDOW=has_window,
             LONGEST_FIRST=longest_first, SPLIT=split, CUT=not tiles.disjoint, TMA=tma,
-            PERSISTENT=persistent, LAZY=lazy_rescale, num_warps=num_warps or auto_warps, num_stages=stages)
+            PERSISTENT=persistent, num_warps=num_warps or auto_warps, num_stages=stages)
 
     if num_stages is not None:
         launch(num_stages)
         return write_dense_rows(o, lse, q, k, v, tiles, scale)
     kind = (dev, q.dtype, D, block, tiles.piece, pack, rows, split, tma, persistent, has_window,
-            num_warps or auto_warps, lazy_rescale)
+            num_warps or auto_warps)
     for stages in range(_FITTING_STAGES.get(kind, auto_stages), 0, -1):  # fewer stages until the tiles fit this
         try:  # GPU's shared memory, where `default_config`'s estimate was short;
             launch(stages)  # remembered, so that later calls do not fail first

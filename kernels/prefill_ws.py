@@ -551,7 +551,7 @@ def launch_config(consumers: int, head_dim: int = 128) -> dict[str, int]:
     runs at 24 and each consumer at 240. One consumer + producer = 2 warpgroups: maxnreg 128 lets two
     programs share an SM (80-112 KB each), the consumer gets 232; at head_dim 256 ptxas needs 158 before the
     registers move (its 64 x 256 accumulator), and a ring of 2 slots takes 131-197 KB, one program per SM: 168 and
-    240 as for two consumers."""
+    240 as for two consumers (H100, block-sparse at 64K / 128K: 0.95x the loop's speed, kernels/NOTES.md session 29)."""
     if consumers == 2 or head_dim == 256:
         return {"maxnreg": 168, "consumer_regs": 240}
     return {"maxnreg": 128, "consumer_regs": 232}

@@ -7,8 +7,7 @@ Patterns: ashape (sink --sink, window --window on every head, per-head tiles: `s
 head_dim 64, where an odd group rules out the Gluon kernel's paired heads), block (top --topk per head) and vs
 (Vertical-Slash (--vertical, --slash) per head from the online index, as `VerticalSlash.layer_tiles` builds them).
 Grid: --warps x --stages x --loads (single / split / tma) x --widths (keys per piece: A-shape's tiles built at that
-width, the others' 64-key pieces cut by `index_ref.narrow_pieces`) x --rescale (eager, lazy: `lazy_rescale`), not
-persistent; a combination
+width, the others' 64-key pieces cut by `index_ref.narrow_pieces`), not persistent; a combination
 that does not compile is recorded. Each combination is timed synced (`time_ms`: host launch time included) and queued
 (`queued_ms`: the GPU's time while the host runs ahead), in --rounds interleaved rounds (medians recorded)."""
 from __future__ import annotations
@@ -49,7 +48,6 @@ def main() -> None:
     p.add_argument("--warps", default="4,8")
     p.add_argument("--stages", default="2,3,4")
     p.add_argument("--widths", default="64", help="keys per piece (64 = the row block)")
-    p.add_argument("--rescale", default="eager", help="eager, lazy or both: the accumulator's rescale (`lazy_rescale`)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--out", default="loop_sweep.json")
     args = p.parse_args()
@@ -75,10 +73,9 @@ def main() -> None:
             tiles_of = {w: narrow_pieces(wide, w, n) for w in ints(args.widths)}
         base = {"n": n, "dense_ms": dense_ms, "dense_queued_ms": dense_queued_ms, "dense_form": dense_form}
         combos = [{"num_warps": warps, "num_stages": stages, "split": split, "tma": tma, "persistent": False,
-                   "warp_specialize": False, "width": width, "lazy_rescale": lazy}
-                  for width, warps, stages, (split, tma), lazy in itertools.product(
-                      tiles_of, ints(args.warps), ints(args.stages), [LOADS[x] for x in args.loads.split(",")],
-                      [{"eager": False, "lazy": True}[x] for x in args.rescale.split(",")])]
+                   "warp_specialize": False, "width": width}
+                  for width, warps, stages, (split, tma) in itertools.product(
+                      tiles_of, ints(args.warps), ints(args.stages), [LOADS[x] for x in args.loads.split(",")])]
         combos.append({"default": True, "width": 64})
         times: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(combos))}
         errors: dict[int, str] = {}

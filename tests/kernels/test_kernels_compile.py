@@ -30,7 +30,6 @@ PREFILL_CASES = {  # id: (d, pack, rows, block, piece, split, tma, window, persi
     "d256_packed_tma_fp32": (256, 4, 16, 64, 64, True, True, True, False, "fp32"),  # fp32 parity runs: one stage
     "d128_per_head_tma_fp32": (128, 1, 64, 64, 64, True, True, True, False, "fp32"),  # fp32 at head_dim 128
 }
-LAZY_CASES = ("vs_per_head_persistent", "block_packed", "d256_per_head_tma")  # compiled again with lazy_rescale
 PREFILL_PTRS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "BlockCount": "*i32",
                 "BlockOffset": "*i32", "ColumnCount": "*i32", "ColumnIndex": "*i32", "Sink": "*i32", "Window": "*i32",
                 "Order": "*i32"}
@@ -60,51 +59,26 @@ def compile_sm90(fn, types: dict[str, str], constants: dict[str, object], aligne
                           options={"num_warps": num_warps, "num_stages": num_stages, **options})
 
 
-def loop_bodies(ttgir: str) -> list[str]:
-    """Each scf.for region's own text (the regions of loops nested in it left out), in order of the loops."""
-    starts = [m.end() for m in re.finditer(r"scf\.for\b[^\n]*\{\n", ttgir)]
-    ends = {}
-    for s in starts:
-        depth, i = 1, s
-        while depth:
-            i = re.compile(r"[{}]").search(ttgir, i).end()
-            depth += 1 if ttgir[i - 1] == "{" else -1
-        ends[s] = i
-    bodies = []
-    for s in starts:
-        own, i = [], s
-        for t in starts:
-            if s < t and i <= t < ends[s]:  # a loop nested in this one (not inside one nested earlier)
-                own.append(ttgir[i:t])
-                i = ends[t]
-        bodies.append("".join(own) + ttgir[i:ends[s]])
-    return bodies
-
-
 def loop_waits(ttgir: str) -> list[list[int]]:
     """Per scf.for loop with async copies: the `num` of its async_wait ops (pending copy groups allowed)."""
-    return [[int(x) for x in re.findall(r"async_wait[^{]*\{num = (\d+)", body)]
-            for body in loop_bodies(ttgir) if "async_copy_global_to_local" in body]
-
-
-def loop_ifs(ttgir: str) -> list[int]:
-    """Per scf.for loop with a dot: its scf.if ops (the lazy rescale adds one a step)."""
-    return [body.count("scf.if") for body in loop_bodies(ttgir) if "warp_group_dot " in body]
+    loops = []
+    for body in ttgir.split("scf.for")[1:]:
+        body = body.split("scf.yield")[0]
+        if "async_copy_global_to_local" in body:
+            loops.append([int(x) for x in re.findall(r"async_wait[^{]*\{num = (\d+)", body)])
+    return loops
 
 
 def compile_all() -> dict[str, dict]:
-    """Every case's shared memory, stages, per-loop waits and branches (or its error); LAZY_CASES again with
-    lazy_rescale, as "<case>_lazy"."""
+    """Every case's shared memory, stages and per-loop waits (or its error)."""
     from workbench_kernels import antidiagonal, index_build, layer, prefill
 
     out: dict[str, dict] = {}
-    for case, lazy in [(c, False) for c in PREFILL_CASES] + [(c, True) for c in LAZY_CASES]:
-        d, pack, rows, block, piece, split, tma, window, persistent, *dtype = PREFILL_CASES[case]
-        case = f"{case}_lazy" if lazy else case
+    for case, (d, pack, rows, block, piece, split, tma, window, persistent, *dtype) in PREFILL_CASES.items():
         warps, stages = prefill.default_config(d, rows, pack, piece, 4 if dtype == ["fp32"] else 2)
         predicted = stages
         constants = dict(D=d, BLOCK=block, BLOCK_N=piece, PACK=pack, ROWS=rows, HAS_WINDOW=window,
-                         LONGEST_FIRST=True, SPLIT=split, CUT=False, TMA=tma, PERSISTENT=persistent, LAZY=lazy)
+                         LONGEST_FIRST=True, SPLIT=split, CUT=False, TMA=tma, PERSISTENT=persistent)
         types = {**PREFILL_PTRS, "qk_scale": "fp32", **{x: f"*{dtype[0]}" for x in ("Q", "K", "V", "O") if dtype}}
         try:
             kernel = compile_sm90(prefill._sparse_prefill_kernel, types, constants, (*PREFILL_PTRS, *STRIDES), warps,
@@ -114,9 +88,7 @@ def compile_all() -> dict[str, dict]:
                 kernel = compile_sm90(prefill._sparse_prefill_kernel, types, constants, (*PREFILL_PTRS, *STRIDES),
                                       warps, stages)
             out[case] = {"shared": kernel.metadata.shared, "stages": stages, "predicted": predicted,
-                         "waits": loop_waits(kernel.asm["ttgir"]), "ifs": loop_ifs(kernel.asm["ttgir"])}
-            if case.removesuffix("_lazy") in LAZY_CASES:  # local-memory stores in the SASS (spilled registers)
-                out[case]["spills"] = len(re.findall(r"\b(?:STL|LDL)\b", kernel.asm["sass"]))
+                         "waits": loop_waits(kernel.asm["ttgir"])}
         except Exception as e:  # noqa: BLE001 - reported by the test of this case
             out[case] = {"error": f"{type(e).__name__}: {e}"[-2000:]}
     try:
@@ -182,10 +154,9 @@ def compiled() -> dict[str, dict]:  # fixture was torn down and compiled everyth
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", list(PREFILL_CASES) + [f"{c}_lazy" for c in LAZY_CASES])
+@pytest.mark.parametrize("case", list(PREFILL_CASES))
 def test_prefill_kernel_compiles_for_sm90_within_shared_memory(compiled, case):
     result = compiled[case]
-    case = case.removesuffix("_lazy")
     assert "error" not in result, result.get("error")
     assert result["shared"] <= SMEM_SM90
     # `default_config`'s estimate asks for no stage that does not fit (each costs a compile before a failed launch)
@@ -194,27 +165,6 @@ def test_prefill_kernel_compiles_for_sm90_within_shared_memory(compiled, case):
         waits = result["waits"][1:] if PREFILL_CASES[case][8] else result["waits"]  # persistent: the first loop is
         # the one over work items (its Q rows load once per item, no copy to keep in flight)
         assert waits and all(w and min(w) >= 1 for w in waits), result["waits"]
-
-
-def programs_per_sm(shared: int) -> int:
-    """Programs of `shared` bytes one sm_90 SM holds (228 KB, 1 KB reserved per program)."""
-    return (228 << 10) // (shared + 1024)
-
-
-@pytest.mark.parametrize("case", LAZY_CASES)
-def test_lazy_rescale_branches_once_a_step_at_the_same_footprint(compiled, case):
-    """`lazy_rescale` puts the accumulator's rescale in one branch per step of every piece loop (the first loop with
-    a dot, over the column strips, stays eager), with the eager program's stages, copies in flight and programs per
-    SM (its block-wide max takes at most 1 KB of shared memory more), and no more local-memory loads and stores (at
-    head_dim 256 both programs spill a few registers at 255 a thread; with the branch in the column loop too,
-    Triton 3.6 spilled ~20 loads and stores inside that loop)."""
-    eager, lazy = compiled[case], compiled[f"{case}_lazy"]
-    assert "error" not in lazy, lazy.get("error")
-    assert lazy["ifs"] == eager["ifs"][:1] + [i + 1 for i in eager["ifs"][1:]], (eager["ifs"], lazy["ifs"])
-    assert (lazy["stages"], lazy["waits"]) == (eager["stages"], eager["waits"])
-    assert eager["shared"] <= lazy["shared"] <= eager["shared"] + 1024
-    assert programs_per_sm(lazy["shared"]) == programs_per_sm(eager["shared"]), (eager["shared"], lazy["shared"])
-    assert lazy["spills"] <= eager["spills"], (eager["spills"], lazy["spills"])
 
 
 def test_index_kernels_compile_for_sm90(compiled):

@@ -483,32 +483,6 @@ def test_long_tiles_prefix_interior_suffix_match_reference(variant, block, width
         check(out, masked_attention_ref(q, k, v, ashape_mask(sink, window, n).unsqueeze(0).to(DEV)), dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("variant", ["split", "tma", "single"])
-def test_lazy_rescale_matches_reference(variant, dtype):
-    """`lazy_rescale`: each row keeps a stale reference maximum until some row's scores pass it by more than 2^8.
-    Planted keys whose scores rise along the sequence by ~170 log2 units (~33 a 64-key step: with no rescale after
-    the first, p overflows fp32) or ~60 (~12 a step: with a threshold past 2^16, p overflows fp16), or fall (never
-    rescaled after the first step), on random Vertical-Slash tiles (columns first, then pieces) per head and
-    block-sparse tiles GQA-packed, for every piece loop of the kernel."""
-    n, B, Hq, Hkv, D = 333, 1, 4, 2, 64
-    q, k, v = qkv(B, Hq, Hkv, n, D, dtype, seed=28)
-    u = torch.nn.functional.normalize(torch.randn(D, generator=torch.Generator().manual_seed(28)), dim=0)
-    g = torch.Generator().manual_seed(29)
-    cols, offs = torch.randint(0, n, (B, Hq, 9), generator=g), torch.randint(0, n, (B, Hq, 12), generator=g)
-    index = torch.randint(-1, -(-n // 64), (B, Hkv, -(-n // 64), 3), generator=g)
-    for top in (60, 21, -60):  # scores from -top to top (natural units) along the keys
-        ramp = torch.linspace(-top, top, n) * D ** 0.5 / 8
-        qp = (q.float().cpu() * 0.1 + 8 * u).to(DEV, dtype)
-        kp = (k.float().cpu() * 0.1 + ramp[:, None] * u).to(DEV, dtype)
-        for tiles in (vs_to_tiles(cols, offs, n), block_sparse_to_tiles(index, n)):
-            out = sparse_prefill(qp, kp, v, tiles, lazy_rescale=True, **VARIANTS[variant])
-            mask = tiles_to_mask(expand_groups(tiles, Hq // tiles.shape[1]), n)
-            check(out, masked_attention_ref(qp, kp, v, mask.to(DEV)), dtype)
-    with pytest.raises(ValueError, match="lazy_rescale"):
-        sparse_prefill(q, k, v, vs_to_tiles(cols, offs, n), lazy_rescale=True, warp_specialize=True)
-
-
 def test_vertical_slash_per_head_at_head_dim_256_matches_reference():
     """Gemma-3's shape (4 query heads on 1 KV head, head_dim 256), per-head Vertical-Slash tiles at n = 700:
     the kernel's default loop (on Hopper: split with TMA loads, `loop_variant`) and the TMA loop named

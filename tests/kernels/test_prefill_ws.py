@@ -68,11 +68,8 @@ CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block
     "head_dim_256_shared_kv": (2, 2, False, 256, True, "block"),  # SHARED_LAUNCH_D256
     "vs_head_dim_256": (2, 1, False, 256, False, "vs"),  # HEAD_LAUNCH_D256 on head columns
     "head_dim_256_keys32": (2, 2, False, 256, False, "block", 32),  # 32-key items, rings of 2 slots (197 KB)
-    # one consumer with FA3's intra-warpgroup overlap at head_dim 256 (`launch_config`: 168 / 240 registers): the
-    # softmax beside the next piece's Q K^T, rings of 2 slots (164 KB) or K 3 / V 2 (197 KB)
+    # one consumer at head_dim 256 (`launch_config`: 168 / 240 registers; ptxas refuses 128), rings of 2 (164 KB)
     "head_dim_256_one_consumer": (1, 2, True, 256, False, "block"),
-    "head_dim_256_one_consumer_k3_v2": (1, 3, True, 256, False, "block", 64, 2),
-    "vs_head_dim_256_one_consumer": (1, 2, True, 256, False, "vs"),
 }
 # defaults: 64 keys per item, as many V stages as K stages, one item per step
 CASES = {case: (*args, *(64, None, False)[len(args) - 6:]) for case, args in CASES.items()}
