@@ -491,32 +491,36 @@ def tiles_to_mask(tiles: VSTiles, n: int, sink: torch.Tensor | None = None,
                   window: torch.Tensor | None = None) -> torch.Tensor:
     """Bool `[B, H, n, n]` of the keys a kernel computes (small n only). Optional per-head `sink` and
     `window` (tokens, `[H]`) add the A-shape token mask."""
-    B, H, M = tiles.shape
-    b = tiles.block
+    H = tiles.shape[1]
     dev = tiles.block_count.device
-    j = torch.arange(n, device=dev)
-    ns = tiles.block_offset.shape[-1]
-    t = torch.arange(ns, device=dev)
-    start = tiles.block_offset.long()
-    live = t < tiles.block_count.unsqueeze(-1).long()
-    nxt = torch.cat([start[..., 1:], torch.full_like(start[..., :1], 1 << 40)], -1)
-    nxt = torch.where(t + 1 < tiles.block_count.unsqueeze(-1).long(), nxt, 1 << 40)
-    end = torch.minimum(start + tiles.piece, nxt)
-    inside = live.unsqueeze(-1) & (j >= start.unsqueeze(-1)) & (j < end.unsqueeze(-1))  # [B,H,M,NS,n]
-    blk = inside.any(3)
-    nc = tiles.column_index.shape[-1]
-    cl = torch.arange(nc, device=dev) < tiles.column_count.unsqueeze(-1).long()
-    col = torch.zeros(B, H, M, n + 1, dtype=torch.bool, device=dev)
-    col.scatter_(-1, torch.where(cl, tiles.column_index.long(), n), True)
-    blk = blk | col[..., :n]
-    i, j = torch.arange(n, device=dev).view(-1, 1), j.view(1, -1)
-    mask = masks.tile(blk, i, j, b, key_block=1) & masks.causal(i, j)  # [B, H, n, n]
+    i, j = torch.arange(n, device=dev).view(-1, 1), torch.arange(n, device=dev).view(1, -1)
+    mask = masks.tile(tile_keys(tiles, n), i, j, tiles.block, key_block=1) & masks.causal(i, j)  # [B, H, n, n]
     if window is not None:
         sink = torch.as_tensor(sink, device=dev).view(1, H, 1, 1)
         window = torch.as_tensor(window, device=dev).view(1, H, 1, 1)
         mask &= masks.band(i, j, sink, window)
     dense = tiles.dense_mask(i, j)
     return mask if dense is None else mask | dense
+
+
+def tile_keys(tiles: VSTiles, n: int) -> torch.Tensor:
+    """Bool `[B, H, M, n]`: the keys each row block's tiles cover, pieces (each cut at the next one's start, as the
+    kernel cuts it) and column strips, before the causal and A-shape masks."""
+    count = tiles.block_count.unsqueeze(-1).long()
+    t = torch.arange(tiles.block_offset.shape[-1], device=count.device)
+    start = tiles.block_offset.long()
+    nxt = torch.cat([start[..., 1:], torch.full_like(start[..., :1], 1 << 40)], -1)
+    end = torch.minimum(start + tiles.piece, torch.where(t + 1 < count, nxt, 1 << 40))
+    start, end = start.clamp(0, n), end.clamp(0, n)
+    live = (t < count) & (end > start)
+    edges = torch.zeros(*tiles.shape, n + 1, dtype=torch.int32, device=count.device)  # +1 at a start, -1 past an end
+    edges.scatter_add_(-1, torch.where(live, start, n), live.int())
+    edges.scatter_add_(-1, torch.where(live, end, n), -live.int())
+    keys = edges.cumsum(-1)[..., :n] > 0
+    cols = torch.arange(tiles.column_index.shape[-1], device=count.device)
+    hit = torch.zeros(*tiles.shape, n + 1, dtype=torch.bool, device=count.device)
+    hit.scatter_(-1, torch.where(cols < tiles.column_count.unsqueeze(-1).long(), tiles.column_index.long(), n), True)
+    return keys | hit[..., :n]
 
 
 def tile_area(tiles: VSTiles, n: int) -> torch.Tensor:

@@ -22,29 +22,13 @@ import time
 import torch
 
 
-def key_sets(tiles, n: int) -> torch.Tensor:
-    """Bool `[H, M, n]`: the keys each head's row block computes (pieces and column strips; batch 1)."""
-    _, H, M = tiles.shape
-    live = torch.arange(tiles.block_offset.shape[-1]) < tiles.block_count[0, ..., None].long()
-    start = tiles.block_offset[0].long()  # a piece may start before key 0
-    start, end = start.clamp(0, n), (start + tiles.piece).clamp(0, n)
-    edges = torch.zeros(H, M, n + 1, dtype=torch.int32)
-    edges.scatter_add_(-1, torch.where(live, start, n), live.int())
-    edges.scatter_add_(-1, torch.where(live, end, n), -live.int())
-    keys = edges.cumsum(-1)[..., :n] > 0
-    cols = torch.arange(tiles.column_index.shape[-1]) < tiles.column_count[0, ..., None].long()
-    hit = torch.zeros(H, M, n + 1, dtype=torch.bool)
-    hit.scatter_(-1, torch.where(cols, tiles.column_index[0].long().clamp(0, n), n), True)
-    return keys | hit[..., :n]
-
-
-def union_area(tiles, n: int, group: int) -> int:
-    """Computed (row, key) pairs when each KV group's G heads run the union of their keys per row block."""
-    keys = key_sets(tiles, n)
-    H, M, _ = keys.shape
+def union_area(keys: torch.Tensor, block: int, group: int) -> int:
+    """Computed (row, key) pairs when each KV group's G heads run the union of their keys per row block; keys Bool
+    `[H, M, n]` (`index_ref.tile_keys` of one prompt), `block` rows a row block."""
+    H, M, n = keys.shape
     union = keys.view(H // group, group, M, n).any(1).sum(-1).long()  # [Hkv, M]
-    rows = torch.full((M,), tiles.block, dtype=torch.long)
-    rows[-1] = n - (M - 1) * tiles.block
+    rows = torch.full((M,), block, dtype=torch.long)
+    rows[-1] = n - (M - 1) * block
     return int((union * rows).sum()) * group
 
 
@@ -59,7 +43,7 @@ def main() -> None:
     p.add_argument("--out", default="rows_per_load.json")
     args = p.parse_args()
 
-    from workbench_kernels.index_ref import block_sparse_to_tiles, tile_area, vs_to_tiles
+    from workbench_kernels.index_ref import block_sparse_to_tiles, tile_area, tile_keys, vs_to_tiles
 
     from workbench.config.head_config import PROXY_DEFAULTS
     from workbench.core.capture import capture_attention
@@ -84,7 +68,7 @@ def main() -> None:
               "sizes": {"vertical": vertical, "slash": slash, "topk": topk}, "layers": {}}
     for i, layer in enumerate(cap.layers):
         q, k = cap.q[i], cap.k[i].repeat_interleave(G, 0)  # [Hq, N, D]: each head's own KV head
-        scale = shape.head_dim ** -0.5
+        scale = cap.scale
         cols, offs = vs_proxy(q, k, scale, vertical, slash, **PROXY_DEFAULTS)
         table = block_proxy(q, k, topk)  # [Hq, M, topk]
         kinds = {"vs": lambda block, width: vs_to_tiles(cols[None], offs[None], n, block, width=width),
@@ -92,10 +76,10 @@ def main() -> None:
         row = {}
         for kind, tiles_of in kinds.items():
             base = tiles_of(64, 0)
-            area64 = int(tile_area(base, n).sum())
+            area64, keys = int(tile_area(base, n).sum()), tile_keys(base, n)[0]
             row[kind] = {"density_rows64": area64 / (shape.n_heads * n * (n + 1) / 2),
                          "rows128_over_rows64": int(tile_area(tiles_of(128, 64), n).sum()) / area64,
-                         "union_over_rows64": union_area(base, n, G) / union_area(base, n, 1)}
+                         "union_over_rows64": union_area(keys, 64, G) / union_area(keys, 64, 1)}
         result["layers"][str(layer)] = row
         print(layer, {kind: {key: round(v, 3) for key, v in r.items()} for kind, r in row.items()}, flush=True)
     for kind in ("vs", "block"):
