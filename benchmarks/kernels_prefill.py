@@ -8,7 +8,10 @@ Block-Sparse from pooled top-k, A-shape) the index build, our kernel through the
 tiles with their columns per head, as `VerticalSlash.layer_tiles` builds them; A-shape through `ashape_prefill`
 where its Gluon shared ring takes the layer, as `AShape.layer_attention`, else its tiles), timed in turn with dense
 SDPA (`paired_ms`: both see the GPU's clock and power state of the moment), and FlexAttention with a BlockMask over
-the same 64x64 tiles. Rows go to a JSON file as they are measured.
+the same 64x64 tiles. A mixed layer (a third of the heads each VS, block-sparse, A-shape) runs as the one launch
+`SparsePrefill` deploys (`mixed_layer_one_launch`) and as one launch per kind on that kind's own route
+(`mixed_layer_per_kind`: heads gathered, K/V per query head, outputs scattered back, all timed). Rows go to a JSON
+file as they are measured.
 
 Row fields: logical_density = attended (query, key) pairs / causal pairs; physical_density = computed tile area
 (pieces x width + packed columns, per row block) / causal pairs; effective_tflops = 4 * head_dim * tile area / time;
@@ -458,6 +461,29 @@ def run(args: argparse.Namespace) -> int:
         rows.append({**base, "kernel": "mixed_layer_one_launch", "block": "64", "route": "sparse_prefill", "program": "loop",
                      **timed(lambda: sparse_prefill(q, k, v, mixed, sink=sinks, window=windows, scale=scale, **cfg),
                              area), "physical_density": area / (hq * causal_pairs)})
+        print(rows[-1], flush=True)
+        save()
+        # the same layer as one launch per kind, each on the route a layer of that kind alone takes (Gluon where it
+        # takes the tiles): each kind's heads gathered, K/V per query head, outputs scattered back (all timed)
+        G, heads_t = hq // hkv, [torch.tensor(h, device=dev) for h in thirds]
+        vs_h = vs_t.map(lambda t: t[:, heads_t[0]])
+        bs_h = bs_t.map(lambda t: t[:, heads_t[1]])
+
+        def per_kind() -> tuple[torch.Tensor, None]:
+            o = torch.empty_like(q)
+            for h, t in ((heads_t[0], vs_h), (heads_t[1], bs_h)):
+                o[:, h] = sparse_prefill(q[:, h], k[:, h // G], v[:, h // G], t, scale=scale)[0]
+            h = heads_t[2]
+            o[:, h] = ashape_prefill(q[:, h], k[:, h // G], v[:, h // G], [args.sink] * len(thirds[2]),
+                                     [args.window] * len(thirds[2]), scale=scale)[0]
+            return o, None
+
+        one = sparse_prefill(q, k, v, mixed, sink=sinks, window=windows, scale=scale, **cfg)[0]
+        gap = (per_kind()[0].float() - one.float()).abs().max().item()
+        one = None
+        rows.append({**base, "kernel": "mixed_layer_per_kind", "block": "64", "route": "per kind",
+                     **timed(per_kind, area), "physical_density": area / (hq * causal_pairs),
+                     "max_abs_diff_to_one_launch": gap})
         print(rows[-1], flush=True)
         save()
         kx = vx = dense = None
