@@ -163,14 +163,19 @@ def planted_inputs(hq: int, hkv: int, d: int, n: int, theta: float, seed: int = 
 
 
 def one_kind_layer(shape: str, kind: str, params: dict[str, int]):
-    """(ModelShape, HeadConfig) of a one-layer random-weight model of SHAPES[shape] whose query heads all take
-    `kind` at `params`: what `SparsePrefill` needs to run a bench shape's layer as the model path does."""
+    """`bench_layer` whose query heads all take `kind` at `params`."""
+    return bench_layer(shape, lambda h: (kind, params))
+
+
+def bench_layer(shape: str, entry_of):
+    """(ModelShape, HeadConfig) of a one-layer random-weight model of SHAPES[shape] whose query head h takes
+    `entry_of(h)` = (kind, params): what `SparsePrefill` needs to run a bench shape's layer as the model path does."""
     from workbench.config import HeadConfig, HeadEntry
     from workbench.core.model import ModelShape
 
     hq, hkv, d, theta = SHAPES[shape]
     model = ModelShape(shape, "llama", 1, hq, hkv, d, hq * d, "default", theta, 1 << 20, "random")
-    return model, HeadConfig(model=model.to_dict(), heads=[HeadEntry(0, h, kind, dict(params)) for h in range(hq)])
+    return model, HeadConfig(model=model.to_dict(), heads=[HeadEntry(0, h, *entry_of(h)) for h in range(hq)])
 
 
 def dense_baseline(q, k, v, kx, vx):
@@ -248,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
 
     from workbench.core.io import write_json
     from workbench.patterns import AShape, BlockSparse, VerticalSlash
+    from workbench.prefill.sparse import SparsePrefill
 
     dev = args.device
     if dev == "cuda" and not torch.cuda.is_available():
@@ -463,21 +469,15 @@ def run(args: argparse.Namespace) -> int:
                              area), "physical_density": area / (hq * causal_pairs)})
         print(rows[-1], flush=True)
         save()
-        # the same layer as one launch per kind, each on the route a layer of that kind alone takes (Gluon where it
-        # takes the tiles): each kind's heads gathered, K/V per query head, outputs scattered back (all timed)
-        G, heads_t = hq // hkv, [torch.tensor(h, device=dev) for h in thirds]
-        vs_h = vs_t.map(lambda t: t[:, heads_t[0]])
-        bs_h = bs_t.map(lambda t: t[:, heads_t[1]])
-
-        def per_kind() -> tuple[torch.Tensor, None]:
-            o = torch.empty_like(q)
-            for h, t in ((heads_t[0], vs_h), (heads_t[1], bs_h)):
-                o[:, h] = sparse_prefill(q[:, h], k[:, h // G], v[:, h // G], t, scale=scale)[0]
-            h = heads_t[2]
-            o[:, h] = ashape_prefill(q[:, h], k[:, h // G], v[:, h // G], [args.sink] * len(thirds[2]),
-                                     [args.window] * len(thirds[2]), scale=scale)[0]
-            return o, None
-
+        # the same layer as one launch per kind on each kind's own route, as `SparsePrefill` deploys it
+        # (`kinds_attention`: heads gathered, K/V per query head, outputs scattered back, all timed)
+        kinds = [("vs", {"vertical": args.vertical, "slash": args.slash}), ("block", {"topk": args.topk}),
+                 ("ashape", {"sink": args.sink, "window": args.window})]
+        sp = SparsePrefill(None, *bench_layer(shape, lambda h: kinds[h % 3]), min_length=0)
+        heads_t = [torch.tensor(h, device=dev) for h in thirds]
+        groups = {kind: (h, t.map(lambda x, i=i: x[:, i]), band) for (kind, _), h, i, t, band in zip(
+            kinds, thirds, heads_t, (vs_t, bs_t, a_t), (None, None, (sinks[thirds[2]], windows[thirds[2]])))}
+        per_kind = lambda: (sp.kinds_attention(0, groups, q, k, v, scale), None)  # noqa: E731
         one = sparse_prefill(q, k, v, mixed, sink=sinks, window=windows, scale=scale, **cfg)[0]
         gap = (per_kind()[0].float() - one.float()).abs().max().item()
         one = None

@@ -1,6 +1,7 @@
 """The Triton launch of a layer whose heads are only A-shape and dense gives every head its own band: the
 regression behind a 25x quality gap on the GPU (the single-group shortcut handed head h the tiles of the h-th banded
-head, e.g. a dense head an A-shape head's window)."""
+head, e.g. a dense head an A-shape head's window). A layer of several kinds as one launch per kind equals the one
+launch over its merged tiles."""
 from __future__ import annotations
 
 import torch
@@ -17,10 +18,32 @@ def test_banded_only_layer_keeps_each_heads_band():
     shape = ModelShape("toy", "llama", 1, 4, 2, 16, 64, "default", 10000.0, 4096, "toy")
     entries = [("dense", {}), ("ashape", {"sink": 4, "window": 16}), ("dense", {}), ("ashape", {"sink": 0, "window": 64})]
     config = HeadConfig(model=shape.to_dict(), heads=[HeadEntry(0, h, p, a) for h, (p, a) in enumerate(entries)])
-    sp = SparsePrefill(None, shape, config, min_length=0, backend="triton")
+    sp = SparsePrefill(None, shape, config, min_length=0, backend="triton", per_kind=False)
     tiles, sink, window = sp.layer_index(0, torch.zeros(1, 4, N, 16), torch.zeros(1, 2, N, 16), 0.25, "triton")
     got = tiles_to_mask(tiles, N, sink, window)[0]
     i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
     sink, window = torch.tensor([0, 4, 0, 0]).view(-1, 1, 1), torch.tensor([N, 16, N, 64]).view(-1, 1, 1)
     want = (j <= i) & ((i - j < window) | (j < sink))
     assert torch.equal(got, want)
+
+
+def test_one_launch_per_kind_equals_the_merged_launch():
+    """Kinds interleaved across KV groups (per-head VS, block, A-shape, dense) and one whole group of vs_group, whose
+    tiles stay per KV head: each kind's heads gathered with their KV heads and written back in place."""
+    shape = ModelShape("toy", "llama", 1, 9, 3, 16, 64, "default", 10000.0, 4096, "toy")
+    entries = [("vs", {"vertical": 8, "slash": 16}), ("block", {"topk": 1}), ("ashape", {"sink": 4, "window": 32}),
+               ("dense", {}), ("vs", {"vertical": 4, "slash": 8}), ("ashape", {"sink": 0, "window": 64}),
+               *[("vs_group", {"vertical": 8, "slash": 16})] * 3]
+    config = HeadConfig(model=shape.to_dict(), heads=[HeadEntry(0, h, p, a) for h, (p, a) in enumerate(entries)])
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, N, 16, generator=gen) for h in (9, 3, 3))
+    outs = {}
+    for per_kind in (True, False):
+        sp = SparsePrefill(None, shape, config, min_length=0, backend="triton", per_kind=per_kind, graph_index=False)
+        index = sp.layer_index(0, q, k, 0.25, "triton")
+        assert isinstance(index, dict) == per_kind
+        outs[per_kind] = sp.layer_kernel(0, index, q, k, v, 0.25, "triton")
+    ref = SparsePrefill(None, shape, config, min_length=0, backend="torch")
+    want = ref.layer_kernel(0, ref.layer_index(0, q, k, 0.25, "torch"), q, k, v, 0.25, "torch")
+    assert torch.allclose(outs[True], outs[False], atol=1e-5)
+    assert torch.allclose(outs[True], want, atol=1e-5)

@@ -16,10 +16,11 @@ the same kernels, exactly as the model does, as long as the mask is that window 
 no padding: checked per row); otherwise they run the model's own attention.
 
 The model's own projections, RoPE and KV cache are untouched, so the full KV cache is still written.
-Backends: on CUDA the Triton kernel over physical tiles (one launch per layer, any mix of patterns:
-`workbench_kernels.prefill.sparse_prefill`, index from the Triton VS builder and the pooled block
-proxy); on CPU an exact PyTorch reference (SDPA under the config's row masks, row chunk by row chunk,
-over only the keys some head of the chunk reads).
+Backends: on CUDA the Triton kernels over physical tiles (`workbench_kernels.prefill.sparse_prefill`, index from
+the Triton VS builder and the pooled block proxy): a layer of one kind in one launch on that kind's route, a layer of
+several kinds in one launch per kind (`kinds_attention`; `per_kind=False`: one launch over the merged tiles); on
+CPU an exact PyTorch reference (SDPA under the config's row masks, row chunk by row chunk, over only the keys some
+head of the chunk reads).
 
 `timing=True` records, per layer of the last prefill, T_proj (q/k/v/o projections), T_index, T_sparse
 (the attention kernel; dense SDPA on dense layers) and T_other (the rest of the layer: norms, RoPE,
@@ -96,6 +97,10 @@ class SparsePrefill:
     record_density: keep each sparse layer's physical density (tile area / causal pairs, `density[layer]`;
     every backend). num_stages: the kernel's pipeline stages (None: the kernel's choice per head_dim,
     `workbench_kernels.prefill.default_config`).
+    per_kind: a layer of several kinds runs one launch per kind, each on its own route (`kinds_attention`: the Gluon
+    kernel for its VS and block-sparse heads, which takes no A-shape masks), instead of one launch of the loop over
+    the merged tiles (None / True; False: merged). Planted inputs, H200, a third of the heads each VS(1000, 6096),
+    block top-100 and A-shape(128, 4096): see kernels/NOTES.md, session 30.
     graph_index: on a GPU, replay each sparse layer's online index from a CUDA graph (`index_graph.IndexGraphs`:
     an index of a few heads is launch-bound; q and k are copied into the graph's buffers per call, its outputs live
     until the next layer's index). None (default): captured on a layer's second call at the same input shapes
@@ -109,7 +114,7 @@ class SparsePrefill:
                  min_length: int = DEFAULT_MIN_LENGTH, layers: Iterable[int] | None = None,
                  backend: str = "auto", compare: bool = False, timing: bool = False,
                  record_density: bool = False, num_stages: int | None = None, strict_weights: bool = False,
-                 graph_index: bool | None = None):
+                 graph_index: bool | None = None, per_kind: bool | None = None):
         config.validate(shape, strict_weights=strict_weights)
         if backend not in ("auto", "triton", "torch", "flex"):
             raise ValueError(f"backend={backend!r} is unknown: use 'auto', 'triton', 'torch' or 'flex'")
@@ -117,6 +122,7 @@ class SparsePrefill:
             raise ValueError(f"min_length={min_length} must be >= 0 tokens (0 = sparse at every length)")
         self.model, self.shape, self.config = model, shape, config
         self.min_length, self.backend, self.compare, self.num_stages = min_length, backend, compare, num_stages
+        self.per_kind = per_kind
         self.layers = set(range(shape.n_layers)) if layers is None else {shape.check_layer(l) for l in layers}
         self.plans = [LayerPlan.from_config(config, l) for l in range(shape.n_layers)]
         self.calls: Counter[tuple[str, str]] = Counter()
@@ -223,7 +229,8 @@ class SparsePrefill:
             return self.group_tiles(layer, q, k, scale, triton=triton)
 
         def build(q: torch.Tensor, k: torch.Tensor) -> Any:
-            return self.merge(self.group_tiles(layer, q, k, scale, triton=triton), q, layer)
+            groups = self.group_tiles(layer, q, k, scale, triton=triton)
+            return groups if self.launch_per_kind(layer, backend) else self.merge(groups, q, layer)
 
         if self.index_graphs is not None and q.is_cuda and self.plans[layer].online:
             return self.index_graphs((layer, scale, triton), build, q, k)
@@ -238,11 +245,14 @@ class SparsePrefill:
             from workbench_kernels.index_ref import tile_area
 
             n = q.shape[2]
-            parts = [(len(h), t) for h, t, _ in index.values()] if backend == "torch" else [(q.shape[1], index[0])]
+            parts = ([(len(h), t) for h, t, _ in index.values()] if isinstance(index, dict)
+                     else [(q.shape[1], index[0])])
             area = sum(float(tile_area(t, n).sum()) * (h // t.shape[1]) for h, t in parts)
             self.density[layer] = area / (q.shape[0] * q.shape[1] * n * (n + 1) / 2)
         if backend == "torch":
             return self.reference(index, q, k, v, scale)
+        if isinstance(index, dict):
+            return self.kinds_attention(layer, index, q, k, v, scale)
         tiles, sink, window = index
         if backend == "flex":
             from workbench.prefill.flex import tiles_attention
@@ -305,6 +315,37 @@ class SparsePrefill:
                 tiles = expand_groups(tiles, len(heads) // tiles.shape[1])
             out[kind] = (heads, tiles, band)
         return out
+
+    def launch_per_kind(self, layer: int, backend: str) -> bool:
+        """Whether a layer runs one launch per config kind (`kinds_attention`) instead of one over the merged tiles:
+        on the Triton backend, for a layer of several kinds, unless `per_kind` is False."""
+        kinds = len(self.plans[layer].heads)
+        return backend == "triton" and kinds > 1 and self.per_kind is not False
+
+    def kinds_attention(self, layer: int, groups: dict[str, tuple[list[int], Any, Band | None]], q: torch.Tensor,
+                        k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """A layer of several kinds as one launch per kind, each on the route a layer of that kind alone takes (its
+        `layer_attention` where it has one, else `sparse_prefill` over its tiles, so VS and block-sparse heads reach
+        the Gluon kernel, which takes no A-shape masks): each kind's query heads gathered with their KV heads (one
+        per query head for per-head tiles, the whole groups for tiles per KV head), outputs written back.
+        -> o `[B, Hq, N, D]`."""
+        from workbench_kernels.prefill import sparse_prefill
+
+        G, plan = q.shape[1] // k.shape[1], self.plans[layer]
+        o = torch.empty_like(q)
+        for kind, (heads, tiles, band) in groups.items():
+            h, hk = self._heads_on(layer, kind, heads, G, q.device)
+            if tiles.shape[1] != len(heads):  # per KV head: the kind's whole groups
+                hk, _ = self._heads_on(layer, (kind, "kv"), sorted({x // G for x in heads}), 1, q.device)
+            qh, kh, vh = q[:, h], k[:, hk], v[:, hk]
+            out = None if self.num_stages is not None else pattern_class(kind).layer_attention(
+                plan.params[kind], qh, kh, vh, scale)
+            if out is None:
+                sink, window = band if band is not None else (None, None)
+                out, _ = sparse_prefill(qh, kh, vh, tiles, sink=sink, window=window, scale=scale,
+                                        num_stages=self.num_stages)
+            o[:, h] = out
+        return o
 
     def merge(self, groups: dict[str, tuple[list[int], Any, Band | None]], q: torch.Tensor, layer: int | None = None):
         """One launch's (VSTiles over all Hq heads, sink `[Hq]` | None, window `[Hq]` | None): the kinds'
