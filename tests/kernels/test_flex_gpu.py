@@ -1,7 +1,9 @@
 """GPU lane: a head config through FlexAttention gives the Triton prefill kernel's output on the same
 physical tiles, bf16 and fp16, on a Llama-like layer mixing every pattern (n = 3000: the last row block is
 partial). The mask is the point, so flex runs eager (no compile: seconds, not minutes) on the tiles the
-Triton index built; one case runs the deployed path, `SparsePrefill(backend="flex")` with flex_attention
+Triton index built (merged into one launch, `per_kind=False`), and equals both the Triton kernel's one launch over
+those tiles and the deployed layer, one launch per kind (`SparsePrefill.kinds_attention`: its VS and block heads on
+the Gluon kernel); one case runs the deployed path, `SparsePrefill(backend="flex")` with flex_attention
 compiled (dynamic=False), against `backend="triton"` on one layer. The real model's layers:
 tests/model/test_flex_model.py."""
 from __future__ import annotations
@@ -43,15 +45,19 @@ def qkv(dtype: torch.dtype, n: int = N):
 
 @pytest.fixture(scope="module", params=[torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def triton_run(request):
-    """(dtype, q, k, v, {layer: (index, Triton output)}, {layer: physical density}) computed once per dtype."""
+    """(dtype, q, k, v, {layer: (merged index, its Triton output, the per-kind output)}, {layer: physical density})
+    computed once per dtype."""
     from workbench.prefill.sparse import SparsePrefill
 
     q, k, v = qkv(request.param)
-    sp = SparsePrefill(None, SHAPE, CONFIG, min_length=0, backend="triton", record_density=True)
+    sp = SparsePrefill(None, SHAPE, CONFIG, min_length=0, backend="triton", record_density=True, per_kind=False)
+    deployed = SparsePrefill(None, SHAPE, CONFIG, min_length=0, backend="triton")
     runs = {}
     for layer in range(SHAPE.n_layers):
         index = sp.layer_index(layer, q, k, SCALE, "triton")
-        runs[layer] = index, sp.layer_kernel(layer, index, q, k, v, SCALE, "triton")
+        per_kind = deployed.layer_kernel(layer, deployed.layer_index(layer, q, k, SCALE, "triton"), q, k, v, SCALE,
+                                         "triton")
+        runs[layer] = index, sp.layer_kernel(layer, index, q, k, v, SCALE, "triton"), per_kind
     return request.param, q, k, v, runs, dict(sp.density)
 
 
@@ -59,10 +65,11 @@ def test_flex_eager_equals_triton_on_the_same_tiles(triton_run):
     from workbench.prefill.flex import tiles_attention
 
     dtype, q, k, v, runs, density = triton_run
-    for layer, (index, triton_out) in runs.items():
+    for layer, (index, triton_out, per_kind_out) in runs.items():
         out = tiles_attention(q, k, v, *index, SCALE, compile=False)
-        diff = (out.float() - triton_out.float()).abs().max().item()
-        assert diff < ATOL[dtype], f"layer {layer}: flex vs triton max |diff| {diff} ({dtype}, n={N})"
+        for route, got in (("one launch", triton_out), ("per kind", per_kind_out)):
+            diff = (out.float() - got.float()).abs().max().item()
+            assert diff < ATOL[dtype], f"layer {layer}: flex vs triton ({route}) max |diff| {diff} ({dtype}, n={N})"
         assert density[layer] < DENSITY_BOUND[layer], \
             f"layer {layer} computes {density[layer]:.0%} of the causal pairs: not sparse"
 

@@ -82,32 +82,43 @@ def test_index_replayed_from_a_cuda_graph_equals_the_eager_index(embedded):
     """`SparsePrefill(graph_index=True)`: each mixed layer's online index (block + dense, VS + dense, VS + A-shape
     + dense) captured in a CUDA graph on the first q / k, then replayed on new ones, equals the eager index of
     the same q / k in every tile count, every entry under the counts and the band; no capture falls back to
-    eager."""
+    eager. Both forms of the index: per kind (the deployed one launch per kind) and merged (`per_kind=False`)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from workbench.prefill.sparse import SparsePrefill
 
+    def parts(index) -> list:  # [(tiles, band)] of either form: per kind (a dict) or merged (tiles, sink, window)
+        if isinstance(index, dict):
+            return [(tiles, band or ()) for _, tiles, band in index.values()]
+        return [(index[0], index[1:])]
+
     shape = embedded[2]
     config = HeadConfig.load(SHIPPED, shape)
-    eager = SparsePrefill(None, shape, config, min_length=0, backend="triton", graph_index=False)
-    graphed = SparsePrefill(None, shape, config, min_length=0, backend="triton", graph_index=True)
-    g = torch.Generator(device="cuda").manual_seed(0)
     n, layers = 2048, (2, 9, 12)
-    for _ in range(2):  # capture on the first inputs, replay on the second
-        q = torch.randn(1, shape.n_heads, n, shape.head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-        k = torch.randn(1, shape.n_kv_heads, n, shape.head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-        for layer in layers:
-            (want, *want_band), (got, *got_band) = (sp.layer_index(layer, q, k, shape.scale, "triton")
-                                                    for sp in (eager, graphed))
-            for count, name in (("block_count", "block_offset"), ("column_count", "column_index")):
-                assert torch.equal(getattr(got, count), getattr(want, count)), (layer, count)
-                n_slots = getattr(want, name).shape[-1]  # (entries past the counts are never read, nor written)
-                live = torch.arange(n_slots, device="cuda") < getattr(want, count)[..., None]
-                assert torch.equal(getattr(got, name)[live], getattr(want, name)[live]), (layer, name)
-            for a, b in zip(got_band, want_band):
-                assert (a is None and b is None) or torch.equal(a, b), layer
-    assert not graphed.index_graphs.failures, graphed.index_graphs.failures
-    assert len(graphed.index_graphs) == len(layers)
+    for per_kind in (None, False):
+        eager = SparsePrefill(None, shape, config, min_length=0, backend="triton", graph_index=False,
+                              per_kind=per_kind)
+        graphed = SparsePrefill(None, shape, config, min_length=0, backend="triton", graph_index=True,
+                                per_kind=per_kind)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        for _ in range(2):  # capture on the first inputs, replay on the second
+            q = torch.randn(1, shape.n_heads, n, shape.head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+            k = torch.randn(1, shape.n_kv_heads, n, shape.head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+            for layer in layers:
+                got_parts, want_parts = (parts(sp.layer_index(layer, q, k, shape.scale, "triton"))
+                                         for sp in (graphed, eager))
+                assert len(got_parts) == len(want_parts) == (3 if per_kind is None and layer == 12 else
+                                                             2 if per_kind is None else 1), layer
+                for (got, got_band), (want, want_band) in zip(got_parts, want_parts):
+                    for count, name in (("block_count", "block_offset"), ("column_count", "column_index")):
+                        assert torch.equal(getattr(got, count), getattr(want, count)), (layer, count)
+                        n_slots = getattr(want, name).shape[-1]  # (entries past the counts are never read, nor written)
+                        live = torch.arange(n_slots, device="cuda") < getattr(want, count)[..., None]
+                        assert torch.equal(getattr(got, name)[live], getattr(want, name)[live]), (layer, name)
+                    for a, b in zip(got_band, want_band, strict=True):
+                        assert (a is None and b is None) or torch.equal(a, b), layer
+        assert not graphed.index_graphs.failures, graphed.index_graphs.failures
+        assert len(graphed.index_graphs) == len(layers)
 
 
 @pytest.mark.gpu

@@ -91,5 +91,13 @@ class Dense(PatternBase):
         n, h = q.shape[2], len(params)
         return band_tiles([0] * h, [max(n, 1)] * h, n, q.shape[0], block, q.device)[0], None
 
+    @classmethod
+    def layer_attention(cls, params: Sequence[dict[str, int]], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+        """Dense causal SDPA (FlashAttention / cuDNN on a GPU), as a model runs a layer of dense heads: what the
+        dense heads of a layer of several kinds run (`SparsePrefill.kinds_attention`)."""
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                                enable_gqa=q.shape[1] != k.shape[1])
+
     def __repr__(self) -> str:
         return f"Dense(n_heads={self.n_heads})"

@@ -95,7 +95,8 @@ def method_builder(method: Method, value: float) -> LayerBuilder:
     return lambda layer, q, k, scale: method.build(q, k, scale, value)
 
 
-TilesBuilder = Callable[[torch.Tensor, torch.Tensor], tuple[Any, Any, Any]]  # (q, k [1, H, N, D]) -> kernel input
+TilesBuilder = Callable[[torch.Tensor, torch.Tensor], Any]  # (q, k [1, H, N, D]) -> kernel input
+Attend = Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (input, q, k, v) -> o
 
 
 def pattern_tiles(build: Callable[[torch.Tensor, torch.Tensor], Pattern]) -> TilesBuilder:
@@ -111,15 +112,21 @@ def pattern_tiles(build: Callable[[torch.Tensor, torch.Tensor], Pattern]) -> Til
     return tiles
 
 
-def kernel_times(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, builders: Sequence[TilesBuilder],
-                 device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16,
-                 reps: int = 10) -> tuple[float, list[tuple[float, float]]]:
-    """One layer on `device`: (dense SDPA ms, [(index ms, Triton sparse prefill ms)] per builder). Each
-    builder indexes fp32 q, k `[1, H, N, D]` on the device into (tiles, sink, window); the kernel runs in
-    `dtype`. Medians of `reps` runs after a warm-up (CUDA events on a GPU; on the CPU under
-    TRITON_INTERPRET only the path is exercised, the times mean nothing). q `[Hq, N, D]`, k/v `[Hkv, N, D]`."""
+def tiles_kernel(scale: float) -> Attend:
+    """The Triton sparse prefill over `pattern_tiles`' (tiles, sink, window)."""
     from workbench_kernels.prefill import sparse_prefill
 
+    return lambda index, q, k, v: sparse_prefill(q, k, v, index[0], sink=index[1], window=index[2], scale=scale)[0]
+
+
+def kernel_times(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 kernels: Sequence[tuple[TilesBuilder, Attend]],
+                 device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                 reps: int = 10) -> tuple[float, list[tuple[float, float]]]:
+    """One layer on `device`: (dense SDPA ms, [(index ms, kernel ms)] per (builder, kernel)). Each builder
+    indexes fp32 q, k `[1, H, N, D]` on the device into its kernel's input; the kernel runs in `dtype`. Medians of
+    `reps` runs after a warm-up (CUDA events on a GPU; on the CPU under TRITON_INTERPRET only the path is exercised,
+    the times mean nothing). q `[Hq, N, D]`, k/v `[Hkv, N, D]`."""
     qb, kb, vb = (x[None].to(device, dtype).contiguous() for x in (q, k, v))
     qf, kf = (x[None].to(device, torch.float32) for x in (q, k))
 
@@ -130,10 +137,10 @@ def kernel_times(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     dense = median(lambda: torch.nn.functional.scaled_dot_product_attention(
         qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True))
     out = []
-    for build in builders:
-        tiles, sink, window = build(qf, kf)
+    for build, attend in kernels:
+        index = build(qf, kf)
         index_ms = median(lambda: build(qf, kf))
-        out.append((index_ms, median(lambda: sparse_prefill(qb, kb, vb, tiles, sink=sink, window=window, scale=scale))))
+        out.append((index_ms, median(lambda: attend(index, qb, kb, vb))))
     return dense, out
 
 
@@ -176,12 +183,15 @@ def compare(model: torch.nn.Module, tok: Any, shape: ModelShape, *, tasks: Seque
                 t0 = time.perf_counter()
                 rows_l = sweep_layer(q, k, cap.scale, methods, extra, rows)
                 if kernels:
-                    builders = [pattern_tiles(lambda qc, kc, m=m, val=val, s=cap.scale: m.build(qc, kc, s, val))
-                                for m in methods for val in m.values]
-                    if config is not None:  # the deployed path: Triton index + tiles of the config's layer
+                    tiled = tiles_kernel(cap.scale)
+                    kernels = [(pattern_tiles(lambda qc, kc, m=m, val=val, s=cap.scale: m.build(qc, kc, s, val)), tiled)
+                               for m in methods for val in m.values]
+                    if config is not None:  # the deployed path: the config's layer index and kernel(s)
                         sp = SparsePrefill(None, shape, config, min_length=0, backend="triton")
-                        builders.append(lambda qc, kc, sp=sp, l=layer, s=cap.scale: sp.layer_index(l, qc, kc, s, "triton"))
-                    dense_ms, times = kernel_times(q, k, v, cap.scale, builders, device, kernel_dtype, reps)
+                        kernels.append((lambda qc, kc, sp=sp, l=layer, s=cap.scale: sp.layer_index(l, qc, kc, s, "triton"),
+                                        lambda i, qb, kb, vb, sp=sp, l=layer, s=cap.scale: sp.layer_kernel(
+                                            l, i, qb, kb, vb, s, "triton")))
+                    dense_ms, times = kernel_times(q, k, v, cap.scale, kernels, device, kernel_dtype, reps)
                     for r, (index_ms, kernel_ms) in zip(rows_l, times):
                         r.update(gpu_index_ms=index_ms if r["index_ms"] != 0.0 else None, kernel_ms=kernel_ms,
                                  dense_kernel_ms=dense_ms)
