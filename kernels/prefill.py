@@ -436,6 +436,17 @@ def takes_gluon(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None = Non
     return ws_takes(q, tiles, sink)
 
 
+def gluon_takes_kinds(q: torch.Tensor) -> bool:
+    """Whether the Gluon kernel takes per-head VS, block-sparse and A-shape tiles, each kind alone, for q `[B, Hq, N,
+    D]` (sm_90, bf16 / fp16, head_dim 128), where one launch over a layer that holds an A-shape head runs the loop
+    (the Gluon kernel takes no A-shape masks). There `SparsePrefill` runs such a layer one launch per kind: H100,
+    Llama 32/8/128, a third of the heads each VS, block-sparse, A-shape, 1.58x / 1.90x faster at 64K / 128K; at
+    head_dim 256, where every kind runs the loop, 0.97x / 0.99x (kernels/NOTES.md, session 30)."""
+    from .prefill_ws import DTYPES, sm90  # lazy, as in takes_gluon
+
+    return q.shape[-1] == 128 and q.dtype in DTYPES and sm90(q.device)
+
+
 def write_dense_rows(o: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     tiles: VSTiles, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The lists' result (o `[B, Hq, N, D]`, lse `[B, Hq, N]`) with the rows `tiles.dense_from` marks replaced by

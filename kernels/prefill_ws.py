@@ -575,7 +575,7 @@ def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stages: int, 
 
 
 @functools.lru_cache(maxsize=16)
-def _sm90(device: torch.device) -> bool:
+def sm90(device: torch.device) -> bool:
     """Whether `device` is a Hopper GPU (compute capability 9.0), the one target the kernel compiles for (cached:
     the host's time per call counts where a layer's kernel takes ~1 ms)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
@@ -583,12 +583,12 @@ def _sm90(device: torch.device) -> bool:
 
 @functools.lru_cache(maxsize=16)
 def _smem_layout(rows: int, d: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    """The shared-memory layout of a `[rows, d]` TMA tile (cached, as `_sm90`)."""
+    """The shared-memory layout of a `[rows, d]` TMA tile (cached, as `sm90`)."""
     return gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
 def _check_device(q: torch.Tensor) -> None:
-    if not _sm90(q.device):
+    if not sm90(q.device):
         raise ValueError(f"ws_prefill needs a Hopper GPU (sm_90), got device {q.device}; use sparse_prefill")
 
 
@@ -598,7 +598,7 @@ def ws_takes(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None) -> bool
     (`tiles.columns` False, or `tiles.head_columns` given), no A-shape mask, group-shared tiles only with an even
     group (two query heads of a KV head share one K/V ring)."""
     hq, h = q.shape[1], tiles.shape[1]
-    return (_sm90(q.device) and q.dtype in DTYPES and q.shape[-1] in HEAD_DIMS and tiles.block == ROWS
+    return (sm90(q.device) and q.dtype in DTYPES and q.shape[-1] in HEAD_DIMS and tiles.block == ROWS
             and tiles.piece == KEYS and tiles.disjoint and sink is None
             and (not tiles.columns or tiles.head_columns is not None) and (hq == h or hq // h % 2 == 0))
 
@@ -614,7 +614,7 @@ def ws_ashape_takes(q: torch.Tensor, k: torch.Tensor, sink: torch.Tensor, window
     """Whether `ws_ashape(share_kv=True)` takes this A-shape (CPU sink / window `[Hq]`, no host sync): an sm_90
     GPU, bf16 / fp16, head_dim 64 / 128 (`ASHAPE_LAUNCH`'s 64 KB slots overflow at 256), and heads that pair
     (`_heads_pair`)."""
-    return (_sm90(q.device) and q.dtype in DTYPES and q.shape[-1] in (64, 128)
+    return (sm90(q.device) and q.dtype in DTYPES and q.shape[-1] in (64, 128)
             and _heads_pair(q.shape[1], k.shape[1], sink, window))
 
 

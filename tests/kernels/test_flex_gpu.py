@@ -2,10 +2,10 @@
 physical tiles, bf16 and fp16, on a Llama-like layer mixing every pattern (n = 3000: the last row block is
 partial). The mask is the point, so flex runs eager (no compile: seconds, not minutes) on the tiles the
 Triton index built (merged into one launch, `per_kind=False`), and equals both the Triton kernel's one launch over
-those tiles and the deployed layer, one launch per kind (`SparsePrefill.kinds_attention`: its VS and block heads on
-the Gluon kernel); one case runs the deployed path, `SparsePrefill(backend="flex")` with flex_attention
-compiled (dynamic=False), against `backend="triton"` on one layer. The real model's layers:
-tests/model/test_flex_model.py."""
+those tiles and the deployed layer (on sm_90, layer 0, which holds A-shape heads, runs one launch per kind:
+`SparsePrefill.kinds_attention`, its VS and block heads on the Gluon kernel). One case runs the deployed path,
+`SparsePrefill(backend="flex")` with flex_attention compiled (dynamic=False), against `backend="triton"` on one
+layer. The real model's layers: tests/model/test_flex_model.py."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -45,19 +45,22 @@ def qkv(dtype: torch.dtype, n: int = N):
 
 @pytest.fixture(scope="module", params=[torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def triton_run(request):
-    """(dtype, q, k, v, {layer: (merged index, its Triton output, the per-kind output)}, {layer: physical density})
+    """(dtype, q, k, v, {layer: (merged index, its Triton output, the deployed output)}, {layer: physical density})
     computed once per dtype."""
     from workbench.prefill.sparse import SparsePrefill
 
     q, k, v = qkv(request.param)
     sp = SparsePrefill(None, SHAPE, CONFIG, min_length=0, backend="triton", record_density=True, per_kind=False)
     deployed = SparsePrefill(None, SHAPE, CONFIG, min_length=0, backend="triton")
+    # the default splits layer 0 (A-shape heads among others) per kind where the Gluon kernel runs (sm_90); layer 1
+    # (VS and block, no band) stays one launch
+    sm90 = torch.cuda.get_device_capability() == (9, 0)
+    assert [deployed.launch_per_kind(deployed.group_tiles(l, q, k, SCALE), q, "triton") for l in (0, 1)] == [sm90, False]
     runs = {}
     for layer in range(SHAPE.n_layers):
         index = sp.layer_index(layer, q, k, SCALE, "triton")
-        per_kind = deployed.layer_kernel(layer, deployed.layer_index(layer, q, k, SCALE, "triton"), q, k, v, SCALE,
-                                         "triton")
-        runs[layer] = index, sp.layer_kernel(layer, index, q, k, v, SCALE, "triton"), per_kind
+        out = deployed.layer_kernel(layer, deployed.layer_index(layer, q, k, SCALE, "triton"), q, k, v, SCALE, "triton")
+        runs[layer] = index, sp.layer_kernel(layer, index, q, k, v, SCALE, "triton"), out
     return request.param, q, k, v, runs, dict(sp.density)
 
 
@@ -65,9 +68,9 @@ def test_flex_eager_equals_triton_on_the_same_tiles(triton_run):
     from workbench.prefill.flex import tiles_attention
 
     dtype, q, k, v, runs, density = triton_run
-    for layer, (index, triton_out, per_kind_out) in runs.items():
+    for layer, (index, triton_out, deployed_out) in runs.items():
         out = tiles_attention(q, k, v, *index, SCALE, compile=False)
-        for route, got in (("one launch", triton_out), ("per kind", per_kind_out)):
+        for route, got in (("one launch", triton_out), ("deployed", deployed_out)):
             diff = (out.float() - got.float()).abs().max().item()
             assert diff < ATOL[dtype], f"layer {layer}: flex vs triton ({route}) max |diff| {diff} ({dtype}, n={N})"
         assert density[layer] < DENSITY_BOUND[layer], \

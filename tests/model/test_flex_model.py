@@ -1,8 +1,8 @@
 """The embedded model prefilled through FlexAttention with the shipped config: the same next-token
 logits as the PyTorch reference of the sparse kernel (CPU, n = 512), and not those of dense. GPU lane: on
 every sparse layer of the real model (fp32, n = 2000: a partial last row block) Flex on the Triton index's
-tiles (merged into one launch) == the Triton kernel, as that one launch and as the deployed one launch per kind ==
-the reference path (torch proxies, exact masked SDPA), eager flex (the mask is
+tiles (merged into one launch) == the Triton kernel, as that one launch and as one launch per kind == the reference
+path (torch proxies, exact masked SDPA), eager flex (the mask is
 the point; the compiled path is tests/kernels/test_flex_gpu.py). Triton's fp32 dots are asked for IEEE
 (TRITON_F32_DEFAULT, read when a kernel compiles), as in the parity test."""
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_flex_triton_and_reference_agree_on_the_model_layers_on_gpu():
     config = HeadConfig.load(SHIPPED, shape)
     cap = capture_attention(model, shape, make_sample("passkey", tok, 2000, seed=1, depth=0.5).input_ids, progress=False)
     sp = SparsePrefill(None, shape, config, min_length=0, per_kind=False)
-    deployed = SparsePrefill(None, shape, config, min_length=0)
+    kinds = SparsePrefill(None, shape, config, min_length=0, per_kind=True)
     worst: dict[int, tuple[float, float, float]] = {}
     for layer in range(shape.n_layers):
         if sp.plans[layer].all_dense:
@@ -60,7 +60,7 @@ def test_flex_triton_and_reference_agree_on_the_model_layers_on_gpu():
         index = sp.layer_index(layer, q, k, cap.scale, "triton")
         triton = sp.layer_kernel(layer, index, q, k, v, cap.scale, "triton")
         flex = tiles_attention(q, k, v, *index, cap.scale, compile=False)
-        per_kind = deployed.layer_kernel(layer, deployed.layer_index(layer, q, k, cap.scale, "triton"), q, k, v,
+        per_kind = kinds.layer_kernel(layer, kinds.layer_index(layer, q, k, cap.scale, "triton"), q, k, v,
                                          cap.scale, "triton")
         ref = sp.layer_kernel(layer, sp.layer_index(layer, q, k, cap.scale, "torch"), q, k, v, cap.scale, "torch")
         worst[layer] = (float((flex - triton).abs().max()), float((flex - per_kind).abs().max()),

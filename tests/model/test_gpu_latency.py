@@ -82,7 +82,7 @@ def test_index_replayed_from_a_cuda_graph_equals_the_eager_index(embedded):
     """`SparsePrefill(graph_index=True)`: each mixed layer's online index (block + dense, VS + dense, VS + A-shape
     + dense) captured in a CUDA graph on the first q / k, then replayed on new ones, equals the eager index of
     the same q / k in every tile count, every entry under the counts and the band; no capture falls back to
-    eager. Both forms of the index: per kind (the deployed one launch per kind) and merged (`per_kind=False`)."""
+    eager. Both forms of the index: per kind (one launch per kind, `per_kind=True`) and merged (`per_kind=False`)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from workbench.prefill.sparse import SparsePrefill
@@ -95,7 +95,7 @@ def test_index_replayed_from_a_cuda_graph_equals_the_eager_index(embedded):
     shape = embedded[2]
     config = HeadConfig.load(SHIPPED, shape)
     n, layers = 2048, (2, 9, 12)
-    for per_kind in (None, False):
+    for per_kind in (True, False):
         eager = SparsePrefill(None, shape, config, min_length=0, backend="triton", graph_index=False,
                               per_kind=per_kind)
         graphed = SparsePrefill(None, shape, config, min_length=0, backend="triton", graph_index=True,
@@ -107,8 +107,8 @@ def test_index_replayed_from_a_cuda_graph_equals_the_eager_index(embedded):
             for layer in layers:
                 got_parts, want_parts = (parts(sp.layer_index(layer, q, k, shape.scale, "triton"))
                                          for sp in (graphed, eager))
-                assert len(got_parts) == len(want_parts) == (3 if per_kind is None and layer == 12 else
-                                                             2 if per_kind is None else 1), layer
+                assert len(got_parts) == len(want_parts) == (3 if per_kind and layer == 12 else
+                                                             2 if per_kind else 1), layer
                 for (got, got_band), (want, want_band) in zip(got_parts, want_parts):
                     for count, name in (("block_count", "block_offset"), ("column_count", "column_index")):
                         assert torch.equal(getattr(got, count), getattr(want, count)), (layer, count)

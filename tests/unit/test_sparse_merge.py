@@ -47,3 +47,20 @@ def test_one_launch_per_kind_equals_the_merged_launch():
     want = ref.layer_kernel(0, ref.layer_index(0, q, k, 0.25, "torch"), q, k, v, 0.25, "torch")
     assert torch.allclose(outs[True], outs[False], atol=1e-5)
     assert torch.allclose(outs[True], want, atol=1e-5)
+
+
+def test_layers_of_several_kinds_merge_where_the_gluon_kernel_takes_no_kind():
+    """`per_kind=None` runs one launch per kind only where a kind carries a band and `gluon_takes_kinds` holds (sm_90,
+    head_dim 128, 16-bit): on the CPU the merged launch; True / False force either; a layer of one kind never splits."""
+    shape = ModelShape("toy", "llama", 3, 4, 2, 128, 512, "default", 10000.0, 4096, "toy")
+    entries = [[("vs", {"vertical": 8, "slash": 16}), ("ashape", {"sink": 4, "window": 32})] * 2,
+               [("vs", {"vertical": 8, "slash": 16}), ("block", {"topk": 1})] * 2, [("block", {"topk": 2})] * 4]
+    config = HeadConfig(model=shape.to_dict(), heads=[HeadEntry(l, h, p, a) for l, layer in enumerate(entries)
+                                                      for h, (p, a) in enumerate(layer)])
+    q, k = torch.zeros(1, 4, 64, 128), torch.zeros(1, 2, 64, 128)
+    rules = {per_kind: SparsePrefill(None, shape, config, min_length=0, per_kind=per_kind) for per_kind in (None, True, False)}
+    groups = [rules[None].group_tiles(layer, q, k, 0.25, triton=False) for layer in range(3)]
+    assert [band is not None for _, _, band in groups[0].values()] == [False, True]
+    assert [[sp.launch_per_kind(g, q, "triton") for g in groups] for sp in rules.values()] == [
+        [False, False, False], [True, True, False], [False, False, False]]
+    assert not rules[True].launch_per_kind(groups[0], q, "torch")

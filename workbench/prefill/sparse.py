@@ -18,7 +18,8 @@ no padding: checked per row); otherwise they run the model's own attention.
 The model's own projections, RoPE and KV cache are untouched, so the full KV cache is still written.
 Backends: on CUDA the Triton kernels over physical tiles (`workbench_kernels.prefill.sparse_prefill`, index from
 the Triton VS builder and the pooled block proxy): a layer of one kind in one launch on that kind's route, a layer of
-several kinds in one launch per kind (`kinds_attention`; `per_kind=False`: one launch over the merged tiles); on
+several kinds in one launch over the merged tiles, or one launch per kind where an A-shape head would keep that
+launch off the Gluon kernel (`kinds_attention`, `per_kind`); on
 CPU an exact PyTorch reference (SDPA under the config's row masks, row chunk by row chunk, over only the keys some
 head of the chunk reads).
 
@@ -97,10 +98,10 @@ class SparsePrefill:
     record_density: keep each sparse layer's physical density (tile area / causal pairs, `density[layer]`;
     every backend). num_stages: the kernel's pipeline stages (None: the kernel's choice per head_dim,
     `workbench_kernels.prefill.default_config`).
-    per_kind: a layer of several kinds runs one launch per kind, each on its own route (`kinds_attention`: the Gluon
-    kernel for its VS and block-sparse heads, which takes no A-shape masks), instead of one launch of the loop over
-    the merged tiles (None / True; False: merged). Planted inputs, H200, a third of the heads each VS(1000, 6096),
-    block top-100 and A-shape(128, 4096): see kernels/NOTES.md, session 30.
+    per_kind: True runs a layer of several kinds one launch per kind, each on its own route (`kinds_attention`: the
+    Gluon kernel for its VS, block-sparse and A-shape heads, dense SDPA for its dense heads); False one launch over the
+    merged tiles (the loop wherever a head carries an A-shape band: the Gluon kernel takes no band); None (default)
+    per kind where a head carries a band and the Gluon kernel takes each kind alone (`launch_per_kind`).
     graph_index: on a GPU, replay each sparse layer's online index from a CUDA graph (`index_graph.IndexGraphs`:
     an index of a few heads is launch-bound; q and k are copied into the graph's buffers per call, its outputs live
     until the next layer's index). None (default): captured on a layer's second call at the same input shapes
@@ -230,7 +231,7 @@ class SparsePrefill:
 
         def build(q: torch.Tensor, k: torch.Tensor) -> Any:
             groups = self.group_tiles(layer, q, k, scale, triton=triton)
-            return groups if self.launch_per_kind(layer, backend) else self.merge(groups, q, layer)
+            return groups if self.launch_per_kind(groups, q, backend) else self.merge(groups, q, layer)
 
         if self.index_graphs is not None and q.is_cuda and self.plans[layer].online:
             return self.index_graphs((layer, scale, triton), build, q, k)
@@ -316,11 +317,19 @@ class SparsePrefill:
             out[kind] = (heads, tiles, band)
         return out
 
-    def launch_per_kind(self, layer: int, backend: str) -> bool:
-        """Whether a layer runs one launch per config kind (`kinds_attention`) instead of one over the merged tiles:
-        on the Triton backend, for a layer of several kinds, unless `per_kind` is False."""
-        kinds = len(self.plans[layer].heads)
-        return backend == "triton" and kinds > 1 and self.per_kind is not False
+    def launch_per_kind(self, groups: dict[str, tuple[list[int], Any, Band | None]], q: torch.Tensor,
+                        backend: str) -> bool:
+        """Whether a layer of several kinds (`group_tiles`' groups) runs one launch per kind (`kinds_attention`)
+        instead of one over the merged tiles, on the Triton backend, as `per_kind` says; None: where some kind
+        carries a token band (A-shape), which keeps the merged launch off the Gluon kernel, and the Gluon kernel
+        takes each kind alone (`workbench_kernels.prefill.gluon_takes_kinds`)."""
+        if backend != "triton" or len(groups) < 2:
+            return False
+        if self.per_kind is not None:
+            return self.per_kind
+        from workbench_kernels.prefill import gluon_takes_kinds
+
+        return any(band is not None for _, _, band in groups.values()) and gluon_takes_kinds(q)
 
     def kinds_attention(self, layer: int, groups: dict[str, tuple[list[int], Any, Band | None]], q: torch.Tensor,
                         k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
