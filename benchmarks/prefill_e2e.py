@@ -6,7 +6,8 @@ in bf16, directly on the GPU, with `--layers` decoder layers (the per-layer numb
 to 32 layers). Random weights make the attention of real prompts unrealistic, so the configs are
 named by their budgets: block-sparse top-100 (MInference's block_sparse default), A-shape, VS with
 MInference's default budget (1000 columns, 6096 slashes: on random weights its slashes scatter, the
-worst case for tiles), the same VS sizes with one index per KV group (`vs_group`) and a mixed layer.
+worst case for tiles), the same VS sizes with one index per KV group (`vs_group`) and a mixed layer (a third of
+the heads each VS, block-sparse, A-shape: one launch per kind on an H100 / H200, `--merged` adds its merged launch).
 Per config and length: end-to-end prefill time (CUDA events around `model(ids)`, logits of the last
 position only), the per-layer breakdown T_proj / T_index / T_sparse / T_other
 (`SparsePrefill(timing=True)`), the physical density, and the crossover length below which dense wins.
@@ -40,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "per-layer times are extrapolated to 32)")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
     p.add_argument("--reps", type=int, default=3, help="timed forwards per point (median; one warm-up first)")
+    p.add_argument("--merged", action="store_true",
+                   help="also run each config whose layers mix kinds with one merged launch per layer (`SparsePrefill("
+                        "per_kind=False)`), as CONFIG/merged beside the default")
     p.add_argument("--compile-other", action="store_true",
                    help="torch.compile each layer's MLP and RMSNorms (dense and sparse alike; attention untouched)")
     p.add_argument("--out", default="reports/benchmarks/prefill_e2e_<gpu>.json",
@@ -108,26 +112,29 @@ def run(args: argparse.Namespace) -> int:
     model, shape = _model(args.layers)
     if args.compile_other:
         compile_other(model)
-    configs = {c: _config(shape, CONFIGS[c]) for c in names}
+    configs = {c: (_config(shape, CONFIGS[c]), None) for c in names}
+    if args.merged:
+        configs.update({f"{c}/merged": (cfg, False) for c, (cfg, _) in list(configs.items())
+                        if len({e.pattern for e in cfg.layer(0)}) > 1})
     result: dict[str, Any] = {"environment": env, "settings": {k: v for k, v in vars(args).items() if k != "func"},
                               "full_layers": FULL_LAYERS, "rows": []}
     g = torch.Generator(device="cuda").manual_seed(0)
     for n in lengths:
         ids = torch.randint(0, model.config.vocab_size, (1, n), device="cuda", generator=g)
-        points = {"dense": None, **configs}
-        for name, cfg in points.items():
+        points = {"dense": (None, None), **configs}
+        for name, (cfg, per_kind) in points.items():
             if cfg is None:
                 total = _time_forward(model, ids, args.reps)
-                with torch.no_grad(), SparsePrefill(model, shape, configs[names[0]], min_length=n + 1,
+                with torch.no_grad(), SparsePrefill(model, shape, configs[names[0]][0], min_length=n + 1,
                                                     timing=True) as sp:
                     model(ids, use_cache=True, logits_to_keep=1)
                     layers = sp.breakdown()
                 density = 1.0
             else:
-                with SparsePrefill(model, shape, cfg, min_length=0) as sp:
+                with SparsePrefill(model, shape, cfg, min_length=0, per_kind=per_kind) as sp:
                     total = _time_forward(model, ids, args.reps)
                 with torch.no_grad(), SparsePrefill(model, shape, cfg, min_length=0, timing=True,
-                                                    record_density=True) as sp:
+                                                    record_density=True, per_kind=per_kind) as sp:
                     model(ids, use_cache=True, logits_to_keep=1)
                     layers = sp.breakdown()
                 density = sum(sp.density.values()) / len(sp.density)
