@@ -19,9 +19,8 @@ The model's own projections, RoPE and KV cache are untouched, so the full KV cac
 Backends: on CUDA the Triton kernels over physical tiles (`workbench_kernels.prefill.sparse_prefill`, index from
 the Triton VS builder and the pooled block proxy): a layer of one kind in one launch on that kind's route, a layer of
 several kinds in one launch over the merged tiles, or one launch per kind where an A-shape head would keep that
-launch off the Gluon kernel (`kinds_attention`, `per_kind`); on
-CPU an exact PyTorch reference (SDPA under the config's row masks, row chunk by row chunk, over only the keys some
-head of the chunk reads).
+launch off the Gluon kernel (`kinds_attention`, `per_kind`); on CPU an exact PyTorch reference (SDPA under the
+config's row masks, row chunk by row chunk, over only the keys some head of the chunk reads).
 
 `timing=True` records, per layer of the last prefill, T_proj (q/k/v/o projections), T_index, T_sparse
 (the attention kernel; dense SDPA on dense layers) and T_other (the rest of the layer: norms, RoPE,
@@ -224,7 +223,8 @@ class SparsePrefill:
 
     def layer_index(self, layer: int, q: torch.Tensor, k: torch.Tensor, scale: float, backend: str) -> Any:
         """The online index of one layer as `backend` consumes it: triton / flex -> (VSTiles over all
-        heads, sink, window) for one launch; torch -> the kinds' tiles (`group_tiles`)."""
+        heads, sink, window) for one launch; torch, and triton where `launch_per_kind` says -> the kinds' tiles
+        (`group_tiles`)."""
         triton = backend == "triton" or (backend == "flex" and q.is_cuda)
         if backend == "torch":
             return self.group_tiles(layer, q, k, scale, triton=triton)
@@ -240,8 +240,9 @@ class SparsePrefill:
     def layer_kernel(self, layer: int, index: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scale: float, backend: str) -> torch.Tensor:
         """Sparse attention of one layer under `layer_index`'s result -> o `[B, Hq, N, D]`: one launch over the
-        merged tiles; a layer of one kind runs that kind's own kernel where it has one and takes the layer
-        (`PatternBase.layer_attention`: A-shape's Gluon kernel, two heads on one K/V ring) unless `num_stages` is set."""
+        merged tiles, or one per kind for the kinds' tiles (`kinds_attention`); a layer of one kind runs that kind's
+        own kernel where it has one and takes the layer (`PatternBase.layer_attention`: A-shape's Gluon kernel, two
+        heads on one K/V ring) unless `num_stages` is set."""
         if self.record_density:  # tile area / causal pairs; tiles per KV head serve its G query heads
             from workbench_kernels.index_ref import tile_area
 
