@@ -28,25 +28,29 @@ def test_banded_only_layer_keeps_each_heads_band():
 
 
 def test_one_launch_per_kind_equals_the_merged_launch():
-    """Kinds interleaved across KV groups (per-head VS, block, A-shape, dense) and one whole group of vs_group, whose
-    tiles stay per KV head: each kind's heads gathered with their KV heads and written back in place."""
-    shape = ModelShape("toy", "llama", 1, 9, 3, 16, 64, "default", 10000.0, 4096, "toy")
-    entries = [("vs", {"vertical": 8, "slash": 16}), ("block", {"topk": 1}), ("ashape", {"sink": 4, "window": 32}),
-               ("dense", {}), ("vs", {"vertical": 4, "slash": 8}), ("ashape", {"sink": 0, "window": 64}),
-               *[("vs_group", {"vertical": 8, "slash": 16})] * 3]
-    config = HeadConfig(model=shape.to_dict(), heads=[HeadEntry(0, h, p, a) for h, (p, a) in enumerate(entries)])
+    """Layer 0: kinds interleaved across KV groups (per-head VS, block, A-shape, dense: K/V gathered per query head)
+    and one whole group of vs_group, whose tiles stay per KV head. Layer 1: per-head kinds that hold whole groups (K/V
+    gathered per group). Each kind's output written back in place."""
+    shape = ModelShape("toy", "llama", 2, 9, 3, 16, 64, "default", 10000.0, 4096, "toy")
+    vs, block, ashape = ("vs", {"vertical": 8, "slash": 16}), ("block", {"topk": 1}), ("ashape", {"sink": 4, "window": 32})
+    layers = [[vs, block, ashape, ("dense", {}), ("vs", {"vertical": 4, "slash": 8}), ("ashape", {"sink": 0, "window": 64}),
+               *[("vs_group", {"vertical": 8, "slash": 16})] * 3],
+              [block, block, block, vs, ashape, vs, ashape, ashape, ashape]]
+    config = HeadConfig(model=shape.to_dict(), heads=[HeadEntry(l, h, p, a) for l, entries in enumerate(layers)
+                                                      for h, (p, a) in enumerate(entries)])
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, N, 16, generator=gen) for h in (9, 3, 3))
-    outs = {}
-    for per_kind in (True, False):
-        sp = SparsePrefill(None, shape, config, min_length=0, backend="triton", per_kind=per_kind, graph_index=False)
-        index = sp.layer_index(0, q, k, 0.25, "triton")
-        assert isinstance(index, dict) == per_kind
-        outs[per_kind] = sp.layer_kernel(0, index, q, k, v, 0.25, "triton")
-    ref = SparsePrefill(None, shape, config, min_length=0, backend="torch")
-    want = ref.layer_kernel(0, ref.layer_index(0, q, k, 0.25, "torch"), q, k, v, 0.25, "torch")
-    assert torch.allclose(outs[True], outs[False], atol=1e-5)
-    assert torch.allclose(outs[True], want, atol=1e-5)
+    for layer in range(2):
+        outs = {}
+        for per_kind in (True, False):
+            sp = SparsePrefill(None, shape, config, min_length=0, backend="triton", per_kind=per_kind, graph_index=False)
+            index = sp.layer_index(layer, q, k, 0.25, "triton")
+            assert isinstance(index, dict) == per_kind
+            outs[per_kind] = sp.layer_kernel(layer, index, q, k, v, 0.25, "triton")
+        ref = SparsePrefill(None, shape, config, min_length=0, backend="torch")
+        want = ref.layer_kernel(layer, ref.layer_index(layer, q, k, 0.25, "torch"), q, k, v, 0.25, "torch")
+        assert torch.allclose(outs[True], outs[False], atol=1e-5), layer
+        assert torch.allclose(outs[True], want, atol=1e-5), layer
 
 
 def test_layers_of_several_kinds_merge_where_the_gluon_kernel_takes_no_kind():

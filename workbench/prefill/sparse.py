@@ -336,8 +336,8 @@ class SparsePrefill:
                         k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """A layer of several kinds as one launch per kind, each on the route a layer of that kind alone takes (its
         `layer_attention` where it has one, else `sparse_prefill` over its tiles, so VS and block-sparse heads reach
-        the Gluon kernel, which takes no A-shape masks): each kind's query heads gathered with their KV heads (one
-        per query head for per-head tiles, the whole groups for tiles per KV head), outputs written back.
+        the Gluon kernel, which takes no A-shape masks): each kind's query heads gathered with their KV heads (the
+        kind's KV groups where it holds them whole, else one KV head per query head), outputs written back.
         -> o `[B, Hq, N, D]`."""
         from workbench_kernels.prefill import sparse_prefill
 
@@ -345,8 +345,9 @@ class SparsePrefill:
         o = torch.empty_like(q)
         for kind, (heads, tiles, band) in groups.items():
             h, hk = self._heads_on(layer, kind, heads, G, q.device)
-            if tiles.shape[1] != len(heads):  # per KV head: the kind's whole groups
-                hk, _ = self._heads_on(layer, (kind, "kv"), sorted({x // G for x in heads}), 1, q.device)
+            kv = sorted({x // G for x in heads})
+            if len(heads) == G * len(kv):  # whole groups (heads ascending): K/V as they are, G heads to each
+                hk, _ = self._heads_on(layer, (kind, "kv"), kv, 1, q.device)
             qh, kh, vh = q[:, h], k[:, hk], v[:, hk]
             out = None if self.num_stages is not None else pattern_class(kind).layer_attention(
                 plan.params[kind], qh, kh, vh, scale)
