@@ -284,6 +284,11 @@ class SparsePrefill:
             self._head_index[key] = (index(heads), index([h // group for h in heads]))
         return self._head_index[key]
 
+    def _groups_on(self, layer: int, kind: str, heads: list[int], group: int,
+                   device: torch.device) -> slice | torch.Tensor:
+        """The KV heads of a kind's query heads, each once, ascending (`_heads_on`'s slice or cached index)."""
+        return self._heads_on(layer, (kind, "kv"), sorted({h // group for h in heads}), 1, device)[0]
+
     @torch.no_grad()
     def group_tiles(self, layer: int, q: torch.Tensor, k: torch.Tensor, scale: float,
                     triton: bool = True) -> dict[str, tuple[list[int], Any, Band | None]]:
@@ -306,8 +311,7 @@ class SparsePrefill:
                 qh, kh = q[:, :1].expand(shape), k[:, :1].expand(shape[:3] + k.shape[3:])
             elif cls.kv_shared:  # whole KV groups (the config's rule): q of their heads, k of their KV heads
                 h, _ = self._heads_on(layer, kind, heads, G, q.device)
-                hk, _ = self._heads_on(layer, (kind, "kv"), sorted({x // G for x in heads}), 1, q.device)
-                qh, kh = q[:, h], k[:, hk]
+                qh, kh = q[:, h], k[:, self._groups_on(layer, kind, heads, G, q.device)]
             else:
                 h, hk = self._heads_on(layer, kind, heads, G, q.device)
                 qh, kh = q[:, h], k[:, hk]
@@ -345,9 +349,8 @@ class SparsePrefill:
         o = torch.empty_like(q)
         for kind, (heads, tiles, band) in groups.items():
             h, hk = self._heads_on(layer, kind, heads, G, q.device)
-            kv = sorted({x // G for x in heads})
-            if len(heads) == G * len(kv):  # whole groups (heads ascending): K/V as they are, G heads to each
-                hk, _ = self._heads_on(layer, (kind, "kv"), kv, 1, q.device)
+            if len(heads) == G * len({x // G for x in heads}):  # whole groups (heads ascending): G heads to each
+                hk = self._groups_on(layer, kind, heads, G, q.device)
             qh, kh, vh = q[:, h], k[:, hk], v[:, hk]
             out = None if self.num_stages is not None else pattern_class(kind).layer_attention(
                 plan.params[kind], qh, kh, vh, scale)
