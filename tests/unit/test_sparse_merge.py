@@ -4,6 +4,7 @@ head, e.g. a dense head an A-shape head's window). A layer of several kinds as o
 launch over its merged tiles."""
 from __future__ import annotations
 
+import pytest
 import torch
 from workbench_kernels.index_ref import tiles_to_mask
 
@@ -68,3 +69,5 @@ def test_layers_of_several_kinds_merge_where_the_gluon_kernel_takes_no_kind():
     assert [[sp.launch_per_kind(g, q, "triton") for g in groups] for sp in rules.values()] == [
         [False, False, False], [True, True, False], [False, False, False]]
     assert not rules[True].launch_per_kind(groups[0], q, "torch")
+    with pytest.raises(ValueError, match="per_kind='yes' must be True"):
+        SparsePrefill(None, shape, config, per_kind="yes")

@@ -118,6 +118,9 @@ class SparsePrefill:
         config.validate(shape, strict_weights=strict_weights)
         if backend not in ("auto", "triton", "torch", "flex"):
             raise ValueError(f"backend={backend!r} is unknown: use 'auto', 'triton', 'torch' or 'flex'")
+        if per_kind not in (None, True, False):
+            raise ValueError(f"per_kind={per_kind!r} must be True (one launch per kind), False (one merged launch) or "
+                             "None (per kind where that is faster)")
         if min_length < 0:
             raise ValueError(f"min_length={min_length} must be >= 0 tokens (0 = sparse at every length)")
         self.model, self.shape, self.config = model, shape, config
