@@ -450,18 +450,21 @@ def run(args: argparse.Namespace) -> int:
                                              | masks.window(first[:, None] + 63, first[None, :], args.window))
                 ref = fn()[0] if pattern != "vertical_slash" else None
                 flex_jobs.append((row, shape, n, q, k, v, touched, full, mask_mod, ref, scale))
-        # one mixed layer (a third of the heads per pattern) in a single launch
+        # one mixed layer (a third of the heads per pattern): each kind's tiles of its heads (all fields, head
+        # columns included), as `SparsePrefill.group_tiles` gives them
         thirds = [list(range(i, hq, 3)) for i in range(3)]
-        vs_t = indexes[("vertical_slash", "64")][0]
-        bs_t = indexes[("block_sparse", "64")][0]
-        a_t = expand_groups(indexes[("a_shape", "64")][0], hq // hkv)
-        pick = lambda t, h: type(t)(t.block_count[:, h], t.block_offset[:, h], t.column_count[:, h],  # noqa: E731
-                                    t.column_index[:, h], t.block, t.width)
-        mixed = merge_tiles([(thirds[0], pick(vs_t, thirds[0])), (thirds[1], pick(bs_t, thirds[1])),
-                             (thirds[2], pick(a_t, thirds[2]))], hq)
+        heads_t = [torch.tensor(h, device=dev) for h in thirds]
         sinks = torch.zeros(hq, dtype=torch.int32)
         windows = torch.full((hq,), NO_WINDOW, dtype=torch.int32)
         sinks[thirds[2]], windows[thirds[2]] = args.sink, args.window
+        kinds = [("vs", {"vertical": args.vertical, "slash": args.slash}), ("block", {"topk": args.topk}),
+                 ("ashape", {"sink": args.sink, "window": args.window})]
+        layer_tiles = (indexes[("vertical_slash", "64")][0], indexes[("block_sparse", "64")][0],
+                       expand_groups(indexes[("a_shape", "64")][0], hq // hkv))
+        groups = {kind: (h, t.map(lambda x, i=i: x[:, i]), band) for (kind, _), h, i, t, band in zip(
+            kinds, thirds, heads_t, layer_tiles, (None, None, (sinks[thirds[2]], windows[thirds[2]])))}
+        # in a single launch over the merged tiles
+        mixed = merge_tiles([(h, t) for h, t, _ in groups.values()], hq)
         cfg = tuned.get(("vertical_slash", "64"), {})
         area = tile_area(mixed, n).sum().item()
         rows.append({**base, "kernel": "mixed_layer_one_launch", "block": "64", "route": "sparse_prefill", "program": "loop",
@@ -471,12 +474,7 @@ def run(args: argparse.Namespace) -> int:
         save()
         # the same layer as one launch per kind on each kind's own route, as `SparsePrefill` deploys it
         # (`kinds_attention`: heads gathered, K/V per query head, outputs scattered back, all timed)
-        kinds = [("vs", {"vertical": args.vertical, "slash": args.slash}), ("block", {"topk": args.topk}),
-                 ("ashape", {"sink": args.sink, "window": args.window})]
         sp = SparsePrefill(None, *bench_layer(shape, lambda h: kinds[h % 3]), min_length=0)
-        heads_t = [torch.tensor(h, device=dev) for h in thirds]
-        groups = {kind: (h, t.map(lambda x, i=i: x[:, i]), band) for (kind, _), h, i, t, band in zip(
-            kinds, thirds, heads_t, (vs_t, bs_t, a_t), (None, None, (sinks[thirds[2]], windows[thirds[2]])))}
         per_kind = lambda: (sp.kinds_attention(0, groups, q, k, v, scale), None)  # noqa: E731
         one = sparse_prefill(q, k, v, mixed, sink=sinks, window=windows, scale=scale, **cfg)[0]
         gap = (per_kind()[0].float() - one.float()).abs().max().item()
