@@ -114,3 +114,23 @@ def test_kernel_bench_times_each_kind_on_its_route_in_turn_with_dense(tmp_path):
         assert r["ratio_to_dense_tflops"] == pytest.approx(r["physical_density"] * r["paired_dense_ms"] / r["time_ms"])
     assert dense["time_ms"] == pytest.approx(statistics.median(r["paired_dense_ms"] for r in kinds.values()))
     assert dense["unpaired_ms"] > 0
+
+
+def test_prefill_breakdown_times_a_second_forward_and_keeps_the_first_ones_density():
+    """`bench prefill`'s per-layer breakdown comes from the second of two forwards on one `SparsePrefill`: the first
+    records the density (host syncs per kind), the timed one records none, and the breakdown has a row per layer."""
+    import torch
+    from workbench_benchmarks.prefill_e2e import CONFIGS, _breakdown, _config
+    from workbench_benchmarks.shapes import random_llama
+
+    from workbench.prefill.sparse import SparsePrefill
+
+    model, shape = random_llama(2, tiny=True, device="cpu", dtype=torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), SparsePrefill(model, shape, _config(shape, CONFIGS["mixed_thirds"]), min_length=0,
+                                        timing=True, record_density=True) as sp:
+        layers = _breakdown(model, ids, sp)
+    assert sp.calls[("sparse", "prefill")] == 2 * 2, dict(sp.calls)  # two forwards of two layers
+    assert not sp.record_density and sorted(sp.density) == [0, 1]
+    assert all(d > 0 for d in sp.density.values())  # tile area / causal pairs (diagonal tiles whole: > 1 at 256)
+    assert len(layers) == 2 and all(r["sparse_ms"] > 0 and r["layer_ms"] >= r["sparse_ms"] for r in layers)
