@@ -263,16 +263,13 @@ class SparsePrefill:
             from workbench.prefill.flex import tiles_attention
 
             return tiles_attention(q, k, v, expand_groups(tiles, q.shape[1] // tiles.shape[1]), sink, window, scale)
+        plan = self.plans[layer]
+        if len(plan.heads) == 1:  # one kind: it may have a kernel of its own
+            return self.kind_attention(layer, next(iter(plan.heads)), tiles, None if sink is None else (sink, window),
+                                       q, k, v, scale)
         from workbench_kernels.prefill import sparse_prefill
 
-        plan = self.plans[layer]
-        o = None
-        if len(plan.heads) == 1 and self.num_stages is None:  # one kind: it may have a kernel of its own
-            kind = next(iter(plan.heads))
-            o = pattern_class(kind).layer_attention(plan.params[kind], q, k, v, scale)
-        if o is None:
-            o, _ = sparse_prefill(q, k, v, tiles, sink=sink, window=window, scale=scale, num_stages=self.num_stages)
-        return o
+        return sparse_prefill(q, k, v, tiles, sink=sink, window=window, scale=scale, num_stages=self.num_stages)[0]
 
     # ---- the index: physical tiles of one layer ---------------------------------------------------
     def _heads_on(self, layer: int, kind: str, heads: list[int], group: int, device: torch.device):
@@ -346,23 +343,28 @@ class SparsePrefill:
         the Gluon kernel, which takes no A-shape masks): each kind's query heads gathered with their KV heads (the
         kind's KV groups where it holds them whole, else one KV head per query head), outputs written back.
         -> o `[B, Hq, N, D]`."""
-        from workbench_kernels.prefill import sparse_prefill
-
-        G, plan = q.shape[1] // k.shape[1], self.plans[layer]
+        G = q.shape[1] // k.shape[1]
         o = torch.empty_like(q)
         for kind, (heads, tiles, band) in groups.items():
             h, hk = self._heads_on(layer, kind, heads, G, q.device)
             if len(heads) == G * len({x // G for x in heads}):  # whole groups (heads ascending): G heads to each
                 hk = self._groups_on(layer, kind, heads, G, q.device)
-            qh, kh, vh = q[:, h], k[:, hk], v[:, hk]
-            out = None if self.num_stages is not None else pattern_class(kind).layer_attention(
-                plan.params[kind], qh, kh, vh, scale)
-            if out is None:
-                sink, window = band if band is not None else (None, None)
-                out, _ = sparse_prefill(qh, kh, vh, tiles, sink=sink, window=window, scale=scale,
-                                        num_stages=self.num_stages)
-            o[:, h] = out
+            o[:, h] = self.kind_attention(layer, kind, tiles, band, q[:, h], k[:, hk], v[:, hk], scale)
         return o
+
+    def kind_attention(self, layer: int, kind: str, tiles: Any, band: Band | None, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, scale: float) -> torch.Tensor:
+        """The heads of one kind (q `[B, h, N, D]`, k / v their KV heads) on the route a layer of that kind alone
+        takes: the kind's own kernel where it has one and takes them (`PatternBase.layer_attention`) unless
+        `num_stages` is set, else `sparse_prefill` over `tiles` under `band` -> o `[B, h, N, D]`."""
+        if self.num_stages is None:
+            o = pattern_class(kind).layer_attention(self.plans[layer].params[kind], q, k, v, scale)
+            if o is not None:
+                return o
+        from workbench_kernels.prefill import sparse_prefill
+
+        sink, window = band if band is not None else (None, None)
+        return sparse_prefill(q, k, v, tiles, sink=sink, window=window, scale=scale, num_stages=self.num_stages)[0]
 
     def merge(self, groups: dict[str, tuple[list[int], Any, Band | None]], q: torch.Tensor, layer: int | None = None):
         """One launch's (VSTiles over all Hq heads, sink `[Hq]` | None, window `[Hq]` | None): the kinds'
