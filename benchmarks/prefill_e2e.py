@@ -11,7 +11,10 @@ the heads each VS, block-sparse, A-shape: one launch per kind on an H100 / H200,
 Per config and length: end-to-end prefill time (CUDA events around `model(ids)`, logits of the last
 position only), the per-layer breakdown T_proj / T_index / T_sparse / T_other
 (`SparsePrefill(timing=True)`, one forward timed after a first that records the physical density), the physical
-density, and the crossover length below which dense wins.
+density, and the crossover length below which dense wins. The 32-layer extrapolation takes the measured forward's
+time per layer (its total less the timed embedding, final norm and last-position head, over `--layers`), not the
+breakdown's: the breakdown syncs the device after each stage, which exposes each stage's host launches (most in an
+index of many small launches, at short lengths), so its stage times overstate what the unsynced forward spends.
 
 Transformers' eager RMSNorm and MLP run several unfused fp32 passes over [N, hidden] per layer, which
 inflates T_other for dense and sparse alike (and so shrinks the speed-up). `--compile-other` fuses
@@ -21,6 +24,7 @@ fused kernels would; both settings are worth reporting.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import time
 from typing import Any
@@ -96,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise ValueError("workbench bench prefill needs a CUDA GPU (none found): run it on the GPU machine")
 
-    from workbench.core.timing import environment, gpu_tag
+    from workbench.core.timing import environment, gpu_tag, time_ms
 
     args.out = args.out.replace("<gpu>", gpu_tag())
     names = [c for c in args.configs.split(",") if c]
@@ -123,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
     for n in lengths:
         ids = torch.randint(0, model.config.vocab_size, (1, n), device="cuda", generator=g)
         points = {"dense": (None, None), **configs}
+        with torch.no_grad():
+            outside = time_ms(functools.partial(outside_layers, model, ids), cuda=True, min_reps=args.reps, max_reps=args.reps)
         for name, (cfg, per_kind) in points.items():
             if cfg is None:
                 total = _time_forward(model, ids, args.reps)
@@ -139,10 +145,11 @@ def run(args: argparse.Namespace) -> int:
                 density = sum(sp.density.values()) / len(sp.density)
             mean = {k: sum(r[k] for r in layers) / len(layers) for k in ("proj_ms", "index_ms", "sparse_ms",
                                                                           "other_ms", "layer_ms")}
-            outside = total - sum(r["layer_ms"] for r in layers)  # embedding, final norm, last-position head
+            layer_ms = (total - outside) / len(layers)  # the unsynced forward's time per layer
             row = {"n": n, "config": name, "physical_density": density, "prefill_ms": total,
                    "layers_measured": len(layers), "per_layer_mean": mean, "per_layer": layers,
-                   "outside_layers_ms": outside, "prefill_ms_32_layers": outside + FULL_LAYERS * mean["layer_ms"]}
+                   "outside_layers_ms": outside, "forward_layer_ms": layer_ms,
+                   "prefill_ms_32_layers": outside + FULL_LAYERS * layer_ms}
             result["rows"].append(row)
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                    if k not in ("per_layer", "per_layer_mean")},
@@ -156,6 +163,17 @@ def run(args: argparse.Namespace) -> int:
     for line in result["summary"]["table"]:
         print(line)
     return 0
+
+
+def outside_layers(model, ids):
+    """Logits [1, 1, vocab] of the forward's work outside its decoder layers: embedding, rotary tables, final norm,
+    last-position head (what `model(ids, logits_to_keep=1)` computes with no layers)."""
+    import torch
+
+    positions = torch.arange(ids.shape[1], device=ids.device)[None]
+    h = model.model.embed_tokens(ids)
+    model.model.rotary_emb(h, positions)
+    return model.lm_head(model.model.norm(h[:, -1:]))
 
 
 def _breakdown(model, ids, sp) -> list[dict[str, Any]]:

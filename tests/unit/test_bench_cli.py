@@ -134,3 +134,22 @@ def test_prefill_breakdown_times_a_second_forward_and_keeps_the_first_ones_densi
     assert not sp.record_density and sorted(sp.density) == [0, 1]
     assert all(d > 0 for d in sp.density.values())  # tile area / causal pairs (diagonal tiles whole: > 1 at 256)
     assert len(layers) == 2 and all(r["sparse_ms"] > 0 and r["layer_ms"] >= r["sparse_ms"] for r in layers)
+
+
+def test_prefill_bench_times_outside_the_layers_what_the_model_computes_without_them():
+    """`bench prefill` extrapolates to 32 layers from the forward's total less `outside_layers`: that work must be
+    the forward's own outside its decoder layers, so it equals the model's logits with the layers removed."""
+    import torch
+    from workbench_benchmarks.prefill_e2e import outside_layers
+    from workbench_benchmarks.shapes import random_llama
+
+    model, _ = random_llama(2, tiny=True, device="cpu", dtype=torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = outside_layers(model, ids)
+        with_layers = model(ids, use_cache=False, logits_to_keep=1).logits
+        model.model.layers = torch.nn.ModuleList()
+        without = model(ids, use_cache=False, logits_to_keep=1).logits
+    assert ours.shape == without.shape == (1, 1, model.config.vocab_size)
+    torch.testing.assert_close(ours, without)
+    assert not torch.allclose(ours, with_layers)  # the layers' work is not in it
