@@ -1,0 +1,323 @@
+"""Exploratory (Hopper, Triton >= 3.9): TMA multicast of K/V tiles to a cluster of the G query heads of one KV
+head, for per-head block-sparse prefill at head_dim 256 (issue 25's head_dim-256 lead, way 3 in kernels/NOTES.md).
+
+The head_dim-256 loop is L2-bound per head (session 29's ncu read): each 64-row program loads its own K/V tiles,
+and the G heads of a KV head load the same rows from L2, G times. Here one cluster of G CTAs (one per query head
+of the KV head, the same 64-row block) walks the union of the G heads' key blocks in ascending order; rank 0
+TMA-loads each K/V tile once and multicasts it into all G CTAs' rings; each CTA computes only the pieces its own
+head selected (a per-piece bit mask) and skips the rest. Compute and masks are per head, as today; L2 reads fall to
+union / (G x own).
+
+Kernel: a 1-warp loader partition (TMA, rings of STAGES K and V slots) and a 4-warp consumer (Q K^T and P V by
+wgmma, online softmax in fp32 with exp2). Slot release: each consumer arrives on its CTA's `local_empty` (its own
+loader's next expect waits for it) and on the cluster's `shared_empty` (a barrier living in rank 0, count G; the
+loader waits on it, which the compiler emits in rank 0 only, before the multicast refill). `CLUSTER=1` is the
+same kernel without a cluster: each program walks its own head's pieces and loads them itself (the A/B baseline).
+
+Run (GPU, Triton >= 3.9 first on PYTHONPATH):
+  python3 scripts/multicast_probe.py --lengths 16384,65536,131072 --out multicast_probe.json
+Steps: a bf16 check of both variants against `sparse_prefill` (the loop) on the same tiles at 4K; then, per
+length, dense SDPA, the loop, CLUSTER=1 and CLUSTER=G timed in interleaved rounds on the bench's planted inputs
+(Gemma-3 shape 4/1/256, `block_index(q, k, --topk)`), efficiency per computed tile = density x SDPA ms / ms.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+ROWS = 64  # query rows per CTA (one head's row block)
+KEYS = 64  # keys per piece
+LOG2E = 1.4426950408889634
+
+
+@gluon.jit
+def _cta_rank():
+    """This CTA's rank in its cluster (0 without a cluster)."""
+    return gl.inline_asm("mov.u32 $0, %cluster_ctarank;", "=r", [], gl.int32, is_pure=True)
+
+
+@gluon.jit
+def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empty, Union, Count, Order, U, N,
+            KV_DIV, CLUSTER: gl.constexpr, STAGES: gl.constexpr):
+    """Loads the union's K/V tiles of work item Order[program] into the rings (multicast with a cluster). Item
+    (group, row block): group = b * Hq / CLUSTER + j, KV head group // KV_DIV."""
+    item = gl.load(Order + gl.program_id(0))
+    n = gl.load(Count + item)
+    kv_row = (item // gl.cdiv(N, 64) // KV_DIV) * N  # its KV head's first row in [B * Hkv * N, D] (TMA: int32)
+    for i in range(n):
+        s = i % STAGES
+        if i >= STAGES:
+            ph = (i // STAGES - 1) & 1
+            mbarrier.wait(local_empty.index(s), ph)
+            mbarrier.wait(shared_empty.index(s), ph)
+        row = kv_row + gl.load(Union + item * U + i) * 64
+        mbarrier.expect(k_ready.index(s), k_desc.nbytes_per_cta)
+        tma.async_load(k_desc, [row, 0], k_ready.index(s), k_smem.index(s), multicast=CLUSTER > 1)
+        mbarrier.expect(v_ready.index(s), v_desc.nbytes_per_cta)
+        tma.async_load(v_desc, [row, 0], v_ready.index(s), v_smem.index(s), multicast=CLUSTER > 1)
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empty, Q, O, Union, Bits, Count, Order,
+              U, N, qk_scale, D: gl.constexpr, CLUSTER: gl.constexpr, STAGES: gl.constexpr,
+              Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr):
+    """CLUSTER heads' 64-row blocks (rows r of the cluster tile: head r // 64 of the group) over the union's pieces,
+    each CTA computing its own head's; writes O."""
+    M = gl.cdiv(N, 64)
+    item = gl.load(Order + gl.program_id(0))
+    n = gl.load(Count + item)
+    m = item % M
+    group = item // M  # b * Hkv + kv head
+    rank = _cta_rank()
+    R: gl.constexpr = CLUSTER * 64
+    # Q rows of the cluster tile: (group * CLUSTER + r // 64) heads, query rows m * 64 + r % 64
+    qr = gl.arange(0, R, layout=gl.SliceLayout(1, Q_LAYOUT))
+    qd = gl.arange(0, D, layout=gl.SliceLayout(0, Q_LAYOUT))
+    q_rows = (group * CLUSTER + qr // 64).to(gl.int64) * N + m * 64 + qr % 64
+    q_ok = gl.expand_dims(m * 64 + qr % 64 < N, 1)
+    q = gl.load(Q + gl.expand_dims(q_rows * D, 1) + gl.expand_dims(qd, 0), mask=q_ok, other=0.0)
+    q_smem.store(q)
+    fence_async_shared()
+    row_s: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    row_o: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+    pos = m * 64 + gl.arange(0, R, layout=row_s) % 64  # query positions of the tile's rows
+    lanes = gl.arange(0, 64, layout=gl.SliceLayout(0, S_LAYOUT))
+    m_i = gl.full([R], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([R], gl.float32, row_s)
+    acc = gl.zeros([R, D], gl.float32, O_LAYOUT)
+    s0 = gl.zeros([R, 64], gl.float32, S_LAYOUT)
+    for i in range(n):
+        s = i % STAGES
+        ph = (i // STAGES) & 1
+        piece = gl.load(Union + item * U + i)
+        mine = (gl.load(Bits + item * U + i) >> rank) & 1
+        mbarrier.wait(k_ready.index(s), ph)
+        mbarrier.wait(v_ready.index(s), ph)
+        if mine != 0:
+            sc = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), s0, use_acc=False, is_async=True)
+            sc = warpgroup_mma_wait(0, deps=(sc,))
+            keys = piece * 64 + lanes
+            sc = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1), sc * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sc, 1))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(sc - gl.expand_dims(m_new, 1))
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(k_smem.dtype), p_layout), v_smem.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(local_empty.index(s))
+        mbarrier.arrive(shared_empty.index(s))
+    orow = gl.arange(0, R, layout=row_o)
+    od = gl.arange(0, D, layout=gl.SliceLayout(0, O_LAYOUT))
+    out = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+    o_rows = (group * CLUSTER + orow // 64).to(gl.int64) * N + m * 64 + orow % 64
+    ok = gl.expand_dims(m * 64 + orow % 64 < N, 1) & gl.expand_dims(od < D, 0)
+    gl.store(O + gl.expand_dims(o_rows * D, 1) + gl.expand_dims(od, 0), out.to(O.dtype.element_ty), mask=ok)
+
+
+@gluon.jit(do_not_specialize=["U", "N"])
+def _cluster_kernel(k_desc, v_desc, Q, O, Union, Bits, Count, Order, U, N, KV_DIV, qk_scale, D: gl.constexpr,
+                    CLUSTER: gl.constexpr, STAGES: gl.constexpr, Q_SMEM: gl.constexpr, Q_LAYOUT: gl.constexpr,
+                    S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, BAR: gl.constexpr, SHARED_BAR: gl.constexpr):
+    q_smem = gl.allocate_shared_memory(k_desc.dtype, [CLUSTER * 64, D], Q_SMEM)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 64, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 64, D], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, CLUSTER], BAR)
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, CLUSTER], BAR)
+    local_empty = gl.allocate_shared_memory(gl.int64, [STAGES, CLUSTER], BAR)
+    shared_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], SHARED_BAR)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(local_empty.index(i), count=1)
+        mbarrier.init(shared_empty.index(i), count=1)
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empty, Q, O, Union, Bits, Count,
+                     Order, U, N, qk_scale, D, CLUSTER, STAGES, Q_LAYOUT, S_LAYOUT, O_LAYOUT)),
+        (_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empty, Union, Count, Order,
+                   U, N, KV_DIV, CLUSTER, STAGES)),
+    ], [1], [24])
+
+
+def layouts(cluster: int, d: int) -> dict:
+    """The kernel's layouts for a cluster of `cluster` CTAs (rows sharded by CTA; K / V tiles broadcast)."""
+    bits = cluster.bit_length() - 1
+    rows = [[1 << j, 0] for j in range(bits)]  # CTA j of the cluster holds rows [64 j, 64 j + 64)
+    bcast = [[0, 0] for _ in range(bits)]
+    bf16 = gl.bfloat16
+    return {
+        "Q_SMEM": gl.NVMMASharedLayout.get_default_for([cluster * 64, d], bf16, cga_layout=rows or None),
+        "Q_LAYOUT": gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0], cga_layout=rows),
+        "S_LAYOUT": gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16],
+                                              cga_layout=rows),
+        "O_LAYOUT": gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, d, 16],
+                                              cga_layout=rows),
+        "BAR": mbarrier.MBarrierLayout.multicta(cluster),
+        "SHARED_BAR": mbarrier.MBarrierLayout(cga_layout=[[0] for _ in range(bits)]),
+        "KV_SMEM": gl.NVMMASharedLayout.get_default_for([64, d], bf16, cga_layout=bcast or None),
+    }
+
+
+def union_index(bidx: torch.Tensor, cluster: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Per (b, KV-group of `cluster` heads, row block): the ascending union of the heads' key blocks, each piece's
+    bit mask of heads that selected it, and the union's size. bidx Int32 `[B, Hq, M, K]` ascending, -1 padded.
+    Returns Union / Bits Int32 `[items, U]`, Count Int32 `[items]` (items = B * Hq / cluster * M), U."""
+    B, H, M, _ = bidx.shape
+    g = bidx.view(B, H // cluster, cluster, M, -1)
+    member = torch.zeros(B, H // cluster, M, M + 1, dtype=torch.int32, device=bidx.device)
+    for h in range(cluster):
+        idx = torch.where(g[:, :, h] >= 0, g[:, :, h], M).long()
+        member.scatter_(-1, idx, member.gather(-1, idx) | (1 << h))
+    member = member[..., :M]
+    count = (member != 0).sum(-1).to(torch.int32)
+    U = int(count.max())
+    keys = torch.arange(M, device=bidx.device)
+    union = torch.where(member != 0, keys, M).sort(-1).values[..., :U]
+    bits = member.gather(-1, union.clamp(max=M - 1)) * (union < M)
+    return (union.clamp(max=M - 1).to(torch.int32).reshape(-1, U).contiguous(),
+            bits.to(torch.int32).reshape(-1, U).contiguous(), count.reshape(-1).contiguous(), U)
+
+
+def cluster_items(bidx: torch.Tensor, cluster: int) -> tuple[torch.Tensor, ...]:
+    """`union_index` and the launch order (longest union first): (Union, Bits, Count, Order, U)."""
+    union, bits, count, U = union_index(bidx, cluster)
+    order = torch.argsort(count, descending=True, stable=True).to(torch.int32)
+    return union, bits, count, order, U
+
+
+def cluster_prefill(q, k, v, items, cluster: int, stages: int = 3):
+    """Block-sparse causal attention (per query head selections, as `cluster_items(bidx, cluster)` holds them) with
+    K/V tiles multicast to `cluster` query heads of a KV head (cluster 1: each head loads its own). q `[B, Hq, N, D]`,
+    k / v `[B, Hkv, N, D]` bf16, contiguous; cluster 1 or Hq / Hkv. Returns o `[B, Hq, N, D]`."""
+    B, Hq, N, D = q.shape
+    G = Hq // k.shape[1]
+    if cluster not in (1, G):
+        raise ValueError(f"cluster must be 1 or the group size {G}, got {cluster}")
+    lay = layouts(cluster, D)
+    k_desc = TensorDescriptor.from_tensor(k.view(-1, D), [64, D], lay["KV_SMEM"])
+    v_desc = TensorDescriptor.from_tensor(v.view(-1, D), [64, D], lay["KV_SMEM"])
+    union, bits, count, order, U = items
+    o = torch.empty_like(q)
+    _cluster_kernel[(order.numel(),)](
+        k_desc, v_desc, q, o, union, bits, count, order, U, N, G // cluster, LOG2E / math.sqrt(D), D=D,
+        CLUSTER=cluster, STAGES=stages, Q_SMEM=lay["Q_SMEM"], Q_LAYOUT=lay["Q_LAYOUT"], S_LAYOUT=lay["S_LAYOUT"],
+        O_LAYOUT=lay["O_LAYOUT"], BAR=lay["BAR"], SHARED_BAR=lay["SHARED_BAR"], num_warps=4, num_ctas=cluster)
+    return o
+
+
+def compile_only(cluster: int, d: int = 256, stages: int = 3):
+    """The kernel compiled for sm_90a on any machine (no GPU): shared memory and registers."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    lay = layouts(cluster, d)
+    fn = _cluster_kernel
+    desc = f"tensordesc<bf16[64, {d}],{lay['KV_SMEM']!r}>"
+    constants = dict(D=d, CLUSTER=cluster, STAGES=stages, Q_SMEM=lay["Q_SMEM"], Q_LAYOUT=lay["Q_LAYOUT"],
+                     S_LAYOUT=lay["S_LAYOUT"], O_LAYOUT=lay["O_LAYOUT"], BAR=lay["BAR"], SHARED_BAR=lay["SHARED_BAR"])
+    types = {"k_desc": desc, "v_desc": desc, "Q": "*bf16", "O": "*bf16", "Union": "*i32", "Bits": "*i32",
+             "Count": "*i32", "Order": "*i32", "qk_scale": "fp32"}
+    signature = {a: "constexpr" if a in constants else types.get(a, "i32") for a in fn.arg_names}
+    src = GluonASTSource(fn, signature, constexprs=constants)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_ctas": cluster})
+
+
+def _timed(fn, reps: int = 5) -> float:
+    from workbench.core.timing import time_ms
+    return time_ms(fn, cuda=True, min_reps=reps, max_reps=reps)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", default="16384,65536,131072")
+    p.add_argument("--topk", type=int, default=100)
+    p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--selection", choices=("per_head", "group_shared"), default="per_head",
+                   help="per_head: each query head its own top-k; group_shared: one top-k per KV head "
+                        "(`block_index(group_shared=True)`) given to all its query heads, so union = own: the loop "
+                        "then runs its GQA-packed route on the KV head's tiles")
+    p.add_argument("--compile-only", action="store_true")
+    p.add_argument("--out", default="multicast_probe.json")
+    a = p.parse_args()
+    if a.compile_only:
+        for c in (1, 4):
+            k = compile_only(c, stages=a.stages)
+            print(f"cluster {c}: {k.metadata.shared} B of shared memory")
+        return 0
+    from workbench_benchmarks.kernels_prefill import planted_inputs
+    from workbench_kernels.index_build import block_index
+    from workbench_kernels.index_ref import selected_block_tiles
+    from workbench_kernels.prefill import sparse_prefill
+
+    from workbench.core.timing import environment
+
+    env = environment()
+    env["command"] = "python3 scripts/multicast_probe.py " + " ".join(sys.argv[1:])
+    out = {"environment": env, "check": {}, "rows": []}
+    hq, hkv, d, theta = 4, 1, 256, 1e6  # Gemma-3-270M's global layers
+    q, k, v = planted_inputs(hq, hkv, d, 4096, theta)
+    bidx = block_index(q, k, 16)
+    ref = sparse_prefill(q, k, v, selected_block_tiles(bidx))[0]
+    for c in (1, hq // hkv):
+        o = cluster_prefill(q, k, v, cluster_items(bidx, c), c, a.stages)
+        torch.cuda.synchronize()
+        err = float((o.float() - ref.float()).abs().max())
+        out["check"][f"cluster{c}"] = err
+        print(f"check cluster {c}: max |o - loop| = {err:.4f}", flush=True)
+    if any(not e < 0.05 for e in out["check"].values()):
+        print("check failed: no timings", flush=True)
+        json.dump(out, open(a.out, "w"), indent=1)
+        return 1
+    for n in [int(x) for x in a.lengths.split(",")]:
+        q, k, v = planted_inputs(hq, hkv, d, n, theta)
+        if a.selection == "group_shared":
+            shared = block_index(q, k, a.topk, group_shared=True)
+            bidx, tiles = shared.repeat_interleave(hq // hkv, 1).contiguous(), selected_block_tiles(shared)
+        else:
+            bidx = block_index(q, k, a.topk)
+            tiles = selected_block_tiles(bidx)
+        M = -(-n // 64)
+        own = int((bidx >= 0).sum())
+        per_head, grouped = cluster_items(bidx, 1), cluster_items(bidx, hq // hkv)
+        union = int(grouped[2].sum())
+        density = own / (hq * M * (M + 1) / 2)
+        kx, vx = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+        fns = {"dense_sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True),
+               "loop": lambda: sparse_prefill(q, k, v, tiles),
+               "cluster1": lambda: cluster_prefill(q, k, v, per_head, 1, a.stages),
+               f"cluster{hq // hkv}": lambda: cluster_prefill(q, k, v, grouped, hq // hkv, a.stages)}
+        for f in fns.values():
+            f()
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(a.rounds):
+            for name, f in fns.items():
+                times[name].append(_timed(f))
+        ms = {name: statistics.median(t) for name, t in times.items()}
+        row = {"n": n, "topk": a.topk, "selection": a.selection, "stages": a.stages, "density": density,
+               "union_over_own": union * (hq // hkv) / own,
+               "ms": ms, "rounds": times,
+               "eff_per_tile": {name: density * ms["dense_sdpa"] / t for name, t in ms.items() if name != "dense_sdpa"}}
+        out["rows"].append(row)
+        print(json.dumps({k2: row[k2] for k2 in ("n", "density", "union_over_own", "ms", "eff_per_tile")}), flush=True)
+        json.dump(out, open(a.out, "w"), indent=1)
+    out["elapsed_s"] = time.time()
+    json.dump(out, open(a.out, "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
