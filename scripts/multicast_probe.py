@@ -69,9 +69,21 @@ def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, local_empty, share
 
 
 @gluon.jit
+def _softmax(sc, piece, lanes, pos, m_i, l_i, qk_scale, dtype: gl.constexpr):
+    """Online-softmax step on scores sc `[R, 64]` of key block `piece` (causal mask by query position `pos`):
+    (P in `dtype`, the rescale alpha, new row max, new row sum)."""
+    keys = piece * 64 + lanes
+    sc = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1), sc * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(sc, 1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(sc - gl.expand_dims(m_new, 1))
+    return p.to(dtype), alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
 def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empty, Q, O, Union, Bits, Count, Order,
               U, N, qk_scale, D: gl.constexpr, CLUSTER: gl.constexpr, STAGES: gl.constexpr,
-              Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr):
+              Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, OVERLAP: gl.constexpr):
     """CLUSTER heads' 64-row blocks (rows r of the cluster tile: head r // 64 of the group) over the union's pieces,
     each CTA computing its own head's; writes O."""
     M = gl.cdiv(N, 64)
@@ -98,28 +110,77 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empt
     l_i = gl.zeros([R], gl.float32, row_s)
     acc = gl.zeros([R, D], gl.float32, O_LAYOUT)
     s0 = gl.zeros([R, 64], gl.float32, S_LAYOUT)
-    for i in range(n):
-        s = i % STAGES
-        ph = (i // STAGES) & 1
-        piece = gl.load(Union + item * U + i)
-        mine = (gl.load(Bits + item * U + i) >> rank) & 1
-        mbarrier.wait(k_ready.index(s), ph)
-        mbarrier.wait(v_ready.index(s), ph)
-        if mine != 0:
-            sc = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), s0, use_acc=False, is_async=True)
-            sc = warpgroup_mma_wait(0, deps=(sc,))
-            keys = piece * 64 + lanes
-            sc = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1), sc * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(sc, 1))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(sc - gl.expand_dims(m_new, 1))
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
+    if OVERLAP:
+        # FA3's intra-warpgroup overlap over runs of this CTA's own pieces: at own piece i, Q K^T(i) is issued, then
+        # P V of the pending own piece j, and the softmax of i runs while P V(j) is in flight; slot j is released
+        # once P V(j) completes. A skipped piece first flushes the pending one (so a slot is never held across a
+        # skip: the loader, walking the union in order, may need it).
+        pend = -1  # union position of the pending own piece (its slot still held), else -1
+        prob = gl.zeros([R, 64], gl.float32, S_LAYOUT).to(k_smem.dtype)
+        alpha = l_i
+        for i in range(n):
+            s = i % STAGES
+            ph = (i // STAGES) & 1
+            piece = gl.load(Union + item * U + i)
+            mine = (gl.load(Bits + item * U + i) >> rank) & 1
+            mbarrier.wait(k_ready.index(s), ph)
+            mbarrier.wait(v_ready.index(s), ph)
+            if mine != 0:
+                sc = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), s0, use_acc=False, is_async=True)
+                if pend >= 0:  # P V of the pending piece runs beside this piece's softmax
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                    acc = warpgroup_mma(gl.convert_layout(prob, p_layout), v_smem.index(pend % STAGES), acc,
+                                        is_async=True)
+                    scores = warpgroup_mma_wait(1, deps=(sc,))  # Q K^T done (groups retire in order), P V in flight
+                    prob, alpha, m_i, l_i = _softmax(scores, piece, lanes, pos, m_i, l_i, qk_scale, k_smem.dtype)
+                    acc = warpgroup_mma_wait(0, deps=(acc,))
+                else:
+                    scores = warpgroup_mma_wait(0, deps=(sc,))
+                    prob, alpha, m_i, l_i = _softmax(scores, piece, lanes, pos, m_i, l_i, qk_scale, k_smem.dtype)
+                if pend >= 0:
+                    mbarrier.arrive(local_empty.index(pend % STAGES))
+                    mbarrier.arrive(shared_empty.index(pend % STAGES))
+                pend = i
+            else:
+                if pend >= 0:
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                    acc = warpgroup_mma(gl.convert_layout(prob, p_layout), v_smem.index(pend % STAGES), acc,
+                                        is_async=True)
+                    acc = warpgroup_mma_wait(0, deps=(acc,))
+                    mbarrier.arrive(local_empty.index(pend % STAGES))
+                    mbarrier.arrive(shared_empty.index(pend % STAGES))
+                    pend = -1
+                mbarrier.arrive(local_empty.index(s))
+                mbarrier.arrive(shared_empty.index(s))
+        if pend >= 0:
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            acc = warpgroup_mma(gl.convert_layout(p.to(k_smem.dtype), p_layout), v_smem.index(s), acc, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(prob, p_layout), v_smem.index(pend % STAGES), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(local_empty.index(s))
-        mbarrier.arrive(shared_empty.index(s))
+            mbarrier.arrive(local_empty.index(pend % STAGES))
+            mbarrier.arrive(shared_empty.index(pend % STAGES))
+    else:
+        for i in range(n):
+            s = i % STAGES
+            ph = (i // STAGES) & 1
+            piece = gl.load(Union + item * U + i)
+            mine = (gl.load(Bits + item * U + i) >> rank) & 1
+            mbarrier.wait(k_ready.index(s), ph)
+            mbarrier.wait(v_ready.index(s), ph)
+            if mine != 0:
+                sc = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), s0, use_acc=False, is_async=True)
+                sc = warpgroup_mma_wait(0, deps=(sc,))
+                keys = piece * 64 + lanes
+                sc = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1), sc * qk_scale, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(sc, 1))
+                alpha = gl.exp2(m_i - m_new)
+                p = gl.exp2(sc - gl.expand_dims(m_new, 1))
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_i = m_new
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                acc = warpgroup_mma(gl.convert_layout(p.to(k_smem.dtype), p_layout), v_smem.index(s), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(local_empty.index(s))
+            mbarrier.arrive(shared_empty.index(s))
     orow = gl.arange(0, R, layout=row_o)
     od = gl.arange(0, D, layout=gl.SliceLayout(0, O_LAYOUT))
     out = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
@@ -131,7 +192,8 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empt
 @gluon.jit(do_not_specialize=["U", "N"])
 def _cluster_kernel(k_desc, v_desc, Q, O, Union, Bits, Count, Order, U, N, KV_DIV, qk_scale, D: gl.constexpr,
                     CLUSTER: gl.constexpr, STAGES: gl.constexpr, Q_SMEM: gl.constexpr, Q_LAYOUT: gl.constexpr,
-                    S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, BAR: gl.constexpr, SHARED_BAR: gl.constexpr):
+                    S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, BAR: gl.constexpr, SHARED_BAR: gl.constexpr,
+                    OVERLAP: gl.constexpr):
     q_smem = gl.allocate_shared_memory(k_desc.dtype, [CLUSTER * 64, D], Q_SMEM)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 64, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 64, D], v_desc.layout)
@@ -146,7 +208,7 @@ def _cluster_kernel(k_desc, v_desc, Q, O, Union, Bits, Count, Order, U, N, KV_DI
         mbarrier.init(shared_empty.index(i), count=1)
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empty, Q, O, Union, Bits, Count,
-                     Order, U, N, qk_scale, D, CLUSTER, STAGES, Q_LAYOUT, S_LAYOUT, O_LAYOUT)),
+                     Order, U, N, qk_scale, D, CLUSTER, STAGES, Q_LAYOUT, S_LAYOUT, O_LAYOUT, OVERLAP)),
         (_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empty, Union, Count, Order,
                    U, N, KV_DIV, CLUSTER, STAGES)),
     ], [1], [24])
@@ -198,7 +260,7 @@ def cluster_items(bidx: torch.Tensor, cluster: int) -> tuple[torch.Tensor, ...]:
     return union, bits, count, order, U
 
 
-def cluster_prefill(q, k, v, items, cluster: int, stages: int = 3):
+def cluster_prefill(q, k, v, items, cluster: int, stages: int = 3, overlap: bool = False):
     """Block-sparse causal attention (per query head selections, as `cluster_items(bidx, cluster)` holds them) with
     K/V tiles multicast to `cluster` query heads of a KV head (cluster 1: each head loads its own). q `[B, Hq, N, D]`,
     k / v `[B, Hkv, N, D]` bf16, contiguous; cluster 1 or Hq / Hkv. Returns o `[B, Hq, N, D]`."""
@@ -214,11 +276,12 @@ def cluster_prefill(q, k, v, items, cluster: int, stages: int = 3):
     _cluster_kernel[(order.numel(),)](
         k_desc, v_desc, q, o, union, bits, count, order, U, N, G // cluster, LOG2E / math.sqrt(D), D=D,
         CLUSTER=cluster, STAGES=stages, Q_SMEM=lay["Q_SMEM"], Q_LAYOUT=lay["Q_LAYOUT"], S_LAYOUT=lay["S_LAYOUT"],
-        O_LAYOUT=lay["O_LAYOUT"], BAR=lay["BAR"], SHARED_BAR=lay["SHARED_BAR"], num_warps=4, num_ctas=cluster)
+        O_LAYOUT=lay["O_LAYOUT"], BAR=lay["BAR"], SHARED_BAR=lay["SHARED_BAR"], OVERLAP=overlap, num_warps=4,
+        num_ctas=cluster)
     return o
 
 
-def compile_only(cluster: int, d: int = 256, stages: int = 3):
+def compile_only(cluster: int, d: int = 256, stages: int = 3, overlap: bool = False):
     """The kernel compiled for sm_90a on any machine (no GPU): shared memory and registers."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -227,7 +290,8 @@ def compile_only(cluster: int, d: int = 256, stages: int = 3):
     fn = _cluster_kernel
     desc = f"tensordesc<bf16[64, {d}],{lay['KV_SMEM']!r}>"
     constants = dict(D=d, CLUSTER=cluster, STAGES=stages, Q_SMEM=lay["Q_SMEM"], Q_LAYOUT=lay["Q_LAYOUT"],
-                     S_LAYOUT=lay["S_LAYOUT"], O_LAYOUT=lay["O_LAYOUT"], BAR=lay["BAR"], SHARED_BAR=lay["SHARED_BAR"])
+                     S_LAYOUT=lay["S_LAYOUT"], O_LAYOUT=lay["O_LAYOUT"], BAR=lay["BAR"], SHARED_BAR=lay["SHARED_BAR"],
+                     OVERLAP=overlap)
     types = {"k_desc": desc, "v_desc": desc, "Q": "*bf16", "O": "*bf16", "Union": "*i32", "Bits": "*i32",
              "Count": "*i32", "Order": "*i32", "qk_scale": "fp32"}
     signature = {a: "constexpr" if a in constants else types.get(a, "i32") for a in fn.arg_names}
@@ -255,8 +319,9 @@ def main() -> int:
     a = p.parse_args()
     if a.compile_only:
         for c in (1, 4):
-            k = compile_only(c, stages=a.stages)
-            print(f"cluster {c}: {k.metadata.shared} B of shared memory")
+            for ov in (False, True):
+                k = compile_only(c, stages=a.stages, overlap=ov)
+                print(f"cluster {c} overlap {ov}: {k.metadata.shared} B of shared memory")
         return 0
     from workbench_benchmarks.kernels_prefill import planted_inputs
     from workbench_kernels.index_build import block_index
@@ -273,11 +338,12 @@ def main() -> int:
     bidx = block_index(q, k, 16)
     ref = sparse_prefill(q, k, v, selected_block_tiles(bidx))[0]
     for c in (1, hq // hkv):
-        o = cluster_prefill(q, k, v, cluster_items(bidx, c), c, a.stages)
-        torch.cuda.synchronize()
-        err = float((o.float() - ref.float()).abs().max())
-        out["check"][f"cluster{c}"] = err
-        print(f"check cluster {c}: max |o - loop| = {err:.4f}", flush=True)
+        for ov in (False, True):
+            o = cluster_prefill(q, k, v, cluster_items(bidx, c), c, a.stages, ov)
+            torch.cuda.synchronize()
+            err = float((o.float() - ref.float()).abs().max())
+            out["check"][f"cluster{c}" + ("/overlap" if ov else "")] = err
+            print(f"check cluster {c} overlap {ov}: max |o - loop| = {err:.4f}", flush=True)
     if any(not e < 0.05 for e in out["check"].values()):
         print("check failed: no timings", flush=True)
         json.dump(out, open(a.out, "w"), indent=1)
@@ -299,7 +365,9 @@ def main() -> int:
         fns = {"dense_sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True),
                "loop": lambda: sparse_prefill(q, k, v, tiles),
                "cluster1": lambda: cluster_prefill(q, k, v, per_head, 1, a.stages),
-               f"cluster{hq // hkv}": lambda: cluster_prefill(q, k, v, grouped, hq // hkv, a.stages)}
+               f"cluster{hq // hkv}": lambda: cluster_prefill(q, k, v, grouped, hq // hkv, a.stages),
+               "cluster1/overlap": lambda: cluster_prefill(q, k, v, per_head, 1, a.stages, True),
+               f"cluster{hq // hkv}/overlap": lambda: cluster_prefill(q, k, v, grouped, hq // hkv, a.stages, True)}
         for f in fns.values():
             f()
         times: dict[str, list[float]] = {name: [] for name in fns}
