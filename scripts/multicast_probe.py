@@ -314,6 +314,10 @@ def main() -> int:
                    help="per_head: each query head its own top-k; group_shared: one top-k per KV head "
                         "(`block_index(group_shared=True)`) given to all its query heads, so union = own: the loop "
                         "then runs its GQA-packed route on the KV head's tiles")
+    p.add_argument("--variants", default="",
+                   help="comma-separated subset of the timed rows (dense_sdpa, loop, cluster1, cluster4, "
+                        "cluster1/overlap, cluster4/overlap); given without cluster rows, the check is skipped "
+                        "and the probe runs on any Triton (the loop beside dense SDPA)")
     p.add_argument("--compile-only", action="store_true")
     p.add_argument("--out", default="multicast_probe.json")
     a = p.parse_args()
@@ -337,7 +341,8 @@ def main() -> int:
     q, k, v = planted_inputs(hq, hkv, d, 4096, theta)
     bidx = block_index(q, k, 16)
     ref = sparse_prefill(q, k, v, selected_block_tiles(bidx))[0]
-    for c in (1, hq // hkv):
+    wanted = [v for v in a.variants.split(",") if v]
+    for c in (1, hq // hkv) if not wanted or any(w.startswith("cluster") for w in wanted) else ():
         for ov in (False, True):
             o = cluster_prefill(q, k, v, cluster_items(bidx, c), c, a.stages, ov)
             torch.cuda.synchronize()
@@ -368,6 +373,7 @@ def main() -> int:
                f"cluster{hq // hkv}": lambda: cluster_prefill(q, k, v, grouped, hq // hkv, a.stages),
                "cluster1/overlap": lambda: cluster_prefill(q, k, v, per_head, 1, a.stages, True),
                f"cluster{hq // hkv}/overlap": lambda: cluster_prefill(q, k, v, grouped, hq // hkv, a.stages, True)}
+        fns = {name: f for name, f in fns.items() if not wanted or name in wanted}
         for f in fns.values():
             f()
         times: dict[str, list[float]] = {name: [] for name in fns}
