@@ -23,6 +23,7 @@ length, dense SDPA, the loop, CLUSTER=1 and CLUSTER=G timed in interleaved round
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -39,6 +40,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 ROWS = 64  # query rows per CTA (one head's row block)
 KEYS = 64  # keys per piece
 LOG2E = 1.4426950408889634
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # 3.6 (the GPU image's) has the old name
+tma_multicast = getattr(tma, "async_load", None)  # multicast=True: Triton >= 3.9 (None in 3.6: cluster kernels only)
 
 
 @gluon.jit
@@ -49,23 +52,30 @@ def _cta_rank():
 
 @gluon.jit
 def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empty, Union, Count, Order, U, N,
-            KV_DIV, CLUSTER: gl.constexpr, STAGES: gl.constexpr):
-    """Loads the union's K/V tiles of work item Order[program] into the rings (multicast with a cluster). Item
-    (group, row block): group = b * Hq / CLUSTER + j, KV head group // KV_DIV."""
+            MI, KV_DIV, CLUSTER: gl.constexpr, STAGES: gl.constexpr):
+    """Loads the union's K/V tiles of work item Order[program] into the ring (multicast with a cluster). Item
+    (group, j): group = item // MI (b * Hq / CLUSTER + g), KV head group // KV_DIV."""
     item = gl.load(Order + gl.program_id(0))
     n = gl.load(Count + item)
-    kv_row = (item // gl.cdiv(N, 64) // KV_DIV) * N  # its KV head's first row in [B * Hkv * N, D] (TMA: int32)
+    kv_row = (item // MI // KV_DIV) * N  # its KV head's first row in [B * Hkv * N, D] (TMA: int32)
     for i in range(n):
         s = i % STAGES
         if i >= STAGES:
             ph = (i // STAGES - 1) & 1
-            mbarrier.wait(local_empty.index(s), ph)
+            if CLUSTER > 1:
+                mbarrier.wait(local_empty.index(s), ph)
             mbarrier.wait(shared_empty.index(s), ph)
         row = kv_row + gl.load(Union + item * U + i) * 64
-        mbarrier.expect(k_ready.index(s), k_desc.nbytes_per_cta)
-        tma.async_load(k_desc, [row, 0], k_ready.index(s), k_smem.index(s), multicast=CLUSTER > 1)
-        mbarrier.expect(v_ready.index(s), v_desc.nbytes_per_cta)
-        tma.async_load(v_desc, [row, 0], v_ready.index(s), v_smem.index(s), multicast=CLUSTER > 1)
+        if CLUSTER > 1:
+            mbarrier.expect(k_ready.index(s), k_desc.nbytes_per_cta)
+            tma_multicast(k_desc, [row, 0], k_ready.index(s), k_smem.index(s), multicast=True)
+            mbarrier.expect(v_ready.index(s), v_desc.nbytes_per_cta)
+            tma_multicast(v_desc, [row, 0], v_ready.index(s), v_smem.index(s), multicast=True)
+        else:
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma_load(k_desc, [row, 0], k_ready.index(s), k_smem.index(s))
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma_load(v_desc, [row, 0], v_ready.index(s), v_smem.index(s))
 
 
 @gluon.jit
@@ -82,16 +92,22 @@ def _softmax(sc, piece, lanes, pos, m_i, l_i, qk_scale, dtype: gl.constexpr):
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empty, Q, O, Union, Bits, Count, Order,
-              U, N, qk_scale, D: gl.constexpr, CLUSTER: gl.constexpr, STAGES: gl.constexpr,
-              Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, OVERLAP: gl.constexpr):
-    """CLUSTER heads' 64-row blocks (rows r of the cluster tile: head r // 64 of the group) over the union's pieces,
-    each CTA computing its own head's; writes O."""
-    M = gl.cdiv(N, 64)
+              U, N, MI, qk_scale, D: gl.constexpr, CLUSTER: gl.constexpr, STAGES: gl.constexpr,
+              Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, OVERLAP: gl.constexpr,
+              SUB: gl.constexpr):
+    """Cluster (SUB < 0): CLUSTER heads' 64-row blocks (rows r of the cluster tile: head r // 64 of the group) over
+    the union's pieces, each CTA computing its own head's. Pair (SUB = 0 / 1, CLUSTER 1): row block 2 j + SUB of the
+    item's head, bit SUB of the pieces. Writes O."""
     item = gl.load(Order + gl.program_id(0))
     n = gl.load(Count + item)
-    m = item % M
-    group = item // M  # b * Hkv + kv head
-    rank = _cta_rank()
+    group = item // MI  # cluster: b * Hkv + kv head; pair: b * Hq + head
+    if SUB >= 0:
+        m = (item % MI) * 2 + SUB
+        rank = SUB
+        q_smem = q_smem.index(SUB)
+    else:
+        m = item % MI
+        rank = _cta_rank()
     R: gl.constexpr = CLUSTER * 64
     # Q rows of the cluster tile: (group * CLUSTER + r // 64) heads, query rows m * 64 + r % 64
     qr = gl.arange(0, R, layout=gl.SliceLayout(1, Q_LAYOUT))
@@ -138,7 +154,8 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empt
                     scores = warpgroup_mma_wait(0, deps=(sc,))
                     prob, alpha, m_i, l_i = _softmax(scores, piece, lanes, pos, m_i, l_i, qk_scale, k_smem.dtype)
                 if pend >= 0:
-                    mbarrier.arrive(local_empty.index(pend % STAGES))
+                    if CLUSTER > 1:
+                        mbarrier.arrive(local_empty.index(pend % STAGES))
                     mbarrier.arrive(shared_empty.index(pend % STAGES))
                 pend = i
             else:
@@ -147,16 +164,19 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empt
                     acc = warpgroup_mma(gl.convert_layout(prob, p_layout), v_smem.index(pend % STAGES), acc,
                                         is_async=True)
                     acc = warpgroup_mma_wait(0, deps=(acc,))
-                    mbarrier.arrive(local_empty.index(pend % STAGES))
+                    if CLUSTER > 1:
+                        mbarrier.arrive(local_empty.index(pend % STAGES))
                     mbarrier.arrive(shared_empty.index(pend % STAGES))
                     pend = -1
-                mbarrier.arrive(local_empty.index(s))
+                if CLUSTER > 1:
+                    mbarrier.arrive(local_empty.index(s))
                 mbarrier.arrive(shared_empty.index(s))
         if pend >= 0:
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             acc = warpgroup_mma(gl.convert_layout(prob, p_layout), v_smem.index(pend % STAGES), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(local_empty.index(pend % STAGES))
+            if CLUSTER > 1:
+                mbarrier.arrive(local_empty.index(pend % STAGES))
             mbarrier.arrive(shared_empty.index(pend % STAGES))
     else:
         for i in range(n):
@@ -168,18 +188,13 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empt
             mbarrier.wait(v_ready.index(s), ph)
             if mine != 0:
                 sc = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), s0, use_acc=False, is_async=True)
-                sc = warpgroup_mma_wait(0, deps=(sc,))
-                keys = piece * 64 + lanes
-                sc = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1), sc * qk_scale, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(sc, 1))
-                alpha = gl.exp2(m_i - m_new)
-                p = gl.exp2(sc - gl.expand_dims(m_new, 1))
-                l_i = l_i * alpha + gl.sum(p, 1)
-                m_i = m_new
+                scores = warpgroup_mma_wait(0, deps=(sc,))
+                prob, alpha, m_i, l_i = _softmax(scores, piece, lanes, pos, m_i, l_i, qk_scale, k_smem.dtype)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-                acc = warpgroup_mma(gl.convert_layout(p.to(k_smem.dtype), p_layout), v_smem.index(s), acc, is_async=True)
+                acc = warpgroup_mma(gl.convert_layout(prob, p_layout), v_smem.index(s), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(local_empty.index(s))
+            if CLUSTER > 1:
+                mbarrier.arrive(local_empty.index(s))
             mbarrier.arrive(shared_empty.index(s))
     orow = gl.arange(0, R, layout=row_o)
     od = gl.arange(0, D, layout=gl.SliceLayout(0, O_LAYOUT))
@@ -190,7 +205,7 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empt
 
 
 @gluon.jit(do_not_specialize=["U", "N"])
-def _cluster_kernel(k_desc, v_desc, Q, O, Union, Bits, Count, Order, U, N, KV_DIV, qk_scale, D: gl.constexpr,
+def _cluster_kernel(k_desc, v_desc, Q, O, Union, Bits, Count, Order, U, N, MI, KV_DIV, qk_scale, D: gl.constexpr,
                     CLUSTER: gl.constexpr, STAGES: gl.constexpr, Q_SMEM: gl.constexpr, Q_LAYOUT: gl.constexpr,
                     S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, BAR: gl.constexpr, SHARED_BAR: gl.constexpr,
                     OVERLAP: gl.constexpr):
@@ -208,20 +223,53 @@ def _cluster_kernel(k_desc, v_desc, Q, O, Union, Bits, Count, Order, U, N, KV_DI
         mbarrier.init(shared_empty.index(i), count=1)
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empty, Q, O, Union, Bits, Count,
-                     Order, U, N, qk_scale, D, CLUSTER, STAGES, Q_LAYOUT, S_LAYOUT, O_LAYOUT, OVERLAP)),
+                     Order, U, N, MI, qk_scale, D, CLUSTER, STAGES, Q_LAYOUT, S_LAYOUT, O_LAYOUT, OVERLAP, -1)),
         (_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empty, Union, Count, Order,
-                   U, N, KV_DIV, CLUSTER, STAGES)),
+                   U, N, MI, KV_DIV, CLUSTER, STAGES)),
     ], [1], [24])
 
 
+@gluon.jit(do_not_specialize=["U", "N"])
+def _pair_kernel(k_desc, v_desc, Q, O, Union, Bits, Count, Order, U, N, MI, KV_DIV, qk_scale, D: gl.constexpr,
+                 STAGES: gl.constexpr, Q_SMEM: gl.constexpr, Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr,
+                 O_LAYOUT: gl.constexpr, OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Two consumer warpgroups (row blocks 2 j and 2 j + 1 of one head) on one ring over the union of their pieces;
+    a slot is refilled once both have released it (`empty` counts 2)."""
+    q_smem = gl.allocate_shared_memory(k_desc.dtype, [2, 64, D], Q_SMEM)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 64, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 64, D], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, empty, empty, Q, O, Union, Bits, Count,
+                     Order, U, N, MI, qk_scale, D, 1, STAGES, Q_LAYOUT, S_LAYOUT, O_LAYOUT, OVERLAP, 0)),
+        (_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, empty, empty, Q, O, Union, Bits, Count,
+                     Order, U, N, MI, qk_scale, D, 1, STAGES, Q_LAYOUT, S_LAYOUT, O_LAYOUT, OVERLAP, 1)),
+        (_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, empty, Union, Count, Order,
+                   U, N, MI, KV_DIV, 1, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
 def layouts(cluster: int, d: int) -> dict:
-    """The kernel's layouts for a cluster of `cluster` CTAs (rows sharded by CTA; K / V tiles broadcast)."""
+    """The kernel's layouts for a cluster of `cluster` CTAs (rows sharded by CTA; K / V tiles broadcast); without
+    a cluster, plain layouts (any Triton with Gluon)."""
+    bf16 = gl.bfloat16
+    if cluster == 1:
+        return {"Q_SMEM": gl.NVMMASharedLayout.get_default_for([64, d], bf16),
+                "Q_LAYOUT": gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]),
+                "S_LAYOUT": gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]),
+                "O_LAYOUT": gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, d, 16]),
+                "BAR": mbarrier.MBarrierLayout(), "SHARED_BAR": mbarrier.MBarrierLayout(),
+                "KV_SMEM": gl.NVMMASharedLayout.get_default_for([64, d], bf16)}
     bits = cluster.bit_length() - 1
     rows = [[1 << j, 0] for j in range(bits)]  # CTA j of the cluster holds rows [64 j, 64 j + 64)
-    bcast = [[0, 0] for _ in range(bits)]
-    bf16 = gl.bfloat16
     return {
-        "Q_SMEM": gl.NVMMASharedLayout.get_default_for([cluster * 64, d], bf16, cga_layout=rows or None),
+        "Q_SMEM": gl.NVMMASharedLayout.get_default_for([cluster * 64, d], bf16, cga_layout=rows),
         "Q_LAYOUT": gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0], cga_layout=rows),
         "S_LAYOUT": gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16],
                                               cga_layout=rows),
@@ -229,33 +277,44 @@ def layouts(cluster: int, d: int) -> dict:
                                               cga_layout=rows),
         "BAR": mbarrier.MBarrierLayout.multicta(cluster),
         "SHARED_BAR": mbarrier.MBarrierLayout(cga_layout=[[0] for _ in range(bits)]),
-        "KV_SMEM": gl.NVMMASharedLayout.get_default_for([64, d], bf16, cga_layout=bcast or None),
+        "KV_SMEM": gl.NVMMASharedLayout.get_default_for([64, d], bf16, cga_layout=[[0, 0] for _ in range(bits)]),
     }
 
 
-def union_index(bidx: torch.Tensor, cluster: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Per (b, KV-group of `cluster` heads, row block): the ascending union of the heads' key blocks, each piece's
-    bit mask of heads that selected it, and the union's size. bidx Int32 `[B, Hq, M, K]` ascending, -1 padded.
-    Returns Union / Bits Int32 `[items, U]`, Count Int32 `[items]` (items = B * Hq / cluster * M), U."""
-    B, H, M, _ = bidx.shape
-    g = bidx.view(B, H // cluster, cluster, M, -1)
-    member = torch.zeros(B, H // cluster, M, M + 1, dtype=torch.int32, device=bidx.device)
-    for h in range(cluster):
-        idx = torch.where(g[:, :, h] >= 0, g[:, :, h], M).long()
-        member.scatter_(-1, idx, member.gather(-1, idx) | (1 << h))
-    member = member[..., :M]
+def union_of(groups: torch.Tensor, n_keys: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Per item: the ascending union of its P members' key blocks and each piece's bit mask of the members that
+    selected it. groups Int32 `[items, P, K]` ascending, -1 padded, blocks < n_keys. Returns Union / Bits Int32
+    `[items, U]` (padding: Bits 0), Count Int32 `[items]`, U (the largest union)."""
+    member = torch.zeros(groups.shape[0], n_keys + 1, dtype=torch.int32, device=groups.device)
+    for j in range(groups.shape[1]):
+        idx = torch.where(groups[:, j] >= 0, groups[:, j], n_keys).long()
+        member.scatter_(-1, idx, member.gather(-1, idx) | (1 << j))
+    member = member[:, :n_keys]
     count = (member != 0).sum(-1).to(torch.int32)
     U = int(count.max())
-    keys = torch.arange(M, device=bidx.device)
-    union = torch.where(member != 0, keys, M).sort(-1).values[..., :U]
-    bits = member.gather(-1, union.clamp(max=M - 1)) * (union < M)
-    return (union.clamp(max=M - 1).to(torch.int32).reshape(-1, U).contiguous(),
-            bits.to(torch.int32).reshape(-1, U).contiguous(), count.reshape(-1).contiguous(), U)
+    keys = torch.arange(n_keys, device=groups.device)
+    union = torch.where(member != 0, keys, n_keys).sort(-1).values[:, :U]
+    bits = member.gather(-1, union.clamp(max=n_keys - 1)) * (union < n_keys)
+    return union.clamp(max=n_keys - 1).to(torch.int32).contiguous(), bits.to(torch.int32).contiguous(), count, U
+
+
+def union_index(bidx: torch.Tensor, cluster: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """`union_of` per (b, KV-group of `cluster` heads, row block), items in that order. bidx Int32 `[B, Hq, M, K]`."""
+    B, H, M, K = bidx.shape
+    return union_of(bidx.view(B, H // cluster, cluster, M, K).transpose(2, 3).reshape(-1, cluster, K), M)
+
+
+def pair_index(bidx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """`union_of` per (b, head, row-block pair 2 j, 2 j + 1), items in that order (an odd M's last pair: one member)."""
+    B, H, M, K = bidx.shape
+    pad = torch.nn.functional.pad(bidx, (0, 0, 0, M % 2), value=-1)
+    return union_of(pad.view(B * H * ((M + 1) // 2), 2, K), M)
 
 
 def cluster_items(bidx: torch.Tensor, cluster: int) -> tuple[torch.Tensor, ...]:
-    """`union_index` and the launch order (longest union first): (Union, Bits, Count, Order, U)."""
-    union, bits, count, U = union_index(bidx, cluster)
+    """`union_index` (cluster > 0) or `pair_index` (cluster 0) and the launch order (longest union first):
+    (Union, Bits, Count, Order, U)."""
+    union, bits, count, U = union_index(bidx, cluster) if cluster else pair_index(bidx)
     order = torch.argsort(count, descending=True, stable=True).to(torch.int32)
     return union, bits, count, order, U
 
@@ -274,29 +333,52 @@ def cluster_prefill(q, k, v, items, cluster: int, stages: int = 3, overlap: bool
     union, bits, count, order, U = items
     o = torch.empty_like(q)
     _cluster_kernel[(order.numel(),)](
-        k_desc, v_desc, q, o, union, bits, count, order, U, N, G // cluster, LOG2E / math.sqrt(D), D=D,
+        k_desc, v_desc, q, o, union, bits, count, order, U, N, -(-N // 64), G // cluster, LOG2E / math.sqrt(D), D=D,
         CLUSTER=cluster, STAGES=stages, Q_SMEM=lay["Q_SMEM"], Q_LAYOUT=lay["Q_LAYOUT"], S_LAYOUT=lay["S_LAYOUT"],
         O_LAYOUT=lay["O_LAYOUT"], BAR=lay["BAR"], SHARED_BAR=lay["SHARED_BAR"], OVERLAP=overlap, num_warps=4,
         num_ctas=cluster)
     return o
 
 
+PAIR_LAUNCH = {"maxnreg": 168, "consumer_regs": 240}  # 3 warpgroups a program: `prefill_ws.launch_config(2, 256)`
+
+
+def pair_prefill(q, k, v, items, stages: int = 2, overlap: bool = False):
+    """Block-sparse causal attention (per query head selections, as `cluster_items(bidx, 0)` holds them) with row
+    blocks 2 j and 2 j + 1 of a head on two consumer warpgroups of one program, reading one K/V ring over the union
+    of their pieces. q `[B, Hq, N, D]`, k / v `[B, Hkv, N, D]` bf16, contiguous. Returns o."""
+    B, Hq, N, D = q.shape
+    lay = layouts(1, D)
+    k_desc = TensorDescriptor.from_tensor(k.view(-1, D), [64, D], lay["KV_SMEM"])
+    v_desc = TensorDescriptor.from_tensor(v.view(-1, D), [64, D], lay["KV_SMEM"])
+    union, bits, count, order, U = items
+    o = torch.empty_like(q)
+    _pair_kernel[(order.numel(),)](
+        k_desc, v_desc, q, o, union, bits, count, order, U, N, -(-N // 128), Hq // k.shape[1], LOG2E / math.sqrt(D),
+        D=D, STAGES=stages, Q_SMEM=lay["Q_SMEM"], Q_LAYOUT=lay["Q_LAYOUT"], S_LAYOUT=lay["S_LAYOUT"],
+        O_LAYOUT=lay["O_LAYOUT"], OVERLAP=overlap, CONSUMER_REGS=PAIR_LAUNCH["consumer_regs"], num_warps=4,
+        maxnreg=PAIR_LAUNCH["maxnreg"])
+    return o
+
+
 def compile_only(cluster: int, d: int = 256, stages: int = 3, overlap: bool = False):
-    """The kernel compiled for sm_90a on any machine (no GPU): shared memory and registers."""
+    """The kernel compiled for sm_90a on any machine (no GPU); cluster 0: the pair kernel."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    lay = layouts(cluster, d)
-    fn = _cluster_kernel
+    lay = layouts(max(cluster, 1), d)
+    fn = _cluster_kernel if cluster else _pair_kernel
     desc = f"tensordesc<bf16[64, {d}],{lay['KV_SMEM']!r}>"
-    constants = dict(D=d, CLUSTER=cluster, STAGES=stages, Q_SMEM=lay["Q_SMEM"], Q_LAYOUT=lay["Q_LAYOUT"],
-                     S_LAYOUT=lay["S_LAYOUT"], O_LAYOUT=lay["O_LAYOUT"], BAR=lay["BAR"], SHARED_BAR=lay["SHARED_BAR"],
-                     OVERLAP=overlap)
+    constants = dict(D=d, STAGES=stages, Q_SMEM=lay["Q_SMEM"], Q_LAYOUT=lay["Q_LAYOUT"], S_LAYOUT=lay["S_LAYOUT"],
+                     O_LAYOUT=lay["O_LAYOUT"], OVERLAP=overlap)
+    constants.update(dict(CLUSTER=cluster, BAR=lay["BAR"], SHARED_BAR=lay["SHARED_BAR"]) if cluster else
+                     dict(CONSUMER_REGS=PAIR_LAUNCH["consumer_regs"]))
     types = {"k_desc": desc, "v_desc": desc, "Q": "*bf16", "O": "*bf16", "Union": "*i32", "Bits": "*i32",
              "Count": "*i32", "Order": "*i32", "qk_scale": "fp32"}
     signature = {a: "constexpr" if a in constants else types.get(a, "i32") for a in fn.arg_names}
     src = GluonASTSource(fn, signature, constexprs=constants)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_ctas": cluster})
+    options = {"num_warps": 4, "num_ctas": cluster} if cluster else {"num_warps": 4, "maxnreg": PAIR_LAUNCH["maxnreg"]}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def _timed(fn, reps: int = 5) -> float:
@@ -309,6 +391,7 @@ def main() -> int:
     p.add_argument("--lengths", default="16384,65536,131072")
     p.add_argument("--topk", type=int, default=100)
     p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--pair-stages", type=int, default=2, help="ring slots of the pair kernel (3 do not fit at head_dim 256)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--selection", choices=("per_head", "group_shared"), default="per_head",
                    help="per_head: each query head its own top-k; group_shared: one top-k per KV head "
@@ -322,10 +405,10 @@ def main() -> int:
     p.add_argument("--out", default="multicast_probe.json")
     a = p.parse_args()
     if a.compile_only:
-        for c in (1, 4):
+        for c in (0, 1, 4):
             for ov in (False, True):
-                k = compile_only(c, stages=a.stages, overlap=ov)
-                print(f"cluster {c} overlap {ov}: {k.metadata.shared} B of shared memory")
+                k = compile_only(c, stages=a.pair_stages if c == 0 else a.stages, overlap=ov)
+                print(f"{'pair' if c == 0 else f'cluster {c}'} overlap {ov}: {k.metadata.shared} B of shared memory")
         return 0
     from workbench_benchmarks.kernels_prefill import planted_inputs
     from workbench_kernels.index_build import block_index
@@ -334,6 +417,7 @@ def main() -> int:
 
     from workbench.core.timing import environment
 
+    t0 = time.time()
     env = environment()
     env["command"] = "python3 scripts/multicast_probe.py " + " ".join(sys.argv[1:])
     out = {"environment": env, "check": {}, "rows": []}
@@ -341,14 +425,26 @@ def main() -> int:
     q, k, v = planted_inputs(hq, hkv, d, 4096, theta)
     bidx = block_index(q, k, 16)
     ref = sparse_prefill(q, k, v, selected_block_tiles(bidx))[0]
-    wanted = [v for v in a.variants.split(",") if v]
-    for c in (1, hq // hkv) if not wanted or any(w.startswith("cluster") for w in wanted) else ():
-        for ov in (False, True):
-            o = cluster_prefill(q, k, v, cluster_items(bidx, c), c, a.stages, ov)
-            torch.cuda.synchronize()
-            err = float((o.float() - ref.float()).abs().max())
-            out["check"][f"cluster{c}" + ("/overlap" if ov else "")] = err
-            print(f"check cluster {c} overlap {ov}: max |o - loop| = {err:.4f}", flush=True)
+    G = hq // hkv
+    kernels = {"cluster1": (1, False), f"cluster{G}": (G, False), "cluster1/overlap": (1, True),
+               f"cluster{G}/overlap": (G, True), "pair": (0, False), "pair/overlap": (0, True)}
+    wanted = [v for v in a.variants.split(",") if v] or ["dense_sdpa", "loop", *kernels]
+
+    def launch(name, q, k, v, items):
+        c, ov = kernels[name]
+        if c == 0:
+            return pair_prefill(q, k, v, items[0], a.pair_stages, ov)
+        return cluster_prefill(q, k, v, items[c], c, a.stages, ov)
+
+    def items_of(bidx):
+        return {c: cluster_items(bidx, c) for c in {kernels[w][0] for w in wanted if w in kernels}}
+
+    items = items_of(bidx)
+    for name in [w for w in wanted if w in kernels]:
+        o = launch(name, q, k, v, items)
+        torch.cuda.synchronize()
+        out["check"][name] = float((o.float() - ref.float()).abs().max())
+        print(f"check {name}: max |o - loop| = {out['check'][name]:.4f}", flush=True)
     if any(not e < 0.05 for e in out["check"].values()):
         print("check failed: no timings", flush=True)
         json.dump(out, open(a.out, "w"), indent=1)
@@ -357,23 +453,19 @@ def main() -> int:
         q, k, v = planted_inputs(hq, hkv, d, n, theta)
         if a.selection == "group_shared":
             shared = block_index(q, k, a.topk, group_shared=True)
-            bidx, tiles = shared.repeat_interleave(hq // hkv, 1).contiguous(), selected_block_tiles(shared)
+            bidx, tiles = shared.repeat_interleave(G, 1).contiguous(), selected_block_tiles(shared)
         else:
             bidx = block_index(q, k, a.topk)
             tiles = selected_block_tiles(bidx)
         M = -(-n // 64)
         own = int((bidx >= 0).sum())
-        per_head, grouped = cluster_items(bidx, 1), cluster_items(bidx, hq // hkv)
-        union = int(grouped[2].sum())
+        items = items_of(bidx)
         density = own / (hq * M * (M + 1) / 2)
-        kx, vx = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+        kx, vx = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
         fns = {"dense_sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True),
                "loop": lambda: sparse_prefill(q, k, v, tiles),
-               "cluster1": lambda: cluster_prefill(q, k, v, per_head, 1, a.stages),
-               f"cluster{hq // hkv}": lambda: cluster_prefill(q, k, v, grouped, hq // hkv, a.stages),
-               "cluster1/overlap": lambda: cluster_prefill(q, k, v, per_head, 1, a.stages, True),
-               f"cluster{hq // hkv}/overlap": lambda: cluster_prefill(q, k, v, grouped, hq // hkv, a.stages, True)}
-        fns = {name: f for name, f in fns.items() if not wanted or name in wanted}
+               **{name: functools.partial(launch, name, q, k, v, items) for name in kernels}}
+        fns = {name: f for name, f in fns.items() if name in wanted}
         for f in fns.values():
             f()
         times: dict[str, list[float]] = {name: [] for name in fns}
@@ -381,14 +473,15 @@ def main() -> int:
             for name, f in fns.items():
                 times[name].append(_timed(f))
         ms = {name: statistics.median(t) for name, t in times.items()}
-        row = {"n": n, "topk": a.topk, "selection": a.selection, "stages": a.stages, "density": density,
-               "union_over_own": union * (hq // hkv) / own,
+        row = {"n": n, "topk": a.topk, "selection": a.selection, "stages": a.stages, "pair_stages": a.pair_stages,
+               "density": density, "union_over_own": {c: int(it[2].sum()) * max(c, 1) / own if c else
+                                                      2 * int(it[2].sum()) / own for c, it in items.items()},
                "ms": ms, "rounds": times,
                "eff_per_tile": {name: density * ms["dense_sdpa"] / t for name, t in ms.items() if name != "dense_sdpa"}}
         out["rows"].append(row)
         print(json.dumps({k2: row[k2] for k2 in ("n", "density", "union_over_own", "ms", "eff_per_tile")}), flush=True)
         json.dump(out, open(a.out, "w"), indent=1)
-    out["elapsed_s"] = time.time()
+    out["elapsed_s"] = time.time() - t0
     json.dump(out, open(a.out, "w"), indent=1)
     return 0
 
