@@ -1,24 +1,26 @@
-"""Exploratory (Hopper, Triton >= 3.9): TMA multicast of K/V tiles to a cluster of the G query heads of one KV
-head, for per-head block-sparse prefill at head_dim 256 (issue 25's head_dim-256 lead, way 3 in kernels/NOTES.md).
+"""Exploratory (Hopper, Triton >= 3.9 for the cluster rows): TMA multicast of K/V tiles to a cluster of the G query
+heads of one KV head, for per-head block-sparse prefill at head_dim 256 (issue 25's head_dim-256 lead, way 3 in
+kernels/NOTES.md; measured and closed in session 32), beside the library's row-block pairs (`prefill_pair`).
 
-The head_dim-256 loop is L2-bound per head (session 29's ncu read): each 64-row program loads its own K/V tiles,
-and the G heads of a KV head load the same rows from L2, G times. Here one cluster of G CTAs (one per query head
-of the KV head, the same 64-row block) walks the union of the G heads' key blocks in ascending order; rank 0
-TMA-loads each K/V tile once and multicasts it into all G CTAs' rings; each CTA computes only the pieces its own
-head selected (a per-piece bit mask) and skips the rest. Compute and masks are per head, as today; L2 reads fall to
-union / (G x own).
+One cluster of G CTAs (one per query head of the KV head, the same 64-row block) walks the union of the G heads' key
+blocks in ascending order; rank 0 TMA-loads each K/V tile once and multicasts it into all G CTAs' rings; each CTA
+computes only the pieces its own head selected (a per-piece bit mask) and skips the rest. L2 reads fall to
+union / (G x own); each SM's intake does not.
 
-Kernel: a 1-warp loader partition (TMA, rings of STAGES K and V slots) and a 4-warp consumer (Q K^T and P V by
-wgmma, online softmax in fp32 with exp2). Slot release: each consumer arrives on its CTA's `local_empty` (its own
-loader's next expect waits for it) and on the cluster's `shared_empty` (a barrier living in rank 0, count G; the
-loader waits on it, which the compiler emits in rank 0 only, before the multicast refill). `CLUSTER=1` is the
-same kernel without a cluster: each program walks its own head's pieces and loads them itself (the A/B baseline).
+Kernel: a 1-warp loader partition (TMA, a ring of STAGES K + V slots) and a 4-warp consumer (Q K^T and P V by
+wgmma, online softmax in fp32 with exp2; `overlap`: FA3's intra-warpgroup overlap over runs of own pieces). Slot
+release: each consumer arrives on its CTA's `local_empty` (its own loader's next expect waits for it) and on the
+cluster's `shared_empty` (a barrier living in rank 0, count G; the loader waits on it, which the compiler emits in
+rank 0 only, before the multicast refill). `CLUSTER=1` is the same kernel without a cluster: each program walks its
+own head's pieces and loads them itself (the A/B baseline). The `pair` row is `prefill_pair.pair_prefill`, which
+runs on the GPU image's Triton 3.6 (as do `dense_sdpa` and `loop`).
 
-Run (GPU, Triton >= 3.9 first on PYTHONPATH):
+Run (GPU; Triton >= 3.9 first on PYTHONPATH for the cluster rows, `scripts/device_triton.sh`):
   python3 scripts/multicast_probe.py --lengths 16384,65536,131072 --out multicast_probe.json
-Steps: a bf16 check of both variants against `sparse_prefill` (the loop) on the same tiles at 4K; then, per
-length, dense SDPA, the loop, CLUSTER=1 and CLUSTER=G timed in interleaved rounds on the bench's planted inputs
-(Gemma-3 shape 4/1/256, `block_index(q, k, --topk)`), efficiency per computed tile = density x SDPA ms / ms.
+  python3 scripts/multicast_probe.py --variants dense_sdpa,loop,pair --rounds 5 --out pair_probe.json
+Steps: a bf16 check of the kernels against the loop on the same tiles at 4K; then, per length, the rows timed in
+interleaved rounds on the bench's planted inputs (Gemma-3 shape 4/1/256, `block_index(q, k, --topk)`), efficiency
+per computed tile = density x SDPA ms / ms.
 """
 from __future__ import annotations
 
@@ -93,21 +95,14 @@ def _softmax(sc, piece, lanes, pos, m_i, l_i, qk_scale, dtype: gl.constexpr):
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empty, Q, O, Union, Bits, Count, Order,
               U, N, MI, qk_scale, D: gl.constexpr, CLUSTER: gl.constexpr, STAGES: gl.constexpr,
-              Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, OVERLAP: gl.constexpr,
-              SUB: gl.constexpr):
-    """Cluster (SUB < 0): CLUSTER heads' 64-row blocks (rows r of the cluster tile: head r // 64 of the group) over
-    the union's pieces, each CTA computing its own head's. Pair (SUB = 0 / 1, CLUSTER 1): row block 2 j + SUB of the
-    item's head, bit SUB of the pieces. Writes O."""
+              Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, OVERLAP: gl.constexpr):
+    """CLUSTER heads' 64-row blocks (rows r of the cluster tile: head r // 64 of the group) over the union's pieces,
+    each CTA computing its own head's; writes O."""
     item = gl.load(Order + gl.program_id(0))
     n = gl.load(Count + item)
-    group = item // MI  # cluster: b * Hkv + kv head; pair: b * Hq + head
-    if SUB >= 0:
-        m = (item % MI) * 2 + SUB
-        rank = SUB
-        q_smem = q_smem.index(SUB)
-    else:
-        m = item % MI
-        rank = _cta_rank()
+    group = item // MI  # b * Hkv + kv head (CLUSTER 1: b * Hq + head)
+    m = item % MI
+    rank = _cta_rank()
     R: gl.constexpr = CLUSTER * 64
     # Q rows of the cluster tile: (group * CLUSTER + r // 64) heads, query rows m * 64 + r % 64
     qr = gl.arange(0, R, layout=gl.SliceLayout(1, Q_LAYOUT))
@@ -223,36 +218,11 @@ def _cluster_kernel(k_desc, v_desc, Q, O, Union, Bits, Count, Order, U, N, MI, K
         mbarrier.init(shared_empty.index(i), count=1)
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empty, Q, O, Union, Bits, Count,
-                     Order, U, N, MI, qk_scale, D, CLUSTER, STAGES, Q_LAYOUT, S_LAYOUT, O_LAYOUT, OVERLAP, -1)),
+                     Order, U, N, MI, qk_scale, D, CLUSTER, STAGES, Q_LAYOUT, S_LAYOUT, O_LAYOUT, OVERLAP)),
         (_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empty, Union, Count, Order,
                    U, N, MI, KV_DIV, CLUSTER, STAGES)),
     ], [1], [24])
 
-
-@gluon.jit(do_not_specialize=["U", "N"])
-def _pair_kernel(k_desc, v_desc, Q, O, Union, Bits, Count, Order, U, N, MI, KV_DIV, qk_scale, D: gl.constexpr,
-                 STAGES: gl.constexpr, Q_SMEM: gl.constexpr, Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr,
-                 O_LAYOUT: gl.constexpr, OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    """Two consumer warpgroups (row blocks 2 j and 2 j + 1 of one head) on one ring over the union of their pieces;
-    a slot is refilled once both have released it (`empty` counts 2)."""
-    q_smem = gl.allocate_shared_memory(k_desc.dtype, [2, 64, D], Q_SMEM)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, 64, D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, 64, D], v_desc.layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
-    gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, empty, empty, Q, O, Union, Bits, Count,
-                     Order, U, N, MI, qk_scale, D, 1, STAGES, Q_LAYOUT, S_LAYOUT, O_LAYOUT, OVERLAP, 0)),
-        (_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, empty, empty, Q, O, Union, Bits, Count,
-                     Order, U, N, MI, qk_scale, D, 1, STAGES, Q_LAYOUT, S_LAYOUT, O_LAYOUT, OVERLAP, 1)),
-        (_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, empty, Union, Count, Order,
-                   U, N, MI, KV_DIV, 1, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, 24])
 
 
 def layouts(cluster: int, d: int) -> dict:
@@ -304,17 +274,9 @@ def union_index(bidx: torch.Tensor, cluster: int) -> tuple[torch.Tensor, torch.T
     return union_of(bidx.view(B, H // cluster, cluster, M, K).transpose(2, 3).reshape(-1, cluster, K), M)
 
 
-def pair_index(bidx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """`union_of` per (b, head, row-block pair 2 j, 2 j + 1), items in that order (an odd M's last pair: one member)."""
-    B, H, M, K = bidx.shape
-    pad = torch.nn.functional.pad(bidx, (0, 0, 0, M % 2), value=-1)
-    return union_of(pad.view(B * H * ((M + 1) // 2), 2, K), M)
-
-
 def cluster_items(bidx: torch.Tensor, cluster: int) -> tuple[torch.Tensor, ...]:
-    """`union_index` (cluster > 0) or `pair_index` (cluster 0) and the launch order (longest union first):
-    (Union, Bits, Count, Order, U)."""
-    union, bits, count, U = union_index(bidx, cluster) if cluster else pair_index(bidx)
+    """`union_index` and the launch order (longest union first): (Union, Bits, Count, Order, U)."""
+    union, bits, count, U = union_index(bidx, cluster)
     order = torch.argsort(count, descending=True, stable=True).to(torch.int32)
     return union, bits, count, order, U
 
@@ -340,45 +302,22 @@ def cluster_prefill(q, k, v, items, cluster: int, stages: int = 3, overlap: bool
     return o
 
 
-PAIR_LAUNCH = {"maxnreg": 168, "consumer_regs": 240}  # 3 warpgroups a program: `prefill_ws.launch_config(2, 256)`
-
-
-def pair_prefill(q, k, v, items, stages: int = 2, overlap: bool = False):
-    """Block-sparse causal attention (per query head selections, as `cluster_items(bidx, 0)` holds them) with row
-    blocks 2 j and 2 j + 1 of a head on two consumer warpgroups of one program, reading one K/V ring over the union
-    of their pieces. q `[B, Hq, N, D]`, k / v `[B, Hkv, N, D]` bf16, contiguous. Returns o."""
-    B, Hq, N, D = q.shape
-    lay = layouts(1, D)
-    k_desc = TensorDescriptor.from_tensor(k.view(-1, D), [64, D], lay["KV_SMEM"])
-    v_desc = TensorDescriptor.from_tensor(v.view(-1, D), [64, D], lay["KV_SMEM"])
-    union, bits, count, order, U = items
-    o = torch.empty_like(q)
-    _pair_kernel[(order.numel(),)](
-        k_desc, v_desc, q, o, union, bits, count, order, U, N, -(-N // 128), Hq // k.shape[1], LOG2E / math.sqrt(D),
-        D=D, STAGES=stages, Q_SMEM=lay["Q_SMEM"], Q_LAYOUT=lay["Q_LAYOUT"], S_LAYOUT=lay["S_LAYOUT"],
-        O_LAYOUT=lay["O_LAYOUT"], OVERLAP=overlap, CONSUMER_REGS=PAIR_LAUNCH["consumer_regs"], num_warps=4,
-        maxnreg=PAIR_LAUNCH["maxnreg"])
-    return o
-
-
 def compile_only(cluster: int, d: int = 256, stages: int = 3, overlap: bool = False):
-    """The kernel compiled for sm_90a on any machine (no GPU); cluster 0: the pair kernel."""
+    """The kernel compiled for sm_90a on any machine (no GPU)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    lay = layouts(max(cluster, 1), d)
-    fn = _cluster_kernel if cluster else _pair_kernel
+    lay = layouts(cluster, d)
+    fn = _cluster_kernel
     desc = f"tensordesc<bf16[64, {d}],{lay['KV_SMEM']!r}>"
     constants = dict(D=d, STAGES=stages, Q_SMEM=lay["Q_SMEM"], Q_LAYOUT=lay["Q_LAYOUT"], S_LAYOUT=lay["S_LAYOUT"],
-                     O_LAYOUT=lay["O_LAYOUT"], OVERLAP=overlap)
-    constants.update(dict(CLUSTER=cluster, BAR=lay["BAR"], SHARED_BAR=lay["SHARED_BAR"]) if cluster else
-                     dict(CONSUMER_REGS=PAIR_LAUNCH["consumer_regs"]))
+                     O_LAYOUT=lay["O_LAYOUT"], OVERLAP=overlap, CLUSTER=cluster, BAR=lay["BAR"],
+                     SHARED_BAR=lay["SHARED_BAR"])
     types = {"k_desc": desc, "v_desc": desc, "Q": "*bf16", "O": "*bf16", "Union": "*i32", "Bits": "*i32",
              "Count": "*i32", "Order": "*i32", "qk_scale": "fp32"}
     signature = {a: "constexpr" if a in constants else types.get(a, "i32") for a in fn.arg_names}
     src = GluonASTSource(fn, signature, constexprs=constants)
-    options = {"num_warps": 4, "num_ctas": cluster} if cluster else {"num_warps": 4, "maxnreg": PAIR_LAUNCH["maxnreg"]}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_ctas": cluster})
 
 
 def _timed(fn, reps: int = 5) -> float:
@@ -391,7 +330,6 @@ def main() -> int:
     p.add_argument("--lengths", default="16384,65536,131072")
     p.add_argument("--topk", type=int, default=100)
     p.add_argument("--stages", type=int, default=3)
-    p.add_argument("--pair-stages", type=int, default=2, help="ring slots of the pair kernel (3 do not fit at head_dim 256)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--selection", choices=("per_head", "group_shared"), default="per_head",
                    help="per_head: each query head its own top-k; group_shared: one top-k per KV head "
@@ -405,15 +343,16 @@ def main() -> int:
     p.add_argument("--out", default="multicast_probe.json")
     a = p.parse_args()
     if a.compile_only:
-        for c in (0, 1, 4):
+        for c in (1, 4):
             for ov in (False, True):
-                k = compile_only(c, stages=a.pair_stages if c == 0 else a.stages, overlap=ov)
-                print(f"{'pair' if c == 0 else f'cluster {c}'} overlap {ov}: {k.metadata.shared} B of shared memory")
+                k = compile_only(c, stages=a.stages, overlap=ov)
+                print(f"cluster {c} overlap {ov}: {k.metadata.shared} B of shared memory")
         return 0
     from workbench_benchmarks.kernels_prefill import planted_inputs
     from workbench_kernels.index_build import block_index
     from workbench_kernels.index_ref import selected_block_tiles
     from workbench_kernels.prefill import sparse_prefill
+    from workbench_kernels.prefill_pair import pair_prefill
 
     from workbench.core.timing import environment
 
@@ -424,20 +363,21 @@ def main() -> int:
     hq, hkv, d, theta = 4, 1, 256, 1e6  # Gemma-3-270M's global layers
     q, k, v = planted_inputs(hq, hkv, d, 4096, theta)
     bidx = block_index(q, k, 16)
-    ref = sparse_prefill(q, k, v, selected_block_tiles(bidx))[0]
+    ref = sparse_prefill(q, k, v, selected_block_tiles(bidx), warp_specialize=False)[0]
     G = hq // hkv
     kernels = {"cluster1": (1, False), f"cluster{G}": (G, False), "cluster1/overlap": (1, True),
-               f"cluster{G}/overlap": (G, True), "pair": (0, False), "pair/overlap": (0, True)}
+               f"cluster{G}/overlap": (G, True), "pair": (0, False)}
     wanted = [v for v in a.variants.split(",") if v] or ["dense_sdpa", "loop", *kernels]
 
     def launch(name, q, k, v, items):
         c, ov = kernels[name]
-        if c == 0:
-            return pair_prefill(q, k, v, items[0], a.pair_stages, ov)
+        if c == 0:  # the library's row-block pairs (`prefill_pair`), on the per-head tiles
+            return pair_prefill(q, k, v, items[0])[0]
         return cluster_prefill(q, k, v, items[c], c, a.stages, ov)
 
     def items_of(bidx):
-        return {c: cluster_items(bidx, c) for c in {kernels[w][0] for w in wanted if w in kernels}}
+        return {c: selected_block_tiles(bidx) if c == 0 else cluster_items(bidx, c)
+                for c in {kernels[w][0] for w in wanted if w in kernels}}
 
     items = items_of(bidx)
     for name in [w for w in wanted if w in kernels]:
@@ -463,7 +403,7 @@ def main() -> int:
         density = own / (hq * M * (M + 1) / 2)
         kx, vx = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
         fns = {"dense_sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True),
-               "loop": lambda: sparse_prefill(q, k, v, tiles),
+               "loop": lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False),
                **{name: functools.partial(launch, name, q, k, v, items) for name in kernels}}
         fns = {name: f for name, f in fns.items() if name in wanted}
         for f in fns.values():
@@ -473,9 +413,8 @@ def main() -> int:
             for name, f in fns.items():
                 times[name].append(_timed(f))
         ms = {name: statistics.median(t) for name, t in times.items()}
-        row = {"n": n, "topk": a.topk, "selection": a.selection, "stages": a.stages, "pair_stages": a.pair_stages,
-               "density": density, "union_over_own": {c: int(it[2].sum()) * max(c, 1) / own if c else
-                                                      2 * int(it[2].sum()) / own for c, it in items.items()},
+        row = {"n": n, "topk": a.topk, "selection": a.selection, "stages": a.stages, "density": density,
+               "union_over_own": {c: int(it[2].sum()) * c / own for c, it in items.items() if c},
                "ms": ms, "rounds": times,
                "eff_per_tile": {name: density * ms["dense_sdpa"] / t for name, t in ms.items() if name != "dense_sdpa"}}
         out["rows"].append(row)

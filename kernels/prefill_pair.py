@@ -1,0 +1,233 @@
+"""Row-block pairs on one K/V ring: per-head block-sparse prefill at head_dim 256 on sm_90, in Gluon (issue 25).
+
+At head_dim 256 a 64-row program takes in 64 KB of K / V per 64-key step (64 flop per byte). That holds every
+64-rows-per-load kernel at 0.62-0.83 of dense SDPA per computed tile: the loop, the Gluon launches, and TMA multicast
+to a cluster, which cuts L2 reads but not each SM's intake (kernels/NOTES.md, session 32). Here one program takes
+row blocks 2j and 2j + 1 of one head: two consumer warpgroups read one ring over the union of their pieces
+(ascending). Each consumer computes only its own pieces (a bit per consumer and piece) and waits through the
+other's. A 1-warp loader TMA-loads each union piece once and refills a slot once both consumers have released it.
+A piece both row blocks hold is loaded once for 128 rows.
+
+Measured against the loop (H100, Gemma-3 shape 4/1/256, block top-100 from `block_index` on the bench's planted
+inputs, union / own 1.14-1.23): 1.16x / 1.21x / 1.24x / 1.04x at 16K / 32K / 64K / 128K, 0.77-0.81 of dense per tile
+up to 64K; even at 128K with top-200 (`pair_probe_*_86ce2f4_h100.json`).
+
+Tensors are addressed as flattened rows: q / o `[B * Hq * N, D]`, k / v `[B * Hkv * N, D]`. A K / V tile that
+crosses N reads the next head's rows (or TMA's zero fill past the tensor); those keys lie past every stored row's
+position, so the causal mask drops them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .index_ref import VSTiles
+from .prefill_ref import check_prefill_args
+from .schedule import LOG2E
+
+ROWS = gl.constexpr(64)  # query rows per consumer (= tiles.block; host code reads ROWS.value)
+KEYS = gl.constexpr(64)  # keys per piece (= tiles.piece)
+STAGES = gl.constexpr(2)  # ring slots (3 do not fit beside the two Q tiles)
+HEAD_DIM = 256  # the head_dim it is built for: K + V slots of 64 KB, two slots and two Q tiles in 192 KB
+LAUNCH = {"maxnreg": 168, "consumer_regs": 240}  # 3 warpgroups a program (as `prefill_ws.launch_config(2, 256)`)
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # 3.6 (the H200 image's): old name
+
+
+@dataclasses.dataclass(frozen=True)
+class PairItems:
+    """The work of `pair_prefill`: per item (b, head, row-block pair j) the ascending union of the two row blocks'
+    piece starts and, per union piece, which of them holds it (bit 0: row block 2j, bit 1: 2j + 1).
+    union / bits Int32 `[items, U]` (U = 2 x the tiles' list width, a static bound; unused entries: bits 0),
+    count Int32 `[items]`, order Int32 `[items]` (longest union first); items = B * H * ceil(M / 2)."""
+
+    union: torch.Tensor
+    bits: torch.Tensor
+    count: torch.Tensor
+    order: torch.Tensor
+
+
+def pair_items(tiles: VSTiles) -> PairItems:
+    """`PairItems` of per-head tiles `[B, H, M]` (piece starts in tokens, ascending, `block_count` valid per row
+    block), on the tiles' device with no host sync: one sort of the pair's 2 x NS starts."""
+    B, H, M, NS = tiles.block_offset.shape
+    big = torch.iinfo(torch.int32).max // 4  # past every start: padding sorts last
+    live = torch.arange(NS, device=tiles.block_offset.device) < tiles.block_count[..., None]
+    start = torch.where(live, tiles.block_offset, big)
+    start = torch.nn.functional.pad(start, (0, 0, 0, M % 2), value=big).view(-1, 2 * NS)  # row blocks 2j | 2j + 1
+    member = torch.arange(2 * NS, device=start.device) // NS  # 0 for row block 2j's entries, 1 for 2j + 1's
+    code, _ = torch.sort(start.long() * 2 + member, dim=-1)  # ascending starts, row block 2j's first on a tie
+    key, who = code // 2, code % 2
+    first = torch.ones_like(key, dtype=torch.bool)
+    first[:, 1:] = key[:, 1:] != key[:, :-1]
+    slot = first.long().cumsum(-1) - 1  # the union position of each sorted entry
+    union = torch.full_like(key, big).scatter_(1, slot, key)
+    bits = torch.zeros_like(key).scatter_add_(1, slot, (1 << who) * (key < big))
+    count = (first & (key < big)).sum(-1).to(torch.int32)
+    order = torch.argsort(count, descending=True, stable=True).to(torch.int32)
+    return PairItems(union.clamp(max=big).to(torch.int32), bits.to(torch.int32), count, order)
+
+
+@gluon.jit
+def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, Union, Count, Order, U, N, MP, G):
+    """1 warp: the union's K / V tiles of item Order[program] into the ring; slot s's fill j waits for its release
+    number j - 1 (both consumers: `empty` counts 2)."""
+    item = gl.load(Order + gl.program_id(0))
+    n = gl.load(Count + item)
+    kv_row = (item // MP // G) * N  # the KV head's first row in [B * Hkv * N, D] (TMA coordinates: int32)
+    for i in range(n):
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # fill 0: the phase before the first passes
+        row = kv_row + gl.load(Union + item * U + i)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma_load(k_desc, [row, 0], k_ready.index(s), k_smem.index(s))
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma_load(v_desc, [row, 0], v_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, Order, U, N, MP,
+              qk_scale, SUB: gl.constexpr, D: gl.constexpr, Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr,
+              O_LAYOUT: gl.constexpr):
+    """Consumer SUB: row block 2j + SUB of item Order[program]'s head over the union, computing the pieces whose
+    bit SUB is set (S = Q K^T and O += P V by wgmma, online softmax in fp32 with exp2); writes its O rows and LSE."""
+    item = gl.load(Order + gl.program_id(0))
+    n = gl.load(Count + item)
+    m = (item % MP) * 2 + SUB
+    head = item // MP  # b * Hq + h
+    q_tile = q_smem.index(SUB)
+    qr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, Q_LAYOUT))
+    qd = gl.arange(0, D, layout=gl.SliceLayout(0, Q_LAYOUT))
+    q_rows = head.to(gl.int64) * N + m * ROWS + qr
+    q = gl.load(Q + gl.expand_dims(q_rows * D, 1) + gl.expand_dims(qd, 0),
+                mask=gl.expand_dims(m * ROWS + qr < N, 1), other=0.0)
+    q_tile.store(q)
+    fence_async_shared()  # the stores visible to the wgmma's (async proxy) reads
+    row_s: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    row_o: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+    pos = m * ROWS + gl.arange(0, ROWS, layout=row_s)  # query positions
+    lanes = gl.arange(0, KEYS, layout=gl.SliceLayout(0, S_LAYOUT))
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([ROWS], gl.float32, row_s)
+    acc = gl.zeros([ROWS, D], gl.float32, O_LAYOUT)
+    s0 = gl.zeros([ROWS, KEYS], gl.float32, S_LAYOUT)
+    for i in range(n):
+        s = i % STAGES
+        ph = (i // STAGES) & 1
+        start = gl.load(Union + item * U + i)
+        mine = (gl.load(Bits + item * U + i) >> SUB) & 1
+        mbarrier.wait(k_ready.index(s), ph)
+        mbarrier.wait(v_ready.index(s), ph)
+        if mine != 0:
+            sc = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), s0, use_acc=False, is_async=True)
+            sc = warpgroup_mma_wait(0, deps=(sc,))
+            keys = start + lanes
+            sc = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1), sc * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sc, 1))
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(sc - gl.expand_dims(m_new, 1))
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(k_smem.dtype), p_layout), v_smem.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index(s), count=1)
+    orow = gl.arange(0, ROWS, layout=row_o)
+    od = gl.arange(0, D, layout=gl.SliceLayout(0, O_LAYOUT))
+    out = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
+    o_rows = head.to(gl.int64) * N + m * ROWS + orow
+    ok = gl.expand_dims(m * ROWS + orow < N, 1) & gl.expand_dims(od < D, 0)
+    gl.store(O + gl.expand_dims(o_rows * D, 1) + gl.expand_dims(od, 0), out.to(O.dtype.element_ty), mask=ok)
+    lse = (m_i + gl.log2(l_i)) / 1.4426950408889634
+    gl.store(LSE + head.to(gl.int64) * N + pos, lse, mask=pos < N)
+
+
+@gluon.jit(do_not_specialize=["U", "N", "MP"])
+def _pair_kernel(k_desc, v_desc, Q, O, LSE, Union, Bits, Count, Order, U, N, MP, G, qk_scale, D: gl.constexpr,
+                 Q_SMEM: gl.constexpr, Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
+                 CONSUMER_REGS: gl.constexpr):
+    """Program: item Order[pid] (b, head, row-block pair; MP pairs per head, G query heads per KV head). Shared
+    memory: two Q tiles and STAGES K and V slots of 64 keys x D."""
+    q_smem = gl.allocate_shared_memory(k_desc.dtype, [2, ROWS, D], Q_SMEM)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, KEYS, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, KEYS, D], v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)  # the loader's expect, then the TMA bytes
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumers, once per fill
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, Order, U, N, MP,
+                     qk_scale, 0, D, Q_LAYOUT, S_LAYOUT, O_LAYOUT)),
+        (_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, Order, U, N, MP,
+                     qk_scale, 1, D, Q_LAYOUT, S_LAYOUT, O_LAYOUT)),
+        (_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, Union, Count, Order, U, N, MP, G)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+
+
+@functools.lru_cache(maxsize=4)
+def layouts(d: int, dtype: torch.dtype) -> dict:
+    """The kernel's layouts (cached: built once per head_dim and dtype)."""
+    t = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return {"Q_SMEM": gl.NVMMASharedLayout.get_default_for([ROWS.value, d], t),
+            "Q_LAYOUT": gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]),
+            "S_LAYOUT": gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KEYS.value, 16]),
+            "O_LAYOUT": gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, d, 16]),
+            "KV_SMEM": gl.NVMMASharedLayout.get_default_for([KEYS.value, d], t)}
+
+
+def pair_takes(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None) -> bool:
+    """Whether `sparse_prefill`'s default route runs these tiles through `pair_prefill` (static facts only, no host
+    sync): an sm_90 GPU, bf16 / fp16, head_dim 256, per-query-head tiles of 64 rows over disjoint 64-key pieces, no
+    columns, no A-shape mask. Group-shared tiles keep the GQA-packed loop (128 rows a load already: 0.93 of dense)."""
+    from .prefill_ws import DTYPES, sm90  # one definition of the targets the Gluon kernels compile for
+
+    return (sm90(q.device) and q.dtype in DTYPES and q.shape[-1] == HEAD_DIM and tiles.shape[1] == q.shape[1]
+            and tiles.block == ROWS.value and tiles.piece == KEYS.value and tiles.disjoint and not tiles.columns
+            and sink is None)
+
+
+def pair_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention over per-head tiles without columns (`pair_takes`), row blocks paired on one K/V ring.
+    q `[B, Hq, N, 256]`, k / v `[B, Hkv, N, 256]` (bf16 / fp16; copied if not contiguous); query head h reads KV
+    head h // (Hq / Hkv); tiles `[B, Hq, ceil(N / 64)]`. Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32
+    `[B, Hq, N]`, natural log)."""
+    B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
+    if not pair_takes(q, tiles, None):
+        raise ValueError(f"pair_prefill takes bf16 / fp16 q of head_dim {HEAD_DIM} on an sm_90 GPU and per-head tiles "
+                         f"[B, Hq, M] of 64-row blocks over disjoint 64-key pieces without columns; got {q.dtype}, "
+                         f"head_dim {D}, device {q.device}, tiles {tuple(tiles.shape)} (block {tiles.block}, piece "
+                         f"{tiles.piece}, columns {tiles.columns}); use sparse_prefill")
+    M = -(-N // ROWS.value)
+    if tuple(tiles.shape) != (B, Hq, M):
+        raise ValueError(f"tiles are for [B, H, M] = {tuple(tiles.shape)} but q needs ({B}, {Hq}, {M}); rebuild them")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    items = pair_items(tiles.to(q.device))
+    lay = layouts(D, q.dtype)
+    k_desc = TensorDescriptor.from_tensor(k.view(-1, D), [KEYS.value, D], lay["KV_SMEM"])
+    v_desc = TensorDescriptor.from_tensor(v.view(-1, D), [KEYS.value, D], lay["KV_SMEM"])
+    o = torch.empty_like(q)
+    lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    _pair_kernel[(items.order.numel(),)](
+        k_desc, v_desc, q, o, lse, items.union, items.bits, items.count, items.order, items.union.shape[1], N,
+        -(-M // 2), Hq // Hkv, scale * LOG2E, D=D, Q_SMEM=lay["Q_SMEM"], Q_LAYOUT=lay["Q_LAYOUT"],
+        S_LAYOUT=lay["S_LAYOUT"], O_LAYOUT=lay["O_LAYOUT"], CONSUMER_REGS=LAUNCH["consumer_regs"], num_warps=4,
+        maxnreg=LAUNCH["maxnreg"])
+    return o, lse

@@ -1,0 +1,170 @@
+"""Row-block pairs on one ring (`workbench_kernels.prefill_pair`): its work items hold each pair's union and bits
+(CPU); the kernel compiles for sm_90 on any machine (two consumer partitions and a loader, wgmma, TMA, no spills,
+shared memory within the H100's); on an H100 / H200 it matches exact masked attention in bf16 and fp16, and
+`sparse_prefill`'s default takes it at head_dim 256 for per-head tiles without columns (not for group-shared tiles).
+
+The compile runs in a fresh process (this file as a script), as in test_prefill_ws.py."""
+from __future__ import annotations
+
+import json
+import random
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_kernels_compile import SMEM_SM90, compile_env
+from test_prefill_ws import block_index, gluon_hopper_reason, hopper, ptxas_report
+from workbench_kernels.index_ref import block_sparse_to_tiles, tiles_to_mask
+from workbench_kernels.prefill_ref import masked_attention_ref
+
+
+def compile_pair() -> dict:
+    """`_pair_kernel` compiled for sm_90 (bf16, head_dim 256): shared memory, wgmma / TMA instructions, worker
+    partitions, ptxas registers and spills."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from workbench_kernels import prefill_pair
+
+    fn = prefill_pair._pair_kernel
+    lay = prefill_pair.layouts(256, torch.bfloat16)
+    desc = f"tensordesc<bf16[64, 256],{lay['KV_SMEM']!r}>"
+    pointers = {"Q": "*bf16", "O": "*bf16", "LSE": "*fp32", "Union": "*i32", "Bits": "*i32", "Count": "*i32",
+                "Order": "*i32"}
+    types = {"k_desc": desc, "v_desc": desc, "qk_scale": "fp32", **pointers}
+    constants = {"D": 256, "CONSUMER_REGS": prefill_pair.LAUNCH["consumer_regs"],
+                 **{name: lay[name] for name in ("Q_SMEM", "Q_LAYOUT", "S_LAYOUT", "O_LAYOUT")}}
+    signature = {a: "constexpr" if a in constants else types.get(a, "i32") for a in fn.arg_names}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}
+    kernel = triton.compile(GluonASTSource(fn, signature, constexprs=constants, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4, "maxnreg": prefill_pair.LAUNCH["maxnreg"]})
+    ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
+    report = ptxas_report(ptx)
+    return {"shared": kernel.metadata.shared, "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+            "tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+            "partitions": len(re.findall(r"\bpartition\d+\(", ttgir)), "local": ptx.count(".local"),
+            "spills": [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]}
+
+
+def random_tiles(B: int, H: int, n: int, seed: int):
+    """Block-sparse tiles `[B, H, ceil(n / 64)]` of 1-5 random causal key blocks per row block."""
+    rng = random.Random(seed)
+    M = -(-n // 64)
+    idx = torch.full((B, H, M, 5), -1, dtype=torch.int32)
+    for b in range(B):
+        for h in range(H):
+            for m in range(M):
+                keys = sorted(rng.sample(range(m + 1), min(rng.randint(1, 5), m + 1)))
+                idx[b, h, m, :len(keys)] = torch.tensor(keys, dtype=torch.int32)
+    return block_sparse_to_tiles(idx, n)
+
+
+@pytest.mark.parametrize("n", [130, 1000, 1024])
+def test_pair_items_hold_each_pairs_union_and_who_holds_each_piece(n):
+    """Per (b, head, pair j): the ascending union of row blocks 2j and 2j + 1's piece starts, bit 0 / 1 set where
+    2j / 2j + 1 holds the piece, nothing past the count; an odd M's last pair has one member; longest first."""
+    from workbench_kernels.prefill_pair import pair_items
+
+    B, H = 2, 3
+    tiles = random_tiles(B, H, n, seed=n)
+    items = pair_items(tiles)
+    M, bc, bo = -(-n // 64), tiles.block_count, tiles.block_offset
+    MP = -(-M // 2)
+    for b in range(B):
+        for h in range(H):
+            for j in range(MP):
+                item = (b * H + h) * MP + j
+                own = [set(bo[b, h, r, :bc[b, h, r]].tolist()) if r < M else set() for r in (2 * j, 2 * j + 1)]
+                union = sorted(own[0] | own[1])
+                count = int(items.count[item])
+                assert items.union[item, :count].tolist() == union
+                assert items.bits[item, :count].tolist() == [(p in own[0]) + 2 * (p in own[1]) for p in union]
+                assert not items.bits[item, count:].any()
+    assert sorted(items.order.tolist()) == list(range(B * H * MP))
+    assert (items.count[items.order.long()].diff() <= 0).all()
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    reason = gluon_hopper_reason()
+    if reason:
+        pytest.skip(reason)
+    run = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=compile_env(), timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_pair_kernel_compiles_for_sm90(compiled):
+    """Two worker partitions (the second consumer, the loader) beside the default consumer; per consumer 16 wgmma
+    for Q K^T (head_dim 256 in k-steps of 16) and 4 for P V (64 keys); TMA loads; no local memory, no spills."""
+    assert compiled["partitions"] == 2, compiled
+    assert compiled["wgmma"] == 2 * (256 // 16 + 64 // 16), compiled
+    assert compiled["tma_loads"] > 0
+    assert compiled["local"] == 0 and not any(compiled["spills"]), compiled
+    assert compiled["shared"] <= SMEM_SM90
+
+
+def test_pair_prefill_refuses_what_it_does_not_take():
+    """On a CPU (or at another head_dim, dtype, tile kind) `pair_takes` says no and `pair_prefill` raises ValueError
+    naming the fix."""
+    from workbench_kernels.prefill_pair import pair_prefill, pair_takes
+
+    q = torch.zeros(1, 4, 200, 256, dtype=torch.bfloat16)
+    k = v = torch.zeros(1, 1, 200, 256, dtype=torch.bfloat16)
+    tiles = random_tiles(1, 4, 200, seed=0)
+    assert not pair_takes(q, tiles, None)
+    with pytest.raises(ValueError, match="use sparse_prefill"):
+        pair_prefill(q, k, v, tiles)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not hopper(), reason="pair_prefill runs on sm_90 (H100 / H200) only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("keep", [1.0, 0.3], ids=["dense_causal", "block_sparse"])
+@pytest.mark.parametrize("n", [936, 1000])
+def test_pair_prefill_matches_masked_attention(dtype, keep, n):
+    """Every causal block and random selections (the diagonal always in), GQA 4:1, B = 2, N not a multiple of 64,
+    an odd (936: the last pair's second row block absent) and an even number of row blocks: o and lse against
+    fp32 attention under the tiles' mask."""
+    from workbench_kernels.prefill_pair import pair_prefill
+
+    B, Hq, Hkv, D = 2, 4, 1, 256
+    g = torch.Generator().manual_seed(int(keep * 10) + n)
+    q, k, v = (torch.randn(B, h, n, D, generator=g).to("cuda", dtype) for h in (Hq, Hkv, Hkv))
+    tiles = block_sparse_to_tiles(block_index(B, Hq, n, keep, seed=1), n).to("cuda")
+    o, lse = pair_prefill(q, k, v, tiles)
+    ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(tiles, n))
+    assert torch.isfinite(o).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(o.float(), ro.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, rlse, atol=8e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not hopper(), reason="pair_prefill runs on sm_90 (H100 / H200) only")
+def test_sparse_prefill_takes_the_pair_kernel_at_head_dim_256_for_per_head_tiles_only():
+    """At head_dim 256 `sparse_prefill`'s default runs per-head tiles without columns through `pair_prefill` (the
+    same o and lse, bit for bit) within bf16 of the loop; group-shared tiles keep the GQA-packed loop."""
+    from workbench_kernels.prefill import sparse_prefill
+    from workbench_kernels.prefill_pair import pair_prefill
+
+    B, Hq, Hkv, n = 1, 4, 1, 1000
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, h, n, 256, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
+    tiles = block_sparse_to_tiles(block_index(B, Hq, n, 0.3, seed=6), n).to("cuda")
+    o, lse = sparse_prefill(q, k, v, tiles)
+    po, plse = pair_prefill(q, k, v, tiles)
+    assert torch.equal(o, po) and torch.equal(lse, plse)
+    ro, rlse = sparse_prefill(q, k, v, tiles, warp_specialize=False)
+    torch.testing.assert_close(o.float(), ro.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, rlse, atol=2e-2, rtol=2e-2)
+    shared = block_sparse_to_tiles(block_index(B, Hkv, n, 0.3, seed=7), n).to("cuda")
+    so, slse = sparse_prefill(q, k, v, shared)
+    lo, llse = sparse_prefill(q, k, v, shared, warp_specialize=False)
+    assert torch.equal(so, lo) and torch.equal(slse, llse)
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_pair()))
