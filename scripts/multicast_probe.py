@@ -409,9 +409,10 @@ def main() -> int:
         for f in fns.values():
             f()
         times: dict[str, list[float]] = {name: [] for name in fns}
-        for _ in range(a.rounds):
-            for name, f in fns.items():
-                times[name].append(_timed(f))
+        names = list(fns)
+        for r in range(a.rounds):  # each round starts one row later: no row always follows the same one
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                times[name].append(_timed(fns[name]))
         ms = {name: statistics.median(t) for name, t in times.items()}
         row = {"n": n, "topk": a.topk, "selection": a.selection, "stages": a.stages, "density": density,
                "union_over_own": {c: int(it[2].sum()) * c / own for c, it in items.items() if c},
