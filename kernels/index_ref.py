@@ -487,6 +487,41 @@ def merge_tiles(parts: list[tuple[list[int] | torch.Tensor, VSTiles]], num_heads
     return out
 
 
+@dataclass(frozen=True)
+class PairItems:
+    """The work of `prefill_pair.pair_prefill`: per item (b, head, row-block pair j) the ascending union of the two row blocks'
+    piece starts and, per union piece, which of them holds it (bit 0: row block 2j, bit 1: 2j + 1).
+    union / bits Int32 `[items, U]` (U = 2 x the tiles' list width, a static bound; entries past count: unused),
+    count Int32 `[items]`, order Int32 `[items]` (longest union first); items = B * H * ceil(M / 2)."""
+
+    union: torch.Tensor
+    bits: torch.Tensor
+    count: torch.Tensor
+    order: torch.Tensor
+
+
+def pair_items_ref(tiles: VSTiles) -> PairItems:
+    """`PairItems` of per-head tiles `[B, H, M]` (piece starts in tokens, ascending, `block_count` valid per row
+    block) by one sort of each pair's 2 x NS starts (`prefill_pair.pair_items` merges them in one launch): the
+    reference, and the route for lists wider than its merge takes. Unused entries: union past every start, bits 0."""
+    B, H, M, NS = tiles.block_offset.shape
+    big = torch.iinfo(torch.int32).max // 4  # past every start: padding sorts last
+    live = torch.arange(NS, device=tiles.block_offset.device) < tiles.block_count[..., None]
+    start = torch.where(live, tiles.block_offset, big)
+    start = torch.nn.functional.pad(start, (0, 0, 0, M % 2), value=big).view(-1, 2 * NS)  # row blocks 2j | 2j + 1
+    member = torch.arange(2 * NS, device=start.device) // NS  # 0 for row block 2j's entries, 1 for 2j + 1's
+    code, _ = torch.sort(start.long() * 2 + member, dim=-1)  # ascending starts, row block 2j's first on a tie
+    key, who = code // 2, code % 2
+    first = torch.ones_like(key, dtype=torch.bool)
+    first[:, 1:] = key[:, 1:] != key[:, :-1]
+    slot = first.long().cumsum(-1) - 1  # the union position of each sorted entry
+    union = torch.full_like(key, big).scatter_(1, slot, key)
+    bits = torch.zeros_like(key).scatter_add_(1, slot, (1 << who) * (key < big))
+    count = (first & (key < big)).sum(-1).to(torch.int32)
+    order = torch.argsort(count, descending=True, stable=True).to(torch.int32)
+    return PairItems(union.clamp(max=big).to(torch.int32), bits.to(torch.int32), count, order)
+
+
 def tiles_to_mask(tiles: VSTiles, n: int, sink: torch.Tensor | None = None,
                   window: torch.Tensor | None = None) -> torch.Tensor:
     """Bool `[B, H, n, n]` of the keys a kernel computes (small n only). Optional per-head `sink` and

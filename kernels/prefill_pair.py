@@ -18,11 +18,12 @@ position, so the causal mask drops them.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
 import torch
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -34,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .index_ref import VSTiles
+from .index_ref import PairItems, VSTiles, pair_items_ref
 from .prefill_ref import check_prefill_args
 from .schedule import LOG2E
 
@@ -46,38 +47,54 @@ LAUNCH = {"maxnreg": 168, "consumer_regs": 240}  # 3 warpgroups a program (as `p
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # 3.6 (the H200 image's): old name
 
 
-@dataclasses.dataclass(frozen=True)
-class PairItems:
-    """The work of `pair_prefill`: per item (b, head, row-block pair j) the ascending union of the two row blocks'
-    piece starts and, per union piece, which of them holds it (bit 0: row block 2j, bit 1: 2j + 1).
-    union / bits Int32 `[items, U]` (U = 2 x the tiles' list width, a static bound; unused entries: bits 0),
-    count Int32 `[items]`, order Int32 `[items]` (longest union first); items = B * H * ceil(M / 2)."""
+@triton.jit
+def _pair_union_kernel(Count, Offset, Union, Bits, Total, M, NS, U, NSP: tl.constexpr):
+    """Program item = (b * H + h) * ceil(M / 2) + j: the ascending union of row blocks 2j and 2j + 1's piece starts
+    (Offset `[B * H * M, NS]`, the first Count `[B * H * M]` valid, ascending, distinct) into Union `[items, U]`,
+    Bits (1: 2j holds it, 2: 2j + 1, 3: both) and Total `[items]`; entries past Total are left as they were.
+    The two lists merge by ranks: an entry's union position is its own index plus the other list's smaller entries
+    that are not in its own list."""
+    item = tl.program_id(0)
+    mp = (M + 1) // 2
+    row_a = (item // mp) * M + (item % mp) * 2  # row block 2j of head item // mp
+    has_b = ((item % mp) * 2 + 1 < M).to(tl.int32)  # an odd M's last pair: row block 2j alone
+    r = tl.arange(0, NSP)
+    na = tl.load(Count + row_a)
+    nb = tl.load(Count + row_a + has_b) * has_b
+    a = tl.load(Offset + row_a.to(tl.int64) * NS + r, mask=r < na, other=-1)
+    b = tl.load(Offset + (row_a + 1).to(tl.int64) * NS + r, mask=r < nb, other=-2)
+    a_live, b_live = r < na, r < nb
+    a_in_b = tl.sum(((a[:, None] == b[None, :]) & b_live[None, :]).to(tl.int32), 1) > 0  # [NSP] over a
+    b_in_a = tl.sum(((b[:, None] == a[None, :]) & a_live[None, :]).to(tl.int32), 1) > 0  # [NSP] over b
+    pos_a = r + tl.sum(((b[None, :] < a[:, None]) & b_live[None, :] & ~b_in_a[None, :]).to(tl.int32), 1)
+    pos_b = r + tl.sum(((a[None, :] < b[:, None]) & a_live[None, :] & ~a_in_b[None, :]).to(tl.int32), 1)
+    base = item.to(tl.int64) * U
+    tl.store(Union + base + pos_a, a, mask=a_live)
+    tl.store(Bits + base + pos_a, 1 + 2 * a_in_b.to(tl.int32), mask=a_live)
+    b_own = b_live & ~b_in_a
+    tl.store(Union + base + pos_b, b, mask=b_own)
+    tl.store(Bits + base + pos_b, tl.full([NSP], 2, tl.int32), mask=b_own)
+    tl.store(Total + item, na + tl.sum(b_own.to(tl.int32), 0))
 
-    union: torch.Tensor
-    bits: torch.Tensor
-    count: torch.Tensor
-    order: torch.Tensor
+
+MERGE_WIDTH = 256  # the widest lists `pair_items` merges in one program ([NSP, NSP] compares); wider: the reference
 
 
 def pair_items(tiles: VSTiles) -> PairItems:
-    """`PairItems` of per-head tiles `[B, H, M]` (piece starts in tokens, ascending, `block_count` valid per row
-    block), on the tiles' device with no host sync: one sort of the pair's 2 x NS starts."""
+    """`PairItems` of per-head tiles `[B, H, M]` (piece starts ascending and distinct per row block), on the tiles'
+    device with no host sync: one merge program per pair (`_pair_union_kernel`) and the order's argsort; lists wider
+    than `MERGE_WIDTH` take `index_ref.pair_items_ref`."""
     B, H, M, NS = tiles.block_offset.shape
-    big = torch.iinfo(torch.int32).max // 4  # past every start: padding sorts last
-    live = torch.arange(NS, device=tiles.block_offset.device) < tiles.block_count[..., None]
-    start = torch.where(live, tiles.block_offset, big)
-    start = torch.nn.functional.pad(start, (0, 0, 0, M % 2), value=big).view(-1, 2 * NS)  # row blocks 2j | 2j + 1
-    member = torch.arange(2 * NS, device=start.device) // NS  # 0 for row block 2j's entries, 1 for 2j + 1's
-    code, _ = torch.sort(start.long() * 2 + member, dim=-1)  # ascending starts, row block 2j's first on a tie
-    key, who = code // 2, code % 2
-    first = torch.ones_like(key, dtype=torch.bool)
-    first[:, 1:] = key[:, 1:] != key[:, :-1]
-    slot = first.long().cumsum(-1) - 1  # the union position of each sorted entry
-    union = torch.full_like(key, big).scatter_(1, slot, key)
-    bits = torch.zeros_like(key).scatter_add_(1, slot, (1 << who) * (key < big))
-    count = (first & (key < big)).sum(-1).to(torch.int32)
-    order = torch.argsort(count, descending=True, stable=True).to(torch.int32)
-    return PairItems(union.clamp(max=big).to(torch.int32), bits.to(torch.int32), count, order)
+    if NS > MERGE_WIDTH:
+        return pair_items_ref(tiles)
+    items = B * H * (-(-M // 2))
+    dev = tiles.block_offset.device
+    union = torch.empty(items, 2 * NS, dtype=torch.int32, device=dev)
+    bits = torch.zeros(items, 2 * NS, dtype=torch.int32, device=dev)
+    count = torch.empty(items, dtype=torch.int32, device=dev)
+    _pair_union_kernel[(items,)](tiles.block_count.contiguous(), tiles.block_offset.contiguous(), union, bits, count, M,
+                                 NS, 2 * NS, NSP=triton.next_power_of_2(max(NS, 16)))
+    return PairItems(union, bits, count, torch.argsort(count, descending=True, stable=True).to(torch.int32))
 
 
 @gluon.jit

@@ -62,15 +62,18 @@ def random_tiles(B: int, H: int, n: int, seed: int):
     return block_sparse_to_tiles(idx, n)
 
 
+@pytest.mark.parametrize("merge", [True, False], ids=["triton", "reference"])
 @pytest.mark.parametrize("n", [130, 1000, 1024])
-def test_pair_items_hold_each_pairs_union_and_who_holds_each_piece(n):
+def test_pair_items_hold_each_pairs_union_and_who_holds_each_piece(n, merge):
     """Per (b, head, pair j): the ascending union of row blocks 2j and 2j + 1's piece starts, bit 0 / 1 set where
-    2j / 2j + 1 holds the piece, nothing past the count; an odd M's last pair has one member; longest first."""
+    2j / 2j + 1 holds the piece, no bits past the count; an odd M's last pair has one member; longest first. Both
+    the one-launch merge (Triton's interpreter on a CPU) and the torch reference."""
+    from workbench_kernels.index_ref import pair_items_ref
     from workbench_kernels.prefill_pair import pair_items
 
     B, H = 2, 3
     tiles = random_tiles(B, H, n, seed=n)
-    items = pair_items(tiles)
+    items = (pair_items if merge else pair_items_ref)(tiles)
     M, bc, bo = -(-n // 64), tiles.block_count, tiles.block_offset
     MP = -(-M // 2)
     for b in range(B):
