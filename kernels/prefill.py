@@ -316,10 +316,8 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     - `warp_specialize`: True runs the warp-specialised Gluon kernel (`prefill_ws.ws_prefill`: sm_90, bf16 / fp16,
       head_dim 64 / 128 / 256, 64 x 64 tiles without A-shape masks, columns only as `tiles.head_columns`;
       ValueError otherwise); False the Triton-language loop; None (default) the Gluon kernel where `takes_gluon`
-      says it takes the tiles (head_dim 128; head_dim 64 per-head tiles without columns), at head_dim 256 per-head
-      tiles without columns `prefill_pair.pair_prefill` (row blocks 2j and 2j + 1 on one K/V ring, where
-      `pair_takes` says so), else the loop. The loop reads `tiles.column_index`, never `head_columns`. The knobs
-      below tune the loop only.
+      says it takes the tiles (head_dim 128; head_dim 64 per-head tiles without columns), else the loop. The loop
+      reads `tiles.column_index`, never `head_columns`. The knobs below tune the loop only.
     - `split`: walk a tile's pieces as a masked prefix, an unmasked interior and a masked suffix; False: one loop
       that masks the pieces on an edge. `tma` (with `split`, Hopper or newer): K/V tiles, and a per-head program's
       Q and O rows, through tensor descriptors. None for either: `loop_variant`'s choice for this program shape.
@@ -334,11 +332,6 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
     if (sink is None) != (window is None):
         raise ValueError("give both sink and window (per-head A-shape mask) or neither")
-    if warp_specialize is None and D == 256:
-        from .prefill_pair import pair_prefill, pair_takes  # lazy, as the Gluon kernel below
-
-        if pair_takes(q, tiles, sink):
-            return write_dense_rows(*pair_prefill(q, k, v, tiles, scale), q, k, v, tiles, scale)
     if warp_specialize is None:
         warp_specialize = takes_gluon(q, tiles, sink)
     if warp_specialize:
@@ -448,8 +441,7 @@ def gluon_takes_kinds(q: torch.Tensor) -> bool:
     D]` (sm_90, bf16 / fp16, head_dim 128), where one launch over a layer that holds an A-shape head runs the loop
     (the Gluon kernel takes no A-shape masks). There `SparsePrefill` runs such a layer one launch per kind: H100,
     Llama 32/8/128, a third of the heads each VS, block-sparse, A-shape, 1.58x / 1.90x faster at 64K / 128K; at
-    head_dim 256, where every kind then ran the loop, 0.97x / 0.99x (kernels/NOTES.md, session 30; not measured
-    since block-sparse heads there take `prefill_pair` when split off)."""
+    head_dim 256, where every kind runs the loop, 0.97x / 0.99x (kernels/NOTES.md, session 30)."""
     from .prefill_ws import DTYPES, sm90  # lazy, as in takes_gluon
 
     return q.shape[-1] == 128 and q.dtype in DTYPES and sm90(q.device)

@@ -1,16 +1,20 @@
 """Row-block pairs on one K/V ring: per-head block-sparse prefill at head_dim 256 on sm_90, in Gluon (issue 25).
+Opt-in (`pair_prefill`); `sparse_prefill`'s default stays the loop until a timing with the one-launch union says so.
 
-At head_dim 256 a 64-row program takes in 64 KB of K / V per 64-key step (64 flop per byte). That holds every
-64-rows-per-load kernel at 0.62-0.83 of dense SDPA per computed tile: the loop, the Gluon launches, and TMA multicast
-to a cluster, which cuts L2 reads but not each SM's intake (kernels/NOTES.md, session 32). Here one program takes
-row blocks 2j and 2j + 1 of one head: two consumer warpgroups read one ring over the union of their pieces
-(ascending). Each consumer computes only its own pieces (a bit per consumer and piece) and waits through the
-other's. A 1-warp loader TMA-loads each union piece once and refills a slot once both consumers have released it.
-A piece both row blocks hold is loaded once for 128 rows.
+At head_dim 256 a 64-row program takes in 64 KB of K / V per 64-key step (64 flop per byte). Every
+64-rows-per-load kernel measured there sits at 0.62-0.83 of dense SDPA per computed tile: the loop, the Gluon
+launches, and TMA multicast to a cluster, which cuts L2 reads but not each SM's intake (kernels/NOTES.md, session
+32). Here one program takes row blocks 2j and 2j + 1 of one head. Two consumer warpgroups read one ring over the
+union of their pieces (ascending). Each consumer computes only its own pieces (a bit per consumer and piece) and
+waits through the other's. A 1-warp loader TMA-loads each union piece once and refills a slot once both consumers
+have released it. A piece both row blocks hold is loaded once for 128 rows.
 
-Measured against the loop (H100, Gemma-3 shape 4/1/256, block top-100 from `block_index` on the bench's planted
-inputs, union / own 1.14-1.23): 1.16x / 1.21x / 1.24x / 1.04x at 16K / 32K / 64K / 128K, 0.77-0.81 of dense per tile
-up to 64K; even at 128K with top-200 (`pair_probe_*_86ce2f4_h100.json`).
+Measured (H100, Gemma-3 shape 4/1/256, block top-100 from `block_index` on the bench's planted inputs, union / own
+1.14-1.23):
+- the kernel on a prebuilt union, rows in a fixed order after the loop: 1.04-1.24x the loop at 16K-128K;
+- with the order rotated each round and the union built per call by torch ops (~0.8 ms): 0.77x / 0.95x / 0.92x at
+  32K / 64K / 128K (`pair_probe_*_h100.json`).
+`pair_items` now builds the union in one launch; the route's timing with it is owed.
 
 Tensors are addressed as flattened rows: q / o `[B * Hq * N, D]`, k / v `[B * Hkv * N, D]`. A K / V tile that
 crosses N reads the next head's rows (or TMA's zero fill past the tensor); those keys lie past every stored row's
@@ -209,9 +213,9 @@ def layouts(d: int, dtype: torch.dtype) -> dict:
 
 
 def pair_takes(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None) -> bool:
-    """Whether `sparse_prefill`'s default route runs these tiles through `pair_prefill` (static facts only, no host
-    sync): an sm_90 GPU, bf16 / fp16, head_dim 256, per-query-head tiles of 64 rows over disjoint 64-key pieces, no
-    columns, no A-shape mask. Group-shared tiles keep the GQA-packed loop (128 rows a load already: 0.93 of dense)."""
+    """Whether `pair_prefill` takes these tiles (static facts only, no host sync): an sm_90 GPU, bf16 / fp16, head_dim
+    256, per-query-head tiles of 64 rows over disjoint 64-key pieces, no columns, no A-shape mask. Group-shared
+    tiles are not taken: the GQA-packed loop already loads each tile for 128 rows (0.93 of dense)."""
     from .prefill_ws import DTYPES, sm90  # one definition of the targets the Gluon kernels compile for
 
     return (sm90(q.device) and q.dtype in DTYPES and q.shape[-1] == HEAD_DIM and tiles.shape[1] == q.shape[1]

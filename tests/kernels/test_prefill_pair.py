@@ -1,7 +1,7 @@
 """Row-block pairs on one ring (`workbench_kernels.prefill_pair`): its work items hold each pair's union and bits
 (CPU); the kernel compiles for sm_90 on any machine (two consumer partitions and a loader, wgmma, TMA, no spills,
-shared memory within the H100's); on an H100 / H200 it matches exact masked attention in bf16 and fp16, and
-`sparse_prefill`'s default takes it at head_dim 256 for per-head tiles without columns (not for group-shared tiles).
+shared memory within the H100's); on an H100 / H200 it matches exact masked attention in bf16 and fp16, agrees
+with the loop, and takes per-head tiles only.
 
 The compile runs in a fresh process (this file as a script), as in test_prefill_ws.py."""
 from __future__ import annotations
@@ -147,26 +147,25 @@ def test_pair_prefill_matches_masked_attention(dtype, keep, n):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper(), reason="pair_prefill runs on sm_90 (H100 / H200) only")
-def test_sparse_prefill_takes_the_pair_kernel_at_head_dim_256_for_per_head_tiles_only():
-    """At head_dim 256 `sparse_prefill`'s default runs per-head tiles without columns through `pair_prefill` (the
-    same o and lse, bit for bit) within bf16 of the loop; group-shared tiles keep the GQA-packed loop."""
+def test_pair_prefill_agrees_with_the_loop_and_takes_per_head_tiles_only():
+    """At head_dim 256 `pair_prefill` is within bf16 of `sparse_prefill`'s loop on the same per-head tiles;
+    `pair_takes` refuses group-shared tiles (one list per KV head) and `pair_prefill` raises on them."""
     from workbench_kernels.prefill import sparse_prefill
-    from workbench_kernels.prefill_pair import pair_prefill
+    from workbench_kernels.prefill_pair import pair_prefill, pair_takes
 
     B, Hq, Hkv, n = 1, 4, 1, 1000
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(B, h, n, 256, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
     tiles = block_sparse_to_tiles(block_index(B, Hq, n, 0.3, seed=6), n).to("cuda")
-    o, lse = sparse_prefill(q, k, v, tiles)
-    po, plse = pair_prefill(q, k, v, tiles)
-    assert torch.equal(o, po) and torch.equal(lse, plse)
+    assert pair_takes(q, tiles, None)
+    o, lse = pair_prefill(q, k, v, tiles)
     ro, rlse = sparse_prefill(q, k, v, tiles, warp_specialize=False)
     torch.testing.assert_close(o.float(), ro.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, rlse, atol=2e-2, rtol=2e-2)
     shared = block_sparse_to_tiles(block_index(B, Hkv, n, 0.3, seed=7), n).to("cuda")
-    so, slse = sparse_prefill(q, k, v, shared)
-    lo, llse = sparse_prefill(q, k, v, shared, warp_specialize=False)
-    assert torch.equal(so, lo) and torch.equal(slse, llse)
+    assert not pair_takes(q, shared, None)
+    with pytest.raises(ValueError, match="per-head tiles"):
+        pair_prefill(q, k, v, shared)
 
 
 if __name__ == "__main__":
