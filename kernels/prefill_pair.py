@@ -119,11 +119,48 @@ def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, Union, Coun
 
 
 @gluon.jit
+def wait_piece(Union, Bits, at, i, bit, k_ready, v_ready, STAGES: gl.constexpr):
+    """Step i of a union walk (lists of the item at offset `at` of Union / Bits): wait until its K and V tiles are in
+    ring slot i % STAGES; returns (slot, the piece's first key, 1 where bit `bit` says this consumer computes it)."""
+    s = i % STAGES
+    ph = (i // STAGES) & 1
+    start = gl.load(Union + at + i)
+    mine = (gl.load(Bits + at + i) >> bit) & 1
+    mbarrier.wait(k_ready.index(s), ph)
+    mbarrier.wait(v_ready.index(s), ph)
+    return s, start, mine
+
+
+@gluon.jit
+def softmax_step(sc, keys, pos, m_i, l_i, qk_scale):
+    """Online-softmax step on raw scores sc `[R, K]` of keys `[K]` for rows at query positions pos `[R]` (causal
+    mask; qk_scale in exp2 units): (P fp32, the rescale alpha, new row max, new row sum)."""
+    sc = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1), sc * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(sc, 1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(sc - gl.expand_dims(m_new, 1))
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def attend_piece(q_tile, k_tile, v_tile, keys, pos, m_i, l_i, acc, s0, qk_scale, O_LAYOUT: gl.constexpr):
+    """One piece: S = Q K^T (wgmma, Q and K from shared memory), `softmax_step`, O = alpha O + P V (P from
+    registers); returns (m_i, l_i, acc)."""
+    sc = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s0, use_acc=False, is_async=True)
+    sc = warpgroup_mma_wait(0, deps=(sc,))
+    p, alpha, m_i, l_i = softmax_step(sc, keys, pos, m_i, l_i, qk_scale)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
+    p_op = gl.convert_layout(p.to(k_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))
+    acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+    return m_i, l_i, warpgroup_mma_wait(0, deps=(acc,))
+
+
+@gluon.jit
 def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, Order, U, N, MP,
               qk_scale, SUB: gl.constexpr, D: gl.constexpr, Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr,
               O_LAYOUT: gl.constexpr):
     """Consumer SUB: row block 2j + SUB of item Order[program]'s head over the union, computing the pieces whose
-    bit SUB is set (S = Q K^T and O += P V by wgmma, online softmax in fp32 with exp2); writes its O rows and LSE."""
+    bit SUB is set (`attend_piece`: fp32 online softmax in exp2 units); writes its O rows and LSE."""
     item = gl.load(Order + gl.program_id(0))
     n = gl.load(Count + item)
     m = (item % MP) * 2 + SUB
@@ -138,7 +175,6 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union,
     fence_async_shared()  # the stores visible to the wgmma's (async proxy) reads
     row_s: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     row_o: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
     pos = m * ROWS + gl.arange(0, ROWS, layout=row_s)  # query positions
     lanes = gl.arange(0, KEYS, layout=gl.SliceLayout(0, S_LAYOUT))
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
@@ -146,25 +182,10 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union,
     acc = gl.zeros([ROWS, D], gl.float32, O_LAYOUT)
     s0 = gl.zeros([ROWS, KEYS], gl.float32, S_LAYOUT)
     for i in range(n):
-        s = i % STAGES
-        ph = (i // STAGES) & 1
-        start = gl.load(Union + item * U + i)
-        mine = (gl.load(Bits + item * U + i) >> SUB) & 1
-        mbarrier.wait(k_ready.index(s), ph)
-        mbarrier.wait(v_ready.index(s), ph)
+        s, start, mine = wait_piece(Union, Bits, item * U, i, SUB, k_ready, v_ready, STAGES)
         if mine != 0:
-            sc = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), s0, use_acc=False, is_async=True)
-            sc = warpgroup_mma_wait(0, deps=(sc,))
-            keys = start + lanes
-            sc = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1), sc * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(sc, 1))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(sc - gl.expand_dims(m_new, 1))
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            acc = warpgroup_mma(gl.convert_layout(p.to(k_smem.dtype), p_layout), v_smem.index(s), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
+            m_i, l_i, acc = attend_piece(q_tile, k_smem.index(s), v_smem.index(s), start + lanes, pos, m_i, l_i, acc,
+                                         s0, qk_scale, O_LAYOUT)
         mbarrier.arrive(empty.index(s), count=1)
     orow = gl.arange(0, ROWS, layout=row_o)
     od = gl.arange(0, D, layout=gl.SliceLayout(0, O_LAYOUT))

@@ -38,6 +38,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from workbench_kernels.prefill_pair import attend_piece, softmax_step, wait_piece
 
 ROWS = 64  # query rows per CTA (one head's row block)
 KEYS = 64  # keys per piece
@@ -81,18 +82,6 @@ def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, local_empty, share
 
 
 @gluon.jit
-def _softmax(sc, piece, lanes, pos, m_i, l_i, qk_scale, dtype: gl.constexpr):
-    """Online-softmax step on scores sc `[R, 64]` of key block `piece` (causal mask by query position `pos`):
-    (P in `dtype`, the rescale alpha, new row max, new row sum)."""
-    keys = piece * 64 + lanes
-    sc = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1), sc * qk_scale, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(sc, 1))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(sc - gl.expand_dims(m_new, 1))
-    return p.to(dtype), alpha, m_new, l_i * alpha + gl.sum(p, 1)
-
-
-@gluon.jit
 def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empty, Q, O, Union, Bits, Count, Order,
               U, N, MI, qk_scale, D: gl.constexpr, CLUSTER: gl.constexpr, STAGES: gl.constexpr,
               Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, OVERLAP: gl.constexpr):
@@ -130,12 +119,7 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empt
         prob = gl.zeros([R, 64], gl.float32, S_LAYOUT).to(k_smem.dtype)
         alpha = l_i
         for i in range(n):
-            s = i % STAGES
-            ph = (i // STAGES) & 1
-            piece = gl.load(Union + item * U + i)
-            mine = (gl.load(Bits + item * U + i) >> rank) & 1
-            mbarrier.wait(k_ready.index(s), ph)
-            mbarrier.wait(v_ready.index(s), ph)
+            s, piece, mine = wait_piece(Union, Bits, item * U, i, rank, k_ready, v_ready, STAGES)
             if mine != 0:
                 sc = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), s0, use_acc=False, is_async=True)
                 if pend >= 0:  # P V of the pending piece runs beside this piece's softmax
@@ -143,11 +127,12 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empt
                     acc = warpgroup_mma(gl.convert_layout(prob, p_layout), v_smem.index(pend % STAGES), acc,
                                         is_async=True)
                     scores = warpgroup_mma_wait(1, deps=(sc,))  # Q K^T done (groups retire in order), P V in flight
-                    prob, alpha, m_i, l_i = _softmax(scores, piece, lanes, pos, m_i, l_i, qk_scale, k_smem.dtype)
+                    p32, alpha, m_i, l_i = softmax_step(scores, piece + lanes, pos, m_i, l_i, qk_scale)
                     acc = warpgroup_mma_wait(0, deps=(acc,))
                 else:
                     scores = warpgroup_mma_wait(0, deps=(sc,))
-                    prob, alpha, m_i, l_i = _softmax(scores, piece, lanes, pos, m_i, l_i, qk_scale, k_smem.dtype)
+                    p32, alpha, m_i, l_i = softmax_step(scores, piece + lanes, pos, m_i, l_i, qk_scale)
+                prob = p32.to(k_smem.dtype)
                 if pend >= 0:
                     if CLUSTER > 1:
                         mbarrier.arrive(local_empty.index(pend % STAGES))
@@ -175,19 +160,10 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empt
             mbarrier.arrive(shared_empty.index(pend % STAGES))
     else:
         for i in range(n):
-            s = i % STAGES
-            ph = (i // STAGES) & 1
-            piece = gl.load(Union + item * U + i)
-            mine = (gl.load(Bits + item * U + i) >> rank) & 1
-            mbarrier.wait(k_ready.index(s), ph)
-            mbarrier.wait(v_ready.index(s), ph)
+            s, piece, mine = wait_piece(Union, Bits, item * U, i, rank, k_ready, v_ready, STAGES)
             if mine != 0:
-                sc = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), s0, use_acc=False, is_async=True)
-                scores = warpgroup_mma_wait(0, deps=(sc,))
-                prob, alpha, m_i, l_i = _softmax(scores, piece, lanes, pos, m_i, l_i, qk_scale, k_smem.dtype)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-                acc = warpgroup_mma(gl.convert_layout(prob, p_layout), v_smem.index(s), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
+                m_i, l_i, acc = attend_piece(q_smem, k_smem.index(s), v_smem.index(s), piece + lanes, pos, m_i, l_i,
+                                             acc, s0, qk_scale, O_LAYOUT)
             if CLUSTER > 1:
                 mbarrier.arrive(local_empty.index(s))
             mbarrier.arrive(shared_empty.index(s))
