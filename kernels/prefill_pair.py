@@ -33,7 +33,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -41,14 +40,14 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .index_ref import PairItems, VSTiles, pair_items_ref
 from .prefill_ref import check_prefill_args
+from .prefill_ws import DTYPES, launch_config, sm90, tma_load
 from .schedule import LOG2E
 
 ROWS = gl.constexpr(64)  # query rows per consumer (= tiles.block; host code reads ROWS.value)
 KEYS = gl.constexpr(64)  # keys per piece (= tiles.piece)
 STAGES = gl.constexpr(2)  # ring slots (3 do not fit beside the two Q tiles)
 HEAD_DIM = 256  # the head_dim it is built for: K + V slots of 64 KB, two slots and two Q tiles in 192 KB
-LAUNCH = {"maxnreg": 168, "consumer_regs": 240}  # 3 warpgroups a program (as `prefill_ws.launch_config(2, 256)`)
-tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # 3.6 (the H200 image's): old name
+LAUNCH = launch_config(2, HEAD_DIM)  # 3 warpgroups a program: two consumers and the loader, as two consumers there
 
 
 @triton.jit
@@ -237,8 +236,6 @@ def pair_takes(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None) -> bo
     """Whether `pair_prefill` takes these tiles (static facts only, no host sync): an sm_90 GPU, bf16 / fp16, head_dim
     256, per-query-head tiles of 64 rows over disjoint 64-key pieces, no columns, no A-shape mask. Group-shared
     tiles are not taken: the GQA-packed loop already loads each tile for 128 rows (0.93 of dense)."""
-    from .prefill_ws import DTYPES, sm90  # one definition of the targets the Gluon kernels compile for
-
     return (sm90(q.device) and q.dtype in DTYPES and q.shape[-1] == HEAD_DIM and tiles.shape[1] == q.shape[1]
             and tiles.block == ROWS.value and tiles.piece == KEYS.value and tiles.disjoint and not tiles.columns
             and sink is None)

@@ -39,11 +39,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from workbench_kernels.prefill_pair import attend_piece, softmax_step, wait_piece
+from workbench_kernels.prefill_ws import tma_load
 
 ROWS = 64  # query rows per CTA (one head's row block)
 KEYS = 64  # keys per piece
 LOG2E = 1.4426950408889634
-tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # 3.6 (the GPU image's) has the old name
 tma_multicast = getattr(tma, "async_load", None)  # multicast=True: Triton >= 3.9 (None in 3.6: cluster kernels only)
 
 
