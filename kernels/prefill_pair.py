@@ -80,7 +80,8 @@ def _pair_union_kernel(Count, Offset, Union, Bits, Total, M, NS, U, NSP: tl.cons
     tl.store(Total + item, na + tl.sum(b_own.to(tl.int32), 0))
 
 
-MERGE_WIDTH = 256  # the widest lists `pair_items` merges in one program ([NSP, NSP] compares); wider: the reference
+MERGE_WIDTH = 128  # the widest lists `pair_items` merges in one program ([NSP, NSP] compares: 16K at 128, MInference's
+# top-100 fits); wider: the reference's sort
 
 
 def pair_items(tiles: VSTiles) -> PairItems:

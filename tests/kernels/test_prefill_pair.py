@@ -6,6 +6,7 @@ with the loop, and takes per-head tiles only.
 The compile runs in a fresh process (this file as a script), as in test_prefill_ws.py."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -86,6 +87,19 @@ def test_pair_items_hold_each_pairs_union_and_who_holds_each_piece(n, merge):
                 assert not items.bits[item, count:].any()
     assert sorted(items.order.tolist()) == list(range(B * H * MP))
     assert (items.count[items.order.long()].diff() <= 0).all()
+
+
+def test_pair_items_past_the_merge_width_take_the_reference():
+    """Lists wider than `MERGE_WIDTH` (here: the same pieces in a wider, padded table) give the same items."""
+    from workbench_kernels.prefill_pair import MERGE_WIDTH, pair_items
+
+    tiles = random_tiles(1, 2, 1000, seed=3)
+    wide = dataclasses.replace(tiles, block_offset=torch.nn.functional.pad(tiles.block_offset, (0, MERGE_WIDTH)))
+    narrow, padded = pair_items(tiles), pair_items(wide)
+    assert torch.equal(narrow.count, padded.count) and torch.equal(narrow.order, padded.order)
+    for item, count in enumerate(narrow.count.tolist()):
+        assert torch.equal(narrow.union[item, :count], padded.union[item, :count])
+        assert torch.equal(narrow.bits[item, :count], padded.bits[item, :count])
 
 
 @pytest.fixture(scope="module")
