@@ -500,26 +500,36 @@ class PairItems:
     order: torch.Tensor
 
 
-def pair_items_ref(tiles: VSTiles) -> PairItems:
-    """`PairItems` of per-head tiles `[B, H, M]` (piece starts in tokens, ascending, `block_count` valid per row
-    block) by one sort of each pair's 2 x NS starts (`prefill_pair.pair_items` merges them in one launch): the
-    reference, and the route for lists wider than its merge takes. Unused entries: union past every start, bits 0."""
-    B, H, M, NS = tiles.block_offset.shape
-    big = torch.iinfo(torch.int32).max // 4  # past every start: padding sorts last
-    live = torch.arange(NS, device=tiles.block_offset.device) < tiles.block_count[..., None]
-    start = torch.where(live, tiles.block_offset, big)
-    start = torch.nn.functional.pad(start, (0, 0, 0, M % 2), value=big).view(-1, 2 * NS)  # row blocks 2j | 2j + 1
-    member = torch.arange(2 * NS, device=start.device) // NS  # 0 for row block 2j's entries, 1 for 2j + 1's
-    code, _ = torch.sort(start.long() * 2 + member, dim=-1)  # ascending starts, row block 2j's first on a tie
-    key, who = code // 2, code % 2
+def member_union(lists: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per item, the ascending union of its P members' lists and, per union entry, the bits of the members that hold
+    it (bit j: member j), by one sort of the item's P x K entries. lists Int `[items, P, K]` (each member's live
+    entries ascending, distinct, >= 0), live Bool alike. Returns (union Int32 `[items, P * K]`, entries past count
+    past every value; bits Int32 alike, 0 past count; count Int32 `[items]`)."""
+    items, P, K = lists.shape
+    big = torch.iinfo(torch.int32).max // 4  # past every value: dead entries sort last
+    start = torch.where(live, lists, big).reshape(items, P * K).long()
+    member = torch.arange(P * K, device=lists.device) // K
+    code, _ = torch.sort(start * P + member, dim=-1)  # ascending values, lower members first on a tie
+    key, who = code // P, code % P
     first = torch.ones_like(key, dtype=torch.bool)
     first[:, 1:] = key[:, 1:] != key[:, :-1]
     slot = first.long().cumsum(-1) - 1  # the union position of each sorted entry
     union = torch.full_like(key, big).scatter_(1, slot, key)
     bits = torch.zeros_like(key).scatter_add_(1, slot, (1 << who) * (key < big))
     count = (first & (key < big)).sum(-1).to(torch.int32)
-    order = torch.argsort(count, descending=True, stable=True).to(torch.int32)
-    return PairItems(union.clamp(max=big).to(torch.int32), bits.to(torch.int32), count, order)
+    return union.to(torch.int32), bits.to(torch.int32), count
+
+
+def pair_items_ref(tiles: VSTiles) -> PairItems:
+    """`PairItems` of per-head tiles `[B, H, M]` (piece starts in tokens, ascending, `block_count` valid per row
+    block) by `member_union` over row blocks 2j and 2j + 1 (`prefill_pair.pair_items` merges them in one launch): the
+    reference, and the route for lists wider than its merge takes."""
+    B, H, M, NS = tiles.block_offset.shape
+    live = torch.arange(NS, device=tiles.block_offset.device) < tiles.block_count[..., None]
+    pad = (0, 0, 0, M % 2)  # an odd M's last pair: row block 2j alone
+    union, bits, count = member_union(torch.nn.functional.pad(tiles.block_offset, pad).view(-1, 2, NS),
+                                      torch.nn.functional.pad(live, pad).view(-1, 2, NS))
+    return PairItems(union, bits, count, torch.argsort(count, descending=True, stable=True).to(torch.int32))
 
 
 def tiles_to_mask(tiles: VSTiles, n: int, sink: torch.Tensor | None = None,

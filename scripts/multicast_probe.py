@@ -38,6 +38,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from workbench_kernels.index_ref import member_union
 from workbench_kernels.prefill_pair import attend_piece, softmax_step, wait_piece
 from workbench_kernels.prefill_ws import tma_load
 
@@ -227,27 +228,15 @@ def layouts(cluster: int, d: int) -> dict:
     }
 
 
-def union_of(groups: torch.Tensor, n_keys: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Per item: the ascending union of its P members' key blocks and each piece's bit mask of the members that
-    selected it. groups Int32 `[items, P, K]` ascending, -1 padded, blocks < n_keys. Returns Union / Bits Int32
-    `[items, U]` (padding: Bits 0), Count Int32 `[items]`, U (the largest union)."""
-    member = torch.zeros(groups.shape[0], n_keys + 1, dtype=torch.int32, device=groups.device)
-    for j in range(groups.shape[1]):
-        idx = torch.where(groups[:, j] >= 0, groups[:, j], n_keys).long()
-        member.scatter_(-1, idx, member.gather(-1, idx) | (1 << j))
-    member = member[:, :n_keys]
-    count = (member != 0).sum(-1).to(torch.int32)
-    U = int(count.max())
-    keys = torch.arange(n_keys, device=groups.device)
-    union = torch.where(member != 0, keys, n_keys).sort(-1).values[:, :U]
-    bits = member.gather(-1, union.clamp(max=n_keys - 1)) * (union < n_keys)
-    return union.clamp(max=n_keys - 1).to(torch.int32).contiguous(), bits.to(torch.int32).contiguous(), count, U
-
-
 def union_index(bidx: torch.Tensor, cluster: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """`union_of` per (b, KV-group of `cluster` heads, row block), items in that order. bidx Int32 `[B, Hq, M, K]`."""
+    """`index_ref.member_union` per (b, KV-group of `cluster` heads, row block), items in that order, cut to the
+    largest union U. bidx Int32 `[B, Hq, M, K]` ascending, -1 padded. Returns Union / Bits Int32 `[items, U]`, Count
+    Int32 `[items]`, U."""
     B, H, M, K = bidx.shape
-    return union_of(bidx.view(B, H // cluster, cluster, M, K).transpose(2, 3).reshape(-1, cluster, K), M)
+    lists = bidx.view(B, H // cluster, cluster, M, K).transpose(2, 3).reshape(-1, cluster, K)
+    union, bits, count = member_union(lists, lists >= 0)
+    U = int(count.max())
+    return union[:, :U].contiguous(), bits[:, :U].contiguous(), count, U
 
 
 def cluster_items(bidx: torch.Tensor, cluster: int) -> tuple[torch.Tensor, ...]:
