@@ -302,7 +302,9 @@ def main() -> int:
                         "then runs its GQA-packed route on the KV head's tiles")
     p.add_argument("--variants", default="",
                    help="comma-separated subset of the timed rows (dense_sdpa, loop, cluster1, cluster4, "
-                        "cluster1/overlap, cluster4/overlap); given without cluster rows, the check is skipped "
+                        "cluster1/overlap, cluster4/overlap, pair; pair_items / pair_items_ref: the pair route's "
+                        "union alone, one launch / the torch reference, checked equal per length); given without "
+                        "cluster rows, the check is skipped "
                         "and the probe runs on any Triton (the loop beside dense SDPA)")
     p.add_argument("--compile-only", action="store_true")
     p.add_argument("--out", default="multicast_probe.json")
@@ -315,9 +317,9 @@ def main() -> int:
         return 0
     from workbench_benchmarks.kernels_prefill import planted_inputs
     from workbench_kernels.index_build import block_index
-    from workbench_kernels.index_ref import selected_block_tiles
+    from workbench_kernels.index_ref import pair_items_ref, selected_block_tiles
     from workbench_kernels.prefill import sparse_prefill
-    from workbench_kernels.prefill_pair import pair_prefill
+    from workbench_kernels.prefill_pair import pair_items, pair_prefill
 
     from workbench.core.timing import environment
 
@@ -369,7 +371,8 @@ def main() -> int:
         kx, vx = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
         fns = {"dense_sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, kx, vx, is_causal=True),
                "loop": lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False),
-               **{name: functools.partial(launch, name, q, k, v, items) for name in kernels}}
+               **{name: functools.partial(launch, name, q, k, v, items) for name in kernels},
+               "pair_items": lambda: pair_items(tiles), "pair_items_ref": lambda: pair_items_ref(tiles)}
         fns = {name: f for name, f in fns.items() if name in wanted}
         for f in fns.values():
             f()
@@ -379,10 +382,18 @@ def main() -> int:
             for name in names[r % len(names):] + names[:r % len(names)]:
                 times[name].append(_timed(fns[name]))
         ms = {name: statistics.median(t) for name, t in times.items()}
+        if "pair_items" in wanted:  # the one-launch union against its reference: every field equal
+            got, want = pair_items(tiles), pair_items_ref(tiles)
+            live = torch.arange(got.union.shape[1], device=got.count.device) < got.count[:, None]
+            out["check"][f"pair_items_equal_{n}"] = bool(
+                torch.equal(got.count, want.count) and torch.equal(got.order, want.order)
+                and torch.equal(got.union[live], want.union[live]) and torch.equal(got.bits[live], want.bits[live]))
+            print(f"pair_items == pair_items_ref at {n}: {out['check'][f'pair_items_equal_{n}']}", flush=True)
         row = {"n": n, "topk": a.topk, "selection": a.selection, "stages": a.stages, "density": density,
                "union_over_own": {c: int(it[2].sum()) * c / own for c, it in items.items() if c},
                "ms": ms, "rounds": times,
-               "eff_per_tile": {name: density * ms["dense_sdpa"] / t for name, t in ms.items() if name != "dense_sdpa"}}
+               "eff_per_tile": {name: density * ms["dense_sdpa"] / t for name, t in ms.items()
+                                if name not in ("dense_sdpa", "pair_items", "pair_items_ref")}}
         out["rows"].append(row)
         print(json.dumps({k2: row[k2] for k2 in ("n", "density", "union_over_own", "ms", "eff_per_tile")}), flush=True)
         json.dump(out, open(a.out, "w"), indent=1)
