@@ -15,8 +15,8 @@ file as they are measured.
 
 Row fields: logical_density = attended (query, key) pairs / causal pairs; physical_density = computed tile area
 (pieces x width + packed columns, per row block) / causal pairs; effective_tflops = 4 * head_dim * tile area / time;
-program: the kernel the route ran (the warp-specialised Gluon kernel or the Triton-language loop:
-`prefill.takes_gluon`, `prefill.ashape_takes_gluon`); time_ms is the kernel's median in rounds taken in turn with
+program: the kernel the route ran (the warp-specialised Gluon kernel, row-block pairs or the Triton-language loop:
+`prefill.default_program`, `prefill.ashape_takes_gluon`); time_ms is the kernel's median in rounds taken in turn with
 dense SDPA (the faster of its two GQA forms, K/V repeated per query head or `enable_gqa`: `dense_form`, both timed
 alone in `dense_forms_ms`), whose median in the same rounds is `paired_dense_ms`; ratio_to_dense_tflops divides by
 dense's causal TFLOP/s at paired_dense_ms. The dense_sdpa row's time_ms is the median of its rows' paired_dense_ms
@@ -248,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
         selected_block_tiles,
         tile_area,
     )
-    from workbench_kernels.prefill import ashape_prefill, ashape_takes_gluon, sparse_prefill, takes_gluon
+    from workbench_kernels.prefill import ashape_prefill, ashape_takes_gluon, default_program, sparse_prefill
     from workbench_kernels.tiling import NO_WINDOW
 
     from workbench.core.io import write_json
@@ -413,19 +413,19 @@ def run(args: argparse.Namespace) -> int:
             family = "vertical_slash" if pattern.startswith("vertical_slash") else "block_sparse"
             cfg = tuned.get((pattern, blk), tuned.get((family, blk), {}))
             rb, pw = shape_of[blk]
-            gluon = pattern == "a_shape" and not cfg and ashape_takes_gluon(
-                q, k, *(torch.tensor(x, dtype=torch.int32) for x in (sink, window)), rb, pw)
-            if gluon:  # `AShape.layer_attention`'s route (elsewhere a model runs the cached tiles, as below)
-                route = "ashape_prefill"
+            if pattern == "a_shape" and not cfg and ashape_takes_gluon(
+                    q, k, *(torch.tensor(x, dtype=torch.int32) for x in (sink, window)), rb, pw):
+                route, program = "ashape_prefill", "gluon"  # `AShape.layer_attention`'s route (elsewhere a model
                 fn = lambda: ashape_prefill(q, k, v, sink, window, scale=scale, block=rb, width=pw)  # noqa: E731
-            else:
+            else:  # runs the cached tiles, as here)
                 route = "sparse_prefill"
                 fn = lambda: sparse_prefill(q, k, v, tiles, sink=sink, window=window, scale=scale, **cfg)  # noqa: E731
-                gluon = takes_gluon(q, tiles, sink)
+                program = {True: "gluon", False: "loop"}.get(cfg.get("warp_specialize"), None) or default_program(
+                    q, tiles, sink)
             area = tile_area(tiles, n).sum().item() * (hq // tiles.shape[1])  # group-shared tiles serve G heads
             budget = vs_budgets.get(pattern) or ((args.topk,) if pattern == "block_sparse"
                                                  else (args.sink, args.window))
-            row = {**base, "kernel": pattern, "block": blk, "route": route, "program": "gluon" if gluon else "loop",
+            row = {**base, "kernel": pattern, "block": blk, "route": route, "program": program,
                    "budget": list(budget), **cfg,
                    **timed(fn, area), "index_ms": t_index,
                    "logical_density": logical[pattern] / (hq * causal_pairs),
@@ -611,7 +611,7 @@ def compare_minference(args: argparse.Namespace) -> int:
     import torch
     from workbench_kernels.index_build import block_index, block_tiles, pooled_scores, select_blocks, vs_index, vs_tiles
     from workbench_kernels.index_ref import VSTiles, ashape_to_tiles, expand_groups, selected_block_tiles, tile_area
-    from workbench_kernels.prefill import ashape_prefill, default_config, loop_variant, sparse_prefill, takes_gluon
+    from workbench_kernels.prefill import ashape_prefill, default_config, default_program, loop_variant, sparse_prefill
     from workbench_kernels.prefill_ws import (
         ASHAPE_LAUNCH,
         HEAD_LAUNCH,
@@ -697,10 +697,10 @@ def compare_minference(args: argparse.Namespace) -> int:
                 split, tma, persistent = loop_variant(pack, tiles.column_index.shape[-1] > 1 and kw.get("sink") is None,
                                                       hopper, d)
                 ws_fits = hopper and ws_takes(q, tiles, kw.get("sink"))
-                ws_default = takes_gluon(q, tiles, kw.get("sink"))  # sparse_prefill's own choice
+                program = default_program(q, tiles, kw.get("sink"))  # sparse_prefill's own choice
                 same = {"split": split and not tma and not persistent, "tma": split and tma and not persistent,
                         "single": not split and not persistent, "persistent": persistent,
-                        "loop": not ws_default, "ws": ws_default or not ws_fits}
+                        "loop": program == "loop", "ws": program == "gluon" or not ws_fits}
                 times = {}
                 for name in variants if only is None else [x for x in variants if x in only]:
                     if name == "ws" and ws_check is not None and ws_check.result():
@@ -720,7 +720,7 @@ def compare_minference(args: argparse.Namespace) -> int:
                     return times, None, None
                 out = sparse_prefill(q, k, v, tiles, scale=scale, **kw)[0]
                 warps, stages = default_config(d, rows_per_program, pack, tiles.piece)
-                times["default_is"] = ({"kernel": "ws"} if ws_default else
+                times["default_is"] = ({"kernel": {"gluon": "ws", "pair": "pair"}[program]} if program != "loop" else
                                        {"kernel": "loop", "split": split, "tma": tma and split, "persistent": persistent,
                                         "num_warps": warps, "num_stages": stages})
                 default = lambda: sparse_prefill(q, k, v, tiles, scale=scale, **kw)  # noqa: E731

@@ -315,8 +315,9 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     - `sink`, `window`: optional per-head A-shape token mask, Int `[Hq]` in tokens (`NO_WINDOW` / 0: none).
     - `warp_specialize`: True runs the warp-specialised Gluon kernel (`prefill_ws.ws_prefill`: sm_90, bf16 / fp16,
       head_dim 64 / 128 / 256, 64 x 64 tiles without A-shape masks, columns only as `tiles.head_columns`;
-      ValueError otherwise); False the Triton-language loop; None (default) the Gluon kernel where `takes_gluon`
-      says it takes the tiles (head_dim 128; head_dim 64 per-head tiles without columns), else the loop. The loop
+      ValueError otherwise); False the Triton-language loop; None (default) `default_program`'s kernel: the Gluon
+      kernel where it takes the tiles (head_dim 128; head_dim 64 per-head tiles without columns), row-block pairs
+      (`prefill_pair.pair_prefill`) for per-head tiles without columns at head_dim 256, else the loop. The loop
       reads `tiles.column_index`, never `head_columns`. The knobs below tune the loop only.
     - `split`: walk a tile's pieces as a masked prefix, an unmasked interior and a masked suffix; False: one loop
       that masks the pieces on an edge. `tma` (with `split`, Hopper or newer): K/V tiles, and a per-head program's
@@ -333,7 +334,12 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     if (sink is None) != (window is None):
         raise ValueError("give both sink and window (per-head A-shape mask) or neither")
     if warp_specialize is None:
-        warp_specialize = takes_gluon(q, tiles, sink)
+        program = default_program(q, tiles, sink)
+        if program == "pair":
+            from .prefill_pair import pair_prefill  # lazy, as the Gluon kernel below
+
+            return write_dense_rows(*pair_prefill(q, k, v, tiles, scale), q, k, v, tiles, scale)
+        warp_specialize = program == "gluon"
     if warp_specialize:
         o, lse = _warp_specialized(q, k, v, tiles, scale, sink, window,
                                    tiles.head_columns is not None if kv_major is None else kv_major)
@@ -424,16 +430,21 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     return write_dense_rows(o, lse, q, k, v, tiles, scale)
 
 
-def takes_gluon(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None = None) -> bool:
-    """Whether `sparse_prefill` at its default (`warp_specialize=None`) runs `tiles` through the Gluon kernel:
-    at head_dim 128, and at 64 for per-head tiles without columns, where `prefill_ws.ws_takes` takes them; else the
-    Triton-language loop."""
+def default_program(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None = None) -> str:
+    """The kernel `sparse_prefill` runs at its default (`warp_specialize=None`): "gluon" (`prefill_ws`) at head_dim
+    128, and at 64 for per-head tiles without columns, where `prefill_ws.ws_takes` takes them; "pair"
+    (`prefill_pair`) where `pair_takes` takes them (head_dim 256 per-head tiles without columns); else "loop" (the
+    Triton-language loop)."""
     D = q.shape[-1]
+    if D == 256:
+        from .prefill_pair import pair_takes  # lazy: the Gluon modules load only where they may run
+
+        return "pair" if pair_takes(q, tiles, sink) else "loop"
     if not (D == 128 or D == 64 and not tiles.columns and tiles.shape[1] == q.shape[1]):
-        return False
+        return "loop"
     from .prefill_ws import ws_takes  # lazy, as in _warp_specialized
 
-    return ws_takes(q, tiles, sink)
+    return "gluon" if ws_takes(q, tiles, sink) else "loop"
 
 
 def gluon_takes_kinds(q: torch.Tensor) -> bool:
@@ -442,7 +453,7 @@ def gluon_takes_kinds(q: torch.Tensor) -> bool:
     (the Gluon kernel takes no A-shape masks). There `SparsePrefill` runs such a layer one launch per kind: H100,
     Llama 32/8/128, a third of the heads each VS, block-sparse, A-shape, 1.58x / 1.90x faster at 64K / 128K; at
     head_dim 256, where every kind runs the loop, 0.97x / 0.99x (kernels/NOTES.md, session 30)."""
-    from .prefill_ws import DTYPES, sm90  # lazy, as in takes_gluon
+    from .prefill_ws import DTYPES, sm90  # lazy, as in default_program
 
     return q.shape[-1] == 128 and q.dtype in DTYPES and sm90(q.device)
 

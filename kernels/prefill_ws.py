@@ -58,7 +58,7 @@ from .tiling import band_on
 ROWS = 64  # query rows per consumer warpgroup (= tiles.block)
 KEYS = 64  # keys per piece and per column strip (= tiles.piece); ws_ashape / ws_vertical_slash also take 128
 DTYPES = (torch.bfloat16, torch.float16)  # q / k / v dtypes the kernel takes
-HEAD_DIMS = (64, 128, 256)  # head_dims it takes (256: the launches below, not yet the default: `prefill.takes_gluon`)
+HEAD_DIMS = (64, 128, 256)  # head_dims it takes (256: the launches below, not the default: `prefill.default_program`)
 # TMA load global -> shared with an mbarrier: `async_load` from Triton 3.7 (3.9 removed the old name), the old
 # name in 3.6 (the H200 image's)
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
