@@ -40,7 +40,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .index_ref import PairItems, VSTiles, pair_items_ref
 from .prefill_ref import check_prefill_args
-from .prefill_ws import DTYPES, launch_config, sm90, tma_load
+from .prefill_ws import DTYPES, launch_config, sm90, softmax_step, tma_load
 from .schedule import LOG2E
 
 ROWS = gl.constexpr(64)  # query rows per consumer (= tiles.block; host code reads ROWS.value)
@@ -132,23 +132,20 @@ def wait_piece(Union, Bits, at, i, bit, k_ready, v_ready, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def softmax_step(sc, keys, pos, m_i, l_i, qk_scale):
-    """Online-softmax step on raw scores sc `[R, K]` of keys `[K]` for rows at query positions pos `[R]` (causal
-    mask; qk_scale in exp2 units): (P fp32, the rescale alpha, new row max, new row sum)."""
-    sc = gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1), sc * qk_scale, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(sc, 1))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(sc - gl.expand_dims(m_new, 1))
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+def causal_softmax_step(sc, keys, pos, m_i, l_i, qk_scale):
+    """`prefill_ws.softmax_step` on raw scores sc `[R, K]` of keys `[K]` for rows at query positions pos `[R]`, each
+    row's later keys masked: (P in exp2 units, the rescale alpha, new row max, new row sum)."""
+    return softmax_step(gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1), sc, float("-inf")), m_i, l_i,
+                        qk_scale)
 
 
 @gluon.jit
 def attend_piece(q_tile, k_tile, v_tile, keys, pos, m_i, l_i, acc, s0, qk_scale, O_LAYOUT: gl.constexpr):
-    """One piece: S = Q K^T (wgmma, Q and K from shared memory), `softmax_step`, O = alpha O + P V (P from
+    """One piece: S = Q K^T (wgmma, Q and K from shared memory), `causal_softmax_step`, O = alpha O + P V (P from
     registers); returns (m_i, l_i, acc)."""
     sc = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s0, use_acc=False, is_async=True)
     sc = warpgroup_mma_wait(0, deps=(sc,))
-    p, alpha, m_i, l_i = softmax_step(sc, keys, pos, m_i, l_i, qk_scale)
+    p, alpha, m_i, l_i = causal_softmax_step(sc, keys, pos, m_i, l_i, qk_scale)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
     p_op = gl.convert_layout(p.to(k_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))
     acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)

@@ -354,7 +354,7 @@ def _step_masked(s, keys, t, strips, rows, lanes, N, row_lo, sink, window, BLOCK
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, qk_scale):
+def softmax_step(s, m_i, l_i, qk_scale):
     """Online-softmax step on masked scores s `[BLOCK_M, BLOCK_N]`: returns (probabilities in log2 units,
     alpha = rescale of the old sums, new max, new sum)."""
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
@@ -424,7 +424,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
             mbarrier.arrive(k_empty.index(ik), count=1)
             s = _step_masked(s, keys, 0, strips, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS, ASHAPE,
                              PAIR)
-            prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+            prob, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
         for t in range(n - 1):
             # issue Q K^T of piece t + 1 first, then P V of piece t; wait(1) retires the older group (Q K^T:
             # wgmma groups complete in issue order) and leaves P V running beside the softmax of piece t + 1
@@ -442,7 +442,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
             mbarrier.arrive(k_empty.index(ik1), count=1)
             s = _step_masked(s, keys, t + 1, strips, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS,
                              ASHAPE, PAIR)
-            prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+            prob, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(iv), count=1)
         if n > 0:  # epilogue: P V of the last piece
@@ -466,7 +466,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
             mbarrier.arrive(k_empty.index(ik), count=1)
             s = _step_masked(s, keys, t, strips, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS, ASHAPE,
                              PAIR)
-            prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+            prob, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             mbarrier.wait(v_ready.index(iv), (t // V_STAGES) & 1)
             acc = warpgroup_mma(gl.convert_layout(prob.to(k_smem.dtype), p_layout), v_smem.index(iv), acc,

@@ -39,7 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from workbench_kernels.index_ref import member_union
-from workbench_kernels.prefill_pair import attend_piece, softmax_step, wait_piece
+from workbench_kernels.prefill_pair import attend_piece, causal_softmax_step, wait_piece
 from workbench_kernels.prefill_ws import tma_load
 
 ROWS = 64  # query rows per CTA (one head's row block)
@@ -128,11 +128,11 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empt
                     acc = warpgroup_mma(gl.convert_layout(prob, p_layout), v_smem.index(pend % STAGES), acc,
                                         is_async=True)
                     scores = warpgroup_mma_wait(1, deps=(sc,))  # Q K^T done (groups retire in order), P V in flight
-                    p32, alpha, m_i, l_i = softmax_step(scores, piece + lanes, pos, m_i, l_i, qk_scale)
+                    p32, alpha, m_i, l_i = causal_softmax_step(scores, piece + lanes, pos, m_i, l_i, qk_scale)
                     acc = warpgroup_mma_wait(0, deps=(acc,))
                 else:
                     scores = warpgroup_mma_wait(0, deps=(sc,))
-                    p32, alpha, m_i, l_i = softmax_step(scores, piece + lanes, pos, m_i, l_i, qk_scale)
+                    p32, alpha, m_i, l_i = causal_softmax_step(scores, piece + lanes, pos, m_i, l_i, qk_scale)
                 prob = p32.to(k_smem.dtype)
                 if pend >= 0:
                     if CLUSTER > 1:
