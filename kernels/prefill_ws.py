@@ -365,6 +365,15 @@ def softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
+def _issue_pv(acc, alpha, prob, v_smem, v_ready, iv, phase, row_o: gl.constexpr, p_layout: gl.constexpr):
+    """O = alpha O + P V: rescales the fp32 accumulator `[BLOCK_M, D]` by alpha `[BLOCK_M]`, waits for V slot iv's
+    fill (parity `phase`) and issues the wgmma with P `[BLOCK_M, BLOCK_N]` from registers; returns it unwaited."""
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    mbarrier.wait(v_ready.index(iv), phase)
+    return warpgroup_mma(gl.convert_layout(prob.to(v_smem.dtype), p_layout), v_smem.index(iv), acc, is_async=True)
+
+
+@gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount, BlockOffset,
               ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, sub: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CONSUMERS: gl.constexpr,
@@ -434,10 +443,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
             s = warpgroup_mma(q, k_smem.index(ik1).permute((1, 0)), s0, use_acc=False, is_async=True)
             keys = _step_keys(t + 1, items, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, BLOCK_N,
                               VS, ASHAPE, PAIR)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            mbarrier.wait(v_ready.index(iv), (t // V_STAGES) & 1)
-            acc = warpgroup_mma(gl.convert_layout(prob.to(k_smem.dtype), p_layout), v_smem.index(iv), acc,
-                                is_async=True)
+            acc = _issue_pv(acc, alpha, prob, v_smem, v_ready, iv, (t // V_STAGES) & 1, row_o, p_layout)
             s = warpgroup_mma_wait(1, deps=(s,))
             mbarrier.arrive(k_empty.index(ik1), count=1)
             s = _step_masked(s, keys, t + 1, strips, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS,
@@ -448,10 +454,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
         if n > 0:  # epilogue: P V of the last piece
             t = n - 1
             iv = ring * V_STAGES + t % V_STAGES
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            mbarrier.wait(v_ready.index(iv), (t // V_STAGES) & 1)
-            acc = warpgroup_mma(gl.convert_layout(prob.to(k_smem.dtype), p_layout), v_smem.index(iv), acc,
-                                is_async=True)
+            acc = _issue_pv(acc, alpha, prob, v_smem, v_ready, iv, (t // V_STAGES) & 1, row_o, p_layout)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(iv), count=1)
     else:
@@ -467,10 +470,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
             s = _step_masked(s, keys, t, strips, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS, ASHAPE,
                              PAIR)
             prob, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            mbarrier.wait(v_ready.index(iv), (t // V_STAGES) & 1)
-            acc = warpgroup_mma(gl.convert_layout(prob.to(k_smem.dtype), p_layout), v_smem.index(iv), acc,
-                                is_async=True)
+            acc = _issue_pv(acc, alpha, prob, v_smem, v_ready, iv, (t // V_STAGES) & 1, row_o, p_layout)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(iv), count=1)
     if valid:
