@@ -649,8 +649,8 @@ def _tiny_gemma():
 
 
 def test_gemma_engine_greedy_tokens_equal_hf_generate_fp32():
+    from workbench.decode.engine.adapters import decoder_layers
     from workbench.decode.engine.gemma import GemmaLayers
-    from workbench.decode.engine.llama import decoder_layers
 
     model = _tiny_gemma()
     lm = decoder_layers(model)

@@ -8,7 +8,8 @@ import pytest
 import torch
 from prefill_configs import covering, make_config, tight
 
-from workbench.prefill.quality import LayerInputs, dense_greedy, depths, kl_top1, merge_reports, quality_report, sensitivity
+from workbench.core.corpus import depths
+from workbench.prefill.quality import LayerInputs, dense_greedy, kl_top1, merge_reports, quality_report, sensitivity
 
 N = 256
 

@@ -129,6 +129,11 @@ def _assemble(tok: Any, length: int, rng: random.Random, needles: list[tuple[flo
     return out, spans
 
 
+def depths(count: int) -> list[float]:
+    """`count` needle depths (fractions of the prompt) spread evenly over [0.05, 0.95], for `make_sample`."""
+    return [0.5] if count == 1 else [round(0.05 + 0.9 * i / (count - 1), 4) for i in range(count)]
+
+
 def make_sample(task: str, tokenizer: Any, length: int, seed: int = 0, depth: float = 0.5,
                 max_length: int | None = None) -> Sample:
     """Build a sample of exactly `length` tokens.

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from workbench.core.progress import Progress, reporter
+from workbench.decode.engine.adapters import decoder_layers
 from workbench.decode.engine.decoder import MODES, OFFLOAD, STORE_DTYPES, DecodeEngine, EngineConfig, check_budget
-from workbench.decode.engine.llama import decoder_layers
 from workbench.decode.engine.reuse import ReuseMeter
 from workbench.decode.timeline import trace_step
 from workbench.patterns.infllm import Budget

@@ -60,11 +60,6 @@ def kl_top1(dense_logits: torch.Tensor, sparse_logits: torch.Tensor) -> tuple[fl
     return float((p.exp() * (p - q)).sum()), bool(dense_logits.argmax() == sparse_logits.argmax())
 
 
-def depths(count: int) -> list[float]:
-    """`count` needle depths spread evenly over [0.05, 0.95]."""
-    return [0.5] if count == 1 else [round(0.05 + 0.9 * i / (count - 1), 4) for i in range(count)]
-
-
 def config_digest(config: HeadConfig) -> str:
     return hashlib.sha256(json.dumps([h.to_dict() for h in config.heads], sort_keys=True).encode()).hexdigest()[:16]
 
@@ -226,7 +221,7 @@ def quality_report(model: torch.nn.Module, tok: Any, shape: ModelShape, config: 
     SparsePrefill's ("triton", "flex", "torch" = reference); reports of several backends on the same
     prompts compare them (the dense side is cached per weights, device and dtype). `drift_model`: the same
     weights in fp32 on the same device; each record then also has the dense dtype-vs-fp32 drift."""
-    from workbench.core.corpus import make_sample
+    from workbench.core.corpus import depths, make_sample
 
     config.validate(shape)
     for n in lengths:

@@ -86,8 +86,7 @@ def held_out_samples(tok: Any, tasks: Sequence[str], lengths: Sequence[int], cou
                      config: HeadConfig | None = None) -> dict[int, list[Any]]:
     """{n: samples}: `count` prompts per task and length, seeds from `HELD_OUT_SEED`, needle depths spread.
     Refuses a prompt that is one of `config`'s calibration prompts (same token sha)."""
-    from workbench.core.corpus import make_sample
-    from workbench.prefill.quality import depths
+    from workbench.core.corpus import depths, make_sample
 
     seen = {s.get("sha") for s in (config.provenance.get("calibration") or []) if isinstance(s, dict)} if config else set()
     out: dict[int, list[Any]] = {}
@@ -297,8 +296,7 @@ def generalization_report(model: torch.nn.Module, tok: Any, shape: ModelShape, c
         if out is not None:
             write_json(out, report)
     if quality_samples > 0:
-        from workbench.core.corpus import make_sample
-        from workbench.prefill.quality import depths
+        from workbench.core.corpus import depths, make_sample
 
         answerable = [t for t in tasks if t in ANSWER_TASKS] or ["passkey"]
         n = lengths[-1]

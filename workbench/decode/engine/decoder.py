@@ -45,10 +45,10 @@ import torch
 from tqdm.auto import tqdm
 from workbench_kernels.gather_ref import GATHER_WARPS, INT4, kv_quant
 
+from workbench.decode.engine.adapters import decoder_layers
 from workbench.decode.engine.cache import BlockCache, CopyPlan
 from workbench.decode.engine.hooks import CopyTimer, StepHooks
 from workbench.decode.engine.layer_ops import FusedOps, ModuleOps
-from workbench.decode.engine.llama import decoder_layers
 from workbench.decode.engine.select import CompressedKeyBuffer, select_decode
 from workbench.decode.engine.store import BLOCK, BlockStore, GiB, StoreCapacityError, StoreSpec, host_memory_available
 from workbench.decode.quest import QuestPages

@@ -2,7 +2,7 @@
 
 Uses the model's own modules (embedding, norms, projections, rotary tables, MLP, LM head); only the
 attention over the KV cache is done by the engine. `workbench.decode.engine.gemma` adapts Gemma-3 the same
-way; `decoder_layers` picks the adapter of a model.
+way; `workbench.decode.engine.adapters.decoder_layers` picks the adapter of a model.
 """
 from __future__ import annotations
 
@@ -119,11 +119,3 @@ class LlamaLayers:
             vs.append(v[0])
         return ks, vs, self.logits(x[:, -1])[0]
 
-
-def decoder_layers(model: nn.Module) -> LlamaLayers:
-    """The engine's adapter of `model`: `GemmaLayers` for Gemma-3 text models, `LlamaLayers` otherwise."""
-    if getattr(model.config, "model_type", "") in ("gemma3_text", "gemma3"):
-        from workbench.decode.engine.gemma import GemmaLayers
-
-        return GemmaLayers(model)
-    return LlamaLayers(model)
