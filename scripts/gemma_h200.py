@@ -223,7 +223,7 @@ class Run:
         return out
 
     def generalize(self, n: int, lengths: list[int]) -> dict:
-        from workbench.search.generalize import generalization_report
+        from workbench.prefill.generalize import generalization_report
         from workbench.views.lengths import write_html
 
         model, tok, shape = self.model("float32")

@@ -10,7 +10,7 @@ import torch
 from workbench.config import ConfigError, HeadConfig, HeadEntry
 from workbench.core.capture import capture_attention
 from workbench.core.corpus import make_sample
-from workbench.search.generalize import (
+from workbench.prefill.generalize import (
     generalization_report,
     head_mass_by_length,
     held_out_samples,

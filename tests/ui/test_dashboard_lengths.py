@@ -1,6 +1,6 @@
 """The Lengths tab in a real browser: a real `workbench dashboard` server (CPU, embedded model, a 512-token sample,
 layers 0 and 4, the config searched on it) driven by Playwright through Debian's headless Chromium. The tab
-evaluates the session's config on held-out prompts at other lengths (`search.generalize`)."""
+evaluates the session's config on held-out prompts at other lengths (`prefill.generalize`)."""
 from __future__ import annotations
 
 import pytest

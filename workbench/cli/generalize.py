@@ -4,7 +4,7 @@ Per head, the captured attention mass of the config's online indexes on held-out
 --lengths (all query rows and the answer rows), the heads that fall below the config's target (the ones to
 search again) and the heads whose mass drops by more than 0.01 from L to 4L; beside it the same config with
 every budget scaled to the length (a fraction of n); at the longest length, retrieval and next-token KL vs
-dense for both. Writes JSON + HTML (`workbench.search.generalize`, `workbench.views.lengths`).
+dense for both. Writes JSON + HTML (`workbench.prefill.generalize`, `workbench.views.lengths`).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from workbench.core.corpus import TASKS
     from workbench.core.model import load_model
     from workbench.data import file_stem
-    from workbench.search.generalize import generalization_report
+    from workbench.prefill.generalize import generalization_report
     from workbench.views.lengths import write_html
 
     check_tasks(args.tasks, TASKS)

@@ -1,7 +1,7 @@
 """Length generalisation on screen and on paper: per-head captured mass vs prompt length (a plotly figure for
-the notebook, the dashboard and the report) and the HTML page of a `search.generalize` report.
+the notebook, the dashboard and the report) and the HTML page of a `prefill.generalize` report.
 
-Everything here reads the plain dicts `search.generalize` returns; nothing is computed beyond layout.
+Everything here reads the plain dicts `prefill.generalize` returns; nothing is computed beyond layout.
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def takeaway(report: Mapping[str, Any]) -> str:
 
 def report_figure(report: Mapping[str, Any], variant: str = "as_is", only_dropping: bool = False,
                   heads: Sequence[tuple[int, int]] | None = None):
-    """`mass_vs_length` of a generalisation report (`search.generalize.generalization_report`): `heads`, else
+    """`mass_vs_length` of a generalisation report (`prefill.generalize.generalization_report`): `heads`, else
     every head it evaluated, or only the heads that drop by more than the report's threshold."""
     lengths = report["settings"]["lengths"]
     model = report["model"]

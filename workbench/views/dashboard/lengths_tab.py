@@ -1,6 +1,6 @@
 """The Lengths tab: does the session's config hold at other prompt lengths, or must some heads be searched again?
 
-One library call does the work (`search.generalize.generalization_report`, the one `workbench generalize` and
+One library call does the work (`prefill.generalize.generalization_report`, the one `workbench generalize` and
 notebook 08 make, through `tab_state.LengthsState`); this module lays out its controls, the report's takeaway
 and summary (`views.lengths`), the heads that lose mass, and every chosen head's captured mass against prompt
 length (solid: the budgets as searched; dotted: every budget x n / L).

@@ -445,7 +445,7 @@ MAX_PROMPTS = 8  # held-out prompts per length the Lengths tab accepts
 class LengthsState(StoppableJob):
     """The session's config (its edits included) at longer prompt lengths, on held-out prompts: every
     evaluated head's captured mass per length as searched and with its budgets scaled to n
-    (`search.generalize.generalization_report`; its end-to-end check is left to `workbench generalize`)."""
+    (`prefill.generalize.generalization_report`; its end-to-end check is left to `workbench generalize`)."""
 
     def __init__(self, session: Session, **params):
         super().__init__(**params)
@@ -461,7 +461,7 @@ class LengthsState(StoppableJob):
     def searched_at(self) -> tuple[int, str]:
         """(L, where it comes from): the config's calibration length, else the loaded sample's length."""
         from workbench.config import ConfigError
-        from workbench.search.generalize import searched_length
+        from workbench.prefill.generalize import searched_length
 
         try:
             return searched_length(self.session.config), "the length the config was searched at"
@@ -500,7 +500,7 @@ class LengthsState(StoppableJob):
         return self.run_job("evaluating lengths", lambda: self._evaluate(config, values, int(prompts), task, L))
 
     def _evaluate(self, config: Any, lengths: list[int], prompts: int, task: str, L: int) -> None:
-        from workbench.search.generalize import generalization_report
+        from workbench.prefill.generalize import generalization_report
 
         s = self.session
         model, tok, shape = SHARED.model(s.settings.model, s.settings.device, s.settings.dtype)

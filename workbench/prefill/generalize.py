@@ -9,7 +9,7 @@ target at a length are the ones to search again there. Two variants side by side
 - "as_is": the budgets in tokens as searched (a VS head keeps its 1000 columns at 4L);
 - "scaled": every budget multiplied by n / L, i.e. the same fraction of the prompt (`scale_config`).
 
-At the longest length both variants also run end to end (`prefill.quality.sample_record`): retrieval of the
+At the longest length both variants also run end to end (`quality.sample_record`): retrieval of the
 answer after a sparse prefill and next-token KL vs dense. Heads the model fixes (sliding-window layers) keep
 the model's own attention in both variants (mass 1 by definition) and are not evaluated.
 
@@ -34,6 +34,7 @@ from workbench.core.model import ModelShape
 from workbench.core.progress import Progress, reporter
 from workbench.core.timing import environment
 from workbench.patterns import AShape, causal_tiles
+from workbench.prefill.quality import sample_record
 from workbench.search.search import TAIL_ROWS, TARGET, Candidate, layer_scores
 
 # Sizes that are budgets (keys a head reads grow with them): scaled with n. Sinks, answer rows, dilation /
@@ -205,8 +206,6 @@ def evaluated_layers(shape: ModelShape, layers: Sequence[int] | None) -> list[in
 def _quality(model, tok, shape, config: HeadConfig, samples: Sequence[Any], max_new_tokens: int, backend: str,
              progress: bool | Progress) -> dict[str, Any]:
     """Retrieval and next-token KL of one config vs dense on `samples` (one length)."""
-    from workbench.prefill.quality import sample_record
-
     records = [sample_record(model, tok, shape, config, s, max_new_tokens, cosine=False, backend=backend)
                for s in tqdm(samples, desc="quality", unit="prompt", disable=progress is not True, leave=False)]
     kls = [r["kl"] for r in records]
