@@ -122,14 +122,6 @@ STEPS = 64
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: one thread per test process is several times faster
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
 def prompts(embedded, one_thread):
     from workbench.core.corpus import make_sample
     from workbench.decode.engine.llama import LlamaLayers

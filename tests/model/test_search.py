@@ -27,14 +27,7 @@ from workbench.search.search import (
     search_heads,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread per test process: CI runs two processes on two cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # every test here on one torch thread
 
 
 CANDS = [Candidate("ashape", (16, 40)), Candidate("ashape", (4, 100)), Candidate("vs", (8, 20)),

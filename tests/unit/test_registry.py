@@ -17,12 +17,7 @@ SHAPE = ModelShape(name="tiny", architecture="llama", n_layers=2, n_heads=6, n_k
                    hidden_size=96, rope_type="default", rope_theta=10000.0, max_positions=1024, fingerprint="abc")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # every test here on one torch thread
 
 
 def qk(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
