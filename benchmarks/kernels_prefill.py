@@ -415,13 +415,12 @@ def run(args: argparse.Namespace) -> int:
             rb, pw = shape_of[blk]
             if pattern == "a_shape" and not cfg and ashape_takes_gluon(
                     q, k, *(torch.tensor(x, dtype=torch.int32) for x in (sink, window)), rb, pw):
-                route, program = "ashape_prefill", "gluon"  # `AShape.layer_attention`'s route (elsewhere a model
+                # `AShape.layer_attention`'s route (elsewhere a model runs the cached tiles, as below)
+                route, program = "ashape_prefill", "gluon"
                 fn = lambda: ashape_prefill(q, k, v, sink, window, scale=scale, block=rb, width=pw)  # noqa: E731
-            else:  # runs the cached tiles, as here)
-                route = "sparse_prefill"
+            else:
+                route, program = "sparse_prefill", default_program(q, tiles, sink)
                 fn = lambda: sparse_prefill(q, k, v, tiles, sink=sink, window=window, scale=scale, **cfg)  # noqa: E731
-                program = {True: "gluon", False: "loop"}.get(cfg.get("warp_specialize"), None) or default_program(
-                    q, tiles, sink)
             area = tile_area(tiles, n).sum().item() * (hq // tiles.shape[1])  # group-shared tiles serve G heads
             budget = vs_budgets.get(pattern) or ((args.topk,) if pattern == "block_sparse"
                                                  else (args.sink, args.window))

@@ -499,6 +499,11 @@ class PairItems:
     count: torch.Tensor
     order: torch.Tensor
 
+    @classmethod
+    def ordered(cls, union: torch.Tensor, bits: torch.Tensor, count: torch.Tensor) -> PairItems:
+        """The items with their launch order: longest union first, ties in item order."""
+        return cls(union, bits, count, torch.argsort(count, descending=True, stable=True).to(torch.int32))
+
 
 def member_union(lists: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per item, the ascending union of its P members' lists and, per union entry, the bits of the members that hold
@@ -529,7 +534,7 @@ def pair_items_ref(tiles: VSTiles) -> PairItems:
     pad = (0, 0, 0, M % 2)  # an odd M's last pair: row block 2j alone
     union, bits, count = member_union(torch.nn.functional.pad(tiles.block_offset, pad).view(-1, 2, NS),
                                       torch.nn.functional.pad(live, pad).view(-1, 2, NS))
-    return PairItems(union, bits, count, torch.argsort(count, descending=True, stable=True).to(torch.int32))
+    return PairItems.ordered(union, bits, count)
 
 
 def tiles_to_mask(tiles: VSTiles, n: int, sink: torch.Tensor | None = None,

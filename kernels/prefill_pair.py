@@ -98,7 +98,7 @@ def pair_items(tiles: VSTiles) -> PairItems:
     count = torch.empty(items, dtype=torch.int32, device=dev)
     _pair_union_kernel[(items,)](tiles.block_count.contiguous(), tiles.block_offset.contiguous(), union, bits, count, M,
                                  NS, 2 * NS, NSP=triton.next_power_of_2(max(NS, 16)))
-    return PairItems(union, bits, count, torch.argsort(count, descending=True, stable=True).to(torch.int32))
+    return PairItems.ordered(union, bits, count)
 
 
 @gluon.jit
