@@ -15,7 +15,7 @@ file as they are measured.
 
 Row fields: logical_density = attended (query, key) pairs / causal pairs; physical_density = computed tile area
 (pieces x width + packed columns, per row block) / causal pairs; effective_tflops = 4 * head_dim * tile area / time;
-program: the kernel the route ran (the warp-specialised Gluon kernel or the Triton-language loop:
+program: the kernel the route ran (the warp-specialised Gluon kernel, row-block pairs or the Triton-language loop:
 `prefill.default_program`, `prefill.ashape_takes_gluon`); time_ms is the kernel's median in rounds taken in turn with
 dense SDPA (the faster of its two GQA forms, K/V repeated per query head or `enable_gqa`: `dense_form`, both timed
 alone in `dense_forms_ms`), whose median in the same rounds is `paired_dense_ms`; ratio_to_dense_tflops divides by
@@ -719,7 +719,7 @@ def compare_minference(args: argparse.Namespace) -> int:
                     return times, None, None
                 out = sparse_prefill(q, k, v, tiles, scale=scale, **kw)[0]
                 warps, stages = default_config(d, rows_per_program, pack, tiles.piece)
-                times["default_is"] = ({"kernel": "ws"} if program == "gluon" else
+                times["default_is"] = ({"kernel": {"gluon": "ws", "pair": "pair"}[program]} if program != "loop" else
                                        {"kernel": "loop", "split": split, "tma": tma and split, "persistent": persistent,
                                         "num_warps": warps, "num_stages": stages})
                 default = lambda: sparse_prefill(q, k, v, tiles, scale=scale, **kw)  # noqa: E731

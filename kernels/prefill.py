@@ -316,9 +316,9 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     - `warp_specialize`: True runs the warp-specialised Gluon kernel (`prefill_ws.ws_prefill`: sm_90, bf16 / fp16,
       head_dim 64 / 128 / 256, 64 x 64 tiles without A-shape masks, columns only as `tiles.head_columns`;
       ValueError otherwise); False the Triton-language loop; None (default) `default_program`'s kernel: the Gluon
-      kernel where it takes the tiles (head_dim 128; head_dim 64 per-head tiles without columns), else the loop
-      (`prefill_pair.pair_prefill`, head_dim 256 per-head tiles, is opt-in). The loop reads `tiles.column_index`,
-      never `head_columns`. The knobs below tune the loop only.
+      kernel where it takes the tiles (head_dim 128; head_dim 64 per-head tiles without columns), row-block pairs
+      (`prefill_pair.pair_prefill`) for per-head tiles without columns at head_dim 256, else the loop. The loop
+      reads `tiles.column_index`, never `head_columns`. The knobs below tune the loop only.
     - `split`: walk a tile's pieces as a masked prefix, an unmasked interior and a masked suffix; False: one loop
       that masks the pieces on an edge. `tma` (with `split`, Hopper or newer): K/V tiles, and a per-head program's
       Q and O rows, through tensor descriptors. None for either: `loop_variant`'s choice for this program shape.
@@ -334,7 +334,12 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     if (sink is None) != (window is None):
         raise ValueError("give both sink and window (per-head A-shape mask) or neither")
     if warp_specialize is None:
-        warp_specialize = default_program(q, tiles, sink) == "gluon"
+        program = default_program(q, tiles, sink)
+        if program == "pair":
+            from .prefill_pair import pair_prefill  # lazy, as the Gluon kernel below
+
+            return write_dense_rows(*pair_prefill(q, k, v, tiles, scale), q, k, v, tiles, scale)
+        warp_specialize = program == "gluon"
     if warp_specialize:
         o, lse = _warp_specialized(q, k, v, tiles, scale, sink, window,
                                    tiles.head_columns is not None if kv_major is None else kv_major)
@@ -427,9 +432,14 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
 
 def default_program(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None = None) -> str:
     """The kernel `sparse_prefill` runs at its default (`warp_specialize=None`): "gluon" (`prefill_ws`) at head_dim
-    128, and at 64 for per-head tiles without columns, where `prefill_ws.ws_takes` takes them; else "loop" (the
+    128, and at 64 for per-head tiles without columns, where `prefill_ws.ws_takes` takes them; "pair"
+    (`prefill_pair`) where `pair_takes` takes them (head_dim 256 per-head tiles without columns); else "loop" (the
     Triton-language loop)."""
     D = q.shape[-1]
+    if D == 256:
+        from .prefill_pair import pair_takes  # lazy: the Gluon modules load only where they may run
+
+        return "pair" if pair_takes(q, tiles, sink) else "loop"
     if not (D == 128 or D == 64 and not tiles.columns and tiles.shape[1] == q.shape[1]):
         return "loop"
     from .prefill_ws import ws_takes  # lazy, as in _warp_specialized

@@ -118,14 +118,15 @@ def test_pair_kernel_compiles_for_sm90(compiled):
 
 
 def test_pair_prefill_refuses_what_it_does_not_take():
-    """On a CPU (or at another head_dim, dtype, tile kind) `pair_takes` says no and `pair_prefill` raises ValueError
-    naming the fix."""
+    """On a CPU (or at another head_dim, dtype, tile kind) `pair_takes` says no, `sparse_prefill`'s default runs the
+    loop, and `pair_prefill` raises ValueError naming the fix."""
+    from workbench_kernels.prefill import default_program
     from workbench_kernels.prefill_pair import pair_prefill, pair_takes
 
     q = torch.zeros(1, 4, 200, 256, dtype=torch.bfloat16)
     k = v = torch.zeros(1, 1, 200, 256, dtype=torch.bfloat16)
     tiles = random_tiles(1, 4, 200, seed=0)
-    assert not pair_takes(q, tiles, None)
+    assert not pair_takes(q, tiles, None) and default_program(q, tiles) == "loop"
     with pytest.raises(ValueError, match="use sparse_prefill"):
         pair_prefill(q, k, v, tiles)
 
@@ -153,9 +154,10 @@ def test_pair_prefill_matches_masked_attention(dtype, keep, n):
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper(), reason="pair_prefill runs on sm_90 (H100 / H200) only")
 def test_pair_prefill_agrees_with_the_loop_and_takes_per_head_tiles_only():
-    """At head_dim 256 `pair_prefill` is within bf16 of `sparse_prefill`'s loop on the same per-head tiles;
-    `pair_takes` refuses group-shared tiles (one list per KV head) and `pair_prefill` raises on them."""
-    from workbench_kernels.prefill import sparse_prefill
+    """At head_dim 256 `pair_prefill` is within bf16 of `sparse_prefill`'s loop on the same per-head tiles and is
+    `sparse_prefill`'s default there (the same output, bit for bit); `pair_takes` refuses group-shared tiles (one
+    list per KV head), which the default sends to the loop, and `pair_prefill` raises on them."""
+    from workbench_kernels.prefill import default_program, sparse_prefill
     from workbench_kernels.prefill_pair import pair_prefill, pair_takes
 
     B, Hq, Hkv, n = 1, 4, 1, 1000
@@ -167,8 +169,11 @@ def test_pair_prefill_agrees_with_the_loop_and_takes_per_head_tiles_only():
     ro, rlse = sparse_prefill(q, k, v, tiles, warp_specialize=False)
     torch.testing.assert_close(o.float(), ro.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, rlse, atol=2e-2, rtol=2e-2)
+    assert default_program(q, tiles) == "pair"
+    do, dlse = sparse_prefill(q, k, v, tiles)
+    assert torch.equal(do, o) and torch.equal(dlse, lse)
     shared = block_sparse_to_tiles(block_index(B, Hkv, n, 0.3, seed=7), n).to("cuda")
-    assert not pair_takes(q, shared, None)
+    assert not pair_takes(q, shared, None) and default_program(q, shared) == "loop"
     with pytest.raises(ValueError, match="per-head tiles"):
         pair_prefill(q, k, v, shared)
 
