@@ -14,6 +14,7 @@ import re
 import pytest
 import torch
 from test_kernels_compile import SMEM_SM90
+from test_kernels_prefill import DEV
 from test_prefill_ws import assert_bf16_close, block_index, compiled_by, hopper, ptxas_report
 from workbench_kernels.index_ref import block_sparse_to_tiles, tiles_to_mask
 from workbench_kernels.prefill_ref import masked_attention_ref
@@ -66,12 +67,12 @@ def random_tiles(B: int, H: int, n: int, seed: int):
 def test_pair_items_hold_each_pairs_union_and_who_holds_each_piece(n, merge):
     """Per (b, head, pair j): the ascending union of row blocks 2j and 2j + 1's piece starts, bit 0 / 1 set where
     2j / 2j + 1 holds the piece, no bits past the count; an odd M's last pair has one member; longest first. Both
-    the one-launch merge (Triton's interpreter on a CPU) and the torch reference."""
+    the one-launch merge (on the GPU where there is one, else Triton's interpreter) and the torch reference."""
     from workbench_kernels.index_ref import pair_items_ref
     from workbench_kernels.prefill_pair import pair_items
 
     B, H = 2, 3
-    tiles = random_tiles(B, H, n, seed=n)
+    tiles = random_tiles(B, H, n, seed=n).to(DEV)
     items = (pair_items if merge else pair_items_ref)(tiles)
     M, bc, bo = -(-n // 64), tiles.block_count, tiles.block_offset
     MP = -(-M // 2)
@@ -93,7 +94,7 @@ def test_pair_items_past_the_merge_width_take_the_reference():
     """Lists wider than `MERGE_WIDTH` (here: the same pieces in a wider, padded table) give the same items."""
     from workbench_kernels.prefill_pair import MERGE_WIDTH, pair_items
 
-    tiles = random_tiles(1, 2, 1000, seed=3)
+    tiles = random_tiles(1, 2, 1000, seed=3).to(DEV)
     wide = dataclasses.replace(tiles, block_offset=torch.nn.functional.pad(tiles.block_offset, (0, MERGE_WIDTH)))
     narrow, padded = pair_items(tiles), pair_items(wide)
     assert torch.equal(narrow.count, padded.count) and torch.equal(narrow.order, padded.order)
