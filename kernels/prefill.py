@@ -452,7 +452,7 @@ def gluon_takes_kinds(q: torch.Tensor) -> bool:
     D]` (sm_90, bf16 / fp16, head_dim 128), where one launch over a layer that holds an A-shape head runs the loop
     (the Gluon kernel takes no A-shape masks). There `SparsePrefill` runs such a layer one launch per kind: H100,
     Llama 32/8/128, a third of the heads each VS, block-sparse, A-shape, 1.58x / 1.90x faster at 64K / 128K; at
-    head_dim 256, where every kind runs the loop, 0.97x / 0.99x (kernels/NOTES.md, session 30)."""
+    head_dim 256, where the kinds ran the loop then, 0.97x / 0.99x (kernels/NOTES.md, session 30)."""
     from .prefill_ws import DTYPES, sm90  # lazy, as in default_program
 
     return q.shape[-1] == 128 and q.dtype in DTYPES and sm90(q.device)

@@ -1,5 +1,5 @@
 """Row-block pairs on one K/V ring: per-head block-sparse prefill at head_dim 256 on sm_90, in Gluon (issue 25).
-Opt-in (`pair_prefill`); `sparse_prefill`'s default stays the loop until a timing with the one-launch union says so.
+`sparse_prefill`'s default for the tiles `pair_takes` takes (`prefill.default_program`: "pair").
 
 At head_dim 256 a 64-row program takes in 64 KB of K / V per 64-key step (64 flop per byte). Every
 64-rows-per-load kernel measured there sits at 0.62-0.83 of dense SDPA per computed tile: the loop, the Gluon
@@ -13,8 +13,10 @@ Measured (H100, Gemma-3 shape 4/1/256, block top-100 from `block_index` on the b
 1.14-1.23):
 - the kernel on a prebuilt union, rows in a fixed order after the loop: 1.04-1.24x the loop at 16K-128K;
 - with the order rotated each round and the union built per call by torch ops (~0.8 ms): 0.77x / 0.95x / 0.92x at
-  32K / 64K / 128K (`pair_probe_*_h100.json`).
-`pair_items` now builds the union in one launch; the route's timing with it is owed.
+  32K / 64K / 128K (`pair_probe_*_h100.json`);
+- with the union in one launch (`pair_items`, 0.17-0.43 ms at 16K-128K against the reference's 0.58-0.95), rotated
+  rounds: 0.97x / 1.03x / 1.11x / 1.03x the loop at 16K / 32K / 64K / 128K; `bench kernels` block row 0.76 / 0.70
+  of dense per tile at 64K / 128K (`pair_probe_9778d62_h100.json`, `kernels_gemma_9778d62_h100.json`).
 
 Tensors are addressed as flattened rows: q / o `[B * Hq * N, D]`, k / v `[B * Hkv * N, D]`. A K / V tile that
 crosses N reads the next head's rows (or TMA's zero fill past the tensor); those keys lie past every stored row's
