@@ -86,6 +86,12 @@ MERGE_WIDTH = 128  # the widest lists `pair_items` merges in one program ([NSP, 
 # top-100 fits); wider: the reference's sort
 
 
+def merge_warps(nsp: int) -> int:
+    """Warps of a `_pair_union_kernel` program over lists nsp wide (a power of two): its four `[nsp, nsp]` compares
+    spill at 4 warps from nsp 128 (ptxas sm_90: 255 registers, 340 B spilled); 16 warps hold them in 124."""
+    return max(4, nsp // 8)
+
+
 def pair_items(tiles: VSTiles) -> PairItems:
     """`PairItems` of per-head tiles `[B, H, M]` (piece starts ascending and distinct per row block), on the tiles'
     device with no host sync: one merge program per pair (`_pair_union_kernel`) and the order's argsort; lists wider
@@ -98,8 +104,9 @@ def pair_items(tiles: VSTiles) -> PairItems:
     union = torch.empty(items, 2 * NS, dtype=torch.int32, device=dev)
     bits = torch.zeros(items, 2 * NS, dtype=torch.int32, device=dev)
     count = torch.empty(items, dtype=torch.int32, device=dev)
+    NSP = triton.next_power_of_2(max(NS, 16))
     _pair_union_kernel[(items,)](tiles.block_count.contiguous(), tiles.block_offset.contiguous(), union, bits, count, M,
-                                 NS, 2 * NS, NSP=triton.next_power_of_2(max(NS, 16)))
+                                 NS, 2 * NS, NSP=NSP, num_warps=merge_warps(NSP))
     return PairItems.ordered(union, bits, count)
 
 

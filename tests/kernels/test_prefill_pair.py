@@ -22,9 +22,10 @@ from workbench_kernels.prefill_ref import masked_attention_ref
 
 def compile_pair() -> dict:
     """`_pair_kernel` compiled for sm_90 (bf16, head_dim 256): shared memory, wgmma / TMA instructions, worker
-    partitions, ptxas registers and spills."""
+    partitions, ptxas spills; and ptxas spills of `_pair_union_kernel` over `MERGE_WIDTH`-wide lists."""
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
     from workbench_kernels import prefill_pair
 
@@ -43,10 +44,17 @@ def compile_pair() -> dict:
                             options={"num_warps": 4, "maxnreg": prefill_pair.LAUNCH["maxnreg"]})
     ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
     report = ptxas_report(ptx)
+    nsp = prefill_pair.MERGE_WIDTH
+    merge = triton.compile(ASTSource(prefill_pair._pair_union_kernel,
+                                     {a: "constexpr" if a == "NSP" else "i32" if a in ("M", "NS", "U") else "*i32"
+                                      for a in prefill_pair._pair_union_kernel.arg_names}, constexprs={"NSP": nsp}),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": prefill_pair.merge_warps(nsp)})
+    spills = r"(\d+) bytes spill (?:stores|loads)"
     return {"shared": kernel.metadata.shared, "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
             "tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
             "partitions": len(re.findall(r"\bpartition\d+\(", ttgir)), "local": ptx.count(".local"),
-            "spills": [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]}
+            "spills": [int(x) for x in re.findall(spills, report)],
+            "merge_spills": [int(x) for x in re.findall(spills, ptxas_report(merge.asm["ptx"]))]}
 
 
 def random_tiles(B: int, H: int, n: int, seed: int):
@@ -116,6 +124,12 @@ def test_pair_kernel_compiles_for_sm90(compiled):
     assert compiled["tma_loads"] > 0
     assert compiled["local"] == 0 and not any(compiled["spills"]), compiled
     assert compiled["shared"] <= SMEM_SM90
+
+
+def test_pair_union_merge_compiles_without_spills(compiled):
+    """`pair_items`' merge program over the widest lists it takes (`MERGE_WIDTH`), at `merge_warps`' warp count,
+    holds its `[NSP, NSP]` compares in registers (4 warps spilled 340 B there)."""
+    assert compiled["merge_spills"] and not any(compiled["merge_spills"]), compiled
 
 
 def test_pair_prefill_refuses_what_it_does_not_take():
