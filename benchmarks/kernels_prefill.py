@@ -719,7 +719,7 @@ def compare_minference(args: argparse.Namespace) -> int:
                     return times, None, None
                 out = sparse_prefill(q, k, v, tiles, scale=scale, **kw)[0]
                 warps, stages = default_config(d, rows_per_program, pack, tiles.piece)
-                times["default_is"] = ({"kernel": {"gluon": "ws", "pair": "pair"}[program]} if program != "loop" else
+                times["default_is"] = ({"kernel": "ws" if program == "gluon" else program} if program != "loop" else
                                        {"kernel": "loop", "split": split, "tma": tma and split, "persistent": persistent,
                                         "num_warps": warps, "num_stages": stages})
                 default = lambda: sparse_prefill(q, k, v, tiles, scale=scale, **kw)  # noqa: E731
