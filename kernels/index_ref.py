@@ -527,8 +527,8 @@ def member_union(lists: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor,
 
 def pair_items_ref(tiles: VSTiles) -> PairItems:
     """`PairItems` of per-head tiles `[B, H, M]` (piece starts in tokens, ascending, `block_count` valid per row
-    block) by `member_union` over row blocks 2j and 2j + 1 (`prefill_pair.pair_items` merges them in one launch): the
-    reference, and the route for lists wider than its merge takes."""
+    block) by `member_union` over row blocks 2j and 2j + 1: the reference of `prefill_pair.pair_items`, which merges
+    them in one launch."""
     B, H, M, NS = tiles.block_offset.shape
     live = torch.arange(NS, device=tiles.block_offset.device) < tiles.block_count[..., None]
     pad = (0, 0, 0, M % 2)  # an odd M's last pair: row block 2j alone

@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .index_ref import PairItems, VSTiles, pair_items_ref
+from .index_ref import PairItems, VSTiles
 from .prefill_ref import check_prefill_args
 from .prefill_ws import DTYPES, launch_config, sm90, softmax_step, tma_load
 from .schedule import LOG2E
@@ -53,12 +53,26 @@ LAUNCH = launch_config(2, HEAD_DIM)  # 3 warpgroups a program: two consumers and
 
 
 @triton.jit
-def _pair_union_kernel(Count, Offset, Union, Bits, Total, M, NS, U, NSP: tl.constexpr):
+def _rank(List, n, x, STEPS: tl.constexpr):
+    """Per entry of x: how many of List's first n entries (ascending) lie below it, by STEPS halvings (a lower
+    bound: STEPS >= bit length of n)."""
+    lo = tl.zeros_like(x)
+    hi = lo + n
+    for _ in tl.static_range(STEPS):
+        mid = (lo + hi) // 2
+        below = (mid < hi) & (tl.load(List + mid, mask=mid < hi, other=0) < x)
+        lo = tl.where(below, mid + 1, lo)
+        hi = tl.where(below, hi, mid)
+    return lo
+
+
+@triton.jit
+def _pair_union_kernel(Count, Offset, Union, Bits, Total, M, NS, U, NSP: tl.constexpr, STEPS: tl.constexpr):
     """Program item = (b * H + h) * ceil(M / 2) + j: the ascending union of row blocks 2j and 2j + 1's piece starts
     (Offset `[B * H * M, NS]`, the first Count `[B * H * M]` valid, ascending, distinct) into Union `[items, U]`,
-    Bits (1: 2j holds it, 2: 2j + 1, 3: both) and Total `[items]`; entries past Total are left as they were.
-    The two lists merge by ranks: an entry's union position is its own index plus the other list's smaller entries
-    that are not in its own list."""
+    Bits (1: 2j holds it, 2: 2j + 1, 3: both; 0 past Total) and Total `[items]`; Union past Total is left as it was.
+    An entry's union position is its own index, plus the other list's entries below it (a binary search), less the
+    entries of both lists below it (a prefix sum of the shared flags)."""
     item = tl.program_id(0)
     mp = (M + 1) // 2
     row_a = (item // mp) * M + (item % mp) * 2  # row block 2j of head item // mp
@@ -66,47 +80,49 @@ def _pair_union_kernel(Count, Offset, Union, Bits, Total, M, NS, U, NSP: tl.cons
     r = tl.arange(0, NSP)
     na = tl.load(Count + row_a)
     nb = tl.load(Count + row_a + has_b) * has_b
-    a = tl.load(Offset + row_a.to(tl.int64) * NS + r, mask=r < na, other=-1)
-    b = tl.load(Offset + (row_a + 1).to(tl.int64) * NS + r, mask=r < nb, other=-2)
+    list_a = Offset + row_a.to(tl.int64) * NS
+    list_b = list_a + NS
     a_live, b_live = r < na, r < nb
-    a_in_b = tl.sum(((a[:, None] == b[None, :]) & b_live[None, :]).to(tl.int32), 1) > 0  # [NSP] over a
-    b_in_a = tl.sum(((b[:, None] == a[None, :]) & a_live[None, :]).to(tl.int32), 1) > 0  # [NSP] over b
-    pos_a = r + tl.sum(((b[None, :] < a[:, None]) & b_live[None, :] & ~b_in_a[None, :]).to(tl.int32), 1)
-    pos_b = r + tl.sum(((a[None, :] < b[:, None]) & a_live[None, :] & ~a_in_b[None, :]).to(tl.int32), 1)
+    a = tl.load(list_a + r, mask=a_live, other=-1)
+    b = tl.load(list_b + r, mask=b_live, other=-1)
+    b_below_a = _rank(list_b, nb, a, STEPS)  # [NSP] over a
+    a_below_b = _rank(list_a, na, b, STEPS)  # [NSP] over b
+    a_in_b = a_live & (tl.load(list_b + b_below_a, mask=a_live & (b_below_a < nb), other=-1) == a)
+    b_in_a = b_live & (tl.load(list_a + a_below_b, mask=b_live & (a_below_b < na), other=-1) == b)
+    shared_a, shared_b = a_in_b.to(tl.int32), b_in_a.to(tl.int32)
+    pos_a = r + b_below_a - (tl.cumsum(shared_a, 0) - shared_a)
+    pos_b = r + a_below_b - (tl.cumsum(shared_b, 0) - shared_b)
     base = item.to(tl.int64) * U
     tl.store(Union + base + pos_a, a, mask=a_live)
-    tl.store(Bits + base + pos_a, 1 + 2 * a_in_b.to(tl.int32), mask=a_live)
+    tl.store(Bits + base + pos_a, 1 + 2 * shared_a, mask=a_live)
     b_own = b_live & ~b_in_a
     tl.store(Union + base + pos_b, b, mask=b_own)
     tl.store(Bits + base + pos_b, tl.full([NSP], 2, tl.int32), mask=b_own)
-    tl.store(Total + item, na + tl.sum(b_own.to(tl.int32), 0))
-
-
-MERGE_WIDTH = 128  # the widest lists `pair_items` merges in one program ([NSP, NSP] compares: 16K at 128, MInference's
-# top-100 fits); wider: the reference's sort
+    total = na + tl.sum(b_own.to(tl.int32), 0)
+    tl.store(Bits + base + r, tl.zeros([NSP], tl.int32), mask=(r >= total) & (r < U))
+    tl.store(Bits + base + NSP + r, tl.zeros([NSP], tl.int32), mask=(NSP + r >= total) & (NSP + r < U))
+    tl.store(Total + item, total)
 
 
 def merge_warps(nsp: int) -> int:
-    """Warps of a `_pair_union_kernel` program over lists nsp wide (a power of two): its four `[nsp, nsp]` compares
-    spill at 4 warps from nsp 128 (ptxas sm_90: 255 registers, 340 B spilled); 16 warps hold them in 124."""
-    return max(4, nsp // 8)
+    """Warps of a `_pair_union_kernel` program over lists nsp wide (a power of two): one per 256 entries, at least 4
+    and at most 32 (ptxas sm_90, no spills: 28 registers at nsp 128, 123 at 1024 on 4 warps, 128 at 4096 on 16)."""
+    return min(32, max(4, nsp // 256))
 
 
 def pair_items(tiles: VSTiles) -> PairItems:
     """`PairItems` of per-head tiles `[B, H, M]` (piece starts ascending and distinct per row block), on the tiles'
-    device with no host sync: one merge program per pair (`_pair_union_kernel`) and the order's argsort; lists wider
-    than `MERGE_WIDTH` take `index_ref.pair_items_ref`."""
+    device with no host sync: one merge program per pair (`_pair_union_kernel`, O(NS log NS) each) and the order's
+    argsort."""
     B, H, M, NS = tiles.block_offset.shape
-    if NS > MERGE_WIDTH:
-        return pair_items_ref(tiles)
     items = B * H * (-(-M // 2))
     dev = tiles.block_offset.device
     union = torch.empty(items, 2 * NS, dtype=torch.int32, device=dev)
-    bits = torch.zeros(items, 2 * NS, dtype=torch.int32, device=dev)
+    bits = torch.empty(items, 2 * NS, dtype=torch.int32, device=dev)
     count = torch.empty(items, dtype=torch.int32, device=dev)
     NSP = triton.next_power_of_2(max(NS, 16))
     _pair_union_kernel[(items,)](tiles.block_count.contiguous(), tiles.block_offset.contiguous(), union, bits, count, M,
-                                 NS, 2 * NS, NSP=NSP, num_warps=merge_warps(NSP))
+                                 NS, 2 * NS, NSP=NSP, STEPS=NSP.bit_length(), num_warps=merge_warps(NSP))
     return PairItems.ordered(union, bits, count)
 
 

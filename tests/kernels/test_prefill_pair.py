@@ -22,7 +22,7 @@ from workbench_kernels.prefill_ref import masked_attention_ref
 
 def compile_pair() -> dict:
     """`_pair_kernel` compiled for sm_90 (bf16, head_dim 256): shared memory, wgmma / TMA instructions, worker
-    partitions, ptxas spills; and ptxas spills of `_pair_union_kernel` over `MERGE_WIDTH`-wide lists."""
+    partitions, ptxas spills; and ptxas spills of `_pair_union_kernel` over lists 128 and 4096 wide."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -44,28 +44,30 @@ def compile_pair() -> dict:
                             options={"num_warps": 4, "maxnreg": prefill_pair.LAUNCH["maxnreg"]})
     ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
     report = ptxas_report(ptx)
-    nsp = prefill_pair.MERGE_WIDTH
-    merge = triton.compile(ASTSource(prefill_pair._pair_union_kernel,
-                                     {a: "constexpr" if a == "NSP" else "i32" if a in ("M", "NS", "U") else "*i32"
-                                      for a in prefill_pair._pair_union_kernel.arg_names}, constexprs={"NSP": nsp}),
-                           target=GPUTarget("cuda", 90, 32), options={"num_warps": prefill_pair.merge_warps(nsp)})
+    merge = {nsp: triton.compile(ASTSource(prefill_pair._pair_union_kernel,
+                                           {a: "constexpr" if a in ("NSP", "STEPS") else "i32" if a in ("M", "NS", "U")
+                                            else "*i32" for a in prefill_pair._pair_union_kernel.arg_names},
+                                           constexprs={"NSP": nsp, "STEPS": nsp.bit_length()}),
+                                 target=GPUTarget("cuda", 90, 32), options={"num_warps": prefill_pair.merge_warps(nsp)})
+             for nsp in (128, 4096)}
     spills = r"(\d+) bytes spill (?:stores|loads)"
     return {"shared": kernel.metadata.shared, "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
             "tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
             "partitions": len(re.findall(r"\bpartition\d+\(", ttgir)), "local": ptx.count(".local"),
             "spills": [int(x) for x in re.findall(spills, report)],
-            "merge_spills": [int(x) for x in re.findall(spills, ptxas_report(merge.asm["ptx"]))]}
+            "merge_spills": {str(nsp): [int(x) for x in re.findall(spills, ptxas_report(m.asm["ptx"]))]
+                             for nsp, m in merge.items()}}
 
 
-def random_tiles(B: int, H: int, n: int, seed: int):
-    """Block-sparse tiles `[B, H, ceil(n / 64)]` of 1-5 random causal key blocks per row block."""
+def random_tiles(B: int, H: int, n: int, seed: int, most: int = 5):
+    """Block-sparse tiles `[B, H, ceil(n / 64)]` of 1-`most` random causal key blocks per row block."""
     rng = random.Random(seed)
     M = -(-n // 64)
-    idx = torch.full((B, H, M, 5), -1, dtype=torch.int32)
+    idx = torch.full((B, H, M, most), -1, dtype=torch.int32)
     for b in range(B):
         for h in range(H):
             for m in range(M):
-                keys = sorted(rng.sample(range(m + 1), min(rng.randint(1, 5), m + 1)))
+                keys = sorted(rng.sample(range(m + 1), min(rng.randint(1, most), m + 1)))
                 idx[b, h, m, :len(keys)] = torch.tensor(keys, dtype=torch.int32)
     return block_sparse_to_tiles(idx, n)
 
@@ -98,17 +100,34 @@ def test_pair_items_hold_each_pairs_union_and_who_holds_each_piece(n, merge):
     assert (items.count[items.order.long()].diff() <= 0).all()
 
 
-def test_pair_items_past_the_merge_width_take_the_reference():
-    """Lists wider than `MERGE_WIDTH` (here: the same pieces in a wider, padded table) give the same items."""
-    from workbench_kernels.prefill_pair import MERGE_WIDTH, pair_items
+def test_pair_items_of_long_lists_equal_the_reference():
+    """Lists of up to ~100 pieces (top-100: 128-wide lists, 8-step binary searches) give the reference's items,
+    field by field."""
+    from workbench_kernels.index_ref import pair_items_ref
+    from workbench_kernels.prefill_pair import pair_items
+
+    tiles = random_tiles(1, 2, 12000, seed=7, most=100).to(DEV)
+    got, want = pair_items(tiles), pair_items_ref(tiles)
+    assert int(tiles.block_count.max()) > 64  # lists past 64: the merge runs 128 wide
+    assert torch.equal(got.count, want.count) and torch.equal(got.order, want.order)
+    assert torch.equal(got.bits, want.bits)
+    for item, count in enumerate(got.count.tolist()):
+        assert torch.equal(got.union[item, :count], want.union[item, :count])
+
+
+def test_pair_items_of_padded_lists_are_the_same():
+    """The same pieces in a table 1024 entries wider (a merge program over lists 1024 wider) give the same items,
+    and the bits are 0 past each count."""
+    from workbench_kernels.prefill_pair import pair_items
 
     tiles = random_tiles(1, 2, 1000, seed=3).to(DEV)
-    wide = dataclasses.replace(tiles, block_offset=torch.nn.functional.pad(tiles.block_offset, (0, MERGE_WIDTH)))
+    wide = dataclasses.replace(tiles, block_offset=torch.nn.functional.pad(tiles.block_offset, (0, 1024)))
     narrow, padded = pair_items(tiles), pair_items(wide)
     assert torch.equal(narrow.count, padded.count) and torch.equal(narrow.order, padded.order)
     for item, count in enumerate(narrow.count.tolist()):
         assert torch.equal(narrow.union[item, :count], padded.union[item, :count])
         assert torch.equal(narrow.bits[item, :count], padded.bits[item, :count])
+        assert not padded.bits[item, count:].any()
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +146,10 @@ def test_pair_kernel_compiles_for_sm90(compiled):
 
 
 def test_pair_union_merge_compiles_without_spills(compiled):
-    """`pair_items`' merge program over the widest lists it takes (`MERGE_WIDTH`), at `merge_warps`' warp count,
-    holds its `[NSP, NSP]` compares in registers (4 warps spilled 340 B there)."""
-    assert compiled["merge_spills"] and not any(compiled["merge_spills"]), compiled
+    """`pair_items`' merge program over lists 128 wide (top-100) and 4096 wide, at `merge_warps`' warp count, holds
+    its lists and binary searches in registers (4 warps at 4096 spill 152 B)."""
+    spills = compiled["merge_spills"]
+    assert set(spills) == {"128", "4096"} and all(s and not any(s) for s in spills.values()), compiled
 
 
 def test_pair_prefill_refuses_what_it_does_not_take():
