@@ -100,8 +100,8 @@ def _pair_union_kernel(Count, Offset, Union, Bits, Total, M, NS, U, NSP: tl.cons
     tl.store(Union + base + pos_b, b, mask=b_own)
     tl.store(Bits + base + pos_b, tl.full([NSP], 2, tl.int32), mask=b_own)
     total = na + tl.sum(b_own.to(tl.int32), 0)
-    tl.store(Bits + base + r, tl.zeros([NSP], tl.int32), mask=(r >= total) & (r < U))
-    tl.store(Bits + base + NSP + r, tl.zeros([NSP], tl.int32), mask=(NSP + r >= total) & (NSP + r < U))
+    rest = tl.arange(0, 2 * NSP)
+    tl.store(Bits + base + rest, tl.zeros([2 * NSP], tl.int32), mask=(rest >= total) & (rest < U))
     tl.store(Total + item, total)
 
 

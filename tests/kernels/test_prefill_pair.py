@@ -147,7 +147,7 @@ def test_pair_kernel_compiles_for_sm90(compiled):
 
 def test_pair_union_merge_compiles_without_spills(compiled):
     """`pair_items`' merge program over lists 128 wide (top-100) and 4096 wide, at `merge_warps`' warp count, holds
-    its lists and binary searches in registers (4 warps at 4096 spill 152 B)."""
+    its lists and binary searches in registers (4 warps at 4096 spill)."""
     spills = compiled["merge_spills"]
     assert set(spills) == {"128", "4096"} and all(s and not any(s) for s in spills.values()), compiled
 
