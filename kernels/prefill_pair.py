@@ -43,7 +43,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .index_ref import PairItems, VSTiles
 from .prefill_ref import check_prefill_args
-from .prefill_ws import DTYPES, launch_config, sm90, softmax_step, tma_load
+from .prefill_ws import DTYPES, launch_config, pack_columns, sm90, softmax_step, tma_load
 from .schedule import LOG2E
 
 ROWS = gl.constexpr(64)  # query rows per consumer (= tiles.block; host code reads ROWS.value)
@@ -128,50 +128,82 @@ def pair_items(tiles: VSTiles) -> PairItems:
 
 
 @gluon.jit
-def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, Union, Count, Order, U, N, MP, G):
-    """1 warp: the union's K / V tiles of item Order[program] into the ring; slot s's fill j waits for its release
-    number j - 1 (both consumers: `empty` counts 2)."""
+def pair_strips(ColCount, head, j, M):
+    """How many 64-key strips of its head's packed columns pair j walks: row block 2j + 1's (2j's columns are a
+    prefix of them; an odd M's last pair, 2j's)."""
+    return gl.cdiv(gl.load(ColCount + head * M + gl.minimum(2 * j + 1, M - 1)), KEYS)
+
+
+@gluon.jit
+def _fill(k_desc, v_desc, row, step, k_smem, v_smem, k_ready, v_ready, empty):
+    """Ring step `step`: K / V rows [row, row + 64) of the descriptors into slot step % STAGES, once both consumers
+    released its previous fill (`empty` counts 2; fill 0 waits on the phase before the first, which passes)."""
+    s = step % STAGES
+    mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
+    mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+    tma_load(k_desc, [row, 0], k_ready.index(s), k_smem.index(s))
+    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+    tma_load(v_desc, [row, 0], v_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _loader(k_desc, v_desc, kc_desc, vc_desc, k_smem, v_smem, k_ready, v_ready, empty, Union, Count, ColCount, Order,
+            U, N, M, MP, G, KVP, VS: gl.constexpr):
+    """1 warp: item Order[program]'s ring steps. VS: first its `pair_strips` strips of packed columns (kc / vc rows
+    head x KVP + 64 t), then the union's K / V tiles."""
     item = gl.load(Order + gl.program_id(0))
     n = gl.load(Count + item)
-    kv_row = (item // MP // G) * N  # the KV head's first row in [B * Hkv * N, D] (TMA coordinates: int32)
+    head = item // MP  # b * Hq + h
+    strips = 0
+    if VS:
+        strips = pair_strips(ColCount, head, item % MP, M)
+        for t in range(strips):
+            _fill(kc_desc, vc_desc, head * KVP + t * KEYS, t, k_smem, v_smem, k_ready, v_ready, empty)
+    kv_row = (head // G) * N  # the KV head's first row in [B * Hkv * N, D] (TMA coordinates: int32)
     for i in range(n):
-        s = i % STAGES
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # fill 0: the phase before the first passes
-        row = kv_row + gl.load(Union + item * U + i)
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma_load(k_desc, [row, 0], k_ready.index(s), k_smem.index(s))
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma_load(v_desc, [row, 0], v_ready.index(s), v_smem.index(s))
+        _fill(k_desc, v_desc, kv_row + gl.load(Union + item * U + i), strips + i, k_smem, v_smem, k_ready, v_ready,
+              empty)
+
+
+@gluon.jit
+def wait_slot(step, k_ready, v_ready, STAGES: gl.constexpr):
+    """Wait until ring step `step`'s K and V tiles are in slot step % STAGES; returns the slot."""
+    s = step % STAGES
+    ph = (step // STAGES) & 1
+    mbarrier.wait(k_ready.index(s), ph)
+    mbarrier.wait(v_ready.index(s), ph)
+    return s
 
 
 @gluon.jit
 def wait_piece(Union, Bits, at, i, bit, k_ready, v_ready, STAGES: gl.constexpr):
     """Step i of a union walk (lists of the item at offset `at` of Union / Bits): wait until its K and V tiles are in
     ring slot i % STAGES; returns (slot, the piece's first key, 1 where bit `bit` says this consumer computes it)."""
-    s = i % STAGES
-    ph = (i // STAGES) & 1
     start = gl.load(Union + at + i)
     mine = (gl.load(Bits + at + i) >> bit) & 1
-    mbarrier.wait(k_ready.index(s), ph)
-    mbarrier.wait(v_ready.index(s), ph)
-    return s, start, mine
+    return wait_slot(i, k_ready, v_ready, STAGES), start, mine
+
+
+@gluon.jit
+def causal(keys, pos):
+    """Bool `[R, K]`: row i (query position pos[i]) may read key keys[j]."""
+    return gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1)
 
 
 @gluon.jit
 def causal_softmax_step(sc, keys, pos, m_i, l_i, qk_scale):
     """`prefill_ws.softmax_step` on raw scores sc `[R, K]` of keys `[K]` for rows at query positions pos `[R]`, each
     row's later keys masked: (P in exp2 units, the rescale alpha, new row max, new row sum)."""
-    return softmax_step(gl.where(gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1), sc, float("-inf")), m_i, l_i,
-                        qk_scale)
+    return softmax_step(gl.where(causal(keys, pos), sc, float("-inf")), m_i, l_i, qk_scale)
 
 
 @gluon.jit
-def attend_piece(q_tile, k_tile, v_tile, keys, pos, m_i, l_i, acc, s0, qk_scale, O_LAYOUT: gl.constexpr):
-    """One piece: S = Q K^T (wgmma, Q and K from shared memory), `causal_softmax_step`, O = alpha O + P V (P from
-    registers); returns (m_i, l_i, acc)."""
+def attend_piece(q_tile, k_tile, v_tile, keep, m_i, l_i, acc, s0, qk_scale, O_LAYOUT: gl.constexpr):
+    """One piece: S = Q K^T (wgmma, Q and K from shared memory), `softmax_step` on the scores `keep` (Bool,
+    broadcast to `[R, K]`) holds, O = alpha O + P V (P from registers); returns (m_i, l_i, acc)."""
     sc = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s0, use_acc=False, is_async=True)
     sc = warpgroup_mma_wait(0, deps=(sc,))
-    p, alpha, m_i, l_i = causal_softmax_step(sc, keys, pos, m_i, l_i, qk_scale)
+    p, alpha, m_i, l_i = softmax_step(gl.where(keep, sc, float("-inf")), m_i, l_i, qk_scale)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
     p_op = gl.convert_layout(p.to(k_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))
     acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
@@ -179,11 +211,13 @@ def attend_piece(q_tile, k_tile, v_tile, keys, pos, m_i, l_i, acc, s0, qk_scale,
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, Order, U, N, MP,
-              qk_scale, SUB: gl.constexpr, D: gl.constexpr, Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr,
-              O_LAYOUT: gl.constexpr):
-    """Consumer SUB: row block 2j + SUB of item Order[program]'s head over the union, computing the pieces whose
-    bit SUB is set (`attend_piece`: fp32 online softmax in exp2 units); writes its O rows and LSE."""
+def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, ColCount, Cols, Covered,
+              Order, U, N, M, MP, KVP, L, qk_scale, SUB: gl.constexpr, D: gl.constexpr, VS: gl.constexpr,
+              Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr):
+    """Consumer SUB: row block m = 2j + SUB of item Order[program]'s head, over the item's ring steps (`attend_piece`:
+    fp32 online softmax in exp2 units); writes its O rows and LSE. VS: first the pair's strips of packed columns,
+    computing those of its own ColCount[m] columns that no piece of m covers (Covered, d = 64 m - column), waiting
+    through the rest; then the union's pieces whose bit SUB is set."""
     item = gl.load(Order + gl.program_id(0))
     n = gl.load(Count + item)
     m = (item % MP) * 2 + SUB
@@ -204,11 +238,29 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union,
     l_i = gl.zeros([ROWS], gl.float32, row_s)
     acc = gl.zeros([ROWS, D], gl.float32, O_LAYOUT)
     s0 = gl.zeros([ROWS, KEYS], gl.float32, S_LAYOUT)
+    strips = 0
+    if VS:
+        strips = pair_strips(ColCount, head, item % MP, M)
+        n_cols = gl.where(m < M, gl.load(ColCount + head * M + gl.minimum(m, M - 1)), 0)  # m's columns: < 64 m
+        col_head = Cols + head.to(gl.int64) * KVP
+        cov_row = Covered + head.to(gl.int64) * L + (m * ROWS + ROWS - 1)  # + (-column): m's covered flag
+        for t in range(strips):
+            j = t * KEYS + lanes
+            ok = j < n_cols
+            c = gl.load(col_head + j, mask=ok, other=0)
+            keep = ok & (gl.load(cov_row - c, mask=ok, other=1) == 0)
+            s = wait_slot(t, k_ready, v_ready, STAGES)
+            if t * KEYS < n_cols:
+                m_i, l_i, acc = attend_piece(q_tile, k_smem.index(s), v_smem.index(s), gl.expand_dims(keep, 0), m_i,
+                                             l_i, acc, s0, qk_scale, O_LAYOUT)
+            mbarrier.arrive(empty.index(s), count=1)
     for i in range(n):
-        s, start, mine = wait_piece(Union, Bits, item * U, i, SUB, k_ready, v_ready, STAGES)
+        start = gl.load(Union + item * U + i)
+        mine = (gl.load(Bits + item * U + i) >> SUB) & 1
+        s = wait_slot(strips + i, k_ready, v_ready, STAGES)
         if mine != 0:
-            m_i, l_i, acc = attend_piece(q_tile, k_smem.index(s), v_smem.index(s), start + lanes, pos, m_i, l_i, acc,
-                                         s0, qk_scale, O_LAYOUT)
+            m_i, l_i, acc = attend_piece(q_tile, k_smem.index(s), v_smem.index(s), causal(start + lanes, pos), m_i,
+                                         l_i, acc, s0, qk_scale, O_LAYOUT)
         mbarrier.arrive(empty.index(s), count=1)
     orow = gl.arange(0, ROWS, layout=row_o)
     od = gl.arange(0, D, layout=gl.SliceLayout(0, O_LAYOUT))
@@ -220,12 +272,14 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union,
     gl.store(LSE + head.to(gl.int64) * N + pos, lse, mask=pos < N)
 
 
-@gluon.jit(do_not_specialize=["U", "N", "MP"])
-def _pair_kernel(k_desc, v_desc, Q, O, LSE, Union, Bits, Count, Order, U, N, MP, G, qk_scale, D: gl.constexpr,
-                 Q_SMEM: gl.constexpr, Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
-                 CONSUMER_REGS: gl.constexpr):
+@gluon.jit(do_not_specialize=["U", "N", "M", "MP", "KVP", "L"])
+def _pair_kernel(k_desc, v_desc, kc_desc, vc_desc, Q, O, LSE, Union, Bits, Count, ColCount, Cols, Covered, Order, U, N,
+                 M, MP, G, KVP, L, qk_scale, D: gl.constexpr, VS: gl.constexpr, Q_SMEM: gl.constexpr,
+                 Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Program: item Order[pid] (b, head, row-block pair; MP pairs per head, G query heads per KV head). Shared
-    memory: two Q tiles and STAGES K and V slots of 64 keys x D."""
+    memory: two Q tiles and STAGES K and V slots of 64 keys x D. VS: kc / vc `[B * Hq * KVP, D]` the heads' packed
+    columns, Cols Int32 `[B * Hq, KVP]` their keys, ColCount Int32 `[B * Hq, M]` how many lie below each row block,
+    Covered Int8 `[B * Hq, L]` (`VSTiles.covered`); else those arguments are unused."""
     q_smem = gl.allocate_shared_memory(k_desc.dtype, [2, ROWS, D], Q_SMEM)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, KEYS, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, KEYS, D], v_desc.layout)
@@ -237,11 +291,12 @@ def _pair_kernel(k_desc, v_desc, Q, O, LSE, Union, Bits, Count, Order, U, N, MP,
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers, once per fill
     gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, Order, U, N, MP,
-                     qk_scale, 0, D, Q_LAYOUT, S_LAYOUT, O_LAYOUT)),
-        (_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, Order, U, N, MP,
-                     qk_scale, 1, D, Q_LAYOUT, S_LAYOUT, O_LAYOUT)),
-        (_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, empty, Union, Count, Order, U, N, MP, G)),
+        (_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, ColCount, Cols,
+                     Covered, Order, U, N, M, MP, KVP, L, qk_scale, 0, D, VS, Q_LAYOUT, S_LAYOUT, O_LAYOUT)),
+        (_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, ColCount, Cols,
+                     Covered, Order, U, N, M, MP, KVP, L, qk_scale, 1, D, VS, Q_LAYOUT, S_LAYOUT, O_LAYOUT)),
+        (_loader, (k_desc, v_desc, kc_desc, vc_desc, k_smem, v_smem, k_ready, v_ready, empty, Union, Count, ColCount,
+                   Order, U, N, M, MP, G, KVP, VS)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -258,39 +313,54 @@ def layouts(d: int, dtype: torch.dtype) -> dict:
 
 def pair_takes(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None) -> bool:
     """Whether `pair_prefill` takes these tiles (static facts only, no host sync): an sm_90 GPU, bf16 / fp16, head_dim
-    256, per-query-head tiles of 64 rows over disjoint 64-key pieces, no columns, no A-shape mask. Group-shared
-    tiles are not taken: the GQA-packed loop already loads each tile for 128 rows (0.93 of dense)."""
+    256, per-query-head tiles of 64 rows over disjoint 64-key pieces, columns only as `head_columns` (Vertical-Slash's
+    deployed tiles), no A-shape mask. Group-shared tiles are not taken: the GQA-packed loop already loads each tile for
+    128 rows (0.93 of dense)."""
     return (sm90(q.device) and q.dtype in DTYPES and q.shape[-1] == HEAD_DIM and tiles.shape[1] == q.shape[1]
-            and tiles.block == ROWS.value and tiles.piece == KEYS.value and tiles.disjoint and not tiles.columns
-            and sink is None)
+            and tiles.block == ROWS.value and tiles.piece == KEYS.value and tiles.disjoint
+            and (not tiles.columns or tiles.head_columns is not None) and sink is None)
 
 
 def pair_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention over per-head tiles without columns (`pair_takes`), row blocks paired on one K/V ring.
-    q `[B, Hq, N, 256]`, k / v `[B, Hkv, N, 256]` (bf16 / fp16; copied if not contiguous); query head h reads KV
-    head h // (Hq / Hkv); tiles `[B, Hq, ceil(N / 64)]`. Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32
-    `[B, Hq, N]`, natural log)."""
+    """Causal attention over per-head tiles (`pair_takes`), row blocks paired on one K/V ring; Vertical-Slash's
+    columns (`tiles.head_columns`, `covered`) packed once per call (`prefill_ws.pack_columns`) and walked as strips
+    before the pieces. q `[B, Hq, N, 256]`, k / v `[B, Hkv, N, 256]` (bf16 / fp16; copied if not contiguous); query
+    head h reads KV head h // (Hq / Hkv); tiles `[B, Hq, ceil(N / 64)]`. Returns (o `[B, Hq, N, D]` in q's dtype,
+    lse Float32 `[B, Hq, N]`, natural log)."""
     B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
     if not pair_takes(q, tiles, None):
         raise ValueError(f"pair_prefill takes bf16 / fp16 q of head_dim {HEAD_DIM} on an sm_90 GPU and per-head tiles "
-                         f"[B, Hq, M] of 64-row blocks over disjoint 64-key pieces without columns; got {q.dtype}, "
-                         f"head_dim {D}, device {q.device}, tiles {tuple(tiles.shape)} (block {tiles.block}, piece "
-                         f"{tiles.piece}, columns {tiles.columns}); use sparse_prefill")
+                         f"[B, Hq, M] of 64-row blocks over disjoint 64-key pieces, columns only as head_columns; got "
+                         f"{q.dtype}, head_dim {D}, device {q.device}, tiles {tuple(tiles.shape)} (block {tiles.block}, "
+                         f"piece {tiles.piece}, columns {tiles.columns}, head_columns "
+                         f"{tiles.head_columns is not None}); use sparse_prefill")
     M = -(-N // ROWS.value)
     if tuple(tiles.shape) != (B, Hq, M):
         raise ValueError(f"tiles are for [B, H, M] = {tuple(tiles.shape)} but q needs ({B}, {Hq}, {M}); rebuild them")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    items = pair_items(tiles.to(q.device))
+    tiles = tiles.to(q.device)
+    items = pair_items(tiles)
     lay = layouts(D, q.dtype)
     k_desc = TensorDescriptor.from_tensor(k.view(-1, D), [KEYS.value, D], lay["KV_SMEM"])
     v_desc = TensorDescriptor.from_tensor(v.view(-1, D), [KEYS.value, D], lay["KV_SMEM"])
+    vs = tiles.columns
+    if vs:
+        if tiles.covered is None or tuple(tiles.covered.shape) != (B, Hq, N + ROWS.value - 1):
+            raise ValueError(f"tiles.covered must be Int8 [B, H, N + 63] = [{B}, {Hq}, {N + ROWS.value - 1}] beside "
+                             f"head_columns; build the tiles with index_build.vs_tiles(..., head_columns=True)")
+        kc, vc, cols, col_count = pack_columns(k, v, tiles.head_columns, Hq, KEYS.value)
+        kc_desc, vc_desc = (TensorDescriptor.from_tensor(x, [KEYS.value, D], lay["KV_SMEM"]) for x in (kc, vc))
+        covered = tiles.covered.contiguous()
+    else:  # unused by the kernel
+        kc_desc, vc_desc, cols, col_count, covered = k_desc, v_desc, items.count, items.count, items.count
     o = torch.empty_like(q)
     lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     _pair_kernel[(items.order.numel(),)](
-        k_desc, v_desc, q, o, lse, items.union, items.bits, items.count, items.order, items.union.shape[1], N,
-        -(-M // 2), Hq // Hkv, scale * LOG2E, D=D, Q_SMEM=lay["Q_SMEM"], Q_LAYOUT=lay["Q_LAYOUT"],
+        k_desc, v_desc, kc_desc, vc_desc, q, o, lse, items.union, items.bits, items.count, col_count, cols, covered,
+        items.order, items.union.shape[1], N, M, -(-M // 2), Hq // Hkv, cols.shape[-1] if vs else 0,
+        covered.shape[-1] if vs else 0, scale * LOG2E, D=D, VS=vs, Q_SMEM=lay["Q_SMEM"], Q_LAYOUT=lay["Q_LAYOUT"],
         S_LAYOUT=lay["S_LAYOUT"], O_LAYOUT=lay["O_LAYOUT"], CONSUMER_REGS=LAUNCH["consumer_regs"], num_warps=4,
         maxnreg=LAUNCH["maxnreg"])
     return o, lse

@@ -39,7 +39,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from workbench_kernels.index_ref import member_union
-from workbench_kernels.prefill_pair import attend_piece, causal_softmax_step, wait_piece
+from workbench_kernels.prefill_pair import attend_piece, causal, causal_softmax_step, wait_piece
 from workbench_kernels.prefill_ws import tma_load
 
 ROWS = 64  # query rows per CTA (one head's row block)
@@ -163,8 +163,8 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, local_empty, shared_empt
         for i in range(n):
             s, piece, mine = wait_piece(Union, Bits, item * U, i, rank, k_ready, v_ready, STAGES)
             if mine != 0:
-                m_i, l_i, acc = attend_piece(q_smem, k_smem.index(s), v_smem.index(s), piece + lanes, pos, m_i, l_i,
-                                             acc, s0, qk_scale, O_LAYOUT)
+                m_i, l_i, acc = attend_piece(q_smem, k_smem.index(s), v_smem.index(s), causal(piece + lanes, pos), m_i,
+                                             l_i, acc, s0, qk_scale, O_LAYOUT)
             if CLUSTER > 1:
                 mbarrier.arrive(local_empty.index(s))
             mbarrier.arrive(shared_empty.index(s))

@@ -15,14 +15,15 @@ import pytest
 import torch
 from test_kernels_compile import SMEM_SM90
 from test_kernels_prefill import DEV
-from test_prefill_ws import assert_bf16_close, block_index, compiled_by, hopper, ptxas_report
+from test_prefill_ws import assert_bf16_close, block_index, compiled_by, hopper, ptxas_report, vs_index
 from workbench_kernels.index_ref import block_sparse_to_tiles, tiles_to_mask
 from workbench_kernels.prefill_ref import masked_attention_ref
 
 
 def compile_pair() -> dict:
-    """`_pair_kernel` compiled for sm_90 (bf16, head_dim 256): shared memory, wgmma / TMA instructions, worker
-    partitions, ptxas spills; and ptxas spills of `_pair_union_kernel` over lists 128 and 4096 wide."""
+    """`_pair_kernel` compiled for sm_90 (bf16, head_dim 256), without and with Vertical-Slash strips ("block", "vs"):
+    shared memory, wgmma / TMA instructions, worker partitions, ptxas spills; and ptxas spills of
+    `_pair_union_kernel` over lists 128 and 4096 wide."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -33,30 +34,32 @@ def compile_pair() -> dict:
     lay = prefill_pair.layouts(256, torch.bfloat16)
     desc = f"tensordesc<bf16[64, 256],{lay['KV_SMEM']!r}>"
     pointers = {"Q": "*bf16", "O": "*bf16", "LSE": "*fp32", "Union": "*i32", "Bits": "*i32", "Count": "*i32",
-                "Order": "*i32"}
-    types = {"k_desc": desc, "v_desc": desc, "qk_scale": "fp32", **pointers}
-    constants = {"D": 256, "CONSUMER_REGS": prefill_pair.LAUNCH["consumer_regs"],
-                 **{name: lay[name] for name in ("Q_SMEM", "Q_LAYOUT", "S_LAYOUT", "O_LAYOUT")}}
-    signature = {a: "constexpr" if a in constants else types.get(a, "i32") for a in fn.arg_names}
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}
-    kernel = triton.compile(GluonASTSource(fn, signature, constexprs=constants, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 4, "maxnreg": prefill_pair.LAUNCH["maxnreg"]})
-    ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
-    report = ptxas_report(ptx)
+                "ColCount": "*i32", "Cols": "*i32", "Covered": "*i8", "Order": "*i32"}
+    types = {**{d: desc for d in ("k_desc", "v_desc", "kc_desc", "vc_desc")}, "qk_scale": "fp32", **pointers}
+    spills = r"(\d+) bytes spill (?:stores|loads)"
+    out = {}
+    for name, vs in (("block", False), ("vs", True)):
+        constants = {"D": 256, "VS": vs, "CONSUMER_REGS": prefill_pair.LAUNCH["consumer_regs"],
+                     **{x: lay[x] for x in ("Q_SMEM", "Q_LAYOUT", "S_LAYOUT", "O_LAYOUT")}}
+        signature = {a: "constexpr" if a in constants else types.get(a, "i32") for a in fn.arg_names}
+        attrs = {(fn.arg_names.index(x),): [["tt.divisibility", 16]] for x in pointers}
+        kernel = triton.compile(GluonASTSource(fn, signature, constexprs=constants, attrs=attrs),
+                                target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": 4, "maxnreg": prefill_pair.LAUNCH["maxnreg"]})
+        ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
+        out[name] = {"shared": kernel.metadata.shared, "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+                     "tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+                     "partitions": len(re.findall(r"\bpartition\d+\(", ttgir)), "local": ptx.count(".local"),
+                     "spills": [int(x) for x in re.findall(spills, ptxas_report(ptx))]}
     merge = {nsp: triton.compile(ASTSource(prefill_pair._pair_union_kernel,
                                            {a: "constexpr" if a in ("NSP", "STEPS") else "i32" if a in ("M", "NS", "U")
                                             else "*i32" for a in prefill_pair._pair_union_kernel.arg_names},
                                            constexprs={"NSP": nsp, "STEPS": nsp.bit_length()}),
                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": prefill_pair.merge_warps(nsp)})
              for nsp in (128, 4096)}
-    spills = r"(\d+) bytes spill (?:stores|loads)"
-    return {"shared": kernel.metadata.shared, "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
-            "tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
-            "partitions": len(re.findall(r"\bpartition\d+\(", ttgir)), "local": ptx.count(".local"),
-            "spills": [int(x) for x in re.findall(spills, report)],
-            "merge_spills": {str(nsp): [int(x) for x in re.findall(spills, ptxas_report(m.asm["ptx"]))]
-                             for nsp, m in merge.items()}}
+    out["merge_spills"] = {str(nsp): [int(x) for x in re.findall(spills, ptxas_report(m.asm["ptx"]))]
+                           for nsp, m in merge.items()}
+    return out
 
 
 def random_tiles(B: int, H: int, n: int, seed: int, most: int = 5):
@@ -135,14 +138,17 @@ def compiled() -> dict:
     return compiled_by(__file__)
 
 
-def test_pair_kernel_compiles_for_sm90(compiled):
-    """Two worker partitions (the second consumer, the loader) beside the default consumer; per consumer 16 wgmma
-    for Q K^T (head_dim 256 in k-steps of 16) and 4 for P V (64 keys); TMA loads; no local memory, no spills."""
-    assert compiled["partitions"] == 2, compiled
-    assert compiled["wgmma"] == 2 * (256 // 16 + 64 // 16), compiled
-    assert compiled["tma_loads"] > 0
-    assert compiled["local"] == 0 and not any(compiled["spills"]), compiled
-    assert compiled["shared"] <= SMEM_SM90
+@pytest.mark.parametrize("kind", ["block", "vs"])
+def test_pair_kernel_compiles_for_sm90(compiled, kind):
+    """Two worker partitions (the second consumer, the loader) beside the default consumer; per consumer and piece
+    walk 16 wgmma for Q K^T (head_dim 256 in k-steps of 16) and 4 for P V (64 keys), Vertical-Slash's strips a
+    second walk; TMA loads; no local memory, no spills, within the H100's shared memory."""
+    got = compiled[kind]
+    assert got["partitions"] == 2, got
+    assert got["wgmma"] == 2 * (1 + (kind == "vs")) * (256 // 16 + 64 // 16), got
+    assert got["tma_loads"] > 0
+    assert got["local"] == 0 and not any(got["spills"]), got
+    assert got["shared"] <= SMEM_SM90
 
 
 def test_pair_union_merge_compiles_without_spills(compiled):
@@ -211,6 +217,36 @@ def test_pair_prefill_agrees_with_the_loop_and_takes_per_head_tiles_only():
     assert not pair_takes(q, shared, None) and default_program(q, shared) == "loop"
     with pytest.raises(ValueError, match="per-head tiles"):
         pair_prefill(q, k, v, shared)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not hopper(), reason="pair_prefill runs on sm_90 (H100 / H200) only")
+@pytest.mark.parametrize("n", [936, 1000])
+def test_pair_prefill_runs_vertical_slash_with_its_columns_packed(n):
+    """Vertical-Slash's deployed tiles (`vs_tiles(head_columns=True)`: ~250 columns per head, several 64-key strips,
+    some under slash pieces), GQA 4:1, B = 2, an odd and an even number of row blocks: `sparse_prefill`'s default
+    takes the pair route, o and lse are within bf16 of fp32 attention under the tiles' mask and of the loop; the
+    same tiles without head columns (the loop's column lists only) are not taken."""
+    from workbench_kernels.index_build import vs_tiles
+    from workbench_kernels.prefill import default_program, sparse_prefill
+    from workbench_kernels.prefill_pair import pair_prefill, pair_takes
+
+    B, Hq, Hkv, D = 2, 4, 1, 256
+    g = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(B, h, n, D, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
+    cols, offs = (x.cuda() for x in vs_index(B, Hq, n, 300, 20, seed=n))
+    tiles = vs_tiles(cols, offs, n, head_columns=True)
+    assert pair_takes(q, tiles, None) and default_program(q, tiles) == "pair"
+    assert int(tiles.column_count.max()) > 64  # a row block reads columns from two strips or more
+    o, lse = pair_prefill(q, k, v, tiles)
+    ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(tiles, n))
+    assert_bf16_close(o, lse, ro, rlse)
+    do, dlse = sparse_prefill(q, k, v, tiles)
+    assert torch.equal(do, o) and torch.equal(dlse, lse)
+    lo, llse = sparse_prefill(q, k, v, tiles, warp_specialize=False)
+    torch.testing.assert_close(o.float(), lo.float(), atol=2e-2, rtol=2e-2)
+    lists = vs_tiles(cols, offs, n)
+    assert not pair_takes(q, lists, None) and default_program(q, lists) == "loop"
 
 
 if __name__ == "__main__":
