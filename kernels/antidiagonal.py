@@ -16,9 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiling import BLOCK
+from .tiling import BLOCK, LOG2E
 
-LOG2E = 1.4426950408889634
 TILE = (128, 128, 8, 3)  # query groups per program, key groups per step, warps, pipeline stages (H200: NOTES.md)
 
 

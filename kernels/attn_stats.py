@@ -52,10 +52,8 @@ from .attn_stats_ref import (
     stats_layout,
 )
 from .index_ref import expand_groups
-from .tiling import BLOCK
+from .tiling import BLOCK, LN2, LOG2E
 
-LOG2E = 1.4426950408889634
-LN2 = tl.constexpr(0.6931471805599453)
 MASKED = tl.constexpr(-1e30)  # finite "minus infinity" of a score (log2 units): 2^(MASKED - m) = 0, 0 * MASKED = 0
 CHUNK = 32  # tiles per pass-2 program along its diagonal
 

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .decode_ref import BLOCK, check_decode_args
+from .tiling import LOG2E
 
 
 @triton.jit
@@ -135,7 +136,6 @@ def sparse_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, l
     mpart = torch.empty(B * Hkv, splits, G, device=q.device, dtype=torch.float32) if splits > 1 else out
     lpart = torch.empty_like(mpart) if splits > 1 else out
     GP = max(16, triton.next_power_of_2(G))
-    LOG2E = 1.4426950408889634
     _sparse_decode_kernel[(B * Hkv, splits)](
         q, k_pool, v_pool, blocks if blocks is not None else lengths, slots if slots is not None else lengths,
         lengths, k_new if k_new is not None else q, v_new if v_new is not None else q, out, opart, mpart, lpart,

@@ -30,10 +30,9 @@ import triton.language as tl
 
 from .index_ref import VSTiles, max_pieces_total, selected_block_tiles, vs_tile_bounds
 from .order import order_key
-from .tiling import ints_on
+from .tiling import LOG2E, ints_on
 from .topk import budget, top_blocks, top_positions
 
-LOG2E = 1.4426950408889634
 ROWS = 64
 MAX_TOPK_BLOCKS = 16384  # longest score row the block top-k kernel holds in registers (1M tokens)
 _LOG_MIN = 7  # the block top-k kernel's narrowest row: 128 scores

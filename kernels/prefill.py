@@ -25,8 +25,8 @@ from triton.runtime.errors import OutOfResources
 
 from .index_ref import VSTiles, band_tiles, block_sparse_to_tiles, expand_groups, vs_to_tiles
 from .prefill_ref import check_prefill_args, last_rows_attention
-from .schedule import LOG2E, work_order
-from .tiling import band_on
+from .schedule import work_order
+from .tiling import LN2, LOG2E, band_on
 
 GRID_Y = 65535  # CUDA's largest grid along y: one program per row block reaches it past 4M tokens (64-row blocks)
 SMEM_SM90 = 232448  # bytes of shared memory one program may use on an H100 / H200 (sm_90)
@@ -211,7 +211,7 @@ def _row_block(Q, K, V, O, LSE, BlockCount, BlockOffset, ColumnCount, ColumnInde
     else:
         tl.store(O + b * sob + head[:, None] * soh + rows[:, None] * son + dims[None, :],
                  out.to(O.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(LSE + (b * HT * PACK + head) * N + rows, (m_i + tl.math.log2(l_i)) / 1.4426950408889634, mask=row_ok)
+    tl.store(LSE + (b * HT * PACK + head) * N + rows, (m_i + tl.math.log2(l_i)) * LN2, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["N", "HT", "G", "M", "NS", "NC", "n_work"])

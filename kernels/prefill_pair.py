@@ -44,7 +44,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .index_ref import PairItems, VSTiles
 from .prefill_ref import check_prefill_args
 from .prefill_ws import DTYPES, launch_config, pack_columns, sm90, softmax_step, tma_load
-from .schedule import LOG2E
+from .tiling import LN2, LOG2E
 
 ROWS = gl.constexpr(64)  # query rows per consumer (= tiles.block; host code reads ROWS.value)
 KEYS = gl.constexpr(64)  # keys per piece (= tiles.piece)
@@ -268,7 +268,7 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union,
     o_rows = head.to(gl.int64) * N + m * ROWS + orow
     ok = gl.expand_dims(m * ROWS + orow < N, 1) & gl.expand_dims(od < D, 0)
     gl.store(O + gl.expand_dims(o_rows * D, 1) + gl.expand_dims(od, 0), out.to(O.dtype.element_ty), mask=ok)
-    lse = (m_i + gl.log2(l_i)) / 1.4426950408889634
+    lse = (m_i + gl.log2(l_i)) * LN2
     gl.store(LSE + head.to(gl.int64) * N + pos, lse, mask=pos < N)
 
 

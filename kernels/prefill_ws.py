@@ -52,8 +52,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .index_ref import VSTiles, band_tiles, expand_groups
 from .prefill_ref import check_prefill_args
-from .schedule import LOG2E, work_order
-from .tiling import band_on
+from .schedule import work_order
+from .tiling import LN2, LOG2E, band_on
 
 ROWS = 64  # query rows per consumer warpgroup (= tiles.block)
 KEYS = 64  # keys per piece and per column strip (= tiles.piece); ws_ashape / ws_vertical_slash also take 128
@@ -480,7 +480,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
         ok = gl.expand_dims(row_lo + r < N, 1) & gl.expand_dims(dims < D, 0)
         ptrs = O + gl.expand_dims((q_row + r).to(gl.int64) * D, 1) + gl.expand_dims(dims, 0)
         gl.store(ptrs, out.to(O.dtype.element_ty), mask=ok)
-        lse = (m_i + gl.log2(l_i)) / 1.4426950408889634
+        lse = (m_i + gl.log2(l_i)) * LN2
         gl.store(LSE + (q_row + gl.arange(0, BLOCK_M, layout=row_s)), lse, mask=rows < N)
 
 

@@ -6,8 +6,6 @@ import torch
 
 from .index_ref import VSTiles
 
-LOG2E = 1.4426950408889634  # log2(e): both kernels' softmax scale in exp2 units (scale * LOG2E)
-
 
 def work_order(tiles: VSTiles, sub: int, group: int = 0) -> torch.Tensor:
     """Work items Int32 `[B * H * M * sub]` (item = bh * M * sub + m * sub + s for tiles `[B, H, M]`, `sub`

@@ -2,7 +2,9 @@
 
 `BLOCK` is the tile edge in tokens (64 query rows x 64 keys); `NO_WINDOW` the sliding-window size the
 prefill kernel reads as "no window" (heads without a band mask); `band_on` the per-head sink / window as the
-kernels read them, `ints_on` any such small per-head integers on the device.
+kernels read them, `ints_on` any such small per-head integers on the device. The kernels' softmax runs in exp2
+units: `LOG2E` turns a softmax scale into them on the host (scale * LOG2E), `LN2` a log2 sum back into a natural-log
+LSE inside jitted code.
 """
 from __future__ import annotations
 
@@ -10,9 +12,12 @@ import functools
 from collections.abc import Sequence
 
 import torch
+import triton.language as tl
 
 BLOCK = 64
 NO_WINDOW = 1 << 30
+LOG2E = 1.4426950408889634  # log2(e)
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2) = 1 / LOG2E
 
 
 def band_on(sink: torch.Tensor | Sequence[int], window: torch.Tensor | Sequence[int],

@@ -41,10 +41,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from workbench_kernels.index_ref import member_union
 from workbench_kernels.prefill_pair import attend_piece, causal, causal_softmax_step, wait_piece
 from workbench_kernels.prefill_ws import tma_load
+from workbench_kernels.tiling import LOG2E
 
 ROWS = 64  # query rows per CTA (one head's row block)
 KEYS = 64  # keys per piece
-LOG2E = 1.4426950408889634
 tma_multicast = getattr(tma, "async_load", None)  # multicast=True: Triton >= 3.9 (None in 3.6: cluster kernels only)
 
 
