@@ -317,8 +317,8 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
       head_dim 64 / 128 / 256, 64 x 64 tiles without A-shape masks, columns only as `tiles.head_columns`;
       ValueError otherwise); False the Triton-language loop; None (default) `default_program`'s kernel: the Gluon
       kernel where it takes the tiles (head_dim 128; head_dim 64 per-head tiles without columns), row-block pairs
-      (`prefill_pair.pair_prefill`) for per-head tiles without columns at head_dim 256, else the loop. The loop
-      reads `tiles.column_index`, never `head_columns`. The knobs below tune the loop only.
+      (`prefill_pair.pair_prefill`) for per-head tiles at head_dim 256 (columns only as `head_columns`), else the
+      loop. The loop reads `tiles.column_index`, never `head_columns`. The knobs below tune the loop only.
     - `split`: walk a tile's pieces as a masked prefix, an unmasked interior and a masked suffix; False: one loop
       that masks the pieces on an edge. `tma` (with `split`, Hopper or newer): K/V tiles, and a per-head program's
       Q and O rows, through tensor descriptors. None for either: `loop_variant`'s choice for this program shape.
@@ -433,8 +433,8 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
 def default_program(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None = None) -> str:
     """The kernel `sparse_prefill` runs at its default (`warp_specialize=None`): "gluon" (`prefill_ws`) at head_dim
     128, and at 64 for per-head tiles without columns, where `prefill_ws.ws_takes` takes them; "pair"
-    (`prefill_pair`) where `pair_takes` takes them (head_dim 256 per-head tiles without columns); else "loop" (the
-    Triton-language loop)."""
+    (`prefill_pair`) where `pair_takes` takes them (head_dim 256 per-head tiles, columns only as `head_columns`); else
+    "loop" (the Triton-language loop)."""
     D = q.shape[-1]
     if D == 256:
         from .prefill_pair import pair_takes  # lazy: the Gluon modules load only where they may run

@@ -1,5 +1,5 @@
-"""Row-block pairs on one K/V ring: per-head block-sparse prefill at head_dim 256 on sm_90, in Gluon (issue 25).
-`sparse_prefill`'s default for the tiles `pair_takes` takes (`prefill.default_program`: "pair").
+"""Row-block pairs on one K/V ring: per-head block-sparse and Vertical-Slash prefill at head_dim 256 on sm_90, in
+Gluon (issue 25). `sparse_prefill`'s default for the tiles `pair_takes` takes (`prefill.default_program`: "pair").
 
 At head_dim 256 a 64-row program takes in 64 KB of K / V per 64-key step (64 flop per byte). Every
 64-rows-per-load kernel measured there sits at 0.62-0.83 of dense SDPA per computed tile: the loop, the Gluon
@@ -8,6 +8,11 @@ launches, and TMA multicast to a cluster, which cuts L2 reads but not each SM's 
 union of their pieces (ascending). Each consumer computes only its own pieces (a bit per consumer and piece) and
 waits through the other's. A 1-warp loader TMA-loads each union piece once and refills a slot once both consumers
 have released it. A piece both row blocks hold is loaded once for 128 rows.
+
+Vertical-Slash: each query head's columns are packed once per call into contiguous kc / vc rows
+(`prefill_ws.pack_columns`). A pair walks row block 2j + 1's 64-key column strips first (2j's columns are a prefix
+of them), then the union of slash pieces. Each consumer keeps a strip lane iff the column is one of its row block's
+and no piece of that row block covers it (`VSTiles.covered`), so the keys are exactly `vs_to_tiles`'.
 
 Measured (H100, Gemma-3 shape 4/1/256, block top-100 from `block_index` on the bench's planted inputs, union / own
 1.14-1.23):
