@@ -19,9 +19,10 @@ program: the kernel the route ran (the warp-specialised Gluon kernel, row-block 
 `prefill.default_program`, `prefill.ashape_takes_gluon`); time_ms is the kernel's median in rounds taken in turn with
 dense SDPA (the faster of its two GQA forms, K/V repeated per query head or `enable_gqa`: `dense_form`, both timed
 alone in `dense_forms_ms`), whose median in the same rounds is `paired_dense_ms`; ratio_to_dense_tflops divides by
-dense's causal TFLOP/s at paired_dense_ms. The dense_sdpa row's time_ms is the median of its rows' paired_dense_ms
-(`unpaired_ms`: alone). In `--minference` rows, paired_ratio_to_dense_tflops is the same for the default, and
-route_paired_ratio_to_dense_tflops (A-shape) for `ashape_prefill`; index_ms = building
+dense's causal TFLOP/s at paired_dense_ms. Where the program is not the loop, the loop on the same tiles is timed in
+the same rounds: loop_ms, loop_ratio_to_dense_tflops, speedup_vs_loop. The dense_sdpa row's time_ms is the median
+of its rows' paired_dense_ms (`unpaired_ms`: alone). In `--minference` rows, paired_ratio_to_dense_tflops is the
+same for the default, and route_paired_ratio_to_dense_tflops (A-shape) for `ashape_prefill`; index_ms = building
 the index and its tiles for all heads of the layer (no host sync);
 flex_* = FlexAttention on a BlockMask of the 64-aligned blocks our tiles touch (VS: exact logical
 mask via mask_mod, since Flex cannot gather columns), compile time reported separately.
@@ -320,17 +321,22 @@ def run(args: argparse.Namespace) -> int:
         rows.append(dense_row)
         paired_dense = []  # dense SDPA's median in each kind's rounds
 
-        def timed(fn, area: float) -> dict:
-            """fn and dense SDPA timed in turn: the row's time fields, ratios at the same moment's dense (the dense
-            row's time: the median of dense's so far, so that a partial JSON is whole)."""
-            dense_ms, ms = paired_ms([dense, fn])
+        def timed(fn, area: float, loop=None) -> dict:
+            """fn and dense SDPA (and `loop`, the same tiles on the Triton-language loop, if given) timed in turn: the
+            row's time fields, ratios at the same moment's dense (the dense row's time: the median of dense's so far,
+            so that a partial JSON is whole)."""
+            dense_ms, ms, *loop_ms = paired_ms([dense, fn] + ([loop] if loop else []))
             paired_dense.append(dense_ms)
             dense_row["time_ms"] = statistics.median(paired_dense)
             dense_row["tflops"] = 4 * d * hq * causal_pairs / dense_row["time_ms"] / 1e9
             tf = 4 * d * area / ms / 1e9
-            return {"time_ms": ms, "paired_dense_ms": dense_ms, "effective_tflops": tf,
-                    "ratio_to_dense_tflops": tf / (4 * d * hq * causal_pairs / dense_ms / 1e9),
-                    "speedup_vs_dense": dense_ms / ms}
+            out = {"time_ms": ms, "paired_dense_ms": dense_ms, "effective_tflops": tf,
+                   "ratio_to_dense_tflops": tf / (4 * d * hq * causal_pairs / dense_ms / 1e9),
+                   "speedup_vs_dense": dense_ms / ms}
+            if loop_ms:
+                out.update(loop_ms=loop_ms[0], loop_ratio_to_dense_tflops=out["ratio_to_dense_tflops"] * ms / loop_ms[0],
+                           speedup_vs_loop=loop_ms[0] / ms)
+            return out
 
         # indexes (timed: all heads of the layer, no host sync inside)
         indexes = {}
@@ -421,12 +427,14 @@ def run(args: argparse.Namespace) -> int:
             else:
                 route, program = "sparse_prefill", default_program(q, tiles, sink)
                 fn = lambda: sparse_prefill(q, k, v, tiles, sink=sink, window=window, scale=scale, **cfg)  # noqa: E731
+            loop = None if program == "loop" or cfg else (  # the same tiles on the loop, in the same rounds
+                lambda: sparse_prefill(q, k, v, tiles, sink=sink, window=window, scale=scale, warp_specialize=False))
             area = tile_area(tiles, n).sum().item() * (hq // tiles.shape[1])  # group-shared tiles serve G heads
             budget = vs_budgets.get(pattern) or ((args.topk,) if pattern == "block_sparse"
                                                  else (args.sink, args.window))
             row = {**base, "kernel": pattern, "block": blk, "route": route, "program": program,
                    "budget": list(budget), **cfg,
-                   **timed(fn, area), "index_ms": t_index,
+                   **timed(fn, area, loop), "index_ms": t_index,
                    "logical_density": logical[pattern] / (hq * causal_pairs),
                    "physical_density": area / (hq * causal_pairs)}
             row.update(index_share_of_kernel=t_index / row["time_ms"], speedup_vs_dense_with_index=(

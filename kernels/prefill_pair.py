@@ -262,10 +262,13 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union,
     for i in range(n):
         start = gl.load(Union + item * U + i)
         mine = (gl.load(Bits + item * U + i) >> SUB) & 1
+        keep = causal(start + lanes, pos)
+        if VS:  # a slash piece may start below key 0 (the rows it reads there are another head's, or TMA's zeros)
+            keep = keep & gl.expand_dims(start + lanes >= 0, 0)
         s = wait_slot(strips + i, k_ready, v_ready, STAGES)
         if mine != 0:
-            m_i, l_i, acc = attend_piece(q_tile, k_smem.index(s), v_smem.index(s), causal(start + lanes, pos), m_i,
-                                         l_i, acc, s0, qk_scale, O_LAYOUT)
+            m_i, l_i, acc = attend_piece(q_tile, k_smem.index(s), v_smem.index(s), keep, m_i, l_i, acc, s0, qk_scale,
+                                         O_LAYOUT)
         mbarrier.arrive(empty.index(s), count=1)
     orow = gl.arange(0, ROWS, layout=row_o)
     od = gl.arange(0, D, layout=gl.SliceLayout(0, O_LAYOUT))
