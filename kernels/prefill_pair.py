@@ -181,25 +181,9 @@ def wait_slot(step, k_ready, v_ready, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def wait_piece(Union, Bits, at, i, bit, k_ready, v_ready, STAGES: gl.constexpr):
-    """Step i of a union walk (lists of the item at offset `at` of Union / Bits): wait until its K and V tiles are in
-    ring slot i % STAGES; returns (slot, the piece's first key, 1 where bit `bit` says this consumer computes it)."""
-    start = gl.load(Union + at + i)
-    mine = (gl.load(Bits + at + i) >> bit) & 1
-    return wait_slot(i, k_ready, v_ready, STAGES), start, mine
-
-
-@gluon.jit
 def causal(keys, pos):
     """Bool `[R, K]`: row i (query position pos[i]) may read key keys[j]."""
     return gl.expand_dims(keys, 0) <= gl.expand_dims(pos, 1)
-
-
-@gluon.jit
-def causal_softmax_step(sc, keys, pos, m_i, l_i, qk_scale):
-    """`prefill_ws.softmax_step` on raw scores sc `[R, K]` of keys `[K]` for rows at query positions pos `[R]`, each
-    row's later keys masked: (P in exp2 units, the rescale alpha, new row max, new row sum)."""
-    return softmax_step(gl.where(causal(keys, pos), sc, float("-inf")), m_i, l_i, qk_scale)
 
 
 @gluon.jit

@@ -39,13 +39,29 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from workbench_kernels.index_ref import member_union
-from workbench_kernels.prefill_pair import attend_piece, causal, causal_softmax_step, wait_piece
-from workbench_kernels.prefill_ws import tma_load
+from workbench_kernels.prefill_pair import attend_piece, causal, wait_slot
+from workbench_kernels.prefill_ws import softmax_step, tma_load
 from workbench_kernels.tiling import LOG2E
 
 ROWS = 64  # query rows per CTA (one head's row block)
 KEYS = 64  # keys per piece
 tma_multicast = getattr(tma, "async_load", None)  # multicast=True: Triton >= 3.9 (None in 3.6: cluster kernels only)
+
+
+@gluon.jit
+def wait_piece(Union, Bits, at, i, bit, k_ready, v_ready, STAGES: gl.constexpr):
+    """Step i of a union walk (lists of the item at offset `at` of Union / Bits): wait until its K and V tiles are in
+    ring slot i % STAGES; returns (slot, the piece's first key, 1 where bit `bit` says this consumer computes it)."""
+    start = gl.load(Union + at + i)
+    mine = (gl.load(Bits + at + i) >> bit) & 1
+    return wait_slot(i, k_ready, v_ready, STAGES), start, mine
+
+
+@gluon.jit
+def causal_softmax_step(sc, keys, pos, m_i, l_i, qk_scale):
+    """`prefill_ws.softmax_step` on raw scores sc `[R, K]` of keys `[K]` for rows at query positions pos `[R]`, each
+    row's later keys masked: (P in exp2 units, the rescale alpha, new row max, new row sum)."""
+    return softmax_step(gl.where(causal(keys, pos), sc, float("-inf")), m_i, l_i, qk_scale)
 
 
 @gluon.jit
