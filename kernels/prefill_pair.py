@@ -19,14 +19,15 @@ Measured (H100, Gemma-3 shape 4/1/256, block top-100 from `block_index` on the b
 - the kernel on a prebuilt union, rows in a fixed order after the loop: 1.04-1.24x the loop at 16K-128K;
 - with the order rotated each round and the union built per call by torch ops (~0.8 ms): 0.77x / 0.95x / 0.92x at
   32K / 64K / 128K (`pair_probe_*_h100.json`);
-- with the union in one launch (`pair_items`, 0.10-0.37 ms at 16K-128K against the reference's 0.45-0.54), rotated
-  rounds: 1.05x / 1.14x / 1.11x / 1.02x the loop at 16K / 32K / 64K / 128K; `bench kernels` block row 0.73 / 0.70
-  of dense per tile at 64K / 128K (`pair_probe_9c11109_h100.json`, `kernels_gemma_9c11109_h100.json`). That merge
-  compared all pairs of entries (248 us of the union's 282 at 128K); its binary-search merge (`_rank`) is untimed.
+- with the union in one launch (`pair_items`: its merge by binary search, 2.5-9.5 us on the GPU; 0.11-0.18 ms a call
+  at 16K-128K, mostly the host's launches, against the reference's 0.59-0.88), rotated rounds: 1.01x / 1.04x /
+  1.11x / 1.03x the loop at 16K / 32K / 64K / 128K; `bench kernels` block row 0.77 / 0.74 of dense per tile at 64K /
+  128K (`pair_probe_ec4693a_h100.json`, `kernels_gemma_ec4693a_h100.json`).
 
 Tensors are addressed as flattened rows: q / o `[B * Hq * N, D]`, k / v `[B * Hkv * N, D]`. A K / V tile that
 crosses N reads the next head's rows (or TMA's zero fill past the tensor); those keys lie past every stored row's
-position, so the causal mask drops them.
+position, so the causal mask drops them. A Vertical-Slash slash piece may start below key 0; its keys there are
+masked on the VS walk.
 """
 from __future__ import annotations
 
