@@ -141,15 +141,21 @@ def pair_strips(ColCount, head, j, M):
 
 
 @gluon.jit
+def load_kv(k_desc, v_desc, row, k_slot, v_slot, k_ready, v_ready):
+    """TMA: rows [row, row + 64) of K and V into k_slot / v_slot, each slot's bytes expected on its ready barrier."""
+    mbarrier.expect(k_ready, k_desc.block_type.nbytes)
+    tma_load(k_desc, [row, 0], k_ready, k_slot)
+    mbarrier.expect(v_ready, v_desc.block_type.nbytes)
+    tma_load(v_desc, [row, 0], v_ready, v_slot)
+
+
+@gluon.jit
 def _fill(k_desc, v_desc, row, step, k_smem, v_smem, k_ready, v_ready, empty):
     """Ring step `step`: K / V rows [row, row + 64) of the descriptors into slot step % STAGES, once both consumers
     released its previous fill (`empty` counts 2; fill 0 waits on the phase before the first, which passes)."""
     s = step % STAGES
     mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
-    mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-    tma_load(k_desc, [row, 0], k_ready.index(s), k_smem.index(s))
-    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-    tma_load(v_desc, [row, 0], v_ready.index(s), v_smem.index(s))
+    load_kv(k_desc, v_desc, row, k_smem.index(s), v_smem.index(s), k_ready.index(s), v_ready.index(s))
 
 
 @gluon.jit

@@ -39,8 +39,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from workbench_kernels.index_ref import member_union
-from workbench_kernels.prefill_pair import attend_piece, causal, wait_slot
-from workbench_kernels.prefill_ws import softmax_step, tma_load
+from workbench_kernels.prefill_pair import attend_piece, causal, load_kv, wait_slot
+from workbench_kernels.prefill_ws import softmax_step
 from workbench_kernels.tiling import LOG2E
 
 ROWS = 64  # query rows per CTA (one head's row block)
@@ -92,10 +92,7 @@ def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, local_empty, share
             mbarrier.expect(v_ready.index(s), v_desc.nbytes_per_cta)
             tma_multicast(v_desc, [row, 0], v_ready.index(s), v_smem.index(s), multicast=True)
         else:
-            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma_load(k_desc, [row, 0], k_ready.index(s), k_smem.index(s))
-            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma_load(v_desc, [row, 0], v_ready.index(s), v_smem.index(s))
+            load_kv(k_desc, v_desc, row, k_smem.index(s), v_smem.index(s), k_ready.index(s), v_ready.index(s))
 
 
 @gluon.jit
