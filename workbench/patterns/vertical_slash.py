@@ -151,9 +151,10 @@ class VerticalSlash(PatternBase):
                     block: int, triton: bool = False) -> tuple[VSTiles, None]:
         """The proxy on all heads of the batch at once; with `triton` (and proxy settings the Triton
         builder computes) the Triton index (`vs_index`) and tile expansion, with the columns per head too
-        (`VSTiles.head_columns`: the Gluon kernel's form on sm_90). A `kv_shared` kind: q `[B, H, N, D]` of whole
-        KV groups, k `[B, H / G, N, D]` their KV heads, and tiles per KV head `[B, H / G, M]` (group-shared:
-        `sparse_prefill` runs them on one K/V ring or GQA-packed; `index_ref.expand_groups` gives per-head ones)."""
+        (`VSTiles.head_columns`: the form the sm_90 Gluon kernels take, row-block pairs at head_dim 256 too). A
+        `kv_shared` kind: q `[B, H, N, D]` of whole KV groups, k `[B, H / G, N, D]` their KV heads, and tiles per KV
+        head `[B, H / G, M]` (group-shared: `sparse_prefill` runs them on one K/V ring or GQA-packed;
+        `index_ref.expand_groups` gives per-head ones)."""
         n, shared = q.shape[2], cls.kv_shared
         params = params[::q.shape[1] // k.shape[1]] if shared else params  # one budget per index
         if triton and all(proxy.get(key, value) == value for key, value in TRITON_PROXY.items()):
