@@ -49,7 +49,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .index_ref import PairItems, VSTiles
 from .prefill_ref import check_prefill_args
-from .prefill_ws import DTYPES, launch_config, pack_columns, sm90, softmax_step, tma_load
+from .prefill_ws import DTYPES, launch_config, pack_head_columns, sm90, softmax_step, tma_load
 from .tiling import LN2, LOG2E
 
 ROWS = gl.constexpr(64)  # query rows per consumer (= tiles.block; host code reads ROWS.value)
@@ -323,7 +323,7 @@ def pair_takes(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None) -> bo
 def pair_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over per-head tiles (`pair_takes`), row blocks paired on one K/V ring; Vertical-Slash's
-    columns (`tiles.head_columns`, `covered`) packed once per call (`prefill_ws.pack_columns`) and walked as strips
+    columns (`tiles.head_columns`, `covered`) packed once per call (`prefill_ws.pack_head_columns`) and walked as strips
     before the pieces. q `[B, Hq, N, 256]`, k / v `[B, Hkv, N, 256]` (bf16 / fp16; copied if not contiguous); query
     head h reads KV head h // (Hq / Hkv); tiles `[B, Hq, ceil(N / 64)]`. Returns (o `[B, Hq, N, D]` in q's dtype,
     lse Float32 `[B, Hq, N]`, natural log)."""
@@ -345,12 +345,9 @@ def pair_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTil
     v_desc = TensorDescriptor.from_tensor(v.view(-1, D), [KEYS.value, D], lay["KV_SMEM"])
     vs = tiles.columns
     if vs:
-        if tiles.covered is None or tuple(tiles.covered.shape) != (B, Hq, N + ROWS.value - 1):
-            raise ValueError(f"tiles.covered must be Int8 [B, H, N + 63] = [{B}, {Hq}, {N + ROWS.value - 1}] beside "
-                             f"head_columns; build the tiles with index_build.vs_tiles(..., head_columns=True)")
-        kc, vc, cols, col_count = pack_columns(k, v, tiles.head_columns, Hq, KEYS.value)
+        kc, vc, cols, col_count, covered = pack_head_columns(k, v, tiles, Hq)
         kc_desc, vc_desc = (TensorDescriptor.from_tensor(x, [KEYS.value, D], lay["KV_SMEM"]) for x in (kc, vc))
-        covered = tiles.covered.contiguous()
+        covered = covered.contiguous()
     else:  # unused by the kernel
         kc_desc, vc_desc, cols, col_count, covered = k_desc, v_desc, items.count, items.count, items.count
     o = torch.empty_like(q)

@@ -734,12 +734,7 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
                          "for heads 2j and 2j + 1 (tiles.block_count / block_offset); use share_kv=False")
     _check_device(q)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    packed = None
-    if tiles.head_columns is not None:
-        if tiles.covered is None or tuple(tiles.covered.shape) != (B, Hq, N + ROWS - 1):
-            raise ValueError(f"tiles.covered must be Int8 [B, H, N + 63] = [{B}, {Hq}, {N + ROWS - 1}] beside "
-                             f"tiles.head_columns; build both with vs_tiles(..., head_columns=True)")
-        packed = (*pack_columns(k, v, tiles.head_columns, Hq, tiles.piece), tiles.covered)
+    packed = pack_head_columns(k, v, tiles, Hq) if tiles.head_columns is not None else None
     return _launch(q, k, v, tiles, scale, (stages, v_stages or stages), consumers, overlap, share_kv, packed,
                    kv_major=kv_major, pair=pair)
 
@@ -766,6 +761,17 @@ def pack_columns(k: torch.Tensor, v: torch.Tensor, cols: torch.Tensor, n_q_heads
     starts = (torch.arange(M, device=k.device, dtype=torch.int32) * ROWS).expand(B, n_q_heads, M).contiguous()
     col_count = torch.searchsorted(cols, starts, out_int32=True)  # left: columns < m * 64
     return kc, vc, cols, col_count
+
+
+def pack_head_columns(k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, n_q_heads: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`pack_columns` of tiles' columns per head (`tiles.head_columns`, strips of `tiles.piece` keys) beside their
+    `covered` flags, checked against k `[B, Hkv, N, D]`: (kc, vc, cols, col_count, covered)."""
+    B, _, N, _ = k.shape
+    if tiles.covered is None or tuple(tiles.covered.shape) != (B, n_q_heads, N + ROWS - 1):
+        raise ValueError(f"tiles.covered must be Int8 [B, H, N + 63] = [{B}, {n_q_heads}, {N + ROWS - 1}] beside "
+                         f"tiles.head_columns; build both with vs_tiles(..., head_columns=True)")
+    return (*pack_columns(k, v, tiles.head_columns, n_q_heads, tiles.piece), tiles.covered)
 
 
 def pack_vertical_slash(k: torch.Tensor, v: torch.Tensor, columns: torch.Tensor, offsets: torch.Tensor,
