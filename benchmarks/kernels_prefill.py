@@ -8,9 +8,10 @@ Block-Sparse from pooled top-k, A-shape) the index build, our kernel through the
 tiles with their columns per head, as `VerticalSlash.layer_tiles` builds them; A-shape through `ashape_prefill`
 where its Gluon shared ring takes the layer, as `AShape.layer_attention`, else its tiles), timed in turn with dense
 SDPA (`paired_ms`: both see the GPU's clock and power state of the moment), and FlexAttention with a BlockMask over
-the same 64x64 tiles. A mixed layer (a third of the heads each VS, block-sparse, A-shape) runs as the one launch
-`SparsePrefill` deploys (`mixed_layer_one_launch`) and as one launch per kind on that kind's own route
-(`mixed_layer_per_kind`: heads gathered, K/V per query head, outputs scattered back, all timed). Rows go to a JSON
+the same 64x64 tiles. A mixed layer (a third of the heads each VS, block-sparse, A-shape) runs as one launch over the merged
+tiles (`mixed_layer_one_launch`) and as one launch per kind on that kind's own route (`mixed_layer_per_kind`: heads
+gathered, K/V per query head, outputs scattered back, all timed; what `SparsePrefill` deploys on sm_90 at head_dim
+128 and 256, `prefill.gluon_takes_kinds`). Rows go to a JSON
 file as they are measured.
 
 Row fields: logical_density = attended (query, key) pairs / causal pairs; physical_density = computed tile area

@@ -448,14 +448,15 @@ def default_program(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None =
 
 
 def gluon_takes_kinds(q: torch.Tensor) -> bool:
-    """Whether the Gluon kernel takes per-head VS, block-sparse and A-shape tiles, each kind alone, for q `[B, Hq, N,
-    D]` (sm_90, bf16 / fp16, head_dim 128), where one launch over a layer that holds an A-shape head runs the loop
-    (the Gluon kernel takes no A-shape masks). There `SparsePrefill` runs such a layer one launch per kind: H100,
-    Llama 32/8/128, a third of the heads each VS, block-sparse, A-shape, 1.58x / 1.90x faster at 64K / 128K; at
-    head_dim 256, where the kinds ran the loop then, 0.97x / 0.99x (kernels/NOTES.md, session 30)."""
+    """Whether the Gluon kernels take per-head VS and block-sparse tiles, each kind alone, for q `[B, Hq, N, D]`
+    (sm_90, bf16 / fp16, head_dim 128: `prefill_ws`; 256: `prefill_pair`), where one launch over a layer that holds an
+    A-shape head runs the loop (neither takes A-shape masks). There `SparsePrefill` runs such a layer one launch per
+    kind. H100, a third of the heads each VS, block-sparse, A-shape, against the merged launch at 64K / 128K: Llama
+    32/8/128 1.58x / 1.90x (kernels/NOTES.md, session 30); Gemma-3 4/1/256, VS and block on the pairs, 1.04x / 1.10x
+    and 1.06x / 1.13x in two runs (sessions 36, 37)."""
     from .prefill_ws import DTYPES, sm90  # lazy, as in default_program
 
-    return q.shape[-1] == 128 and q.dtype in DTYPES and sm90(q.device)
+    return q.shape[-1] in (128, 256) and q.dtype in DTYPES and sm90(q.device)
 
 
 def write_dense_rows(o: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

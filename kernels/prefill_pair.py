@@ -22,7 +22,10 @@ Measured (H100, Gemma-3 shape 4/1/256, block top-100 from `block_index` on the b
 - with the union in one launch (`pair_items`: its merge by binary search, 2.5-9.5 us on the GPU; 0.11-0.18 ms a call
   at 16K-128K, mostly the host's launches, against the reference's 0.59-0.88), rotated rounds: 1.01x / 1.04x /
   1.11x / 1.03x the loop at 16K / 32K / 64K / 128K; `bench kernels` block row 0.77 / 0.74 of dense per tile at 64K /
-  128K (`pair_probe_ec4693a_h100.json`, `kernels_gemma_ec4693a_h100.json`).
+  128K (`pair_probe_ec4693a_h100.json`, `kernels_gemma_ec4693a_h100.json`; 0.77 / 0.70 in session 37's run);
+- per-head VS(1000, 6096) in `bench kernels`: 0.83 / 0.77 of dense per tile at 64K / 128K, 1.10x / 1.17x the loop
+  on the same tiles in the same rounds; VS(1000, 512), a few slash pieces per row block, 1.01x / 0.92x
+  (`kernels_gemma_4a2e9b6_h100.json`).
 
 Tensors are addressed as flattened rows: q / o `[B * Hq * N, D]`, k / v `[B * Hkv * N, D]`. A K / V tile that
 crosses N reads the next head's rows (or TMA's zero fill past the tensor); those keys lie past every stored row's

@@ -249,5 +249,33 @@ def test_pair_prefill_runs_vertical_slash_with_its_columns_packed(n):
     assert not pair_takes(q, lists, None) and default_program(q, lists) == "loop"
 
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not hopper(), reason="pair_prefill runs on sm_90 (H100 / H200) only")
+def test_a_mixed_layer_at_head_dim_256_runs_per_kind_with_vs_and_block_on_the_pairs():
+    """SparsePrefill's default on one layer of VS, block-sparse and A-shape heads at Gemma-3's global-layer shape
+    (4 q / 1 KV head, head_dim 256, bf16, N = 1000): the A-shape band would keep one merged launch on the loop, so
+    the layer runs one launch per kind (`gluon_takes_kinds`), the VS and block heads' tiles on the pair route; its
+    output is within bf16 of the merged launch's and of the PyTorch reference path's on the same index."""
+    from test_methods_kernel import mixed_prefill
+    from workbench_kernels.prefill import default_program
+
+    entries = [("vs", {"vertical": 40, "slash": 30}), ("block", {"topk": 3}), ("ashape", {"sink": 64, "window": 300}),
+               ("vs", {"vertical": 8, "slash": 90})]
+    runs = {}
+    for per_kind in (None, False):
+        sp, _, q, k, v = mixed_prefill(entries, n=1000, hkv=1, d=256, seed=5, per_kind=per_kind, graph_index=False)
+        q, k, v = (x.to("cuda", torch.bfloat16) for x in (q, k, v))
+        index = sp.layer_index(0, q, k, 0.1, "triton")
+        runs[per_kind] = sp.layer_kernel(0, index, q, k, v, 0.1, "triton")
+        if per_kind is None:
+            assert isinstance(index, dict), "the default merged the kinds into one launch"
+            routes = {kind: default_program(q[:, heads], tiles, None if band is None else band[0])
+                      for kind, (heads, tiles, band) in index.items()}
+            assert routes == {"vs": "pair", "block": "pair", "ashape": "loop"}, routes
+            ref = sp.reference(index, q.float(), k.float(), v.float(), 0.1)
+    torch.testing.assert_close(runs[None].float(), ref.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(runs[None].float(), runs[False].float(), atol=2e-2, rtol=2e-2)
+
 if __name__ == "__main__":
     print(json.dumps(compile_pair()))

@@ -56,7 +56,7 @@ def test_one_launch_per_kind_equals_the_merged_launch():
 
 def test_layers_of_several_kinds_merge_where_the_gluon_kernel_takes_no_kind():
     """`per_kind=None` runs one launch per kind only where a kind carries a band and `gluon_takes_kinds` holds (sm_90,
-    head_dim 128, 16-bit): on the CPU the merged launch; True / False force either; a layer of one kind never splits."""
+    head_dim 128 or 256, 16-bit): on the CPU the merged launch; True / False force either; a layer of one kind never splits."""
     shape = ModelShape("toy", "llama", 3, 4, 2, 128, 512, "default", 10000.0, 4096, "toy")
     entries = [[("vs", {"vertical": 8, "slash": 16}), ("ashape", {"sink": 4, "window": 32})] * 2,
                [("vs", {"vertical": 8, "slash": 16}), ("block", {"topk": 1})] * 2, [("block", {"topk": 2})] * 4]
