@@ -423,7 +423,7 @@ def run(args: argparse.Namespace) -> int:
             if pattern == "a_shape" and not cfg and ashape_takes_gluon(
                     q, k, *(torch.tensor(x, dtype=torch.int32) for x in (sink, window)), rb, pw):
                 # `AShape.layer_attention`'s route (elsewhere a model runs the cached tiles, as below)
-                route, program = "ashape_prefill", "gluon"
+                route, program = "ashape_prefill", "pair" if d == 256 else "gluon"
                 fn = lambda: ashape_prefill(q, k, v, sink, window, scale=scale, block=rb, width=pw)  # noqa: E731
             else:
                 route, program = "sparse_prefill", default_program(q, tiles, sink)

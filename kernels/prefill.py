@@ -448,12 +448,13 @@ def default_program(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None =
 
 
 def gluon_takes_kinds(q: torch.Tensor) -> bool:
-    """Whether the Gluon kernels take per-head VS and block-sparse tiles, each kind alone, for q `[B, Hq, N, D]`
-    (sm_90, bf16 / fp16, head_dim 128: `prefill_ws`; 256: `prefill_pair`), where one launch over a layer that holds an
-    A-shape head runs the loop (neither takes A-shape masks). There `SparsePrefill` runs such a layer one launch per
-    kind. H100, a third of the heads each VS, block-sparse, A-shape, against the merged launch at 64K / 128K: Llama
-    32/8/128 1.58x / 1.90x (kernels/NOTES.md, session 30); Gemma-3 4/1/256, VS and block on the pairs, 1.04x / 1.10x
-    and 1.06x / 1.13x in two runs (sessions 36, 37)."""
+    """Whether the Gluon kernels take per-head VS and block-sparse tiles and A-shape heads, each kind alone, for q
+    `[B, Hq, N, D]` (sm_90, bf16 / fp16, head_dim 128: `prefill_ws`; 256: `prefill_pair`), where one launch over a
+    layer that holds an A-shape head runs the loop (neither takes merged tiles under an A-shape mask). There
+    `SparsePrefill` runs such a layer one launch per kind. H100, a third of the heads each VS, block-sparse, A-shape,
+    against the merged launch at 64K / 128K: Llama 32/8/128 1.58x / 1.90x (kernels/NOTES.md, session 30); Gemma-3
+    4/1/256, VS and block on the pairs and A-shape on the loop, 1.04x / 1.10x and 1.06x / 1.13x in two runs (sessions
+    36, 37)."""
     from .prefill_ws import DTYPES, sm90  # lazy, as in default_program
 
     return q.shape[-1] in (128, 256) and q.dtype in DTYPES and sm90(q.device)
@@ -520,8 +521,9 @@ def ashape_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torc
     GPU at head_dim 128 with 64-row tiles (block 64, width 0 or 64) and heads 2j, 2j + 1 alike
     (`prefill_ws.ws_ashape_takes`): the Gluon kernel with both heads on one K/V ring, 128 keys per step
     (`prefill_ws.ASHAPE_LAUNCH`; H200, sink 128, window 4096, 64K / 128K: 0.82 / 0.90 of dense SDPA's TFLOP/s in
-    one probe against 0.69 / 0.75 for the loop below, kernels/NOTES.md);
-    else, when the heads of every KV group share sink and window, group-shared tiles (GQA-packed kernel)."""
+    one probe against 0.69 / 0.75 for the loop below, kernels/NOTES.md); at head_dim 256 row blocks 2j and 2j + 1
+    of a head on one K/V ring (`prefill_pair.pair_ashape`); else, when the heads of every KV group share sink and
+    window, group-shared tiles (GQA-packed kernel)."""
     hq, hkv = q.shape[1], k.shape[1]
     sink_t = torch.as_tensor(sink).reshape(-1).cpu()
     window_t = torch.as_tensor(window).reshape(-1).cpu()
@@ -538,10 +540,15 @@ def ashape_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torc
 
 def ashape_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor, window: torch.Tensor,
                  scale: float | None = None, block: int = 64, width: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`ashape_prefill`'s Gluon route: (o, lse) where the Gluon kernel takes this A-shape (`ashape_takes_gluon`;
-    sink / window CPU Int `[Hq]`, so no host sync), else None."""
+    """`ashape_prefill`'s Gluon route: (o, lse) where a Gluon kernel takes this A-shape (`ashape_takes_gluon`; sink /
+    window CPU Int `[Hq]`, so no host sync): at head_dim 256 the row-block pairs (`prefill_pair.pair_ashape`), else
+    two heads on one K/V ring (`prefill_ws.ws_ashape`); None where neither does."""
     if not ashape_takes_gluon(q, k, sink, window, block, width):
         return None
+    if q.shape[-1] == 256:
+        from .prefill_pair import pair_ashape  # lazy, as in default_program
+
+        return pair_ashape(q, k, v, sink, window, scale)
     from .prefill_ws import ASHAPE_LAUNCH, ws_ashape  # lazy, as in sparse_prefill
 
     return ws_ashape(q, k, v, sink, window, scale, **ASHAPE_LAUNCH)
@@ -550,10 +557,14 @@ def ashape_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.
 def ashape_takes_gluon(q: torch.Tensor, k: torch.Tensor, sink: torch.Tensor, window: torch.Tensor, block: int = 64,
                        width: int = 0) -> bool:
     """Whether `ashape_gluon` runs this A-shape asked for in tiles of `block` rows x `width` keys: 64-row tiles (width
-    0 or 64), head_dim 128 and `prefill_ws.ws_ashape_takes` (sm_90, heads 2j and 2j + 1 alike; sink / window CPU Int
-    `[Hq]`)."""
-    if q.shape[-1] != 128 or block != 64 or width not in (0, 64):
+    0 or 64) and, at head_dim 128, `prefill_ws.ws_ashape_takes` (sm_90, heads 2j and 2j + 1 alike; sink / window CPU
+    Int `[Hq]`), at head_dim 256 `prefill_pair.pair_runs` (sm_90, one sink and window per query head)."""
+    if q.shape[-1] not in (128, 256) or block != 64 or width not in (0, 64):
         return False
+    if q.shape[-1] == 256:
+        from .prefill_pair import pair_runs  # lazy, as in default_program
+
+        return pair_runs(q) and sink.numel() == window.numel() == q.shape[1]
     from .prefill_ws import ws_ashape_takes  # lazy, as in sparse_prefill
 
     return ws_ashape_takes(q, k, sink, window)

@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .index_ref import PairItems, VSTiles
+from .index_ref import PairItems, VSTiles, band_tiles
 from .prefill_ref import check_prefill_args
 from .prefill_ws import DTYPES, launch_config, pack_head_columns, sm90, softmax_step, tma_load
 from .tiling import LN2, LOG2E
@@ -58,6 +58,8 @@ from .tiling import LN2, LOG2E
 ROWS = gl.constexpr(64)  # query rows per consumer (= tiles.block; host code reads ROWS.value)
 KEYS = gl.constexpr(64)  # keys per piece (= tiles.piece)
 STAGES = gl.constexpr(2)  # ring slots (3 do not fit beside the two Q tiles)
+# what a pair walks before its pieces (host code reads .value): nothing, packed columns, keys [0, count)
+NO_STRIPS, PACKED, SINKS = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
 HEAD_DIM = 256  # the head_dim it is built for: K + V slots of 64 KB, two slots and two Q tiles in 192 KB
 LAUNCH = launch_config(2, HEAD_DIM)  # 3 warpgroups a program: two consumers and the loader, as two consumers there
 
@@ -163,18 +165,21 @@ def _fill(k_desc, v_desc, row, step, k_smem, v_smem, k_ready, v_ready, empty):
 
 @gluon.jit
 def _loader(k_desc, v_desc, kc_desc, vc_desc, k_smem, v_smem, k_ready, v_ready, empty, Union, Count, ColCount, Order,
-            U, N, M, MP, G, KVP, VS: gl.constexpr):
-    """1 warp: item Order[program]'s ring steps. VS: first its `pair_strips` strips of packed columns (kc / vc rows
-    head x KVP + 64 t), then the union's K / V tiles."""
+            U, N, M, MP, G, KVP, STRIPS: gl.constexpr):
+    """1 warp: item Order[program]'s ring steps: first its `pair_strips` strips (PACKED: kc / vc rows head x KVP + 64 t;
+    SINKS: the KV head's keys from 0, through kc / vc = k / v), then the union's K / V tiles."""
     item = gl.load(Order + gl.program_id(0))
     n = gl.load(Count + item)
     head = item // MP  # b * Hq + h
-    strips = 0
-    if VS:
-        strips = pair_strips(ColCount, head, item % MP, M)
-        for t in range(strips):
-            _fill(kc_desc, vc_desc, head * KVP + t * KEYS, t, k_smem, v_smem, k_ready, v_ready, empty)
     kv_row = (head // G) * N  # the KV head's first row in [B * Hkv * N, D] (TMA coordinates: int32)
+    strips = 0
+    if STRIPS != NO_STRIPS:
+        strips = pair_strips(ColCount, head, item % MP, M)
+        first = kv_row
+        if STRIPS == PACKED:
+            first = head * KVP
+        for t in range(strips):
+            _fill(kc_desc, vc_desc, first + t * KEYS, t, k_smem, v_smem, k_ready, v_ready, empty)
     for i in range(n):
         _fill(k_desc, v_desc, kv_row + gl.load(Union + item * U + i), strips + i, k_smem, v_smem, k_ready, v_ready,
               empty)
@@ -211,12 +216,14 @@ def attend_piece(q_tile, k_tile, v_tile, keep, m_i, l_i, acc, s0, qk_scale, O_LA
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, ColCount, Cols, Covered,
-              Order, U, N, M, MP, KVP, L, qk_scale, SUB: gl.constexpr, D: gl.constexpr, VS: gl.constexpr,
-              Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr):
+              Sink, Window, Order, U, N, M, MP, KVP, L, HQ, qk_scale, SUB: gl.constexpr, D: gl.constexpr,
+              STRIPS: gl.constexpr, BAND: gl.constexpr, Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr,
+              O_LAYOUT: gl.constexpr):
     """Consumer SUB: row block m = 2j + SUB of item Order[program]'s head, over the item's ring steps (`attend_piece`:
-    fp32 online softmax in exp2 units); writes its O rows and LSE. VS: first the pair's strips of packed columns,
-    computing those of its own ColCount[m] columns that no piece of m covers (Covered, d = 64 m - column), waiting
-    through the rest; then the union's pieces whose bit SUB is set."""
+    fp32 online softmax in exp2 units); writes its O rows and LSE. First the pair's strips, computing the lanes of
+    m's own ColCount[m] columns (PACKED: those no piece of m covers, Covered at d = 64 m - column) and waiting through
+    the rest; then the union's pieces whose bit SUB is set (BAND: keys j of row i with j < Sink[h] or i - j < Window[h],
+    h the query head)."""
     item = gl.load(Order + gl.program_id(0))
     n = gl.load(Count + item)
     m = (item % MP) * 2 + SUB
@@ -238,27 +245,34 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union,
     acc = gl.zeros([ROWS, D], gl.float32, O_LAYOUT)
     s0 = gl.zeros([ROWS, KEYS], gl.float32, S_LAYOUT)
     strips = 0
-    if VS:
+    if STRIPS != NO_STRIPS:
         strips = pair_strips(ColCount, head, item % MP, M)
         n_cols = gl.where(m < M, gl.load(ColCount + head * M + gl.minimum(m, M - 1)), 0)  # m's columns: < 64 m
         col_head = Cols + head.to(gl.int64) * KVP
         cov_row = Covered + head.to(gl.int64) * L + (m * ROWS + ROWS - 1)  # + (-column): m's covered flag
         for t in range(strips):
             j = t * KEYS + lanes
-            ok = j < n_cols
-            c = gl.load(col_head + j, mask=ok, other=0)
-            keep = ok & (gl.load(cov_row - c, mask=ok, other=1) == 0)
+            keep = j < n_cols
+            if STRIPS == PACKED:
+                c = gl.load(col_head + j, mask=keep, other=0)
+                keep = keep & (gl.load(cov_row - c, mask=keep, other=1) == 0)
             s = wait_slot(t, k_ready, v_ready, STAGES)
             if t * KEYS < n_cols:
                 m_i, l_i, acc = attend_piece(q_tile, k_smem.index(s), v_smem.index(s), gl.expand_dims(keep, 0), m_i,
                                              l_i, acc, s0, qk_scale, O_LAYOUT)
             mbarrier.arrive(empty.index(s), count=1)
+    if BAND:
+        sink = gl.load(Sink + head % HQ)
+        window = gl.load(Window + head % HQ)
     for i in range(n):
         start = gl.load(Union + item * U + i)
         mine = (gl.load(Bits + item * U + i) >> SUB) & 1
         keep = causal(start + lanes, pos)
-        if VS:  # a slash piece may start below key 0 (the rows it reads there are another head's, or TMA's zeros)
+        if STRIPS == PACKED:  # a slash piece may start below key 0 (it would read another head's rows, or TMA's zeros)
             keep = keep & gl.expand_dims(start + lanes >= 0, 0)
+        if BAND:
+            keys = gl.expand_dims(start + lanes, 0)
+            keep = keep & ((keys < sink) | (gl.expand_dims(pos, 1) - keys < window))
         s = wait_slot(strips + i, k_ready, v_ready, STAGES)
         if mine != 0:
             m_i, l_i, acc = attend_piece(q_tile, k_smem.index(s), v_smem.index(s), keep, m_i, l_i, acc, s0, qk_scale,
@@ -274,14 +288,17 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union,
     gl.store(LSE + head.to(gl.int64) * N + pos, lse, mask=pos < N)
 
 
-@gluon.jit(do_not_specialize=["U", "N", "M", "MP", "KVP", "L"])
-def _pair_kernel(k_desc, v_desc, kc_desc, vc_desc, Q, O, LSE, Union, Bits, Count, ColCount, Cols, Covered, Order, U, N,
-                 M, MP, G, KVP, L, qk_scale, D: gl.constexpr, VS: gl.constexpr, Q_SMEM: gl.constexpr,
-                 Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+@gluon.jit(do_not_specialize=["U", "N", "M", "MP", "KVP", "L", "HQ"])
+def _pair_kernel(k_desc, v_desc, kc_desc, vc_desc, Q, O, LSE, Union, Bits, Count, ColCount, Cols, Covered, Sink, Window,
+                 Order, U, N, M, MP, G, KVP, L, HQ, qk_scale, D: gl.constexpr, STRIPS: gl.constexpr, BAND: gl.constexpr,
+                 Q_SMEM: gl.constexpr, Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
+                 CONSUMER_REGS: gl.constexpr):
     """Program: item Order[pid] (b, head, row-block pair; MP pairs per head, G query heads per KV head). Shared
-    memory: two Q tiles and STAGES K and V slots of 64 keys x D. VS: kc / vc `[B * Hq * KVP, D]` the heads' packed
-    columns, Cols Int32 `[B * Hq, KVP]` their keys, ColCount Int32 `[B * Hq, M]` how many lie below each row block,
-    Covered Int8 `[B * Hq, L]` (`VSTiles.covered`); else those arguments are unused."""
+    memory: two Q tiles and STAGES K and V slots of 64 keys x D. ColCount Int32 `[B * Hq, M]`: how many columns lie
+    below each row block. PACKED: kc / vc `[B * Hq * KVP, D]` the heads' packed columns, Cols Int32 `[B * Hq, KVP]`
+    their keys, Covered Int8 `[B * Hq, L]` (`VSTiles.covered`). SINKS: the columns are keys [0, ColCount), read
+    through kc / vc = k / v. BAND: Sink / Window Int32 `[HQ]` per query head. Arguments a mode does not read are
+    placeholders."""
     q_smem = gl.allocate_shared_memory(k_desc.dtype, [2, ROWS, D], Q_SMEM)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, KEYS, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, KEYS, D], v_desc.layout)
@@ -294,11 +311,13 @@ def _pair_kernel(k_desc, v_desc, kc_desc, vc_desc, Q, O, LSE, Union, Bits, Count
         mbarrier.init(empty.index(i), count=2)  # both consumers, once per fill
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, ColCount, Cols,
-                     Covered, Order, U, N, M, MP, KVP, L, qk_scale, 0, D, VS, Q_LAYOUT, S_LAYOUT, O_LAYOUT)),
+                     Covered, Sink, Window, Order, U, N, M, MP, KVP, L, HQ, qk_scale, 0, D, STRIPS, BAND, Q_LAYOUT,
+                     S_LAYOUT, O_LAYOUT)),
         (_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, ColCount, Cols,
-                     Covered, Order, U, N, M, MP, KVP, L, qk_scale, 1, D, VS, Q_LAYOUT, S_LAYOUT, O_LAYOUT)),
+                     Covered, Sink, Window, Order, U, N, M, MP, KVP, L, HQ, qk_scale, 1, D, STRIPS, BAND, Q_LAYOUT,
+                     S_LAYOUT, O_LAYOUT)),
         (_loader, (k_desc, v_desc, kc_desc, vc_desc, k_smem, v_smem, k_ready, v_ready, empty, Union, Count, ColCount,
-                   Order, U, N, M, MP, G, KVP, VS)),
+                   Order, U, N, M, MP, G, KVP, STRIPS)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -314,13 +333,17 @@ def layouts(d: int, dtype: torch.dtype) -> dict:
 
 
 def pair_takes(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None) -> bool:
-    """Whether `pair_prefill` takes these tiles (static facts only, no host sync): an sm_90 GPU, bf16 / fp16, head_dim
-    256, per-query-head tiles of 64 rows over disjoint 64-key pieces, columns only as `head_columns` (Vertical-Slash's
-    deployed tiles), no A-shape mask. Group-shared tiles are not taken: the GQA-packed loop already loads each tile for
-    128 rows (0.93 of dense)."""
-    return (sm90(q.device) and q.dtype in DTYPES and q.shape[-1] == HEAD_DIM and tiles.shape[1] == q.shape[1]
-            and tiles.block == ROWS.value and tiles.piece == KEYS.value and tiles.disjoint
-            and (not tiles.columns or tiles.head_columns is not None) and sink is None)
+    """Whether `pair_prefill` takes these tiles (static facts only, no host sync): `pair_runs` q, per-query-head tiles
+    of 64 rows over disjoint 64-key pieces, columns only as `head_columns` (Vertical-Slash's deployed tiles), no A-shape
+    mask (A-shape alone: `pair_ashape`). Group-shared tiles are not taken: the GQA-packed loop already loads each tile
+    for 128 rows (0.93 of dense)."""
+    return (pair_runs(q) and tiles.shape[1] == q.shape[1] and tiles.block == ROWS.value and tiles.piece == KEYS.value
+            and tiles.disjoint and (not tiles.columns or tiles.head_columns is not None) and sink is None)
+
+
+def pair_runs(q: torch.Tensor) -> bool:
+    """Whether the pair kernel runs for q `[B, Hq, N, D]`: an sm_90 GPU, bf16 / fp16, head_dim 256."""
+    return sm90(q.device) and q.dtype in DTYPES and q.shape[-1] == HEAD_DIM
 
 
 def pair_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None = None
@@ -330,13 +353,37 @@ def pair_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTil
     before the pieces. q `[B, Hq, N, 256]`, k / v `[B, Hkv, N, 256]` (bf16 / fp16; copied if not contiguous); query
     head h reads KV head h // (Hq / Hkv); tiles `[B, Hq, ceil(N / 64)]`. Returns (o `[B, Hq, N, D]` in q's dtype,
     lse Float32 `[B, Hq, N]`, natural log)."""
-    B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
+    check_prefill_args(q, k, v)
     if not pair_takes(q, tiles, None):
         raise ValueError(f"pair_prefill takes bf16 / fp16 q of head_dim {HEAD_DIM} on an sm_90 GPU and per-head tiles "
                          f"[B, Hq, M] of 64-row blocks over disjoint 64-key pieces, columns only as head_columns; got "
-                         f"{q.dtype}, head_dim {D}, device {q.device}, tiles {tuple(tiles.shape)} (block {tiles.block}, "
-                         f"piece {tiles.piece}, columns {tiles.columns}, head_columns "
+                         f"{q.dtype}, head_dim {q.shape[-1]}, device {q.device}, tiles {tuple(tiles.shape)} (block "
+                         f"{tiles.block}, piece {tiles.piece}, columns {tiles.columns}, head_columns "
                          f"{tiles.head_columns is not None}); use sparse_prefill")
+    return _launch(q, k, v, tiles, scale, None)
+
+
+def pair_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor, window: torch.Tensor,
+                scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A-shape prefill on the pairs (as `prefill.ashape_prefill`: per query head keys j <= i with j < sink or
+    i - j < window; sink / window CPU Int `[Hq]`, tokens): `index_ref.band_tiles`' cached tiles, each head's sinks below
+    a row block's lowest piece walked as strips of k / v from key 0, the token mask on the window's pieces. q, k, v as
+    `pair_prefill` (`pair_runs` q). Returns (o, lse)."""
+    B, Hq, _, N, _ = check_prefill_args(q, k, v)
+    if not pair_runs(q):
+        raise ValueError(f"pair_ashape takes bf16 / fp16 q of head_dim {HEAD_DIM} on an sm_90 GPU; got {q.dtype}, "
+                         f"head_dim {q.shape[-1]}, device {q.device}; use prefill.ashape_prefill")
+    tiles, band = band_tiles(sink, window, N, B, ROWS.value, q.device)
+    if tiles.shape[1] != Hq:
+        raise ValueError(f"sink and window hold {tiles.shape[1]} heads but q has {Hq}; give one per query head")
+    return _launch(q, k, v, tiles, scale, band)
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None,
+            band: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pair kernel over checked per-head tiles: their columns as PACKED strips (`head_columns`) or, under an
+    A-shape `band` (sink, window Int32 `[Hq]` on q's device), as SINKS strips."""
+    B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
     M = -(-N // ROWS.value)
     if tuple(tiles.shape) != (B, Hq, M):
         raise ValueError(f"tiles are for [B, H, M] = {tuple(tiles.shape)} but q needs ({B}, {Hq}, {M}); rebuild them")
@@ -346,20 +393,24 @@ def pair_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTil
     lay = layouts(D, q.dtype)
     k_desc = TensorDescriptor.from_tensor(k.view(-1, D), [KEYS.value, D], lay["KV_SMEM"])
     v_desc = TensorDescriptor.from_tensor(v.view(-1, D), [KEYS.value, D], lay["KV_SMEM"])
-    vs = tiles.columns
-    if vs:
+    strips = (NO_STRIPS if not tiles.columns else SINKS if band is not None else PACKED).value
+    packed = strips == PACKED.value
+    unused = items.count
+    kc_desc, vc_desc, cols, col_count, covered = k_desc, v_desc, unused, unused, unused
+    if packed:
         kc, vc, cols, col_count, covered = pack_head_columns(k, v, tiles, Hq)
         kc_desc, vc_desc = (TensorDescriptor.from_tensor(x, [KEYS.value, D], lay["KV_SMEM"]) for x in (kc, vc))
         covered = covered.contiguous()
-    else:  # unused by the kernel
-        kc_desc, vc_desc, cols, col_count, covered = k_desc, v_desc, items.count, items.count, items.count
+    elif strips == SINKS.value:
+        col_count = tiles.column_count.contiguous()
+    sink, window = band if band is not None else (unused, unused)
     o = torch.empty_like(q)
     lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     _pair_kernel[(items.order.numel(),)](
         k_desc, v_desc, kc_desc, vc_desc, q, o, lse, items.union, items.bits, items.count, col_count, cols, covered,
-        items.order, items.union.shape[1], N, M, -(-M // 2), Hq // Hkv, cols.shape[-1] if vs else 0,
-        covered.shape[-1] if vs else 0, scale * LOG2E, D=D, VS=vs, Q_SMEM=lay["Q_SMEM"], Q_LAYOUT=lay["Q_LAYOUT"],
-        S_LAYOUT=lay["S_LAYOUT"], O_LAYOUT=lay["O_LAYOUT"], CONSUMER_REGS=LAUNCH["consumer_regs"], num_warps=4,
-        maxnreg=LAUNCH["maxnreg"])
+        sink, window, items.order, items.union.shape[1], N, M, -(-M // 2), Hq // Hkv, cols.shape[-1] if packed else 0,
+        covered.shape[-1] if packed else 0, Hq, scale * LOG2E, D=D, STRIPS=strips, BAND=band is not None,
+        Q_SMEM=lay["Q_SMEM"], Q_LAYOUT=lay["Q_LAYOUT"], S_LAYOUT=lay["S_LAYOUT"], O_LAYOUT=lay["O_LAYOUT"],
+        CONSUMER_REGS=LAUNCH["consumer_regs"], num_warps=4, maxnreg=LAUNCH["maxnreg"])
     return o, lse

@@ -21,7 +21,8 @@ from workbench_kernels.prefill_ref import masked_attention_ref
 
 
 def compile_pair() -> dict:
-    """`_pair_kernel` compiled for sm_90 (bf16, head_dim 256), without and with Vertical-Slash strips ("block", "vs"):
+    """`_pair_kernel` compiled for sm_90 (bf16, head_dim 256) in its three modes: no strips ("block"), packed
+    Vertical-Slash strips ("vs"), A-shape's sink strips and band mask ("ashape"):
     shared memory, wgmma / TMA instructions, worker partitions, ptxas spills; and ptxas spills of
     `_pair_union_kernel` over lists 128 and 4096 wide."""
     import triton
@@ -34,12 +35,15 @@ def compile_pair() -> dict:
     lay = prefill_pair.layouts(256, torch.bfloat16)
     desc = f"tensordesc<bf16[64, 256],{lay['KV_SMEM']!r}>"
     pointers = {"Q": "*bf16", "O": "*bf16", "LSE": "*fp32", "Union": "*i32", "Bits": "*i32", "Count": "*i32",
-                "ColCount": "*i32", "Cols": "*i32", "Covered": "*i8", "Order": "*i32"}
+                "ColCount": "*i32", "Cols": "*i32", "Covered": "*i8", "Sink": "*i32", "Window": "*i32",
+                "Order": "*i32"}
     types = {**{d: desc for d in ("k_desc", "v_desc", "kc_desc", "vc_desc")}, "qk_scale": "fp32", **pointers}
     spills = r"(\d+) bytes spill (?:stores|loads)"
     out = {}
-    for name, vs in (("block", False), ("vs", True)):
-        constants = {"D": 256, "VS": vs, "CONSUMER_REGS": prefill_pair.LAUNCH["consumer_regs"],
+    modes = {"block": (prefill_pair.NO_STRIPS.value, False), "vs": (prefill_pair.PACKED.value, False),
+             "ashape": (prefill_pair.SINKS.value, True)}
+    for name, (strips, band) in modes.items():
+        constants = {"D": 256, "STRIPS": strips, "BAND": band, "CONSUMER_REGS": prefill_pair.LAUNCH["consumer_regs"],
                      **{x: lay[x] for x in ("Q_SMEM", "Q_LAYOUT", "S_LAYOUT", "O_LAYOUT")}}
         signature = {a: "constexpr" if a in constants else types.get(a, "i32") for a in fn.arg_names}
         attrs = {(fn.arg_names.index(x),): [["tt.divisibility", 16]] for x in pointers}
@@ -138,14 +142,15 @@ def compiled() -> dict:
     return compiled_by(__file__)
 
 
-@pytest.mark.parametrize("kind", ["block", "vs"])
+@pytest.mark.parametrize("kind", ["block", "vs", "ashape"])
 def test_pair_kernel_compiles_for_sm90(compiled, kind):
     """Two worker partitions (the second consumer, the loader) beside the default consumer; per consumer and piece
-    walk 16 wgmma for Q K^T (head_dim 256 in k-steps of 16) and 4 for P V (64 keys), Vertical-Slash's strips a
-    second walk; TMA loads; no local memory, no spills, within the H100's shared memory."""
+    walk 16 wgmma for Q K^T (head_dim 256 in k-steps of 16) and 4 for P V (64 keys), the strips (Vertical-Slash's
+    packed columns, A-shape's sinks) a second walk; TMA loads; no local memory, no spills, within the H100's shared
+    memory."""
     got = compiled[kind]
     assert got["partitions"] == 2, got
-    assert got["wgmma"] == 2 * (1 + (kind == "vs")) * (256 // 16 + 64 // 16), got
+    assert got["wgmma"] == 2 * (1 + (kind != "block")) * (256 // 16 + 64 // 16), got
     assert got["tma_loads"] > 0
     assert got["local"] == 0 and not any(got["spills"]), got
     assert got["shared"] <= SMEM_SM90
@@ -160,9 +165,9 @@ def test_pair_union_merge_compiles_without_spills(compiled):
 
 def test_pair_prefill_refuses_what_it_does_not_take():
     """On a CPU (or at another head_dim, dtype, tile kind) `pair_takes` says no, `sparse_prefill`'s default runs the
-    loop, and `pair_prefill` raises ValueError naming the fix."""
-    from workbench_kernels.prefill import default_program
-    from workbench_kernels.prefill_pair import pair_prefill, pair_takes
+    loop, and `pair_prefill` / `pair_ashape` raise ValueError naming the fix."""
+    from workbench_kernels.prefill import ashape_takes_gluon, default_program
+    from workbench_kernels.prefill_pair import pair_ashape, pair_prefill, pair_takes
 
     q = torch.zeros(1, 4, 200, 256, dtype=torch.bfloat16)
     k = v = torch.zeros(1, 1, 200, 256, dtype=torch.bfloat16)
@@ -170,6 +175,10 @@ def test_pair_prefill_refuses_what_it_does_not_take():
     assert not pair_takes(q, tiles, None) and default_program(q, tiles) == "loop"
     with pytest.raises(ValueError, match="use sparse_prefill"):
         pair_prefill(q, k, v, tiles)
+    sink, window = torch.tensor([64] * 4), torch.tensor([128] * 4)
+    assert not ashape_takes_gluon(q, k, sink, window)
+    with pytest.raises(ValueError, match="use prefill.ashape_prefill"):
+        pair_ashape(q, k, v, sink, window)
 
 
 @pytest.mark.gpu
@@ -252,13 +261,42 @@ def test_pair_prefill_runs_vertical_slash_with_its_columns_packed(n):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper(), reason="pair_prefill runs on sm_90 (H100 / H200) only")
+@pytest.mark.parametrize("n", [936, 1000])
+def test_ashape_runs_on_the_pairs_at_head_dim_256(n):
+    """A-shape at head_dim 256 (GQA 4:1, B = 2, bf16), per-head sinks and windows: a sink over two strips, one not a
+    multiple of 64, none; a window of 1, one within a row block, one over several pieces; then no sink at all (no
+    strips). `ashape_prefill` takes the pair route (`ashape_takes_gluon`); o and lse are within bf16 of fp32
+    attention under the exact token mask and of the loop over the same tiles."""
+    from workbench_kernels.index_ref import band_tiles
+    from workbench_kernels.prefill import ashape_prefill, ashape_takes_gluon, sparse_prefill
+    from workbench_kernels.prefill_pair import pair_ashape
+
+    B, Hq, Hkv, D = 2, 4, 1, 256
+    g = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(B, h, n, D, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
+    for sink, window in (([64, 100, 0, 130], [300, 129, 70, 1]), ([0] * 4, [64, 200, 500, 1000])):
+        sink, window = torch.tensor(sink), torch.tensor(window)
+        assert ashape_takes_gluon(q, k, sink, window)
+        o, lse = pair_ashape(q, k, v, sink, window)
+        tiles, band = band_tiles(sink, window, n, B, 64, q.device)
+        assert tiles.columns == bool(sink.any())
+        ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(tiles, n, *band))
+        assert_bf16_close(o, lse, ro, rlse)
+        do, dlse = ashape_prefill(q, k, v, sink, window)
+        assert torch.equal(do, o) and torch.equal(dlse, lse)
+        lo, _ = sparse_prefill(q, k, v, tiles, sink=band[0], window=band[1], warp_specialize=False)
+        torch.testing.assert_close(o.float(), lo.float(), atol=2e-2, rtol=2e-2)
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not hopper(), reason="pair_prefill runs on sm_90 (H100 / H200) only")
 def test_a_mixed_layer_at_head_dim_256_runs_per_kind_with_vs_and_block_on_the_pairs():
     """SparsePrefill's default on one layer of VS, block-sparse and A-shape heads at Gemma-3's global-layer shape
     (4 q / 1 KV head, head_dim 256, bf16, N = 1000): the A-shape band would keep one merged launch on the loop, so
-    the layer runs one launch per kind (`gluon_takes_kinds`), the VS and block heads' tiles on the pair route; its
-    output is within bf16 of the merged launch's and of the PyTorch reference path's on the same index."""
+    the layer runs one launch per kind (`gluon_takes_kinds`), each on the pairs (VS and block tiles through
+    `sparse_prefill`, A-shape through `AShape.layer_attention`); its output is within bf16 of the merged launch's
+    and of the PyTorch reference path's on the same index."""
     from test_methods_kernel import mixed_prefill
-    from workbench_kernels.prefill import default_program
+    from workbench_kernels.prefill import ashape_takes_gluon, default_program
 
     entries = [("vs", {"vertical": 40, "slash": 30}), ("block", {"topk": 3}), ("ashape", {"sink": 64, "window": 300}),
                ("vs", {"vertical": 8, "slash": 90})]
@@ -270,9 +308,10 @@ def test_a_mixed_layer_at_head_dim_256_runs_per_kind_with_vs_and_block_on_the_pa
         runs[per_kind] = sp.layer_kernel(0, index, q, k, v, 0.1, "triton")
         if per_kind is None:
             assert isinstance(index, dict), "the default merged the kinds into one launch"
-            routes = {kind: default_program(q[:, heads], tiles, None if band is None else band[0])
-                      for kind, (heads, tiles, band) in index.items()}
-            assert routes == {"vs": "pair", "block": "pair", "ashape": "loop"}, routes
+            routes = {kind: default_program(q[:, heads], tiles) for kind, (heads, tiles, band) in index.items()
+                      if band is None}
+            assert routes == {"vs": "pair", "block": "pair"}, routes
+            assert ashape_takes_gluon(q[:, [2]], k, torch.tensor([64]), torch.tensor([300]))
             ref = sp.reference(index, q.float(), k.float(), v.float(), 0.1)
     torch.testing.assert_close(runs[None].float(), ref.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(runs[None].float(), runs[False].float(), atol=2e-2, rtol=2e-2)
