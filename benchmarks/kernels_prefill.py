@@ -4,9 +4,10 @@ Inputs are synthetic (random weights, no model): q/k/v of a real attention shape
 (RoPE locality from a shared q/k component, attention sinks, vertical keys, slashes at fixed offsets,
 topical key blocks) so that the online indexes find realistic patterns instead of uniformly random ones.
 Per (shape, length) it times dense causal SDPA, then for each pattern (Vertical-Slash from the Triton online index,
-Block-Sparse from pooled top-k, A-shape) the index build, our kernel through the route a model's prefill deploys (VS
+Block-Sparse from pooled top-k, A-shape with one band per KV group and with two, window and window / 2 in turn
+per query head: `a_shape_per_head`) the index build, our kernel through the route a model's prefill deploys (VS
 tiles with their columns per head, as `VerticalSlash.layer_tiles` builds them; A-shape through `ashape_prefill`
-where its Gluon shared ring takes the layer, as `AShape.layer_attention`, else its tiles), timed in turn with dense
+where a Gluon kernel takes the layer, as `AShape.layer_attention`, else its tiles), timed in turn with dense
 SDPA (`paired_ms`: both see the GPU's clock and power state of the moment), and FlexAttention with a BlockMask over
 the same 64x64 tiles. A mixed layer (a third of the heads each VS, block-sparse, A-shape) runs as one launch over the merged
 tiles (`mixed_layer_one_launch`) and as one launch per kind on that kind's own route (`mixed_layer_per_kind`: heads
@@ -381,8 +382,14 @@ def run(args: argparse.Namespace) -> int:
             tiles, t_a = sync_ms(lambda: ashape_to_tiles([args.sink] * hkv, [args.window] * hkv, n, 1, rb, dev, pw))
             _, t_a = sync_ms(lambda: ashape_to_tiles([args.sink] * hkv, [args.window] * hkv, n, 1, rb, dev, pw))
             indexes[("a_shape", blk)] = (tiles, t_a, ([args.sink] * hq, [args.window] * hq))
+            # the heads of a group in two bands (window, window / 2 in turn): per-head tiles, no GQA packing
+            halves = [args.window // (1 + h % 2) for h in range(hq)]
+            tiles, t_a = sync_ms(lambda: ashape_to_tiles([args.sink] * hq, halves, n, 1, rb, dev, pw))
+            _, t_a = sync_ms(lambda: ashape_to_tiles([args.sink] * hq, halves, n, 1, rb, dev, pw))
+            indexes[("a_shape_per_head", blk)] = (tiles, t_a, ([args.sink] * hq, halves))
         layer_patterns = {"vertical_slash": VerticalSlash(vs_cols[0], vs_offs[0]), "block_sparse": BlockSparse(bidx[0]),
-                          "a_shape": AShape(args.sink, args.window, hq)}
+                          "a_shape": AShape(args.sink, args.window, hq),
+                          "a_shape_per_head": AShape(args.sink, torch.tensor(halves), hq)}
         logical = {
             **{name: VerticalSlash(c[0], o[0]).edges(n).sum().item() for name, (c, o) in vs_sets.items()},
             "vertical_slash_group_shared": VerticalSlash(*(x[0].repeat_interleave(hq // hkv, 0) for x in (g_cols, g_offs))
@@ -420,7 +427,7 @@ def run(args: argparse.Namespace) -> int:
             family = "vertical_slash" if pattern.startswith("vertical_slash") else "block_sparse"
             cfg = tuned.get((pattern, blk), tuned.get((family, blk), {}))
             rb, pw = shape_of[blk]
-            if pattern == "a_shape" and not cfg and ashape_takes_gluon(
+            if pattern.startswith("a_shape") and not cfg and ashape_takes_gluon(
                     q, k, *(torch.tensor(x, dtype=torch.int32) for x in (sink, window)), rb, pw):
                 # `AShape.layer_attention`'s route (elsewhere a model runs the cached tiles, as below)
                 route, program = "ashape_prefill", "pair" if d == 256 else "gluon"
@@ -431,7 +438,8 @@ def run(args: argparse.Namespace) -> int:
             loop = None if program == "loop" or cfg else (  # the same tiles on the loop, in the same rounds
                 lambda: sparse_prefill(q, k, v, tiles, sink=sink, window=window, scale=scale, warp_specialize=False))
             area = tile_area(tiles, n).sum().item() * (hq // tiles.shape[1])  # group-shared tiles serve G heads
-            budget = vs_budgets.get(pattern) or ((args.topk,) if pattern == "block_sparse"
+            budget = vs_budgets.get(pattern) or ((args.topk,) if pattern == "block_sparse" else
+                                                 (args.sink, args.window, args.window // 2) if pattern == "a_shape_per_head"
                                                  else (args.sink, args.window))
             row = {**base, "kernel": pattern, "block": blk, "route": route, "program": program,
                    "budget": list(budget), **cfg,

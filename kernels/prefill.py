@@ -521,19 +521,17 @@ def ashape_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torc
     GPU at head_dim 128 with 64-row tiles (block 64, width 0 or 64) and heads 2j, 2j + 1 alike
     (`prefill_ws.ws_ashape_takes`): the Gluon kernel with both heads on one K/V ring, 128 keys per step
     (`prefill_ws.ASHAPE_LAUNCH`; H200, sink 128, window 4096, 64K / 128K: 0.82 / 0.90 of dense SDPA's TFLOP/s in
-    one probe against 0.69 / 0.75 for the loop below, kernels/NOTES.md); at head_dim 256 row blocks 2j and 2j + 1
-    of a head on one K/V ring (`prefill_pair.pair_ashape`); else, when the heads of every KV group share sink and
-    window, group-shared tiles (GQA-packed kernel)."""
+    one probe against 0.69 / 0.75 for the loop below, kernels/NOTES.md); at head_dim 256, where the query heads of
+    a KV group differ in band, row blocks 2j and 2j + 1 of a head on one K/V ring (`prefill_pair.pair_ashape`); else,
+    when the heads of every KV group share sink and window (`groups_share_band`), group-shared tiles (GQA-packed
+    kernel)."""
     hq, hkv = q.shape[1], k.shape[1]
     sink_t = torch.as_tensor(sink).reshape(-1).cpu()
     window_t = torch.as_tensor(window).reshape(-1).cpu()
     out = ashape_gluon(q, k, v, sink_t, window_t, scale, block, width)
     if out is not None:
         return out
-    shared = sink_t.numel() == hq and hq % hkv == 0 and bool(
-        (sink_t.view(hkv, -1) == sink_t.view(hkv, -1)[:, :1]).all()
-        & (window_t.view(hkv, -1) == window_t.view(hkv, -1)[:, :1]).all())
-    heads = slice(None, None, hq // hkv) if shared else slice(None)
+    heads = slice(None, None, hq // hkv) if groups_share_band(sink_t, window_t, hq, hkv) else slice(None)
     tiles, _ = band_tiles(sink_t[heads], window_t[heads], q.shape[2], q.shape[0], block, q.device, width)  # cached
     return sparse_prefill(q, k, v, tiles, sink=sink_t, window=window_t, scale=scale)
 
@@ -558,13 +556,26 @@ def ashape_takes_gluon(q: torch.Tensor, k: torch.Tensor, sink: torch.Tensor, win
                        width: int = 0) -> bool:
     """Whether `ashape_gluon` runs this A-shape asked for in tiles of `block` rows x `width` keys: 64-row tiles (width
     0 or 64) and, at head_dim 128, `prefill_ws.ws_ashape_takes` (sm_90, heads 2j and 2j + 1 alike; sink / window CPU
-    Int `[Hq]`), at head_dim 256 `prefill_pair.pair_runs` (sm_90, one sink and window per query head)."""
+    Int `[Hq]`), at head_dim 256 `prefill_pair.pair_runs` (sm_90, one sink and window per query head) where the heads
+    of a KV group differ in band or each group is one head (else the GQA-packed loop: `groups_share_band`)."""
     if q.shape[-1] not in (128, 256) or block != 64 or width not in (0, 64):
         return False
     if q.shape[-1] == 256:
         from .prefill_pair import pair_runs  # lazy, as in default_program
 
-        return pair_runs(q) and sink.numel() == window.numel() == q.shape[1]
+        hq, hkv = q.shape[1], k.shape[1]
+        return (pair_runs(q) and sink.numel() == window.numel() == hq
+                and not (hq > hkv and groups_share_band(sink, window, hq, hkv)))
     from .prefill_ws import ws_ashape_takes  # lazy, as in sparse_prefill
 
     return ws_ashape_takes(q, k, sink, window)
+
+
+def groups_share_band(sink: torch.Tensor, window: torch.Tensor, hq: int, hkv: int) -> bool:
+    """Whether the query heads of every KV group share one sink and one window (CPU Int `[Hq]`), so that their A-shape
+    runs as group-shared tiles on the GQA-packed loop (each K / V tile loaded once for the group's rows). At head_dim
+    256 that beat the pairs: H100, Gemma-3 4/1/256, sink 128, window 4096, 64K / 128K: 0.81 / 0.78 of dense per tile
+    against 0.72 / 0.71 (kernels/NOTES.md, session 37)."""
+    return sink.numel() == window.numel() == hq and hq % hkv == 0 and bool(
+        (sink.view(hkv, -1) == sink.view(hkv, -1)[:, :1]).all()
+        & (window.view(hkv, -1) == window.view(hkv, -1)[:, :1]).all())

@@ -166,7 +166,7 @@ def test_pair_union_merge_compiles_without_spills(compiled):
 def test_pair_prefill_refuses_what_it_does_not_take():
     """On a CPU (or at another head_dim, dtype, tile kind) `pair_takes` says no, `sparse_prefill`'s default runs the
     loop, and `pair_prefill` / `pair_ashape` raise ValueError naming the fix."""
-    from workbench_kernels.prefill import ashape_takes_gluon, default_program
+    from workbench_kernels.prefill import ashape_takes_gluon, default_program, groups_share_band
     from workbench_kernels.prefill_pair import pair_ashape, pair_prefill, pair_takes
 
     q = torch.zeros(1, 4, 200, 256, dtype=torch.bfloat16)
@@ -177,6 +177,8 @@ def test_pair_prefill_refuses_what_it_does_not_take():
         pair_prefill(q, k, v, tiles)
     sink, window = torch.tensor([64] * 4), torch.tensor([128] * 4)
     assert not ashape_takes_gluon(q, k, sink, window)
+    assert groups_share_band(sink, window, 4, 1) and groups_share_band(torch.tensor([64, 64, 0, 0]), window, 4, 2)
+    assert not groups_share_band(torch.tensor([64, 0, 64, 0]), window, 4, 2)
     with pytest.raises(ValueError, match="use prefill.ashape_prefill"):
         pair_ashape(q, k, v, sink, window)
 
@@ -266,7 +268,8 @@ def test_ashape_runs_on_the_pairs_at_head_dim_256(n):
     """A-shape at head_dim 256 (GQA 4:1, B = 2, bf16), per-head sinks and windows: a sink over two strips, one not a
     multiple of 64, none; a window of 1, one within a row block, one over several pieces; then no sink at all (no
     strips). `ashape_prefill` takes the pair route (`ashape_takes_gluon`); o and lse are within bf16 of fp32
-    attention under the exact token mask and of the loop over the same tiles."""
+    attention under the exact token mask and of the loop over the same tiles. One band for the whole KV group stays
+    on the GQA-packed loop."""
     from workbench_kernels.index_ref import band_tiles
     from workbench_kernels.prefill import ashape_prefill, ashape_takes_gluon, sparse_prefill
     from workbench_kernels.prefill_pair import pair_ashape
@@ -274,6 +277,7 @@ def test_ashape_runs_on_the_pairs_at_head_dim_256(n):
     B, Hq, Hkv, D = 2, 4, 1, 256
     g = torch.Generator().manual_seed(n)
     q, k, v = (torch.randn(B, h, n, D, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
+    assert not ashape_takes_gluon(q, k, torch.tensor([64] * 4), torch.tensor([300] * 4))
     for sink, window in (([64, 100, 0, 130], [300, 129, 70, 1]), ([0] * 4, [64, 200, 500, 1000])):
         sink, window = torch.tensor(sink), torch.tensor(window)
         assert ashape_takes_gluon(q, k, sink, window)
@@ -293,8 +297,8 @@ def test_a_mixed_layer_at_head_dim_256_runs_per_kind_with_vs_and_block_on_the_pa
     """SparsePrefill's default on one layer of VS, block-sparse and A-shape heads at Gemma-3's global-layer shape
     (4 q / 1 KV head, head_dim 256, bf16, N = 1000): the A-shape band would keep one merged launch on the loop, so
     the layer runs one launch per kind (`gluon_takes_kinds`), each on the pairs (VS and block tiles through
-    `sparse_prefill`, A-shape through `AShape.layer_attention`); its output is within bf16 of the merged launch's
-    and of the PyTorch reference path's on the same index."""
+    `sparse_prefill`, the A-shape head, alone in its group, through `AShape.layer_attention`); its output is within
+    bf16 of the merged launch's and of the PyTorch reference path's on the same index."""
     from test_methods_kernel import mixed_prefill
     from workbench_kernels.prefill import ashape_takes_gluon, default_program
 

@@ -101,14 +101,15 @@ def test_kernel_bench_times_each_kind_on_its_route_in_turn_with_dense(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     dense = next(r for r in rows if r["kernel"] == "dense_sdpa")
     kinds = {r["kernel"]: r for r in rows if r is not dense}
-    assert {"vertical_slash", "vertical_slash_group_shared", "block_sparse", "a_shape",
+    assert {"vertical_slash", "vertical_slash_group_shared", "block_sparse", "a_shape", "a_shape_per_head",
             "mixed_layer_one_launch", "mixed_layer_per_kind"} == set(kinds)
     per_kind = kinds["mixed_layer_per_kind"]  # `SparsePrefill.kinds_attention`, the deployed route of that layer
     assert per_kind["route"] == "per kind" and per_kind["max_abs_diff_to_one_launch"] <= 1e-5
     assert per_kind["physical_density"] == kinds["mixed_layer_one_launch"]["physical_density"]
     single = {kind: r for kind, r in kinds.items() if r is not per_kind}
     for kind, r in single.items():  # A-shape's Gluon route where it takes the layer, else the tiles a model runs
-        assert r["route"] == ("ashape_prefill" if kind == "a_shape" and r["program"] == "gluon" else "sparse_prefill")
+        assert r["route"] == ("ashape_prefill" if kind.startswith("a_shape") and r["program"] != "loop"
+                              else "sparse_prefill")
     assert {r["program"] for r in single.values()} == {"loop"}  # the Gluon kernel needs an sm_90 GPU
     for r in kinds.values():
         assert r["ratio_to_dense_tflops"] == pytest.approx(r["physical_density"] * r["paired_dense_ms"] / r["time_ms"])
