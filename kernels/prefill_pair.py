@@ -1,5 +1,5 @@
-"""Row-block pairs on one K/V ring: per-head block-sparse and Vertical-Slash prefill at head_dim 256 on sm_90, in
-Gluon (issue 25). `sparse_prefill`'s default for the tiles `pair_takes` takes (`prefill.default_program`: "pair").
+"""Row-block pairs on one K/V ring: per-head block-sparse, Vertical-Slash and A-shape prefill at head_dim 256 on
+sm_90, in Gluon (issue 25). `sparse_prefill`'s default for the tiles `pair_takes` takes (`prefill.default_program`: "pair").
 
 At head_dim 256 a 64-row program takes in 64 KB of K / V per 64-key step (64 flop per byte). Every
 64-rows-per-load kernel measured there sits at 0.62-0.83 of dense SDPA per computed tile: the loop, the Gluon
@@ -8,6 +8,10 @@ launches, and TMA multicast to a cluster, which cuts L2 reads but not each SM's 
 union of their pieces (ascending). Each consumer computes only its own pieces (a bit per consumer and piece) and
 waits through the other's. A 1-warp loader TMA-loads each union piece once and refills a slot once both consumers
 have released it. A piece both row blocks hold is loaded once for 128 rows.
+
+A-shape (`pair_ashape`): a head's sinks below a row block's lowest piece are keys [0, count), walked as strips of k /
+v from key 0 before the window's pieces (2j's are a prefix of 2j + 1's); the pieces take the token mask j < sink or
+i - j < window.
 
 Vertical-Slash: each query head's columns are packed once per call into contiguous kc / vc rows
 (`prefill_ws.pack_columns`). A pair walks row block 2j + 1's 64-key column strips first (2j's columns are a prefix
@@ -25,7 +29,10 @@ Measured (H100, Gemma-3 shape 4/1/256, block top-100 from `block_index` on the b
   128K (`pair_probe_ec4693a_h100.json`, `kernels_gemma_ec4693a_h100.json`; 0.77 / 0.70 in session 37's run);
 - per-head VS(1000, 6096) in `bench kernels`: 0.83 / 0.77 of dense per tile at 64K / 128K, 1.10x / 1.17x the loop
   on the same tiles in the same rounds; VS(1000, 512), a few slash pieces per row block, 1.01x / 0.92x
-  (`kernels_gemma_4a2e9b6_h100.json`).
+  (`kernels_gemma_4a2e9b6_h100.json`);
+- A-shape (`pair_ashape`), windows 4096 / 2048 in turn per head: 1.12x / 1.08x the per-head loop; one band per KV
+  group: 0.89x / 0.90x the GQA-packed loop, which keeps it (`prefill.groups_share_band`;
+  `kernels_gemma_bec2fe3_h100.json`, `kernels_gemma_47458e3_h100.json`).
 
 Tensors are addressed as flattened rows: q / o `[B * Hq * N, D]`, k / v `[B * Hkv * N, D]`. A K / V tile that
 crosses N reads the next head's rows (or TMA's zero fill past the tensor); those keys lie past every stored row's

@@ -43,7 +43,7 @@ COMPILE_ONLY_TESTS = ("not test_ws_prefill_compiles_for_sm90 and not test_pair_k
                       " and not test_pair_union_merge_compiles_without_spills")
 # The lane record whose per-test seconds deal a lane's tests to its shards (`lane_plugin.deal`): the latest run whose
 # kernels lane reached every test (9c11109, green on a cold Triton cache; update it with each run).
-SHARD_TIMES = ROOT / "assets/benchmarks/gpu_check_4a2e9b6_h100.json"
+SHARD_TIMES = ROOT / "assets/benchmarks/gpu_check_bec2fe3_h100.json"
 
 
 def gpu_test_files(notebook: bool) -> list[str]:
