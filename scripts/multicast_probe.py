@@ -18,6 +18,10 @@ runs on the GPU image's Triton 3.6 (as do `dense_sdpa` and `loop`).
 Run (GPU; Triton >= 3.9 first on PYTHONPATH for the cluster rows, `scripts/device_triton.sh`):
   python3 scripts/multicast_probe.py --lengths 16384,65536,131072 --out multicast_probe.json
   python3 scripts/multicast_probe.py --variants dense_sdpa,loop,pair --rounds 5 --out pair_probe.json
+  python3 scripts/multicast_probe.py --variants dense_sdpa,loop,pair,pair/heads,pair/head_runs --lengths 65536,131072
+Launch orders of the pairs (the same kernel and items): `pair` longest union first (the library's), `pair/heads`
+pair j descending with the query heads of one KV head side by side (the programs running together read one region of
+the KV head's keys), `pair/head_runs` one head after another, j descending in each.
 Steps: a bf16 check of the kernels against the loop on the same tiles at 4K; then, per length, the rows timed in
 interleaved rounds on the bench's planted inputs (Gemma-3 shape 4/1/256, `block_index(q, k, --topk)`), efficiency
 per computed tile = density x SDPA ms / ms.
@@ -25,6 +29,8 @@ per computed tile = density x SDPA ms / ms.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -298,6 +304,30 @@ def compile_only(cluster: int, d: int = 256, stages: int = 3, overlap: bool = Fa
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_ctas": cluster})
 
 
+@contextlib.contextmanager
+def launch_order(name: str):
+    """`prefill_pair`'s items in the launch order `name` (module docstring) while the block runs."""
+    from workbench_kernels import prefill_pair
+
+    real = prefill_pair.pair_items
+    if name == "pair":
+        yield
+        return
+
+    def reordered(tiles):
+        items = real(tiles)
+        bh, mp = tiles.shape[0] * tiles.shape[1], -(-tiles.shape[2] // 2)
+        grid = torch.arange(bh * mp, device=items.count.device, dtype=torch.int32).view(bh, mp).flip(1)
+        order = grid.t() if name == "pair/heads" else grid
+        return dataclasses.replace(items, order=order.reshape(-1).contiguous())
+
+    prefill_pair.pair_items = reordered
+    try:
+        yield
+    finally:
+        prefill_pair.pair_items = real
+
+
 def _timed(fn, reps: int = 5) -> float:
     from workbench.core.timing import time_ms
     return time_ms(fn, cuda=True, min_reps=reps, max_reps=reps)
@@ -346,13 +376,15 @@ def main() -> int:
     ref = sparse_prefill(q, k, v, selected_block_tiles(bidx), warp_specialize=False)[0]
     G = hq // hkv
     kernels = {"cluster1": (1, False), f"cluster{G}": (G, False), "cluster1/overlap": (1, True),
-               f"cluster{G}/overlap": (G, True), "pair": (0, False)}
+               f"cluster{G}/overlap": (G, True), "pair": (0, False), "pair/heads": (0, False),
+               "pair/head_runs": (0, False)}
     wanted = [v for v in a.variants.split(",") if v] or ["dense_sdpa", "loop", *kernels]
 
     def launch(name, q, k, v, items):
         c, ov = kernels[name]
-        if c == 0:  # the library's row-block pairs (`prefill_pair`), on the per-head tiles
-            return pair_prefill(q, k, v, items[0])[0]
+        if c == 0:  # the library's row-block pairs (`prefill_pair`), on the per-head tiles, in a launch order
+            with launch_order(name):
+                return pair_prefill(q, k, v, items[0])[0]
         return cluster_prefill(q, k, v, items[c], c, a.stages, ov)
 
     def items_of(bidx):
@@ -404,6 +436,7 @@ def main() -> int:
             print(f"pair_items == pair_items_ref at {n}: {out['check'][f'pair_items_equal_{n}']}", flush=True)
         row = {"n": n, "topk": a.topk, "selection": a.selection, "stages": a.stages, "density": density,
                "union_over_own": {c: int(it[2].sum()) * c / own for c, it in items.items() if c},
+               "pair_union_over_own": float(pair_items(tiles).count.sum()) * 2 / own,
                "ms": ms, "rounds": times,
                "eff_per_tile": {name: density * ms["dense_sdpa"] / t for name, t in ms.items()
                                 if name not in ("dense_sdpa", "pair_items", "pair_items_ref")}}
