@@ -131,8 +131,8 @@ def merge_warps(nsp: int) -> int:
 
 def pair_items(tiles: VSTiles) -> PairItems:
     """`PairItems` of per-head tiles `[B, H, M]` (piece starts ascending and distinct per row block), on the tiles'
-    device with no host sync: one merge program per pair (`_pair_union_kernel`, O(NS log NS) each) and the order's
-    argsort."""
+    device with no host sync: one merge program per pair (`_pair_union_kernel`, O(NS log NS) each); the launch order
+    `PairItems.ordered`'s head runs."""
     B, H, M, NS = tiles.block_offset.shape
     items = B * H * (-(-M // 2))
     dev = tiles.block_offset.device
@@ -142,7 +142,7 @@ def pair_items(tiles: VSTiles) -> PairItems:
     NSP = triton.next_power_of_2(max(NS, 16))
     _pair_union_kernel[(items,)](tiles.block_count.contiguous(), tiles.block_offset.contiguous(), union, bits, count, M,
                                  NS, 2 * NS, NSP=NSP, STEPS=NSP.bit_length(), num_warps=merge_warps(NSP))
-    return PairItems.ordered(union, bits, count)
+    return PairItems.ordered(union, bits, count, B * H)
 
 
 @gluon.jit

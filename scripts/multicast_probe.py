@@ -18,10 +18,10 @@ runs on the GPU image's Triton 3.6 (as do `dense_sdpa` and `loop`).
 Run (GPU; Triton >= 3.9 first on PYTHONPATH for the cluster rows, `scripts/device_triton.sh`):
   python3 scripts/multicast_probe.py --lengths 16384,65536,131072 --out multicast_probe.json
   python3 scripts/multicast_probe.py --variants dense_sdpa,loop,pair --rounds 5 --out pair_probe.json
-  python3 scripts/multicast_probe.py --variants dense_sdpa,loop,pair,pair/heads,pair/head_runs --lengths 65536,131072
-Launch orders of the pairs (the same kernel and items): `pair` longest union first (the library's), `pair/heads`
-pair j descending with the query heads of one KV head side by side (the programs running together read one region of
-the KV head's keys), `pair/head_runs` one head after another, j descending in each.
+  python3 scripts/multicast_probe.py --variants dense_sdpa,loop,pair,pair/heads,pair/longest --lengths 65536,131072
+Launch orders of the pairs (the same kernel and items): `pair` the library's (`PairItems.ordered`: one head after
+another, each head's pairs last first), `pair/heads` pair j descending with the query heads of one KV head side by
+side, `pair/longest` longest union first (the library's order until session 37).
 Steps: a bf16 check of the kernels against the loop on the same tiles at 4K; then, per length, the rows timed in
 interleaved rounds on the bench's planted inputs (Gemma-3 shape 4/1/256, `block_index(q, k, --topk)`), efficiency
 per computed tile = density x SDPA ms / ms.
@@ -316,10 +316,11 @@ def launch_order(name: str):
 
     def reordered(tiles):
         items = real(tiles)
+        if name == "pair/longest":
+            return dataclasses.replace(items, order=torch.argsort(items.count, descending=True, stable=True).int())
         bh, mp = tiles.shape[0] * tiles.shape[1], -(-tiles.shape[2] // 2)
-        grid = torch.arange(bh * mp, device=items.count.device, dtype=torch.int32).view(bh, mp).flip(1)
-        order = grid.t() if name == "pair/heads" else grid
-        return dataclasses.replace(items, order=order.reshape(-1).contiguous())
+        heads = torch.arange(bh * mp, device=items.count.device, dtype=torch.int32).view(bh, mp).flip(1).t()
+        return dataclasses.replace(items, order=heads.reshape(-1).contiguous())
 
     prefill_pair.pair_items = reordered
     try:
@@ -377,7 +378,7 @@ def main() -> int:
     G = hq // hkv
     kernels = {"cluster1": (1, False), f"cluster{G}": (G, False), "cluster1/overlap": (1, True),
                f"cluster{G}/overlap": (G, True), "pair": (0, False), "pair/heads": (0, False),
-               "pair/head_runs": (0, False)}
+               "pair/longest": (0, False)}
     wanted = [v for v in a.variants.split(",") if v] or ["dense_sdpa", "loop", *kernels]
 
     def launch(name, q, k, v, items):
