@@ -32,7 +32,11 @@ Measured (H100, Gemma-3 shape 4/1/256, block top-100 from `block_index` on the b
   (`kernels_gemma_4a2e9b6_h100.json`);
 - A-shape (`pair_ashape`), windows 4096 / 2048 in turn per head: 1.12x / 1.08x the per-head loop; one band per KV
   group: 0.89x / 0.90x the GQA-packed loop, which keeps it (`prefill.groups_share_band`;
-  `kernels_gemma_bec2fe3_h100.json`, `kernels_gemma_47458e3_h100.json`).
+  `kernels_gemma_bec2fe3_h100.json`, `kernels_gemma_47458e3_h100.json`);
+- the launch order (`PairItems.ordered`): head by head, each head's pairs last first, 1.09x / 1.24x faster at 64K /
+  128K than longest union first (`pair_order_probe_0f9a382_h100.json`); with it `bench kernels` reads block
+  0.79 / 0.81, per-head VS 0.83 / 0.79, per-head A-shape 0.77 / 0.75 of dense per tile
+  (`kernels_gemma_3e71286_h100.json`).
 
 Tensors are addressed as flattened rows: q / o `[B * Hq * N, D]`, k / v `[B * Hkv * N, D]`. A K / V tile that
 crosses N reads the next head's rows (or TMA's zero fill past the tensor); those keys lie past every stored row's
