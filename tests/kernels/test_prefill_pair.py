@@ -293,6 +293,33 @@ def test_ashape_runs_on_the_pairs_at_head_dim_256(n):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper(), reason="pair_prefill runs on sm_90 (H100 / H200) only")
+def test_a_trishape_layer_at_head_dim_256_runs_its_band_on_the_pairs(monkeypatch):
+    """SparsePrefill on a layer of Tri-shape heads only at Gemma-3's shape (4 q / 1 KV head, head_dim 256, bf16,
+    N = 1000; questions of 64, 100, 0 and 1 rows): where the heads' bands differ, the band runs on the pairs
+    (`pair_ashape`) and then the dense rows (`TriShape.layer_attention`); one band for the group keeps the GQA-packed
+    loop. Both are close to the PyTorch reference path."""
+    import workbench_kernels.prefill_pair as pp
+    from test_methods_kernel import mixed_prefill
+
+    calls = []
+    real = pp.pair_ashape
+    monkeypatch.setattr(pp, "pair_ashape", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    differ = [(64, 300, 64), (64, 200, 100), (0, 129, 0), (0, 70, 1)]
+    alike = [(64, 300, 64), (64, 300, 100), (64, 300, 0), (64, 300, 1)]
+    for params, paired in ((differ, True), (alike, False)):
+        sp, _, q, k, v = mixed_prefill([("trishape", {"sink": g, "window": w, "last": t}) for g, w, t in params],
+                                       n=1000, hkv=1, d=256, seed=7)
+        q, k, v = (x.to("cuda", torch.bfloat16) for x in (q, k, v))
+        calls.clear()
+        index = sp.layer_index(0, q, k, 0.1, "triton")
+        assert index[0].dense_from is not None
+        got = sp.layer_kernel(0, index, q, k, v, 0.1, "triton")
+        assert len(calls) == paired
+        ref = sp.reference(sp.group_tiles(0, q, k, 0.1, triton=True), q.float(), k.float(), v.float(), 0.1)
+        torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not hopper(), reason="pair_prefill runs on sm_90 (H100 / H200) only")
 def test_a_mixed_layer_at_head_dim_256_runs_per_kind_with_vs_and_block_on_the_pairs():
     """SparsePrefill's default on one layer of VS, block-sparse and A-shape heads at Gemma-3's global-layer shape
     (4 q / 1 KV head, head_dim 256, bf16, N = 1000): the A-shape band would keep one merged launch on the loop, so
