@@ -95,6 +95,19 @@ def run_layer(sp, q, k, v, backend):
     return sp.layer_kernel(0, index, q.to(DEV), k.to(DEV), v.to(DEV), 0.25, backend).double().cpu()
 
 
+def trishape_layer_on_gpu(params, hkv: int, d: int, seed: int):
+    """A layer of Tri-shape heads ((sink, window, last) each, N = 1000, bf16 on the GPU, scale 0.1) through
+    SparsePrefill's Triton path: (q, k, v, its index, its output, the PyTorch reference path's output in fp32)."""
+    sp, _, q, k, v = mixed_prefill([("trishape", {"sink": g, "window": w, "last": t}) for g, w, t in params],
+                                   n=1000, hkv=hkv, d=d, seed=seed)
+    q, k, v = (x.to("cuda", torch.bfloat16) for x in (q, k, v))
+    index = sp.layer_index(0, q, k, 0.1, "triton")
+    assert index[0].dense_from is not None
+    out = sp.layer_kernel(0, index, q, k, v, 0.1, "triton")
+    ref = sp.reference(sp.group_tiles(0, q, k, 0.1, triton=True), q.float(), k.float(), v.float(), 0.1)
+    return q, k, v, index, out, ref
+
+
 def test_every_registered_kind_runs_on_every_backend():
     """One layer mixing every registered kind (GQA 4:1, batch 2, n not a multiple of 64): the Triton
     path (Triton VS/block index, one launch) equals the PyTorch reference path, and both equal exact

@@ -84,8 +84,8 @@ def random_tiles(B: int, H: int, n: int, seed: int, most: int = 5):
 def test_pair_items_hold_each_pairs_union_and_who_holds_each_piece(n, merge):
     """Per (b, head, pair j): the ascending union of row blocks 2j and 2j + 1's piece starts, bit 0 / 1 set where
     2j / 2j + 1 holds the piece, no bits past the count; an odd M's last pair has one member; launched head by head,
-    each head's pairs last first. Both
-    the one-launch merge (on the GPU where there is one, else Triton's interpreter) and the torch reference."""
+    each head's pairs last first. Both the one-launch merge (on the GPU where there is one, else Triton's
+    interpreter) and the torch reference."""
     from workbench_kernels.index_ref import pair_items_ref
     from workbench_kernels.prefill_pair import pair_items
 
@@ -260,7 +260,6 @@ def test_pair_prefill_runs_vertical_slash_with_its_columns_packed(n):
     assert not pair_takes(q, lists, None) and default_program(q, lists) == "loop"
 
 
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper(), reason="pair_prefill runs on sm_90 (H100 / H200) only")
 @pytest.mark.parametrize("n", [936, 1000])
@@ -291,6 +290,7 @@ def test_ashape_runs_on_the_pairs_at_head_dim_256(n):
         lo, _ = sparse_prefill(q, k, v, tiles, sink=band[0], window=band[1], warp_specialize=False)
         torch.testing.assert_close(o.float(), lo.float(), atol=2e-2, rtol=2e-2)
 
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper(), reason="pair_prefill runs on sm_90 (H100 / H200) only")
 def test_a_trishape_layer_at_head_dim_256_runs_its_band_on_the_pairs(monkeypatch):
@@ -299,7 +299,7 @@ def test_a_trishape_layer_at_head_dim_256_runs_its_band_on_the_pairs(monkeypatch
     (`pair_ashape`) and then the dense rows (`TriShape.layer_attention`); one band for the group keeps the GQA-packed
     loop. Both are close to the PyTorch reference path."""
     import workbench_kernels.prefill_pair as pp
-    from test_methods_kernel import mixed_prefill
+    from test_methods_kernel import trishape_layer_on_gpu
 
     calls = []
     real = pp.pair_ashape
@@ -307,16 +307,11 @@ def test_a_trishape_layer_at_head_dim_256_runs_its_band_on_the_pairs(monkeypatch
     differ = [(64, 300, 64), (64, 200, 100), (0, 129, 0), (0, 70, 1)]
     alike = [(64, 300, 64), (64, 300, 100), (64, 300, 0), (64, 300, 1)]
     for params, paired in ((differ, True), (alike, False)):
-        sp, _, q, k, v = mixed_prefill([("trishape", {"sink": g, "window": w, "last": t}) for g, w, t in params],
-                                       n=1000, hkv=1, d=256, seed=7)
-        q, k, v = (x.to("cuda", torch.bfloat16) for x in (q, k, v))
         calls.clear()
-        index = sp.layer_index(0, q, k, 0.1, "triton")
-        assert index[0].dense_from is not None
-        got = sp.layer_kernel(0, index, q, k, v, 0.1, "triton")
+        *_, got, ref = trishape_layer_on_gpu(params, hkv=1, d=256, seed=7)
         assert len(calls) == paired
-        ref = sp.reference(sp.group_tiles(0, q, k, 0.1, triton=True), q.float(), k.float(), v.float(), 0.1)
         torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper(), reason="pair_prefill runs on sm_90 (H100 / H200) only")
@@ -346,6 +341,7 @@ def test_a_mixed_layer_at_head_dim_256_runs_per_kind_with_vs_and_block_on_the_pa
             ref = sp.reference(index, q.float(), k.float(), v.float(), 0.1)
     torch.testing.assert_close(runs[None].float(), ref.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(runs[None].float(), runs[False].float(), atol=2e-2, rtol=2e-2)
+
 
 if __name__ == "__main__":
     print(json.dumps(compile_pair()))

@@ -407,7 +407,7 @@ def test_a_trishape_layer_runs_the_band_on_the_shared_ring_then_its_dense_rows(m
     dense rows (`TriShape.layer_attention`), close to the PyTorch reference path and to the one launch over the
     merged tiles; a pair with different bands keeps the one launch."""
     import workbench_kernels.prefill_ws as ws
-    from test_methods_kernel import mixed_prefill
+    from test_methods_kernel import trishape_layer_on_gpu
     from workbench_kernels.prefill import sparse_prefill
 
     calls = []
@@ -416,18 +416,12 @@ def test_a_trishape_layer_runs_the_band_on_the_shared_ring_then_its_dense_rows(m
     heads = [(64, 300, 64), (64, 300, 100), (0, 129, 0), (0, 129, 1)]
     for alike in (True, False):
         params = heads if alike else [(64, 300, 64), (64, 200, 100)] + heads[2:]
-        sp, _, q, k, v = mixed_prefill([("trishape", {"sink": g, "window": w, "last": t}) for g, w, t in params],
-                                       n=1000, hkv=2, d=128, seed=6)
-        q, k, v = (x.to("cuda", torch.bfloat16) for x in (q, k, v))
         calls.clear()
-        index = sp.layer_index(0, q, k, 0.1, "triton")
-        assert index[0].dense_from is not None
-        got = sp.layer_kernel(0, index, q, k, v, 0.1, "triton")
+        q, k, v, index, got, ref = trishape_layer_on_gpu(params, hkv=2, d=128, seed=6)
         assert len(calls) == alike
         loop = sparse_prefill(q, k, v, index[0], sink=index[1], window=index[2], scale=0.1)[0]
         if not alike:
             assert torch.equal(got, loop)
-        ref = sp.reference(sp.group_tiles(0, q, k, 0.1, triton=True), q.float(), k.float(), v.float(), 0.1)
         for o in (got, loop):
             torch.testing.assert_close(o.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
