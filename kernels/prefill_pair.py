@@ -68,10 +68,10 @@ from .tiling import LN2, LOG2E
 
 ROWS = gl.constexpr(64)  # query rows per consumer (= tiles.block; host code reads ROWS.value)
 KEYS = gl.constexpr(64)  # keys per piece (= tiles.piece)
-STAGES = gl.constexpr(2)  # ring slots (3 do not fit beside the two Q tiles)
 # what a pair walks before its pieces (host code reads .value): nothing, packed columns, keys [0, count)
 NO_STRIPS, PACKED, SINKS = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
-HEAD_DIM = 256  # the head_dim it is built for: K + V slots of 64 KB, two slots and two Q tiles in 192 KB
+HEAD_DIM = 256  # the head_dim it runs at (`pair_runs`): K + V slots of 64 KB, two slots and two Q tiles in 192 KB
+RING = {128: 4, 256: 2}  # ring slots per head_dim: 2 x 64 rows of Q + slots x 64 keys of K and V within 227 KB
 LAUNCH = launch_config(2, HEAD_DIM)  # 3 warpgroups a program: two consumers and the loader, as two consumers there
 
 
@@ -166,7 +166,7 @@ def load_kv(k_desc, v_desc, row, k_slot, v_slot, k_ready, v_ready):
 
 
 @gluon.jit
-def _fill(k_desc, v_desc, row, step, k_smem, v_smem, k_ready, v_ready, empty):
+def _fill(k_desc, v_desc, row, step, k_smem, v_smem, k_ready, v_ready, empty, STAGES: gl.constexpr):
     """Ring step `step`: K / V rows [row, row + 64) of the descriptors into slot step % STAGES, once both consumers
     released its previous fill (`empty` counts 2; fill 0 waits on the phase before the first, which passes)."""
     s = step % STAGES
@@ -176,7 +176,7 @@ def _fill(k_desc, v_desc, row, step, k_smem, v_smem, k_ready, v_ready, empty):
 
 @gluon.jit
 def _loader(k_desc, v_desc, kc_desc, vc_desc, k_smem, v_smem, k_ready, v_ready, empty, Union, Count, ColCount, Order,
-            U, N, M, MP, G, KVP, STRIPS: gl.constexpr):
+            U, N, M, MP, G, KVP, STRIPS: gl.constexpr, STAGES: gl.constexpr):
     """1 warp: item Order[program]'s ring steps: first its `pair_strips` strips (PACKED: kc / vc rows head x KVP + 64 t;
     SINKS: the KV head's keys from 0, through kc / vc = k / v), then the union's K / V tiles."""
     item = gl.load(Order + gl.program_id(0))
@@ -190,10 +190,10 @@ def _loader(k_desc, v_desc, kc_desc, vc_desc, k_smem, v_smem, k_ready, v_ready, 
         if STRIPS == PACKED:
             first = head * KVP
         for t in range(strips):
-            _fill(kc_desc, vc_desc, first + t * KEYS, t, k_smem, v_smem, k_ready, v_ready, empty)
+            _fill(kc_desc, vc_desc, first + t * KEYS, t, k_smem, v_smem, k_ready, v_ready, empty, STAGES)
     for i in range(n):
         _fill(k_desc, v_desc, kv_row + gl.load(Union + item * U + i), strips + i, k_smem, v_smem, k_ready, v_ready,
-              empty)
+              empty, STAGES)
 
 
 @gluon.jit
@@ -228,8 +228,8 @@ def attend_piece(q_tile, k_tile, v_tile, keep, m_i, l_i, acc, s0, qk_scale, O_LA
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, ColCount, Cols, Covered,
               Sink, Window, Order, U, N, M, MP, KVP, L, HQ, qk_scale, SUB: gl.constexpr, D: gl.constexpr,
-              STRIPS: gl.constexpr, BAND: gl.constexpr, Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr,
-              O_LAYOUT: gl.constexpr):
+              STAGES: gl.constexpr, STRIPS: gl.constexpr, BAND: gl.constexpr, Q_LAYOUT: gl.constexpr,
+              S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr):
     """Consumer SUB: row block m = 2j + SUB of item Order[program]'s head, over the item's ring steps (`attend_piece`:
     fp32 online softmax in exp2 units); writes its O rows and LSE. First the pair's strips, computing the lanes of
     m's own ColCount[m] columns (PACKED: those no piece of m covers, Covered at d = 64 m - column) and waiting through
@@ -301,7 +301,8 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union,
 
 @gluon.jit(do_not_specialize=["U", "N", "M", "MP", "KVP", "L", "HQ"])
 def _pair_kernel(k_desc, v_desc, kc_desc, vc_desc, Q, O, LSE, Union, Bits, Count, ColCount, Cols, Covered, Sink, Window,
-                 Order, U, N, M, MP, G, KVP, L, HQ, qk_scale, D: gl.constexpr, STRIPS: gl.constexpr, BAND: gl.constexpr,
+                 Order, U, N, M, MP, G, KVP, L, HQ, qk_scale, D: gl.constexpr, STAGES: gl.constexpr,
+                 STRIPS: gl.constexpr, BAND: gl.constexpr,
                  Q_SMEM: gl.constexpr, Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
                  CONSUMER_REGS: gl.constexpr):
     """Program: item Order[pid] (b, head, row-block pair; MP pairs per head, G query heads per KV head). Shared
@@ -322,13 +323,13 @@ def _pair_kernel(k_desc, v_desc, kc_desc, vc_desc, Q, O, LSE, Union, Bits, Count
         mbarrier.init(empty.index(i), count=2)  # both consumers, once per fill
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, ColCount, Cols,
-                     Covered, Sink, Window, Order, U, N, M, MP, KVP, L, HQ, qk_scale, 0, D, STRIPS, BAND, Q_LAYOUT,
-                     S_LAYOUT, O_LAYOUT)),
+                     Covered, Sink, Window, Order, U, N, M, MP, KVP, L, HQ, qk_scale, 0, D, STAGES, STRIPS, BAND,
+                     Q_LAYOUT, S_LAYOUT, O_LAYOUT)),
         (_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, ColCount, Cols,
-                     Covered, Sink, Window, Order, U, N, M, MP, KVP, L, HQ, qk_scale, 1, D, STRIPS, BAND, Q_LAYOUT,
-                     S_LAYOUT, O_LAYOUT)),
+                     Covered, Sink, Window, Order, U, N, M, MP, KVP, L, HQ, qk_scale, 1, D, STAGES, STRIPS, BAND,
+                     Q_LAYOUT, S_LAYOUT, O_LAYOUT)),
         (_loader, (k_desc, v_desc, kc_desc, vc_desc, k_smem, v_smem, k_ready, v_ready, empty, Union, Count, ColCount,
-                   Order, U, N, M, MP, G, KVP, STRIPS)),
+                   Order, U, N, M, MP, G, KVP, STRIPS, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -391,9 +392,11 @@ def pair_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.T
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None,
-            band: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+            band: tuple[torch.Tensor, torch.Tensor] | None, stages: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """The pair kernel over checked per-head tiles: their columns as PACKED strips (`head_columns`) or, under an
-    A-shape `band` (sink, window Int32 `[Hq]` on q's device), as SINKS strips."""
+    A-shape `band` (sink, window Int32 `[Hq]` on q's device), as SINKS strips; `stages` ring slots (None: `RING`'s
+    for the head_dim; head_dim 128 runs only here, for `scripts/multicast_probe.py --shape llama3-8b`)."""
     B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
     M = -(-N // ROWS.value)
     if tuple(tiles.shape) != (B, Hq, M):
@@ -421,7 +424,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
     _pair_kernel[(items.order.numel(),)](
         k_desc, v_desc, kc_desc, vc_desc, q, o, lse, items.union, items.bits, items.count, col_count, cols, covered,
         sink, window, items.order, items.union.shape[1], N, M, -(-M // 2), Hq // Hkv, cols.shape[-1] if packed else 0,
-        covered.shape[-1] if packed else 0, Hq, scale * LOG2E, D=D, STRIPS=strips, BAND=band is not None,
+        covered.shape[-1] if packed else 0, Hq, scale * LOG2E, D=D, STAGES=stages or RING[D], STRIPS=strips,
+        BAND=band is not None,
         Q_SMEM=lay["Q_SMEM"], Q_LAYOUT=lay["Q_LAYOUT"], S_LAYOUT=lay["S_LAYOUT"], O_LAYOUT=lay["O_LAYOUT"],
         CONSUMER_REGS=LAUNCH["consumer_regs"], num_warps=4, maxnreg=LAUNCH["maxnreg"])
     return o, lse

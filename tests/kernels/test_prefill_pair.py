@@ -21,10 +21,10 @@ from workbench_kernels.prefill_ref import masked_attention_ref
 
 
 def compile_pair() -> dict:
-    """`_pair_kernel` compiled for sm_90 (bf16, head_dim 256) in its three modes: no strips ("block"), packed
-    Vertical-Slash strips ("vs"), A-shape's sink strips and band mask ("ashape"):
-    shared memory, wgmma / TMA instructions, worker partitions, ptxas spills; and ptxas spills of
-    `_pair_union_kernel` over lists 128 and 4096 wide."""
+    """`_pair_kernel` compiled for sm_90 (bf16) in its three modes at head_dim 256: no strips ("block"), packed
+    Vertical-Slash strips ("vs"), A-shape's sink strips and band mask ("ashape"); and the first two at head_dim 128
+    ("block128", "vs128", `RING`'s deeper ring): shared memory, wgmma / TMA instructions, worker partitions, ptxas
+    spills; and ptxas spills of `_pair_union_kernel` over lists 128 and 4096 wide."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -32,18 +32,20 @@ def compile_pair() -> dict:
     from workbench_kernels import prefill_pair
 
     fn = prefill_pair._pair_kernel
-    lay = prefill_pair.layouts(256, torch.bfloat16)
-    desc = f"tensordesc<bf16[64, 256],{lay['KV_SMEM']!r}>"
     pointers = {"Q": "*bf16", "O": "*bf16", "LSE": "*fp32", "Union": "*i32", "Bits": "*i32", "Count": "*i32",
                 "ColCount": "*i32", "Cols": "*i32", "Covered": "*i8", "Sink": "*i32", "Window": "*i32",
                 "Order": "*i32"}
-    types = {**{d: desc for d in ("k_desc", "v_desc", "kc_desc", "vc_desc")}, "qk_scale": "fp32", **pointers}
     spills = r"(\d+) bytes spill (?:stores|loads)"
     out = {}
-    modes = {"block": (prefill_pair.NO_STRIPS.value, False), "vs": (prefill_pair.PACKED.value, False),
-             "ashape": (prefill_pair.SINKS.value, True)}
-    for name, (strips, band) in modes.items():
-        constants = {"D": 256, "STRIPS": strips, "BAND": band, "CONSUMER_REGS": prefill_pair.LAUNCH["consumer_regs"],
+    modes = {"block": (256, prefill_pair.NO_STRIPS.value, False), "vs": (256, prefill_pair.PACKED.value, False),
+             "ashape": (256, prefill_pair.SINKS.value, True), "block128": (128, prefill_pair.NO_STRIPS.value, False),
+             "vs128": (128, prefill_pair.PACKED.value, False)}
+    for name, (d, strips, band) in modes.items():
+        lay = prefill_pair.layouts(d, torch.bfloat16)
+        desc = f"tensordesc<bf16[64, {d}],{lay['KV_SMEM']!r}>"
+        types = {**{x: desc for x in ("k_desc", "v_desc", "kc_desc", "vc_desc")}, "qk_scale": "fp32", **pointers}
+        constants = {"D": d, "STAGES": prefill_pair.RING[d], "STRIPS": strips, "BAND": band,
+                     "CONSUMER_REGS": prefill_pair.LAUNCH["consumer_regs"],
                      **{x: lay[x] for x in ("Q_SMEM", "Q_LAYOUT", "S_LAYOUT", "O_LAYOUT")}}
         signature = {a: "constexpr" if a in constants else types.get(a, "i32") for a in fn.arg_names}
         attrs = {(fn.arg_names.index(x),): [["tt.divisibility", 16]] for x in pointers}
@@ -142,15 +144,16 @@ def compiled() -> dict:
     return compiled_by(__file__)
 
 
-@pytest.mark.parametrize("kind", ["block", "vs", "ashape"])
+@pytest.mark.parametrize("kind", ["block", "vs", "ashape", "block128", "vs128"])
 def test_pair_kernel_compiles_for_sm90(compiled, kind):
     """Two worker partitions (the second consumer, the loader) beside the default consumer; per consumer and piece
-    walk 16 wgmma for Q K^T (head_dim 256 in k-steps of 16) and 4 for P V (64 keys), the strips (Vertical-Slash's
+    walk head_dim / 16 wgmma for Q K^T (k-steps of 16) and 4 for P V (64 keys), the strips (Vertical-Slash's
     packed columns, A-shape's sinks) a second walk; TMA loads; no local memory, no spills, within the H100's shared
     memory."""
     got = compiled[kind]
+    d = 128 if kind.endswith("128") else 256
     assert got["partitions"] == 2, got
-    assert got["wgmma"] == 2 * (1 + (kind != "block")) * (256 // 16 + 64 // 16), got
+    assert got["wgmma"] == 2 * (1 + (not kind.startswith("block"))) * (d // 16 + 64 // 16), got
     assert got["tma_loads"] > 0
     assert got["local"] == 0 and not any(got["spills"]), got
     assert got["shared"] <= SMEM_SM90

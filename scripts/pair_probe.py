@@ -1,0 +1,101 @@
+"""Exploratory (sm_90): the row-block pairs (`prefill_pair`, two row blocks of one head on one K / V ring, each tile
+loaded once for 128 rows) at head_dim 128, beside the kernel the library deploys there (`prefill_ws` through
+`sparse_prefill`'s default; `ashape_prefill` for A-shape), on Llama-3-8B's attention shape (32 / 8 / 128, random
+planted inputs: `benchmarks.kernels_prefill.planted_inputs`). Issue 25's head_dim-128 bar: Vertical-Slash at 1.0 of
+dense SDPA per computed tile.
+
+Steps: each kernel against the loop on the same tiles at 4K (bf16, max |o - loop|; no timings if any exceeds 0.05);
+then per length the rows timed side by side (`paired_ms`: rounds, each starting one row later), efficiency per
+computed tile = physical density x dense ms / ms.
+Run: python3 scripts/pair_probe.py --lengths 65536,131072 --stages 3,4,5 --out pair_probe_d128.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", default="65536,131072")
+    p.add_argument("--stages", default="3,4,5", help="ring slots of the pair rows (164 KB of shared memory at 4)")
+    p.add_argument("--patterns", default="vs,vs512,block,a_shape_per_head")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", default="pair_probe_d128.json")
+    a = p.parse_args()
+    from workbench_benchmarks.kernels_prefill import SHAPES, dense_baseline, planted_inputs
+    from workbench_kernels import prefill_pair
+    from workbench_kernels.index_build import block_index, vs_index, vs_tiles
+    from workbench_kernels.index_ref import band_tiles, selected_block_tiles, tile_area
+    from workbench_kernels.prefill import ashape_prefill, default_program, sparse_prefill
+
+    from workbench.core.io import write_json
+    from workbench.core.timing import environment, paired_ms
+
+    hq, hkv, d, theta = SHAPES["llama3-8b"]
+    stages = [int(s) for s in a.stages.split(",") if s]
+    patterns = [x for x in a.patterns.split(",") if x]
+    out = {"environment": environment(), "check": {}, "rows": []}
+    t0 = time.time()
+
+    def build(pattern, q, k, v, n):
+        """(tiles, A-shape band on the GPU, (sink, window) on the CPU or None, the deployed kernel, its program)."""
+        if pattern.startswith("vs"):
+            cols, offs = vs_index(q, k, 1 / math.sqrt(d), 1000, min(512 if pattern == "vs512" else 6096, n))
+            tiles = vs_tiles(cols, offs, n, 64, 0, head_columns=True)
+        elif pattern == "block":
+            tiles = selected_block_tiles(block_index(q, k, 100 if n > 8192 else 16))
+        else:  # heads of a KV group in two bands (window 4096 / 2048 in turn), as `bench kernels`' a_shape_per_head
+            sink = torch.tensor([128] * hq, dtype=torch.int32)
+            window = torch.tensor([4096 // (1 + h % 2) for h in range(hq)], dtype=torch.int32)
+            tiles, band = band_tiles(sink, window, n, 1, 64, q.device)
+            return tiles, band, (sink, window), lambda: ashape_prefill(q, k, v, sink, window)[0], "ashape_prefill"
+        return tiles, None, None, lambda: sparse_prefill(q, k, v, tiles)[0], default_program(q, tiles)
+
+    def pair(q, k, v, tiles, band, s):
+        return prefill_pair._launch(q, k, v, tiles, None, band, s)[0]
+
+    q, k, v = planted_inputs(hq, hkv, d, 4096, theta)
+    for pattern in patterns:
+        tiles, band, sw, deployed, _ = build(pattern, q, k, v, 4096)
+        sink, window = sw or (None, None)
+        ref = sparse_prefill(q, k, v, tiles, sink=sink, window=window, warp_specialize=False)[0].float()
+        for name, fn in [("deployed", deployed)] + [(f"pair/{s}", lambda s=s: pair(q, k, v, tiles, band, s))
+                                                    for s in stages]:
+            out["check"][f"{pattern}/{name}"] = float((fn().float() - ref).abs().max())
+    print(json.dumps(out["check"]), flush=True)
+    if any(not e < 0.05 for e in out["check"].values()):
+        write_json(a.out, out)
+        print("check failed: no timings", flush=True)
+        return 1
+    for n in [int(x) for x in a.lengths.split(",") if x]:
+        q, k, v = planted_inputs(hq, hkv, d, n, theta)
+        kx, vx = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+        dense, form, _ = dense_baseline(q, k, v, kx, vx)
+        pairs = n * (n + 1) // 2
+        for pattern in patterns:
+            tiles, band, _, deployed, program = build(pattern, q, k, v, n)
+            density = tile_area(tiles, n).sum().item() / (hq * pairs)
+            names = ["dense_sdpa", program] + [f"pair/{s}" for s in stages]
+            fns = [dense, deployed] + [lambda s=s: pair(q, k, v, tiles, band, s) for s in stages]
+            ms = dict(zip(names, paired_ms(fns, rounds=a.rounds)))
+            row = {"n": n, "pattern": pattern, "dense_form": form, "physical_density": density, "ms": ms,
+                   "of_dense_per_tile": {x: density * ms["dense_sdpa"] / t for x, t in ms.items() if x != "dense_sdpa"},
+                   "pair_over_deployed": {x: ms[program] / t for x, t in ms.items() if x.startswith("pair/")}}
+            out["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            write_json(a.out, out)
+        kx = vx = dense = None
+        torch.cuda.empty_cache()
+    out["elapsed_s"] = time.time() - t0
+    write_json(a.out, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
