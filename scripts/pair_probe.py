@@ -4,14 +4,21 @@ loaded once for 128 rows) at head_dim 128, beside the kernel the library deploys
 planted inputs: `benchmarks.kernels_prefill.planted_inputs`). Issue 25's head_dim-128 bar: Vertical-Slash at 1.0 of
 dense SDPA per computed tile.
 
+`--orders`: the deployed Gluon kernel (`prefill_ws`) again in other launch orders (`prefill_ws.work_order` swapped
+for the call): `heads` one head after another, its row blocks last first (the pairs' order, `PairItems.ordered`, which
+won 1.09x / 1.24x at head_dim 256), `kv` every item of a KV head's query heads before the next KV head's, most pieces
+first within (Vertical-Slash's default), `longest` most pieces first over all heads (block-sparse's default).
+
 Steps: each kernel against the loop on the same tiles at 4K (bf16, max |o - loop|; no timings if any exceeds 0.05);
 then per length the rows timed side by side (`paired_ms`: rounds, each starting one row later), efficiency per
 computed tile = physical density x dense ms / ms.
 Run: python3 scripts/pair_probe.py --lengths 65536,131072 --stages 3,4,5 --out pair_probe_d128.json
+     python3 scripts/pair_probe.py --stages "" --orders heads,kv,longest --patterns vs,vs512,block
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -25,13 +32,14 @@ def main() -> int:
     p.add_argument("--lengths", default="65536,131072")
     p.add_argument("--stages", default="3,4,5", help="ring slots of the pair rows (164 KB of shared memory at 4)")
     p.add_argument("--patterns", default="vs,vs512,block,a_shape_per_head")
+    p.add_argument("--orders", default="", help="launch orders of the deployed Gluon kernel: heads, kv, longest")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default="pair_probe_d128.json")
     a = p.parse_args()
     from workbench_benchmarks.kernels_prefill import SHAPES, dense_baseline, planted_inputs
-    from workbench_kernels import prefill_pair
+    from workbench_kernels import prefill_pair, prefill_ws
     from workbench_kernels.index_build import block_index, vs_index, vs_tiles
-    from workbench_kernels.index_ref import band_tiles, selected_block_tiles, tile_area
+    from workbench_kernels.index_ref import _head_runs, band_tiles, selected_block_tiles, tile_area
     from workbench_kernels.prefill import ashape_prefill, default_program, sparse_prefill
 
     from workbench.core.io import write_json
@@ -39,6 +47,7 @@ def main() -> int:
 
     hq, hkv, d, theta = SHAPES["llama3-8b"]
     stages = [int(s) for s in a.stages.split(",") if s]
+    orders = [x for x in a.orders.split(",") if x]
     patterns = [x for x in a.patterns.split(",") if x]
     out = {"environment": environment(), "check": {}, "rows": []}
     t0 = time.time()
@@ -60,13 +69,39 @@ def main() -> int:
     def pair(q, k, v, tiles, band, s):
         return prefill_pair._launch(q, k, v, tiles, None, band, s)[0]
 
+    library_order = prefill_ws.work_order
+
+    @contextlib.contextmanager
+    def launch_order(name):
+        def order(tiles, sub, group=0):
+            B, H, M = tiles.block_count.shape
+            if name == "heads":
+                return _head_runs(B * H, M, tiles.block_count.device)
+            return library_order(tiles, sub, hq // hkv if name == "kv" else 0)
+
+        prefill_ws.work_order = order
+        try:
+            yield
+        finally:
+            prefill_ws.work_order = library_order
+
+    def ordered(fn, name):
+        def call():
+            with launch_order(name):
+                return fn()
+        return call
+
+    def variants(deployed, program, tiles, band, q, k, v):
+        """(row name, fn) of the kernels beside dense SDPA."""
+        rows = [(program, deployed)] + [(f"pair/{s}", lambda s=s: pair(q, k, v, tiles, band, s)) for s in stages]
+        return rows + [(f"gluon/{x}", ordered(deployed, x)) for x in orders if program == "gluon"]
+
     q, k, v = planted_inputs(hq, hkv, d, 4096, theta)
     for pattern in patterns:
-        tiles, band, sw, deployed, _ = build(pattern, q, k, v, 4096)
+        tiles, band, sw, deployed, program = build(pattern, q, k, v, 4096)
         sink, window = sw or (None, None)
         ref = sparse_prefill(q, k, v, tiles, sink=sink, window=window, warp_specialize=False)[0].float()
-        for name, fn in [("deployed", deployed)] + [(f"pair/{s}", lambda s=s: pair(q, k, v, tiles, band, s))
-                                                    for s in stages]:
+        for name, fn in variants(deployed, program, tiles, band, q, k, v):
             out["check"][f"{pattern}/{name}"] = float((fn().float() - ref).abs().max())
     print(json.dumps(out["check"]), flush=True)
     if any(not e < 0.05 for e in out["check"].values()):
@@ -81,12 +116,11 @@ def main() -> int:
         for pattern in patterns:
             tiles, band, _, deployed, program = build(pattern, q, k, v, n)
             density = tile_area(tiles, n).sum().item() / (hq * pairs)
-            names = ["dense_sdpa", program] + [f"pair/{s}" for s in stages]
-            fns = [dense, deployed] + [lambda s=s: pair(q, k, v, tiles, band, s) for s in stages]
-            ms = dict(zip(names, paired_ms(fns, rounds=a.rounds)))
+            names, fns = zip(("dense_sdpa", dense), *variants(deployed, program, tiles, band, q, k, v))
+            ms = dict(zip(names, paired_ms(list(fns), rounds=a.rounds)))
             row = {"n": n, "pattern": pattern, "dense_form": form, "physical_density": density, "ms": ms,
                    "of_dense_per_tile": {x: density * ms["dense_sdpa"] / t for x, t in ms.items() if x != "dense_sdpa"},
-                   "pair_over_deployed": {x: ms[program] / t for x, t in ms.items() if x.startswith("pair/")}}
+                   "speedup_vs_deployed": {x: ms[program] / t for x, t in ms.items() if "/" in x}}
             out["rows"].append(row)
             print(json.dumps(row), flush=True)
             write_json(a.out, out)
