@@ -18,7 +18,7 @@ file as they are measured.
 Row fields: logical_density = attended (query, key) pairs / causal pairs; physical_density = computed tile area
 (pieces x width + packed columns, per row block) / causal pairs; effective_tflops = 4 * head_dim * tile area / time;
 program: the kernel the route ran (the warp-specialised Gluon kernel, row-block pairs or the Triton-language loop:
-`prefill.default_program`, `prefill.ashape_takes_gluon`); time_ms is the kernel's median in rounds taken in turn with
+`prefill.default_program`, `prefill.ashape_program`); time_ms is the kernel's median in rounds taken in turn with
 dense SDPA (the faster of its two GQA forms, K/V repeated per query head or `enable_gqa`: `dense_form`, both timed
 alone in `dense_forms_ms`), whose median in the same rounds is `paired_dense_ms`; ratio_to_dense_tflops divides by
 dense's causal TFLOP/s at paired_dense_ms. Where the program is not the loop, the loop on the same tiles is timed in
@@ -251,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
         selected_block_tiles,
         tile_area,
     )
-    from workbench_kernels.prefill import ashape_prefill, ashape_takes_gluon, default_program, sparse_prefill
+    from workbench_kernels.prefill import ashape_prefill, ashape_program, default_program, sparse_prefill
     from workbench_kernels.tiling import NO_WINDOW
 
     from workbench.core.io import write_json
@@ -427,10 +427,10 @@ def run(args: argparse.Namespace) -> int:
             family = "vertical_slash" if pattern.startswith("vertical_slash") else "block_sparse"
             cfg = tuned.get((pattern, blk), tuned.get((family, blk), {}))
             rb, pw = shape_of[blk]
-            if pattern.startswith("a_shape") and not cfg and ashape_takes_gluon(
-                    q, k, *(torch.tensor(x, dtype=torch.int32) for x in (sink, window)), rb, pw):
-                # `AShape.layer_attention`'s route (elsewhere a model runs the cached tiles, as below)
-                route, program = "ashape_prefill", "pair" if d == 256 else "gluon"
+            program = ashape_program(q, k, *(torch.tensor(x, dtype=torch.int32) for x in (sink, window)), rb, pw) if (
+                pattern.startswith("a_shape") and not cfg) else "loop"
+            if program != "loop":  # `AShape.layer_attention`'s route (elsewhere a model runs the cached tiles, as below)
+                route = "ashape_prefill"
                 fn = lambda: ashape_prefill(q, k, v, sink, window, scale=scale, block=rb, width=pw)  # noqa: E731
             else:
                 route, program = "sparse_prefill", default_program(q, tiles, sink)

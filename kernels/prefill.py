@@ -538,37 +538,39 @@ def ashape_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torc
 
 def ashape_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor, window: torch.Tensor,
                  scale: float | None = None, block: int = 64, width: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`ashape_prefill`'s Gluon route: (o, lse) where a Gluon kernel takes this A-shape (`ashape_takes_gluon`; sink /
-    window CPU Int `[Hq]`, so no host sync): at head_dim 256 the row-block pairs (`prefill_pair.pair_ashape`), else
-    two heads on one K/V ring (`prefill_ws.ws_ashape`); None where neither does."""
-    if not ashape_takes_gluon(q, k, sink, window, block, width):
-        return None
-    if q.shape[-1] == 256:
+    """`ashape_prefill`'s Gluon route: (o, lse) where a Gluon kernel takes this A-shape (`ashape_program`; sink /
+    window CPU Int `[Hq]`, so no host sync): the row-block pairs (`prefill_pair.pair_ashape`) or two heads on one K/V
+    ring (`prefill_ws.ws_ashape`); None where neither does."""
+    program = ashape_program(q, k, sink, window, block, width)
+    if program == "pair":
         from .prefill_pair import pair_ashape  # lazy, as in default_program
 
         return pair_ashape(q, k, v, sink, window, scale)
-    from .prefill_ws import ASHAPE_LAUNCH, ws_ashape  # lazy, as in sparse_prefill
+    if program == "gluon":
+        from .prefill_ws import ASHAPE_LAUNCH, ws_ashape  # lazy, as in sparse_prefill
 
-    return ws_ashape(q, k, v, sink, window, scale, **ASHAPE_LAUNCH)
+        return ws_ashape(q, k, v, sink, window, scale, **ASHAPE_LAUNCH)
+    return None
 
 
-def ashape_takes_gluon(q: torch.Tensor, k: torch.Tensor, sink: torch.Tensor, window: torch.Tensor, block: int = 64,
-                       width: int = 0) -> bool:
-    """Whether `ashape_gluon` runs this A-shape asked for in tiles of `block` rows x `width` keys: 64-row tiles (width
-    0 or 64) and, at head_dim 128, `prefill_ws.ws_ashape_takes` (sm_90, heads 2j and 2j + 1 alike; sink / window CPU
-    Int `[Hq]`), at head_dim 256 `prefill_pair.pair_runs` (sm_90, one sink and window per query head) where the heads
-    of a KV group differ in band or each group is one head (else the GQA-packed loop: `groups_share_band`)."""
+def ashape_program(q: torch.Tensor, k: torch.Tensor, sink: torch.Tensor, window: torch.Tensor, block: int = 64,
+                   width: int = 0) -> str:
+    """The kernel `ashape_prefill` runs for this A-shape asked for in tiles of `block` rows x `width` keys (sink /
+    window CPU Int `[Hq]`; no host sync): with 64-row tiles (width 0 or 64) "gluon" at head_dim 128 where
+    `prefill_ws.ws_ashape_takes` (sm_90, heads 2j and 2j + 1 alike), "pair" at head_dim 256 where
+    `prefill_pair.pair_runs` (sm_90, one sink and window per query head) and the heads of a KV group differ in band or
+    each group is one head; else "loop" (the band's tiles, group-shared where `groups_share_band`)."""
     if q.shape[-1] not in (128, 256) or block != 64 or width not in (0, 64):
-        return False
+        return "loop"
     if q.shape[-1] == 256:
         from .prefill_pair import pair_runs  # lazy, as in default_program
 
         hq, hkv = q.shape[1], k.shape[1]
-        return (pair_runs(q) and sink.numel() == window.numel() == hq
-                and not (hq > hkv and groups_share_band(sink, window, hq, hkv)))
+        return "pair" if (pair_runs(q) and sink.numel() == window.numel() == hq
+                          and not (hq > hkv and groups_share_band(sink, window, hq, hkv))) else "loop"
     from .prefill_ws import ws_ashape_takes  # lazy, as in sparse_prefill
 
-    return ws_ashape_takes(q, k, sink, window)
+    return "gluon" if ws_ashape_takes(q, k, sink, window) else "loop"
 
 
 def groups_share_band(sink: torch.Tensor, window: torch.Tensor, hq: int, hkv: int) -> bool:

@@ -169,7 +169,7 @@ def test_pair_union_merge_compiles_without_spills(compiled):
 def test_pair_prefill_refuses_what_it_does_not_take():
     """On a CPU (or at another head_dim, dtype, tile kind) `pair_takes` says no, `sparse_prefill`'s default runs the
     loop, and `pair_prefill` / `pair_ashape` raise ValueError naming the fix."""
-    from workbench_kernels.prefill import ashape_takes_gluon, default_program, groups_share_band
+    from workbench_kernels.prefill import ashape_program, default_program, groups_share_band
     from workbench_kernels.prefill_pair import pair_ashape, pair_prefill, pair_takes
 
     q = torch.zeros(1, 4, 200, 256, dtype=torch.bfloat16)
@@ -179,7 +179,7 @@ def test_pair_prefill_refuses_what_it_does_not_take():
     with pytest.raises(ValueError, match="use sparse_prefill"):
         pair_prefill(q, k, v, tiles)
     sink, window = torch.tensor([64] * 4), torch.tensor([128] * 4)
-    assert not ashape_takes_gluon(q, k, sink, window)
+    assert ashape_program(q, k, sink, window) == "loop"
     assert groups_share_band(sink, window, 4, 1) and groups_share_band(torch.tensor([64, 64, 0, 0]), window, 4, 2)
     assert not groups_share_band(torch.tensor([64, 0, 64, 0]), window, 4, 2)
     with pytest.raises(ValueError, match="use prefill.ashape_prefill"):
@@ -269,20 +269,20 @@ def test_pair_prefill_runs_vertical_slash_with_its_columns_packed(n):
 def test_ashape_runs_on_the_pairs_at_head_dim_256(n):
     """A-shape at head_dim 256 (GQA 4:1, B = 2, bf16), per-head sinks and windows: a sink over two strips, one not a
     multiple of 64, none; a window of 1, one within a row block, one over several pieces; then no sink at all (no
-    strips). `ashape_prefill` takes the pair route (`ashape_takes_gluon`); o and lse are within bf16 of fp32
+    strips). `ashape_prefill` takes the pair route (`ashape_program`); o and lse are within bf16 of fp32
     attention under the exact token mask and of the loop over the same tiles. One band for the whole KV group stays
     on the GQA-packed loop."""
     from workbench_kernels.index_ref import band_tiles
-    from workbench_kernels.prefill import ashape_prefill, ashape_takes_gluon, sparse_prefill
+    from workbench_kernels.prefill import ashape_prefill, ashape_program, sparse_prefill
     from workbench_kernels.prefill_pair import pair_ashape
 
     B, Hq, Hkv, D = 2, 4, 1, 256
     g = torch.Generator().manual_seed(n)
     q, k, v = (torch.randn(B, h, n, D, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
-    assert not ashape_takes_gluon(q, k, torch.tensor([64] * 4), torch.tensor([300] * 4))
+    assert ashape_program(q, k, torch.tensor([64] * 4), torch.tensor([300] * 4)) == "loop"
     for sink, window in (([64, 100, 0, 130], [300, 129, 70, 1]), ([0] * 4, [64, 200, 500, 1000])):
         sink, window = torch.tensor(sink), torch.tensor(window)
-        assert ashape_takes_gluon(q, k, sink, window)
+        assert ashape_program(q, k, sink, window) == "pair"
         o, lse = pair_ashape(q, k, v, sink, window)
         tiles, band = band_tiles(sink, window, n, B, 64, q.device)
         assert tiles.columns == bool(sink.any())
@@ -325,7 +325,7 @@ def test_a_mixed_layer_at_head_dim_256_runs_per_kind_with_vs_and_block_on_the_pa
     `sparse_prefill`, the A-shape head, alone in its group, through `AShape.layer_attention`); its output is within
     bf16 of the merged launch's and of the PyTorch reference path's on the same index."""
     from test_methods_kernel import mixed_prefill
-    from workbench_kernels.prefill import ashape_takes_gluon, default_program
+    from workbench_kernels.prefill import ashape_program, default_program
 
     entries = [("vs", {"vertical": 40, "slash": 30}), ("block", {"topk": 3}), ("ashape", {"sink": 64, "window": 300}),
                ("vs", {"vertical": 8, "slash": 90})]
@@ -340,7 +340,7 @@ def test_a_mixed_layer_at_head_dim_256_runs_per_kind_with_vs_and_block_on_the_pa
             routes = {kind: default_program(q[:, heads], tiles) for kind, (heads, tiles, band) in index.items()
                       if band is None}
             assert routes == {"vs": "pair", "block": "pair"}, routes
-            assert ashape_takes_gluon(q[:, [2]], k, torch.tensor([64]), torch.tensor([300]))
+            assert ashape_program(q[:, [2]], k, torch.tensor([64]), torch.tensor([300])) == "pair"
             ref = sp.reference(index, q.float(), k.float(), v.float(), 0.1)
     torch.testing.assert_close(runs[None].float(), ref.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(runs[None].float(), runs[False].float(), atol=2e-2, rtol=2e-2)
