@@ -259,8 +259,9 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union,
     if STRIPS != NO_STRIPS:
         strips = pair_strips(ColCount, head, item % MP, M)
         n_cols = gl.where(m < M, gl.load(ColCount + head * M + gl.minimum(m, M - 1)), 0)  # m's columns: < 64 m
-        col_head = Cols + head.to(gl.int64) * KVP
-        cov_row = Covered + head.to(gl.int64) * L + (m * ROWS + ROWS - 1)  # + (-column): m's covered flag
+        if STRIPS == PACKED:
+            col_head = Cols + head.to(gl.int64) * KVP
+            cov_row = Covered + head.to(gl.int64) * L + (m * ROWS + ROWS - 1)  # + (-column): m's covered flag
         for t in range(strips):
             j = t * KEYS + lanes
             keep = j < n_cols
