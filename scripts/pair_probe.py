@@ -10,7 +10,7 @@ won 1.09x / 1.24x at head_dim 256), `kv` every item of a KV head's query heads b
 first within (Vertical-Slash's default), `longest` most pieces first over all heads (block-sparse's default).
 
 Steps: each kernel against the loop on the same tiles at 4K (bf16, max |o - loop|; no timings if any exceeds 0.05);
-then per length the rows timed side by side (`paired_ms`: rounds, each starting one row later), efficiency per
+then per length the rows timed side by side (`paired_ms`: rounds in balanced orders), efficiency per
 computed tile = physical density x dense ms / ms.
 Run: python3 scripts/pair_probe.py --lengths 65536,131072 --stages 3,4,5 --out pair_probe_d128.json
      python3 scripts/pair_probe.py --stages "" --orders heads,kv,longest --patterns vs,vs512,block
