@@ -9,6 +9,10 @@ for the call): `heads` one head after another, its row blocks last first (the pa
 won 1.09x / 1.24x at head_dim 256), `kv` every item of a KV head's query heads before the next KV head's, most pieces
 first within (Vertical-Slash's default), `longest` most pieces first over all heads (block-sparse's default).
 
+`--ws-ashape`: A-shape's per-head bands also on `prefill_ws.ws_ashape` with per-head rings (share_kv=False: heads 2j
+and 2j + 1 differ in band, so they cannot share one), configs WIDTHxSTAGES[kv] (keys per step, ring slots, KV head
+first).
+
 Steps: each kernel against the loop on the same tiles at 4K (bf16, max |o - loop|; no timings if any exceeds 0.05);
 then per length the rows timed side by side (`paired_ms`: rounds in balanced orders), efficiency per
 computed tile = physical density x dense ms / ms.
@@ -33,6 +37,7 @@ def main() -> int:
     p.add_argument("--stages", default="3,4,5", help="ring slots of the pair rows (164 KB of shared memory at 4)")
     p.add_argument("--patterns", default="vs,vs512,block,a_shape_per_head")
     p.add_argument("--orders", default="", help="launch orders of the deployed Gluon kernel: heads, kv, longest")
+    p.add_argument("--ws-ashape", default="", help="ws_ashape(share_kv=False) configs for a_shape_per_head: 64x2,64x3kv")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default="pair_probe_d128.json")
     a = p.parse_args()
@@ -48,6 +53,7 @@ def main() -> int:
     hq, hkv, d, theta = SHAPES["llama3-8b"]
     stages = [int(s) for s in a.stages.split(",") if s]
     orders = [x for x in a.orders.split(",") if x]
+    ws_cfgs = [x for x in a.ws_ashape.split(",") if x]
     patterns = [x for x in a.patterns.split(",") if x]
     out = {"environment": environment(), "check": {}, "rows": []}
     t0 = time.time()
@@ -91,9 +97,15 @@ def main() -> int:
                 return fn()
         return call
 
-    def variants(deployed, program, tiles, band, q, k, v):
+    def ws_ashape(q, k, v, sw, cfg):
+        width, rest = cfg.split("x")
+        return prefill_ws.ws_ashape(q, k, v, *sw, stages=int(rest.removesuffix("kv")), width=int(width),
+                                    kv_major=rest.endswith("kv"))[0]
+
+    def variants(deployed, program, tiles, band, sw, q, k, v):
         """(row name, fn) of the kernels beside dense SDPA."""
         rows = [(program, deployed)] + [(f"pair/{s}", lambda s=s: pair(q, k, v, tiles, band, s)) for s in stages]
+        rows += [(f"ws_ashape/{c}", lambda c=c: ws_ashape(q, k, v, sw, c)) for c in ws_cfgs if sw is not None]
         return rows + [(f"gluon/{x}", ordered(deployed, x)) for x in orders if program == "gluon"]
 
     q, k, v = planted_inputs(hq, hkv, d, 4096, theta)
@@ -101,7 +113,7 @@ def main() -> int:
         tiles, band, sw, deployed, program = build(pattern, q, k, v, 4096)
         sink, window = sw or (None, None)
         ref = sparse_prefill(q, k, v, tiles, sink=sink, window=window, warp_specialize=False)[0].float()
-        for name, fn in variants(deployed, program, tiles, band, q, k, v):
+        for name, fn in variants(deployed, program, tiles, band, sw, q, k, v):
             out["check"][f"{pattern}/{name}"] = float((fn().float() - ref).abs().max())
     print(json.dumps(out["check"]), flush=True)
     if any(not e < 0.05 for e in out["check"].values()):
@@ -114,9 +126,9 @@ def main() -> int:
         dense, form, _ = dense_baseline(q, k, v, kx, vx)
         pairs = n * (n + 1) // 2
         for pattern in patterns:
-            tiles, band, _, deployed, program = build(pattern, q, k, v, n)
+            tiles, band, sw, deployed, program = build(pattern, q, k, v, n)
             density = tile_area(tiles, n).sum().item() / (hq * pairs)
-            names, fns = zip(("dense_sdpa", dense), *variants(deployed, program, tiles, band, q, k, v))
+            names, fns = zip(("dense_sdpa", dense), *variants(deployed, program, tiles, band, sw, q, k, v))
             ms = dict(zip(names, paired_ms(list(fns), rounds=a.rounds)))
             row = {"n": n, "pattern": pattern, "dense_form": form, "physical_density": density, "ms": ms,
                    "of_dense_per_tile": {x: density * ms["dense_sdpa"] / t for x, t in ms.items() if x != "dense_sdpa"},
