@@ -518,10 +518,11 @@ def ashape_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torc
                    window: torch.Tensor | list[int], scale: float | None = None, block: int = 64,
                    width: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A-shape prefill: per-head sink and window in tokens (`[Hq]`) -> (o, lse). No index tensor. On an sm_90
-    GPU at head_dim 128 with 64-row tiles (block 64, width 0 or 64) and heads 2j, 2j + 1 alike
-    (`prefill_ws.ws_ashape_takes`): the Gluon kernel with both heads on one K/V ring, 128 keys per step
-    (`prefill_ws.ASHAPE_LAUNCH`; H200, sink 128, window 4096, 64K / 128K: 0.82 / 0.90 of dense SDPA's TFLOP/s in
-    one probe against 0.69 / 0.75 for the loop below, kernels/NOTES.md); at head_dim 256, where the query heads of
+    GPU at head_dim 128 with 64-row tiles (block 64, width 0 or 64; `prefill_ws.ws_ashape_takes`) the Gluon kernel:
+    where heads 2j, 2j + 1 are alike both on one K/V ring, 128 keys per step (`prefill_ws.ASHAPE_LAUNCH`; H200, sink
+    128, window 4096, 64K / 128K: 0.82 / 0.90 of dense SDPA's TFLOP/s in one probe against 0.69 / 0.75 for the loop
+    below, kernels/NOTES.md), else per-head rings (`prefill_ws.ASHAPE_PER_HEAD_LAUNCH`; H100, windows 4096 / 2048 in
+    turn: 1.09x / 1.14x the loop over per-head tiles); at head_dim 256, where the query heads of
     a KV group differ in band, row blocks 2j and 2j + 1 of a head on one K/V ring (`prefill_pair.pair_ashape`); else,
     when the heads of every KV group share sink and window (`groups_share_band`), group-shared tiles (GQA-packed
     kernel)."""
@@ -539,17 +540,18 @@ def ashape_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torc
 def ashape_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor, window: torch.Tensor,
                  scale: float | None = None, block: int = 64, width: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`ashape_prefill`'s Gluon route: (o, lse) where a Gluon kernel takes this A-shape (`ashape_program`; sink /
-    window CPU Int `[Hq]`, so no host sync): the row-block pairs (`prefill_pair.pair_ashape`) or two heads on one K/V
-    ring (`prefill_ws.ws_ashape`); None where neither does."""
+    window CPU Int `[Hq]`, so no host sync): the row-block pairs (`prefill_pair.pair_ashape`) or `prefill_ws.ws_ashape`
+    at `prefill_ws.ashape_launch` (two heads on one K/V ring where they share a band, else per-head rings); None where
+    neither runs."""
     program = ashape_program(q, k, sink, window, block, width)
     if program == "pair":
         from .prefill_pair import pair_ashape  # lazy, as in default_program
 
         return pair_ashape(q, k, v, sink, window, scale)
     if program == "gluon":
-        from .prefill_ws import ASHAPE_LAUNCH, ws_ashape  # lazy, as in sparse_prefill
+        from .prefill_ws import ashape_launch, ws_ashape  # lazy, as in sparse_prefill
 
-        return ws_ashape(q, k, v, sink, window, scale, **ASHAPE_LAUNCH)
+        return ws_ashape(q, k, v, sink, window, scale, **ashape_launch(q.shape[1], k.shape[1], sink, window))
     return None
 
 
@@ -557,7 +559,7 @@ def ashape_program(q: torch.Tensor, k: torch.Tensor, sink: torch.Tensor, window:
                    width: int = 0) -> str:
     """The kernel `ashape_prefill` runs for this A-shape asked for in tiles of `block` rows x `width` keys (sink /
     window CPU Int `[Hq]`; no host sync): with 64-row tiles (width 0 or 64) "gluon" at head_dim 128 where
-    `prefill_ws.ws_ashape_takes` (sm_90, heads 2j and 2j + 1 alike), "pair" at head_dim 256 where
+    `prefill_ws.ws_ashape_takes` (sm_90, one sink and window per query head), "pair" at head_dim 256 where
     `prefill_pair.pair_runs` (sm_90, one sink and window per query head) and the heads of a KV group differ in band or
     each group is one head; else "loop" (the band's tiles, group-shared where `groups_share_band`)."""
     if q.shape[-1] not in (128, 256) or block != 64 or width not in (0, 64):

@@ -67,6 +67,10 @@ PRODUCER_REGS = gl.constexpr(24)  # registers per thread of the 1-warp producer 
 # (H200, Llama 32/8/128, sink 128, window 4096, 64K and 128K: 1.03-1.08x the 64-key shared ring with 4 stages in
 # two probes, kernels/NOTES.md)
 ASHAPE_LAUNCH = {"stages": 3, "share_kv": True, "width": 128}
+# its launch where heads 2j and 2j + 1 differ in band (or a KV group is odd): per-head rings of 3 stages, 64 keys per
+# step (H100, Llama 32/8/128, sink 128, windows 4096 / 2048 in turn, 64K / 128K: 1.09x / 1.14x the loop over per-head
+# tiles, 0.72 / 0.81 of dense per tile; 2 stages 1.08x / 1.12x, KV head first slower; kernels/NOTES.md session 38)
+ASHAPE_PER_HEAD_LAUNCH = {"stages": 3, "share_kv": False, "width": 64}
 # `sparse_prefill`'s launches on sm_90, two 64-key items per 128-key step (`pair`; H200, session 16,
 # scripts/ws_probe.py, kernels/NOTES.md). Per-head tiles at head_dim 128 (Llama 32/8/128, 64K / 128K): block-sparse
 # top-100 12.15 / 25.92 ms against the one-item launch's (1 consumer, 2 stages) 13.09 / 27.30, Vertical-Slash
@@ -611,11 +615,17 @@ def _heads_pair(hq: int, hkv: int, sink: torch.Tensor, window: torch.Tensor) -> 
 
 
 def ws_ashape_takes(q: torch.Tensor, k: torch.Tensor, sink: torch.Tensor, window: torch.Tensor) -> bool:
-    """Whether `ws_ashape(share_kv=True)` takes this A-shape (CPU sink / window `[Hq]`, no host sync): an sm_90
-    GPU, bf16 / fp16, head_dim 64 / 128 (`ASHAPE_LAUNCH`'s 64 KB slots overflow at 256), and heads that pair
-    (`_heads_pair`)."""
-    return (sm90(q.device) and q.dtype in DTYPES and q.shape[-1] in (64, 128)
-            and _heads_pair(q.shape[1], k.shape[1], sink, window))
+    """Whether `ws_ashape` takes this A-shape at `ashape_launch`'s launch (CPU sink / window `[Hq]`, no host sync): an
+    sm_90 GPU, bf16 / fp16, head_dim 128 (`ASHAPE_LAUNCH`'s 64 KB slots overflow at 256), one sink and window per
+    query head."""
+    return (sm90(q.device) and q.dtype in DTYPES and q.shape[-1] == 128
+            and sink.numel() == window.numel() == q.shape[1] and q.shape[1] % k.shape[1] == 0)
+
+
+def ashape_launch(hq: int, hkv: int, sink: torch.Tensor, window: torch.Tensor) -> dict:
+    """`ws_ashape`'s keyword arguments for `prefill.ashape_prefill`: `ASHAPE_LAUNCH` (two heads on one ring) where heads
+    2j and 2j + 1 share a band (`_heads_pair`), else `ASHAPE_PER_HEAD_LAUNCH`."""
+    return ASHAPE_LAUNCH if _heads_pair(hq, hkv, sink, window) else ASHAPE_PER_HEAD_LAUNCH
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None,

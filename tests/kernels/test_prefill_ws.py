@@ -44,7 +44,8 @@ CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block
     "ashape_one_consumer": (1, 2, True, 128, False, "ashape"),
     "ashape_no_overlap": (2, 2, False, 128, False, "ashape"),
     "ashape_head_dim_64": (2, 2, True, 64, False, "ashape"),
-    "ashape_shared_kv_4_stages": (2, 4, True, 128, True, "ashape"),  # ashape_prefill's choice: heads alike in pairs
+    "ashape_shared_kv_4_stages": (2, 4, True, 128, True, "ashape"),
+    "ashape_per_head_3_stages": (2, 3, True, 128, False, "ashape"),  # ASHAPE_PER_HEAD_LAUNCH (224 KB)
     # 128 keys per step (`ws_ashape(width=128)`): 64 x 128 score tiles, 32 KB K / V tiles at head_dim 128
     "ashape_keys128_shared_kv_2_stages": (2, 2, True, 128, True, "ashape", 128),
     "ashape_keys128_shared_kv_3_stages": (2, 3, True, 128, True, "ashape", 128),
@@ -368,18 +369,18 @@ def test_a_mixed_layer_with_vertical_slash_runs_the_gluon_kernel():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper(), reason="the Gluon kernel runs on sm_90 (H100 / H200) only")
-def test_an_ashape_layer_runs_the_shared_ring_where_heads_pair(monkeypatch):
-    """SparsePrefill on a layer of A-shape heads only (GQA 2:1, batch 2, bf16, N = 1000, head_dim 128): with heads 2j
-    and 2j + 1 alike the layer takes A-shape's own kernel (`AShape.layer_attention`: `ws_ashape`, both heads on one
-    K/V ring), equal to `ashape_prefill`'s output and close to the PyTorch reference path; with a pair that differs
-    it keeps the one launch over the merged tiles."""
+def test_an_ashape_layer_runs_the_shared_ring_where_heads_pair_else_per_head_rings(monkeypatch):
+    """SparsePrefill on a layer of A-shape heads only (GQA 2:1, batch 2, bf16, N = 1000, head_dim 128) takes A-shape's
+    own kernel (`AShape.layer_attention`: `ws_ashape`): with heads 2j and 2j + 1 alike both on one K/V ring, with a
+    pair that differs per-head rings (`ashape_launch`); equal to `ashape_prefill`'s output, close to the PyTorch
+    reference path and to the loop over the merged tiles."""
     import workbench_kernels.prefill_ws as ws
     from test_methods_kernel import mixed_prefill
     from workbench_kernels.prefill import ashape_prefill, sparse_prefill
 
     calls = []
     real = ws.ws_ashape
-    monkeypatch.setattr(ws, "ws_ashape", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(ws, "ws_ashape", lambda *a, **kw: calls.append(kw["share_kv"]) or real(*a, **kw))
     bands = [(64, 300), (64, 300), (0, 129), (0, 129)]
     for alike in (True, False):
         heads = bands if alike else [(64, 300), (64, 200)] + bands[2:]
@@ -389,39 +390,36 @@ def test_an_ashape_layer_runs_the_shared_ring_where_heads_pair(monkeypatch):
         calls.clear()
         index = sp.layer_index(0, q, k, 0.1, "triton")
         got = sp.layer_kernel(0, index, q, k, v, 0.1, "triton")
-        assert len(calls) == alike
-        if alike:
-            sink, window = (torch.tensor(x) for x in zip(*heads))
-            assert torch.equal(got, ashape_prefill(q, k, v, sink, window, scale=0.1)[0])
-        else:
-            assert torch.equal(got, sparse_prefill(q, k, v, index[0], sink=index[1], window=index[2], scale=0.1)[0])
+        assert calls == [alike]
+        sink, window = (torch.tensor(x) for x in zip(*heads))
+        assert torch.equal(got, ashape_prefill(q, k, v, sink, window, scale=0.1)[0])
+        loop = sparse_prefill(q, k, v, index[0], sink=index[1], window=index[2], scale=0.1)[0]
         ref = sp.reference(sp.group_tiles(0, q, k, 0.1, triton=True), q.float(), k.float(), v.float(), 0.1)
-        torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+        for o in (got, loop):
+            torch.testing.assert_close(o.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper(), reason="the Gluon kernel runs on sm_90 (H100 / H200) only")
 def test_a_trishape_layer_runs_the_band_on_the_shared_ring_then_its_dense_rows(monkeypatch):
     """SparsePrefill on a layer of Tri-shape heads only (GQA 2:1, bf16, N = 1000, head_dim 128; questions of 64, 100, 0
-    and 1 rows): where heads 2j and 2j + 1 share a band the layer takes A-shape's Gluon kernel over it and then the
-    dense rows (`TriShape.layer_attention`), close to the PyTorch reference path and to the one launch over the
-    merged tiles; a pair with different bands keeps the one launch."""
+    and 1 rows) takes A-shape's Gluon kernel over the band (on one ring where heads 2j and 2j + 1 share a band, else
+    per-head rings) and then the dense rows (`TriShape.layer_attention`), close to the PyTorch reference path and to
+    the one launch over the merged tiles."""
     import workbench_kernels.prefill_ws as ws
     from test_methods_kernel import trishape_layer_on_gpu
     from workbench_kernels.prefill import sparse_prefill
 
     calls = []
     real = ws.ws_ashape
-    monkeypatch.setattr(ws, "ws_ashape", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(ws, "ws_ashape", lambda *a, **kw: calls.append(kw["share_kv"]) or real(*a, **kw))
     heads = [(64, 300, 64), (64, 300, 100), (0, 129, 0), (0, 129, 1)]
     for alike in (True, False):
         params = heads if alike else [(64, 300, 64), (64, 200, 100)] + heads[2:]
         calls.clear()
         q, k, v, index, got, ref = trishape_layer_on_gpu(params, hkv=2, d=128, seed=6)
-        assert len(calls) == alike
+        assert calls == [alike]
         loop = sparse_prefill(q, k, v, index[0], sink=index[1], window=index[2], scale=0.1)[0]
-        if not alike:
-            assert torch.equal(got, loop)
         for o in (got, loop):
             torch.testing.assert_close(o.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
