@@ -36,7 +36,10 @@ Measured (H100, Gemma-3 shape 4/1/256, block top-100 from `block_index` on the b
 - the launch order (`PairItems.ordered`): head by head, each head's pairs last first, 1.09x / 1.24x faster at 64K /
   128K than longest union first (`pair_order_probe_0f9a382_h100.json`); with it `bench kernels` reads block
   0.79 / 0.81, per-head VS 0.83 / 0.79, per-head A-shape 0.77 / 0.75 of dense per tile
-  (`kernels_gemma_3e71286_h100.json`).
+  (`kernels_gemma_3e71286_h100.json`);
+- at head_dim 128 (`RING[128]`, Llama 32 / 8 / 128, `scripts/pair_probe.py`, 3-5 slots): 0.76-0.97x the deployed
+  `prefill_ws` (VS, block) and the loop (A-shape in per-head bands) at 64K / 128K (`pair_probe_d128_8a7157e_h100.json`),
+  so `pair_runs` keeps the pairs to head_dim 256.
 
 Tensors are addressed as flattened rows: q / o `[B * Hq * N, D]`, k / v `[B * Hkv * N, D]`. A K / V tile that
 crosses N reads the next head's rows (or TMA's zero fill past the tensor); those keys lie past every stored row's

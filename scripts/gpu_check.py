@@ -42,8 +42,8 @@ COMPILE_ONLY = "tests/kernels/test_kernels_compile.py"
 COMPILE_ONLY_TESTS = ("not test_ws_prefill_compiles_for_sm90 and not test_pair_kernel_compiles_for_sm90"
                       " and not test_pair_union_merge_compiles_without_spills")
 # The lane record whose per-test seconds deal a lane's tests to its shards (`lane_plugin.deal`): the latest run whose
-# kernels lane reached every test (9c11109, green on a cold Triton cache; update it with each run).
-SHARD_TIMES = ROOT / "assets/benchmarks/gpu_check_bec2fe3_h100.json"
+# kernels lane reached every test (668c34a, green on a cold Triton cache; update it with each run).
+SHARD_TIMES = ROOT / "assets/benchmarks/gpu_check_668c34a_h100.json"
 
 
 def gpu_test_files(notebook: bool) -> list[str]:
