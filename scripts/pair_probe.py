@@ -14,7 +14,7 @@ and 2j + 1 differ in band, so they cannot share one), configs WIDTHxSTAGES[kv] (
 first).
 
 Steps: each kernel against the loop on the same tiles at 4K (bf16, max |o - loop|; no timings if any exceeds 0.05);
-then per length the rows timed side by side (`paired_ms`: rounds in balanced orders), efficiency per
+then per length the rows timed side by side (`paired_ms`: batches in a balanced sequence), efficiency per
 computed tile = physical density x dense ms / ms.
 Run: python3 scripts/pair_probe.py --lengths 65536,131072 --stages 3,4,5 --out pair_probe_d128.json
      python3 scripts/pair_probe.py --stages "" --orders heads,kv,longest --patterns vs,vs512,block

@@ -50,7 +50,7 @@ def test_queued_ms_sizes_the_run_from_one_call_and_divides_by_it():
         timing.queued_ms(lambda: None, cuda=False, min_reps=0)
 
 
-def test_paired_ms_times_each_fn_in_turn_every_round_in_balanced_orders():
+def test_paired_ms_interleaves_the_fns_in_a_balanced_sequence():
     import time
 
     order = []
@@ -58,27 +58,29 @@ def test_paired_ms_times_each_fn_in_turn_every_round_in_balanced_orders():
     long = lambda: (order.append("b"), time.sleep(0.008))  # noqa: E731
     a_ms, b_ms = timing.paired_ms([short, long], cuda=False, rounds=3, batch_ms=100.0, max_reps=4)
     assert 2.0 <= a_ms < b_ms and b_ms >= 8.0  # per call, each its own
-    # a warm-up and a sizing call each, then per round a batch of each fn in turn (100 ms / call, at most 4), the
-    # orders (a, b) and (b, a) in turn, 3 rounds raised to 4
-    assert "".join(order) == "aabb" + ("aaaabbbb" + "bbbbaaaa") * 2
+    # a warm-up and a sizing call each, an unrecorded batch of b (the sequence's last), then batches of a and b in
+    # turn (100 ms / call, at most 4), 3 each
+    assert "".join(order) == "aabb" + "bbbb" + "aaaabbbb" * 3
     calls = []
     fns = [lambda i=i: calls.append(i) for i in range(3)]
     timing.paired_ms(fns, cuda=False, rounds=5, batch_ms=0.0, max_reps=1)
-    rounds = [calls[i:i + 3] for i in range(6, len(calls), 3)]  # after the warm-up and sizing calls
-    assert len(rounds) == 6 and all(sorted(r) == [0, 1, 2] for r in rounds)
-    assert {(r[0], r[1]) for r in rounds} | {(r[1], r[2]) for r in rounds} == {
-        (a, b) for a in range(3) for b in range(3) if a != b}  # fn 1 not mostly after fn 0
+    batches = calls[6:]  # after the warm-up and sizing calls: one unrecorded batch, then 6 of each fn
+    assert len(batches) == 1 + 18 and all(batches[1:].count(i) == 6 for i in range(3))
+    follows = collections.Counter(zip(batches, batches[1:]))  # each recorded batch after its predecessor
+    assert set(follows) == {(a, b) for a in range(3) for b in range(3) if a != b}
+    assert set(follows.values()) == {3}, follows  # fn 1 not mostly after fn 0
     with pytest.raises(ValueError, match="rounds"):
         timing.paired_ms([short], cuda=False, rounds=0)
 
 
 @pytest.mark.parametrize("k", range(1, 8))
-def test_balanced_orders_put_every_fn_after_every_other_equally_often(k):
-    orders = timing.balanced_orders(k)
-    assert len(orders) == (2 * k if k % 2 else k) and all(sorted(o) == list(range(k)) for o in orders)
-    follows = collections.Counter((o[i], o[i + 1]) for o in orders for i in range(k - 1))
-    assert set(follows) == {(a, b) for a in range(k) for b in range(k) if a != b}
-    assert len(set(follows.values())) <= 1, follows
+def test_balanced_sequence_puts_every_fn_after_every_other_once(k):
+    seq = timing.balanced_sequence(k)
+    assert len(seq) == max(k * (k - 1), 1) and all(seq.count(i) == max(k - 1, 1) for i in range(k))
+    follows = collections.Counter(zip(seq, seq[1:] + seq[:1]))  # cyclic: the last before the first
+    if k > 1:
+        assert set(follows) == {(a, b) for a in range(k) for b in range(k) if a != b}
+        assert set(follows.values()) == {1}, follows
 
 
 def test_cpu_stamps_give_milliseconds():

@@ -8,7 +8,7 @@
   since the GPU idles at the start of each call.
 - `paired_ms(fns)`: each fn's time per call over rounds that time every fn in turn, so that the fns compared see
   the same clock and power state (a ratio of two times taken minutes apart drifts by several per cent on a GPU),
-  each fn after every other one equally often (`balanced_orders`).
+  each fn after every other one equally often (`balanced_sequence`).
 - `stamp(cuda)` / `elapsed_ms(a, b)`: marks for per-phase breakdowns (a CUDA event recorded on the
   current stream, no host sync until read; a perf_counter reading on the CPU).
 - `environment()`: GPU, driver, versions, CPU, load and the exact command line, for benchmark JSON.
@@ -114,32 +114,41 @@ def _batch_ms(fn: Callable[[], Any], reps: int, cuda: bool) -> float:
     return elapsed_ms(a, stamp(cuda)) / reps
 
 
-def balanced_orders(k: int) -> list[list[int]]:
-    """Orders of fns 0..k-1 in which every fn directly follows every other one equally often (a Williams design:
-    k orders for even k, these and their mirrors for odd k)."""
-    first = [0] + [(j + 1) // 2 if j % 2 else k - j // 2 for j in range(1, k)]  # 0, 1, k-1, 2, k-2, ...
-    orders = [[(x + r) % k for x in first] for r in range(k)]
-    return orders + [o[::-1] for o in orders] if k % 2 else orders
+def balanced_sequence(k: int) -> list[int]:
+    """A cyclic order of fns 0..k-1, k (k - 1) entries (one for k = 1), in which every fn directly follows every other
+    one exactly once, the last entry before the first included (an Euler circuit of the complete directed graph, by
+    Hierholzer's walk); each fn appears k - 1 times."""
+    if k == 1:
+        return [0]
+    left = {a: [b for b in range(k) if b != a] for a in range(k)}  # the transitions a -> b not yet walked
+    stack, circuit = [0], []
+    while stack:
+        if left[stack[-1]]:
+            stack.append(left[stack[-1]].pop())
+        else:
+            circuit.append(stack.pop())
+    return circuit[::-1][:-1]  # the walk ends where it started: drop the repeat
 
 
 def paired_ms(fns: list[Callable[[], Any]], *, cuda: bool | None = None, rounds: int = 5,
               batch_ms: float = 50.0, max_reps: int = 20) -> list[float]:
-    """Median over the rounds of each fn's ms per call, the fns timed in turn in every round: a batch of calls queued
-    back to back (as `queued_ms`; reps sized from one synced call to about `batch_ms`, 1..`max_reps`). The rounds
-    take `balanced_orders(len(fns))` in turn, `rounds` raised to a whole number of them (6 for 3 fns), so each fn is
-    timed after every other one equally often: a kernel timed right after dense SDPA runs at the clock dense's power
-    left (H200, 128K: 7-21 % slower, kernels/NOTES.md session 22), and where round r only started at fn r the fn
-    listed after dense took that slot in most rounds (H100, Llama 64K / 128K: a kernel 2-8 % slower than the same
-    kernel listed later, session 38)."""
+    """Median of each fn's ms per call over `rounds` or more batches, the fns interleaved: a batch of calls queued
+    back to back (as `queued_ms`; reps sized from one synced call to about `batch_ms`, 1..`max_reps`) in the order of
+    `balanced_sequence(len(fns))`, repeated until each fn has `rounds` batches (6 for 3 fns: k - 1 a pass), after one
+    unrecorded batch of its last fn, so that every recorded batch follows every other fn equally often. A kernel timed
+    right after dense SDPA runs at the clock dense's power left (H200, 128K: 7-21 % slower, kernels/NOTES.md session
+    22); with rounds that only started one fn later each time, the fn listed after dense took that slot in most of
+    them (H100, Llama 64K / 128K: a kernel 2-8 % slower than the same kernel listed later, session 38)."""
     if rounds < 1 or max_reps < 1:
         raise ValueError(f"need rounds >= 1 and max_reps >= 1, got rounds={rounds}, max_reps={max_reps}")
     cuda = torch.cuda.is_available() if cuda is None else cuda
     one = [measure(fn, cuda=cuda, warmup=1, min_reps=1, max_reps=1).median_ms for fn in fns]
     reps = [int(min(max(batch_ms // max(ms, 1e-3), 1), max_reps)) for ms in one]
     times: list[list[float]] = [[] for _ in fns]
-    orders = balanced_orders(len(fns))
-    for r in range(-(-rounds // len(orders)) * len(orders)):
-        for j in orders[r % len(orders)]:
+    sequence = balanced_sequence(len(fns))
+    _batch_ms(fns[sequence[-1]], reps[sequence[-1]], cuda)  # the first recorded batch follows it, as in every pass
+    for _ in range(-(-rounds // max(len(fns) - 1, 1))):
+        for j in sequence:
             times[j].append(_batch_ms(fns[j], reps[j], cuda))
     return [statistics.median(t) for t in times]
 
