@@ -134,11 +134,12 @@ def paired_ms(fns: list[Callable[[], Any]], *, cuda: bool | None = None, rounds:
               batch_ms: float = 50.0, max_reps: int = 20) -> list[float]:
     """Median of each fn's ms per call over `rounds` or more batches, the fns interleaved: a batch of calls queued
     back to back (as `queued_ms`; reps sized from one synced call to about `batch_ms`, 1..`max_reps`) in the order of
-    `balanced_sequence(len(fns))`, repeated until each fn has `rounds` batches (6 for 3 fns: k - 1 a pass), after one
-    unrecorded batch of its last fn, so that every recorded batch follows every other fn equally often. A kernel timed
-    right after dense SDPA runs at the clock dense's power left (H200, 128K: 7-21 % slower, kernels/NOTES.md session
-    22); with rounds that only started one fn later each time, the fn listed after dense took that slot in most of
-    them (H100, Llama 64K / 128K: a kernel 2-8 % slower than the same kernel listed later, session 38)."""
+    `balanced_sequence(len(fns))`, repeated until each fn has `rounds` batches (k - 1 a pass: 6 for 3 fns at the
+    default), after one unrecorded batch of its last fn, so that every recorded batch follows every other fn equally
+    often. A kernel timed right after dense SDPA runs at the clock dense's power left (H200, 128K: 7-21 % slower,
+    kernels/NOTES.md session 22); with rounds that only started one fn later each time, the fn listed after dense
+    took that slot in most of them (H100, Llama 64K / 128K: a kernel 2-8 % slower than the same kernel listed later,
+    session 38)."""
     if rounds < 1 or max_reps < 1:
         raise ValueError(f"need rounds >= 1 and max_reps >= 1, got rounds={rounds}, max_reps={max_reps}")
     cuda = torch.cuda.is_available() if cuda is None else cuda
