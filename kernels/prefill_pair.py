@@ -400,7 +400,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The pair kernel over checked per-head tiles: their columns as PACKED strips (`head_columns`) or, under an
     A-shape `band` (sink, window Int32 `[Hq]` on q's device), as SINKS strips; `stages` ring slots (None: `RING`'s
-    for the head_dim; head_dim 128 runs only here, for `scripts/multicast_probe.py --shape llama3-8b`)."""
+    for the head_dim; head_dim 128 runs only here, for `scripts/pair_probe.py`)."""
     B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
     M = -(-N // ROWS.value)
     if tuple(tiles.shape) != (B, Hq, M):
@@ -429,7 +429,6 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
         k_desc, v_desc, kc_desc, vc_desc, q, o, lse, items.union, items.bits, items.count, col_count, cols, covered,
         sink, window, items.order, items.union.shape[1], N, M, -(-M // 2), Hq // Hkv, cols.shape[-1] if packed else 0,
         covered.shape[-1] if packed else 0, Hq, scale * LOG2E, D=D, STAGES=stages or RING[D], STRIPS=strips,
-        BAND=band is not None,
-        Q_SMEM=lay["Q_SMEM"], Q_LAYOUT=lay["Q_LAYOUT"], S_LAYOUT=lay["S_LAYOUT"], O_LAYOUT=lay["O_LAYOUT"],
-        CONSUMER_REGS=LAUNCH["consumer_regs"], num_warps=4, maxnreg=LAUNCH["maxnreg"])
+        BAND=band is not None, Q_SMEM=lay["Q_SMEM"], Q_LAYOUT=lay["Q_LAYOUT"], S_LAYOUT=lay["S_LAYOUT"],
+        O_LAYOUT=lay["O_LAYOUT"], CONSUMER_REGS=LAUNCH["consumer_regs"], num_warps=4, maxnreg=LAUNCH["maxnreg"])
     return o, lse
