@@ -11,8 +11,9 @@ A consumer computes S = Q K^T with an async wgmma (Q and K from shared memory), 
 exp2, and O += P V (P from registers). With two consumers one warpgroup's softmax runs beside the other's
 GEMMs (the warp schedulers interleave them); OVERLAP adds FA3's intra-warpgroup overlap: the next piece's
 Q K^T is issued before this piece's P V, and the softmax of the next piece runs while P V is in flight.
-SHARE: the two consumers take query heads 2j and 2j + 1 (one KV head) of one row block, whose piece lists are
-equal, and read one ring: each K/V tile is loaded once for 128 query rows.
+SHARE: the two consumers take two query heads of one KV head (2j and 2j + 1, or A-shape's heads of one band,
+`head_pairs`) at one row block, whose piece lists are equal, and read one ring: each K/V tile is loaded once for 128
+query rows.
 
 Vertical-Slash (`ws_vertical_slash`, VS=True): sm_90's TMA cannot gather scattered key rows, so each query head's
 unique columns are sorted and their K / V rows packed once per call into contiguous kc / vc `[B * Hq * KVP, D]`
@@ -42,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -53,7 +55,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .index_ref import VSTiles, band_tiles, expand_groups
 from .prefill_ref import check_prefill_args
 from .schedule import work_order
-from .tiling import LN2, LOG2E, band_on
+from .tiling import LN2, LOG2E, band_on, ints_on
 
 ROWS = 64  # query rows per consumer warpgroup (= tiles.block)
 KEYS = 64  # keys per piece and per column strip (= tiles.piece); ws_ashape / ws_vertical_slash also take 128
@@ -63,13 +65,13 @@ HEAD_DIMS = (64, 128, 256)  # head_dims it takes (256: the launches below, not t
 # name in 3.6 (the H200 image's)
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 PRODUCER_REGS = gl.constexpr(24)  # registers per thread of the 1-warp producer (scalar code only)
-# `ashape_prefill`'s launch on sm_90 when heads pair: two query heads on one ring of 3 stages, 128 keys per step
-# (H200, Llama 32/8/128, sink 128, window 4096, 64K and 128K: 1.03-1.08x the 64-key shared ring with 4 stages in
-# two probes, kernels/NOTES.md)
+# `ashape_prefill`'s launch on sm_90 when heads pair (`head_pairs`): two query heads of one band on one ring of 3
+# stages, 128 keys per step (H200, Llama 32/8/128, sink 128, window 4096, 64K and 128K: 1.03-1.08x the 64-key shared
+# ring with 4 stages in two probes, kernels/NOTES.md)
 ASHAPE_LAUNCH = {"stages": 3, "share_kv": True, "width": 128}
-# its launch where heads 2j and 2j + 1 differ in band (or a KV group is odd): per-head rings of 3 stages, 64 keys per
-# step (H100, Llama 32/8/128, sink 128, windows 4096 / 2048 in turn, 64K / 128K: 1.09x / 1.14x the loop over per-head
-# tiles, 0.72 / 0.81 of dense per tile; 2 stages 1.08x / 1.12x, KV head first slower; kernels/NOTES.md session 38)
+# its launch where a KV group's heads do not pair up by band: per-head rings of 3 stages, 64 keys per step (H100,
+# Llama 32/8/128, sink 128, windows 4096 / 2048 in turn, 64K / 128K: 1.09x / 1.14x the loop over per-head tiles,
+# 0.72 / 0.81 of dense per tile; 2 stages 1.08x / 1.12x, KV head first slower; kernels/NOTES.md session 38)
 ASHAPE_PER_HEAD_LAUNCH = {"stages": 3, "share_kv": False, "width": 64}
 # `sparse_prefill`'s launches on sm_90, two 64-key items per 128-key step (`pair`; H200, session 16,
 # scripts/ws_probe.py, kernels/NOTES.md). Per-head tiles at head_dim 128 (Llama 32/8/128, 64K / 128K): block-sparse
@@ -91,12 +93,13 @@ SHARED_LAUNCH_D256 = {"consumers": 2, "stages": 2, "overlap": False, "share_kv":
 
 
 @gluon.jit
-def _work_item(Order, BlockCount, ColCount, pid, sub: gl.constexpr, n_work, N, H, G, M, NS, BLOCK_M: gl.constexpr,
+def _work_item(Order, Pairs, BlockCount, ColCount, pid, sub: gl.constexpr, n_work, N, H, G, M, NS,
+               BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr, SHARE: gl.constexpr, VS: gl.constexpr,
                ASHAPE: gl.constexpr):
     """Consumer `sub` of program pid -> (valid, q row, kv row, piece-list offset, piece count, strip count, first
     query row, bh = b * H + h): rows in the flattened q / k tensors; a slot past n_work has no items. SHARE:
-    `Order` lists (b, head pair, row block) items, consumer `sub` takes query head 2 * pair + sub; else consumer
+    `Order` lists (b, head pair j, row block) items, consumer `sub` takes query head Pairs[2 j + sub]; else consumer
     `sub` takes (b, head, row block) item pid * CONSUMERS + sub. VS / ASHAPE: the item first walks
     ceil(ColCount / BLOCK_N) strips (VS: of its head's packed columns; ASHAPE: of keys from 0, the sinks), then its
     pieces (strips 0 otherwise)."""
@@ -108,8 +111,8 @@ def _work_item(Order, BlockCount, ColCount, pid, sub: gl.constexpr, n_work, N, H
     item = gl.load(Order + gl.minimum(slot, n_work - 1))
     m = item % M
     if SHARE:
-        pair = item // M  # b * H / 2 + h / 2
-        bh = (pair // (H // 2)) * H + 2 * (pair % (H // 2)) + sub
+        pair = item // M  # b * H / 2 + j
+        bh = (pair // (H // 2)) * H + gl.load(Pairs + 2 * (pair % (H // 2)) + sub)
     else:
         bh = item // M  # b * H + h
     tile = bh * M + m
@@ -195,7 +198,8 @@ def _load(desc, packed_desc, packed, row, dst, ready, VS: gl.constexpr):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-              v_empty, BlockCount, BlockOffset, ColCount, Order, n_work, N, H, G, M, NS, KVP, BLOCK_M: gl.constexpr,
+              v_empty, BlockCount, BlockOffset, ColCount, Order, Pairs, n_work, N, H, G, M, NS, KVP,
+              BLOCK_M: gl.constexpr,
               CONSUMERS: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, SHARE: gl.constexpr,
               VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr):
     """1 warp: Q of each consumer once (q_bar phase 0), then the steps over the items (strips, pieces; PAIR: two
@@ -203,7 +207,7 @@ def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, 
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     ITEMS: gl.constexpr = 2 if PAIR else 1
     pid = gl.program_id(0)
-    _, q0, kv0, base0, p0, s0, _, bh0 = _work_item(Order, BlockCount, ColCount, pid, 0, n_work, N, H, G, M, NS,
+    _, q0, kv0, base0, p0, s0, _, bh0 = _work_item(Order, Pairs, BlockCount, ColCount, pid, 0, n_work, N, H, G, M, NS,
                                                    BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS, ASHAPE)
     n0 = p0 + s0
     # a consumer with no items never waits for its Q: load it only where there are items (no TMA left in flight)
@@ -214,7 +218,7 @@ def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, 
             _fill(t, n0, s0, kv0, bh0 * KVP, BlockOffset + base0, k_desc, v_desc, kc_desc, vc_desc, k_smem, v_smem,
                   k_ready, v_ready, k_empty, v_empty, 0, STAGES, V_STAGES, VS, ASHAPE, PAIR)
     else:
-        _, q1, kv1, base1, p1, s1, _, bh1 = _work_item(Order, BlockCount, ColCount, pid, 1, n_work, N, H, G, M, NS,
+        _, q1, kv1, base1, p1, s1, _, bh1 = _work_item(Order, Pairs, BlockCount, ColCount, pid, 1, n_work, N, H, G, M, NS,
                                                        BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS, ASHAPE)
         n1 = p1 + s1
         mbarrier.expect(q_bar.index(1), q_desc.block_type.nbytes, pred=n1 > 0)
@@ -379,7 +383,8 @@ def _issue_pv(acc, alpha, prob, v_smem, v_ready, iv, phase, row_o: gl.constexpr,
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount, BlockOffset,
-              ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, sub: gl.constexpr,
+              ColCount, Cols, Covered, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP, L,
+              sub: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CONSUMERS: gl.constexpr,
               STAGES: gl.constexpr, V_STAGES: gl.constexpr, OVERLAP: gl.constexpr, SHARE: gl.constexpr,
               VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr):
@@ -388,7 +393,7 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
     LSE. ASHAPE: its head's sink / window (tokens) from Sink / Window Int32 `[H]`."""
     pid = gl.program_id(0)
     PIECE: gl.constexpr = BLOCK_N // 2 if PAIR else BLOCK_N  # keys per item
-    valid, q_row, _, base, pieces, strips, row_lo, bh = _work_item(Order, BlockCount, ColCount, pid, sub, n_work, N,
+    valid, q_row, _, base, pieces, strips, row_lo, bh = _work_item(Order, Pairs, BlockCount, ColCount, pid, sub, n_work, N,
                                                                    H, G, M, NS, BLOCK_M, PIECE, CONSUMERS, SHARE, VS, ASHAPE)
     items = strips + pieces
     n = (items + 1) // 2 if PAIR else items  # steps
@@ -490,7 +495,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
 
 @gluon.jit(do_not_specialize=["n_work", "N", "M", "NS", "KVP", "L"])
 def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCount, BlockOffset, ColCount, Cols,
-                       Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, CONSUMERS: gl.constexpr,
+                       Covered, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP, L,
+                       CONSUMERS: gl.constexpr,
                        STAGES: gl.constexpr, V_STAGES: gl.constexpr, OVERLAP: gl.constexpr, SHARE: gl.constexpr,
                        VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """Program pid: work slots pid * CONSUMERS + c of `Order` (SHARE: slot pid, both consumers). VS: kc / vc
@@ -498,7 +504,8 @@ def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCo
     keys, ascending), ColCount Int32 `[B, Hq, M]` how many are < the row block's first row, Covered Int8
     `[B * Hq, L]` the d-space flags of `index_build.vs_slash_tiles` (unused without VS). ASHAPE: ColCount the sink
     keys [0, ColCount) below each row block's lowest piece (`index_ref.ashape_to_tiles`' column_count), Sink /
-    Window Int32 `[Hq]` the token mask. Shared memory:
+    Window Int32 `[Hq]` the token mask. SHARE: Pairs Int32 `[Hq]` the query heads in ring order (pair j: heads
+    Pairs[2 j], Pairs[2 j + 1] of one KV head; unused otherwise). Shared memory:
     CONSUMERS Q tiles and RINGS (CONSUMERS, SHARE: 1) rings of STAGES K tiles and V_STAGES (<= STAGES) V tiles
     (BLOCK_N = 64 or 128 keys x D each: k_desc's block, twice it with PAIR (two items a slot); bf16, D = 128: 16 or
     32 KB a tile)."""
@@ -528,22 +535,22 @@ def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCo
     if CONSUMERS == 1:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
-                         BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 0,
-                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR)),
+                         BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP,
+                         L, 0, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR)),
             (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                         k_empty, v_empty, BlockCount, BlockOffset, ColCount, Order, n_work, N, H, G, M, NS, KVP,
+                         k_empty, v_empty, BlockCount, BlockOffset, ColCount, Order, Pairs, n_work, N, H, G, M, NS, KVP,
                          BLOCK_M, CONSUMERS, STAGES, V_STAGES, SHARE, VS, ASHAPE, PAIR)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
-                         BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 0,
-                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR)),
+                         BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP,
+                         L, 0, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR)),
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
-                         BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, n_work, qk_scale, N, H, G, M, NS, KVP, L, 1,
-                         BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR)),
+                         BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP,
+                         L, 1, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR)),
             (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                         k_empty, v_empty, BlockCount, BlockOffset, ColCount, Order, n_work, N, H, G, M, NS, KVP,
+                         k_empty, v_empty, BlockCount, BlockOffset, ColCount, Order, Pairs, n_work, N, H, G, M, NS, KVP,
                          BLOCK_M, CONSUMERS, STAGES, V_STAGES, SHARE, VS, ASHAPE, PAIR)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -607,11 +614,28 @@ def ws_takes(q: torch.Tensor, tiles: VSTiles, sink: torch.Tensor | None) -> bool
             and (not tiles.columns or tiles.head_columns is not None) and (hq == h or hq // h % 2 == 0))
 
 
-def _heads_pair(hq: int, hkv: int, sink: torch.Tensor, window: torch.Tensor) -> bool:
-    """Whether query heads 2j and 2j + 1 can share a K/V ring under an A-shape: an even number of query heads per
-    KV head and equal sink and window for the two (sink / window `[Hq]`)."""
-    return (hq % hkv == 0 and hq // hkv % 2 == 0 and sink.numel() == window.numel() == hq
-            and torch.equal(sink[0::2], sink[1::2]) and torch.equal(window[0::2], window[1::2]))
+def head_pairs(hq: int, hkv: int, sink: torch.Tensor, window: torch.Tensor) -> tuple[int, ...] | None:
+    """The query heads in an order whose pairs (2j, 2j + 1) can share a K/V ring under an A-shape (sink / window
+    `[Hq]`): both of one KV head, with one sink and one window. Each KV group's heads stay in place where they pair
+    as they are, else they are sorted by band; None where a group is odd or holds a band an odd number of times."""
+    g = hq // hkv if hkv and hq % hkv == 0 else 0
+    if g % 2 or sink.numel() != hq or window.numel() != hq:
+        return None
+    bands = list(zip(sink.tolist(), window.tolist()))
+    order: list[int] = []
+    for start in range(0, hq, g):
+        heads = list(range(start, start + g))
+        if not _alike(heads, bands):
+            heads.sort(key=lambda h: bands[h])
+            if not _alike(heads, bands):
+                return None
+        order += heads
+    return tuple(order)
+
+
+def _alike(heads: list[int], bands: list[tuple[int, int]]) -> bool:
+    """Whether heads[2j] and heads[2j + 1] hold one band for every j."""
+    return all(bands[a] == bands[b] for a, b in zip(heads[0::2], heads[1::2]))
 
 
 def ws_ashape_takes(q: torch.Tensor, k: torch.Tensor, sink: torch.Tensor, window: torch.Tensor) -> bool:
@@ -623,19 +647,20 @@ def ws_ashape_takes(q: torch.Tensor, k: torch.Tensor, sink: torch.Tensor, window
 
 
 def ashape_launch(hq: int, hkv: int, sink: torch.Tensor, window: torch.Tensor) -> dict:
-    """`ws_ashape`'s keyword arguments for `prefill.ashape_prefill`: `ASHAPE_LAUNCH` (two heads on one ring) where heads
-    2j and 2j + 1 share a band (`_heads_pair`), else `ASHAPE_PER_HEAD_LAUNCH`."""
-    return ASHAPE_LAUNCH if _heads_pair(hq, hkv, sink, window) else ASHAPE_PER_HEAD_LAUNCH
+    """`ws_ashape`'s keyword arguments for `prefill.ashape_prefill`: `ASHAPE_LAUNCH` (two heads on one ring) where each
+    KV group's heads pair up by band (`head_pairs`), else `ASHAPE_PER_HEAD_LAUNCH`."""
+    return ASHAPE_LAUNCH if head_pairs(hq, hkv, sink, window) is not None else ASHAPE_PER_HEAD_LAUNCH
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None,
             stages: tuple[int, int],
             consumers: int, overlap: bool, share_kv: bool,
             packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-            band: tuple[torch.Tensor, torch.Tensor] | None = None, kv_major: bool = False, pair: bool = False
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            band: tuple[torch.Tensor, torch.Tensor] | None = None, kv_major: bool = False, pair: bool = False,
+            pairs: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on checked, contiguous inputs, items in `work_order` (by KV head first with `kv_major`); stages: the K
-    and V rings' depths; `pair`: two items per step (`ws_prefill`). `packed`
+    and V rings' depths; `pair`: two items per step (`ws_prefill`); `pairs` (share_kv): the query heads in ring order,
+    heads pairs[2j], pairs[2j + 1] on one ring (`head_pairs`; None: 0, 1, ..., Hq - 1). `packed`
     (VS): (kc, vc `[B * Hq * KVP, D]`, cols Int32 `[B, Hq, KVP]`, col_count Int32 `[B, Hq, M]`, covered Int8
     `[B, Hq, L]`); `band` (A-shape, tiles from `ashape_to_tiles`): (sink, window) Int32 `[Hq]` on q's device; see
     `_ws_prefill_kernel`."""
@@ -662,9 +687,14 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
         strip_tiles = dataclasses.replace(tiles, column_count=col_count)  # work_order counts the strips
     o = torch.empty_like(q)
     lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
-    if share_kv:  # items (b, head pair, row block), ordered by the even heads' pieces and strips
-        order = work_order(dataclasses.replace(strip_tiles, block_count=bc[:, 0::2],
-                                               column_count=strip_tiles.column_count[:, 0::2]),
+    ring_heads = ints_on(tuple(range(Hq)) if pairs is None else pairs, q.device)  # (cached device copy)
+    if share_kv:  # items (b, head pair, row block), ordered by the first head of each pair's pieces and strips
+        if pairs is None:
+            firsts = bc[:, 0::2], strip_tiles.column_count[:, 0::2]
+        else:  # (a cached device index: a host list would be copied from pageable memory every call)
+            first = ints_on(tuple(pairs[0::2]), q.device)
+            firsts = bc.index_select(1, first), strip_tiles.column_count.index_select(1, first)
+        order = work_order(dataclasses.replace(strip_tiles, block_count=firsts[0], column_count=firsts[1]),
                            1, Hq // 2 // Hkv if kv_major else 0)
         n_work = B * Hq // 2 * M
         grid = n_work
@@ -675,7 +705,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
     cfg = launch_config(consumers, D)
     _ws_prefill_kernel[(grid,)](
         q_desc, k_desc, v_desc, kc_desc, vc_desc, o, lse, bc, bo, col_count, cols, covered, sink, window, order,
-        n_work, scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1], cols.shape[-1], covered.shape[-1],
+        ring_heads, n_work, scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1], cols.shape[-1], covered.shape[-1],
         CONSUMERS=consumers, STAGES=stages[0], V_STAGES=stages[1], OVERLAP=overlap, SHARE=share_kv, VS=packed is not None,
         ASHAPE=band is not None, PAIR=pair, CONSUMER_REGS=cfg["consumer_regs"], num_warps=4, maxnreg=cfg["maxnreg"])
     return o, lse
@@ -854,7 +884,7 @@ def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Ten
     pieces that reach past the window. q, k, v, stages, v_stages, consumers, overlap, kv_major as `ws_prefill`; `tiles`: those
     per-head tiles made elsewhere (`ashape_to_tiles(sink, window, N, B, 64, width=width)`; None: `index_ref.band_tiles`'
     cached ones, built at the first call for a band, length and width).
-    `share_kv` (consumers=2, an even group, equal sink and window for heads 2j and 2j + 1): both heads on one
+    `share_kv` (consumers=2, each KV group's heads pairing up by band: `head_pairs`): two heads of one band on one
     K/V ring, as `ws_prefill`'s (`ashape_prefill`'s choice on sm_90: `ASHAPE_LAUNCH`). `width`: keys per step, 64 or
     128 (pieces and sink strips; 128: twice the work per ring slot and barrier round trip, 64 KB a slot at head_dim
     128, so at most 3 stages on one shared ring).
@@ -865,9 +895,10 @@ def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Ten
     if sink_t.numel() != Hq or window_t.numel() != Hq or sink_t.is_floating_point() or window_t.is_floating_point():
         raise ValueError(f"sink and window must be integer token counts, one per query head ([{Hq}]); got "
                          f"{sink_t.dtype} {tuple(sink_t.shape)} and {window_t.dtype} {tuple(window_t.shape)}")
-    if share_kv and (consumers != 2 or not _heads_pair(Hq, Hkv, sink_t, window_t)):
-        raise ValueError("share_kv needs consumers=2, an even number of query heads per KV head and equal sink and "
-                         "window for heads 2j and 2j + 1; use share_kv=False")
+    pairs = head_pairs(Hq, Hkv, sink_t, window_t) if share_kv else None
+    if share_kv and (consumers != 2 or pairs is None):
+        raise ValueError("share_kv needs consumers=2, an even number of query heads per KV head and every band held "
+                         "by an even number of a KV group's heads; use share_kv=False")
     if width not in (KEYS, 2 * KEYS):
         raise ValueError(f"width (keys per step) must be {KEYS} or {2 * KEYS}, got {width}")
     _check_device(q)
@@ -880,4 +911,4 @@ def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Ten
     else:
         band = band_on(sink_t, window_t, q.device)
     return _launch(q.contiguous(), k.contiguous(), v.contiguous(), tiles, scale, (stages, v_stages or stages),
-                   consumers, overlap, share_kv, band=band, kv_major=kv_major)
+                   consumers, overlap, share_kv, band=band, kv_major=kv_major, pairs=pairs)

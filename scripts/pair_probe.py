@@ -9,9 +9,9 @@ for the call): `heads` one head after another, its row blocks last first (the pa
 won 1.09x / 1.24x at head_dim 256), `kv` every item of a KV head's query heads before the next KV head's, most pieces
 first within (Vertical-Slash's default), `longest` most pieces first over all heads (block-sparse's default).
 
-`--ws-ashape`: A-shape's per-head bands also on `prefill_ws.ws_ashape` with per-head rings (share_kv=False: heads 2j
-and 2j + 1 differ in band, so they cannot share one), configs WIDTHxSTAGES[kv] (keys per step, ring slots, KV head
-first).
+`--ws-ashape`: A-shape's per-head bands also on `prefill_ws.ws_ashape` with per-head rings (share_kv=False; the
+deployed launch pairs heads of one band on a shared ring, `prefill_ws.head_pairs`), configs WIDTHxSTAGES[kv] (keys per
+step, ring slots, KV head first).
 
 Steps: each kernel against the loop on the same tiles at 4K (bf16, max |o - loop|; no timings if any exceeds 0.05);
 then per length the rows timed side by side (`paired_ms`: batches in a balanced sequence), efficiency per

@@ -93,7 +93,8 @@ def compile_ws(consumers: int, stages: int, overlap: bool, d: int, share: bool, 
         return f"tensordesc<{dtype}[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)!r}>"
 
     pointers = {"O": f"*{dtype}", "LSE": "*fp32", "BlockCount": "*i32", "BlockOffset": "*i32", "ColCount": "*i32",
-                "Cols": "*i32", "Covered": "*i8", "Sink": "*i32", "Window": "*i32", "Order": "*i32"}
+                "Cols": "*i32", "Covered": "*i8", "Sink": "*i32", "Window": "*i32", "Order": "*i32",
+                "Pairs": "*i32"}
     types = {"q_desc": desc(64), "k_desc": desc(keys), "v_desc": desc(keys), "kc_desc": desc(keys), "vc_desc": desc(keys),
              "qk_scale": "fp32", **pointers}
     cfg = prefill_ws.launch_config(consumers, d)
@@ -370,9 +371,10 @@ def test_a_mixed_layer_with_vertical_slash_runs_the_gluon_kernel():
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper(), reason="the Gluon kernel runs on sm_90 (H100 / H200) only")
 def test_an_ashape_layer_runs_the_shared_ring_where_heads_pair_else_per_head_rings(monkeypatch):
-    """SparsePrefill on a layer of A-shape heads only (GQA 2:1, batch 2, bf16, N = 1000, head_dim 128) takes A-shape's
-    own kernel (`AShape.layer_attention`: `ws_ashape`): with heads 2j and 2j + 1 alike both on one K/V ring, with a
-    pair that differs per-head rings (`ashape_launch`); equal to `ashape_prefill`'s output, close to the PyTorch
+    """SparsePrefill on a layer of A-shape heads only (4 heads, batch 2, bf16, N = 1000, head_dim 128) takes A-shape's
+    own kernel (`AShape.layer_attention`: `ws_ashape`): where each KV group's heads pair up by band, two of a band on
+    one K/V ring (GQA 2:1 with heads 2j and 2j + 1 alike; GQA 4:1 with the bands in turn, so the pairs are heads 0 / 3
+    and 1 / 2), else per-head rings (`ashape_launch`); equal to `ashape_prefill`'s output, close to the PyTorch
     reference path and to the loop over the merged tiles."""
     import workbench_kernels.prefill_ws as ws
     from test_methods_kernel import mixed_prefill
@@ -382,15 +384,16 @@ def test_an_ashape_layer_runs_the_shared_ring_where_heads_pair_else_per_head_rin
     real = ws.ws_ashape
     monkeypatch.setattr(ws, "ws_ashape", lambda *a, **kw: calls.append(kw["share_kv"]) or real(*a, **kw))
     bands = [(64, 300), (64, 300), (0, 129), (0, 129)]
-    for alike in (True, False):
-        heads = bands if alike else [(64, 300), (64, 200)] + bands[2:]
-        sp, _, q, k, v = mixed_prefill([("ashape", {"sink": g, "window": w}) for g, w in heads], n=1000, hkv=2,
+    cases = [(bands, 2, True), ([(64, 300), (0, 129), (0, 129), (64, 300)], 1, True),
+             ([(64, 300), (64, 200)] + bands[2:], 2, False)]
+    for heads, hkv, shared in cases:
+        sp, _, q, k, v = mixed_prefill([("ashape", {"sink": g, "window": w}) for g, w in heads], n=1000, hkv=hkv,
                                        d=128, seed=5)
         q, k, v = (x.to("cuda", torch.bfloat16) for x in (q, k, v))
         calls.clear()
         index = sp.layer_index(0, q, k, 0.1, "triton")
         got = sp.layer_kernel(0, index, q, k, v, 0.1, "triton")
-        assert calls == [alike]
+        assert calls == [shared]
         sink, window = (torch.tensor(x) for x in zip(*heads))
         assert torch.equal(got, ashape_prefill(q, k, v, sink, window, scale=0.1)[0])
         loop = sparse_prefill(q, k, v, index[0], sink=index[1], window=index[2], scale=0.1)[0]
@@ -460,8 +463,8 @@ def test_ws_ashape_matches_masked_attention_bf16(case):
     B, Hq, Hkv, n = 2, 8, 2, 1000
     sink = torch.tensor([0, 4, 64, 100, 4, 0, 130, 700])
     window = torch.tensor([64, 100, 1, 300, NO_WINDOW, 1200, 65, 17])
-    if share:  # heads 2j and 2j + 1 alike
-        sink, window = sink[0::2].repeat_interleave(2), window[1::2].repeat_interleave(2)
+    if share:  # each KV group's four heads in two bands, in the order a b b a: `head_pairs` pairs heads 0 / 3, 1 / 2
+        sink, window = sink[[0, 2, 2, 0, 4, 6, 6, 4]], window[[1, 3, 3, 1, 5, 7, 7, 5]]
     q, k, v = qkv(B, Hq, Hkv, n, d, seed=3)
     o, lse = ws_ashape(q, k, v, sink, window, stages=stages, consumers=consumers, overlap=overlap, share_kv=share,
                        width=keys, v_stages=v_stages)
@@ -508,10 +511,26 @@ def test_ws_prefill_rejects_unsupported_inputs(case):
         ws_prefill(q, k, v, tiles, **kwargs)
 
 
+def test_head_pairs_pair_each_kv_groups_heads_by_band():
+    """`head_pairs`: a KV group's heads stay in place where heads 2j and 2j + 1 share a band, else they are sorted by
+    band; None for an odd group, a band held by an odd number of a group's heads, or not one band per head."""
+    if gluon_hopper_reason():
+        pytest.skip(gluon_hopper_reason())
+    from workbench_kernels.prefill_ws import head_pairs
+
+    t = torch.tensor
+    assert head_pairs(4, 2, t([0, 0, 4, 4]), t([64, 64, 9, 9])) == (0, 1, 2, 3)
+    assert head_pairs(8, 2, t([0] * 8), t([64, 9, 9, 64, 9, 9, 9, 9])) == (1, 2, 0, 3, 4, 5, 6, 7)
+    assert head_pairs(4, 1, t([0, 4, 0, 4]), t([9] * 4)) == (0, 2, 1, 3)
+    assert head_pairs(4, 1, t([0] * 4), t([64, 9, 9, 9])) is None
+    assert head_pairs(6, 2, t([0] * 6), t([9] * 6)) is None
+    assert head_pairs(4, 2, t([0] * 3), t([9] * 3)) is None
+
+
 @pytest.mark.parametrize("case", ["sink_shape", "window_dtype", "share_unequal", "width", "not_hopper"])
 def test_ws_ashape_rejects_unsupported_inputs(case):
-    """One integer sink and window per query head, share_kv only over equal sink and window of heads 2j and
-    2j + 1, 64 or 128 keys per step, an sm_90 GPU; else ValueError naming the field."""
+    """One integer sink and window per query head, share_kv only where each KV group's heads pair up by band, 64 or
+    128 keys per step, an sm_90 GPU; else ValueError naming the field."""
     if gluon_hopper_reason():
         pytest.skip(gluon_hopper_reason())
     from workbench_kernels.prefill_ws import ws_ashape
