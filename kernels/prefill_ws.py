@@ -94,9 +94,8 @@ SHARED_LAUNCH_D256 = {"consumers": 2, "stages": 2, "overlap": False, "share_kv":
 
 @gluon.jit
 def _work_item(Order, Pairs, BlockCount, ColCount, pid, sub: gl.constexpr, n_work, N, H, G, M, NS,
-               BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr, SHARE: gl.constexpr, VS: gl.constexpr,
-               ASHAPE: gl.constexpr):
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr, SHARE: gl.constexpr,
+               VS: gl.constexpr, ASHAPE: gl.constexpr):
     """Consumer `sub` of program pid -> (valid, q row, kv row, piece-list offset, piece count, strip count, first
     query row, bh = b * H + h): rows in the flattened q / k tensors; a slot past n_work has no items. SHARE:
     `Order` lists (b, head pair j, row block) items, consumer `sub` takes query head Pairs[2 j + sub]; else consumer
@@ -199,9 +198,8 @@ def _load(desc, packed_desc, packed, row, dst, ready, VS: gl.constexpr):
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
               v_empty, BlockCount, BlockOffset, ColCount, Order, Pairs, n_work, N, H, G, M, NS, KVP,
-              BLOCK_M: gl.constexpr,
-              CONSUMERS: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, SHARE: gl.constexpr,
-              VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr):
+              BLOCK_M: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+              SHARE: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr):
     """1 warp: Q of each consumer once (q_bar phase 0), then the steps over the items (strips, pieces; PAIR: two
     items a step): of the one shared ring (SHARE), else of each consumer's ring, interleaved step by step."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -384,17 +382,17 @@ def _issue_pv(acc, alpha, prob, v_smem, v_ready, iv, phase, row_o: gl.constexpr,
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount, BlockOffset,
               ColCount, Cols, Covered, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP, L,
-              sub: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CONSUMERS: gl.constexpr,
-              STAGES: gl.constexpr, V_STAGES: gl.constexpr, OVERLAP: gl.constexpr, SHARE: gl.constexpr,
-              VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr):
+              sub: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+              CONSUMERS: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+              SHARE: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr):
     """Consumer warpgroup `sub`: BLOCK_M query rows over their items (VS: column strips, then pieces; BLOCK_N keys
     a step: one item, or two with PAIR) from its ring (SHARE: the one ring both consumers read); writes O rows and
     LSE. ASHAPE: its head's sink / window (tokens) from Sink / Window Int32 `[H]`."""
     pid = gl.program_id(0)
     PIECE: gl.constexpr = BLOCK_N // 2 if PAIR else BLOCK_N  # keys per item
-    valid, q_row, _, base, pieces, strips, row_lo, bh = _work_item(Order, Pairs, BlockCount, ColCount, pid, sub, n_work, N,
-                                                                   H, G, M, NS, BLOCK_M, PIECE, CONSUMERS, SHARE, VS, ASHAPE)
+    valid, q_row, _, base, pieces, strips, row_lo, bh = _work_item(Order, Pairs, BlockCount, ColCount, pid, sub,
+                                                                   n_work, N, H, G, M, NS, BLOCK_M, PIECE, CONSUMERS,
+                                                                   SHARE, VS, ASHAPE)
     items = strips + pieces
     n = (items + 1) // 2 if PAIR else items  # steps
     ring: gl.constexpr = 0 if SHARE else sub
@@ -496,9 +494,9 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
 @gluon.jit(do_not_specialize=["n_work", "N", "M", "NS", "KVP", "L"])
 def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCount, BlockOffset, ColCount, Cols,
                        Covered, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP, L,
-                       CONSUMERS: gl.constexpr,
-                       STAGES: gl.constexpr, V_STAGES: gl.constexpr, OVERLAP: gl.constexpr, SHARE: gl.constexpr,
-                       VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                       CONSUMERS: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+                       SHARE: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr):
     """Program pid: work slots pid * CONSUMERS + c of `Order` (SHARE: slot pid, both consumers). VS: kc / vc
     `[B * Hq * KVP, D]` hold each query head's packed columns' K / V rows (Cols Int32 `[B * Hq * KVP]` their
     keys, ascending), ColCount Int32 `[B, Hq, M]` how many are < the row block's first row, Covered Int8
