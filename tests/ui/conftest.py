@@ -62,11 +62,9 @@ def dashboard(folder: Path, *args: str):
 
 
 def assert_no_traceback(log_path: Path) -> None:
-    """The server logged no traceback (a refused input or a failed job logs one line, not a traceback). Tornado's
-    own report of a message sent to a page the test had just closed (WebSocketClosedError) is not one of ours."""
-    text = re.sub(r"Task exception was never retrieved\nfuture: <Task finished name='[^']*' "
-                  r"coro=<WebSocketProtocol13\.write_message.*?\ntornado\.websocket\.WebSocketClosedError\n",
-                  "", log_path.read_text(), flags=re.S)
+    """The server logged no traceback (a refused input or a failed job logs one line, not a traceback; a message to
+    a page the test had just closed is dropped by `workbench.cli.dashboard.quiet_closed_tabs`)."""
+    text = log_path.read_text()
     assert "Traceback" not in text and "TypeError" not in text, text[-6000:]
 
 

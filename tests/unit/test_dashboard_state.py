@@ -95,3 +95,25 @@ def test_estimate_reads_the_nearest_measured_length_and_says_so():
     assert est.sentence(est.head("dense", 36, 512), 512).endswith("runs dense attention: nothing to gain or lose.")
     missing, why = Estimate.load("/nonexistent/bench.json", shape)
     assert missing is None and why.startswith("no estimate: bench.json")
+
+
+def test_the_server_drops_only_the_report_of_a_message_to_a_closed_tab(caplog):
+    """`quiet_closed_tabs` (the dashboard server's asyncio exception handler): a task that failed because its browser
+    tab had closed (Tornado's WebSocketClosedError) logs nothing; any other task's exception still reaches asyncio's
+    default handler, which logs it."""
+    import asyncio
+    import logging
+
+    from tornado.websocket import WebSocketClosedError
+
+    from workbench.cli.dashboard import quiet_closed_tabs
+
+    loop = asyncio.new_event_loop()
+    try:
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            quiet_closed_tabs(loop, {"message": "Task exception was never retrieved", "exception": WebSocketClosedError()})
+            assert caplog.records == []
+            quiet_closed_tabs(loop, {"message": "Task exception was never retrieved", "exception": KeyError("layer")})
+        assert len(caplog.records) == 1 and "KeyError: 'layer'" in caplog.text
+    finally:
+        loop.close()
