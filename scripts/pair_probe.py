@@ -9,9 +9,10 @@ for the call): `heads` one head after another, its row blocks last first (the pa
 won 1.09x / 1.24x at head_dim 256), `kv` every item of a KV head's query heads before the next KV head's, most pieces
 first within (Vertical-Slash's default), `longest` most pieces first over all heads (block-sparse's default).
 
-`--ws-ashape`: A-shape's per-head bands also on `prefill_ws.ws_ashape` with per-head rings (share_kv=False; the
-deployed launch pairs heads of one band on a shared ring, `prefill_ws.head_pairs`), configs WIDTHxSTAGES[kv] (keys per
-step, ring slots, KV head first).
+`--ws-ashape`: the A-shape rows also on `prefill_ws.ws_ashape`, configs WIDTHxSTAGES[vV][kv][s][n] (keys per step,
+K ring slots, V ring slots, KV head first, `s`: two heads of one band on a shared ring (`prefill_ws.head_pairs`), else
+per-head rings; `n`: no overlap). `--shape gemma3-270m` runs the same rows at head_dim 256 (4 / 1), where A-shape
+deploys the GQA-packed loop (`a_shape`: one band per group) or the row-block pairs (`a_shape_per_head`).
 
 Steps: each kernel against the loop on the same tiles at 4K (bf16, max |o - loop|; no timings if any exceeds 0.05);
 then per length the rows timed side by side (`paired_ms`: batches in a balanced sequence), efficiency per
@@ -25,6 +26,7 @@ import argparse
 import contextlib
 import json
 import math
+import re
 import sys
 import time
 
@@ -35,9 +37,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", default="65536,131072")
     p.add_argument("--stages", default="3,4,5", help="ring slots of the pair rows (164 KB of shared memory at 4)")
-    p.add_argument("--patterns", default="vs,vs512,block,a_shape_per_head")
+    p.add_argument("--patterns", default="vs,vs512,block,a_shape_per_head", help="also a_shape: one band per group")
+    p.add_argument("--shape", default="llama3-8b", help="an attention shape of benchmarks.kernels_prefill.SHAPES")
     p.add_argument("--orders", default="", help="launch orders of the deployed Gluon kernel: heads, kv, longest")
-    p.add_argument("--ws-ashape", default="", help="ws_ashape(share_kv=False) configs for a_shape_per_head: 64x2,64x3kv")
+    p.add_argument("--ws-ashape", default="", help="ws_ashape configs for the A-shape rows: 64x2,64x3kv,64x3v2sn")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default="pair_probe_d128.json")
     a = p.parse_args()
@@ -50,7 +53,7 @@ def main() -> int:
     from workbench.core.io import write_json
     from workbench.core.timing import environment, paired_ms
 
-    hq, hkv, d, theta = SHAPES["llama3-8b"]
+    hq, hkv, d, theta = SHAPES[a.shape]
     stages = [int(s) for s in a.stages.split(",") if s]
     orders = [x for x in a.orders.split(",") if x]
     ws_cfgs = [x for x in a.ws_ashape.split(",") if x]
@@ -65,9 +68,10 @@ def main() -> int:
             tiles = vs_tiles(cols, offs, n, 64, 0, head_columns=True)
         elif pattern == "block":
             tiles = selected_block_tiles(block_index(q, k, 100 if n > 8192 else 16))
-        else:  # heads of a KV group in two bands (window 4096 / 2048 in turn), as `bench kernels`' a_shape_per_head
+        else:  # sink 128, window 4096; a_shape_per_head: 4096 / 2048 in turn (as `bench kernels`' rows)
             sink = torch.tensor([128] * hq, dtype=torch.int32)
-            window = torch.tensor([4096 // (1 + h % 2) for h in range(hq)], dtype=torch.int32)
+            window = torch.tensor([4096 // (1 + h % 2 * (pattern == "a_shape_per_head")) for h in range(hq)],
+                                  dtype=torch.int32)
             tiles, band = band_tiles(sink, window, n, 1, 64, q.device)
             return tiles, band, (sink, window), lambda: ashape_prefill(q, k, v, sink, window)[0], "ashape_prefill"
         return tiles, None, None, lambda: sparse_prefill(q, k, v, tiles)[0], default_program(q, tiles)
@@ -98,9 +102,10 @@ def main() -> int:
         return call
 
     def ws_ashape(q, k, v, sw, cfg):
-        width, rest = cfg.split("x")
-        return prefill_ws.ws_ashape(q, k, v, *sw, stages=int(rest.removesuffix("kv")), width=int(width),
-                                    kv_major=rest.endswith("kv"))[0]
+        width, stages, v_stages, kv, share, no_overlap = re.fullmatch(r"(\d+)x(\d+)(?:v(\d+))?(kv)?(s)?(n)?", cfg).groups()
+        return prefill_ws.ws_ashape(q, k, v, *sw, stages=int(stages), width=int(width), kv_major=bool(kv),
+                                    share_kv=bool(share), overlap=not no_overlap,
+                                    v_stages=int(v_stages) if v_stages else None)[0]
 
     def variants(deployed, program, tiles, band, sw, q, k, v):
         """(row name, fn) of the kernels beside dense SDPA."""

@@ -71,6 +71,9 @@ CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block
     "head_dim_256_keys32": (2, 2, False, 256, False, "block", 32),  # 32-key items, rings of 2 slots (197 KB)
     # one consumer at head_dim 256 (`launch_config`: 168 / 240 registers; ptxas refuses 128), rings of 2 (164 KB)
     "head_dim_256_one_consumer": (1, 2, True, 256, False, "block"),
+    # A-shape at head_dim 256: two heads of one band on one shared ring of 64-key slots (197 KB; K 3 / V 2: 224 KB)
+    "ashape_head_dim_256_shared_kv": (2, 2, False, 256, True, "ashape"),
+    "ashape_head_dim_256_shared_kv_k3_v2": (2, 3, False, 256, True, "ashape", 64, 2),
 }
 # defaults: 64 keys per item, as many V stages as K stages, one item per step
 CASES = {case: (*args, *(64, None, False)[len(args) - 6:]) for case, args in CASES.items()}
