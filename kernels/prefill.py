@@ -523,8 +523,10 @@ def ashape_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torc
     keys per step (`prefill_ws.ASHAPE_LAUNCH`; H200, sink 128, window 4096, 64K / 128K: 0.82 / 0.90 of dense SDPA's
     TFLOP/s in one probe against 0.69 / 0.75 for the loop below, kernels/NOTES.md), else per-head rings
     (`prefill_ws.ASHAPE_PER_HEAD_LAUNCH`; H100, windows 4096 / 2048 in turn: 1.09x / 1.14x the loop over per-head
-    tiles); at head_dim 256, where the query heads of a KV group differ in band, row blocks 2j and 2j + 1 of a head on
-    one K/V ring (`prefill_pair.pair_ashape`); else, when the heads of every KV group share sink and window
+    tiles); at head_dim 256 two heads of one band on one ring where every KV group's heads pair up by band
+    (`prefill_ws.ASHAPE_LAUNCH_D256`; H100, Gemma-3 4/1/256: 0.91-0.98 of dense per tile, 1.21-1.33x the routes
+    below), else, where the query heads of a KV group differ in band, row blocks 2j and 2j + 1 of a head on one K/V
+    ring (`prefill_pair.pair_ashape`); else, when the heads of every KV group share sink and window
     (`groups_share_band`), group-shared tiles (GQA-packed kernel)."""
     hq, hkv = q.shape[1], k.shape[1]
     sink_t = torch.as_tensor(sink).reshape(-1).cpu()
@@ -551,35 +553,40 @@ def ashape_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.
     if program == "gluon":
         from .prefill_ws import ashape_launch, ws_ashape  # lazy, as in sparse_prefill
 
-        return ws_ashape(q, k, v, sink, window, scale, **ashape_launch(q.shape[1], k.shape[1], sink, window))
+        return ws_ashape(q, k, v, sink, window, scale, **ashape_launch(q.shape[1], k.shape[1], sink, window,
+                                                                       q.shape[-1]))
     return None
 
 
 def ashape_program(q: torch.Tensor, k: torch.Tensor, sink: torch.Tensor, window: torch.Tensor, block: int = 64,
                    width: int = 0) -> str:
     """The kernel `ashape_prefill` runs for this A-shape asked for in tiles of `block` rows x `width` keys (sink /
-    window CPU Int `[Hq]`; no host sync): with 64-row tiles (width 0 or 64) "gluon" at head_dim 128 where
-    `prefill_ws.ws_ashape_takes` (sm_90, one sink and window per query head), "pair" at head_dim 256 where
-    `prefill_pair.pair_runs` (sm_90, one sink and window per query head) and the heads of a KV group differ in band or
-    each group is one head; else "loop" (the band's tiles, group-shared where `groups_share_band`)."""
+    window CPU Int `[Hq]`; no host sync): with 64-row tiles (width 0 or 64) "gluon" where `prefill_ws.ws_ashape_takes`
+    (sm_90, one sink and window per query head; head_dim 128, or 256 where each KV group's heads pair up by band),
+    else "pair" at head_dim 256 where `prefill_pair.pair_runs` (sm_90, one sink and window per query head) and the
+    heads of a KV group differ in band or each group is one head; else "loop" (the band's tiles, group-shared where
+    `groups_share_band`)."""
     if q.shape[-1] not in (128, 256) or block != 64 or width not in (0, 64):
         return "loop"
+    from .prefill_ws import ws_ashape_takes  # lazy, as in sparse_prefill
+
+    if ws_ashape_takes(q, k, sink, window):
+        return "gluon"
     if q.shape[-1] == 256:
         from .prefill_pair import pair_runs  # lazy, as in default_program
 
         hq, hkv = q.shape[1], k.shape[1]
         return "pair" if (pair_runs(q) and sink.numel() == window.numel() == hq
                           and not (hq > hkv and groups_share_band(sink, window, hq, hkv))) else "loop"
-    from .prefill_ws import ws_ashape_takes  # lazy, as in sparse_prefill
-
-    return "gluon" if ws_ashape_takes(q, k, sink, window) else "loop"
+    return "loop"
 
 
 def groups_share_band(sink: torch.Tensor, window: torch.Tensor, hq: int, hkv: int) -> bool:
     """Whether the query heads of every KV group share one sink and one window (CPU Int `[Hq]`), so that their A-shape
-    runs as group-shared tiles on the GQA-packed loop (each K / V tile loaded once for the group's rows). At head_dim
-    256 that beat the pairs: H100, Gemma-3 4/1/256, sink 128, window 4096, 64K / 128K: 0.81 / 0.78 of dense per tile
-    against 0.72 / 0.71 (kernels/NOTES.md, session 37)."""
+    runs as group-shared tiles on the GQA-packed loop (each K / V tile loaded once for the group's rows) where no
+    Gluon kernel takes it (at head_dim 256: an odd group). At head_dim 256 that beat the pairs: H100, Gemma-3 4/1/256,
+    sink 128, window 4096, 64K / 128K: 0.81 / 0.78 of dense per tile against 0.72 / 0.71 (kernels/NOTES.md, session
+    37)."""
     return sink.numel() == window.numel() == hq and hq % hkv == 0 and bool(
         (sink.view(hkv, -1) == sink.view(hkv, -1)[:, :1]).all()
         & (window.view(hkv, -1) == window.view(hkv, -1)[:, :1]).all())

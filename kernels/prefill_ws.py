@@ -73,6 +73,11 @@ ASHAPE_LAUNCH = {"stages": 3, "share_kv": True, "width": 128}
 # Llama 32/8/128, sink 128, windows 4096 / 2048 in turn, 64K / 128K: 1.09x / 1.14x the loop over per-head tiles,
 # 0.72 / 0.81 of dense per tile; 2 stages 1.08x / 1.12x, KV head first slower; kernels/NOTES.md session 38)
 ASHAPE_PER_HEAD_LAUNCH = {"stages": 3, "share_kv": False, "width": 64}
+# its launch at head_dim 256 where heads pair (128-key slots would take 64 KB each): two heads of one band on one ring
+# of 2 stages, 64 keys per step, overlap (197 KB; H100, Gemma-3 4/1/256, sink 128, 64K / 128K: window 4096 on every
+# head 1.25x / 1.33x the GQA-packed loop, 0.94 / 0.98 of dense per tile; windows 4096 / 2048 in turn 1.21x / 1.31x
+# the row-block pairs, 0.91 / 0.96; without overlap 1.08-1.15x, K 3 / V 2 slots no faster; kernels/NOTES.md session 40)
+ASHAPE_LAUNCH_D256 = {"stages": 2, "share_kv": True, "width": 64}
 # `sparse_prefill`'s launches on sm_90, two 64-key items per 128-key step (`pair`; H200, session 16,
 # scripts/ws_probe.py, kernels/NOTES.md). Per-head tiles at head_dim 128 (Llama 32/8/128, 64K / 128K): block-sparse
 # top-100 12.15 / 25.92 ms against the one-item launch's (1 consumer, 2 stages) 13.09 / 27.30, Vertical-Slash
@@ -638,16 +643,21 @@ def _alike(heads: list[int], bands: list[tuple[int, int]]) -> bool:
 
 def ws_ashape_takes(q: torch.Tensor, k: torch.Tensor, sink: torch.Tensor, window: torch.Tensor) -> bool:
     """Whether `ws_ashape` takes this A-shape at `ashape_launch`'s launch (CPU sink / window `[Hq]`, no host sync): an
-    sm_90 GPU, bf16 / fp16, head_dim 128 (`ASHAPE_LAUNCH`'s 64 KB slots overflow at 256), one sink and window per
-    query head."""
-    return (sm90(q.device) and q.dtype in DTYPES and q.shape[-1] == 128
-            and sink.numel() == window.numel() == q.shape[1] and q.shape[1] % k.shape[1] == 0)
+    sm_90 GPU, bf16 / fp16, one sink and window per query head, head_dim 128, or 256 where each KV group's heads pair
+    up by band (per-head rings of 64 KB slots overflow there)."""
+    return (sm90(q.device) and q.dtype in DTYPES and sink.numel() == window.numel() == q.shape[1]
+            and q.shape[1] % k.shape[1] == 0
+            and ashape_launch(q.shape[1], k.shape[1], sink, window, q.shape[-1]) is not None)
 
 
-def ashape_launch(hq: int, hkv: int, sink: torch.Tensor, window: torch.Tensor) -> dict:
-    """`ws_ashape`'s keyword arguments for `prefill.ashape_prefill`: `ASHAPE_LAUNCH` (two heads on one ring) where each
-    KV group's heads pair up by band (`head_pairs`), else `ASHAPE_PER_HEAD_LAUNCH`."""
-    return ASHAPE_LAUNCH if head_pairs(hq, hkv, sink, window) is not None else ASHAPE_PER_HEAD_LAUNCH
+def ashape_launch(hq: int, hkv: int, sink: torch.Tensor, window: torch.Tensor, head_dim: int = 128) -> dict | None:
+    """`ws_ashape`'s keyword arguments for `prefill.ashape_prefill`: where each KV group's heads pair up by band
+    (`head_pairs`) two heads on one ring, `ASHAPE_LAUNCH` (head_dim 128) or `ASHAPE_LAUNCH_D256`; else at head_dim 128
+    `ASHAPE_PER_HEAD_LAUNCH`; None where none is set (another head_dim, or 256 without pairs)."""
+    paired = head_pairs(hq, hkv, sink, window) is not None
+    if head_dim == 128:
+        return ASHAPE_LAUNCH if paired else ASHAPE_PER_HEAD_LAUNCH
+    return ASHAPE_LAUNCH_D256 if head_dim == 256 and paired else None
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None,

@@ -270,16 +270,23 @@ def test_ashape_runs_on_the_pairs_at_head_dim_256(n):
     """A-shape at head_dim 256 (GQA 4:1, B = 2, bf16), per-head sinks and windows: a sink over two strips, one not a
     multiple of 64, none; a window of 1, one within a row block, one over several pieces; then no sink at all (no
     strips). `ashape_prefill` takes the pair route (`ashape_program`); o and lse are within bf16 of fp32
-    attention under the exact token mask and of the loop over the same tiles. One band for the whole KV group stays
-    on the GQA-packed loop."""
+    attention under the exact token mask and of the loop over the same tiles. One band for the whole KV group (its
+    heads pair up) takes the Gluon shared ring (`prefill_ws.ASHAPE_LAUNCH_D256`), also within bf16 of fp32."""
     from workbench_kernels.index_ref import band_tiles
     from workbench_kernels.prefill import ashape_prefill, ashape_program, sparse_prefill
     from workbench_kernels.prefill_pair import pair_ashape
+    from workbench_kernels.prefill_ws import ASHAPE_LAUNCH_D256, ws_ashape
 
     B, Hq, Hkv, D = 2, 4, 1, 256
     g = torch.Generator().manual_seed(n)
     q, k, v = (torch.randn(B, h, n, D, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
-    assert ashape_program(q, k, torch.tensor([64] * 4), torch.tensor([300] * 4)) == "loop"
+    sink, window = torch.tensor([64] * 4), torch.tensor([300] * 4)
+    assert ashape_program(q, k, sink, window) == "gluon"
+    o, lse = ashape_prefill(q, k, v, sink, window)
+    wo, wlse = ws_ashape(q, k, v, sink, window, **ASHAPE_LAUNCH_D256)
+    assert torch.equal(o, wo) and torch.equal(lse, wlse)
+    tiles, band = band_tiles(sink, window, n, B, 64, q.device)
+    assert_bf16_close(o, lse, *masked_attention_ref(q, k, v, tiles_to_mask(tiles, n, *band)))
     for sink, window in (([64, 100, 0, 130], [300, 129, 70, 1]), ([0] * 4, [64, 200, 500, 1000])):
         sink, window = torch.tensor(sink), torch.tensor(window)
         assert ashape_program(q, k, sink, window) == "pair"
@@ -296,23 +303,25 @@ def test_ashape_runs_on_the_pairs_at_head_dim_256(n):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper(), reason="pair_prefill runs on sm_90 (H100 / H200) only")
-def test_a_trishape_layer_at_head_dim_256_runs_its_band_on_the_pairs(monkeypatch):
+def test_a_trishape_layer_at_head_dim_256_runs_its_band_on_the_pairs_or_the_shared_ring(monkeypatch):
     """SparsePrefill on a layer of Tri-shape heads only at Gemma-3's shape (4 q / 1 KV head, head_dim 256, bf16,
     N = 1000; questions of 64, 100, 0 and 1 rows): where the heads' bands differ, the band runs on the pairs
-    (`pair_ashape`) and then the dense rows (`TriShape.layer_attention`); one band for the group keeps the GQA-packed
-    loop. Both are close to the PyTorch reference path."""
+    (`pair_ashape`) and then the dense rows (`TriShape.layer_attention`); one band for the group runs on the Gluon
+    shared ring (`ws_ashape`). Both are close to the PyTorch reference path."""
     import workbench_kernels.prefill_pair as pp
+    import workbench_kernels.prefill_ws as pws
     from test_methods_kernel import trishape_layer_on_gpu
 
     calls = []
-    real = pp.pair_ashape
-    monkeypatch.setattr(pp, "pair_ashape", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for module, name in ((pp, "pair_ashape"), (pws, "ws_ashape")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, name=name, real=real, **kw: calls.append(name) or real(*a, **kw))
     differ = [(64, 300, 64), (64, 200, 100), (0, 129, 0), (0, 70, 1)]
     alike = [(64, 300, 64), (64, 300, 100), (64, 300, 0), (64, 300, 1)]
-    for params, paired in ((differ, True), (alike, False)):
+    for params, route in ((differ, "pair_ashape"), (alike, "ws_ashape")):
         calls.clear()
         *_, got, ref = trishape_layer_on_gpu(params, hkv=1, d=256, seed=7)
-        assert len(calls) == paired
+        assert calls == [route]
         torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 

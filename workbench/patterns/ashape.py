@@ -173,10 +173,11 @@ class AShape(PatternBase):
     def layer_attention(cls, params: Sequence[dict[str, int]], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         scale: float) -> torch.Tensor | None:
         """A Gluon kernel where one takes the layer (`ashape_gluon`, sm_90: at head_dim 128 two heads of one band on one
-        K/V ring where each KV group's heads pair up by band, else per-head rings; at 256 row blocks 2j and 2j + 1 of a
-        head where a KV group's heads differ in band), else None. H200, Llama 32/8/128, sink 128, window 4096, 64K / 128K,
-        the two paths timed in turn (`scripts/ashape_layer.py`, eff4416): 8.41 / 17.01 ms against 10.07 / 20.51 for the
-        one launch over `layer_tiles` (1.20x / 1.21x; 1.15x / 1.16x with dense SDPA run between them)."""
+        K/V ring where each KV group's heads pair up by band, else per-head rings; at 256 the same shared ring where
+        they pair up, else row blocks 2j and 2j + 1 of a head where a KV group's heads differ in band), else None.
+        H200, Llama 32/8/128, sink 128, window 4096, 64K / 128K, the two paths timed in turn (`scripts/ashape_layer.py`,
+        eff4416): 8.41 / 17.01 ms against 10.07 / 20.51 for the one launch over `layer_tiles` (1.20x / 1.21x; 1.15x /
+        1.16x with dense SDPA run between them)."""
         from workbench_kernels.prefill import ashape_gluon
 
         out = ashape_gluon(q, k, v, per_head(params, "sink"), per_head(params, "window"), scale)

@@ -89,8 +89,8 @@ class TriShape(PromptFree):
     def layer_attention(cls, params: Sequence[dict[str, int]], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         scale: float) -> torch.Tensor | None:
         """A-shape's Gluon kernel over the band (`ashape_gluon`: sm_90; head_dim 128, or 256 where a KV group's heads
-        differ in band), then the question's dense rows (`write_dense_rows`, from the layer's cached tiles); else
-        None."""
+        pair up by band or differ in band), then the question's dense rows (`write_dense_rows`, from the layer's
+        cached tiles); else None."""
         from workbench_kernels.prefill import ashape_gluon, write_dense_rows
 
         out = ashape_gluon(q, k, v, per_head(params, "sink"), per_head(params, "window"), scale)
