@@ -270,23 +270,16 @@ def test_ashape_runs_on_the_pairs_at_head_dim_256(n):
     """A-shape at head_dim 256 (GQA 4:1, B = 2, bf16), per-head sinks and windows: a sink over two strips, one not a
     multiple of 64, none; a window of 1, one within a row block, one over several pieces; then no sink at all (no
     strips). `ashape_prefill` takes the pair route (`ashape_program`); o and lse are within bf16 of fp32
-    attention under the exact token mask and of the loop over the same tiles. One band for the whole KV group (its
-    heads pair up) takes the Gluon shared ring (`prefill_ws.ASHAPE_LAUNCH_D256`), also within bf16 of fp32."""
+    attention under the exact token mask and of the loop over the same tiles. One band for the whole KV group stays
+    on the GQA-packed loop at this length (the Gluon shared ring takes it from 32K tokens: the next test)."""
     from workbench_kernels.index_ref import band_tiles
     from workbench_kernels.prefill import ashape_prefill, ashape_program, sparse_prefill
     from workbench_kernels.prefill_pair import pair_ashape
-    from workbench_kernels.prefill_ws import ASHAPE_LAUNCH_D256, ws_ashape
 
     B, Hq, Hkv, D = 2, 4, 1, 256
     g = torch.Generator().manual_seed(n)
     q, k, v = (torch.randn(B, h, n, D, generator=g).to("cuda", torch.bfloat16) for h in (Hq, Hkv, Hkv))
-    sink, window = torch.tensor([64] * 4), torch.tensor([300] * 4)
-    assert ashape_program(q, k, sink, window) == "gluon"
-    o, lse = ashape_prefill(q, k, v, sink, window)
-    wo, wlse = ws_ashape(q, k, v, sink, window, **ASHAPE_LAUNCH_D256)
-    assert torch.equal(o, wo) and torch.equal(lse, wlse)
-    tiles, band = band_tiles(sink, window, n, B, 64, q.device)
-    assert_bf16_close(o, lse, *masked_attention_ref(q, k, v, tiles_to_mask(tiles, n, *band)))
+    assert ashape_program(q, k, torch.tensor([64] * 4), torch.tensor([300] * 4)) == "loop"
     for sink, window in (([64, 100, 0, 130], [300, 129, 70, 1]), ([0] * 4, [64, 200, 500, 1000])):
         sink, window = torch.tensor(sink), torch.tensor(window)
         assert ashape_program(q, k, sink, window) == "pair"
@@ -302,16 +295,44 @@ def test_ashape_runs_on_the_pairs_at_head_dim_256(n):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not hopper(), reason="the Gluon kernel runs on sm_90 (H100 / H200) only")
+def test_ashape_at_head_dim_256_takes_the_shared_ring_from_32k_tokens():
+    """A-shape at Gemma-3's global shape (4 q / 1 KV head, head_dim 256, bf16) at 32K tokens: one band for the group
+    (sink 128, window 4096) and two bands in turn (heads 0 / 2 and 1 / 3 pair) take the Gluon shared ring
+    (`ashape_program` "gluon", `prefill_ws.ASHAPE_LAUNCH_D256`); the output equals `ws_ashape` at that launch and is
+    within bf16 of the loop over the same per-head tiles; 16 tokens fewer and the old routes run."""
+    from workbench_kernels.index_ref import band_tiles
+    from workbench_kernels.prefill import ashape_prefill, ashape_program, sparse_prefill
+    from workbench_kernels.prefill_ws import ASHAPE_D256_MIN_TOKENS, ASHAPE_LAUNCH_D256, ws_ashape
+
+    n = ASHAPE_D256_MIN_TOKENS
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, 256, generator=g).to("cuda", torch.bfloat16) for h in (4, 1, 1))
+    for sink, window, short in (([128] * 4, [4096] * 4, "loop"), ([128] * 4, [4096, 2048] * 2, "pair")):
+        sink, window = torch.tensor(sink), torch.tensor(window)
+        assert ashape_program(q, k, sink, window) == "gluon"
+        assert ashape_program(q[:, :, :n - 16], k[:, :, :n - 16], sink, window) == short
+        o, lse = ashape_prefill(q, k, v, sink, window)
+        wo, wlse = ws_ashape(q, k, v, sink, window, **ASHAPE_LAUNCH_D256)
+        assert torch.equal(o, wo) and torch.equal(lse, wlse)
+        tiles, band = band_tiles(sink, window, n, 1, 64, q.device)
+        lo, llse = sparse_prefill(q, k, v, tiles, sink=band[0], window=band[1], warp_specialize=False)
+        assert_bf16_close(o, lse, lo, llse)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not hopper(), reason="pair_prefill runs on sm_90 (H100 / H200) only")
 def test_a_trishape_layer_at_head_dim_256_runs_its_band_on_the_pairs_or_the_shared_ring(monkeypatch):
     """SparsePrefill on a layer of Tri-shape heads only at Gemma-3's shape (4 q / 1 KV head, head_dim 256, bf16,
     N = 1000; questions of 64, 100, 0 and 1 rows): where the heads' bands differ, the band runs on the pairs
     (`pair_ashape`) and then the dense rows (`TriShape.layer_attention`); one band for the group runs on the Gluon
-    shared ring (`ws_ashape`). Both are close to the PyTorch reference path."""
+    shared ring (`ws_ashape`, its 32K-token floor lowered for the test). Both are close to the PyTorch reference
+    path."""
     import workbench_kernels.prefill_pair as pp
     import workbench_kernels.prefill_ws as pws
     from test_methods_kernel import trishape_layer_on_gpu
 
+    monkeypatch.setattr(pws, "ASHAPE_D256_MIN_TOKENS", 0)
     calls = []
     for module, name in ((pp, "pair_ashape"), (pws, "ws_ashape")):
         real = getattr(module, name)
