@@ -523,7 +523,7 @@ def ashape_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torc
     keys per step (`prefill_ws.ASHAPE_LAUNCH`; H200, sink 128, window 4096, 64K / 128K: 0.82 / 0.90 of dense SDPA's
     TFLOP/s in one probe against 0.69 / 0.75 for the loop below, kernels/NOTES.md), else per-head rings
     (`prefill_ws.ASHAPE_PER_HEAD_LAUNCH`; H100, windows 4096 / 2048 in turn: 1.09x / 1.14x the loop over per-head
-    tiles); at head_dim 256 from 32K tokens two heads of one band on one ring where every KV group's heads pair up by
+    tiles); at head_dim 256 from 24K tokens two heads of one band on one ring where every KV group's heads pair up by
     band (`prefill_ws.ASHAPE_LAUNCH_D256`; H100, Gemma-3 4/1/256, 64K / 128K: 0.91-0.98 of dense per tile, 1.2-1.5x
     the routes below), else, where the query heads of a KV group differ in band, row blocks 2j and 2j + 1 of a head on one K/V
     ring (`prefill_pair.pair_ashape`); else, when the heads of every KV group share sink and window
@@ -562,7 +562,7 @@ def ashape_program(q: torch.Tensor, k: torch.Tensor, sink: torch.Tensor, window:
                    width: int = 0) -> str:
     """The kernel `ashape_prefill` runs for this A-shape asked for in tiles of `block` rows x `width` keys (sink /
     window CPU Int `[Hq]`; no host sync): with 64-row tiles (width 0 or 64) "gluon" where `prefill_ws.ws_ashape_takes`
-    (sm_90, one sink and window per query head; head_dim 128, or 256 from 32K tokens where each KV group's heads pair
+    (sm_90, one sink and window per query head; head_dim 128, or 256 from 24K tokens where each KV group's heads pair
     up by band),
     else "pair" at head_dim 256 where `prefill_pair.pair_runs` (sm_90, one sink and window per query head) and the
     heads of a KV group differ in band or each group is one head; else "loop" (the band's tiles, group-shared where

@@ -78,9 +78,10 @@ ASHAPE_PER_HEAD_LAUNCH = {"stages": 3, "share_kv": False, "width": 64}
 # head 1.25x / 1.33x the GQA-packed loop, 0.94 / 0.98 of dense per tile; windows 4096 / 2048 in turn 1.21x / 1.31x
 # the row-block pairs, 0.91 / 0.96; without overlap 1.08-1.15x, K 3 / V 2 slots no faster; kernels/NOTES.md session 40)
 ASHAPE_LAUNCH_D256 = {"stages": 2, "share_kv": True, "width": 64}
-# ... from this many tokens: at 16K it ran 0.89x the packed loop and 0.66x the per-head loop (H100, `bench kernels`,
-# kernels_001278c_h100.json; 1.13x / 1.33x at 32K), so shorter prompts keep the packed loop or the row-block pairs
-ASHAPE_D256_MIN_TOKENS = 32768
+# ... from this many tokens (H100, windows 4096 on every head / 4096 and 2048 in turn against the packed loop / the
+# row-block pairs: 1.05x / 0.92x at 16K, 1.14x / 1.11x at 24K; ashape256_short_probe_6226a00_h100.json), so shorter
+# prompts keep the packed loop or the pairs
+ASHAPE_D256_MIN_TOKENS = 24576
 # `sparse_prefill`'s launches on sm_90, two 64-key items per 128-key step (`pair`; H200, session 16,
 # scripts/ws_probe.py, kernels/NOTES.md). Per-head tiles at head_dim 128 (Llama 32/8/128, 64K / 128K): block-sparse
 # top-100 12.15 / 25.92 ms against the one-item launch's (1 consumer, 2 stages) 13.09 / 27.30, Vertical-Slash

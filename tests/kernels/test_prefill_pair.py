@@ -271,7 +271,7 @@ def test_ashape_runs_on_the_pairs_at_head_dim_256(n):
     multiple of 64, none; a window of 1, one within a row block, one over several pieces; then no sink at all (no
     strips). `ashape_prefill` takes the pair route (`ashape_program`); o and lse are within bf16 of fp32
     attention under the exact token mask and of the loop over the same tiles. One band for the whole KV group stays
-    on the GQA-packed loop at this length (the Gluon shared ring takes it from 32K tokens: the next test)."""
+    on the GQA-packed loop at this length (the Gluon shared ring takes it from 24K tokens: the next test)."""
     from workbench_kernels.index_ref import band_tiles
     from workbench_kernels.prefill import ashape_prefill, ashape_program, sparse_prefill
     from workbench_kernels.prefill_pair import pair_ashape
@@ -296,11 +296,11 @@ def test_ashape_runs_on_the_pairs_at_head_dim_256(n):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper(), reason="the Gluon kernel runs on sm_90 (H100 / H200) only")
-def test_ashape_at_head_dim_256_takes_the_shared_ring_from_32k_tokens():
-    """A-shape at Gemma-3's global shape (4 q / 1 KV head, head_dim 256, bf16) at 32K tokens: one band for the group
-    (sink 128, window 4096) and two bands in turn (heads 0 / 2 and 1 / 3 pair) take the Gluon shared ring
-    (`ashape_program` "gluon", `prefill_ws.ASHAPE_LAUNCH_D256`); the output equals `ws_ashape` at that launch and is
-    within bf16 of the loop over the same per-head tiles; 16 tokens fewer and the old routes run."""
+def test_ashape_at_head_dim_256_takes_the_shared_ring_from_24k_tokens():
+    """A-shape at Gemma-3's global shape (4 q / 1 KV head, head_dim 256, bf16) at `ASHAPE_D256_MIN_TOKENS` (24K):
+    one band for the group (sink 128, window 4096) and two bands in turn (heads 0 / 2 and 1 / 3 pair) take the Gluon
+    shared ring (`ashape_program` "gluon", `prefill_ws.ASHAPE_LAUNCH_D256`); the output equals `ws_ashape` at that
+    launch and is within bf16 of the loop over the same per-head tiles; 16 tokens fewer and the old routes run."""
     from workbench_kernels.index_ref import band_tiles
     from workbench_kernels.prefill import ashape_prefill, ashape_program, sparse_prefill
     from workbench_kernels.prefill_ws import ASHAPE_D256_MIN_TOKENS, ASHAPE_LAUNCH_D256, ws_ashape
@@ -326,7 +326,7 @@ def test_a_trishape_layer_at_head_dim_256_runs_its_band_on_the_pairs_or_the_shar
     """SparsePrefill on a layer of Tri-shape heads only at Gemma-3's shape (4 q / 1 KV head, head_dim 256, bf16,
     N = 1000; questions of 64, 100, 0 and 1 rows): where the heads' bands differ, the band runs on the pairs
     (`pair_ashape`) and then the dense rows (`TriShape.layer_attention`); one band for the group runs on the Gluon
-    shared ring (`ws_ashape`, its 32K-token floor lowered for the test). Both are close to the PyTorch reference
+    shared ring (`ws_ashape`, its 24K-token floor lowered for the test). Both are close to the PyTorch reference
     path."""
     import workbench_kernels.prefill_pair as pp
     import workbench_kernels.prefill_ws as pws
