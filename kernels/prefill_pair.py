@@ -75,7 +75,6 @@ KEYS = gl.constexpr(64)  # keys per piece (= tiles.piece)
 NO_STRIPS, PACKED, SINKS = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
 HEAD_DIM = 256  # the head_dim it runs at (`pair_runs`): K + V slots of 64 KB, two slots and two Q tiles in 192 KB
 RING = {128: 4, 256: 2}  # ring slots per head_dim: 2 x 64 rows of Q + slots x 64 keys of K and V within 227 KB
-OVERLAP = True  # FA3's intra-warpgroup overlap in each consumer (`_consumer`); False: each piece's P V waited in turn
 LAUNCH = launch_config(2, HEAD_DIM)  # 3 warpgroups a program: two consumers and the loader, as two consumers there
 
 
@@ -217,62 +216,28 @@ def causal(keys, pos):
 
 
 @gluon.jit
-def issue_pv(acc, alpha, prob, v_tile, O_LAYOUT: gl.constexpr):
-    """O = alpha O + P V: rescales the fp32 accumulator `[ROWS, D]` by alpha `[ROWS]` and issues the wgmma with P
-    `[ROWS, KEYS]` from registers; returns it unwaited."""
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
-    p_op = gl.convert_layout(prob.to(v_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))
-    return warpgroup_mma(p_op, v_tile, acc, is_async=True)
-
-
-@gluon.jit
 def attend_piece(q_tile, k_tile, v_tile, keep, m_i, l_i, acc, s0, qk_scale, O_LAYOUT: gl.constexpr):
-    """One piece: S = Q K^T (wgmma, Q and K from shared memory), `softmax_step` on the scores `keep` (Bool
-    `[ROWS, KEYS]`) holds, O = alpha O + P V; returns (m_i, l_i, acc)."""
+    """One piece: S = Q K^T (wgmma, Q and K from shared memory), `softmax_step` on the scores `keep` (Bool,
+    broadcast to `[R, K]`) holds, O = alpha O + P V (P from registers); returns (m_i, l_i, acc)."""
     sc = warpgroup_mma(q_tile, k_tile.permute((1, 0)), s0, use_acc=False, is_async=True)
     sc = warpgroup_mma_wait(0, deps=(sc,))
     p, alpha, m_i, l_i = softmax_step(gl.where(keep, sc, float("-inf")), m_i, l_i, qk_scale)
-    return m_i, l_i, warpgroup_mma_wait(0, deps=(issue_pv(acc, alpha, p, v_tile, O_LAYOUT),))
-
-
-@gluon.jit
-def _step(t, strips, item, Union, Bits, U, n_cols, col_head, cov_row, sink, window, pos, lanes, SUB: gl.constexpr,
-          STRIPS: gl.constexpr, BAND: gl.constexpr):
-    """Ring step t of a consumer -> (keep Bool `[ROWS, KEYS]`: the keys it reads there, own: whether it computes the
-    step). A strip (t < strips) keeps the lanes of its row block's n_cols columns (PACKED: those no piece of the row
-    block covers, `cov_row` at d = 0); a union piece keeps its causal keys (PACKED: keys >= 0; BAND: keys j of row i
-    with j < sink or i - j < window) and is the consumer's where its bit SUB is set."""
-    i = gl.maximum(t - strips, 0)
-    start = gl.load(Union + item * U + i)
-    own = ((gl.load(Bits + item * U + i) >> SUB) & 1) != 0
-    keep = causal(start + lanes, pos)
-    if STRIPS == PACKED:  # a slash piece may start below key 0 (it would read another head's rows, or TMA's zeros)
-        keep = keep & gl.expand_dims(start + lanes >= 0, 0)
-    if BAND:
-        keys = gl.expand_dims(start + lanes, 0)
-        keep = keep & ((keys < sink) | (gl.expand_dims(pos, 1) - keys < window))
-    if STRIPS != NO_STRIPS:
-        if t < strips:
-            j = t * KEYS + lanes
-            lane = j < n_cols
-            if STRIPS == PACKED:
-                c = gl.load(col_head + j, mask=lane, other=0)
-                lane = lane & (gl.load(cov_row - c, mask=lane, other=1) == 0)
-            keep = gl.expand_dims(lane, 0) & gl.expand_dims(pos >= 0, 1)
-            own = t * KEYS < n_cols
-    return keep, own
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT)), 1)
+    p_op = gl.convert_layout(p.to(k_tile.dtype), gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))
+    acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+    return m_i, l_i, warpgroup_mma_wait(0, deps=(acc,))
 
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, ColCount, Cols, Covered,
               Sink, Window, Order, U, N, M, MP, KVP, L, HQ, qk_scale, SUB: gl.constexpr, D: gl.constexpr,
-              STAGES: gl.constexpr, STRIPS: gl.constexpr, BAND: gl.constexpr, OVERLAP: gl.constexpr,
-              Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr):
-    """Consumer SUB: row block m = 2j + SUB of item Order[program]'s head, over the item's ring steps (`_step`: first
-    the pair's strips, then the union's pieces; fp32 online softmax in exp2 units), computing its own and waiting
-    through the rest; writes its O rows and LSE. OVERLAP (FA3's intra-warpgroup overlap): the Q K^T of an own step is
-    issued before the P V of the own step just before it, whose softmax has run, so P V runs beside this step's
-    softmax; that P V is finished first where a step not its own comes between (a slot is held at most one step)."""
+              STAGES: gl.constexpr, STRIPS: gl.constexpr, BAND: gl.constexpr, Q_LAYOUT: gl.constexpr,
+              S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr):
+    """Consumer SUB: row block m = 2j + SUB of item Order[program]'s head, over the item's ring steps (`attend_piece`:
+    fp32 online softmax in exp2 units); writes its O rows and LSE. First the pair's strips, computing the lanes of
+    m's own ColCount[m] columns (PACKED: those no piece of m covers, Covered at d = 64 m - column) and waiting through
+    the rest; then the union's pieces whose bit SUB is set (BAND: keys j of row i with j < Sink[h] or i - j < Window[h],
+    h the query head)."""
     item = gl.load(Order + gl.program_id(0))
     n = gl.load(Count + item)
     m = (item % MP) * 2 + SUB
@@ -293,52 +258,41 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union,
     l_i = gl.zeros([ROWS], gl.float32, row_s)
     acc = gl.zeros([ROWS, D], gl.float32, O_LAYOUT)
     s0 = gl.zeros([ROWS, KEYS], gl.float32, S_LAYOUT)
-    strips, n_cols, col_head, cov_row, sink, window = 0, 0, Cols, Covered, 0, 0
+    strips = 0
     if STRIPS != NO_STRIPS:
         strips = pair_strips(ColCount, head, item % MP, M)
         n_cols = gl.where(m < M, gl.load(ColCount + head * M + gl.minimum(m, M - 1)), 0)  # m's columns: < 64 m
         if STRIPS == PACKED:
             col_head = Cols + head.to(gl.int64) * KVP
             cov_row = Covered + head.to(gl.int64) * L + (m * ROWS + ROWS - 1)  # + (-column): m's covered flag
+        for t in range(strips):
+            j = t * KEYS + lanes
+            keep = j < n_cols
+            if STRIPS == PACKED:
+                c = gl.load(col_head + j, mask=keep, other=0)
+                keep = keep & (gl.load(cov_row - c, mask=keep, other=1) == 0)
+            s = wait_slot(t, k_ready, v_ready, STAGES)
+            if t * KEYS < n_cols:
+                m_i, l_i, acc = attend_piece(q_tile, k_smem.index(s), v_smem.index(s), gl.expand_dims(keep, 0), m_i,
+                                             l_i, acc, s0, qk_scale, O_LAYOUT)
+            mbarrier.arrive(empty.index(s), count=1)
     if BAND:
         sink = gl.load(Sink + head % HQ)
         window = gl.load(Window + head % HQ)
-    if OVERLAP:
-        prob, alpha, held = s0, m_i, -1  # held: the slot whose P V (prob, alpha) is owed; -1: none
-        for t in range(strips + n):
-            keep, own = _step(t, strips, item, Union, Bits, U, n_cols, col_head, cov_row, sink, window, pos, lanes,
-                              SUB, STRIPS, BAND)
-            s = wait_slot(t, k_ready, v_ready, STAGES)
-            if own:
-                qk = warpgroup_mma(q_tile, k_smem.index(s).permute((1, 0)), s0, use_acc=False, is_async=True)
-                if held >= 0:
-                    acc = issue_pv(acc, alpha, prob, v_smem.index(held), O_LAYOUT)
-                    sc = warpgroup_mma_wait(1, deps=(qk,))  # groups retire in issue order: Q K^T first
-                    prob, alpha, m_i, l_i = softmax_step(gl.where(keep, sc, float("-inf")), m_i, l_i, qk_scale)
-                    acc = warpgroup_mma_wait(0, deps=(acc,))
-                    mbarrier.arrive(empty.index(held), count=1)
-                else:
-                    sc = warpgroup_mma_wait(0, deps=(qk,))
-                    prob, alpha, m_i, l_i = softmax_step(gl.where(keep, sc, float("-inf")), m_i, l_i, qk_scale)
-                held = s
-            else:
-                if held >= 0:
-                    acc = warpgroup_mma_wait(0, deps=(issue_pv(acc, alpha, prob, v_smem.index(held), O_LAYOUT),))
-                    mbarrier.arrive(empty.index(held), count=1)
-                    held = -1
-                mbarrier.arrive(empty.index(s), count=1)
-        if held >= 0:
-            acc = warpgroup_mma_wait(0, deps=(issue_pv(acc, alpha, prob, v_smem.index(held), O_LAYOUT),))
-            mbarrier.arrive(empty.index(held), count=1)
-    else:
-        for t in range(strips + n):
-            keep, own = _step(t, strips, item, Union, Bits, U, n_cols, col_head, cov_row, sink, window, pos, lanes,
-                              SUB, STRIPS, BAND)
-            s = wait_slot(t, k_ready, v_ready, STAGES)
-            if own:
-                m_i, l_i, acc = attend_piece(q_tile, k_smem.index(s), v_smem.index(s), keep, m_i, l_i, acc, s0,
-                                             qk_scale, O_LAYOUT)
-            mbarrier.arrive(empty.index(s), count=1)
+    for i in range(n):
+        start = gl.load(Union + item * U + i)
+        mine = (gl.load(Bits + item * U + i) >> SUB) & 1
+        keep = causal(start + lanes, pos)
+        if STRIPS == PACKED:  # a slash piece may start below key 0 (it would read another head's rows, or TMA's zeros)
+            keep = keep & gl.expand_dims(start + lanes >= 0, 0)
+        if BAND:
+            keys = gl.expand_dims(start + lanes, 0)
+            keep = keep & ((keys < sink) | (gl.expand_dims(pos, 1) - keys < window))
+        s = wait_slot(strips + i, k_ready, v_ready, STAGES)
+        if mine != 0:
+            m_i, l_i, acc = attend_piece(q_tile, k_smem.index(s), v_smem.index(s), keep, m_i, l_i, acc, s0, qk_scale,
+                                         O_LAYOUT)
+        mbarrier.arrive(empty.index(s), count=1)
     orow = gl.arange(0, ROWS, layout=row_o)
     od = gl.arange(0, D, layout=gl.SliceLayout(0, O_LAYOUT))
     out = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
@@ -352,7 +306,7 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union,
 @gluon.jit(do_not_specialize=["U", "N", "M", "MP", "KVP", "L", "HQ"])
 def _pair_kernel(k_desc, v_desc, kc_desc, vc_desc, Q, O, LSE, Union, Bits, Count, ColCount, Cols, Covered, Sink, Window,
                  Order, U, N, M, MP, G, KVP, L, HQ, qk_scale, D: gl.constexpr, STAGES: gl.constexpr,
-                 STRIPS: gl.constexpr, BAND: gl.constexpr, OVERLAP: gl.constexpr,
+                 STRIPS: gl.constexpr, BAND: gl.constexpr,
                  Q_SMEM: gl.constexpr, Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
                  CONSUMER_REGS: gl.constexpr):
     """Program: item Order[pid] (b, head, row-block pair; MP pairs per head, G query heads per KV head). Shared
@@ -374,10 +328,10 @@ def _pair_kernel(k_desc, v_desc, kc_desc, vc_desc, Q, O, LSE, Union, Bits, Count
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, ColCount, Cols,
                      Covered, Sink, Window, Order, U, N, M, MP, KVP, L, HQ, qk_scale, 0, D, STAGES, STRIPS, BAND,
-                     OVERLAP, Q_LAYOUT, S_LAYOUT, O_LAYOUT)),
+                     Q_LAYOUT, S_LAYOUT, O_LAYOUT)),
         (_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, ColCount, Cols,
                      Covered, Sink, Window, Order, U, N, M, MP, KVP, L, HQ, qk_scale, 1, D, STAGES, STRIPS, BAND,
-                     OVERLAP, Q_LAYOUT, S_LAYOUT, O_LAYOUT)),
+                     Q_LAYOUT, S_LAYOUT, O_LAYOUT)),
         (_loader, (k_desc, v_desc, kc_desc, vc_desc, k_smem, v_smem, k_ready, v_ready, empty, Union, Count, ColCount,
                    Order, U, N, M, MP, G, KVP, STRIPS, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
@@ -442,12 +396,11 @@ def pair_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.T
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None,
-            band: tuple[torch.Tensor, torch.Tensor] | None, stages: int | None = None, overlap: bool | None = None
+            band: tuple[torch.Tensor, torch.Tensor] | None, stages: int | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The pair kernel over checked per-head tiles: their columns as PACKED strips (`head_columns`) or, under an
     A-shape `band` (sink, window Int32 `[Hq]` on q's device), as SINKS strips; `stages` ring slots (None: `RING`'s
-    for the head_dim; head_dim 128 runs only here, for `scripts/pair_probe.py`); `overlap`: `_consumer`'s OVERLAP
-    (None: `OVERLAP`)."""
+    for the head_dim; head_dim 128 runs only here, for `scripts/pair_probe.py`)."""
     B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
     M = -(-N // ROWS.value)
     if tuple(tiles.shape) != (B, Hq, M):
@@ -476,7 +429,6 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
         k_desc, v_desc, kc_desc, vc_desc, q, o, lse, items.union, items.bits, items.count, col_count, cols, covered,
         sink, window, items.order, items.union.shape[1], N, M, -(-M // 2), Hq // Hkv, cols.shape[-1] if packed else 0,
         covered.shape[-1] if packed else 0, Hq, scale * LOG2E, D=D, STAGES=stages or RING[D], STRIPS=strips,
-        BAND=band is not None, OVERLAP=OVERLAP if overlap is None else overlap, Q_SMEM=lay["Q_SMEM"],
-        Q_LAYOUT=lay["Q_LAYOUT"], S_LAYOUT=lay["S_LAYOUT"], O_LAYOUT=lay["O_LAYOUT"],
-        CONSUMER_REGS=LAUNCH["consumer_regs"], num_warps=4, maxnreg=LAUNCH["maxnreg"])
+        BAND=band is not None, Q_SMEM=lay["Q_SMEM"], Q_LAYOUT=lay["Q_LAYOUT"], S_LAYOUT=lay["S_LAYOUT"],
+        O_LAYOUT=lay["O_LAYOUT"], CONSUMER_REGS=LAUNCH["consumer_regs"], num_warps=4, maxnreg=LAUNCH["maxnreg"])
     return o, lse

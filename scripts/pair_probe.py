@@ -36,8 +36,7 @@ import torch
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", default="65536,131072")
-    p.add_argument("--stages", default="3,4,5", help="ring slots of the pair rows (164 KB of shared memory at 4 at head_dim "
-                   "128); a trailing n: without the consumers' overlap")
+    p.add_argument("--stages", default="3,4,5", help="ring slots of the pair rows (164 KB of shared memory at 4)")
     p.add_argument("--patterns", default="vs,vs512,block,a_shape_per_head", help="also a_shape: one band per group")
     p.add_argument("--shape", default="llama3-8b", help="an attention shape of benchmarks.kernels_prefill.SHAPES")
     p.add_argument("--orders", default="", help="launch orders of the deployed Gluon kernel: heads, kv, longest")
@@ -55,7 +54,7 @@ def main() -> int:
     from workbench.core.timing import environment, paired_ms
 
     hq, hkv, d, theta = SHAPES[a.shape]
-    stages = [s for s in a.stages.split(",") if s]
+    stages = [int(s) for s in a.stages.split(",") if s]
     orders = [x for x in a.orders.split(",") if x]
     ws_cfgs = [x for x in a.ws_ashape.split(",") if x]
     patterns = [x for x in a.patterns.split(",") if x]
@@ -78,7 +77,7 @@ def main() -> int:
         return tiles, None, None, lambda: sparse_prefill(q, k, v, tiles)[0], default_program(q, tiles)
 
     def pair(q, k, v, tiles, band, s):
-        return prefill_pair._launch(q, k, v, tiles, None, band, int(s.removesuffix("n")), not s.endswith("n"))[0]
+        return prefill_pair._launch(q, k, v, tiles, None, band, s)[0]
 
     library_order = prefill_ws.work_order
 

@@ -40,13 +40,11 @@ def compile_pair() -> dict:
     modes = {"block": (256, prefill_pair.NO_STRIPS.value, False), "vs": (256, prefill_pair.PACKED.value, False),
              "ashape": (256, prefill_pair.SINKS.value, True), "block128": (128, prefill_pair.NO_STRIPS.value, False),
              "vs128": (128, prefill_pair.PACKED.value, False)}
-    modes |= {f"{name}_no_overlap": args for name, args in modes.items()}
     for name, (d, strips, band) in modes.items():
         lay = prefill_pair.layouts(d, torch.bfloat16)
         desc = f"tensordesc<bf16[64, {d}],{lay['KV_SMEM']!r}>"
         types = {**{x: desc for x in ("k_desc", "v_desc", "kc_desc", "vc_desc")}, "qk_scale": "fp32", **pointers}
         constants = {"D": d, "STAGES": prefill_pair.RING[d], "STRIPS": strips, "BAND": band,
-                     "OVERLAP": prefill_pair.OVERLAP and not name.endswith("_no_overlap"),
                      "CONSUMER_REGS": prefill_pair.LAUNCH["consumer_regs"],
                      **{x: lay[x] for x in ("Q_SMEM", "Q_LAYOUT", "S_LAYOUT", "O_LAYOUT")}}
         signature = {a: "constexpr" if a in constants else types.get(a, "i32") for a in fn.arg_names}
