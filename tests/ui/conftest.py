@@ -63,7 +63,7 @@ def dashboard(folder: Path, *args: str):
 
 def assert_no_traceback(log_path: Path) -> None:
     """The server logged no traceback (a refused input or a failed job logs one line, not a traceback; a message to
-    a page the test had just closed is dropped by `workbench.cli.dashboard.quiet_closed_tabs`)."""
+    a page the test had just closed is dropped by `workbench.views.dashboard.app.quiet_closed_tabs`)."""
     text = log_path.read_text()
     assert "Traceback" not in text and "TypeError" not in text, text[-6000:]
 

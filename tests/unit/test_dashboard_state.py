@@ -106,7 +106,7 @@ def test_the_server_drops_only_the_report_of_a_message_to_a_closed_tab(caplog):
 
     from tornado.websocket import WebSocketClosedError
 
-    from workbench.cli.dashboard import quiet_closed_tabs
+    from workbench.views.dashboard.app import quiet_closed_tabs
 
     loop = asyncio.new_event_loop()
     try:
@@ -117,3 +117,37 @@ def test_the_server_drops_only_the_report_of_a_message_to_a_closed_tab(caplog):
         assert len(caplog.records) == 1 and "KeyError: 'layer'" in caplog.text
     finally:
         loop.close()
+
+
+def test_a_served_session_quiets_closed_tabs_on_the_server_loop():
+    """`quiet_server_loop`, which `create_app` calls: in a session of a real Panel server it sets `quiet_closed_tabs`
+    as the server loop's exception handler (so `panel serve app.py` gets it as `workbench dashboard` does); outside a
+    server it leaves the loop alone."""
+    import threading
+    import urllib.request
+
+    import panel as pn
+
+    from workbench.views.dashboard.app import quiet_closed_tabs, quiet_server_loop
+
+    quiet_server_loop()  # no server session here: nothing to do, nothing raised
+    ready = threading.Event()
+
+    def page():
+        quiet_server_loop()
+        ready.set()
+        return pn.pane.Markdown("ok")
+
+    server = pn.serve({"/": page}, port=0, address="127.0.0.1", show=False, start=False)
+    loop = server.io_loop.asyncio_loop
+    assert loop.get_exception_handler() is None
+    thread = threading.Thread(target=server.io_loop.start, daemon=True)
+    thread.start()
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{server.port}/", timeout=60).read()
+        assert ready.wait(60)
+        assert loop.get_exception_handler() is quiet_closed_tabs
+    finally:
+        server.io_loop.add_callback(server.stop)
+        server.io_loop.add_callback(server.io_loop.stop)
+        thread.join(30)

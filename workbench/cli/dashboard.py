@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from workbench.cli._args import add_device, add_layers, add_length, add_out, add_tasks, renamed, resolve_device_args
 
@@ -64,18 +63,9 @@ def run(args: argparse.Namespace) -> int:
                       websocket_origin="*" if args.address == "0.0.0.0" else None)
     print(f"serving http://{args.address}:{server.port}/ (started in {time.perf_counter() - t0:.1f} s); Ctrl-C stops",
           flush=True)
-    server.io_loop.asyncio_loop.set_exception_handler(quiet_closed_tabs)
     try:
         server.io_loop.start()
     except KeyboardInterrupt:
         pass
     return 0
 
-
-def quiet_closed_tabs(loop: asyncio.AbstractEventLoop, context: dict) -> None:
-    """asyncio's report of a task's unretrieved exception, except Tornado's WebSocketClosedError: Panel sent an update
-    to a browser tab that had just closed, whose session ends with it (nothing lost; the traceback only alarmed)."""
-    from tornado.websocket import WebSocketClosedError
-
-    if not isinstance(context.get("exception"), WebSocketClosedError):
-        loop.default_exception_handler(context)

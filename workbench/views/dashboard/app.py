@@ -8,6 +8,7 @@ Every resource the page loads comes from this server (no fonts or scripts from t
 """
 from __future__ import annotations
 
+import asyncio
 import html
 import io
 import math
@@ -555,7 +556,24 @@ class Dashboard(pn.viewable.Viewer):
 
 def create_app(settings: Settings | None = None):
     """A new session's page (what `panel serve` and `workbench dashboard` serve)."""
+    quiet_server_loop()
     return Dashboard(settings).template
+
+
+def quiet_server_loop() -> None:
+    """In a server's session (`panel serve`, `workbench dashboard`), make `quiet_closed_tabs` the server loop's
+    exception handler; elsewhere (a notebook) nothing."""
+    if pn.state.curdoc is not None and pn.state.curdoc.session_context is not None:
+        asyncio.get_running_loop().set_exception_handler(quiet_closed_tabs)
+
+
+def quiet_closed_tabs(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """asyncio's report of a task's unretrieved exception, except Tornado's WebSocketClosedError: Panel sent an update
+    to a browser tab that had just closed, whose session ends with it (nothing lost; the traceback only alarmed)."""
+    from tornado.websocket import WebSocketClosedError
+
+    if not isinstance(context.get("exception"), WebSocketClosedError):
+        loop.default_exception_handler(context)
 
 
 if __name__.startswith("bokeh"):
