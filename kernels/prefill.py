@@ -525,8 +525,8 @@ def ashape_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torc
     (`prefill_ws.ASHAPE_PER_HEAD_LAUNCH`; H100, windows 4096 / 2048 in turn: 1.09x / 1.14x the loop over per-head
     tiles); at head_dim 256 from 24K tokens two heads of one band on one ring where every KV group's heads pair up by
     band (`prefill_ws.ASHAPE_LAUNCH_D256`; H100, Gemma-3 4/1/256, 64K / 128K: 0.91-0.98 of dense per tile, 1.2-1.5x
-    the routes below), else, where the query heads of a KV group differ in band, row blocks 2j and 2j + 1 of a head on one K/V
-    ring (`prefill_pair.pair_ashape`); else, when the heads of every KV group share sink and window
+    the routes below), else, where the query heads of a KV group differ in band, row blocks 2j and 2j + 1 of a head
+    on one K/V ring (`prefill_pair.pair_ashape`); else, when the heads of every KV group share sink and window
     (`groups_share_band`), group-shared tiles (GQA-packed kernel)."""
     hq, hkv = q.shape[1], k.shape[1]
     sink_t = torch.as_tensor(sink).reshape(-1).cpu()
@@ -563,10 +563,9 @@ def ashape_program(q: torch.Tensor, k: torch.Tensor, sink: torch.Tensor, window:
     """The kernel `ashape_prefill` runs for this A-shape asked for in tiles of `block` rows x `width` keys (sink /
     window CPU Int `[Hq]`; no host sync): with 64-row tiles (width 0 or 64) "gluon" where `prefill_ws.ws_ashape_takes`
     (sm_90, one sink and window per query head; head_dim 128, or 256 from 24K tokens where each KV group's heads pair
-    up by band),
-    else "pair" at head_dim 256 where `prefill_pair.pair_runs` (sm_90, one sink and window per query head) and the
-    heads of a KV group differ in band or each group is one head; else "loop" (the band's tiles, group-shared where
-    `groups_share_band`)."""
+    up by band), else "pair" at head_dim 256 where `prefill_pair.pair_runs` (sm_90, one sink and window per query
+    head) and the heads of a KV group differ in band or each group is one head; else "loop" (the band's tiles,
+    group-shared where `groups_share_band`)."""
     if q.shape[-1] not in (128, 256) or block != 64 or width not in (0, 64):
         return "loop"
     from .prefill_ws import ws_ashape_takes  # lazy, as in sparse_prefill

@@ -625,7 +625,7 @@ def head_pairs(hq: int, hkv: int, sink: torch.Tensor, window: torch.Tensor) -> t
     """The query heads in an order whose pairs (2j, 2j + 1) can share a K/V ring under an A-shape (sink / window
     `[Hq]`): both of one KV head, with one sink and one window. Each KV group's heads stay in place where they pair
     as they are, else they are sorted by band; None where a group is odd or holds a band an odd number of times."""
-    g = hq // hkv if hkv and hq % hkv == 0 else 0
+    g = hq // hkv if hkv and hq % hkv == 0 else 1  # (no whole groups: as an odd group)
     if g % 2 or sink.numel() != hq or window.numel() != hq:
         return None
     bands = list(zip(sink.tolist(), window.tolist()))

@@ -528,6 +528,7 @@ def test_head_pairs_pair_each_kv_groups_heads_by_band():
     assert head_pairs(4, 1, t([0] * 4), t([64, 9, 9, 9])) is None
     assert head_pairs(6, 2, t([0] * 6), t([9] * 6)) is None
     assert head_pairs(4, 2, t([0] * 3), t([9] * 3)) is None
+    assert head_pairs(6, 4, t([0] * 6), t([9] * 6)) is None  # no whole KV groups
 
 
 def test_ashape_launch_takes_the_shared_ring_at_head_dim_256_only_where_heads_pair():
