@@ -102,19 +102,19 @@ SHARED_LAUNCH_D256 = {"consumers": 2, "stages": 2, "overlap": False, "share_kv":
 
 
 @gluon.jit
-def _work_item(Order, Pairs, BlockCount, ColCount, pid, sub: gl.constexpr, n_work, N, H, G, M, NS,
+def _work_item(Order, Pairs, BlockCount, ColCount, it, sub: gl.constexpr, n_work, N, H, G, M, NS,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CONSUMERS: gl.constexpr, SHARE: gl.constexpr,
                VS: gl.constexpr, ASHAPE: gl.constexpr):
-    """Consumer `sub` of program pid -> (valid, q row, kv row, piece-list offset, piece count, strip count, first
-    query row, bh = b * H + h): rows in the flattened q / k tensors; a slot past n_work has no items. SHARE:
-    `Order` lists (b, head pair j, row block) items, consumer `sub` takes query head Pairs[2 j + sub]; else consumer
-    `sub` takes (b, head, row block) item pid * CONSUMERS + sub. VS / ASHAPE: the item first walks
+    """Consumer `sub` of a program's turn `it` -> (valid, q row, kv row, piece-list offset, piece count, strip count,
+    first query row, bh = b * H + h): rows in the flattened q / k tensors; a slot past n_work has no items. SHARE:
+    `Order` lists (b, head pair j, row block) items, consumer `sub` takes query head Pairs[2 j + sub] of item it;
+    else consumer `sub` takes (b, head, row block) item it * CONSUMERS + sub. VS / ASHAPE: the item first walks
     ceil(ColCount / BLOCK_N) strips (VS: of its head's packed columns; ASHAPE: of keys from 0, the sinks), then its
     pieces (strips 0 otherwise)."""
     if SHARE:
-        slot = pid
+        slot = it
     else:
-        slot = pid * CONSUMERS + sub
+        slot = it * CONSUMERS + sub
     valid = slot < n_work
     item = gl.load(Order + gl.minimum(slot, n_work - 1))
     m = item % M
@@ -149,13 +149,13 @@ def _item_row(t, strips, kv_row, col_row, Offsets, BLOCK_N: gl.constexpr, VS: gl
 
 
 @gluon.jit
-def _fill(t, n, strips, kv_row, col_row, Offsets, k_desc, v_desc, kc_desc, vc_desc, k_smem, v_smem, k_ready, v_ready,
-          k_empty, v_empty, ring: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, VS: gl.constexpr,
-          ASHAPE: gl.constexpr, PAIR: gl.constexpr):
-    """Producer: step t of ring `ring` (of n items: step t is item t, or with PAIR items 2t and 2t + 1 into the two
-    halves of one slot, item 2t again where 2t + 1 = n: its lanes are masked), K into K slot t % STAGES, V into V
-    slot t % V_STAGES (`_item_row` says where an item's keys are). One running index t over the steps, so the slot /
-    phase arithmetic is the pieces-only one."""
+def _fill(t, tg, n, strips, kv_row, col_row, Offsets, k_desc, v_desc, kc_desc, vc_desc, k_smem, v_smem, k_ready,
+          v_ready, k_empty, v_empty, ring: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+          VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr):
+    """Producer: step t of ring `ring`'s item (of n items: step t is item t, or with PAIR items 2t and 2t + 1 into the
+    two halves of one slot, item 2t again where 2t + 1 = n: its lanes are masked), the ring's step tg counted over
+    the program's items (a running index, so the slot / phase arithmetic is the pieces-only one): K into K slot
+    tg % STAGES, V into V slot tg % V_STAGES (`_item_row` says where an item's keys are)."""
     ITEMS: gl.constexpr = 2 if PAIR else 1
     if t * ITEMS < n:
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]  # keys per item
@@ -164,15 +164,15 @@ def _fill(t, n, strips, kv_row, col_row, Offsets, k_desc, v_desc, kc_desc, vc_de
         if PAIR:
             row_b, packed_b = _item_row(gl.minimum(2 * t + 1, n - 1), strips, kv_row, col_row, Offsets, BLOCK_N, VS,
                                         ASHAPE)
-        # Fill j = t // STAGES of a K slot overwrites what the consumer released with its arrive number j - 1 on
+        # Fill j = tg // STAGES of a K slot overwrites what the consumer released with its arrive number j - 1 on
         # `k_empty`, which completes that barrier's phase j - 1: wait for parity (j - 1) & 1 = (j & 1) ^ 1. For
         # j = 0 that is parity 1, the phase "before" a fresh barrier's first, which counts as complete: the
         # first STAGES fills do not wait. V slots likewise with V_STAGES and `v_empty`.
-        ik = ring * STAGES + t % STAGES
-        mbarrier.wait(k_empty.index(ik), ((t // STAGES) & 1) ^ 1)
+        ik = ring * STAGES + tg % STAGES
+        mbarrier.wait(k_empty.index(ik), ((tg // STAGES) & 1) ^ 1)
         _load_step(k_desc, kc_desc, packed, row, packed_b, row_b, k_smem.index(ik), k_ready.index(ik), VS, PAIR)
-        iv = ring * V_STAGES + t % V_STAGES
-        mbarrier.wait(v_empty.index(iv), ((t // V_STAGES) & 1) ^ 1)
+        iv = ring * V_STAGES + tg % V_STAGES
+        mbarrier.wait(v_empty.index(iv), ((tg // V_STAGES) & 1) ^ 1)
         _load_step(v_desc, vc_desc, packed, row, packed_b, row_b, v_smem.index(iv), v_ready.index(iv), VS, PAIR)
 
 
@@ -205,41 +205,76 @@ def _load(desc, packed_desc, packed, row, dst, ready, VS: gl.constexpr):
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-              v_empty, BlockCount, BlockOffset, ColCount, Order, Pairs, n_work, N, H, G, M, NS, KVP,
+def _load_q(q_desc, q_smem, q_bar, q_empty, q_row, n, loads, c: gl.constexpr):
+    """Producer: consumer c's Q tile (rows q_row) for its next item, its `loads`-th, once the consumer has released
+    the one before (q_empty; the first load does not wait: the slot/phase rule of `_fill`); only for an item with
+    steps (a consumer without them never waits for a Q, so no TMA is left in flight). Returns the loads so far."""
+    mbarrier.wait(q_empty.index(c), (loads & 1) ^ 1, pred=n > 0)
+    mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes, pred=n > 0)
+    tma_load(q_desc, [q_row, 0], q_bar.index(c), q_smem.index(c), pred=n > 0)
+    return loads + (n > 0).to(gl.int32)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
+              k_empty, v_empty, BlockCount, BlockOffset, ColCount, Order, Pairs, n_work, N, H, G, M, NS, KVP,
               BLOCK_M: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-              SHARE: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr):
-    """1 warp: Q of each consumer once (q_bar phase 0), then the steps over the items (strips, pieces; PAIR: two
-    items a step): of the one shared ring (SHARE), else of each consumer's ring, interleaved step by step."""
+              SHARE: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr,
+              PERSIST: gl.constexpr):
+    """1 warp: the loads of each of the program's turns (`_produce`), each ring's step index and each consumer's Q
+    loads counted on over them (PERSIST; else the one turn pid)."""
+    if PERSIST:
+        turns = n_work if SHARE else (n_work + CONSUMERS - 1) // CONSUMERS
+        tg0, tg1, q0s, q1s = 0, 0, 0, 0
+        for it in range(gl.program_id(0), turns, gl.num_programs(0)):
+            tg0, tg1, q0s, q1s = _produce(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar,
+                                          q_empty, k_ready, v_ready, k_empty, v_empty, BlockCount, BlockOffset,
+                                          ColCount, Order, Pairs, n_work, N, H, G, M, NS, KVP, it, tg0, tg1, q0s, q1s,
+                                          BLOCK_M, CONSUMERS, STAGES, V_STAGES, SHARE, VS, ASHAPE, PAIR)
+    else:
+        _produce(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
+                 k_empty, v_empty, BlockCount, BlockOffset, ColCount, Order, Pairs, n_work, N, H, G, M, NS, KVP,
+                 gl.program_id(0), 0, 0, 0, 0, BLOCK_M, CONSUMERS, STAGES, V_STAGES, SHARE, VS, ASHAPE, PAIR)
+
+
+@gluon.jit
+def _produce(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
+             k_empty, v_empty, BlockCount, BlockOffset, ColCount, Order, Pairs, n_work, N, H, G, M, NS, KVP, it, tg0,
+             tg1, q0s, q1s, BLOCK_M: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr,
+             V_STAGES: gl.constexpr, SHARE: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr,
+             PAIR: gl.constexpr):
+    """Turn `it`'s loads: Q of each consumer, then the steps over the items (strips, pieces; PAIR: two items a
+    step) of the one shared ring (SHARE), else of each consumer's ring, interleaved step by step; rings 0 / 1 have
+    taken tg0 / tg1 steps and consumers 0 / 1 q0s / q1s Q loads before it. Returns the four counts after it."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     ITEMS: gl.constexpr = 2 if PAIR else 1
-    pid = gl.program_id(0)
-    _, q0, kv0, base0, p0, s0, _, bh0 = _work_item(Order, Pairs, BlockCount, ColCount, pid, 0, n_work, N, H, G, M, NS,
+    _, q0, kv0, base0, p0, s0, _, bh0 = _work_item(Order, Pairs, BlockCount, ColCount, it, 0, n_work, N, H, G, M, NS,
                                                    BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS, ASHAPE)
     n0 = p0 + s0
-    # a consumer with no items never waits for its Q: load it only where there are items (no TMA left in flight)
-    mbarrier.expect(q_bar.index(0), q_desc.block_type.nbytes, pred=n0 > 0)
-    tma_load(q_desc, [q0, 0], q_bar.index(0), q_smem.index(0), pred=n0 > 0)
+    steps0 = (n0 + ITEMS - 1) // ITEMS
+    q0s = _load_q(q_desc, q_smem, q_bar, q_empty, q0, n0, q0s, 0)
     if CONSUMERS == 1:
-        for t in range((n0 + ITEMS - 1) // ITEMS):
-            _fill(t, n0, s0, kv0, bh0 * KVP, BlockOffset + base0, k_desc, v_desc, kc_desc, vc_desc, k_smem, v_smem,
-                  k_ready, v_ready, k_empty, v_empty, 0, STAGES, V_STAGES, VS, ASHAPE, PAIR)
+        for t in range(steps0):
+            _fill(t, tg0 + t, n0, s0, kv0, bh0 * KVP, BlockOffset + base0, k_desc, v_desc, kc_desc, vc_desc, k_smem,
+                  v_smem, k_ready, v_ready, k_empty, v_empty, 0, STAGES, V_STAGES, VS, ASHAPE, PAIR)
     else:
-        _, q1, kv1, base1, p1, s1, _, bh1 = _work_item(Order, Pairs, BlockCount, ColCount, pid, 1, n_work, N, H, G, M, NS,
-                                                       BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS, ASHAPE)
+        _, q1, kv1, base1, p1, s1, _, bh1 = _work_item(Order, Pairs, BlockCount, ColCount, it, 1, n_work, N, H, G, M,
+                                                       NS, BLOCK_M, BLOCK_N, CONSUMERS, SHARE, VS, ASHAPE)
         n1 = p1 + s1
-        mbarrier.expect(q_bar.index(1), q_desc.block_type.nbytes, pred=n1 > 0)
-        tma_load(q_desc, [q1, 0], q_bar.index(1), q_smem.index(1), pred=n1 > 0)
+        q1s = _load_q(q_desc, q_smem, q_bar, q_empty, q1, n1, q1s, 1)
         if SHARE:  # both consumers read ring 0 (their items are equal: the entries check)
-            for t in range((n0 + ITEMS - 1) // ITEMS):
-                _fill(t, n0, s0, kv0, bh0 * KVP, BlockOffset + base0, k_desc, v_desc, kc_desc, vc_desc, k_smem,
-                      v_smem, k_ready, v_ready, k_empty, v_empty, 0, STAGES, V_STAGES, VS, ASHAPE, PAIR)
+            for t in range(steps0):
+                _fill(t, tg0 + t, n0, s0, kv0, bh0 * KVP, BlockOffset + base0, k_desc, v_desc, kc_desc, vc_desc,
+                      k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, 0, STAGES, V_STAGES, VS, ASHAPE, PAIR)
         else:
-            for t in range((gl.maximum(n0, n1) + ITEMS - 1) // ITEMS):
-                _fill(t, n0, s0, kv0, bh0 * KVP, BlockOffset + base0, k_desc, v_desc, kc_desc, vc_desc, k_smem,
-                      v_smem, k_ready, v_ready, k_empty, v_empty, 0, STAGES, V_STAGES, VS, ASHAPE, PAIR)
-                _fill(t, n1, s1, kv1, bh1 * KVP, BlockOffset + base1, k_desc, v_desc, kc_desc, vc_desc, k_smem,
-                      v_smem, k_ready, v_ready, k_empty, v_empty, 1, STAGES, V_STAGES, VS, ASHAPE, PAIR)
+            steps1 = (n1 + ITEMS - 1) // ITEMS
+            for t in range(gl.maximum(steps0, steps1)):
+                _fill(t, tg0 + t, n0, s0, kv0, bh0 * KVP, BlockOffset + base0, k_desc, v_desc, kc_desc, vc_desc,
+                      k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, 0, STAGES, V_STAGES, VS, ASHAPE, PAIR)
+                _fill(t, tg1 + t, n1, s1, kv1, bh1 * KVP, BlockOffset + base1, k_desc, v_desc, kc_desc, vc_desc,
+                      k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, 1, STAGES, V_STAGES, VS, ASHAPE, PAIR)
+            tg1 += steps1
+    return tg0 + steps0, tg1, q0s, q1s
 
 
 @gluon.jit
@@ -389,17 +424,18 @@ def _issue_pv(acc, alpha, prob, v_smem, v_ready, iv, phase, row_o: gl.constexpr,
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount, BlockOffset,
-              ColCount, Cols, Covered, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP, L,
-              sub: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              CONSUMERS: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-              SHARE: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr):
-    """Consumer warpgroup `sub`: BLOCK_M query rows over their items (VS: column strips, then pieces; BLOCK_N keys
-    a step: one item, or two with PAIR) from its ring (SHARE: the one ring both consumers read); writes O rows and
-    LSE. ASHAPE: its head's sink / window (tokens) from Sink / Window Int32 `[H]`."""
-    pid = gl.program_id(0)
+def _item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
+          BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP, L,
+          it, tg, qs, sub: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+          CONSUMERS: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+          SHARE: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr):
+    """Consumer `sub`'s item of turn `it`: BLOCK_M query rows over their items (VS: column strips, then pieces;
+    BLOCK_N keys a step: one item, or two with PAIR) from its ring (SHARE: the one ring both consumers read), whose
+    step index has reached tg, with the Q tile of its `qs`-th load; writes O rows and LSE and releases Q (q_empty)
+    once its last Q K^T is done. ASHAPE: its head's sink / window (tokens) from Sink / Window Int32 `[H]`. Returns
+    the steps taken."""
     PIECE: gl.constexpr = BLOCK_N // 2 if PAIR else BLOCK_N  # keys per item
-    valid, q_row, _, base, pieces, strips, row_lo, bh = _work_item(Order, Pairs, BlockCount, ColCount, pid, sub,
+    valid, q_row, _, base, pieces, strips, row_lo, bh = _work_item(Order, Pairs, BlockCount, ColCount, it, sub,
                                                                    n_work, N, H, G, M, NS, BLOCK_M, PIECE, CONSUMERS,
                                                                    SHARE, VS, ASHAPE)
     items = strips + pieces
@@ -428,11 +464,11 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
     s0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     q = q_smem.index(sub)
-    mbarrier.wait(q_bar.index(sub), 0, pred=n > 0)  # Q lands once: phase 0
-    # Step t (item t, or items 2t and 2t + 1 with PAIR: strips, then pieces) has its K in K slot
-    # ik = ring * STAGES + t % STAGES as that slot's fill j = t // STAGES (the producer walks the same n steps in the
-    # same order), which completes phase j of k_ready[ik]: wait for parity j & 1; its V likewise in V slot
-    # ring * V_STAGES + t % V_STAGES
+    mbarrier.wait(q_bar.index(sub), qs & 1, pred=n > 0)  # the qs-th Q load completes phase qs
+    # Step t (item t, or items 2t and 2t + 1 with PAIR: strips, then pieces) is the ring's step tg + t, with its K in
+    # K slot ik = ring * STAGES + (tg + t) % STAGES as that slot's fill j = (tg + t) // STAGES (the producer walks
+    # the same steps in the same order), which completes phase j of k_ready[ik]: wait for parity j & 1; its V
+    # likewise in V slot ring * V_STAGES + (tg + t) % V_STAGES
     # (SHARE: both consumers wait for the same phase; a wait consumes nothing). A K slot is released by an arrive
     # on k_empty once the Q K^T wgmma that read it has completed, a V slot on v_empty once its P V has: the
     # producer refills K while P V still reads V. SHARE: the empty barriers count 2 arrives, one per consumer, so
@@ -440,53 +476,56 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
     if OVERLAP:
         prob, alpha = s0, m_i  # (set for every path; only read where n > 0)
         if n > 0:  # prologue: the scores of piece 0
-            ik = ring * STAGES
-            mbarrier.wait(k_ready.index(ik), 0)
+            ik = ring * STAGES + tg % STAGES
+            mbarrier.wait(k_ready.index(ik), (tg // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(ik).permute((1, 0)), s0, use_acc=False, is_async=True)
             keys = _step_keys(0, items, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, BLOCK_N, VS,
                               ASHAPE, PAIR)
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(ik), count=1)
+            mbarrier.arrive(q_empty.index(sub), count=1, pred=n == 1)
             s = _step_masked(s, keys, 0, strips, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS, ASHAPE,
                              PAIR)
             prob, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
         for t in range(n - 1):
             # issue Q K^T of piece t + 1 first, then P V of piece t; wait(1) retires the older group (Q K^T:
             # wgmma groups complete in issue order) and leaves P V running beside the softmax of piece t + 1
-            iv = ring * V_STAGES + t % V_STAGES
-            ik1 = ring * STAGES + (t + 1) % STAGES
-            mbarrier.wait(k_ready.index(ik1), ((t + 1) // STAGES) & 1)
+            iv = ring * V_STAGES + (tg + t) % V_STAGES
+            ik1 = ring * STAGES + (tg + t + 1) % STAGES
+            mbarrier.wait(k_ready.index(ik1), ((tg + t + 1) // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(ik1).permute((1, 0)), s0, use_acc=False, is_async=True)
             keys = _step_keys(t + 1, items, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, BLOCK_N,
                               VS, ASHAPE, PAIR)
-            acc = _issue_pv(acc, alpha, prob, v_smem, v_ready, iv, (t // V_STAGES) & 1, row_o, p_layout)
+            acc = _issue_pv(acc, alpha, prob, v_smem, v_ready, iv, ((tg + t) // V_STAGES) & 1, row_o, p_layout)
             s = warpgroup_mma_wait(1, deps=(s,))
             mbarrier.arrive(k_empty.index(ik1), count=1)
+            mbarrier.arrive(q_empty.index(sub), count=1, pred=t + 2 == n)
             s = _step_masked(s, keys, t + 1, strips, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS,
                              ASHAPE, PAIR)
             prob, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(iv), count=1)
         if n > 0:  # epilogue: P V of the last piece
-            t = n - 1
+            t = tg + n - 1
             iv = ring * V_STAGES + t % V_STAGES
             acc = _issue_pv(acc, alpha, prob, v_smem, v_ready, iv, (t // V_STAGES) & 1, row_o, p_layout)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(iv), count=1)
     else:
         for t in range(n):
-            ik = ring * STAGES + t % STAGES
-            iv = ring * V_STAGES + t % V_STAGES
-            mbarrier.wait(k_ready.index(ik), (t // STAGES) & 1)
+            ik = ring * STAGES + (tg + t) % STAGES
+            iv = ring * V_STAGES + (tg + t) % V_STAGES
+            mbarrier.wait(k_ready.index(ik), ((tg + t) // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(ik).permute((1, 0)), s0, use_acc=False, is_async=True)
             keys = _step_keys(t, items, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, BLOCK_N, VS,
                               ASHAPE, PAIR)
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(ik), count=1)
+            mbarrier.arrive(q_empty.index(sub), count=1, pred=t + 1 == n)
             s = _step_masked(s, keys, t, strips, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS, ASHAPE,
                              PAIR)
             prob, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
-            acc = _issue_pv(acc, alpha, prob, v_smem, v_ready, iv, (t // V_STAGES) & 1, row_o, p_layout)
+            acc = _issue_pv(acc, alpha, prob, v_smem, v_ready, iv, ((tg + t) // V_STAGES) & 1, row_o, p_layout)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(iv), count=1)
     if valid:
@@ -498,6 +537,33 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
         gl.store(ptrs, out.to(O.dtype.element_ty), mask=ok)
         lse = (m_i + gl.log2(l_i)) * LN2
         gl.store(LSE + (q_row + gl.arange(0, BLOCK_M, layout=row_s)), lse, mask=rows < N)
+    return n
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
+              BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP,
+              L, sub: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+              CONSUMERS: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+              SHARE: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr,
+              PERSIST: gl.constexpr):
+    """Consumer warpgroup `sub`: its item of each of the program's turns (`_item`), the ring's step index and its Q
+    loads counted on over them as the producer counts them (PERSIST; else the one turn pid)."""
+    if PERSIST:
+        turns = n_work if SHARE else (n_work + CONSUMERS - 1) // CONSUMERS
+        tg, qs = 0, 0
+        for it in range(gl.program_id(0), turns, gl.num_programs(0)):
+            steps = _item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
+                          BlockCount, BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, Pairs, n_work,
+                          qk_scale, N, H, G, M, NS, KVP, L, it, tg, qs, sub, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES,
+                          V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR)
+            qs += (steps > 0).to(gl.int32)
+            tg += steps
+    else:
+        _item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
+              BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP,
+              L, gl.program_id(0), 0, 0, sub, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS,
+              ASHAPE, PAIR)
 
 
 @gluon.jit(do_not_specialize=["n_work", "N", "M", "NS", "KVP", "L"])
@@ -505,8 +571,10 @@ def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCo
                        Covered, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP, L,
                        CONSUMERS: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, OVERLAP: gl.constexpr,
                        SHARE: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr):
-    """Program pid: work slots pid * CONSUMERS + c of `Order` (SHARE: slot pid, both consumers). VS: kc / vc
+                       PERSIST: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """Program pid takes turns it = pid, pid + P, pid + 2 P, ... of P programs (PERSIST; else the one turn pid):
+    work slots it * CONSUMERS + c of `Order` (SHARE: slot it, both consumers); the producer loads a turn's Q and
+    first K / V tiles while the consumers finish the turn before (its last steps, its stores). VS: kc / vc
     `[B * Hq * KVP, D]` hold each query head's packed columns' K / V rows (Cols Int32 `[B * Hq * KVP]` their
     keys, ascending), ColCount Int32 `[B, Hq, M]` how many are < the row block's first row, Covered Int8
     `[B * Hq, L]` the d-space flags of `index_build.vs_slash_tiles` (unused without VS). ASHAPE: ColCount the sink
@@ -524,12 +592,14 @@ def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCo
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [RINGS * STAGES, BLOCK_N, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [RINGS * V_STAGES, BLOCK_N, D], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [RINGS * V_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [RINGS * V_STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_bar.index(c), count=1)
+        mbarrier.init(q_empty.index(c), count=1)
     # ready: the producer's expect is the one arrive, TMA bytes the rest; empty: every consumer reading the ring
     # arrives once per slot use, 2 on a shared ring, else 1
     for i in gl.static_range(RINGS * STAGES):
@@ -541,24 +611,27 @@ def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCo
     # (the partition lists are written out in the calls: a Gluon tuple cannot hold a function)
     if CONSUMERS == 1:
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
                          BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP,
-                         L, 0, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR)),
-            (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                         L, 0, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR,
+                         PERSIST)),
+            (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          k_empty, v_empty, BlockCount, BlockOffset, ColCount, Order, Pairs, n_work, N, H, G, M, NS, KVP,
-                         BLOCK_M, CONSUMERS, STAGES, V_STAGES, SHARE, VS, ASHAPE, PAIR)),
+                         BLOCK_M, CONSUMERS, STAGES, V_STAGES, SHARE, VS, ASHAPE, PAIR, PERSIST)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
                          BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP,
-                         L, 0, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR)),
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
+                         L, 0, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR,
+                         PERSIST)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
                          BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP,
-                         L, 1, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR)),
-            (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                         L, 1, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR,
+                         PERSIST)),
+            (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                          k_empty, v_empty, BlockCount, BlockOffset, ColCount, Order, Pairs, n_work, N, H, G, M, NS, KVP,
-                         BLOCK_M, CONSUMERS, STAGES, V_STAGES, SHARE, VS, ASHAPE, PAIR)),
+                         BLOCK_M, CONSUMERS, STAGES, V_STAGES, SHARE, VS, ASHAPE, PAIR, PERSIST)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -576,7 +649,7 @@ def launch_config(consumers: int, head_dim: int = 128) -> dict[str, int]:
 
 
 def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stages: int, consumers: int,
-                overlap: bool, v_stages: int | None) -> tuple[int, int, int, int, int]:
+                overlap: bool, v_stages: int | None, persistent: bool | int = False) -> tuple[int, int, int, int, int]:
     """The checks both entries share (ValueError naming the field); returns (B, Hq, Hkv, N, D)."""
     B, Hq, Hkv, N, D = check_prefill_args(q, k, v)
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -589,6 +662,9 @@ def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stages: int, 
                          f"while this piece's slot is held), >= 1 without; got {consumers}, {stages}, overlap={overlap}")
     if v_stages is not None and not 1 <= v_stages <= stages:
         raise ValueError(f"v_stages (the V ring's depth) must be between 1 and stages = {stages}, got {v_stages}")
+    if not isinstance(persistent, int) or persistent < 0:
+        raise ValueError(f"persistent must be True (one program per SM slot), False (one per turn) or a number of "
+                         f"programs >= 1, got {persistent!r}")
     return B, Hq, Hkv, N, D
 
 
@@ -664,15 +740,32 @@ def ashape_launch(hq: int, hkv: int, sink: torch.Tensor, window: torch.Tensor, h
     return ASHAPE_LAUNCH_D256 if head_dim == 256 and paired else None
 
 
+@functools.lru_cache(maxsize=16)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def programs_per_sm(consumers: int, share_kv: bool, stages: tuple[int, int], keys: int, head_dim: int) -> int:
+    """How many programs of a launch an SM holds: by registers (`launch_config`: 2 at maxnreg 128, else 1) and by
+    shared memory (bf16 / fp16 Q tiles of 64 rows and ring slots of `keys` keys, 228 KB an SM on sm_90 less 1 KB
+    reserved per program)."""
+    tile = 2 * head_dim  # bytes per row
+    smem = consumers * ROWS * tile + (1 if share_kv else consumers) * sum(stages) * keys * tile
+    by_regs = 2 if launch_config(consumers, head_dim)["maxnreg"] == 128 else 1
+    return max(1, min(by_regs, 233472 // (smem + 1024)))
+
+
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None,
             stages: tuple[int, int],
             consumers: int, overlap: bool, share_kv: bool,
             packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
             band: tuple[torch.Tensor, torch.Tensor] | None = None, kv_major: bool = False, pair: bool = False,
-            pairs: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            pairs: Sequence[int] | None = None, persistent: bool | int = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on checked, contiguous inputs, items in `work_order` (by KV head first with `kv_major`); stages: the K
     and V rings' depths; `pair`: two items per step (`ws_prefill`); `pairs` (share_kv): the query heads in ring order,
-    heads pairs[2j], pairs[2j + 1] on one ring (`head_pairs`; None: 0, 1, ..., Hq - 1). `packed`
+    heads pairs[2j], pairs[2j + 1] on one ring (`head_pairs`; None: 0, 1, ..., Hq - 1); `persistent`: True as many
+    programs as the SMs hold (`programs_per_sm`), an int that many, each taking every P-th turn of the order; False
+    one program per turn. `packed`
     (VS): (kc, vc `[B * Hq * KVP, D]`, cols Int32 `[B, Hq, KVP]`, col_count Int32 `[B, Hq, M]`, covered Int8
     `[B, Hq, L]`); `band` (A-shape, tiles from `ashape_to_tiles`): (sink, window) Int32 `[Hq]` on q's device; see
     `_ws_prefill_kernel`."""
@@ -714,20 +807,26 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
         order = work_order(strip_tiles, 1, Hq // Hkv if kv_major else 0)
         n_work = B * Hq * M
         grid = triton.cdiv(n_work, consumers)
+    if persistent is True:
+        keys = tiles.piece * (2 if pair else 1)
+        grid = min(grid, _sm_count(q.device) * programs_per_sm(consumers, share_kv, stages, keys, D))
+    elif persistent:
+        grid = min(grid, persistent)
     cfg = launch_config(consumers, D)
     _ws_prefill_kernel[(grid,)](
         q_desc, k_desc, v_desc, kc_desc, vc_desc, o, lse, bc, bo, col_count, cols, covered, sink, window, order,
         ring_heads, n_work, scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1], cols.shape[-1], covered.shape[-1],
         CONSUMERS=consumers, STAGES=stages[0], V_STAGES=stages[1], OVERLAP=overlap, SHARE=share_kv, VS=packed is not None,
-        ASHAPE=band is not None, PAIR=pair, CONSUMER_REGS=cfg["consumer_regs"], num_warps=4, maxnreg=cfg["maxnreg"])
+        ASHAPE=band is not None, PAIR=pair, PERSIST=persistent, CONSUMER_REGS=cfg["consumer_regs"], num_warps=4,
+        maxnreg=cfg["maxnreg"])
     return o, lse
 
 
 def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None = None,
                sink: torch.Tensor | None = None, window: torch.Tensor | None = None, stages: int = 2,
                consumers: int = 2, overlap: bool = True, share_kv: bool = False,
-               kv_major: bool = False, v_stages: int | None = None, pair: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               kv_major: bool = False, v_stages: int | None = None, pair: bool = False,
+               persistent: bool | int = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over the pieces of per-head block-sparse `tiles` on an sm_90 GPU (`sparse_prefill`'s
     contract for the tiles it takes).
 
@@ -749,10 +848,12 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
     64-key items (strips or pieces, in order) per step, loaded by two TMA copies into the halves of one 128-key ring
     slot, so a step's fixed work (barrier waits, row max / sum, the O rescale) is paid once per 128 keys while the
     computed keys stay the 64-key tiles' (a row block's odd last item costs a half-step of masked lanes); 32 KB K / V
-    slots at head_dim 128, so per-head rings fit with v_stages=1.
+    slots at head_dim 128, so per-head rings fit with v_stages=1. `persistent`: True one program per SM slot (an int
+    >= 1: that many programs), each taking every P-th turn of the order, so a program loads its next turn's Q and
+    first tiles while it finishes the last; False one program per turn.
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
     """
-    B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap, v_stages)
+    B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap, v_stages, persistent)
     if sink is not None or window is not None:
         raise ValueError("sink / window (A-shape token masks) are not taken by ws_prefill; use "
                          "ws_ashape(q, k, v, sink, window) or sparse_prefill")
@@ -788,7 +889,7 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     packed = pack_head_columns(k, v, tiles, Hq) if tiles.head_columns is not None else None
     return _launch(q, k, v, tiles, scale, (stages, v_stages or stages), consumers, overlap, share_kv, packed,
-                   kv_major=kv_major, pair=pair)
+                   kv_major=kv_major, pair=pair, persistent=persistent)
 
 
 def pack_columns(k: torch.Tensor, v: torch.Tensor, cols: torch.Tensor, n_q_heads: int,
@@ -842,7 +943,8 @@ def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns
                       offsets: torch.Tensor, scale: float | None = None, stages: int = 2, consumers: int = 2,
                       overlap: bool = True, packed: tuple[VSTiles, tuple[torch.Tensor, ...]] | None = None,
                       kv_major: bool = True, share_kv: bool | None = None, v_stages: int | None = None,
-                      width: int = KEYS, pair: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      width: int = KEYS, pair: bool = False, persistent: bool | int = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Vertical-Slash prefill on an sm_90 GPU: MInference's index columns Long `[B, Hq, Kv]` (key positions),
     offsets Long `[B, Hq, Ks]` (i - j), any order; -1, repeated, >= N entries ignored, offset 0 always in (as
     `vertical_slash_prefill`, same keys as `index_ref.vs_to_tiles`). q, k, v, stages, v_stages, consumers, overlap,
@@ -852,14 +954,13 @@ def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns
     pieces (a column under one of its pieces masked), so the kernel reads each column once per row block that
     keeps it. `width`: keys per step, 64 or 128 (128: slash pieces 128 wide, the keys of
     `vs_to_tiles(..., width=128)`, a superset of 64's; 32 KB K / V tiles at head_dim 128, so per-head rings fit
-    with v_stages=1); `pair` (width 64): two 64-key strips / pieces per step (`ws_prefill`'s). `packed`:
-    `pack_vertical_slash(k, v, columns, offsets, Hq, width)` made earlier (this call
-    then only launches). Group-shared
-    columns / offsets (`[B, Hkv, K]`, `index_build.vs_index(group_shared=True)`) run with `share_kv` (None: for
-    those): query heads 2j and 2j + 1 of a KV head on one K/V ring (`ws_prefill`'s share_kv; consumers=2, an even
-    group; per-head lists must then be equal for heads 2j and 2j + 1). Returns (o `[B, Hq, N, D]` in q's dtype,
-    lse Float32 `[B, Hq, N]`, natural log)."""
-    B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap, v_stages)
+    with v_stages=1); `pair` (width 64): two 64-key strips / pieces per step (`ws_prefill`'s); `persistent` as
+    `ws_prefill`'s. `packed`: `pack_vertical_slash(k, v, columns, offsets, Hq, width)` made earlier (this call
+    then only launches). Group-shared columns / offsets (`[B, Hkv, K]`, `index_build.vs_index(group_shared=True)`)
+    run with `share_kv` (None: for those): query heads 2j and 2j + 1 of a KV head on one K/V ring (`ws_prefill`'s
+    share_kv; consumers=2, an even group; per-head lists must then be equal for heads 2j and 2j + 1).
+    Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log)."""
+    B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap, v_stages, persistent)
     grouped = columns.dim() == 3 and columns.shape[1] == Hkv != Hq
     for name, x in (("columns", columns), ("offsets", offsets)):
         if x.dim() != 3 or tuple(x.shape[:2]) not in ((B, Hq), (B, Hkv)) or x.shape[-1] < 1 or x.dtype.is_floating_point \
@@ -881,27 +982,28 @@ def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     tiles, (kc, vc, cols, col_count, covered) = packed or pack_vertical_slash(k, v, columns, offsets, Hq, width)
     return _launch(q, k, v, tiles, scale, (stages, v_stages or stages), consumers, overlap, share_kv,
-                   (kc, vc, cols, col_count, covered), kv_major=kv_major, pair=pair)
+                   (kc, vc, cols, col_count, covered), kv_major=kv_major, pair=pair, persistent=persistent)
 
 
 def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | list[int],
               window: torch.Tensor | list[int], scale: float | None = None, stages: int = 2, consumers: int = 2,
               overlap: bool = True, tiles: VSTiles | None = None, kv_major: bool = False, share_kv: bool = False,
-              width: int = KEYS, v_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              width: int = KEYS, v_stages: int | None = None, persistent: bool | int = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """A-shape prefill on an sm_90 GPU: per query head `sink` and `window` (tokens, `[Hq]`; window >= 1, sink
     >= 0; `NO_WINDOW` for a head without a band) -> keys j <= i with j < sink or i - j < window (as
     `ashape_prefill`). Tiles: `index_ref.ashape_to_tiles` per query head (window pieces, the sinks below a row
     block's lowest piece as its columns [0, count)); the sinks are contiguous keys, so the kernel walks them as
     strips of k / v from key 0 (lanes >= count masked) before the pieces, and applies the token mask on the
-    pieces that reach past the window. q, k, v, stages, v_stages, consumers, overlap, kv_major as `ws_prefill`; `tiles`: those
-    per-head tiles made elsewhere (`ashape_to_tiles(sink, window, N, B, 64, width=width)`; None: `index_ref.band_tiles`'
-    cached ones, built at the first call for a band, length and width).
+    pieces that reach past the window. q, k, v, stages, v_stages, consumers, overlap, kv_major, persistent as
+    `ws_prefill`; `tiles`: those per-head tiles made elsewhere (`ashape_to_tiles(sink, window, N, B, 64,
+    width=width)`; None: `index_ref.band_tiles`' cached ones, built at the first call for a band, length and width).
     `share_kv` (consumers=2, each KV group's heads pairing up by band: `head_pairs`): two heads of one band on one
     K/V ring, as `ws_prefill`'s (`ashape_prefill`'s choice on sm_90: `ASHAPE_LAUNCH`). `width`: keys per step, 64 or
     128 (pieces and sink strips; 128: twice the work per ring slot and barrier round trip, 64 KB a slot at head_dim
     128, so at most 3 stages on one shared ring).
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log)."""
-    B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap, v_stages)
+    B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap, v_stages, persistent)
     sink_t = torch.as_tensor(sink).reshape(-1)
     window_t = torch.as_tensor(window).reshape(-1)
     if sink_t.numel() != Hq or window_t.numel() != Hq or sink_t.is_floating_point() or window_t.is_floating_point():
@@ -923,4 +1025,4 @@ def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Ten
     else:
         band = band_on(sink_t, window_t, q.device)
     return _launch(q.contiguous(), k.contiguous(), v.contiguous(), tiles, scale, (stages, v_stages or stages),
-                   consumers, overlap, share_kv, band=band, kv_major=kv_major, pairs=pairs)
+                   consumers, overlap, share_kv, band=band, kv_major=kv_major, pairs=pairs, persistent=persistent)

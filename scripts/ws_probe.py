@@ -59,10 +59,12 @@ PAIRED = 0  # --paired: rounds of the in-turn timings (0: none)
 
 def parse_variant(name: str) -> dict:
     """'c2s3v2okgw128' -> {consumers: 2, stages: 3, v_stages: 2, overlap: True, share_kv: True, kv_major: True,
-    width: 128} (no v: as many V stages as K stages); p adds pair: True (two 64-key items per step)."""
-    c, s, vs, o, k, g, p, w = re.fullmatch(r"c(\d)s(\d)(?:v(\d))?(o?)(k?)(g?)(p?)(?:w(\d+))?", name).groups()
+    width: 128} (no v: as many V stages as K stages); p adds pair: True (two 64-key items per step), r persistent:
+    True (one program per SM slot, taking turns)."""
+    c, s, vs, o, k, g, p, r, w = re.fullmatch(r"c(\d)s(\d)(?:v(\d))?(o?)(k?)(g?)(p?)(r?)(?:w(\d+))?", name).groups()
     return {"consumers": int(c), "stages": int(s), "v_stages": int(vs) if vs else None, "overlap": bool(o),
-            "share_kv": bool(k), "kv_major": bool(g), "width": int(w or 64), **({"pair": True} if p else {})}
+            "share_kv": bool(k), "kv_major": bool(g), "width": int(w or 64), **({"pair": True} if p else {}),
+            **({"persistent": True} if r else {})}
 
 
 def shape() -> tuple[int, int, int, float]:
@@ -425,10 +427,12 @@ def run_step(argv: list[str], timeout: float) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="ws_probe.json")
-    p.add_argument("--variants", default="c2s2o,c2s3o,c1s2o,c2s2,c2s3ok,c2s4ok", help="cCsS[o][k][g], comma-separated")
+    p.add_argument("--variants", default="c2s2o,c2s3o,c1s2o,c2s2,c2s3ok,c2s4ok",
+                   help="cCsS[vV][o][k][g][p][r][wW], comma-separated")
     p.add_argument("--steps", default="check,dense,sparse",
                    help="any of check,dense,sparse,vs,ashape (vs, ashape: their own checks first)")
-    p.add_argument("--vs-variants", default="c2s2o,c1s2o,c2s3o", help="cCsS[o][g] for ws_vertical_slash / ws_ashape")
+    p.add_argument("--vs-variants", default="c2s2o,c1s2o,c2s3o",
+                   help="cCsS[vV][o][k][g][p][r][wW] for ws_vertical_slash / ws_ashape")
     p.add_argument("--sink", type=int, default=128, help="A-shape sink tokens")
     p.add_argument("--window", type=int, default=4096, help="A-shape window tokens")
     p.add_argument("--rounds", type=int, default=1, help="ashape step: also time (SDPA, ashape_prefill) this many "

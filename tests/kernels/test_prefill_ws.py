@@ -25,7 +25,7 @@ from workbench_kernels.index_ref import block_sparse_to_tiles, narrow_pieces, ti
 from workbench_kernels.prefill_ref import masked_attention_ref
 
 CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block / vs / ashape[, keys per item[,
-    # V stages[, pair: two items per step]]])
+    # V stages[, pair: two items per step[, persistent: programs taking turns (the GPU tests run 5 of them)]]]])
     "two_consumers_2_stages": (2, 2, True, 128, False, "block"),  # the default
     "two_consumers_3_stages": (2, 3, True, 128, False, "block"),
     "one_consumer": (1, 2, True, 128, False, "block"),
@@ -74,15 +74,24 @@ CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block
     # A-shape at head_dim 256: two heads of one band on one shared ring of two 64-key slots, overlap (197 KB;
     # `ASHAPE_LAUNCH_D256`; Triton 3.6 spills 8 / 16 bytes there, 3.9 none)
     "ashape_head_dim_256_shared_kv": (2, 2, True, 256, True, "ashape"),
+    # the deployed launches on a persistent grid (`persistent=True`: one program per SM slot, taking turns)
+    "persistent_two_consumers_2_stages": (2, 2, True, 128, False, "block", 64, None, False, True),
+    "persistent_pair_two_consumers_k2_v1": (2, 2, False, 128, False, "block", 64, 1, True, True),
+    "persistent_pair_shared_kv_3_stages": (2, 3, False, 128, True, "block", 64, None, True, True),
+    "persistent_pair_head_dim_64": (1, 3, False, 64, False, "block", 64, None, True, True),
+    "persistent_vs_pair_two_consumers_k2_v1": (2, 2, False, 128, False, "vs", 64, 1, True, True),
+    "persistent_ashape_keys128_shared_kv_3_stages": (2, 3, True, 128, True, "ashape", 128, None, False, True),
+    "persistent_ashape_per_head_3_stages": (2, 3, True, 128, False, "ashape", 64, None, False, True),
+    "persistent_ashape_head_dim_256_shared_kv": (2, 2, True, 256, True, "ashape", 64, None, False, True),
 }
-# defaults: 64 keys per item, as many V stages as K stages, one item per step
-CASES = {case: (*args, *(64, None, False)[len(args) - 6:]) for case, args in CASES.items()}
+# defaults: 64 keys per item, as many V stages as K stages, one item per step, one program per turn
+CASES = {case: (*args, *(64, None, False, False)[len(args) - 6:]) for case, args in CASES.items()}
 BLOCK_CASES, VS_CASES, ASHAPE_CASES = ([case for case, args in CASES.items() if args[5] == pattern]
                                        for pattern in ("block", "vs", "ashape"))
 
 
 def compile_ws(consumers: int, stages: int, overlap: bool, d: int, share: bool, pattern: str, keys: int = 64,
-               v_stages: int | None = None, pair: bool = False, dtype: str = "bf16"):
+               v_stages: int | None = None, pair: bool = False, persistent: bool = False, dtype: str = "bf16"):
     """`_ws_prefill_kernel` compiled for sm_90 (descriptor arguments typed as `ws_prefill` builds them; K / V
     tiles of `keys` rows, two per ring slot with `pair`)."""
     import triton
@@ -102,7 +111,8 @@ def compile_ws(consumers: int, stages: int, overlap: bool, d: int, share: bool, 
              "qk_scale": "fp32", **pointers}
     cfg = prefill_ws.launch_config(consumers, d)
     constants = dict(CONSUMERS=consumers, STAGES=stages, V_STAGES=v_stages or stages, OVERLAP=overlap, SHARE=share,
-                     VS=pattern == "vs", ASHAPE=pattern == "ashape", PAIR=pair, CONSUMER_REGS=cfg["consumer_regs"])
+                     VS=pattern == "vs", ASHAPE=pattern == "ashape", PAIR=pair, PERSIST=persistent,
+                     CONSUMER_REGS=cfg["consumer_regs"])
     signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in fn.arg_names}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}
     source = GluonASTSource(fn, signature, constexprs=constants, attrs=attrs)
@@ -182,7 +192,7 @@ def test_ws_prefill_compiles_for_sm90(compiled, case):
     TMA loads; no local memory, no spills; shared memory within the H200's."""
     result = compiled[case]
     assert "error" not in result, result.get("error")
-    consumers, stages, overlap, d, _, _, keys, _, pair = CASES[case]
+    consumers, stages, overlap, d, _, _, keys, _, pair, _ = CASES[case]
     assert result["partitions"] == consumers, result  # workers: producer (+ the second consumer)
     assert result["setmaxnreg"], result
     per_path = d // 16 + keys * (1 + pair) // 16  # Q K^T over head_dim, P V over a step's keys, in k-steps of 16
@@ -226,19 +236,19 @@ def test_ws_prefill_matches_masked_attention_bf16(case, keep):
     lse against fp32 attention under the tiles' mask."""
     from workbench_kernels.prefill_ws import ws_prefill
 
-    consumers, stages, overlap, d, share, _, keys, v_stages, pair = CASES[case]
+    consumers, stages, overlap, d, share, _, keys, v_stages, pair, persistent = CASES[case]
     B, Hq, Hkv, n = 2, 8, 2, 1000
     q, k, v = qkv(B, Hq, Hkv, n, d, seed=int(keep * 10))
     index = block_index(B, Hkv if share else Hq, n, keep, seed=1)  # share_kv: one selection per KV head
     tiles = narrow_pieces(block_sparse_to_tiles(index.repeat_interleave(Hq // index.shape[1], 1), n), keys, n).to("cuda")
     o, lse = ws_prefill(q, k, v, tiles, stages=stages, consumers=consumers, overlap=overlap, share_kv=share,
-                        v_stages=v_stages, pair=pair)
+                        v_stages=v_stages, pair=pair, persistent=5 if persistent else False)
     ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(tiles, n))
     assert_bf16_close(o, lse, ro, rlse)
     if share:  # the group-shared tiles themselves (one list per KV head): the same launch
         grouped = block_sparse_to_tiles(index, n).to("cuda")
         o2, lse2 = ws_prefill(q, k, v, grouped, stages=stages, consumers=consumers, overlap=overlap, share_kv=True,
-                              v_stages=v_stages, pair=pair)
+                              v_stages=v_stages, pair=pair, persistent=5 if persistent else False)
         assert torch.equal(o2, o) and torch.equal(lse2, lse)
 
 
@@ -441,12 +451,12 @@ def test_ws_vertical_slash_matches_masked_attention_bf16(case, n):
     from workbench_kernels.index_ref import expand_groups
     from workbench_kernels.prefill_ws import ws_vertical_slash
 
-    consumers, stages, overlap, d, share, _, keys, v_stages, pair = CASES[case]
+    consumers, stages, overlap, d, share, _, keys, v_stages, pair, persistent = CASES[case]
     B, Hq, Hkv = 2, 8, 2
     q, k, v = qkv(B, Hq, Hkv, n, d, seed=n)
     cols, offs = vs_index(B, Hkv if share else Hq, n, 300, 60, seed=n)
     o, lse = ws_vertical_slash(q, k, v, cols.cuda(), offs.cuda(), stages=stages, consumers=consumers, overlap=overlap,
-                               v_stages=v_stages, width=keys, pair=pair)
+                               v_stages=v_stages, width=keys, pair=pair, persistent=5 if persistent else False)
     tiles = expand_groups(vs_to_tiles(cols.cuda(), offs.cuda(), n, width=0 if keys == 64 else keys), Hq // Hkv if share else 1)
     ro, rlse = masked_attention_ref(q, k, v, tiles_to_mask(tiles, n))
     assert_bf16_close(o, lse, ro, rlse)
@@ -462,7 +472,7 @@ def test_ws_ashape_matches_masked_attention_bf16(case):
     from workbench_kernels.prefill_ws import ws_ashape
     from workbench_kernels.tiling import NO_WINDOW
 
-    consumers, stages, overlap, d, share, _, keys, v_stages, _ = CASES[case]
+    consumers, stages, overlap, d, share, _, keys, v_stages, _, persistent = CASES[case]
     B, Hq, Hkv, n = 2, 8, 2, 1000
     sink = torch.tensor([0, 4, 64, 100, 4, 0, 130, 700])
     window = torch.tensor([64, 100, 1, 300, NO_WINDOW, 1200, 65, 17])
@@ -470,7 +480,7 @@ def test_ws_ashape_matches_masked_attention_bf16(case):
         sink, window = sink[[0, 2, 2, 0, 4, 6, 6, 4]], window[[1, 3, 3, 1, 5, 7, 7, 5]]
     q, k, v = qkv(B, Hq, Hkv, n, d, seed=3)
     o, lse = ws_ashape(q, k, v, sink, window, stages=stages, consumers=consumers, overlap=overlap, share_kv=share,
-                       width=keys, v_stages=v_stages)
+                       width=keys, v_stages=v_stages, persistent=5 if persistent else False)
     mask = tiles_to_mask(ashape_to_tiles(sink, window, n, B, device="cuda"), n, sink.cuda(), window.cuda())
     ro, rlse = masked_attention_ref(q, k, v, mask.cuda())
     assert_bf16_close(o, lse, ro, rlse)
