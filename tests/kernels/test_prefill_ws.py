@@ -74,15 +74,11 @@ CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block
     # A-shape at head_dim 256: two heads of one band on one shared ring of two 64-key slots, overlap (197 KB;
     # `ASHAPE_LAUNCH_D256`; Triton 3.6 spills 8 / 16 bytes there, 3.9 none)
     "ashape_head_dim_256_shared_kv": (2, 2, True, 256, True, "ashape"),
-    # the deployed launches on a persistent grid (`persistent=True`: one program per SM slot, taking turns)
-    "persistent_two_consumers_2_stages": (2, 2, True, 128, False, "block", 64, None, False, True),
-    "persistent_pair_two_consumers_k2_v1": (2, 2, False, 128, False, "block", 64, 1, True, True),
+    # a persistent grid (programs taking turns), one case per producer path: the shared ring, one consumer, two
+    # rings (`ASHAPE_PER_HEAD_LAUNCH`). Per-head VS (24 / 56 bytes) and A-shape at head_dim 256 (72 / 96) spill there
     "persistent_pair_shared_kv_3_stages": (2, 3, False, 128, True, "block", 64, None, True, True),
     "persistent_pair_head_dim_64": (1, 3, False, 64, False, "block", 64, None, True, True),
-    "persistent_vs_pair_two_consumers_k2_v1": (2, 2, False, 128, False, "vs", 64, 1, True, True),
-    "persistent_ashape_keys128_shared_kv_3_stages": (2, 3, True, 128, True, "ashape", 128, None, False, True),
     "persistent_ashape_per_head_3_stages": (2, 3, True, 128, False, "ashape", 64, None, False, True),
-    "persistent_ashape_head_dim_256_shared_kv": (2, 2, True, 256, True, "ashape", 64, None, False, True),
 }
 # defaults: 64 keys per item, as many V stages as K stages, one item per step, one program per turn
 CASES = {case: (*args, *(64, None, False, False)[len(args) - 6:]) for case, args in CASES.items()}
@@ -557,10 +553,10 @@ def test_ashape_launch_takes_the_shared_ring_at_head_dim_256_only_where_heads_pa
     assert ashape_launch(4, 1, *alike, 64) is None
 
 
-@pytest.mark.parametrize("case", ["sink_shape", "window_dtype", "share_unequal", "width", "not_hopper"])
+@pytest.mark.parametrize("case", ["sink_shape", "window_dtype", "share_unequal", "width", "persistent", "not_hopper"])
 def test_ws_ashape_rejects_unsupported_inputs(case):
     """One integer sink and window per query head, share_kv only where each KV group's heads pair up by band, 64 or
-    128 keys per step, an sm_90 GPU; else ValueError naming the field."""
+    128 keys per step, persistent a bool or a count of programs, an sm_90 GPU; else ValueError naming the field."""
     if gluon_hopper_reason():
         pytest.skip(gluon_hopper_reason())
     from workbench_kernels.prefill_ws import ws_ashape
@@ -573,9 +569,24 @@ def test_ws_ashape_rejects_unsupported_inputs(case):
                    "window_dtype": ((q, k, v, sink, window.float()), "window"),
                    "share_unequal": ((q, k, v, sink, torch.arange(8) + 64), "share_kv"),
                    "width": ((q, k, v, sink, window), "width"),
+                   "persistent": ((q, k, v, sink, window), "persistent"),
                    "not_hopper": ((q, k, v, sink, window), "Hopper")}[case]
     with pytest.raises(ValueError, match=field):
-        ws_ashape(*args, share_kv=case == "share_unequal", width=96 if case == "width" else 64)
+        ws_ashape(*args, share_kv=case == "share_unequal", width=96 if case == "width" else 64,
+                  persistent=-1 if case == "persistent" else False)
+
+
+def test_programs_per_sm_count_registers_and_shared_memory():
+    """`programs_per_sm`: one program of two consumers per SM (their registers), two of one consumer where both fit
+    in shared memory, one where they do not."""
+    if gluon_hopper_reason():
+        pytest.skip(gluon_hopper_reason())
+    from workbench_kernels.prefill_ws import programs_per_sm
+
+    assert programs_per_sm(2, False, (3, 3), 64, 128) == 1  # ASHAPE_PER_HEAD_LAUNCH: 224 KB
+    assert programs_per_sm(1, False, (3, 3), 128, 64) == 2  # HEAD_LAUNCH_D64's pairs: 104 KB
+    assert programs_per_sm(1, False, (2, 2), 128, 128) == 1  # 144 KB: two would overflow 228 KB
+    assert programs_per_sm(1, False, (2, 2), 64, 256) == 1  # head_dim 256: 168 registers (`launch_config`)
 
 
 @pytest.mark.parametrize("case", ["columns_shape", "offsets_dtype", "fp32", "share_unequal", "width", "not_hopper"])
