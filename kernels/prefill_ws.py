@@ -217,25 +217,54 @@ def _load_q(q_desc, q_smem, q_bar, q_empty, q_row, n, loads, c: gl.constexpr):
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-              k_empty, v_empty, BlockCount, BlockOffset, ColCount, Order, Pairs, n_work, N, H, G, M, NS, KVP,
-              BLOCK_M: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-              SHARE: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr,
-              PERSIST: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, q_empty, turn_smem,
+              turn_ready, turn_free, Claimed, k_ready, v_ready, k_empty, v_empty, BlockCount, BlockOffset, ColCount,
+              Order, Pairs, n_work, N, H, G, M, NS, KVP, BLOCK_M: gl.constexpr, CONSUMERS: gl.constexpr,
+              STAGES: gl.constexpr, V_STAGES: gl.constexpr, SHARE: gl.constexpr, VS: gl.constexpr,
+              ASHAPE: gl.constexpr, PAIR: gl.constexpr, PERSIST: gl.constexpr):
     """1 warp: the loads of each of the program's turns (`_produce`), each ring's step index and each consumer's Q
-    loads counted on over them (PERSIST; else the one turn pid)."""
+    loads counted on over them. PERSIST: turn pid first, then the next unclaimed one (`Claimed` Int32 `[1]`, zero
+    at launch, counts the turns past the first P taken), posted to the consumers (`_post_turn`) as it starts, and
+    past the last turn `turns` itself (the consumers' stop); else the one turn pid."""
     if PERSIST:
         turns = n_work if SHARE else (n_work + CONSUMERS - 1) // CONSUMERS
         tg0, tg1, q0s, q1s = 0, 0, 0, 0
-        for it in range(gl.program_id(0), turns, gl.num_programs(0)):
+        it = gl.program_id(0)
+        k = 0
+        while it < turns:
+            _post_turn(turn_smem, turn_ready, turn_free, it, k)
             tg0, tg1, q0s, q1s = _produce(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar,
                                           q_empty, k_ready, v_ready, k_empty, v_empty, BlockCount, BlockOffset,
                                           ColCount, Order, Pairs, n_work, N, H, G, M, NS, KVP, it, tg0, tg1, q0s, q1s,
                                           BLOCK_M, CONSUMERS, STAGES, V_STAGES, SHARE, VS, ASHAPE, PAIR)
+            # claimed once this turn's loads are issued (the round trip hides behind the consumers' last steps)
+            it = gl.num_programs(0) + gl.atomic_add(Claimed, 1)
+            k += 1
+        _post_turn(turn_smem, turn_ready, turn_free, turns, k)
     else:
         _produce(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
                  k_empty, v_empty, BlockCount, BlockOffset, ColCount, Order, Pairs, n_work, N, H, G, M, NS, KVP,
                  gl.program_id(0), 0, 0, 0, 0, BLOCK_M, CONSUMERS, STAGES, V_STAGES, SHARE, VS, ASHAPE, PAIR)
+
+
+@gluon.jit
+def _post_turn(turn_smem, turn_ready, turn_free, it, k):
+    """Producer: its k-th turn `it` into slot k % 2 of the turn ring, once every consumer has read the turn the slot
+    held before (`turn_free`; the slot / phase rule of `_fill`)."""
+    slot = k % 2
+    mbarrier.wait(turn_free.index(slot), ((k // 2) & 1) ^ 1)
+    turn_smem.index(slot).store(gl.full([1], it, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
+    mbarrier.arrive(turn_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _take_turn(turn_smem, turn_ready, turn_free, k):
+    """Consumer: the program's k-th turn from slot k % 2 of the turn ring (`_post_turn`); frees the slot."""
+    slot = k % 2
+    mbarrier.wait(turn_ready.index(slot), (k // 2) & 1)
+    it = gl.max(turn_smem.index(slot).load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
+    mbarrier.arrive(turn_free.index(slot), count=1)
+    return it
 
 
 @gluon.jit
@@ -542,24 +571,28 @@ def _item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_e
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
-              BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP,
-              L, sub: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              CONSUMERS: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, OVERLAP: gl.constexpr,
-              SHARE: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr,
+def _consumer(q_smem, k_smem, v_smem, q_bar, q_empty, turn_smem, turn_ready, turn_free, k_ready, v_ready, k_empty,
+              v_empty, O, LSE, BlockCount, BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, Pairs, n_work,
+              qk_scale, N, H, G, M, NS, KVP, L, sub: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              D: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+              OVERLAP: gl.constexpr, SHARE: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr,
               PERSIST: gl.constexpr):
     """Consumer warpgroup `sub`: its item of each of the program's turns (`_item`), the ring's step index and its Q
-    loads counted on over them as the producer counts them (PERSIST; else the one turn pid)."""
+    loads counted on over them as the producer counts them. PERSIST: the turns the producer posts (`_take_turn`)
+    until one past the last; else the one turn pid."""
     if PERSIST:
         turns = n_work if SHARE else (n_work + CONSUMERS - 1) // CONSUMERS
-        tg, qs = 0, 0
-        for it in range(gl.program_id(0), turns, gl.num_programs(0)):
+        tg, qs, k = 0, 0, 0
+        it = _take_turn(turn_smem, turn_ready, turn_free, 0)
+        while it < turns:
             steps = _item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
                           BlockCount, BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, Pairs, n_work,
                           qk_scale, N, H, G, M, NS, KVP, L, it, tg, qs, sub, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES,
                           V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR)
             qs += (steps > 0).to(gl.int32)
             tg += steps
+            k += 1
+            it = _take_turn(turn_smem, turn_ready, turn_free, k)
     else:
         _item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
               BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP,
@@ -569,13 +602,15 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty,
 
 @gluon.jit(do_not_specialize=["n_work", "N", "M", "NS", "KVP", "L"])
 def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCount, BlockOffset, ColCount, Cols,
-                       Covered, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP, L,
+                       Covered, Sink, Window, Order, Pairs, Claimed, n_work, qk_scale, N, H, G, M, NS, KVP, L,
                        CONSUMERS: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, OVERLAP: gl.constexpr,
                        SHARE: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr,
                        PERSIST: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    """Program pid takes turns it = pid, pid + P, pid + 2 P, ... of P programs (PERSIST; else the one turn pid):
-    work slots it * CONSUMERS + c of `Order` (SHARE: slot it, both consumers); the producer loads a turn's Q and
-    first K / V tiles while the consumers finish the turn before (its last steps, its stores). VS: kc / vc
+    """Program pid takes turn pid, then (PERSIST) the next turn no program has claimed (`Claimed` Int32 `[1]`, an
+    atomic counter zeroed at launch: turns start in `Order`'s order, as a grid of one program per turn starts them),
+    until none is left: work slots it * CONSUMERS + c of `Order` (SHARE: slot it, both consumers); the producer
+    loads a turn's Q and first K / V tiles while the consumers finish the turn before (its last steps, its stores),
+    and posts each turn to the consumers through a ring of two shared-memory slots. VS: kc / vc
     `[B * Hq * KVP, D]` hold each query head's packed columns' K / V rows (Cols Int32 `[B * Hq * KVP]` their
     keys, ascending), ColCount Int32 `[B, Hq, M]` how many are < the row block's first row, Covered Int8
     `[B * Hq, L]` the d-space flags of `index_build.vs_slash_tiles` (unused without VS). ASHAPE: ColCount the sink
@@ -594,6 +629,9 @@ def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCo
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [RINGS * V_STAGES, BLOCK_N, D], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    turn_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    turn_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [RINGS * V_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [RINGS * STAGES, 1], mbarrier.MBarrierLayout())
@@ -601,6 +639,9 @@ def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCo
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_bar.index(c), count=1)
         mbarrier.init(q_empty.index(c), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(turn_ready.index(i), count=1)
+        mbarrier.init(turn_free.index(i), count=CONSUMERS)
     # ready: the producer's expect is the one arrive, TMA bytes the rest; empty: every consumer reading the ring
     # arrives once per slot use, 2 on a shared ring, else 1
     for i in gl.static_range(RINGS * STAGES):
@@ -612,27 +653,29 @@ def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCo
     # (the partition lists are written out in the calls: a Gluon tuple cannot hold a function)
     if CONSUMERS == 1:
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
-                         BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP,
-                         L, 0, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR,
-                         PERSIST)),
-            (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         k_empty, v_empty, BlockCount, BlockOffset, ColCount, Order, Pairs, n_work, N, H, G, M, NS, KVP,
-                         BLOCK_M, CONSUMERS, STAGES, V_STAGES, SHARE, VS, ASHAPE, PAIR, PERSIST)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, turn_smem, turn_ready, turn_free, k_ready, v_ready,
+                         k_empty, v_empty, O, LSE, BlockCount, BlockOffset, ColCount, Cols, Covered, Sink, Window,
+                         Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP, L, 0, BLOCK_M, BLOCK_N, D, CONSUMERS,
+                         STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR, PERSIST)),
+            (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, q_empty, turn_smem,
+                         turn_ready, turn_free, Claimed, k_ready, v_ready, k_empty, v_empty, BlockCount, BlockOffset,
+                         ColCount, Order, Pairs, n_work, N, H, G, M, NS, KVP, BLOCK_M, CONSUMERS, STAGES, V_STAGES,
+                         SHARE, VS, ASHAPE, PAIR, PERSIST)),
         ], [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
-                         BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP,
-                         L, 0, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR,
-                         PERSIST)),
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
-                         BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP,
-                         L, 1, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR,
-                         PERSIST)),
-            (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready,
-                         k_empty, v_empty, BlockCount, BlockOffset, ColCount, Order, Pairs, n_work, N, H, G, M, NS, KVP,
-                         BLOCK_M, CONSUMERS, STAGES, V_STAGES, SHARE, VS, ASHAPE, PAIR, PERSIST)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, turn_smem, turn_ready, turn_free, k_ready, v_ready,
+                         k_empty, v_empty, O, LSE, BlockCount, BlockOffset, ColCount, Cols, Covered, Sink, Window,
+                         Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP, L, 0, BLOCK_M, BLOCK_N, D, CONSUMERS,
+                         STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR, PERSIST)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, turn_smem, turn_ready, turn_free, k_ready, v_ready,
+                         k_empty, v_empty, O, LSE, BlockCount, BlockOffset, ColCount, Cols, Covered, Sink, Window,
+                         Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP, L, 1, BLOCK_M, BLOCK_N, D, CONSUMERS,
+                         STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR, PERSIST)),
+            (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, q_empty, turn_smem,
+                         turn_ready, turn_free, Claimed, k_ready, v_ready, k_empty, v_empty, BlockCount, BlockOffset,
+                         ColCount, Order, Pairs, n_work, N, H, G, M, NS, KVP, BLOCK_M, CONSUMERS, STAGES, V_STAGES,
+                         SHARE, VS, ASHAPE, PAIR, PERSIST)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -765,8 +808,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
     """Launch on checked, contiguous inputs, items in `work_order` (by KV head first with `kv_major`); stages: the K
     and V rings' depths; `pair`: two items per step (`ws_prefill`); `pairs` (share_kv): the query heads in ring order,
     heads pairs[2j], pairs[2j + 1] on one ring (`head_pairs`; None: 0, 1, ..., Hq - 1); `persistent`: True as many
-    programs as the SMs hold (`programs_per_sm`), an int that many, each taking every P-th turn of the order; False
-    one program per turn. `packed`
+    programs as the SMs hold (`programs_per_sm`), an int that many, each taking the next unclaimed turn of the order;
+    False one program per turn. `packed`
     (VS): (kc, vc `[B * Hq * KVP, D]`, cols Int32 `[B, Hq, KVP]`, col_count Int32 `[B, Hq, M]`, covered Int8
     `[B, Hq, L]`); `band` (A-shape, tiles from `ashape_to_tiles`): (sink, window) Int32 `[Hq]` on q's device; see
     `_ws_prefill_kernel`."""
@@ -814,9 +857,10 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
     elif persistent:
         grid = min(grid, persistent)
     cfg = launch_config(consumers, D)
+    claimed = torch.zeros(1, dtype=torch.int32, device=q.device) if persistent else bc  # (unused without)
     _ws_prefill_kernel[(grid,)](
         q_desc, k_desc, v_desc, kc_desc, vc_desc, o, lse, bc, bo, col_count, cols, covered, sink, window, order,
-        ring_heads, n_work, scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1], cols.shape[-1], covered.shape[-1],
+        ring_heads, claimed, n_work, scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1], cols.shape[-1], covered.shape[-1],
         CONSUMERS=consumers, STAGES=stages[0], V_STAGES=stages[1], OVERLAP=overlap, SHARE=share_kv, VS=packed is not None,
         ASHAPE=band is not None, PAIR=pair, PERSIST=persistent, CONSUMER_REGS=cfg["consumer_regs"], num_warps=4,
         maxnreg=cfg["maxnreg"])
@@ -850,8 +894,8 @@ def ws_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles
     slot, so a step's fixed work (barrier waits, row max / sum, the O rescale) is paid once per 128 keys while the
     computed keys stay the 64-key tiles' (a row block's odd last item costs a half-step of masked lanes); 32 KB K / V
     slots at head_dim 128, so per-head rings fit with v_stages=1. `persistent`: True one program per SM slot (an int
-    >= 1: that many programs), each taking every P-th turn of the order, so a program loads its next turn's Q and
-    first tiles while it finishes the last; False one program per turn.
+    >= 1: that many programs), each taking the next unclaimed turn of the order, so a program loads its next turn's
+    Q and first tiles while it finishes the last; False one program per turn.
     Returns (o `[B, Hq, N, D]` in q's dtype, lse Float32 `[B, Hq, N]`, natural log).
     """
     B, Hq, Hkv, N, D = _check_args(q, k, v, stages, consumers, overlap, v_stages, persistent)

@@ -102,7 +102,7 @@ def compile_ws(consumers: int, stages: int, overlap: bool, d: int, share: bool, 
 
     pointers = {"O": f"*{dtype}", "LSE": "*fp32", "BlockCount": "*i32", "BlockOffset": "*i32", "ColCount": "*i32",
                 "Cols": "*i32", "Covered": "*i8", "Sink": "*i32", "Window": "*i32", "Order": "*i32",
-                "Pairs": "*i32"}
+                "Pairs": "*i32", "Claimed": "*i32"}
     types = {"q_desc": desc(64), "k_desc": desc(keys), "v_desc": desc(keys), "kc_desc": desc(keys), "vc_desc": desc(keys),
              "qk_scale": "fp32", **pointers}
     cfg = prefill_ws.launch_config(consumers, d)
