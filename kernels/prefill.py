@@ -520,13 +520,13 @@ def ashape_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torc
     """A-shape prefill: per-head sink and window in tokens (`[Hq]`) -> (o, lse). No index tensor. On an sm_90
     GPU at head_dim 128 with 64-row tiles (block 64, width 0 or 64; `prefill_ws.ws_ashape_takes`) the Gluon kernel:
     where each KV group's heads pair up by band (`prefill_ws.head_pairs`), two heads of a band on one K/V ring, 128
-    keys per step (`prefill_ws.ASHAPE_LAUNCH`; H200, sink 128, window 4096, 64K / 128K: 0.82 / 0.90 of dense SDPA's
-    TFLOP/s in one probe against 0.69 / 0.75 for the loop below, kernels/NOTES.md), else per-head rings
-    (`prefill_ws.ASHAPE_PER_HEAD_LAUNCH`, a persistent grid; H100, windows 4096 / 2048 in turn: 1.09x / 1.14x the loop
-    over per-head tiles before it); at head_dim 256 from 24K tokens two heads of one band on one ring where every KV
-    group's heads pair up by band (`prefill_ws.ASHAPE_LAUNCH_D256`; H100, Gemma-3 4/1/256, 64K / 128K: 0.91-0.98 of
-    dense per tile, 1.2-1.5x the routes below), else, where the query heads of a KV group differ in band, row blocks
-    2j and 2j + 1 of a head on one K/V ring (`prefill_pair.pair_ashape`); else, when the heads of every KV group share
+    keys per step, a persistent grid (`prefill_ws.ASHAPE_LAUNCH`; H200, sink 128, window 4096, 64K / 128K: 0.82 /
+    0.90 of dense SDPA's TFLOP/s in one probe against 0.69 / 0.75 for the loop below, kernels/NOTES.md), else per-head
+    rings (`prefill_ws.ASHAPE_PER_HEAD_LAUNCH`; H100, windows 4096 / 2048 in turn: 1.09x / 1.14x the loop over
+    per-head tiles); at head_dim 256 from 24K tokens two heads of one band on one ring where every KV group's heads
+    pair up by band (`prefill_ws.ASHAPE_LAUNCH_D256`; H100, Gemma-3 4/1/256, 64K / 128K: 0.91-0.98 of dense per tile,
+    1.2-1.5x the routes below), else, where the query heads of a KV group differ in band, row blocks 2j and 2j + 1 of
+    a head on one K/V ring (`prefill_pair.pair_ashape`); else, when the heads of every KV group share
     sink and window (`groups_share_band`), group-shared tiles (GQA-packed kernel)."""
     hq, hkv = q.shape[1], k.shape[1]
     sink_t = torch.as_tensor(sink).reshape(-1).cpu()

@@ -68,12 +68,12 @@ PRODUCER_REGS = gl.constexpr(24)  # registers per thread of the 1-warp producer 
 # `ashape_prefill`'s launch on sm_90 when heads pair (`head_pairs`): two query heads of one band on one ring of 3
 # stages, 128 keys per step (H200, Llama 32/8/128, sink 128, window 4096, 64K and 128K: 1.03-1.08x the 64-key shared
 # ring with 4 stages in two probes, kernels/NOTES.md)
-ASHAPE_LAUNCH = {"stages": 3, "share_kv": True, "width": 128}
+# on a persistent grid taking turns in order (H100, 64K / 128K: 1.04x / 1.05x one program per turn; session 41)
+ASHAPE_LAUNCH = {"stages": 3, "share_kv": True, "width": 128, "persistent": True}
 # its launch where a KV group's heads do not pair up by band: per-head rings of 3 stages, 64 keys per step (H100,
 # Llama 32/8/128, sink 128, windows 4096 / 2048 in turn, 64K / 128K: 1.09x / 1.14x the loop over per-head tiles,
-# 0.72 / 0.81 of dense per tile; 2 stages 1.08x / 1.12x, KV head first slower; kernels/NOTES.md session 38), on a
-# persistent grid (H100, window 4096, 64K / 128K: 1.07x / 1.04x the grid of one program per turn; session 41)
-ASHAPE_PER_HEAD_LAUNCH = {"stages": 3, "share_kv": False, "width": 64, "persistent": True}
+# 0.72 / 0.81 of dense per tile; 2 stages 1.08x / 1.12x, KV head first slower; kernels/NOTES.md session 38)
+ASHAPE_PER_HEAD_LAUNCH = {"stages": 3, "share_kv": False, "width": 64}
 # its launch at head_dim 256 where heads pair (128-key slots would take 64 KB each): two heads of one band on one ring
 # of 2 stages, 64 keys per step, overlap (197 KB; H100, Gemma-3 4/1/256, sink 128, 64K / 128K: window 4096 on every
 # head 1.25x / 1.33x the GQA-packed loop, 0.94 / 0.98 of dense per tile; windows 4096 / 2048 in turn 1.21x / 1.31x

@@ -74,9 +74,9 @@ CASES = {  # id: (consumers, stages, overlap, head_dim, share_kv, pattern: block
     # A-shape at head_dim 256: two heads of one band on one shared ring of two 64-key slots, overlap (197 KB;
     # `ASHAPE_LAUNCH_D256`; Triton 3.6 spills 8 / 16 bytes there, 3.9 none)
     "ashape_head_dim_256_shared_kv": (2, 2, True, 256, True, "ashape"),
-    # a persistent grid (programs taking turns), one case per producer path: the shared ring, one consumer, two
-    # rings (`ASHAPE_PER_HEAD_LAUNCH`). Per-head VS (24 / 56 bytes) and A-shape at head_dim 256 (72 / 96) spill there
-    "persistent_pair_shared_kv_3_stages": (2, 3, False, 128, True, "block", 64, None, True, True),
+    # a persistent grid (programs taking turns), one case per producer path: the shared ring (`ASHAPE_LAUNCH`), one
+    # consumer, two rings
+    "persistent_ashape_keys128_shared_kv_3_stages": (2, 3, True, 128, True, "ashape", 128, None, False, True),
     "persistent_pair_head_dim_64": (1, 3, False, 64, False, "block", 64, None, True, True),
     "persistent_ashape_per_head_3_stages": (2, 3, True, 128, False, "ashape", 64, None, False, True),
 }
@@ -583,7 +583,7 @@ def test_programs_per_sm_count_registers_and_shared_memory():
         pytest.skip(gluon_hopper_reason())
     from workbench_kernels.prefill_ws import programs_per_sm
 
-    assert programs_per_sm(2, False, (3, 3), 64, 128) == 1  # ASHAPE_PER_HEAD_LAUNCH: 224 KB
+    assert programs_per_sm(2, True, (3, 3), 128, 128) == 1  # ASHAPE_LAUNCH: 224 KB
     assert programs_per_sm(1, False, (3, 3), 128, 64) == 2  # HEAD_LAUNCH_D64's pairs: 104 KB
     assert programs_per_sm(1, False, (2, 2), 128, 128) == 1  # 144 KB: two would overflow 228 KB
     assert programs_per_sm(1, False, (2, 2), 64, 256) == 1  # head_dim 256: 168 registers (`launch_config`)
