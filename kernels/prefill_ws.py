@@ -14,6 +14,10 @@ Q K^T is issued before this piece's P V, and the softmax of the next piece runs 
 SHARE: the two consumers take two query heads of one KV head (2j and 2j + 1, or A-shape's heads of one band,
 `head_pairs`) at one row block, whose piece lists are equal, and read one ring: each K/V tile is loaded once for 128
 query rows.
+PERSIST (`persistent=True`): as many programs as the SMs hold instead of one per turn (a turn: a program's
+CONSUMERS items); each takes the next turn no program has claimed (an atomic counter), so turns start in the order's
+order as on a grid of one program per turn, and its producer loads a turn's Q and first K/V tiles while the consumers
+finish the turn before. `ASHAPE_LAUNCH` takes it.
 
 Vertical-Slash (`ws_vertical_slash`, VS=True): sm_90's TMA cannot gather scattered key rows, so each query head's
 unique columns are sorted and their K / V rows packed once per call into contiguous kc / vc `[B * Hq * KVP, D]`
@@ -862,7 +866,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
         q_desc, k_desc, v_desc, kc_desc, vc_desc, o, lse, bc, bo, col_count, cols, covered, sink, window, order,
         ring_heads, claimed, n_work, scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1], cols.shape[-1], covered.shape[-1],
         CONSUMERS=consumers, STAGES=stages[0], V_STAGES=stages[1], OVERLAP=overlap, SHARE=share_kv, VS=packed is not None,
-        ASHAPE=band is not None, PAIR=pair, PERSIST=persistent, CONSUMER_REGS=cfg["consumer_regs"], num_warps=4,
+        ASHAPE=band is not None, PAIR=pair, PERSIST=bool(persistent), CONSUMER_REGS=cfg["consumer_regs"], num_warps=4,
         maxnreg=cfg["maxnreg"])
     return o, lse
 
