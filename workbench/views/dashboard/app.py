@@ -104,14 +104,14 @@ class HeadTab(Tab):
 
     def __init__(self, **params):
         super().__init__(**params)
-        self.pattern = pn.widgets.Select(name="pattern", options=list(PARAMS), css_classes=["wb-pattern"], width=160)
+        self.pattern = pn.widgets.Select(label="pattern", options=list(PARAMS), css_classes=["wb-pattern"], width=160)
         # no `start`: the browser would silently keep the old value of a size typed below it; the config's check
         # refuses it instead, with the reason in the tab's Alert
-        self.sizes = {k: pn.widgets.IntInput(name=k, value=0, css_classes=[f"wb-{k}"], width=110)
+        self.sizes = {k: pn.widgets.IntInput(label=k, value=0, css_classes=[f"wb-{k}"], width=110)
                       for k in _SIZES}
         # one knob for the kinds with a key budget: it sets their sizes (`at_budget`); empty when it does not
         # describe the head's sizes
-        self.budget = pn.widgets.IntInput(name="budget (keys / query)", value=None, placeholder="sets the sizes",
+        self.budget = pn.widgets.IntInput(label="budget (keys / query)", value=None, placeholder="sets the sizes",
                                           css_classes=["wb-budget"], width=150)
         self.proxy = pn.pane.HTML("", css_classes=["wb-proxy-settings"])
         self.numbers = pn.pane.HTML("", css_classes=["wb-numbers"], width=560)
@@ -307,8 +307,8 @@ class ForecastTab(Tab):
 
     def __init__(self, **params):
         super().__init__(**params)
-        self.load = pn.widgets.Button(name="Load report", button_type="primary", css_classes=["wb-forecast-load"])
-        self.compute = pn.widgets.Button(name="Compute on this sample", css_classes=["wb-forecast-compute"])
+        self.load = pn.widgets.Button(label="Load report", color="primary", css_classes=["wb-forecast-load"])
+        self.compute = pn.widgets.Button(label="Compute on this sample", css_classes=["wb-forecast-compute"])
         self.source = pn.pane.Markdown("", css_classes=["wb-forecast-source"])
         self.iou = pn.pane.Plotly(None, config={"displayModeBar": False}, css_classes=["wb-forecast-iou"])
         self.recall = pn.pane.Plotly(None, config={"displayModeBar": False}, css_classes=["wb-forecast-recall"],
@@ -351,7 +351,7 @@ class LatencyTab(Tab):
 
     def __init__(self, **params):
         super().__init__(**params)
-        self.button = pn.widgets.Button(name="Time the selected layer", button_type="primary", css_classes=["wb-lat-run"])
+        self.button = pn.widgets.Button(label="Time the selected layer", color="primary", css_classes=["wb-lat-run"])
         self.text = pn.pane.HTML("", css_classes=["wb-latency"], width=760)
         self.plot = pn.pane.Plotly(None, config={"displayModeBar": False}, css_classes=["wb-lat-plot"], visible=False)
         self.button.on_click(lambda _: self.run(self.job.time, self._draw))
@@ -400,15 +400,15 @@ class ExportTab(Tab):
         super().__init__(**params)
         self.download = pn.widgets.FileDownload(callback=lambda: io.StringIO(self.session.export_text()),
                                                 filename="head_config.json", label="Download edited config (workbench JSON)",
-                                                button_type="primary", css_classes=["wb-download"])
+                                                color="primary", css_classes=["wb-download"])
         self.download_minference = pn.widgets.FileDownload(
             callback=lambda: io.StringIO(self.session.export_minference_text()), filename="minference_config.json",
             label="Download in MInference's format (one dict per layer)", css_classes=["wb-download-minference"])
-        self.config_name = pn.widgets.TextInput(name="config name", placeholder="my-edit", css_classes=["wb-name"])
-        self.save = pn.widgets.Button(name=f"Save into {self.session.settings.configs_dir}/", css_classes=["wb-save"])
+        self.config_name = pn.widgets.TextInput(label="config name", placeholder="my-edit", css_classes=["wb-name"])
+        self.save = pn.widgets.Button(label=f"Save into {self.session.settings.configs_dir}/", css_classes=["wb-save"])
         self.upload = pn.widgets.FileInput(accept=".json", css_classes=["wb-upload"])
         self.fill_missing = pn.widgets.Checkbox(
-            name=f"fill missing heads (MInference files: its default vertical_and_slash {MINFERENCE_DEFAULT})",
+            label=f"fill missing heads (MInference files: its default vertical_and_slash {MINFERENCE_DEFAULT})",
             css_classes=["wb-fill-missing"])
         self.message = pn.pane.Alert("", alert_type="light", css_classes=["wb-message"], visible=False)
         self.save.on_click(self._save)
@@ -468,18 +468,18 @@ class Dashboard(pn.viewable.Viewer):
     def __init__(self, settings: Settings | None = None, **params):
         super().__init__(**params)
         s = self.session = Session(settings or Settings.from_env(dict(os.environ)))
-        self.model = pn.widgets.TextInput(name="model", value=s.model_name, disabled=True)
-        self.task = pn.widgets.Select(name="task", options=list(s.param.task.objects), value=s.task, css_classes=["wb-task"])
-        self.length = pn.widgets.IntInput(name="length (tokens)", value=s.length, step=256, css_classes=["wb-length"])
-        self.seed = pn.widgets.IntInput(name="seed", value=s.seed, css_classes=["wb-seed"])
-        self.config = pn.widgets.Select(name="config", options=self._choices(), css_classes=["wb-config"])
+        self.model = pn.widgets.TextInput(label="model", value=s.model_name, disabled=True)
+        self.task = pn.widgets.Select(label="task", options=list(s.param.task.objects), value=s.task, css_classes=["wb-task"])
+        self.length = pn.widgets.IntInput(label="length (tokens)", value=s.length, step=256, css_classes=["wb-length"])
+        self.seed = pn.widgets.IntInput(label="seed", value=s.seed, css_classes=["wb-seed"])
+        self.config = pn.widgets.Select(label="config", options=self._choices(), css_classes=["wb-config"])
         self.config_note = pn.pane.HTML("", css_classes=["wb-config-note"], sizing_mode="stretch_width")
-        self.target = pn.widgets.FloatInput(name="search target (captured mass)", value=s.target, step=0.01,
+        self.target = pn.widgets.FloatInput(label="search target (captured mass)", value=s.target, step=0.01,
                                             css_classes=["wb-target"])
-        self.reload = pn.widgets.Button(name="Load sample", button_type="primary", css_classes=["wb-load"])
-        self.layer = pn.widgets.IntInput(name="layer", value=0, css_classes=["wb-layer"])
-        self.head = pn.widgets.IntInput(name="head", value=0, css_classes=["wb-head-index"])
-        self.open = pn.widgets.Button(name="Open head", css_classes=["wb-open"])
+        self.reload = pn.widgets.Button(label="Load sample", color="primary", css_classes=["wb-load"])
+        self.layer = pn.widgets.IntInput(label="layer", value=0, css_classes=["wb-layer"])
+        self.head = pn.widgets.IntInput(label="head", value=0, css_classes=["wb-head-index"])
+        self.open = pn.widgets.Button(label="Open head", css_classes=["wb-open"])
         self.job = JobStatus(s, "wb")
         self.reload.on_click(lambda _: self._load())
         self.open.on_click(lambda _: self._open())

@@ -84,22 +84,22 @@ class DecodeTab(Tab):
 
     def __init__(self, **params):
         super().__init__(**params)
-        self.modes = pn.widgets.MultiChoice(name="modes", value=list(DEFAULT_MODES), options=list(ALL_MODES), width=420,
+        self.modes = pn.widgets.MultiChoice(label="modes", value=list(DEFAULT_MODES), options=list(ALL_MODES), width=420,
                                             css_classes=["wb-decode-modes"])
-        self.new_tokens = pn.widgets.IntInput(name="new tokens", value=16, width=110, css_classes=["wb-decode-tokens"])
-        self.store = pn.widgets.Select(name="host KV store", value="model", width=190, css_classes=["wb-decode-store"],
+        self.new_tokens = pn.widgets.IntInput(label="new tokens", value=16, width=110, css_classes=["wb-decode-tokens"])
+        self.store = pn.widgets.Select(label="host KV store", value="model", width=190, css_classes=["wb-decode-store"],
                                        options={"model dtype": "model", "FP8 (e4m3)": "fp8", "INT8": "int8",
                                                 "INT4 (4-bit, groups of 32)": "int4",
                                                 "INT8 keys, INT4 values": "int8k-int4v"})
         self._fitted = self.job.fitted_budget(self.new_tokens.value)  # the budget the inputs show unless edited
-        self.budget = {k: pn.widgets.IntInput(name=f"{k} blocks", value=v, width=100, css_classes=[f"wb-decode-{k}"])
+        self.budget = {k: pn.widgets.IntInput(label=f"{k} blocks", value=v, width=100, css_classes=[f"wb-decode-{k}"])
                        for k, v in self._fitted.items()}
-        self.button = pn.widgets.Button(name="Decode", button_type="primary", css_classes=["wb-decode-run"])
-        self.stop = pn.widgets.Button(name="Stop", css_classes=["wb-decode-stop"], disabled=True)
+        self.button = pn.widgets.Button(label="Decode", color="primary", css_classes=["wb-decode-run"])
+        self.stop = pn.widgets.Button(label="Stop", css_classes=["wb-decode-stop"], disabled=True)
         self.table = pn.pane.HTML("Press Decode: the loaded sample is the prompt; every mode generates the new tokens "
                                   "greedily and the tables compare them.", css_classes=["wb-decode-table"],
                                   sizing_mode="stretch_width")
-        self.which = pn.widgets.Select(name="timeline of", options=[], width=260, css_classes=["wb-decode-which"],
+        self.which = pn.widgets.Select(label="timeline of", options=[], width=260, css_classes=["wb-decode-which"],
                                        visible=False)
         self.plot = pn.pane.Plotly(None, config={"displayModeBar": False}, css_classes=["wb-decode-timeline"],
                                    visible=False)

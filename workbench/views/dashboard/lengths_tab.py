@@ -36,14 +36,14 @@ class LengthsTab(Tab):
 
     def __init__(self, **params):
         super().__init__(**params)
-        self.lengths = pn.widgets.TextInput(name="lengths (tokens, comma-separated)", value="", width=260,
+        self.lengths = pn.widgets.TextInput(label="lengths (tokens, comma-separated)", value="", width=260,
                                             css_classes=["wb-lengths-lengths"])
-        self.task = pn.widgets.Select(name="held-out task", options=list(TASKS), value="multikey", width=150,
+        self.task = pn.widgets.Select(label="held-out task", options=list(TASKS), value="multikey", width=150,
                                       css_classes=["wb-lengths-task"])
-        self.prompts = pn.widgets.IntInput(name=f"prompts per length (1-{MAX_PROMPTS})", value=1, width=150,
+        self.prompts = pn.widgets.IntInput(label=f"prompts per length (1-{MAX_PROMPTS})", value=1, width=150,
                                            css_classes=["wb-lengths-prompts"])
-        self.button = pn.widgets.Button(name="Evaluate", button_type="primary", css_classes=["wb-lengths-run"])
-        self.stop = pn.widgets.Button(name="Stop", css_classes=["wb-lengths-stop"], disabled=True)
+        self.button = pn.widgets.Button(label="Evaluate", color="primary", css_classes=["wb-lengths-run"])
+        self.stop = pn.widgets.Button(label="Stop", css_classes=["wb-lengths-stop"], disabled=True)
         self.show = pn.widgets.RadioButtonGroup(options=list(SHOW), value="heads that lose mass",
                                                 css_classes=["wb-lengths-show"])
         self.note = pn.pane.HTML("", css_classes=["wb-lengths-note"], sizing_mode="stretch_width")
