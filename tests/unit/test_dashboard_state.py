@@ -123,6 +123,7 @@ def test_a_served_session_quiets_closed_tabs_on_the_server_loop():
     """`quiet_server_loop`, which `create_app` calls: in a session of a real Panel server it sets `quiet_closed_tabs`
     as the server loop's exception handler (so `panel serve app.py` gets it as `workbench dashboard` does); outside a
     server it leaves the loop alone."""
+    import asyncio
     import threading
     import urllib.request
 
@@ -131,22 +132,31 @@ def test_a_served_session_quiets_closed_tabs_on_the_server_loop():
     from workbench.views.dashboard.app import quiet_closed_tabs, quiet_server_loop
 
     quiet_server_loop()  # no server session here: nothing to do, nothing raised
-    ready = threading.Event()
+    ready, started, served = threading.Event(), threading.Event(), {}
 
     def page():
         quiet_server_loop()
         ready.set()
         return pn.pane.Markdown("ok")
 
-    server = pn.serve({"/": page}, port=0, address="127.0.0.1", show=False, start=False)
-    loop = server.io_loop.asyncio_loop
-    assert loop.get_exception_handler() is None
-    thread = threading.Thread(target=server.io_loop.start, daemon=True)
+    def serve():
+        """The server on a new loop of its own thread: this thread's current loop may be Playwright's, running
+        (a browser test earlier in this worker), and a Tornado IOLoop made here would wrap it."""
+        asyncio.set_event_loop(asyncio.new_event_loop())
+        server = pn.serve({"/": page}, port=0, address="127.0.0.1", show=False, start=False)
+        served.update(server=server, handler=server.io_loop.asyncio_loop.get_exception_handler())
+        started.set()
+        server.io_loop.start()
+
+    thread = threading.Thread(target=serve, daemon=True)
     thread.start()
+    assert started.wait(60)
+    server = served["server"]
+    assert served["handler"] is None
     try:
         urllib.request.urlopen(f"http://127.0.0.1:{server.port}/", timeout=60).read()
         assert ready.wait(60)
-        assert loop.get_exception_handler() is quiet_closed_tabs
+        assert server.io_loop.asyncio_loop.get_exception_handler() is quiet_closed_tabs
     finally:
         server.io_loop.add_callback(server.stop)
         server.io_loop.add_callback(server.io_loop.stop)
