@@ -25,7 +25,7 @@ from triton.runtime.errors import OutOfResources
 
 from .index_ref import VSTiles, band_tiles, block_sparse_to_tiles, expand_groups, vs_to_tiles
 from .prefill_ref import check_prefill_args, last_rows_attention
-from .schedule import work_order
+from .schedule import sm_count, work_order
 from .tiling import LN2, LOG2E, band_on
 
 GRID_Y = 65535  # CUDA's largest grid along y: one program per row block reaches it past 4M tokens (64-row blocks)
@@ -398,7 +398,7 @@ def sparse_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VST
     n_work = B * tiles.shape[1] * M * sub
     if persistent:
         order = work_order(tiles, sub, tiles.shape[1] // Hkv if kv_major else 0)
-        slots = torch.cuda.get_device_properties(dev).multi_processor_count * 2 if dev.type == "cuda" else 4
+        slots = sm_count(dev) * 2 if dev.type == "cuda" else 4
         grid = (min(n_work, slots),)
     else:
         order = bc  # unused

@@ -58,7 +58,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .index_ref import VSTiles, band_tiles, expand_groups
 from .prefill_ref import check_prefill_args
-from .schedule import work_order
+from .schedule import sm_count, work_order
 from .tiling import LN2, LOG2E, band_on, ints_on
 
 ROWS = 64  # query rows per consumer warpgroup (= tiles.block)
@@ -788,11 +788,6 @@ def ashape_launch(hq: int, hkv: int, sink: torch.Tensor, window: torch.Tensor, h
     return ASHAPE_LAUNCH_D256 if head_dim == 256 and paired else None
 
 
-@functools.lru_cache(maxsize=16)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def programs_per_sm(consumers: int, share_kv: bool, stages: tuple[int, int], keys: int, head_dim: int) -> int:
     """How many programs of a launch an SM holds: by registers (`launch_config`: 2 at maxnreg 128, else 1) and by
     shared memory (bf16 / fp16 Q tiles of 64 rows and ring slots of `keys` keys, 228 KB an SM on sm_90 less 1 KB
@@ -857,7 +852,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
         grid = triton.cdiv(n_work, consumers)
     if persistent is True:
         keys = tiles.piece * (2 if pair else 1)
-        grid = min(grid, _sm_count(q.device) * programs_per_sm(consumers, share_kv, stages, keys, D))
+        grid = min(grid, sm_count(q.device) * programs_per_sm(consumers, share_kv, stages, keys, D))
     elif persistent:
         grid = min(grid, persistent)
     cfg = launch_config(consumers, D)

@@ -1,6 +1,9 @@
 """The work order of sparse prefill's row-block items, shared by the Triton-language loop (`prefill`) and the
-Gluon kernel (`prefill_ws`): which (batch * head, row block, sub-block) a persistent program takes next."""
+Gluon kernel (`prefill_ws`): which (batch * head, row block, sub-block) a persistent program takes next, and how
+many SMs a persistent grid fills."""
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -22,3 +25,9 @@ def work_order(tiles: VSTiles, sub: int, group: int = 0) -> torch.Tensor:
         run = torch.arange(cost.numel(), device=cost.device) // (group * tiles.shape[2] * sub)
         cost = cost.long() - run * (cost.max() + 1)  # run 0's items above run 1's, ... (on the device: no sync)
     return torch.argsort(cost, descending=True, stable=True).to(torch.int32)
+
+
+@functools.lru_cache(maxsize=16)
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of CUDA `device` (a persistent grid's unit)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
