@@ -15,7 +15,11 @@ and nothing on Vertical-Slash (kernels/NOTES.md, session 13).
 
 `python scripts/ncu_prefill.py 65536 gemma`: at Gemma-3-270M's shape (4 / 1 heads, head_dim 256) dense SDPA, then the
 Triton loop on per-head Vertical-Slash, per-head block-sparse and group-shared Vertical-Slash (GQA-packed): what
-holds the head_dim-256 loop under dense SDPA (kernels/NOTES.md, session 27)."""
+holds the head_dim-256 loop under dense SDPA (kernels/NOTES.md, session 27).
+
+`python scripts/ncu_prefill.py 65536 vs512`: at the Llama shape dense SDPA, then the deployed Gluon route
+(`sparse_prefill`, per-head tiles) on Vertical-Slash (1000, 512) with columns per head and on block-sparse top-100:
+why VS(1000, 512) reads 10-15 % below block-sparse per tile (kernels/NOTES.md, session 43)."""
 import sys
 
 import torch
@@ -48,6 +52,11 @@ if mode == "gemma":
     runs = [lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
             lambda: sparse_prefill(q, k, v, tiles), lambda: sparse_prefill(q, k, v, block),
             lambda: sparse_prefill(q, k, v, group)]
+if mode == "vs512":
+    small = vs_tiles(*vs_index(q, k, 1.0 / d ** 0.5, 1000, 512), n, 64, 0, head_columns=True)
+    print("vs512 density", tile_area(small, n).sum().item() / pairs, flush=True)
+    runs = [lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+            lambda: sparse_prefill(q, k, v, small), lambda: sparse_prefill(q, k, v, block)]
 if mode == "keys128":
     per_head128 = {"stages": 2, "v_stages": 1, "overlap": False, "width": 128}
     packed128 = pack_vertical_slash(k, v, cols, offs, hq, width=128)
