@@ -377,41 +377,39 @@ def _piece_mask(s, p, rows, lanes, N, row_lo, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _pair_keys(t, n, strips, Offsets, N, row_lo, PIECE: gl.constexpr):
+def _pair_keys(t, n, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, PIECE: gl.constexpr,
+               VS: gl.constexpr):
     """Step t of a PAIR launch (block-sparse or VS items) holds items 2t (lanes < PIECE) and 2t + 1 (the other lanes;
-    no item where 2t + 1 = n), each a strip or a piece as in `_item_keys`. Loaded before its scores are waited for:
-    (pa, pb: the first keys of pieces 2t - strips and min(2t + 1, n - 1) - strips, clamped to the first piece; edge:
-    whether the step needs a mask: a strip or an empty half in it, a piece reaching past the diagonal, N or key 0).
-    Scalars only: `_pair_masked` works out the lanes' keys (and a strip's column gathers) on edge steps alone."""
+    no item where 2t + 1 = n), each a strip or a piece as in `_item_keys` -> (key Int32 `[2 PIECE]`: the key a lane
+    holds on a piece; keep Bool: the lanes of strips that hold a kept key; on_piece Bool: the lanes of pieces; edge:
+    whether the step needs a mask: a strip or an empty half in it, a piece reaching past the diagonal, N or key 0)."""
+    half = lanes // PIECE
+    j = lanes % PIECE
+    item = 2 * t + half
     b = gl.minimum(2 * t + 1, n - 1)
     pa = gl.load(Offsets + gl.maximum(2 * t - strips, 0))
     pb = gl.load(Offsets + gl.maximum(b - strips, 0))
+    key = gl.where(half == 0, pa, pb) + j
+    on_piece = (item >= strips) & (item < n)
+    keep = lanes < 0
+    if VS:
+        if 2 * t < strips:  # (on two pieces the gathers would be all masked, yet issued)
+            ci = item * PIECE + j
+            ok = (item < strips) & (ci < n_cols)
+            c = gl.load(ColHead + ci, mask=ok, other=0)
+            keep = ok & (gl.load(CovHead + (row_lo - c), mask=ok, other=1) == 0)
     hi = gl.maximum(pa, pb)
     edge = (2 * t < strips) | (2 * t + 1 >= n) | (gl.minimum(pa, pb) < 0) | (hi + PIECE - 1 > row_lo) | (hi + PIECE > N)
-    return pa, pb, edge
+    return key, keep, on_piece, edge
 
 
 @gluon.jit
-def _pair_masked(s, keys, t, n, strips, ColHead, CovHead, n_cols, lanes, rows, N, row_lo, PIECE: gl.constexpr,
-                 VS: gl.constexpr):
-    """Scores s `[BLOCK_M, 2 PIECE]` of PAIR step t with the keys it does not hold at -inf (keys: `_pair_keys`), on
-    an edge step only: piece lanes keep the causal keys in [0, N); VS strip lanes keep packed column
-    c = ColHead[PIECE item + j] iff PIECE item + j < n_cols and c lies under none of the row block's pieces
-    (CovHead[row_lo - c] == 0), as `_item_keys`."""
-    pa, pb, edge = keys
+def _pair_masked(s, key, keep, on_piece, edge, rows, N):
+    """Scores s `[BLOCK_M, 2 PIECE]` of a PAIR step with the keys it does not hold at -inf (`_pair_keys`): strip
+    lanes keep their `keep` keys, piece lanes the causal keys in [0, N); no mask when not `edge`."""
     if edge:
-        half = lanes // PIECE
-        j = lanes % PIECE
-        item = 2 * t + half
-        key = gl.expand_dims(gl.where(half == 0, pa, pb) + j, 0)
-        keep = lanes < 0
-        if VS:
-            if 2 * t < strips:  # (on two pieces the gathers would be all masked, yet issued)
-                ci = item * PIECE + j
-                on = (item < strips) & (ci < n_cols)
-                c = gl.load(ColHead + ci, mask=on, other=0)
-                keep = on & (gl.load(CovHead + (row_lo - c), mask=on, other=1) == 0)
-        ok = gl.expand_dims((item >= strips) & (item < n), 0) & (key <= gl.expand_dims(rows, 1)) & (key < N) & (key >= 0)
+        k2 = gl.expand_dims(key, 0)
+        ok = gl.expand_dims(on_piece, 0) & (k2 <= gl.expand_dims(rows, 1)) & (k2 < N) & (k2 >= 0)
         s = gl.where(ok | gl.expand_dims(keep, 0), s, float("-inf"))
     return s
 
@@ -422,18 +420,18 @@ def _step_keys(t, n, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo
     """What step t holds, loaded before its scores are waited for: `_pair_keys` with PAIR, else `_item_keys` of
     item t (a tuple for `_step_masked`)."""
     if PAIR:
-        return _pair_keys(t, n, strips, Offsets, N, row_lo, BLOCK_N // 2)
+        return _pair_keys(t, n, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, BLOCK_N // 2, VS)
     else:
         return _item_keys(t, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS, ASHAPE)
 
 
 @gluon.jit
-def _step_masked(s, keys, t, n, strips, ColHead, CovHead, n_cols, rows, lanes, N, row_lo, sink, window,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr,
-                 PAIR: gl.constexpr):
-    """Raw scores s of step t (of n items) with the keys it does not hold at -inf (`keys`: `_step_keys`)."""
+def _step_masked(s, keys, t, strips, rows, lanes, N, row_lo, sink, window, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr):
+    """Raw scores s of step t with the keys it does not hold at -inf (`keys`: `_step_keys`)."""
     if PAIR:
-        return _pair_masked(s, keys, t, n, strips, ColHead, CovHead, n_cols, lanes, rows, N, row_lo, BLOCK_N // 2, VS)
+        key, keep, on_piece, edge = keys
+        return _pair_masked(s, key, keep, on_piece, edge, rows, N)
     else:
         p, keep = keys
         return _masked(s, t, strips, p, keep, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS, ASHAPE)
@@ -520,8 +518,8 @@ def _item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_e
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(ik), count=1)
             mbarrier.arrive(q_empty.index(sub), count=1, pred=n == 1)
-            s = _step_masked(s, keys, 0, items, strips, ColHead, CovHead, n_cols, rows, lanes, N, row_lo, sink, window,
-                             BLOCK_M, BLOCK_N, VS, ASHAPE, PAIR)
+            s = _step_masked(s, keys, 0, strips, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS, ASHAPE,
+                             PAIR)
             prob, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
         for t in range(n - 1):
             # issue Q K^T of piece t + 1 first, then P V of piece t; wait(1) retires the older group (Q K^T:
@@ -536,8 +534,8 @@ def _item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_e
             s = warpgroup_mma_wait(1, deps=(s,))
             mbarrier.arrive(k_empty.index(ik1), count=1)
             mbarrier.arrive(q_empty.index(sub), count=1, pred=t + 2 == n)
-            s = _step_masked(s, keys, t + 1, items, strips, ColHead, CovHead, n_cols, rows, lanes, N, row_lo, sink,
-                             window, BLOCK_M, BLOCK_N, VS, ASHAPE, PAIR)
+            s = _step_masked(s, keys, t + 1, strips, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS,
+                             ASHAPE, PAIR)
             prob, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(v_empty.index(iv), count=1)
@@ -558,8 +556,8 @@ def _item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_e
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(ik), count=1)
             mbarrier.arrive(q_empty.index(sub), count=1, pred=t + 1 == n)
-            s = _step_masked(s, keys, t, items, strips, ColHead, CovHead, n_cols, rows, lanes, N, row_lo, sink, window,
-                             BLOCK_M, BLOCK_N, VS, ASHAPE, PAIR)
+            s = _step_masked(s, keys, t, strips, rows, lanes, N, row_lo, sink, window, BLOCK_M, BLOCK_N, VS, ASHAPE,
+                             PAIR)
             prob, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale)
             acc = _issue_pv(acc, alpha, prob, v_smem, v_ready, iv, ((tg + t) // V_STAGES) & 1, row_o, p_layout)
             acc = warpgroup_mma_wait(0, deps=(acc,))
