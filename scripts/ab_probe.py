@@ -73,7 +73,8 @@ def main() -> int:
         base = load_baseline(args.baseline)
         ways = {"this": lambda q, k, v, tiles, scale: sparse_prefill(q, k, v, tiles, scale=scale),
                 "baseline": lambda q, k, v, tiles, scale: base.sparse_prefill(q, k, v, tiles, scale=scale)}
-    (a, b), hq = ways, SHAPES[args.shape][0]
+    a, b = ways  # the two labels
+    hq = SHAPES[args.shape][0]
     result = {"environment": environment(), "settings": vars(args), "rows": []}
     t0 = time.time()
     for n in map(int, args.lengths.split(",")):
