@@ -26,7 +26,9 @@ columns that are < m * 64 (their number from a searchsorted), BLOCK_N at a time,
 (kc / vc descriptors), then its slash pieces (`index_build.vs_slash_tiles`, BLOCK_N keys each). A strip lane is
 masked unless its column lies under none of the row block's pieces (a d-space flag, d = m * 64 - column, the same
 for every row block), so the kept keys are exactly `index_ref.vs_to_tiles`' (at the same piece width); covered
-columns cost their lanes but nothing else.
+columns cost their lanes but nothing else. Those flags are read as bits: one Triton launch per call (`strip_keep`)
+writes each row block's keep words, and a strip step loads one uniform word per 32 lanes (per-lane gathers of the
+column, then its flag, cost a strip step about three ordinary steps: kernels/NOTES.md, session 44).
 Producer and consumer count the same items per work item (strips + pieces) and keep one running index t over
 them: the slot / phase arithmetic is the pieces-only one.
 
@@ -51,6 +53,7 @@ from collections.abc import Sequence
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -312,20 +315,28 @@ def _produce(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q
 
 
 @gluon.jit
-def _item_keys(t, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N: gl.constexpr, VS: gl.constexpr,
+def _strip_keep(KeepRow, t, n_cols, lanes, BLOCK_N: gl.constexpr):
+    """Bool `[BLOCK_N]`: the kept lanes of step t over the row block's strips, whose lane j holds packed column
+    c = BLOCK_N t + j (with PAIR too: items 2t and 2t + 1 are consecutive strips): bit c % 32 of its keep word
+    c // 32 (KeepRow: the row block's words, `strip_keep`). BLOCK_N / 32 uniform loads, no per-lane gather; words
+    at or past n_cols (the columns it walks) read 0."""
+    w = t * (BLOCK_N // 32)
+    word = gl.zeros_like(lanes)
+    for i in gl.static_range(BLOCK_N // 32):
+        word = gl.where(lanes // 32 == i, gl.load(KeepRow + (w + i), mask=(w + i) * 32 < n_cols, other=0), word)
+    return ((word >> (lanes % 32)) & 1) != 0
+
+
+@gluon.jit
+def _item_keys(t, strips, Offsets, KeepRow, n_cols, lanes, BLOCK_N: gl.constexpr, VS: gl.constexpr,
                ASHAPE: gl.constexpr):
     """What item t holds, loaded before its scores are waited for (the loads overlap the Q K^T wgmma): (p = the
-    first key of piece t - strips; keep Bool `[BLOCK_N]`, VS: lane j of strip t holds packed column
-    c = ColHead[64 t + j] iff 64 t + j < n_cols (the head's columns < row_lo) and c lies under none of the row
-    block's pieces (CovHead[row_lo - c] == 0; CovHead points at covered d = 0). On a piece (t >= strips) every
-    lane is out (64 t + j >= 64 strips >= n_cols): no gather is issued. ASHAPE: lane j of strip t
-    holds key 64 t + j iff it is < n_cols (the row block's sinks below its lowest piece)."""
+    first key of piece t - strips; keep Bool `[BLOCK_N]`, VS: `_strip_keep` on a strip (t < strips), no lane on a
+    piece; ASHAPE: lane j of strip t holds key 64 t + j iff it is < n_cols (the row block's sinks below its lowest
+    piece)."""
     if VS:
-        if t < strips:  # (on a piece the gathers would be all masked, yet issued: ~1.9x the instructions per key)
-            j = t * BLOCK_N + lanes
-            ok = j < n_cols
-            c = gl.load(ColHead + j, mask=ok, other=0)
-            keep = ok & (gl.load(CovHead + (row_lo - c), mask=ok, other=1) == 0)
+        if t < strips:
+            keep = _strip_keep(KeepRow, t, n_cols, lanes, BLOCK_N)
         else:
             keep = lanes < 0
         p = gl.load(Offsets + gl.maximum(t - strips, 0))
@@ -377,27 +388,23 @@ def _piece_mask(s, p, rows, lanes, N, row_lo, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _pair_keys(t, n, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, PIECE: gl.constexpr,
-               VS: gl.constexpr):
+def _pair_keys(t, n, strips, Offsets, KeepRow, n_cols, lanes, N, row_lo, PIECE: gl.constexpr, VS: gl.constexpr):
     """Step t of a PAIR launch (block-sparse or VS items) holds items 2t (lanes < PIECE) and 2t + 1 (the other lanes;
     no item where 2t + 1 = n), each a strip or a piece as in `_item_keys` -> (key Int32 `[2 PIECE]`: the key a lane
-    holds on a piece; keep Bool: the lanes of strips that hold a kept key; on_piece Bool: the lanes of pieces; edge:
-    whether the step needs a mask: a strip or an empty half in it, a piece reaching past the diagonal, N or key 0)."""
+    holds on a piece; keep Bool: the lanes of strips that hold a kept key (`_strip_keep`: a piece's lanes hold
+    columns >= n_cols, so none); on_piece Bool: the lanes of pieces; edge: whether the step needs a mask: a strip
+    or an empty half in it, a piece reaching past the diagonal, N or key 0)."""
     half = lanes // PIECE
-    j = lanes % PIECE
     item = 2 * t + half
     b = gl.minimum(2 * t + 1, n - 1)
     pa = gl.load(Offsets + gl.maximum(2 * t - strips, 0))
     pb = gl.load(Offsets + gl.maximum(b - strips, 0))
-    key = gl.where(half == 0, pa, pb) + j
+    key = gl.where(half == 0, pa, pb) + lanes % PIECE
     on_piece = (item >= strips) & (item < n)
     keep = lanes < 0
     if VS:
-        if 2 * t < strips:  # (on two pieces the gathers would be all masked, yet issued)
-            ci = item * PIECE + j
-            ok = (item < strips) & (ci < n_cols)
-            c = gl.load(ColHead + ci, mask=ok, other=0)
-            keep = ok & (gl.load(CovHead + (row_lo - c), mask=ok, other=1) == 0)
+        if 2 * t < strips:
+            keep = _strip_keep(KeepRow, t, n_cols, lanes, 2 * PIECE)
     hi = gl.maximum(pa, pb)
     edge = (2 * t < strips) | (2 * t + 1 >= n) | (gl.minimum(pa, pb) < 0) | (hi + PIECE - 1 > row_lo) | (hi + PIECE > N)
     return key, keep, on_piece, edge
@@ -415,14 +422,14 @@ def _pair_masked(s, key, keep, on_piece, edge, rows, N):
 
 
 @gluon.jit
-def _step_keys(t, n, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, BLOCK_N: gl.constexpr,
+def _step_keys(t, n, strips, Offsets, KeepRow, n_cols, lanes, N, row_lo, BLOCK_N: gl.constexpr,
                VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr):
     """What step t holds, loaded before its scores are waited for: `_pair_keys` with PAIR, else `_item_keys` of
     item t (a tuple for `_step_masked`)."""
     if PAIR:
-        return _pair_keys(t, n, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, BLOCK_N // 2, VS)
+        return _pair_keys(t, n, strips, Offsets, KeepRow, n_cols, lanes, N, row_lo, BLOCK_N // 2, VS)
     else:
-        return _item_keys(t, strips, Offsets, ColHead, CovHead, n_cols, lanes, row_lo, BLOCK_N, VS, ASHAPE)
+        return _item_keys(t, strips, Offsets, KeepRow, n_cols, lanes, BLOCK_N, VS, ASHAPE)
 
 
 @gluon.jit
@@ -459,7 +466,7 @@ def _issue_pv(acc, alpha, prob, v_smem, v_ready, iv, phase, row_o: gl.constexpr,
 
 @gluon.jit
 def _item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
-          BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP, L,
+          BlockOffset, ColCount, Keep, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP,
           it, tg, qs, sub: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
           CONSUMERS: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, OVERLAP: gl.constexpr,
           SHARE: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr):
@@ -476,12 +483,11 @@ def _item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_e
     n = (items + 1) // 2 if PAIR else items  # steps
     ring: gl.constexpr = 0 if SHARE else sub
     Offsets = BlockOffset + base
-    ColHead, CovHead, n_cols, sink, window = Cols, Covered, 0, 0, 0
+    KeepRow, n_cols, sink, window = Keep, 0, 0, 0
     if VS or ASHAPE:  # the keys its strips hold: VS the first n_cols packed columns, ASHAPE keys [0, n_cols)
         n_cols = gl.where(valid, gl.load(ColCount + bh * M + row_lo // BLOCK_M), 0)
     if VS:
-        ColHead = Cols + bh * KVP  # this head's packed columns
-        CovHead = Covered + bh.to(gl.int64) * L + (BLOCK_M - 1)  # its covered flag at d = 0
+        KeepRow = Keep + (bh * M + row_lo // BLOCK_M).to(gl.int64) * (KVP // 32)  # its strips' keep words
     if ASHAPE:
         sink = gl.load(Sink + bh % H)
         window = gl.load(Window + bh % H)
@@ -513,7 +519,7 @@ def _item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_e
             ik = ring * STAGES + tg % STAGES
             mbarrier.wait(k_ready.index(ik), (tg // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(ik).permute((1, 0)), s0, use_acc=False, is_async=True)
-            keys = _step_keys(0, items, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, BLOCK_N, VS,
+            keys = _step_keys(0, items, strips, Offsets, KeepRow, n_cols, lanes, N, row_lo, BLOCK_N, VS,
                               ASHAPE, PAIR)
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(ik), count=1)
@@ -528,7 +534,7 @@ def _item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_e
             ik1 = ring * STAGES + (tg + t + 1) % STAGES
             mbarrier.wait(k_ready.index(ik1), ((tg + t + 1) // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(ik1).permute((1, 0)), s0, use_acc=False, is_async=True)
-            keys = _step_keys(t + 1, items, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, BLOCK_N,
+            keys = _step_keys(t + 1, items, strips, Offsets, KeepRow, n_cols, lanes, N, row_lo, BLOCK_N,
                               VS, ASHAPE, PAIR)
             acc = _issue_pv(acc, alpha, prob, v_smem, v_ready, iv, ((tg + t) // V_STAGES) & 1, row_o, p_layout)
             s = warpgroup_mma_wait(1, deps=(s,))
@@ -551,7 +557,7 @@ def _item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_e
             iv = ring * V_STAGES + (tg + t) % V_STAGES
             mbarrier.wait(k_ready.index(ik), ((tg + t) // STAGES) & 1)
             s = warpgroup_mma(q, k_smem.index(ik).permute((1, 0)), s0, use_acc=False, is_async=True)
-            keys = _step_keys(t, items, strips, Offsets, ColHead, CovHead, n_cols, lanes, N, row_lo, BLOCK_N, VS,
+            keys = _step_keys(t, items, strips, Offsets, KeepRow, n_cols, lanes, N, row_lo, BLOCK_N, VS,
                               ASHAPE, PAIR)
             s = warpgroup_mma_wait(0, deps=(s,))
             mbarrier.arrive(k_empty.index(ik), count=1)
@@ -576,8 +582,8 @@ def _item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_e
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_bar, q_empty, turn_smem, turn_ready, turn_free, k_ready, v_ready, k_empty,
-              v_empty, O, LSE, BlockCount, BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, Pairs, n_work,
-              qk_scale, N, H, G, M, NS, KVP, L, sub: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              v_empty, O, LSE, BlockCount, BlockOffset, ColCount, Keep, Sink, Window, Order, Pairs, n_work,
+              qk_scale, N, H, G, M, NS, KVP, sub: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               D: gl.constexpr, CONSUMERS: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
               OVERLAP: gl.constexpr, SHARE: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr,
               PERSIST: gl.constexpr):
@@ -590,8 +596,8 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, q_empty, turn_smem, turn_ready, tur
         it = _take_turn(turn_smem, turn_ready, turn_free, 0)
         while it < turns:
             steps = _item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE,
-                          BlockCount, BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, Pairs, n_work,
-                          qk_scale, N, H, G, M, NS, KVP, L, it, tg, qs, sub, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES,
+                          BlockCount, BlockOffset, ColCount, Keep, Sink, Window, Order, Pairs, n_work,
+                          qk_scale, N, H, G, M, NS, KVP, it, tg, qs, sub, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES,
                           V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR)
             qs += (steps > 0).to(gl.int32)
             tg += steps
@@ -599,14 +605,14 @@ def _consumer(q_smem, k_smem, v_smem, q_bar, q_empty, turn_smem, turn_ready, tur
             it = _take_turn(turn_smem, turn_ready, turn_free, k)
     else:
         _item(q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, O, LSE, BlockCount,
-              BlockOffset, ColCount, Cols, Covered, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP,
-              L, gl.program_id(0), 0, 0, sub, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS,
+              BlockOffset, ColCount, Keep, Sink, Window, Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP,
+              gl.program_id(0), 0, 0, sub, BLOCK_M, BLOCK_N, D, CONSUMERS, STAGES, V_STAGES, OVERLAP, SHARE, VS,
               ASHAPE, PAIR)
 
 
-@gluon.jit(do_not_specialize=["n_work", "N", "M", "NS", "KVP", "L"])
-def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCount, BlockOffset, ColCount, Cols,
-                       Covered, Sink, Window, Order, Pairs, Claimed, n_work, qk_scale, N, H, G, M, NS, KVP, L,
+@gluon.jit(do_not_specialize=["n_work", "N", "M", "NS", "KVP"])
+def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCount, BlockOffset, ColCount, Keep,
+                       Sink, Window, Order, Pairs, Claimed, n_work, qk_scale, N, H, G, M, NS, KVP,
                        CONSUMERS: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr, OVERLAP: gl.constexpr,
                        SHARE: gl.constexpr, VS: gl.constexpr, ASHAPE: gl.constexpr, PAIR: gl.constexpr,
                        PERSIST: gl.constexpr, CONSUMER_REGS: gl.constexpr):
@@ -615,15 +621,14 @@ def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCo
     until none is left: work slots it * CONSUMERS + c of `Order` (SHARE: slot it, both consumers); the producer
     loads a turn's Q and first K / V tiles while the consumers finish the turn before (its last steps, its stores),
     and posts each turn to the consumers through a ring of two shared-memory slots. VS: kc / vc
-    `[B * Hq * KVP, D]` hold each query head's packed columns' K / V rows (Cols Int32 `[B * Hq * KVP]` their
-    keys, ascending), ColCount Int32 `[B, Hq, M]` how many are < the row block's first row, Covered Int8
-    `[B * Hq, L]` the d-space flags of `index_build.vs_slash_tiles` (unused without VS). ASHAPE: ColCount the sink
-    keys [0, ColCount) below each row block's lowest piece (`index_ref.ashape_to_tiles`' column_count), Sink /
-    Window Int32 `[Hq]` the token mask. SHARE: Pairs Int32 `[Hq]` the query heads in ring order (pair j: heads
-    Pairs[2 j], Pairs[2 j + 1] of one KV head; unused otherwise). Shared memory:
-    CONSUMERS Q tiles and RINGS (CONSUMERS, SHARE: 1) rings of STAGES K tiles and V_STAGES (<= STAGES) V tiles
-    (BLOCK_N = 64 or 128 keys x D each: k_desc's block, twice it with PAIR (two items a slot); bf16, D = 128: 16 or
-    32 KB a tile)."""
+    `[B * Hq * KVP, D]` hold each query head's packed columns' K / V rows (ascending keys), ColCount Int32
+    `[B, Hq, M]` how many are < the row block's first row, Keep Int32 `[B * Hq * M, KVP / 32]` which of those a row
+    block keeps, as bits (`strip_keep`; unused without VS). ASHAPE: ColCount the sink keys [0, ColCount) below
+    each row block's lowest piece (`index_ref.ashape_to_tiles`' column_count), Sink / Window Int32 `[Hq]` the token
+    mask. SHARE: Pairs Int32 `[Hq]` the query heads in ring order (pair j: heads Pairs[2 j], Pairs[2 j + 1] of one KV
+    head; unused otherwise). Shared memory: CONSUMERS Q tiles and RINGS (CONSUMERS, SHARE: 1) rings of STAGES K tiles
+    and V_STAGES (<= STAGES) V tiles (BLOCK_N = 64 or 128 keys x D each: k_desc's block, twice it with PAIR (two items
+    a slot); bf16, D = 128: 16 or 32 KB a tile)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0] * (2 if PAIR else 1)
     D: gl.constexpr = q_desc.block_type.shape[1]
@@ -658,8 +663,8 @@ def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCo
     if CONSUMERS == 1:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, turn_smem, turn_ready, turn_free, k_ready, v_ready,
-                         k_empty, v_empty, O, LSE, BlockCount, BlockOffset, ColCount, Cols, Covered, Sink, Window,
-                         Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP, L, 0, BLOCK_M, BLOCK_N, D, CONSUMERS,
+                         k_empty, v_empty, O, LSE, BlockCount, BlockOffset, ColCount, Keep, Sink, Window,
+                         Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP, 0, BLOCK_M, BLOCK_N, D, CONSUMERS,
                          STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR, PERSIST)),
             (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, q_empty, turn_smem,
                          turn_ready, turn_free, Claimed, k_ready, v_ready, k_empty, v_empty, BlockCount, BlockOffset,
@@ -669,12 +674,12 @@ def _ws_prefill_kernel(q_desc, k_desc, v_desc, kc_desc, vc_desc, O, LSE, BlockCo
     else:
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, turn_smem, turn_ready, turn_free, k_ready, v_ready,
-                         k_empty, v_empty, O, LSE, BlockCount, BlockOffset, ColCount, Cols, Covered, Sink, Window,
-                         Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP, L, 0, BLOCK_M, BLOCK_N, D, CONSUMERS,
+                         k_empty, v_empty, O, LSE, BlockCount, BlockOffset, ColCount, Keep, Sink, Window,
+                         Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP, 0, BLOCK_M, BLOCK_N, D, CONSUMERS,
                          STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR, PERSIST)),
             (_consumer, (q_smem, k_smem, v_smem, q_bar, q_empty, turn_smem, turn_ready, turn_free, k_ready, v_ready,
-                         k_empty, v_empty, O, LSE, BlockCount, BlockOffset, ColCount, Cols, Covered, Sink, Window,
-                         Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP, L, 1, BLOCK_M, BLOCK_N, D, CONSUMERS,
+                         k_empty, v_empty, O, LSE, BlockCount, BlockOffset, ColCount, Keep, Sink, Window,
+                         Order, Pairs, n_work, qk_scale, N, H, G, M, NS, KVP, 1, BLOCK_M, BLOCK_N, D, CONSUMERS,
                          STAGES, V_STAGES, OVERLAP, SHARE, VS, ASHAPE, PAIR, PERSIST)),
             (_producer, (q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q_bar, q_empty, turn_smem,
                          turn_ready, turn_free, Claimed, k_ready, v_ready, k_empty, v_empty, BlockCount, BlockOffset,
@@ -826,10 +831,11 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
     bc, bo = tiles.block_count.contiguous(), tiles.block_offset.contiguous()
     sink, window = band if band is not None else (bc, bc)  # (unused without A-shape)
     if packed is None:  # the VS arguments are unused (VS=False): any tensors of the right kind
-        kc_desc, vc_desc, cols, col_count, covered = k_desc, v_desc, bc, tiles.column_count.contiguous(), bc
+        kc_desc, vc_desc, cols, col_count, keep = k_desc, v_desc, bc, tiles.column_count.contiguous(), bc
         strip_tiles = tiles  # A-shape: column_count = its sink strips' keys
     else:
         kc, vc, cols, col_count, covered = packed
+        keep = strip_keep(cols, col_count, covered)
         kc_desc = TensorDescriptor.from_tensor(kc, [tiles.piece, D], kv_layout)
         vc_desc = TensorDescriptor.from_tensor(vc, [tiles.piece, D], kv_layout)
         strip_tiles = dataclasses.replace(tiles, column_count=col_count)  # work_order counts the strips
@@ -858,8 +864,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
     cfg = launch_config(consumers, D)
     claimed = torch.zeros(1, dtype=torch.int32, device=q.device) if persistent else bc  # (unused without)
     _ws_prefill_kernel[(grid,)](
-        q_desc, k_desc, v_desc, kc_desc, vc_desc, o, lse, bc, bo, col_count, cols, covered, sink, window, order,
-        ring_heads, claimed, n_work, scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1], cols.shape[-1], covered.shape[-1],
+        q_desc, k_desc, v_desc, kc_desc, vc_desc, o, lse, bc, bo, col_count, keep, sink, window, order,
+        ring_heads, claimed, n_work, scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1], cols.shape[-1],
         CONSUMERS=consumers, STAGES=stages[0], V_STAGES=stages[1], OVERLAP=overlap, SHARE=share_kv, VS=packed is not None,
         ASHAPE=band is not None, PAIR=pair, PERSIST=bool(persistent), CONSUMER_REGS=cfg["consumer_regs"], num_warps=4,
         maxnreg=cfg["maxnreg"])
@@ -958,6 +964,49 @@ def pack_columns(k: torch.Tensor, v: torch.Tensor, cols: torch.Tensor, n_q_heads
     starts = (torch.arange(M, device=k.device, dtype=torch.int32) * ROWS).expand(B, n_q_heads, M).contiguous()
     col_count = torch.searchsorted(cols, starts, out_int32=True)  # left: columns < m * 64
     return kc, vc, cols, col_count
+
+
+@triton.jit
+def _strip_keep_kernel(Cols, ColCount, Covered, Keep, M, KVP, L, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """Program (bh, m): row block m's keep words, CHUNK packed columns (CHUNK / 32 words) at a time, up to
+    ColCount[bh, m] (`strip_keep`; the words past it stay as zeroed)."""
+    bh = tl.program_id(0).to(tl.int64)
+    m = tl.program_id(1)
+    count = tl.load(ColCount + bh * M + m)
+    i = tl.arange(0, CHUNK)
+    words = tl.arange(0, CHUNK // 32)
+    for s in range(0, count, CHUNK):
+        live = s + i < count
+        c = tl.load(Cols + bh * KVP + s + i, mask=live, other=0)
+        free = tl.load(Covered + bh * L + (m * BLOCK + BLOCK - 1 - c), mask=live, other=1) == 0
+        bits = tl.reshape((live & free).to(tl.int32) << (i % 32), [CHUNK // 32, 32])
+        tl.store(Keep + (bh * M + m) * (KVP // 32) + s // 32 + words, tl.reduce(bits, 1, _bit_or),
+                 mask=s + words * 32 < KVP)
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@torch.no_grad()
+def strip_keep(cols: torch.Tensor, col_count: torch.Tensor, covered: torch.Tensor) -> torch.Tensor:
+    """Which packed columns each row block keeps, as bits, built once per call for the VS strips (one Triton launch).
+
+    cols Int32 `[B, H, KVP]` (`pack_columns`, KVP a multiple of 32), col_count Int32 `[B, H, M]`, covered Int8
+    `[B, H, L]` (`index_build.vs_slash_tiles`). Returns Int32 `[B, H, M, KVP / 32]`: bit j of word w of row block
+    m is set iff packed column i = 32 w + j is one it walks (i < col_count[m]) and no piece of it covers
+    (covered[m * 64 - cols[i] + 63] == 0); the kernel's strip lanes read it (`_strip_keep`) instead of gathering
+    cols and covered per lane."""
+    B, H, kvp = cols.shape
+    M = col_count.shape[-1]
+    if kvp % 32:
+        raise ValueError(f"cols must be padded to a multiple of 32 packed columns (pack_columns), got {kvp}")
+    keep = torch.zeros(B, H, M, kvp // 32, dtype=torch.int32, device=cols.device)
+    chunk = min(256, triton.next_power_of_2(kvp))
+    _strip_keep_kernel[(B * H, M)](cols.contiguous(), col_count.contiguous(), covered.contiguous(), keep, M, kvp,
+                                   covered.shape[-1], BLOCK=ROWS, CHUNK=chunk, num_warps=4 if chunk > 64 else 1)
+    return keep
 
 
 def pack_head_columns(k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, n_q_heads: int

@@ -101,7 +101,7 @@ def compile_ws(consumers: int, stages: int, overlap: bool, d: int, share: bool, 
         return f"tensordesc<{dtype}[{rows}, {d}],{gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)!r}>"
 
     pointers = {"O": f"*{dtype}", "LSE": "*fp32", "BlockCount": "*i32", "BlockOffset": "*i32", "ColCount": "*i32",
-                "Cols": "*i32", "Covered": "*i8", "Sink": "*i32", "Window": "*i32", "Order": "*i32",
+                "Keep": "*i32", "Sink": "*i32", "Window": "*i32", "Order": "*i32",
                 "Pairs": "*i32", "Claimed": "*i32"}
     types = {"q_desc": desc(64), "k_desc": desc(keys), "v_desc": desc(keys), "kc_desc": desc(keys), "vc_desc": desc(keys),
              "qk_scale": "fp32", **pointers}
@@ -279,11 +279,11 @@ def vs_index(B: int, H: int, n: int, n_cols: int, n_offs: int, seed: int) -> tup
 @pytest.mark.parametrize("n,width", [(333, 64), (1000, 64), (1000, 128)])
 def test_vs_packed_columns_keep_the_reference_keys(n, width):
     """`vs_slash_tiles` gives `vs_to_tiles`' pieces (64 or 128 keys wide); the packed columns' prefix < m*64 of
-    row block m, less the covered ones (the kernel's strip mask), is `vs_to_tiles`' column list of that row block;
-    kc / vc rows are the columns' K / V rows of the query head's KV head (GQA 4:1), padded to whole strips."""
+    row block m, less the covered ones (the kernel's strip mask: `strip_keep`'s bits), is `vs_to_tiles`' column list
+    of that row block; kc / vc rows are the columns' K / V rows of the query head's KV head (GQA 4:1), padded to whole strips."""
     import triton
     from workbench_kernels.index_build import vs_slash_tiles
-    from workbench_kernels.prefill_ws import pack_columns
+    from workbench_kernels.prefill_ws import pack_columns, strip_keep
 
     if os.environ.get("TRITON_INTERPRET") == "1" and triton.__version__.startswith("3.6"):
         pytest.skip("Triton 3.6's interpreter cannot run index_build._vs_cover_kernel (test_kernels_index fails alike)")
@@ -301,6 +301,10 @@ def test_vs_packed_columns_keep_the_reference_keys(n, width):
     kc, vc, pc, count = pack_columns(k, v, packed, Hq, width)
     kvp = pc.shape[-1]
     assert kvp % width == 0 and kc.shape == vc.shape == (B * Hq * kvp, D)
+    words = strip_keep(pc.to(dev), count.to(dev), covered.to(dev)).cpu()
+    assert words.shape == (B, Hq, ref.shape[-1], kvp // 32)
+    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # bit j of word w: packed column 32w + j
+    bits = bits.flatten(-2).bool()
     for b in range(B):
         for h in range(Hq):
             valid = pc[b, h][pc[b, h] < n].long()
@@ -312,6 +316,7 @@ def test_vs_packed_columns_keep_the_reference_keys(n, width):
                 assert (prefix < m * 64).all() and (pc[b, h, count[b, h, m]:] >= m * 64).all()
                 kept = prefix[covered[b, h, m * 64 - prefix + 63] == 0]
                 assert torch.equal(kept, ref.column_index[b, h, m, : ref.column_count[b, h, m]].long()), (b, h, m)
+                assert torch.equal(pc[b, h][bits[b, h, m]].long(), kept), (b, h, m)  # the strip lanes' bits
 
 
 def test_head_columns_are_the_column_lists_and_survive_a_merge():
