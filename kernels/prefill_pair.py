@@ -16,7 +16,8 @@ i - j < window.
 Vertical-Slash: each query head's columns are packed once per call into contiguous kc / vc rows
 (`prefill_ws.pack_columns`). A pair walks row block 2j + 1's 64-key column strips first (2j's columns are a prefix
 of them), then the union of slash pieces. Each consumer keeps a strip lane iff the column is one of its row block's
-and no piece of that row block covers it (`VSTiles.covered`), so the keys are exactly `vs_to_tiles`'.
+and no piece of that row block covers it (`VSTiles.covered`, read as `prefill_ws.strip_keep`'s bits), so the keys
+are exactly `vs_to_tiles`'.
 
 Measured (H100, Gemma-3 shape 4/1/256, block top-100 from `block_index` on the bench's planted inputs, union / own
 1.14-1.23):
@@ -66,7 +67,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .index_ref import PairItems, VSTiles, band_tiles
 from .prefill_ref import check_prefill_args
-from .prefill_ws import DTYPES, launch_config, pack_head_columns, sm90, softmax_step, tma_load
+from .prefill_ws import DTYPES, kept_lanes, launch_config, pack_head_columns, sm90, softmax_step, strip_keep, tma_load
 from .tiling import LN2, LOG2E
 
 ROWS = gl.constexpr(64)  # query rows per consumer (= tiles.block; host code reads ROWS.value)
@@ -229,13 +230,13 @@ def attend_piece(q_tile, k_tile, v_tile, keep, m_i, l_i, acc, s0, qk_scale, O_LA
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, ColCount, Cols, Covered,
-              Sink, Window, Order, U, N, M, MP, KVP, L, HQ, qk_scale, SUB: gl.constexpr, D: gl.constexpr,
+def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, ColCount, Keep, Sink,
+              Window, Order, U, N, M, MP, KVP, HQ, qk_scale, SUB: gl.constexpr, D: gl.constexpr,
               STAGES: gl.constexpr, STRIPS: gl.constexpr, BAND: gl.constexpr, Q_LAYOUT: gl.constexpr,
               S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr):
     """Consumer SUB: row block m = 2j + SUB of item Order[program]'s head, over the item's ring steps (`attend_piece`:
     fp32 online softmax in exp2 units); writes its O rows and LSE. First the pair's strips, computing the lanes of
-    m's own ColCount[m] columns (PACKED: those no piece of m covers, Covered at d = 64 m - column) and waiting through
+    m's own ColCount[m] columns (PACKED: those no piece of m covers, Keep's bits: `prefill_ws.kept_lanes`) and waiting through
     the rest; then the union's pieces whose bit SUB is set (BAND: keys j of row i with j < Sink[h] or i - j < Window[h],
     h the query head)."""
     item = gl.load(Order + gl.program_id(0))
@@ -262,15 +263,12 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union,
     if STRIPS != NO_STRIPS:
         strips = pair_strips(ColCount, head, item % MP, M)
         n_cols = gl.where(m < M, gl.load(ColCount + head * M + gl.minimum(m, M - 1)), 0)  # m's columns: < 64 m
-        if STRIPS == PACKED:
-            col_head = Cols + head.to(gl.int64) * KVP
-            cov_row = Covered + head.to(gl.int64) * L + (m * ROWS + ROWS - 1)  # + (-column): m's covered flag
+        keep_row = Keep + (head * M + gl.minimum(m, M - 1)).to(gl.int64) * (KVP // 32)  # PACKED: m's keep words
         for t in range(strips):
-            j = t * KEYS + lanes
-            keep = j < n_cols
             if STRIPS == PACKED:
-                c = gl.load(col_head + j, mask=keep, other=0)
-                keep = keep & (gl.load(cov_row - c, mask=keep, other=1) == 0)
+                keep = kept_lanes(keep_row, t, n_cols, lanes, KEYS)
+            else:
+                keep = t * KEYS + lanes < n_cols
             s = wait_slot(t, k_ready, v_ready, STAGES)
             if t * KEYS < n_cols:
                 m_i, l_i, acc = attend_piece(q_tile, k_smem.index(s), v_smem.index(s), gl.expand_dims(keep, 0), m_i,
@@ -303,18 +301,18 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union,
     gl.store(LSE + head.to(gl.int64) * N + pos, lse, mask=pos < N)
 
 
-@gluon.jit(do_not_specialize=["U", "N", "M", "MP", "KVP", "L", "HQ"])
-def _pair_kernel(k_desc, v_desc, kc_desc, vc_desc, Q, O, LSE, Union, Bits, Count, ColCount, Cols, Covered, Sink, Window,
-                 Order, U, N, M, MP, G, KVP, L, HQ, qk_scale, D: gl.constexpr, STAGES: gl.constexpr,
+@gluon.jit(do_not_specialize=["U", "N", "M", "MP", "KVP", "HQ"])
+def _pair_kernel(k_desc, v_desc, kc_desc, vc_desc, Q, O, LSE, Union, Bits, Count, ColCount, Keep, Sink, Window,
+                 Order, U, N, M, MP, G, KVP, HQ, qk_scale, D: gl.constexpr, STAGES: gl.constexpr,
                  STRIPS: gl.constexpr, BAND: gl.constexpr,
                  Q_SMEM: gl.constexpr, Q_LAYOUT: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
                  CONSUMER_REGS: gl.constexpr):
     """Program: item Order[pid] (b, head, row-block pair; MP pairs per head, G query heads per KV head). Shared
     memory: two Q tiles and STAGES K and V slots of 64 keys x D. ColCount Int32 `[B * Hq, M]`: how many columns lie
-    below each row block. PACKED: kc / vc `[B * Hq * KVP, D]` the heads' packed columns, Cols Int32 `[B * Hq, KVP]`
-    their keys, Covered Int8 `[B * Hq, L]` (`VSTiles.covered`). SINKS: the columns are keys [0, ColCount), read
-    through kc / vc = k / v. BAND: Sink / Window Int32 `[HQ]` per query head. Arguments a mode does not read are
-    placeholders."""
+    below each row block. PACKED: kc / vc `[B * Hq * KVP, D]` the heads' packed columns, Keep Int32 `[B * Hq * M,
+    KVP / 32]` which of them each row block keeps (`prefill_ws.strip_keep`). SINKS: the columns are keys [0,
+    ColCount), read through kc / vc = k / v. BAND: Sink / Window Int32 `[HQ]` per query head. Arguments a mode does
+    not read are placeholders."""
     q_smem = gl.allocate_shared_memory(k_desc.dtype, [2, ROWS, D], Q_SMEM)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, KEYS, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, KEYS, D], v_desc.layout)
@@ -326,11 +324,11 @@ def _pair_kernel(k_desc, v_desc, kc_desc, vc_desc, Q, O, LSE, Union, Bits, Count
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers, once per fill
     gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, ColCount, Cols,
-                     Covered, Sink, Window, Order, U, N, M, MP, KVP, L, HQ, qk_scale, 0, D, STAGES, STRIPS, BAND,
+        (_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, ColCount, Keep,
+                     Sink, Window, Order, U, N, M, MP, KVP, HQ, qk_scale, 0, D, STAGES, STRIPS, BAND,
                      Q_LAYOUT, S_LAYOUT, O_LAYOUT)),
-        (_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, ColCount, Cols,
-                     Covered, Sink, Window, Order, U, N, M, MP, KVP, L, HQ, qk_scale, 1, D, STAGES, STRIPS, BAND,
+        (_consumer, (q_smem, k_smem, v_smem, k_ready, v_ready, empty, Q, O, LSE, Union, Bits, Count, ColCount, Keep,
+                     Sink, Window, Order, U, N, M, MP, KVP, HQ, qk_scale, 1, D, STAGES, STRIPS, BAND,
                      Q_LAYOUT, S_LAYOUT, O_LAYOUT)),
         (_loader, (k_desc, v_desc, kc_desc, vc_desc, k_smem, v_smem, k_ready, v_ready, empty, Union, Count, ColCount,
                    Order, U, N, M, MP, G, KVP, STRIPS, STAGES)),
@@ -414,11 +412,11 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
     strips = (NO_STRIPS if not tiles.columns else SINKS if band is not None else PACKED).value
     packed = strips == PACKED.value
     unused = items.count
-    kc_desc, vc_desc, cols, col_count, covered = k_desc, v_desc, unused, unused, unused
+    kc_desc, vc_desc, cols, col_count, keep = k_desc, v_desc, unused, unused, unused
     if packed:
         kc, vc, cols, col_count, covered = pack_head_columns(k, v, tiles, Hq)
         kc_desc, vc_desc = (TensorDescriptor.from_tensor(x, [KEYS.value, D], lay["KV_SMEM"]) for x in (kc, vc))
-        covered = covered.contiguous()
+        keep = strip_keep(cols, col_count, covered)
     elif strips == SINKS.value:
         col_count = tiles.column_count.contiguous()
     sink, window = band if band is not None else (unused, unused)
@@ -426,9 +424,9 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
     lse = torch.empty(B, Hq, N, dtype=torch.float32, device=q.device)
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     _pair_kernel[(items.order.numel(),)](
-        k_desc, v_desc, kc_desc, vc_desc, q, o, lse, items.union, items.bits, items.count, col_count, cols, covered,
-        sink, window, items.order, items.union.shape[1], N, M, -(-M // 2), Hq // Hkv, cols.shape[-1] if packed else 0,
-        covered.shape[-1] if packed else 0, Hq, scale * LOG2E, D=D, STAGES=stages or RING[D], STRIPS=strips,
-        BAND=band is not None, Q_SMEM=lay["Q_SMEM"], Q_LAYOUT=lay["Q_LAYOUT"], S_LAYOUT=lay["S_LAYOUT"],
-        O_LAYOUT=lay["O_LAYOUT"], CONSUMER_REGS=LAUNCH["consumer_regs"], num_warps=4, maxnreg=LAUNCH["maxnreg"])
+        k_desc, v_desc, kc_desc, vc_desc, q, o, lse, items.union, items.bits, items.count, col_count, keep, sink,
+        window, items.order, items.union.shape[1], N, M, -(-M // 2), Hq // Hkv, cols.shape[-1] if packed else 0, Hq,
+        scale * LOG2E, D=D, STAGES=stages or RING[D], STRIPS=strips, BAND=band is not None, Q_SMEM=lay["Q_SMEM"],
+        Q_LAYOUT=lay["Q_LAYOUT"], S_LAYOUT=lay["S_LAYOUT"], O_LAYOUT=lay["O_LAYOUT"],
+        CONSUMER_REGS=LAUNCH["consumer_regs"], num_warps=4, maxnreg=LAUNCH["maxnreg"])
     return o, lse

@@ -315,7 +315,7 @@ def _produce(q_desc, k_desc, v_desc, kc_desc, vc_desc, q_smem, k_smem, v_smem, q
 
 
 @gluon.jit
-def _strip_keep(KeepRow, t, n_cols, lanes, BLOCK_N: gl.constexpr):
+def kept_lanes(KeepRow, t, n_cols, lanes, BLOCK_N: gl.constexpr):
     """Bool `[BLOCK_N]`: the kept lanes of step t over the row block's strips, whose lane j holds packed column
     c = BLOCK_N t + j (with PAIR too: items 2t and 2t + 1 are consecutive strips): bit c % 32 of its keep word
     c // 32 (KeepRow: the row block's words, `strip_keep`). BLOCK_N / 32 uniform loads, no per-lane gather; words
@@ -331,12 +331,12 @@ def _strip_keep(KeepRow, t, n_cols, lanes, BLOCK_N: gl.constexpr):
 def _item_keys(t, strips, Offsets, KeepRow, n_cols, lanes, BLOCK_N: gl.constexpr, VS: gl.constexpr,
                ASHAPE: gl.constexpr):
     """What item t holds, loaded before its scores are waited for (the loads overlap the Q K^T wgmma): (p = the
-    first key of piece t - strips; keep Bool `[BLOCK_N]`, VS: `_strip_keep` on a strip (t < strips), no lane on a
+    first key of piece t - strips; keep Bool `[BLOCK_N]`, VS: `kept_lanes` on a strip (t < strips), no lane on a
     piece; ASHAPE: lane j of strip t holds key 64 t + j iff it is < n_cols (the row block's sinks below its lowest
     piece)."""
     if VS:
         if t < strips:
-            keep = _strip_keep(KeepRow, t, n_cols, lanes, BLOCK_N)
+            keep = kept_lanes(KeepRow, t, n_cols, lanes, BLOCK_N)
         else:
             keep = lanes < 0
         p = gl.load(Offsets + gl.maximum(t - strips, 0))
@@ -391,7 +391,7 @@ def _piece_mask(s, p, rows, lanes, N, row_lo, BLOCK_N: gl.constexpr):
 def _pair_keys(t, n, strips, Offsets, KeepRow, n_cols, lanes, N, row_lo, PIECE: gl.constexpr, VS: gl.constexpr):
     """Step t of a PAIR launch (block-sparse or VS items) holds items 2t (lanes < PIECE) and 2t + 1 (the other lanes;
     no item where 2t + 1 = n), each a strip or a piece as in `_item_keys` -> (key Int32 `[2 PIECE]`: the key a lane
-    holds on a piece; keep Bool: the lanes of strips that hold a kept key (`_strip_keep`: a piece's lanes hold
+    holds on a piece; keep Bool: the lanes of strips that hold a kept key (`kept_lanes`: a piece's lanes hold
     columns >= n_cols, so none); on_piece Bool: the lanes of pieces; edge: whether the step needs a mask: a strip
     or an empty half in it, a piece reaching past the diagonal, N or key 0)."""
     half = lanes // PIECE
@@ -404,7 +404,7 @@ def _pair_keys(t, n, strips, Offsets, KeepRow, n_cols, lanes, N, row_lo, PIECE: 
     keep = lanes < 0
     if VS:
         if 2 * t < strips:
-            keep = _strip_keep(KeepRow, t, n_cols, lanes, 2 * PIECE)
+            keep = kept_lanes(KeepRow, t, n_cols, lanes, 2 * PIECE)
     hi = gl.maximum(pa, pb)
     edge = (2 * t < strips) | (2 * t + 1 >= n) | (gl.minimum(pa, pb) < 0) | (hi + PIECE - 1 > row_lo) | (hi + PIECE > N)
     return key, keep, on_piece, edge
@@ -996,7 +996,7 @@ def strip_keep(cols: torch.Tensor, col_count: torch.Tensor, covered: torch.Tenso
     cols Int32 `[B, H, KVP]` (`pack_columns`, KVP a multiple of 32), col_count Int32 `[B, H, M]`, covered Int8
     `[B, H, L]` (`index_build.vs_slash_tiles`). Returns Int32 `[B, H, M, KVP / 32]`: bit j of word w of row block
     m is set iff packed column i = 32 w + j is one it walks (i < col_count[m]) and no piece of it covers
-    (covered[m * 64 - cols[i] + 63] == 0); the kernel's strip lanes read it (`_strip_keep`) instead of gathering
+    (covered[m * 64 - cols[i] + 63] == 0); the kernel's strip lanes read it (`kept_lanes`) instead of gathering
     cols and covered per lane."""
     B, H, kvp = cols.shape
     M = col_count.shape[-1]

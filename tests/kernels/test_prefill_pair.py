@@ -33,7 +33,7 @@ def compile_pair() -> dict:
 
     fn = prefill_pair._pair_kernel
     pointers = {"Q": "*bf16", "O": "*bf16", "LSE": "*fp32", "Union": "*i32", "Bits": "*i32", "Count": "*i32",
-                "ColCount": "*i32", "Cols": "*i32", "Covered": "*i8", "Sink": "*i32", "Window": "*i32",
+                "ColCount": "*i32", "Keep": "*i32", "Sink": "*i32", "Window": "*i32",
                 "Order": "*i32"}
     spills = r"(\d+) bytes spill (?:stores|loads)"
     out = {}
