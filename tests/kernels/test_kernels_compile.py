@@ -71,7 +71,7 @@ def loop_waits(ttgir: str) -> list[list[int]]:
 
 def compile_all() -> dict[str, dict]:
     """Every case's shared memory, stages and per-loop waits (or its error)."""
-    from workbench_kernels import antidiagonal, index_build, layer, prefill
+    from workbench_kernels import antidiagonal, index_build, layer, prefill, prefill_ws
 
     out: dict[str, dict] = {}
     for case, (d, pack, rows, block, piece, split, tma, window, persistent, *dtype) in PREFILL_CASES.items():
@@ -99,6 +99,8 @@ def compile_all() -> dict[str, dict]:
                      {name: "*i32" for name in ("Ends", "Cols", "BlockCount", "BlockOffset", "ColumnCount",
                                                 "ColumnIndex")} | {"Covered": "*i8"},
                      dict(BLOCK=64, W=64, CHUNK=256), ("Ends", "Covered", "Cols"), 4)
+        keep_ptrs = {"Cols": "*i32", "ColCount": "*i32", "Covered": "*i8", "Keep": "*i32"}
+        compile_sm90(prefill_ws._strip_keep_kernel, keep_ptrs, dict(BLOCK=64, CHUNK=256), tuple(keep_ptrs), 4)
         qk_strides = ("sqb", "sqh", "sqn", "skb", "skh", "skn")
         compile_sm90(index_build._row_stats_kernel, {"Q": "*bf16", "K": "*bf16", "Mpart": "*fp32", "Lpart": "*fp32",
                                                      "qk_scale": "fp32"},
@@ -168,7 +170,7 @@ def test_prefill_kernel_compiles_for_sm90_within_shared_memory(compiled, case):
 
 
 def test_index_kernels_compile_for_sm90(compiled):
-    """The VS score passes at head_dim 256, the VS cover, tile expansion, VS top-k (with and without per-head
+    """The VS score passes at head_dim 256, the VS cover, tile expansion, the strip keep bits, VS top-k (with and without per-head
     budgets), block scores and top-k kernels at the sizes a 128K-token layer gives them; the 3xTF32 scores on
     the tensor cores, the IEEE ones on FMA."""
     result = compiled["index"]
