@@ -27,8 +27,9 @@ columns that are < m * 64 (their number from a searchsorted), BLOCK_N at a time,
 masked unless its column lies under none of the row block's pieces (a d-space flag, d = m * 64 - column, the same
 for every row block), so the kept keys are exactly `index_ref.vs_to_tiles`' (at the same piece width); covered
 columns cost their lanes but nothing else. Those flags are read as bits: one Triton launch per call (`strip_keep`)
-writes each row block's keep words, and a strip step loads one uniform word per 32 lanes (per-lane gathers of the
-column, then its flag, cost a strip step about three ordinary steps: kernels/NOTES.md, session 44).
+writes each row block's keep words, and a strip step loads one uniform word per 32 lanes. The per-lane gathers of
+the column, then its flag, that this replaced cost a strip step about three ordinary steps; without them
+VS(1000, 512) ran 1.07x / 1.06x faster at 64K / 128K (H200, kernels/NOTES.md, session 45).
 Producer and consumer count the same items per work item (strips + pieces) and keep one running index t over
 them: the slot / phase arithmetic is the pieces-only one.
 
