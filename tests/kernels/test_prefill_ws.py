@@ -319,6 +319,15 @@ def test_vs_packed_columns_keep_the_reference_keys(n, width):
                 assert torch.equal(pc[b, h][bits[b, h, m]].long(), kept), (b, h, m)  # the strip lanes' bits
 
 
+def test_strip_keep_rejects_columns_not_padded_to_words():
+    """`strip_keep` packs 32 columns a word: a column list not padded by `pack_columns` is refused, naming the fix."""
+    from workbench_kernels.prefill_ws import strip_keep
+
+    with pytest.raises(ValueError, match="multiple of 32 packed columns.*pack_columns"):
+        strip_keep(torch.zeros(1, 2, 40, dtype=torch.int32), torch.zeros(1, 2, 3, dtype=torch.int32),
+                   torch.zeros(1, 2, 255, dtype=torch.int8))
+
+
 def test_head_columns_are_the_column_lists_and_survive_a_merge():
     """`vs_tiles(head_columns=True)`: row block m's head columns < m*64 that no piece covers are its `column_index`
     list; a merge with block-sparse and dense heads keeps them for the VS heads (n padding, covered 0 for the
