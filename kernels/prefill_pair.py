@@ -67,7 +67,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .index_ref import PairItems, VSTiles, band_tiles
 from .prefill_ref import check_prefill_args
-from .prefill_ws import DTYPES, kept_lanes, launch_config, pack_head_columns, sm90, softmax_step, strip_keep, tma_load
+from .prefill_ws import DTYPES, kept_lanes, launch_config, pack_head_columns, sm90, softmax_step, tma_load
 from .tiling import LN2, LOG2E
 
 ROWS = gl.constexpr(64)  # query rows per consumer (= tiles.block; host code reads ROWS.value)
@@ -412,11 +412,10 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
     strips = (NO_STRIPS if not tiles.columns else SINKS if band is not None else PACKED).value
     packed = strips == PACKED.value
     unused = items.count
-    kc_desc, vc_desc, cols, col_count, keep = k_desc, v_desc, unused, unused, unused
+    kc_desc, vc_desc, col_count, keep = k_desc, v_desc, unused, unused
     if packed:
-        kc, vc, cols, col_count, covered = pack_head_columns(k, v, tiles, Hq)
+        kc, vc, col_count, keep = pack_head_columns(k, v, tiles, Hq)
         kc_desc, vc_desc = (TensorDescriptor.from_tensor(x, [KEYS.value, D], lay["KV_SMEM"]) for x in (kc, vc))
-        keep = strip_keep(cols, col_count, covered)
     elif strips == SINKS.value:
         col_count = tiles.column_count.contiguous()
     sink, window = band if band is not None else (unused, unused)
@@ -425,7 +424,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     _pair_kernel[(items.order.numel(),)](
         k_desc, v_desc, kc_desc, vc_desc, q, o, lse, items.union, items.bits, items.count, col_count, keep, sink,
-        window, items.order, items.union.shape[1], N, M, -(-M // 2), Hq // Hkv, cols.shape[-1] if packed else 0, Hq,
+        window, items.order, items.union.shape[1], N, M, -(-M // 2), Hq // Hkv, 32 * keep.shape[-1] if packed else 0, Hq,
         scale * LOG2E, D=D, STAGES=stages or RING[D], STRIPS=strips, BAND=band is not None, Q_SMEM=lay["Q_SMEM"],
         Q_LAYOUT=lay["Q_LAYOUT"], S_LAYOUT=lay["S_LAYOUT"], O_LAYOUT=lay["O_LAYOUT"],
         CONSUMER_REGS=LAUNCH["consumer_regs"], num_warps=4, maxnreg=LAUNCH["maxnreg"])

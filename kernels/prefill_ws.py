@@ -26,10 +26,10 @@ columns that are < m * 64 (their number from a searchsorted), BLOCK_N at a time,
 (kc / vc descriptors), then its slash pieces (`index_build.vs_slash_tiles`, BLOCK_N keys each). A strip lane is
 masked unless its column lies under none of the row block's pieces (a d-space flag, d = m * 64 - column, the same
 for every row block), so the kept keys are exactly `index_ref.vs_to_tiles`' (at the same piece width); covered
-columns cost their lanes but nothing else. Those flags are read as bits: one Triton launch per call (`strip_keep`)
-writes each row block's keep words, and a strip step loads one uniform word per 32 lanes. The per-lane gathers of
-the column, then its flag, that this replaced cost a strip step about three ordinary steps; without them
-VS(1000, 512) ran 1.07x / 1.06x faster at 64K / 128K (H200, kernels/NOTES.md, session 45).
+columns cost their lanes but nothing else. Those flags are read as bits: one Triton launch beside the packing
+(`strip_keep`) writes each row block's keep words, and a strip step loads one uniform word per 32 lanes. The
+per-lane gathers of the column, then its flag, that this replaced cost a strip step about three ordinary steps;
+without them VS(1000, 512) ran 1.07x / 1.06x faster at 64K / 128K (H200, kernels/NOTES.md, session 45).
 Producer and consumer count the same items per work item (strips + pieces) and keep one running index t over
 them: the slot / phase arithmetic is the pieces-only one.
 
@@ -807,7 +807,7 @@ def programs_per_sm(consumers: int, share_kv: bool, stages: tuple[int, int], key
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, scale: float | None,
             stages: tuple[int, int],
             consumers: int, overlap: bool, share_kv: bool,
-            packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+            packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
             band: tuple[torch.Tensor, torch.Tensor] | None = None, kv_major: bool = False, pair: bool = False,
             pairs: Sequence[int] | None = None, persistent: bool | int = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch on checked, contiguous inputs, items in `work_order` (by KV head first with `kv_major`); stages: the K
@@ -815,8 +815,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
     heads pairs[2j], pairs[2j + 1] on one ring (`head_pairs`; None: 0, 1, ..., Hq - 1); `persistent`: True as many
     programs as the SMs hold (`programs_per_sm`), an int that many, each taking the next unclaimed turn of the order;
     False one program per turn. `packed`
-    (VS): (kc, vc `[B * Hq * KVP, D]`, cols Int32 `[B, Hq, KVP]`, col_count Int32 `[B, Hq, M]`, covered Int8
-    `[B, Hq, L]`); `band` (A-shape, tiles from `ashape_to_tiles`): (sink, window) Int32 `[Hq]` on q's device; see
+    (VS): (kc, vc `[B * Hq * KVP, D]`, col_count Int32 `[B, Hq, M]`, keep Int32 `[B, Hq, M, KVP / 32]`:
+    `pack_head_columns`); `band` (A-shape, tiles from `ashape_to_tiles`): (sink, window) Int32 `[Hq]` on q's device; see
     `_ws_prefill_kernel`."""
     if pair and band is not None:
         raise ValueError("pair takes block-sparse and Vertical-Slash items; A-shape's contiguous pieces step 128 keys "
@@ -832,11 +832,11 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
     bc, bo = tiles.block_count.contiguous(), tiles.block_offset.contiguous()
     sink, window = band if band is not None else (bc, bc)  # (unused without A-shape)
     if packed is None:  # the VS arguments are unused (VS=False): any tensors of the right kind
-        kc_desc, vc_desc, cols, col_count, keep = k_desc, v_desc, bc, tiles.column_count.contiguous(), bc
+        kc_desc, vc_desc, col_count, keep, kvp = k_desc, v_desc, tiles.column_count.contiguous(), bc, 0
         strip_tiles = tiles  # A-shape: column_count = its sink strips' keys
     else:
-        kc, vc, cols, col_count, covered = packed
-        keep = strip_keep(cols, col_count, covered)
+        kc, vc, col_count, keep = packed
+        kvp = 32 * keep.shape[-1]
         kc_desc = TensorDescriptor.from_tensor(kc, [tiles.piece, D], kv_layout)
         vc_desc = TensorDescriptor.from_tensor(vc, [tiles.piece, D], kv_layout)
         strip_tiles = dataclasses.replace(tiles, column_count=col_count)  # work_order counts the strips
@@ -866,7 +866,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, s
     claimed = torch.zeros(1, dtype=torch.int32, device=q.device) if persistent else bc  # (unused without)
     _ws_prefill_kernel[(grid,)](
         q_desc, k_desc, v_desc, kc_desc, vc_desc, o, lse, bc, bo, col_count, keep, sink, window, order,
-        ring_heads, claimed, n_work, scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1], cols.shape[-1],
+        ring_heads, claimed, n_work, scale * LOG2E, N, Hq, Hq // Hkv, M, bo.shape[-1], kvp,
         CONSUMERS=consumers, STAGES=stages[0], V_STAGES=stages[1], OVERLAP=overlap, SHARE=share_kv, VS=packed is not None,
         ASHAPE=band is not None, PAIR=pair, PERSIST=bool(persistent), CONSUMER_REGS=cfg["consumer_regs"], num_warps=4,
         maxnreg=cfg["maxnreg"])
@@ -1011,26 +1011,29 @@ def strip_keep(cols: torch.Tensor, col_count: torch.Tensor, covered: torch.Tenso
 
 
 def pack_head_columns(k: torch.Tensor, v: torch.Tensor, tiles: VSTiles, n_q_heads: int
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`pack_columns` of tiles' columns per head (`tiles.head_columns`, strips of `tiles.piece` keys) beside their
-    `covered` flags, checked against k `[B, Hkv, N, D]`: (kc, vc, cols, col_count, covered)."""
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the kernels' strips read, from tiles' columns per head (`tiles.head_columns`, strips of `tiles.piece`
+    keys) and their `covered` flags, checked against k `[B, Hkv, N, D]`: (kc, vc, col_count: `pack_columns`; keep
+    Int32 `[B, Hq, M, KVP / 32]`: `strip_keep`)."""
     B, _, N, _ = k.shape
     if tiles.covered is None or tuple(tiles.covered.shape) != (B, n_q_heads, N + ROWS - 1):
         raise ValueError(f"tiles.covered must be Int8 [B, H, N + 63] = [{B}, {n_q_heads}, {N + ROWS - 1}] beside "
                          f"tiles.head_columns; build both with vs_tiles(..., head_columns=True)")
-    return (*pack_columns(k, v, tiles.head_columns, n_q_heads, tiles.piece), tiles.covered)
+    kc, vc, cols, col_count = pack_columns(k, v, tiles.head_columns, n_q_heads, tiles.piece)
+    return kc, vc, col_count, strip_keep(cols, col_count, tiles.covered)
 
 
 def pack_vertical_slash(k: torch.Tensor, v: torch.Tensor, columns: torch.Tensor, offsets: torch.Tensor,
                         n_q_heads: int, width: int = KEYS) -> tuple[VSTiles, tuple[torch.Tensor, ...]]:
     """What `ws_vertical_slash` prepares once per layer from MInference's index (columns / offsets `[B, Hq, K]`):
-    the slash pieces (`index_build.vs_slash_tiles`, `width` keys each) and the packed columns (kc, vc, cols,
-    col_count, covered; `pack_columns`, strips of `width` keys). k / v contiguous `[B, Hkv, N, D]` on the GPU."""
+    the slash pieces (`index_build.vs_slash_tiles`, `width` keys each) and what the strips read (kc, vc, col_count:
+    `pack_columns`, strips of `width` keys; keep: `strip_keep`). k / v contiguous `[B, Hkv, N, D]` on the GPU."""
     from .index_build import vs_slash_tiles
 
     tiles, covered, cols = vs_slash_tiles(columns.to(k.device), offsets.to(k.device), k.shape[2], ROWS,
                                           0 if width == ROWS else width)
-    return tiles, (*pack_columns(k, v, cols, n_q_heads, width), covered)
+    kc, vc, cols, col_count = pack_columns(k, v, cols, n_q_heads, width)
+    return tiles, (kc, vc, col_count, strip_keep(cols, col_count, covered))
 
 
 def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns: torch.Tensor,
@@ -1074,9 +1077,9 @@ def ws_vertical_slash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, columns
                          f"{', pair' if pair else ''}")
     _check_device(q)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    tiles, (kc, vc, cols, col_count, covered) = packed or pack_vertical_slash(k, v, columns, offsets, Hq, width)
-    return _launch(q, k, v, tiles, scale, (stages, v_stages or stages), consumers, overlap, share_kv,
-                   (kc, vc, cols, col_count, covered), kv_major=kv_major, pair=pair, persistent=persistent)
+    tiles, strips = packed or pack_vertical_slash(k, v, columns, offsets, Hq, width)
+    return _launch(q, k, v, tiles, scale, (stages, v_stages or stages), consumers, overlap, share_kv, strips,
+                   kv_major=kv_major, pair=pair, persistent=persistent)
 
 
 def ws_ashape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | list[int],

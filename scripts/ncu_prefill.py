@@ -42,7 +42,7 @@ print("vs density", tile_area(tiles, n).sum().item() / pairs,
       "block density", tile_area(block, n).sum().item() / pairs, flush=True)
 packed = pack_vertical_slash(k, v, cols, offs, hq) if mode in ("", "keys128") else None
 if packed is not None:
-    print("ws area", ((packed[0].block_count.long() + (packed[1][3].long() + 63) // 64) * 64 * 64).sum().item() / pairs)
+    print("ws area", ((packed[0].block_count.long() + (packed[1][2].long() + 63) // 64) * 64 * 64).sum().item() / pairs)
 runs = [lambda: ws_vertical_slash(q, k, v, cols, offs, packed=packed),
         lambda: sparse_prefill(q, k, v, tiles, warp_specialize=False),
         lambda: ws_prefill(q, k, v, block),
