@@ -6,7 +6,7 @@ per query head (median over the measured lengths), the table
 `search.choose(latency=...)` takes; `estimate_ms` applies it to a head's 64x64 tile count. Given a model's
 shape, `match_shape` picks the measured shape to read (the model's own, else the same head_dim, else the
 nearest) and says which. The package ships the rows it reads, one table per GPU (workbench/data/latency: `rate_table`
-of the committed runs assets/benchmarks/kernels_e1b5f27_h200.json (`BENCH`, the default) and kernels_3f547b4_h100.json),
+of the committed runs assets/benchmarks/kernels_e1b5f27_h200.json (`BENCH`, the default) and kernels_a2c22cb_h100.json),
 so the estimate works from any folder; `bench_path` picks the table of this machine's GPU where one is shipped.
 `time_model_layer` times one of the model's own captured layers under its heads from a HeadConfig, as
 the deployed prefill runs it (online index + Triton kernel on a GPU; on the CPU the PyTorch reference

@@ -1,0 +1,54 @@
+"""Exploratory (issue 25): K / V tile loads per computed tile on the row-block pairs (`prefill_pair`, head_dim 256),
+block top-100 against VS(1000, 512) and VS(1000, 6096) with columns per head, on the bench's planted inputs at the
+Gemma-3 shape (4 q / 1 KV head):
+
+    python3 scripts/pair_loads.py 16384 65536 131072            # on a GPU
+    TRITON_INTERPRET=1 python3 scripts/pair_loads.py 8192 16384 # on the CPU (fp32; ~4 min at 16K on 2 cores)
+
+A pair loads each union piece once and row block 2j + 1's column strips once for both consumers; each consumer
+computes its own pieces and strips. Prints per length and pattern: own pieces and strips per row block, union
+pieces and strips per pair, and loads per own tile ((union + strips) / own). Dense's pairs load 0.5 a tile; a
+kernel bound by each SM's intake of K / V (64 KB a step at head_dim 256) reaches at most 0.5 / that of dense per
+tile (kernels/NOTES.md, session 46)."""
+import sys
+
+import torch
+from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
+from workbench_kernels.index_build import block_index, vs_index, vs_tiles
+from workbench_kernels.index_ref import VSTiles, member_union, selected_block_tiles
+
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+hq, hkv, d, theta = SHAPES["gemma3-270m"]
+
+
+def pair_loads(tiles: VSTiles) -> dict[str, float]:
+    """Per row block own pieces / strips, per pair union pieces / strips, and loads per own tile (whole pairs)."""
+    bc, bo = tiles.block_count.long()[0], tiles.block_offset.long()[0]  # [H, M], [H, M, NS]
+    H, M, NS = bo.shape
+    mp = M // 2 * 2
+    lists = bo[:, :mp].reshape(-1, 2, NS)
+    live = torch.arange(NS, device=bo.device) < bc[:, :mp].reshape(-1, 2, 1)
+    union = member_union(lists, live)[2].long().sum().item()
+    own = bc[:, :mp].sum().item()
+    strips = torch.zeros(H, mp, dtype=torch.long, device=bo.device)
+    if tiles.head_columns is not None:
+        starts = (torch.arange(M, device=bo.device) * 64).expand(H, -1).contiguous()
+        walked = torch.searchsorted(tiles.head_columns.long()[0].contiguous(), starts)[:, :mp]
+        strips = (walked + 63) // 64
+    own_strips, pair_strips = strips.sum().item(), strips[:, 1::2].sum().item()
+    pairs, blocks = H * mp // 2, H * mp
+    return {"own_pieces": own / blocks, "own_strips": own_strips / blocks, "union_pieces": union / pairs,
+            "pair_strips": pair_strips / pairs, "loads_per_own_tile": (union + pair_strips) / (own + own_strips)}
+
+
+for n in map(int, sys.argv[1:]):
+    q, k, _ = planted_inputs(hq, hkv, d, n, theta, dev=dev, dtype=None if dev == "cuda" else torch.float32)
+    patterns = {"block top-100": selected_block_tiles(block_index(q, k, 100))}
+    for slash in (512, 6096):
+        cols, offs = vs_index(q, k, 1.0 / d ** 0.5, 1000, min(slash, n))
+        patterns[f"VS(1000, {slash})"] = vs_tiles(cols, offs, n, 64, 0, head_columns=True)
+    for name, tiles in patterns.items():
+        s = pair_loads(tiles)
+        print(f"n={n} {name}: own {s['own_pieces']:.1f} pieces + {s['own_strips']:.1f} strips per row block; "
+              f"union {s['union_pieces']:.1f} pieces + {s['pair_strips']:.1f} strips per pair; "
+              f"loads per own tile {s['loads_per_own_tile']:.3f} (dense 0.5)", flush=True)
