@@ -7,9 +7,10 @@ Gemma-3 shape (4 q / 1 KV head):
 
 A pair loads each union piece once and row block 2j + 1's column strips once for both consumers; each consumer
 computes its own pieces and strips. Prints per length and pattern: own pieces and strips per row block, union
-pieces and strips per pair, and loads per own tile ((union + strips) / own). Dense's pairs load 0.5 a tile; a
-kernel bound by each SM's intake of K / V (64 KB a step at head_dim 256) reaches at most 0.5 / that of dense per
-tile (kernels/NOTES.md, session 46)."""
+pieces and strips per pair, and loads per own tile ((union + strips) / own); beside it the loads per own tile if
+query heads 2i and 2i + 1 of one row block shared a ring instead (the union of their pieces, each head's strips).
+Dense's pairs load 0.5 a tile; a kernel bound by each SM's intake of K / V (64 KB a step at head_dim 256) reaches
+at most 0.5 / that of dense per tile (kernels/NOTES.md, session 46)."""
 import sys
 
 import torch
@@ -21,20 +22,41 @@ dev = "cuda" if torch.cuda.is_available() else "cpu"
 hq, hkv, d, theta = SHAPES["gemma3-270m"]
 
 
+def strips_per_block(tiles: VSTiles) -> torch.Tensor:
+    """Long `[H, M]`: the 64-key strips of its head's packed columns each row block walks (0 without columns)."""
+    H, M = tiles.block_count.shape[1:]
+    if tiles.head_columns is None:
+        return torch.zeros(H, M, dtype=torch.long, device=tiles.block_count.device)
+    starts = (torch.arange(M, device=tiles.block_count.device) * 64).expand(H, -1).contiguous()
+    return (torch.searchsorted(tiles.head_columns.long()[0].contiguous(), starts) + 63) // 64
+
+
+def union_pieces(offsets: torch.Tensor, counts: torch.Tensor) -> int:
+    """Pieces in the unions of member pairs: offsets `[items, 2, NS]` (each member's live starts first), counts
+    `[items, 2]`."""
+    live = torch.arange(offsets.shape[-1], device=offsets.device) < counts.unsqueeze(-1)
+    return member_union(offsets, live)[2].long().sum().item()
+
+
+def head_pair_loads(tiles: VSTiles) -> float:
+    """Loads per own tile with query heads 2i and 2i + 1 of a row block on one ring (their union of pieces, each
+    head's own strips)."""
+    bc, bo = tiles.block_count.long()[0], tiles.block_offset.long()[0]
+    H, M, NS = bo.shape
+    union = union_pieces(bo.view(H // 2, 2, M, NS).transpose(1, 2).reshape(-1, 2, NS),
+                         bc.view(H // 2, 2, M).transpose(1, 2).reshape(-1, 2))
+    strips = strips_per_block(tiles).sum().item()
+    return (union + strips) / (bc.sum().item() + strips)
+
+
 def pair_loads(tiles: VSTiles) -> dict[str, float]:
     """Per row block own pieces / strips, per pair union pieces / strips, and loads per own tile (whole pairs)."""
     bc, bo = tiles.block_count.long()[0], tiles.block_offset.long()[0]  # [H, M], [H, M, NS]
     H, M, NS = bo.shape
     mp = M // 2 * 2
-    lists = bo[:, :mp].reshape(-1, 2, NS)
-    live = torch.arange(NS, device=bo.device) < bc[:, :mp].reshape(-1, 2, 1)
-    union = member_union(lists, live)[2].long().sum().item()
+    union = union_pieces(bo[:, :mp].reshape(-1, 2, NS), bc[:, :mp].reshape(-1, 2))
     own = bc[:, :mp].sum().item()
-    strips = torch.zeros(H, mp, dtype=torch.long, device=bo.device)
-    if tiles.head_columns is not None:
-        starts = (torch.arange(M, device=bo.device) * 64).expand(H, -1).contiguous()
-        walked = torch.searchsorted(tiles.head_columns.long()[0].contiguous(), starts)[:, :mp]
-        strips = (walked + 63) // 64
+    strips = strips_per_block(tiles)[:, :mp]
     own_strips, pair_strips = strips.sum().item(), strips[:, 1::2].sum().item()
     pairs, blocks = H * mp // 2, H * mp
     return {"own_pieces": own / blocks, "own_strips": own_strips / blocks, "union_pieces": union / pairs,
@@ -51,4 +73,5 @@ for n in map(int, sys.argv[1:]):
         s = pair_loads(tiles)
         print(f"n={n} {name}: own {s['own_pieces']:.1f} pieces + {s['own_strips']:.1f} strips per row block; "
               f"union {s['union_pieces']:.1f} pieces + {s['pair_strips']:.1f} strips per pair; "
-              f"loads per own tile {s['loads_per_own_tile']:.3f} (dense 0.5)", flush=True)
+              f"loads per own tile {s['loads_per_own_tile']:.3f} (dense 0.5); head pairs instead "
+              f"{head_pair_loads(tiles):.3f}", flush=True)
