@@ -280,10 +280,11 @@ def vs_index(B: int, H: int, n: int, n_cols: int, n_offs: int, seed: int) -> tup
 def test_vs_packed_columns_keep_the_reference_keys(n, width):
     """`vs_slash_tiles` gives `vs_to_tiles`' pieces (64 or 128 keys wide); the packed columns' prefix < m*64 of
     row block m, less the covered ones (the kernel's strip mask: `strip_keep`'s bits), is `vs_to_tiles`' column list
-    of that row block; kc / vc rows are the columns' K / V rows of the query head's KV head (GQA 4:1), padded to whole strips."""
+    of that row block; kc / vc rows are the columns' K / V rows of the query head's KV head (GQA 4:1), padded to whole strips.
+    `pack_vertical_slash`, what `ws_vertical_slash` launches on, returns these pieces, rows, counts and bits."""
     import triton
     from workbench_kernels.index_build import vs_slash_tiles
-    from workbench_kernels.prefill_ws import pack_columns, strip_keep
+    from workbench_kernels.prefill_ws import pack_columns, pack_vertical_slash, strip_keep
 
     if os.environ.get("TRITON_INTERPRET") == "1" and triton.__version__.startswith("3.6"):
         pytest.skip("Triton 3.6's interpreter cannot run index_build._vs_cover_kernel (test_kernels_index fails alike)")
@@ -303,6 +304,10 @@ def test_vs_packed_columns_keep_the_reference_keys(n, width):
     assert kvp % width == 0 and kc.shape == vc.shape == (B * Hq * kvp, D)
     words = strip_keep(pc.to(dev), count.to(dev), covered.to(dev)).cpu()
     assert words.shape == (B, Hq, ref.shape[-1], kvp // 32)
+    once, strips = pack_vertical_slash(k.to(dev), v.to(dev), cols, offs, Hq, width)
+    assert torch.equal(once.block_count.cpu(), ref.block_count)
+    assert torch.equal(once.block_offset.cpu()[..., : live.shape[-1]][live], ref.block_offset[live])
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(strips, (kc, vc, count, words), strict=True))
     bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # bit j of word w: packed column 32w + j
     bits = bits.flatten(-2).bool()
     for b in range(B):
