@@ -4,6 +4,7 @@ Gemma-3 shape (4 q / 1 KV head):
 
     python3 scripts/pair_loads.py 16384 65536 131072            # on a GPU
     TRITON_INTERPRET=1 python3 scripts/pair_loads.py 8192 16384 # on the CPU (fp32; ~4 min at 16K on 2 cores)
+    python3 scripts/pair_loads.py --shape llama3-8b 131072      # another of the bench's shapes (its head pairs)
 
 A pair loads each union piece once and row block 2j + 1's column strips once for both consumers; each consumer
 computes its own pieces and strips. Prints per length and pattern: own pieces and strips per row block, union
@@ -11,7 +12,7 @@ pieces and strips per pair, and loads per own tile ((union + strips) / own); bes
 query heads 2i and 2i + 1 of one row block shared a ring instead (the union of their pieces, each head's strips).
 Dense's pairs load 0.5 a tile; a kernel bound by each SM's intake of K / V (64 KB a step at head_dim 256) reaches
 at most 0.5 / that of dense per tile (kernels/NOTES.md, session 46)."""
-import sys
+import argparse
 
 import torch
 from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
@@ -19,7 +20,11 @@ from workbench_kernels.index_build import block_index, vs_index, vs_tiles
 from workbench_kernels.index_ref import VSTiles, member_union, selected_block_tiles
 
 dev = "cuda" if torch.cuda.is_available() else "cpu"
-hq, hkv, d, theta = SHAPES["gemma3-270m"]
+args = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+args.add_argument("lengths", type=int, nargs="+")
+args.add_argument("--shape", default="gemma3-270m", choices=sorted(SHAPES))
+args = args.parse_args()
+hq, hkv, d, theta = SHAPES[args.shape]
 
 
 def strips_per_block(tiles: VSTiles) -> torch.Tensor:
@@ -63,7 +68,7 @@ def pair_loads(tiles: VSTiles) -> dict[str, float]:
             "pair_strips": pair_strips / pairs, "loads_per_own_tile": (union + pair_strips) / (own + own_strips)}
 
 
-for n in map(int, sys.argv[1:]):
+for n in args.lengths:
     q, k, _ = planted_inputs(hq, hkv, d, n, theta, dev=dev, dtype=None if dev == "cuda" else torch.float32)
     patterns = {"block top-100": selected_block_tiles(block_index(q, k, 100))}
     for slash in (512, 6096):
