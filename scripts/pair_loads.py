@@ -10,8 +10,8 @@ A pair loads each union piece once and row block 2j + 1's column strips once for
 computes its own pieces and strips. Prints per length and pattern: own pieces and strips per row block, union
 pieces and strips per pair, and loads per own tile ((union + strips) / own); beside it the loads per own tile if
 query heads 2i and 2i + 1 of one row block shared a ring instead (the union of their pieces, each head's strips).
-Dense's pairs load 0.5 a tile; a kernel bound by each SM's intake of K / V (64 KB a step at head_dim 256) reaches
-at most 0.5 / that of dense per tile (kernels/NOTES.md, session 46)."""
+Dense's pairs load 0.5 a tile; where each SM's intake of K / V (64 KB a step at head_dim 256) sets the time, a
+kernel runs at about 0.5 / that of dense per tile (kernels/NOTES.md, session 46)."""
 import argparse
 
 import torch
