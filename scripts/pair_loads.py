@@ -2,8 +2,8 @@
 block top-100 against VS(1000, 512) and VS(1000, 6096) with columns per head, on the bench's planted inputs at the
 Gemma-3 shape (4 q / 1 KV head):
 
-    python3 scripts/pair_loads.py 16384 65536 131072            # on a GPU
-    TRITON_INTERPRET=1 python3 scripts/pair_loads.py 8192 16384 # on the CPU (fp32; ~4 min at 16K on 2 cores)
+    python3 scripts/pair_loads.py 16384 65536 131072            # on a GPU: the Triton index builders, bf16
+    python3 scripts/pair_loads.py 8192 16384                    # on the CPU: their torch references, fp32
     python3 scripts/pair_loads.py --shape llama3-8b 131072      # another of the bench's shapes (its head pairs)
 
 A pair loads each union piece once and row block 2j + 1's column strips once for both consumers; each consumer
@@ -13,11 +13,14 @@ query heads 2i and 2i + 1 of one row block shared a ring instead (the union of t
 Dense's pairs load 0.5 a tile; where each SM's intake of K / V (64 KB a step at head_dim 256) sets the time, a
 kernel runs at about 0.5 / that of dense per tile (kernels/NOTES.md, session 46)."""
 import argparse
+import dataclasses
 
 import torch
 from workbench_benchmarks.kernels_prefill import SHAPES, planted_inputs
 from workbench_kernels.index_build import block_index, vs_index, vs_tiles
-from workbench_kernels.index_ref import VSTiles, member_union, selected_block_tiles
+from workbench_kernels.index_ref import VSTiles, member_union, selected_block_tiles, unique_columns, vs_to_tiles
+
+from workbench.patterns.proxy import block_proxy, vs_proxy
 
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 args = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -68,12 +71,26 @@ def pair_loads(tiles: VSTiles) -> dict[str, float]:
             "pair_strips": pair_strips / pairs, "loads_per_own_tile": (union + pair_strips) / (own + own_strips)}
 
 
+def index_tiles(q: torch.Tensor, k: torch.Tensor, n: int) -> dict[str, VSTiles]:
+    """The three patterns' tiles: the Triton builders on a GPU, on the CPU the torch references they are tested
+    against (the Triton interpreter takes hours at the Llama shape)."""
+    gpu = q.is_cuda
+    patterns = {"block top-100": selected_block_tiles(block_index(q, k, 100) if gpu else block_proxy(q, k, 100))}
+    for slash in (512, 6096):
+        if gpu:
+            cols, offs = vs_index(q, k, 1.0 / d ** 0.5, 1000, min(slash, n))
+            tiles = vs_tiles(cols, offs, n, 64, 0, head_columns=True)
+        else:
+            cols, offs = vs_proxy(q, k, 1.0 / d ** 0.5, 1000, min(slash, n))
+            tiles = dataclasses.replace(vs_to_tiles(cols, offs, n, 64), head_columns=unique_columns(cols, n))
+        patterns[f"VS(1000, {slash})"] = tiles
+    return patterns
+
+
 for n in args.lengths:
     q, k, _ = planted_inputs(hq, hkv, d, n, theta, dev=dev, dtype=None if dev == "cuda" else torch.float32)
-    patterns = {"block top-100": selected_block_tiles(block_index(q, k, 100))}
-    for slash in (512, 6096):
-        cols, offs = vs_index(q, k, 1.0 / d ** 0.5, 1000, min(slash, n))
-        patterns[f"VS(1000, {slash})"] = vs_tiles(cols, offs, n, 64, 0, head_columns=True)
+    patterns = index_tiles(q, k, n)
+    del q, k
     for name, tiles in patterns.items():
         s = pair_loads(tiles)
         print(f"n={n} {name}: own {s['own_pieces']:.1f} pieces + {s['own_strips']:.1f} strips per row block; "
