@@ -9,7 +9,8 @@ Gemma-3 shape (4 q / 1 KV head):
 A pair loads each union piece once and row block 2j + 1's column strips once for both consumers; each consumer
 computes its own pieces and strips. Prints per length and pattern: own pieces and strips per row block, union
 pieces and strips per pair, and loads per own tile ((union + strips) / own); beside it the loads per own tile if
-query heads 2i and 2i + 1 of one row block shared a ring instead (the union of their pieces, each head's strips).
+query heads 2i and 2i + 1 of one KV group and row block shared a ring instead (the union of their pieces, each
+head's strips).
 Dense's pairs load 0.5 a tile; where each SM's intake of K / V (64 KB a step at head_dim 256) sets the time, a
 kernel runs at about 0.5 / that of dense per tile (kernels/NOTES.md, session 46)."""
 import argparse
@@ -47,13 +48,17 @@ def union_pieces(offsets: torch.Tensor, counts: torch.Tensor) -> int:
 
 
 def head_pair_loads(tiles: VSTiles) -> float:
-    """Loads per own tile with query heads 2i and 2i + 1 of a row block on one ring (their union of pieces, each
-    head's own strips)."""
-    bc, bo = tiles.block_count.long()[0], tiles.block_offset.long()[0]
+    """Loads per own tile with query heads 2i and 2i + 1 of one KV group and row block on one ring (their union of
+    pieces, each head's own strips); a group's odd last head keeps its own ring (NaN at one query head a group)."""
+    g = hq // hkv
+    if g < 2:
+        return float("nan")
+    heads = torch.arange(hq).view(hkv, g)[:, : g // 2 * 2].reshape(-1)  # the paired heads, partners adjacent
+    bc, bo = tiles.block_count.long()[0, heads], tiles.block_offset.long()[0, heads]
     H, M, NS = bo.shape
     union = union_pieces(bo.view(H // 2, 2, M, NS).transpose(1, 2).reshape(-1, 2, NS),
                          bc.view(H // 2, 2, M).transpose(1, 2).reshape(-1, 2))
-    strips = strips_per_block(tiles).sum().item()
+    strips = strips_per_block(tiles)[heads].sum().item()
     return (union + strips) / (bc.sum().item() + strips)
 
 
